@@ -1,0 +1,32 @@
+"""Suite-wide setup: 8 fake CPU devices for mesh tests, quiet engines, GPU marker."""
+import os
+
+# Must be set before jax is imported anywhere: collectives are tested on 8 CPU devices.
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+# Engines: keep traffic on loopback and logs quiet. Never export UCX_TLS empty (breaks UCX).
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_LOG_LEVEL", "fatal")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+import pytest  # noqa: E402
+
+
+def _has_cuda_gpu() -> bool:
+    try:
+        import jax
+
+        return any(d.platform == "gpu" for d in jax.devices())
+    except Exception:  # no CUDA plugin, no driver: CPU-only machine
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if any(item.get_closest_marker("gpu") for item in items) and not _has_cuda_gpu():
+        skip = pytest.mark.skip(reason="needs an NVIDIA GPU (jax[cuda] + CuPy); CI has none")
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(skip)
