@@ -1,0 +1,546 @@
+"""Exact LSE merge of partial attention results, flat and as DCP collectives.
+
+Each DCP rank ``r`` attends the KV it holds and returns ``out_r`` (normalised over its own KV) and
+``lse_r`` (log-sum-exp of its scores). For one (token, head), natural log unless told otherwise
+(spec section 7)::
+
+    m   = max_r lse_r                      (0 if every lse_r is -inf)
+    lse = m + log(sum_r exp(lse_r - m))    (-inf if every shard is empty)
+    out = sum_r exp(lse_r - lse) * out_r
+
+Conventions everywhere in this module:
+
+- the state (shard) axis comes first: ``out [N, T, H, D]``, ``lse [N, T, H]``;
+- the LSE is token-major ``[T, H]`` by default; ``lse_layout="HT"`` selects head-major ``[H, T]``
+  (vLLM's ``merge_attn_states`` layout);
+- ``base="e"`` (natural log, vLLM / sglang) or ``base="2"`` (FlashInfer: ``lse2 = lse * log2(e)``)
+  is always an explicit keyword: mixing the bases silently is the classic bug;
+- an empty shard is one whose LSE is ``-inf``, ``+inf`` or NaN; it contributes exactly zero even
+  when its ``out`` holds NaN (weights are *selected* with ``jnp.where``, never multiplied by 0,
+  because ``0 * NaN = NaN``); all shards empty gives ``out = 0``, ``lse = -inf``;
+- arithmetic in float32 (or wider if the input is wider); ``out`` comes back in the input dtype,
+  ``lse`` in float32.
+
+There is ONE merge core, :func:`_merge_weights` + :func:`_weighted`: the flat forms
+(:func:`merge_states`, :func:`merge_state`) and the collective forms (:func:`merge_ag_rs`,
+:func:`merge_ag_ar`, :func:`merge_a2a` inside ``shard_map``; :func:`ag_rs`, :func:`ag_ar`,
+:func:`a2a` on a mesh) all call it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = [
+    "BASES",
+    "LSE_LAYOUTS",
+    "MERGE_FORMS",
+    "a2a",
+    "ag_ar",
+    "ag_rs",
+    "make_dcp_mesh",
+    "merge_a2a",
+    "merge_ag_ar",
+    "local_merge_fn",
+    "merge_ag_rs",
+    "merge_state",
+    "merge_states",
+    "merge_states_reference",
+]
+
+BASES = ("e", "2")
+LSE_LAYOUTS = ("TH", "HT")
+MERGE_FORMS = ("ag_rs", "ag_ar", "a2a")
+DEFAULT_AXIS_NAME = "dcp"
+
+
+# --------------------------------------------------------------------------------------------
+# Validation (trace-time, static shapes and knobs)
+# --------------------------------------------------------------------------------------------
+
+
+def _check_base(base) -> str:
+    # Accept the int 2 as a courtesy; anything else must be spelled "e" or "2".
+    if isinstance(base, int) and not isinstance(base, bool) and base == 2:
+        return "2"
+    if base not in BASES:
+        raise ValueError(f"{base=} must be one of {BASES} (natural log or base 2)")
+    return base
+
+
+def _check_layout(lse_layout) -> str:
+    if lse_layout not in LSE_LAYOUTS:
+        raise ValueError(f"{lse_layout=} must be 'TH' (token-major) or 'HT' (head-major)")
+    return lse_layout
+
+
+def _as_float_array(x, name: str) -> jax.Array:
+    if isinstance(x, (jax.Array, np.ndarray)):
+        arr = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    else:
+        try:
+            arr = jnp.asarray(x, dtype=jnp.float32)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{name} must be an array of floats, got {type(x).__name__}") from e
+    if not jnp.issubdtype(arr.dtype, jnp.floating):
+        raise TypeError(f"{name} must have a floating dtype, got {name}.dtype={arr.dtype}")
+    return arr
+
+
+def _check_stacked(out, lse, lse_layout: str) -> tuple[jax.Array, jax.Array]:
+    """Checks out [N, T, H, D] and lse [N, T, H] (or [N, H, T]) and returns them as arrays."""
+    out = _as_float_array(out, "out")
+    lse = _as_float_array(lse, "lse")
+    if out.ndim != 4:
+        raise ValueError(f"out must be [N, T, H, D] (4-D), got {out.shape=}")
+    if lse.ndim != 3:
+        raise ValueError(f"lse must be [N, T, H] or [N, H, T] (3-D), got {lse.shape=}")
+    n, t, h, _ = out.shape
+    want = (n, t, h) if lse_layout == "TH" else (n, h, t)
+    if lse.shape != want:
+        raise ValueError(
+            f"lse.shape={lse.shape} does not match out.shape={out.shape} for "
+            f"{lse_layout=} (expected {want})"
+        )
+    if n == 0:
+        raise ValueError(f"need at least one partial state, got {out.shape=}")
+    return out, lse
+
+
+def _compute_dtype(dtype) -> jnp.dtype:
+    # "Arithmetic in float32": bf16 / f16 are promoted; a float64 input (x64 mode) stays float64.
+    return jnp.promote_types(jnp.float32, dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# The merge core
+# --------------------------------------------------------------------------------------------
+
+
+def _merge_weights(lse: jax.Array, *, base: str) -> tuple[jax.Array, jax.Array]:
+    """The one merge core: per-shard weights and the merged LSE.
+
+    Args:
+      lse: f32[N, ...] LSEs of N partial states (natural log for ``base="e"``, log2 for "2").
+        Non-finite entries (-inf, +inf, NaN) mark empty shards.
+      base: "e" or "2".
+
+    Returns:
+      ``(weights f32[N, ...], lse f32[...])``: ``weights[r] = exp(lse_r - lse)`` for non-empty
+      shards and exactly 0 for empty ones (they sum to 1 unless all are empty); the merged LSE
+      is ``-inf`` when all shards are empty.
+    """
+    exp, log = (jnp.exp, jnp.log) if base == "e" else (jnp.exp2, jnp.log2)
+    valid = jnp.isfinite(lse)
+    lse_v = jnp.where(valid, lse, -jnp.inf)
+    m = jnp.max(lse_v, axis=0)
+    # All shards empty: m = -inf and (-inf) - (-inf) would be NaN; use 0 as the pivot instead.
+    m = jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))
+    # exp(-inf - m) = 0 already, but select anyway so no NaN pivot can reach the sum.
+    w = jnp.where(valid, exp(lse_v - m), jnp.zeros_like(lse_v))
+    s = jnp.sum(w, axis=0)
+    any_valid = s > 0  # the max shard contributes exp(0) = 1, so s >= 1 when any is valid
+    s_safe = jnp.where(any_valid, s, jnp.ones_like(s))  # 0/0 guard for the all-empty case
+    merged = jnp.where(any_valid, m + log(s_safe), -jnp.inf)
+    return w / s_safe, merged
+
+
+def _weighted(out: jax.Array, w: jax.Array) -> jax.Array:
+    """``w * out`` selected so that a zero weight gives exactly 0 even if ``out`` is NaN/inf.
+
+    Args:
+      out: [..., D] partial outputs (any float dtype; computed in ``w.dtype``).
+      w: [...] weights from :func:`_merge_weights`.
+    """
+    w = w[..., None]
+    return jnp.where(w > 0, w * out.astype(w.dtype), jnp.zeros((), w.dtype))
+
+
+def _merge_core(out: jax.Array, lse: jax.Array, *, base: str) -> tuple[jax.Array, jax.Array]:
+    """N-way merge of token-major stacked states; out [N, T, H, D], lse [N, T, H] -> cdtype."""
+    cdtype = _compute_dtype(out.dtype)
+    w, merged = _merge_weights(lse.astype(cdtype), base=base)
+    return jnp.sum(_weighted(out, w), axis=0), merged
+
+
+@functools.partial(jax.jit, static_argnames=("base", "lse_layout"))
+def _merge_states_jit(out, lse, *, base, lse_layout):
+    if lse_layout == "HT":
+        lse = jnp.swapaxes(lse, 1, 2)
+    o, l = _merge_core(out, lse, base=base)
+    l = l.astype(jnp.promote_types(jnp.float32, lse.dtype))
+    if lse_layout == "HT":
+        l = l.T
+    return o.astype(out.dtype), l
+
+
+def merge_states(out, lse, *, base: str = "e", lse_layout: str = "TH"):
+    """Merges N partial attention states into one (spec section 7).
+
+    ``lse = m + log(sum_r exp(lse_r - m))``, ``out = sum_r exp(lse_r - lse) * out_r`` with
+    ``m = max_r lse_r``; empty shards (LSE -inf, +inf or NaN) contribute exactly zero.
+
+    Args:
+      out: [N, T, H, D] partial outputs, state axis FIRST, each normalised over its own KV
+        (any float dtype: bf16, f16, f32, f64). numpy, JAX or nested sequences.
+      lse: f32[N, T, H] LSEs (token-major), or [N, H, T] with ``lse_layout="HT"``. Natural log
+        for ``base="e"``, base 2 for ``base="2"``.
+      base: "e" (default; vLLM, sglang) or "2" (FlashInfer's ``lse * log2(e)``).
+      lse_layout: "TH" (token-major, default) or "HT" (head-major) for both input and output LSE.
+
+    Returns:
+      ``(out [T, H, D] in out's dtype, lse f32[T, H] (or [H, T]) in the same base)``. All shards
+      empty gives out = 0 and lse = -inf.
+
+    Raises:
+      ValueError: bad ``base`` / ``lse_layout``, wrong ranks or mismatched shapes, N = 0.
+      TypeError: non-floating inputs.
+
+    Example:
+      >>> o, l = merge_states([[[[2., 4.]]], [[[6., 8.]]]], [[[1.]], [[2.]]])
+      >>> [round(float(v), 4) for v in o[0, 0]], round(float(l[0, 0]), 4)
+      ([4.9242, 6.9242], 2.3133)
+    """
+    base = _check_base(base)
+    lse_layout = _check_layout(lse_layout)
+    out, lse = _check_stacked(out, lse, lse_layout)
+    return _merge_states_jit(out, lse, base=base, lse_layout=lse_layout)
+
+
+def merge_state(out_a, lse_a, out_b, lse_b, *, base: str = "e", lse_layout: str = "TH"):
+    """Merges two partial states (prefix + suffix, cache + new tokens, chunked prefill).
+
+    Same math and edge cases as :func:`merge_states` with N = 2.
+
+    Args:
+      out_a: [T, H, D] first partial output (any float dtype).
+      lse_a: f32[T, H] (or [H, T] with ``lse_layout="HT"``) LSE of ``out_a``.
+      out_b: [T, H, D] second partial output, same shape and dtype as ``out_a``.
+      lse_b: LSE of ``out_b``, same shape as ``lse_a``.
+      base: "e" (default) or "2"; both LSEs must use it.
+      lse_layout: "TH" (default) or "HT".
+
+    Returns:
+      ``(out [T, H, D] in out_a's dtype, lse f32[T, H] or [H, T])``.
+
+    Raises:
+      ValueError: mismatched shapes or dtypes, bad ``base`` / ``lse_layout``.
+      TypeError: non-floating inputs.
+    """
+    base = _check_base(base)
+    lse_layout = _check_layout(lse_layout)
+    out_a, out_b = _as_float_array(out_a, "out_a"), _as_float_array(out_b, "out_b")
+    lse_a, lse_b = _as_float_array(lse_a, "lse_a"), _as_float_array(lse_b, "lse_b")
+    if out_a.shape != out_b.shape or out_a.dtype != out_b.dtype:
+        raise ValueError(
+            f"out_a and out_b must match: {out_a.shape=} {out_a.dtype=}, {out_b.shape=} {out_b.dtype=}"
+        )
+    if lse_a.shape != lse_b.shape:
+        raise ValueError(f"lse_a and lse_b must match: {lse_a.shape=}, {lse_b.shape=}")
+    out, lse = _check_stacked(
+        jnp.stack([out_a, out_b]), jnp.stack([lse_a, lse_b]).astype(jnp.float32), lse_layout
+    )
+    return _merge_states_jit(out, lse, base=base, lse_layout=lse_layout)
+
+
+def merge_states_reference(out, lse, *, base: str = "e"):
+    """Float64 numpy oracle of :func:`merge_states` (token-major), written independently.
+
+    Loops over (token, head) and shards; empty shards are skipped, never multiplied.
+
+    Args:
+      out: [N, T, H, D] partial outputs.
+      lse: [N, T, H] LSEs in ``base``.
+      base: "e" or "2".
+
+    Returns:
+      ``(out f64[T, H, D], lse f64[T, H])``.
+    """
+    base = _check_base(base)
+    out = np.asarray(out, dtype=np.float64)
+    lse = np.asarray(lse, dtype=np.float64)
+    b = math.e if base == "e" else 2.0
+    n, t, h, d = out.shape
+    res = np.zeros((t, h, d))
+    res_lse = np.full((t, h), -np.inf)
+    for i in range(t):
+        for j in range(h):
+            live = [r for r in range(n) if np.isfinite(lse[r, i, j])]
+            if not live:
+                continue
+            m = max(lse[r, i, j] for r in live)
+            s = sum(b ** (lse[r, i, j] - m) for r in live)
+            res_lse[i, j] = m + math.log(s, b)
+            for r in live:
+                res[i, j] += b ** (lse[r, i, j] - res_lse[i, j]) * out[r, i, j]
+    return res, res_lse
+
+
+# --------------------------------------------------------------------------------------------
+# Collective forms, to be called INSIDE jax.shard_map over the DCP axis
+# --------------------------------------------------------------------------------------------
+
+
+def _check_local(out, lse, axis_name: str, form: str) -> int:
+    if out.ndim != 3 or lse.ndim != 2 or out.shape[:2] != lse.shape:
+        raise ValueError(
+            f"{form}: per-rank out must be [T, H, D] and lse [T, H], got {out.shape=} {lse.shape=}"
+        )
+    n = jax.lax.axis_size(axis_name)
+    h = out.shape[1]
+    if h % n != 0:
+        raise ValueError(f"{form}: heads H={h} must divide by the {axis_name!r} axis size N={n}")
+    return n
+
+
+def merge_ag_rs(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"):
+    """AG+RS merge inside ``shard_map``: rank r ends with heads ``[r*H/N, (r+1)*H/N)``.
+
+    Steps: (1) all-gather the LSEs over ``axis_name`` (``[N, T, H]``, small); (2) merge core ->
+    this rank's weight ``exp(lse_r - lse)``; (3) correct the local output (empty -> exact 0);
+    (4) reduce-scatter the corrected ``[T, H, D]`` over heads. vLLM / sglang DCP combine.
+
+    Args:
+      out: [T, H, D] this rank's partial output over its local KV (any float dtype).
+      lse: f32[T, H] this rank's LSE (token-major) in ``base``.
+      axis_name: the DCP mesh axis (default "dcp").
+      base: "e" (default) or "2".
+
+    Returns:
+      ``(out [T, H/N, D] in out's dtype, lse f32[T, H/N])``; N = 1 returns the inputs unchanged.
+
+    Raises:
+      ValueError: H not divisible by N, bad shapes or ``base`` (at trace time).
+    """
+    base = _check_base(base)
+    n = _check_local(out, lse, axis_name, "merge_ag_rs")
+    if n == 1:
+        return out, lse
+    cdtype = _compute_dtype(out.dtype)
+    lse_all = jax.lax.all_gather(lse.astype(cdtype), axis_name, axis=0)  # [N, T, H]
+    w_all, merged = _merge_weights(lse_all, base=base)
+    r = jax.lax.axis_index(axis_name)
+    w_local = jax.lax.dynamic_index_in_dim(w_all, r, axis=0, keepdims=False)  # [T, H]
+    corrected = _weighted(out, w_local)  # [T, H, D] in cdtype
+    o = jax.lax.psum_scatter(corrected, axis_name, scatter_dimension=1, tiled=True)
+    hs = out.shape[1] // n
+    l = jax.lax.dynamic_slice_in_dim(merged, r * hs, hs, axis=1)
+    return o.astype(out.dtype), l.astype(jnp.promote_types(jnp.float32, lse.dtype))
+
+
+def merge_ag_ar(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"):
+    """AG+AR merge inside ``shard_map``: every rank ends with all heads.
+
+    Like :func:`merge_ag_rs` but step (4) is an all-reduce (``psum``) of the corrected output.
+
+    Args:
+      out: [T, H, D] this rank's partial output (any float dtype).
+      lse: f32[T, H] this rank's LSE in ``base``.
+      axis_name: the DCP mesh axis (default "dcp").
+      base: "e" (default) or "2".
+
+    Returns:
+      ``(out [T, H, D] in out's dtype, lse f32[T, H])``, the same on every rank.
+
+    Raises:
+      ValueError: H not divisible by N, bad shapes or ``base``.
+    """
+    base = _check_base(base)
+    n = _check_local(out, lse, axis_name, "merge_ag_ar")
+    if n == 1:
+        return out, lse
+    cdtype = _compute_dtype(out.dtype)
+    lse_all = jax.lax.all_gather(lse.astype(cdtype), axis_name, axis=0, to="invarying")
+    w_all, merged = _merge_weights(lse_all, base=base)
+    r = jax.lax.axis_index(axis_name)
+    w_local = jax.lax.dynamic_index_in_dim(w_all, r, axis=0, keepdims=False)
+    o = jax.lax.psum(_weighted(out, w_local), axis_name)
+    return o.astype(out.dtype), merged.astype(jnp.promote_types(jnp.float32, lse.dtype))
+
+
+def merge_a2a(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"):
+    """All-to-all merge inside ``shard_map``: rank r ends with heads ``[r*H/N, (r+1)*H/N)``.
+
+    Each rank sends head slice j of its partial (out and LSE) to rank j, receives the N partials
+    of its own heads ``[N, T, H/N, D]`` and merges them locally with the merge core
+    (tpu-inference's ``_dcp_a2a_reduce`` pattern: one collective, N-way local merge).
+
+    Args:
+      out: [T, H, D] this rank's partial output (any float dtype).
+      lse: f32[T, H] this rank's LSE in ``base``.
+      axis_name: the DCP mesh axis (default "dcp").
+      base: "e" (default) or "2".
+
+    Returns:
+      ``(out [T, H/N, D] in out's dtype, lse f32[T, H/N])``.
+
+    Raises:
+      ValueError: H not divisible by N, bad shapes or ``base``.
+    """
+    base = _check_base(base)
+    n = _check_local(out, lse, axis_name, "merge_a2a")
+    if n == 1:
+        return out, lse
+    t, h, d = out.shape
+    hs = h // n
+    # [T, H, D] -> [N(dest), T, H/N, D]; after all_to_all axis 0 indexes the source rank.
+    o_split = jnp.moveaxis(out.reshape(t, n, hs, d), 1, 0)
+    l_split = jnp.moveaxis(lse.reshape(t, n, hs), 1, 0)
+    o_recv = jax.lax.all_to_all(o_split, axis_name, split_axis=0, concat_axis=0, tiled=True)
+    l_recv = jax.lax.all_to_all(l_split, axis_name, split_axis=0, concat_axis=0, tiled=True)
+    o, l = _merge_core(o_recv, l_recv, base=base)
+    return o.astype(out.dtype), l.astype(jnp.promote_types(jnp.float32, lse.dtype))
+
+
+_LOCAL_FORMS: dict[str, Callable] = {"ag_rs": merge_ag_rs, "ag_ar": merge_ag_ar, "a2a": merge_a2a}
+
+
+def local_merge_fn(form: str) -> Callable:
+    """Returns the in-``shard_map`` merge for ``form`` in ``MERGE_FORMS``.
+
+    Raises:
+      ValueError: unknown ``form``.
+    """
+    if form not in _LOCAL_FORMS:
+        raise ValueError(f"{form=} must be one of {MERGE_FORMS}")
+    return _LOCAL_FORMS[form]
+
+
+# --------------------------------------------------------------------------------------------
+# Mesh-level wrappers: stacked [N, ...] arrays in, shard_map over the DCP axis
+# --------------------------------------------------------------------------------------------
+
+
+def make_dcp_mesh(dcp_size: int | None = None, *, axis_name: str = DEFAULT_AXIS_NAME, devices=None) -> Mesh:
+    """A 1-D mesh of ``dcp_size`` devices with one Auto axis named ``axis_name``.
+
+    Auto axis type on purpose: ``jax.make_mesh`` defaults to Explicit axes in jax 0.11, which
+    makes ``shard_map`` demand pre-sharded inputs.
+
+    Args:
+      dcp_size: number of devices N (default: all of ``devices``).
+      axis_name: mesh axis name (default "dcp").
+      devices: devices to use (default ``jax.devices()``); the first N are taken.
+
+    Raises:
+      ValueError: ``dcp_size`` not positive or larger than the number of devices.
+    """
+    devs = list(jax.devices() if devices is None else devices)
+    n = len(devs) if dcp_size is None else dcp_size
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValueError(f"{dcp_size=} must be a positive int")
+    if n > len(devs):
+        raise ValueError(f"{dcp_size=} exceeds the {len(devs)} available devices")
+    return Mesh(np.array(devs[:n]), (axis_name,), axis_types=(AxisType.Auto,))
+
+
+def _mesh_axis_size(mesh: Mesh, axis_name: str) -> int:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis_name not in mesh.shape:
+        raise ValueError(f"{axis_name=} is not an axis of the mesh {dict(mesh.shape)}")
+    return int(mesh.shape[axis_name])
+
+
+@functools.lru_cache(maxsize=64)
+def _mesh_merge_fn(mesh: Mesh, axis_name: str, form: str, base: str):
+    local = local_merge_fn(form)
+    heads_out = P(None, axis_name, None) if form in ("ag_rs", "a2a") else P()
+    lse_out = P(None, axis_name) if form in ("ag_rs", "a2a") else P()
+
+    def _shard_fn(out_local, lse_local):
+        # out_local [1, T, H, D], lse_local [1, T, H]: this rank's partial.
+        return local(out_local[0], lse_local[0], axis_name=axis_name, base=base)
+
+    f = jax.shard_map(
+        _shard_fn,
+        mesh=mesh,
+        in_specs=(
+            P(axis_name),  # out: [N, T, H, D], one partial per rank
+            P(axis_name),  # lse: [N, T, H]
+        ),
+        out_specs=(heads_out, lse_out),
+        # ag_ar returns a psum/all_gather result that is the same on every rank.
+        check_vma=True,
+    )
+    return jax.jit(f)
+
+
+def _mesh_merge(out, lse, *, mesh, axis_name, base, lse_layout, form):
+    base = _check_base(base)
+    lse_layout = _check_layout(lse_layout)
+    out, lse = _check_stacked(out, lse, lse_layout)
+    if mesh is None:
+        mesh = make_dcp_mesh(out.shape[0], axis_name=axis_name)
+    n = _mesh_axis_size(mesh, axis_name)
+    if out.shape[0] != n:
+        raise ValueError(f"out has {out.shape[0]} partials but the {axis_name!r} axis has N={n} devices")
+    h = out.shape[2]
+    if h % n != 0:
+        raise ValueError(f"heads H={h} must divide by the {axis_name!r} axis size N={n} ({form})")
+    if lse_layout == "HT":
+        lse = jnp.swapaxes(lse, 1, 2)
+    if n == 1:
+        o, l = out[0], lse[0]  # spec: N = 1 returns the inputs unchanged
+    else:
+        sharding = NamedSharding(mesh, P(axis_name))
+        o, l = _mesh_merge_fn(mesh, axis_name, form, base)(
+            jax.device_put(out, sharding), jax.device_put(lse, sharding)
+        )
+    if lse_layout == "HT":
+        l = l.T
+    return o, l
+
+
+def ag_rs(out, lse, *, mesh: Mesh | None = None, axis_name: str = DEFAULT_AXIS_NAME,
+          base: str = "e", lse_layout: str = "TH"):
+    """AG+RS merge of N stacked partials, one per device of the ``axis_name`` mesh axis.
+
+    Runs :func:`merge_ag_rs` under ``jax.shard_map``: partial r lives on rank r; rank r ends with
+    heads ``[r*H/N, (r+1)*H/N)``, so the global result is sharded over heads.
+
+    Args:
+      out: [N, T, H, D] partial outputs (state axis first), any float dtype.
+      lse: f32[N, T, H] LSEs (or [N, H, T] with ``lse_layout="HT"``) in ``base``.
+      mesh: a mesh with an ``axis_name`` axis of size N (default: :func:`make_dcp_mesh` (N)).
+      axis_name: the DCP mesh axis (default "dcp").
+      base: "e" (default) or "2".
+      lse_layout: "TH" (default) or "HT".
+
+    Returns:
+      ``(out [T, H, D] in out's dtype, sharded over heads; lse f32[T, H] or [H, T])``.
+      N = 1 returns ``(out[0], lse[0])`` unchanged.
+
+    Raises:
+      ValueError: ``H % N != 0`` (before tracing), N != mesh axis size, bad shapes / knobs.
+    """
+    return _mesh_merge(out, lse, mesh=mesh, axis_name=axis_name, base=base,
+                       lse_layout=lse_layout, form="ag_rs")
+
+
+def ag_ar(out, lse, *, mesh: Mesh | None = None, axis_name: str = DEFAULT_AXIS_NAME,
+          base: str = "e", lse_layout: str = "TH"):
+    """AG+AR merge of N stacked partials over a mesh axis; every rank holds all heads.
+
+    Args, Returns and Raises as :func:`ag_rs`, except that the result is replicated.
+    """
+    return _mesh_merge(out, lse, mesh=mesh, axis_name=axis_name, base=base,
+                       lse_layout=lse_layout, form="ag_ar")
+
+
+def a2a(out, lse, *, mesh: Mesh | None = None, axis_name: str = DEFAULT_AXIS_NAME,
+        base: str = "e", lse_layout: str = "TH"):
+    """All-to-all merge of N stacked partials over a mesh axis (heads sharded like ``ag_rs``).
+
+    Args, Returns and Raises as :func:`ag_rs`.
+    """
+    return _mesh_merge(out, lse, mesh=mesh, axis_name=axis_name, base=base,
+                       lse_layout=lse_layout, form="a2a")
