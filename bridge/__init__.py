@@ -1,0 +1,99 @@
+"""Transfer-engine adapters (NIXL, Mooncake) behind one small protocol, plus registered buffers.
+
+    from bridge import make_engine, MemoryRegion
+    with make_engine("nixl", "prefill") as eng:
+        eng.register([MemoryRegion(addr, nbytes)])
+        send(eng.peer_info())                       # out of band, e.g. a multiprocessing Pipe
+        peer = eng.add_peer(received_peer_info)
+        h = eng.transfer_batch(peer, descs, notif=b"chunk0")   # descs: i64[n, 3]
+        eng.wait(h, timeout_s=30.0)
+
+See `bridge.base` for the protocol, errors and descriptor validation.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from bridge.base import (
+    BridgeError,
+    DescriptorError,
+    EngineCounters,
+    MemoryRegion,
+    PeerError,
+    PeerInfo,
+    RegistrationError,
+    TransferEngine,
+    TransferError,
+    TransferHandle,
+    TransferTimeout,
+    as_region,
+    validate_descriptors,
+)
+
+__all__ = [
+    "BridgeError",
+    "DescriptorError",
+    "EngineCounters",
+    "MemoryRegion",
+    "PeerError",
+    "PeerInfo",
+    "RegistrationError",
+    "TransferEngine",
+    "TransferError",
+    "TransferHandle",
+    "TransferTimeout",
+    "ENGINE_KINDS",
+    "as_region",
+    "available_engines",
+    "make_engine",
+    "validate_descriptors",
+]
+
+#: Values accepted by `make_engine(kind=...)`.
+ENGINE_KINDS = ("nixl", "mooncake", "auto")
+
+
+def available_engines() -> tuple[str, ...]:
+    """Engine kinds whose Python package imports here, in preference order ("nixl" first)."""
+    out = []
+    from bridge.nixl import nixl_available
+
+    if nixl_available():
+        out.append("nixl")
+    from bridge.mooncake import mooncake_available
+
+    if mooncake_available():
+        out.append("mooncake")
+    return tuple(out)
+
+
+def make_engine(kind: str, name: str, **kw: Any) -> TransferEngine:
+    """Creates a transfer engine of the given kind.
+
+    Args:
+        kind: "nixl", "mooncake", or "auto" (NIXL if it imports, else Mooncake).
+        name: engine / agent name, unique among communicating engines.
+        **kw: passed to the adapter (`NixlEngine(backends=...)`,
+            `MooncakeEngine(hostname=..., protocol=...)`).
+
+    Returns:
+        A `NixlEngine` or `MooncakeEngine` (close it, or use it as a context manager).
+
+    Raises:
+        ValueError: unknown kind.
+        BridgeError: the engine's package is missing or it failed to start.
+    """
+    if kind not in ENGINE_KINDS:
+        raise ValueError(f"{kind=} must be one of {ENGINE_KINDS}")
+    if kind == "auto":
+        avail = available_engines()
+        if not avail:
+            raise BridgeError("kind='auto': neither NIXL nor Mooncake imports in this environment")
+        kind = avail[0]
+    if kind == "nixl":
+        from bridge.nixl import NixlEngine
+
+        return NixlEngine(name, **kw)
+    from bridge.mooncake import MooncakeEngine
+
+    return MooncakeEngine(name, **kw)

@@ -1,0 +1,236 @@
+"""NIXL adapter (UCX backend): one agent per process, out-of-band metadata, one WRITE per batch.
+
+Call sequence per batch: ``get_xfer_descs`` for both sides, ``initialize_xfer("WRITE", ...)``
+with the notification, ``transfer``, then `wait` polls ``check_xfer_state`` with a deadline and
+backoff and releases the handle. NIXL's typed exceptions (``nixlNotFoundError``,
+``nixlRemoteDisconnectError``, ...) and its "ERR" status become `TransferError` here.
+
+Stale metadata: NIXL keeps a peer's old registrations after the peer deregisters, and a WRITE
+into them still succeeds. `add_peer` with a refreshed `PeerInfo` therefore drops and reloads the
+peer's metadata, and `transfer_batch` validates against the regions of the latest `PeerInfo`.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from bridge.base import (
+    BridgeError,
+    MemoryRegion,
+    PeerError,
+    PeerInfo,
+    RegistrationError,
+    TransferEngine,
+    TransferError,
+    TransferHandle,
+    TransferTimeout,
+)
+
+__all__ = ["NixlEngine", "nixl_available"]
+
+try:  # the CUDA 12 wheel installs nixl_cu12; the meta package maps `nixl` onto a CUDA build
+    from nixl_cu12._api import nixl_agent, nixl_agent_config
+    from nixl_cu12 import _bindings as _nixl_bindings
+except ImportError:  # pragma: no cover - depends on which wheel is installed
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl import _bindings as _nixl_bindings
+    except ImportError:
+        nixl_agent = nixl_agent_config = _nixl_bindings = None
+
+# Every NIXL binding error (they derive from Exception directly; there is no common base).
+_NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
+    getattr(_nixl_bindings, n) for n in dir(_nixl_bindings or object)
+    if n.startswith("nixl") and n.endswith("Error") and isinstance(getattr(_nixl_bindings, n), type)
+) if _nixl_bindings is not None else ()
+
+# Poll backoff for check_xfer_state: start fine-grained (small batches finish in ~100 us), cap low
+# so a finished transfer is noticed within a few ms.
+_POLL_FIRST_S = 2e-5
+_POLL_MAX_S = 2e-3
+
+
+def nixl_available() -> bool:
+    """True when a NIXL Python package imports in this environment."""
+    return nixl_agent is not None
+
+
+def _engine_msg(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".strip()
+
+
+class NixlEngine(TransferEngine):
+    """`TransferEngine` over a NIXL agent with the UCX backend (host or device memory).
+
+    Args:
+        name: agent name; unique among the agents that talk to each other.
+        backends: NIXL backends to create (default UCX, the one that moves agent-to-agent bytes).
+
+    Raises:
+        BridgeError: NIXL is not installed or the agent could not be created.
+    """
+
+    kind = "nixl"
+
+    def __init__(self, name: str, *, backends: Sequence[str] = ("UCX",)):
+        super().__init__(name)
+        if nixl_agent is None:
+            raise BridgeError("NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
+        try:
+            self._agent = nixl_agent(name, nixl_agent_config(backends=list(backends)))
+        except Exception as exc:
+            raise BridgeError(f"cannot create NIXL agent {name=}: {_engine_msg(exc)}") from exc
+        self._reg_dlists: dict[MemoryRegion, object] = {}
+        self._live: dict[int, object] = {}  # id(TransferHandle) -> nixl_xfer_handle
+
+    # ---- registration ---------------------------------------------------------------------
+    def _engine_register(self, regions: Sequence[MemoryRegion]) -> None:
+        done: list[MemoryRegion] = []
+        try:
+            for r in regions:  # one registration per region so each can be deregistered alone
+                dl = self._agent.register_memory([(r.addr, r.nbytes, r.device_id, "")], r.mem_type)
+                if dl is None:
+                    raise RegistrationError(f"regions: NIXL refused {r}")
+                self._reg_dlists[r] = dl
+                done.append(r)
+        except RegistrationError:
+            self._engine_deregister(done)
+            raise
+        except Exception as exc:
+            self._engine_deregister(done)
+            raise RegistrationError(f"regions: NIXL could not register {r}: {_engine_msg(exc)}") from exc
+
+    def _engine_deregister(self, regions: Sequence[MemoryRegion]) -> None:
+        for r in regions:
+            dl = self._reg_dlists.pop(r, None)
+            if dl is None:
+                continue
+            try:
+                self._agent.deregister_memory(dl)
+            except Exception as exc:
+                raise RegistrationError(f"regions: NIXL could not deregister {r}: {_engine_msg(exc)}") from exc
+
+    # ---- peers ----------------------------------------------------------------------------
+    def _engine_peer_info(self) -> PeerInfo:
+        # Metadata lists the registrations made so far: register before publishing it.
+        return PeerInfo(engine=self.kind, name=self.name, session="",
+                        metadata=bytes(self._agent.get_agent_metadata()), regions=tuple(self._regions))
+
+    def _engine_add_peer(self, info: PeerInfo, refresh: bool) -> None:
+        if not info.metadata:
+            raise PeerError(f"info: peer {info.name!r} carries no NIXL agent metadata")
+        if refresh:
+            # Drop what NIXL cached for this peer first, so regions the peer deregistered do not
+            # stay writable through stale metadata.
+            try:
+                self._agent.remove_remote_agent(info.name)
+            except Exception:  # noqa: BLE001 - not loaded (an earlier add failed): nothing to drop
+                pass
+        try:
+            loaded = self._agent.add_remote_agent(info.metadata)
+        except Exception as exc:
+            raise PeerError(f"info: NIXL refused metadata of peer {info.name!r}: {_engine_msg(exc)}") from exc
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded != info.name:
+            self._agent.remove_remote_agent(loaded)
+            raise PeerError(f"info: metadata is for agent {loaded!r} but PeerInfo.name={info.name!r}")
+
+    def _engine_remove_peer(self, info: PeerInfo) -> None:
+        try:
+            self._agent.remove_remote_agent(info.name)
+        except Exception as exc:
+            raise PeerError(f"name: NIXL could not remove peer {info.name!r}: {_engine_msg(exc)}") from exc
+
+    # ---- transfers ------------------------------------------------------------------------
+    def _engine_submit(self, handle, descs, local_mem, remote_mem, info) -> None:
+        n = descs.shape[0]
+        if n == 0:
+            handle.engine_state = "DONE"
+            if handle.notif is not None:
+                self._send_notif(handle)
+            return
+        (lkind, ldev), (rkind, rdev) = local_mem, remote_mem
+        local = np.stack([descs[:, 0], descs[:, 2], ldev], axis=1)
+        remote = np.stack([descs[:, 1], descs[:, 2], rdev], axis=1)
+        xfer = None
+        try:
+            ld = self._agent.get_xfer_descs(local, lkind)
+            rd = self._agent.get_xfer_descs(remote, rkind)
+            if ld is None or rd is None:
+                raise handle.error(TransferError, "NIXL could not build descriptor lists")
+            xfer = self._agent.initialize_xfer("WRITE", ld, rd, info.name, handle.notif or b"")
+            self._count_engine_call()
+            state = self._agent.transfer(xfer)
+        except TransferError:
+            raise
+        except _NIXL_ERRORS + (KeyError,) as exc:
+            if xfer is not None:
+                self._release(xfer)
+            raise handle.error(TransferError, "NIXL refused the WRITE", _engine_msg(exc)) from exc
+        if state == "ERR":
+            self._release(xfer)
+            raise handle.error(TransferError, "NIXL failed to post the WRITE", "transfer() returned ERR")
+        handle.engine_state = state
+        self._live[id(handle)] = xfer
+
+    def _send_notif(self, handle: TransferHandle) -> None:
+        try:
+            self._agent.send_notif(handle.peer, handle.notif)
+        except Exception as exc:
+            raise handle.error(TransferError, "NIXL could not send the notification", _engine_msg(exc)) from exc
+
+    def _engine_wait(self, handle: TransferHandle, deadline: float) -> None:
+        xfer = self._live.get(id(handle))
+        if xfer is None:  # empty batch
+            return
+        state = handle.engine_state
+        sleep = _POLL_FIRST_S
+        while state != "DONE":
+            if state == "ERR":
+                raise handle.error(TransferError, "NIXL reported a failed WRITE", "check_xfer_state: ERR")
+            if time.monotonic() >= deadline:
+                raise handle.error(TransferTimeout, "NIXL WRITE not complete by the deadline",
+                                   f"last state {state}")
+            time.sleep(sleep)
+            sleep = min(sleep * 2, _POLL_MAX_S)
+            try:
+                state = self._agent.check_xfer_state(xfer)
+            except _NIXL_ERRORS as exc:
+                raise handle.error(TransferError, "NIXL reported a failed WRITE", _engine_msg(exc)) from exc
+        self._live.pop(id(handle), None)
+        self._release(xfer)
+
+    def _engine_abort(self, handle: TransferHandle) -> None:
+        xfer = self._live.pop(id(handle), None)
+        if xfer is not None:
+            self._release(xfer)
+
+    def _release(self, xfer) -> None:
+        # Releasing an active transfer asks NIXL to cancel it; if it cannot, the handle leaks in
+        # NIXL but the caller has already been told the batch failed.
+        try:
+            xfer.release()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _engine_poll_notifs(self) -> dict[str, list[bytes]]:
+        new = self._agent.get_new_notifs()
+        return {(k.decode() if isinstance(k, bytes) else k): [bytes(m) for m in v] for k, v in new.items()}
+
+    def _engine_close(self) -> None:
+        for xfer in list(self._live.values()):
+            self._release(xfer)
+        self._live.clear()
+        for name in list(self._peers):
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception:  # noqa: BLE001 - closing: best effort
+                pass
+        for r in list(self._reg_dlists):
+            try:
+                self._engine_deregister([r])
+            except RegistrationError:
+                pass
+        self._agent = None
