@@ -1,0 +1,564 @@
+"""DCP decode attention: MLA (absorbed form) and GQA/MHA over each rank's paged local KV.
+
+Per layer and decode step (spec section 8), under ``jax.shard_map`` over the DCP axis:
+
+1. all-gather the query heads over the DCP axis (queries arrive head-sharded, ``H/N`` per rank);
+2. each rank attends ALL heads against its local KV: the ``local_len`` tokens it owns under block
+   round-robin with interleave ``I`` (``dcp_jax.layout``), stored densely in its own pages
+   (local index ``j`` at row ``page_table[j // P] * P + j % P``, spec section 3);
+3. merge the N partial ``(out, lse)`` with ``dcp_jax.merge`` (``ag_rs`` by default: rank r keeps
+   heads ``[r*H/N, (r+1)*H/N)``).
+
+MLA absorbed form (DeepSeek-V2/V3): ``q_nope`` is already multiplied by ``W_UK``, so a query is
+``q_latent [H, 512]`` + ``q_rope [H, 64]``; a KV cache row is ``[512 latent | 64 rope]`` (576);
+``score = softmax_scale * (q_latent . k_latent + q_rope . k_rope)``; the value is the latent
+part (512), so ``out`` is in latent space (``W_UV`` is applied after the merge, outside).
+
+Queries: ``B`` requests with ``Q`` query tokens each (``Q = 1`` plain decode, ``Q > 1``
+speculative verify). ``kv_lens[b]`` counts the cached tokens of request b INCLUDING its ``Q``
+query tokens (vLLM's ``seq_lens``), so with history ``L = kv_lens - Q`` query ``j`` sees the
+``L + j + 1`` first tokens, i.e. ``local_len(L + j + 1, r)`` tokens on rank r: causal per query,
+not a shifted final length. ``kv_lens = 0`` (a padding slot) gives ``out = 0``, ``lse = -inf``.
+
+All LSEs are natural log of the scaled scores, token-major ``[B, Q, H]``. Arithmetic in float32
+(matmuls at ``Precision.HIGHEST`` so GPUs do not fall back to TF32); partial and merged outputs
+come back in the query dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dcp_jax import layout
+from dcp_jax.merge import (
+    DEFAULT_AXIS_NAME,
+    MERGE_FORMS,
+    _mesh_axis_size,
+    local_merge_fn,
+    merge_states,
+)
+
+__all__ = [
+    "dcp_gqa_decode",
+    "dcp_gqa_decode_emulated",
+    "dcp_mla_decode",
+    "dcp_mla_decode_emulated",
+    "gqa_decode_reference",
+    "gqa_partial",
+    "local_kv_lens",
+    "mla_decode_reference",
+    "mla_partial",
+    "paginate_kv",
+]
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+# --------------------------------------------------------------------------------------------
+# Per-rank partial attention (no collectives)
+# --------------------------------------------------------------------------------------------
+
+
+def _gather_local(pages, page_table):
+    """pages [num_pages, P, ...], page_table i32[B, max_pages] -> rows [B, max_pages*P, ...]."""
+    g = jnp.take(pages, page_table, axis=0, mode="clip")  # padding ids are masked later
+    b, mp, ps = g.shape[:3]
+    return g.reshape((b, mp * ps) + g.shape[3:])
+
+
+def _masks(local_lens, s: int):
+    """local_lens i32[B, Q] -> (mask bool[B, Q, S] per query, any bool[B, S] over queries)."""
+    idx = jnp.arange(s, dtype=jnp.int32)
+    mask = idx[None, None, :] < local_lens[:, :, None]
+    return mask, idx[None, :] < jnp.max(local_lens, axis=1, initial=0)[:, None]
+
+
+def _zero_unused(x, used):
+    """Zeroes rows no query may read (NaN/garbage in free slots must not reach a matmul)."""
+    used = used.reshape(used.shape + (1,) * (x.ndim - used.ndim))
+    return jnp.where(used, x, jnp.zeros((), x.dtype))
+
+
+def _softmax_partial(scores, mask):
+    """Normalised probabilities and natural-log LSE over the masked keys.
+
+    Args:
+      scores: f32[B, Q, H, S] scaled scores.
+      mask: bool[B, Q, S], True where query (b, j) may see local key s.
+
+    Returns:
+      ``(p f32[B, Q, H, S], lse f32[B, Q, H])``; a query with no visible key gets p = 0 and
+      lse = -inf (not NaN).
+    """
+    mask = mask[:, :, None, :]
+    s = jnp.where(mask, scores, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # no visible key: (-inf) - (-inf) would be NaN
+    e = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
+    tot = jnp.sum(e, axis=-1)
+    live = tot > 0
+    tot_safe = jnp.where(live, tot, 1.0)  # 0/0 guard
+    lse = jnp.where(live, m + jnp.log(tot_safe), -jnp.inf)
+    return e / tot_safe[..., None], lse
+
+
+def mla_partial(q_latent, q_rope, kv_pages, page_table, local_lens, *, softmax_scale: float):
+    """Absorbed MLA attention of all heads against ONE rank's paged local KV.
+
+    Args:
+      q_latent: [B, Q, H, Dl] absorbed queries (Dl = kv_lora_rank, 512 for DeepSeek-V3).
+      q_rope: [B, Q, H, Dr] rope queries (Dr = 64).
+      kv_pages: [num_pages, page_size, Dl + Dr] this rank's KV pages (latent | rope).
+      page_table: i32[B, max_pages] this rank's page ids per request (local index j lives at
+        row ``page_table[b, j // page_size] * page_size + j % page_size``).
+      local_lens: i32[B, Q] local tokens (of this rank) visible to each query.
+      softmax_scale: multiplies the raw scores (e.g. ``1/sqrt(192)`` for DeepSeek-V3).
+
+    Returns:
+      ``(out [B, Q, H, Dl] in q_latent's dtype, lse f32[B, Q, H] natural log)``; no visible
+      key gives out = 0, lse = -inf.
+    """
+    dl = q_latent.shape[-1]
+    kv = _gather_local(kv_pages, page_table)  # [B, S, Dl + Dr]
+    mask, used = _masks(local_lens, kv.shape[1])
+    kv = _zero_unused(kv, used)
+    k_lat, k_rope = kv[..., :dl], kv[..., dl:]
+    f32 = jnp.float32
+    scores = jnp.einsum("bqhc,bsc->bqhs", q_latent, k_lat, precision=_HIGHEST,
+                        preferred_element_type=f32)
+    scores = scores + jnp.einsum("bqhc,bsc->bqhs", q_rope, k_rope, precision=_HIGHEST,
+                                 preferred_element_type=f32)
+    p, lse = _softmax_partial(scores * softmax_scale, mask)
+    out = jnp.einsum("bqhs,bsc->bqhc", p, k_lat.astype(f32), precision=_HIGHEST)
+    return out.astype(q_latent.dtype), lse
+
+
+def gqa_partial(q, k_pages, v_pages, page_table, local_lens, *, softmax_scale: float):
+    """GQA/MHA attention of all query heads against ONE rank's paged local K and V.
+
+    KV heads are replicated inside the DCP group: every rank holds all ``Hkv`` KV heads of the
+    tokens it owns. Query head h uses KV head ``h // (H / Hkv)`` (MHA: ``Hkv = H``).
+
+    Args:
+      q: [B, Q, H, D] queries.
+      k_pages: [num_pages, page_size, Hkv, D] this rank's key pages.
+      v_pages: [num_pages, page_size, Hkv, Dv] this rank's value pages.
+      page_table: i32[B, max_pages] this rank's page ids per request.
+      local_lens: i32[B, Q] local tokens visible to each query.
+      softmax_scale: multiplies the raw scores (usually ``1/sqrt(D)``).
+
+    Returns:
+      ``(out [B, Q, H, Dv] in q's dtype, lse f32[B, Q, H] natural log)``.
+    """
+    b, qn, h, d = q.shape
+    hkv = k_pages.shape[2]
+    k = _gather_local(k_pages, page_table)  # [B, S, Hkv, D]
+    v = _gather_local(v_pages, page_table)
+    mask, used = _masks(local_lens, k.shape[1])
+    k, v = _zero_unused(k, used), _zero_unused(v, used)
+    qg = q.reshape(b, qn, hkv, h // hkv, d)
+    f32 = jnp.float32
+    scores = jnp.einsum("bqkgd,bskd->bqkgs", qg, k, precision=_HIGHEST, preferred_element_type=f32)
+    p, lse = _softmax_partial(scores.reshape(b, qn, h, -1) * softmax_scale, mask)
+    pg = p.reshape(b, qn, hkv, h // hkv, -1)
+    out = jnp.einsum("bqkgs,bskd->bqkgd", pg, v.astype(f32), precision=_HIGHEST)
+    return out.reshape(b, qn, h, -1).astype(q.dtype), lse
+
+
+# --------------------------------------------------------------------------------------------
+# Lengths and validation
+# --------------------------------------------------------------------------------------------
+
+
+def local_kv_lens(kv_lens, query_len: int, *, dcp_size: int, interleave_size: int = 1):
+    """Local tokens each query sees on each rank: ``local_len(kv_lens - Q + j + 1, r)``.
+
+    Args:
+      kv_lens: i32[B] cached tokens per request including its ``query_len`` query tokens.
+      query_len: Q, query tokens per request (static).
+      dcp_size: N (static).
+      interleave_size: I (static).
+
+    Returns:
+      i32[N, B, Q]: entry (r, b, j) is the number of tokens of rank r that query j of request b
+      attends (its visible prefix is clamped at 0 tokens).
+
+    Raises:
+      ValueError / TypeError: bad static ints (from ``dcp_jax.layout``).
+    """
+    layout.check_layout_args(dcp_size, interleave_size)
+    kv_lens = jnp.asarray(kv_lens, dtype=jnp.int32)
+    visible = kv_lens[:, None] - query_len + 1 + jnp.arange(query_len, dtype=jnp.int32)[None, :]
+    visible = jnp.maximum(visible, 0)  # layout's formulas want non-negative lengths
+    return jnp.stack([
+        jnp.asarray(layout.local_len(visible, dcp_size, r, interleave_size), dtype=jnp.int32)
+        for r in range(dcp_size)
+    ])
+
+
+def _check_common(q, page_table, kv_lens, n_ranks, num_pages_axis_len, name_cache):
+    b, qn, h = q.shape[:3]
+    if page_table.ndim != 3 or page_table.shape[:2] != (n_ranks, b):
+        raise ValueError(
+            f"page_table must be [N, B, max_pages] = [{n_ranks}, {b}, ...], got {page_table.shape=}"
+        )
+    if not jnp.issubdtype(page_table.dtype, jnp.integer):
+        raise TypeError(f"page_table must be integer, got {page_table.dtype=}")
+    if kv_lens.shape != (b,):
+        raise ValueError(f"kv_lens must be [B] = [{b}], got {kv_lens.shape=}")
+    if not jnp.issubdtype(kv_lens.dtype, jnp.integer):
+        raise TypeError(f"kv_lens must be integer, got {kv_lens.dtype=}")
+    if num_pages_axis_len < 1:
+        raise ValueError(f"{name_cache} needs at least one page")
+    return b, qn, h
+
+
+def _check_scale(softmax_scale):
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not (
+        math.isfinite(softmax_scale) and softmax_scale > 0
+    ):
+        raise ValueError(f"{softmax_scale=} must be a positive finite float")
+    return float(softmax_scale)
+
+
+def _check_mla(q_latent, q_rope, kv_cache, page_table, kv_lens):
+    q_latent, q_rope, kv_cache = map(jnp.asarray, (q_latent, q_rope, kv_cache))
+    page_table, kv_lens = jnp.asarray(page_table), jnp.asarray(kv_lens)
+    if q_latent.ndim != 4 or q_rope.ndim != 4 or q_latent.shape[:3] != q_rope.shape[:3]:
+        raise ValueError(
+            f"q_latent [B, Q, H, Dl] and q_rope [B, Q, H, Dr] must agree, got "
+            f"{q_latent.shape=} {q_rope.shape=}"
+        )
+    dl, dr = q_latent.shape[-1], q_rope.shape[-1]
+    if kv_cache.ndim != 4 or kv_cache.shape[-1] != dl + dr:
+        raise ValueError(
+            f"kv_cache must be [N, num_pages, page_size, Dl + Dr = {dl + dr}], got {kv_cache.shape=}"
+        )
+    _check_common(q_latent, page_table, kv_lens, kv_cache.shape[0], kv_cache.shape[1], "kv_cache")
+    return q_latent, q_rope, kv_cache, page_table.astype(jnp.int32), kv_lens.astype(jnp.int32)
+
+
+def _check_gqa(q, k_cache, v_cache, page_table, kv_lens):
+    q, k_cache, v_cache = map(jnp.asarray, (q, k_cache, v_cache))
+    page_table, kv_lens = jnp.asarray(page_table), jnp.asarray(kv_lens)
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, Q, H, D], got {q.shape=}")
+    if k_cache.ndim != 5 or k_cache.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k_cache must be [N, num_pages, page_size, Hkv, D={q.shape[-1]}], got {k_cache.shape=}")
+    if v_cache.ndim != 5 or v_cache.shape[:4] != k_cache.shape[:4]:
+        raise ValueError(f"v_cache must be [N, num_pages, page_size, Hkv, Dv] like k_cache, got {v_cache.shape=}")
+    hkv = k_cache.shape[3]
+    if q.shape[2] % hkv != 0:
+        raise ValueError(f"query heads H={q.shape[2]} must be a multiple of KV heads Hkv={hkv}")
+    _check_common(q, page_table, kv_lens, k_cache.shape[0], k_cache.shape[1], "k_cache")
+    return q, k_cache, v_cache, page_table.astype(jnp.int32), kv_lens.astype(jnp.int32)
+
+
+def _check_form(merge, h, n, axis_name):
+    if merge not in MERGE_FORMS:
+        raise ValueError(f"{merge=} must be one of {MERGE_FORMS}")
+    if h % n != 0:
+        raise ValueError(f"heads H={h} must divide by the {axis_name!r} axis size N={n}")
+
+
+# --------------------------------------------------------------------------------------------
+# DCP forms: shard_map over the mesh axis, and an all-ranks-on-one-device emulation
+# --------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _dcp_fn(kind: str, mesh: Mesh, axis_name: str, merge: str, query_len: int,
+            interleave_size: int, softmax_scale: float):
+    n = int(mesh.shape[axis_name])
+    merge_local = local_merge_fn(merge)
+    partial = mla_partial if kind == "mla" else gqa_partial
+    heads = P(None, None, axis_name)  # [B, Q, H, ...] sharded over heads
+    n_q = 2 if kind == "mla" else 1
+    n_cache = 1 if kind == "mla" else 2
+
+    def _shard_fn(*args):
+        qs_local = args[:n_q]  # each [B, Q, H/N, d]
+        caches_local = [c[0] for c in args[n_q:n_q + n_cache]]  # [num_pages, P, ...]
+        pt_local, lens_local = args[-2][0], args[-1][0]  # [B, max_pages], [B, Q]
+        # (1) all-gather the query heads: every rank attends all H heads against its own KV.
+        qs = [jax.lax.all_gather(x, axis_name, axis=2, tiled=True) for x in qs_local]
+        # (2) local attention over this rank's local_len tokens.
+        out, lse = partial(*qs, *caches_local, pt_local, lens_local, softmax_scale=softmax_scale)
+        b, qn, h = lse.shape
+        # (3) merge across ranks (head-sliced for ag_rs / a2a).
+        o, l = merge_local(out.reshape(b * qn, h, -1), lse.reshape(b * qn, h),
+                           axis_name=axis_name, base="e")
+        return o.reshape(b, qn, o.shape[1], -1), l.reshape(b, qn, -1)
+
+    rank = P(axis_name)
+    out_specs = (heads, P(None, None, axis_name)) if merge != "ag_ar" else (P(), P())
+    smap = jax.shard_map(
+        _shard_fn,
+        mesh=mesh,
+        in_specs=(heads,) * n_q  # q_latent, q_rope (MLA) or q (GQA): head-sharded
+        + (rank,) * n_cache  # kv_cache (MLA) or k_cache, v_cache (GQA): [N, num_pages, P, ...]
+        + (rank,  # page_table [N, B, max_pages]
+           rank),  # local lens [N, B, Q]
+        out_specs=out_specs,
+    )
+
+    def run(*args):
+        kv_lens = args[-1]
+        lens = local_kv_lens(kv_lens, query_len, dcp_size=n, interleave_size=interleave_size)
+        return smap(*args[:-1], lens)
+
+    return jax.jit(run)
+
+
+def _dcp_call(kind, qs, caches, page_table, kv_lens, *, mesh, axis_name, merge, interleave_size,
+              softmax_scale):
+    n = _mesh_axis_size(mesh, axis_name)
+    if caches[0].shape[0] != n:
+        raise ValueError(f"the KV cache has {caches[0].shape[0]} ranks but the {axis_name!r} axis has N={n}")
+    _check_form(merge, qs[0].shape[2], n, axis_name)
+    layout.check_layout_args(n, interleave_size)
+    fn = _dcp_fn(kind, mesh, axis_name, merge, qs[0].shape[1], int(interleave_size),
+                 _check_scale(softmax_scale))
+    shard = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    qs = [shard(x, P(None, None, axis_name)) for x in qs]
+    caches = [shard(c, P(axis_name)) for c in caches]
+    return fn(*qs, *caches, shard(page_table, P(axis_name)), kv_lens)
+
+
+def dcp_mla_decode(q_latent, q_rope, kv_cache, page_table, kv_lens, *, softmax_scale: float,
+                   mesh: Mesh, interleave_size: int = 1, axis_name: str = DEFAULT_AXIS_NAME,
+                   merge: str = "ag_rs"):
+    """DCP decode attention for absorbed MLA over a mesh axis (spec section 8).
+
+    Steps inside ``shard_map`` (rank r): (1) all-gather the ``H/N`` local query heads to all H;
+    (2) :func:`mla_partial` over rank r's ``local_len`` tokens (query j of request b sees
+    ``local_len(kv_lens[b] - Q + j + 1, r)``); (3) merge the N partials with ``merge``.
+
+    Args:
+      q_latent: [B, Q, H, Dl] absorbed queries (Dl = 512), head-sharded over ``axis_name`` (a
+        replicated array is resharded); H must divide by N.
+      q_rope: [B, Q, H, Dr] rope queries (Dr = 64).
+      kv_cache: [N, num_pages, page_size, Dl + Dr] per-rank KV pages; slice r lives on rank r.
+      page_table: i32[N, B, max_pages] per-rank page ids per request (see :func:`paginate_kv`).
+      kv_lens: i32[B] cached tokens per request including its Q query tokens (0 = empty slot).
+      softmax_scale: score multiplier (DeepSeek-V3: ``1/sqrt(192)`` times the YaRN mscale^2).
+      mesh: a mesh with an ``axis_name`` axis of size N (e.g. ``merge.make_dcp_mesh(N)``).
+      interleave_size: I, tokens per ownership block (1 = token round-robin).
+      axis_name: the DCP mesh axis (default "dcp").
+      merge: "ag_rs" (default), "ag_ar" or "a2a".
+
+    Returns:
+      ``(out [B, Q, H, Dl] in q_latent's dtype, lse f32[B, Q, H] natural log)``; heads sharded
+      over ``axis_name`` for ag_rs / a2a, replicated for ag_ar. Empty queries: out 0, lse -inf.
+
+    Raises:
+      ValueError: shapes disagree, ``H % N != 0``, N != mesh axis size, bad ``merge``,
+        ``softmax_scale`` or layout ints.
+      TypeError: integer arguments of the wrong dtype.
+    """
+    q_latent, q_rope, kv_cache, page_table, kv_lens = _check_mla(q_latent, q_rope, kv_cache,
+                                                                 page_table, kv_lens)
+    return _dcp_call("mla", (q_latent, q_rope), (kv_cache,), page_table, kv_lens, mesh=mesh,
+                     axis_name=axis_name, merge=merge, interleave_size=interleave_size,
+                     softmax_scale=softmax_scale)
+
+
+def dcp_gqa_decode(q, k_cache, v_cache, page_table, kv_lens, *, softmax_scale: float, mesh: Mesh,
+                   interleave_size: int = 1, axis_name: str = DEFAULT_AXIS_NAME,
+                   merge: str = "ag_rs"):
+    """DCP decode attention for GQA/MHA with KV heads replicated inside the DCP group.
+
+    Same steps as :func:`dcp_mla_decode` with :func:`gqa_partial` as the local attention.
+
+    Args:
+      q: [B, Q, H, D] queries, head-sharded over ``axis_name``; H must divide by N and by Hkv.
+      k_cache: [N, num_pages, page_size, Hkv, D] per-rank key pages.
+      v_cache: [N, num_pages, page_size, Hkv, Dv] per-rank value pages.
+      page_table: i32[N, B, max_pages] per-rank page ids per request.
+      kv_lens: i32[B] cached tokens per request including its Q query tokens.
+      softmax_scale: score multiplier (usually ``1/sqrt(D)``).
+      mesh, interleave_size, axis_name, merge: as :func:`dcp_mla_decode`.
+
+    Returns:
+      ``(out [B, Q, H, Dv] in q's dtype, lse f32[B, Q, H] natural log)``.
+
+    Raises:
+      ValueError / TypeError: as :func:`dcp_mla_decode`, plus ``H % Hkv != 0``.
+    """
+    q, k_cache, v_cache, page_table, kv_lens = _check_gqa(q, k_cache, v_cache, page_table, kv_lens)
+    return _dcp_call("gqa", (q,), (k_cache, v_cache), page_table, kv_lens, mesh=mesh,
+                     axis_name=axis_name, merge=merge, interleave_size=interleave_size,
+                     softmax_scale=softmax_scale)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "interleave_size", "softmax_scale"))
+def _emulated_jit(qs, caches, page_table, kv_lens, *, kind, interleave_size, softmax_scale):
+    n = caches[0].shape[0]
+    lens = local_kv_lens(kv_lens, qs[0].shape[1], dcp_size=n, interleave_size=interleave_size)
+    partial = functools.partial(mla_partial if kind == "mla" else gqa_partial,
+                                softmax_scale=softmax_scale)
+    outs, lses = jax.vmap(lambda c, pt, ll: partial(*qs, *c, pt, ll))(caches, page_table, lens)
+    return outs, lses  # [N, B, Q, H, Dv], [N, B, Q, H]
+
+
+def _emulated(kind, qs, caches, page_table, kv_lens, interleave_size, softmax_scale):
+    layout.check_layout_args(caches[0].shape[0], interleave_size)
+    outs, lses = _emulated_jit(tuple(qs), tuple(caches), page_table, kv_lens, kind=kind,
+                               interleave_size=int(interleave_size),
+                               softmax_scale=_check_scale(softmax_scale))
+    n, b, qn, h, dv = outs.shape
+    o, l = merge_states(outs.reshape(n, b * qn, h, dv), lses.reshape(n, b * qn, h))
+    return o.reshape(b, qn, h, dv), l.reshape(b, qn, h)
+
+
+def dcp_mla_decode_emulated(q_latent, q_rope, kv_cache, page_table, kv_lens, *,
+                            softmax_scale: float, interleave_size: int = 1):
+    """:func:`dcp_mla_decode` with all N ranks on ONE device (vmap over ranks + ``merge_states``).
+
+    Same numbers without a mesh: for single-GPU tests and benchmarks of the N-rank layout.
+    Args, Returns and Raises as :func:`dcp_mla_decode` (no mesh; N = ``kv_cache.shape[0]``,
+    output replicated).
+    """
+    q_latent, q_rope, kv_cache, page_table, kv_lens = _check_mla(q_latent, q_rope, kv_cache,
+                                                                 page_table, kv_lens)
+    return _emulated("mla", (q_latent, q_rope), (kv_cache,), page_table, kv_lens,
+                     interleave_size, softmax_scale)
+
+
+def dcp_gqa_decode_emulated(q, k_cache, v_cache, page_table, kv_lens, *, softmax_scale: float,
+                            interleave_size: int = 1):
+    """:func:`dcp_gqa_decode` with all N ranks on one device. Args as :func:`dcp_gqa_decode`."""
+    q, k_cache, v_cache, page_table, kv_lens = _check_gqa(q, k_cache, v_cache, page_table, kv_lens)
+    return _emulated("gqa", (q,), (k_cache, v_cache), page_table, kv_lens, interleave_size,
+                     softmax_scale)
+
+
+# --------------------------------------------------------------------------------------------
+# Building the per-rank paged layout, and float64 references over the full KV
+# --------------------------------------------------------------------------------------------
+
+
+def paginate_kv(kv, kv_lens, *, dcp_size: int, page_size: int, interleave_size: int = 1,
+                fill=0.0, shuffle_seed: int | None = None, extra_pages: int = 0):
+    """Lays out contiguous per-request KV as N per-rank paged caches (spec sections 2-3).
+
+    Token t of request b goes to rank ``owner(t)``, local index ``j = local_index(t)``, row
+    ``page_table[r, b, j // P] * P + j % P`` of that rank's pages.
+
+    Args:
+      kv: [B, S, ...] KV rows of each request in token order (only ``kv[b, :kv_lens[b]]`` used).
+      kv_lens: i64[B] tokens per request (each <= S).
+      dcp_size: N ranks.
+      page_size: P tokens per page.
+      interleave_size: I tokens per ownership block.
+      fill: value of every unused row (tests pass NaN to poison free slots).
+      shuffle_seed: if given, page ids are randomly permuted per rank (else allocated in order).
+      extra_pages: spare pages per rank (left at ``fill``).
+
+    Returns:
+      ``(cache np[N, num_pages, P, ...] in kv's dtype, page_table np.int32[N, B, max_pages])``
+      with ``max_pages = max(1, ceil(max_r,b local_len / P))`` and ``num_pages = B * max_pages +
+      extra_pages``.
+
+    Raises:
+      ValueError: bad layout ints, ``page_size < 1``, ``kv_lens`` outside ``[0, S]`` or not [B].
+    """
+    kv = np.asarray(kv)
+    kv_lens = np.asarray(kv_lens, dtype=np.int64)
+    n, i, _ = layout.check_layout_args(dcp_size, interleave_size)
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+        raise ValueError(f"{page_size=} must be a positive int")
+    if kv.ndim < 2 or kv_lens.shape != (kv.shape[0],):
+        raise ValueError(f"kv must be [B, S, ...] and kv_lens [B], got {kv.shape=} {kv_lens.shape=}")
+    if (kv_lens < 0).any() or (kv_lens > kv.shape[1]).any():
+        raise ValueError(f"kv_lens must lie in [0, S={kv.shape[1]}], got {kv_lens=}")
+    if isinstance(extra_pages, bool) or not isinstance(extra_pages, (int, np.integer)) or extra_pages < 0:
+        raise ValueError(f"{extra_pages=} must be a non-negative int")
+    b = kv.shape[0]
+    lens = np.stack([layout.local_len_np(kv_lens, n, r, i) for r in range(n)])  # [N, B]
+    max_pages = max(1, int(-(-lens.max(initial=0) // page_size)))
+    num_pages = b * max_pages + extra_pages
+    cache = np.full((n, num_pages, page_size) + kv.shape[2:], fill, dtype=kv.dtype)
+    rng = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)
+    page_table = np.empty((n, b, max_pages), dtype=np.int32)
+    for r in range(n):
+        ids = np.arange(num_pages) if rng is None else rng.permutation(num_pages)
+        page_table[r] = ids[: b * max_pages].reshape(b, max_pages)
+    for bi in range(b):
+        t = np.arange(kv_lens[bi])
+        if t.size == 0:
+            continue
+        own = layout.owner_np(t, n, i)
+        j = layout.local_index_np(t, n, i)
+        pages = page_table[own, bi, j // page_size]
+        cache[own, pages, j % page_size] = kv[bi, t]
+    return cache, page_table
+
+
+def _softmax_ref(scores):
+    """f64 scores [H, S] -> (p [H, S], lse [H]) with S possibly 0."""
+    if scores.shape[-1] == 0:
+        return np.zeros_like(scores), np.full(scores.shape[:-1], -np.inf)
+    m = scores.max(axis=-1, keepdims=True)
+    e = np.exp(scores - m)
+    tot = e.sum(axis=-1, keepdims=True)
+    return e / tot, (m + np.log(tot))[..., 0]
+
+
+def mla_decode_reference(q_latent, q_rope, kv, kv_lens, *, softmax_scale: float):
+    """Single-device absorbed MLA over each request's FULL KV, float64 numpy (the oracle).
+
+    Args:
+      q_latent: [B, Q, H, Dl]; q_rope: [B, Q, H, Dr].
+      kv: [B, S, Dl + Dr] contiguous KV per request in token order.
+      kv_lens: [B] tokens per request including its Q query tokens.
+      softmax_scale: score multiplier.
+
+    Returns:
+      ``(out f64[B, Q, H, Dl], lse f64[B, Q, H])``; query j sees ``kv_lens - Q + j + 1`` tokens.
+    """
+    ql, qr, kv = (np.asarray(x, dtype=np.float64) for x in (q_latent, q_rope, kv))
+    b, qn, h, dl = ql.shape
+    out = np.zeros((b, qn, h, dl))
+    lse = np.zeros((b, qn, h))
+    for bi in range(b):
+        for j in range(qn):
+            vis = max(0, int(kv_lens[bi]) - qn + j + 1)
+            k = kv[bi, :vis]
+            s = softmax_scale * (ql[bi, j] @ k[:, :dl].T + qr[bi, j] @ k[:, dl:].T)
+            p, lse[bi, j] = _softmax_ref(s)
+            out[bi, j] = p @ k[:, :dl]
+    return out, lse
+
+
+def gqa_decode_reference(q, k, v, kv_lens, *, softmax_scale: float):
+    """Single-device GQA/MHA over each request's full K/V, float64 numpy.
+
+    Args:
+      q: [B, Q, H, D]; k: [B, S, Hkv, D]; v: [B, S, Hkv, Dv]; kv_lens: [B].
+      softmax_scale: score multiplier.
+
+    Returns:
+      ``(out f64[B, Q, H, Dv], lse f64[B, Q, H])``.
+    """
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    b, qn, h, _ = q.shape
+    g = h // k.shape[2]
+    out = np.zeros((b, qn, h, v.shape[-1]))
+    lse = np.zeros((b, qn, h))
+    for bi in range(b):
+        for j in range(qn):
+            vis = max(0, int(kv_lens[bi]) - qn + j + 1)
+            for hh in range(h):
+                s = softmax_scale * (k[bi, :vis, hh // g] @ q[bi, j, hh])
+                p, l = _softmax_ref(s[None])
+                lse[bi, j, hh] = l[0]
+                out[bi, j, hh] = p[0] @ v[bi, :vis, hh // g]
+    return out, lse
