@@ -1,0 +1,599 @@
+"""Strided row gather into a pack buffer (DCP spec section 6), as a Pallas kernel.
+
+Before sending to a decode rank, the prefill side gathers that rank's source rows of every
+layer entry into a contiguous, registered pack region, layer-major:
+
+    entry l occupies words [offset + off_l, offset + off_l + n * width[l]),
+    off_l = sum_{k<l} n * width[k]
+
+where a *word* is the element type the kernel moves (uint32, uint16 or uint8: the widest one
+that divides every row length and the offset, see `word_dtype`). Row `j < n` of entry `l` is
+`src[l][indices[j]]`; no other word of the pack is touched.
+
+Forms:
+
+- stacked: `src` is one array `[L, R, W]` (every layer entry the same width);
+- list: `src` is a sequence of `[R_l, W_l]` arrays, one per layer entry (what a serving engine
+  registers); widths may differ between entries.
+
+Backends:
+
+- ``"triton"``: `pallas_call` with the Triton lowering (explicit `pltriton.CompilerParams`).
+  Every load and store has a power-of-2 element count (a 288-word row is 256 + 32).
+- ``"mosaic"``: `plgpu.kernel` (Mosaic GPU), per-row bulk copies through shared memory
+  (see `pallas_kernels.mosaic_gather`).
+- ``"interpret"``: the Triton kernel body under `interpret=True` (CPU, CI).
+- ``"auto"``: interpret on CPU; on a GPU, Triton while the JAX version still ships the Triton
+  lowering (< 0.12), Mosaic GPU afterwards.
+
+The pack is aliased to the output (`input_output_aliases`) and donated, so the call writes in
+place: into the CuPy memory when the pack was imported from CuPy by DLPack.
+
+A variable row count does not recompile: pass `indices` padded to `bucket_rows(n)` (any
+values) and the true count as `num_rows` (a traced int32); rows `>= num_rows` are masked.
+
+`gather_rows_reference` (plain `jnp.take`) is the oracle the tests compare against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+# Word dtypes the kernel moves, widest first. JAX without x64 has no 64-bit integers.
+WORD_DTYPES = (np.dtype(np.uint32), np.dtype(np.uint16), np.dtype(np.uint8))
+BACKENDS = ("auto", "triton", "mosaic", "interpret")
+SCHEDULES = ("grid", "loop")
+# Static arguments of the jitted entry point, written once.
+_STATIC_ARGNAMES = ("offset", "config", "backend")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GatherConfig:
+    """Tuning knobs of the gather kernel (hashable, so it can be a static argument).
+
+    Attributes:
+        block_rows: rows per program (a power of 2). The Triton kernel holds
+            `block_rows * W` words per program in registers.
+        num_warps: warps per program (Triton).
+        num_stages: software-pipelining depth (Triton; matters for ``schedule="loop"``).
+        schedule: ``"grid"`` runs one program per (row block, layer entry); ``"loop"`` runs one
+            program per row block that walks every layer entry (indices loaded once).
+        eviction_policy: Triton cache hint for the streaming loads and stores
+            (``None``, ``"evict_first"`` or ``"evict_last"``).
+    """
+
+    block_rows: int = 32
+    num_warps: int = 8
+    num_stages: int = 1
+    schedule: str = "grid"
+    eviction_policy: str | None = None
+
+    def __post_init__(self):
+        if self.block_rows <= 0 or self.block_rows & (self.block_rows - 1):
+            raise ValueError(f"{self.block_rows=} must be a positive power of 2")
+        if self.num_warps <= 0 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"{self.num_warps=} must be a positive power of 2")
+        if self.num_stages <= 0:
+            raise ValueError(f"{self.num_stages=} must be positive")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"{self.schedule=} must be one of {SCHEDULES}")
+        if self.eviction_policy not in (None, "evict_first", "evict_last"):
+            raise ValueError(f"{self.eviction_policy=} must be None, 'evict_first' or 'evict_last'")
+
+    @classmethod
+    def default(cls) -> "GatherConfig":
+        """The configuration measured fastest on one H200 (benchmarks/results/pack_h200.md)."""
+        return cls()
+
+
+def word_dtype(item_lens: Sequence[int], offset: int = 0) -> np.dtype:
+    """Widest word (uint32, uint16 or uint8) dividing every row length and the offset.
+
+    Args:
+        item_lens: bytes per row of each layer entry (positive ints).
+        offset: byte offset of the pack region.
+
+    Returns:
+        The numpy dtype to view rows and pack as.
+
+    Raises:
+        ValueError: `item_lens` empty or not positive, or `offset` negative.
+    """
+    item_lens = [int(x) for x in item_lens]
+    if not item_lens or min(item_lens) <= 0:
+        raise ValueError(f"{item_lens=} must be a non-empty list of positive byte counts")
+    if offset < 0:
+        raise ValueError(f"{offset=} must be >= 0")
+    for dt in WORD_DTYPES:
+        if all(x % dt.itemsize == 0 for x in item_lens) and offset % dt.itemsize == 0:
+            return dt
+    return WORD_DTYPES[-1]
+
+
+def bucket_rows(n: int, block_rows: int = GatherConfig.block_rows) -> int:
+    """Padded row count: the next power of 2 >= max(n, block_rows), so few shapes compile.
+
+    Args:
+        n: rows to gather (>= 0).
+        block_rows: the kernel's rows per program (a power of 2).
+
+    Returns:
+        The bucket size in rows, a multiple of `block_rows`.
+    """
+    if n < 0:
+        raise ValueError(f"{n=} must be >= 0")
+    return max(block_rows, 1 << max(0, (n - 1).bit_length()))
+
+
+def pow2_chunks(width: int) -> tuple[tuple[int, int], ...]:
+    """Split a row of `width` words into power-of-2 pieces, largest first.
+
+    The Triton lowering needs every load/store to have a power-of-2 element count:
+    288 -> ((0, 256), (256, 32)); 576 -> ((0, 512), (512, 64)); 5 -> ((0, 4), (4, 1)).
+    """
+    chunks, off = [], 0
+    while off < width:
+        size = 1 << ((width - off).bit_length() - 1)
+        chunks.append((off, size))
+        off += size
+    return tuple(chunks)
+
+
+def _pow2_factor(x: int, cap: int = 16) -> int:
+    """Largest power of 2 dividing x, at most `cap` (x = 0 counts as divisible by cap)."""
+    if x == 0:
+        return cap
+    return min(cap, x & -x)
+
+
+def select_backend(backend: str = "auto") -> str:
+    """Resolve ``"auto"`` by device and JAX version; validate explicit choices.
+
+    Raises:
+        ValueError: unknown `backend`, or a GPU backend requested without a GPU.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"{backend=} must be one of {BACKENDS}")
+    on_gpu = jax.default_backend() == "gpu"
+    if backend == "auto":
+        if not on_gpu:
+            return "interpret"
+        version = tuple(int(p) for p in jax.__version__.split(".")[:2])
+        # The Triton lowering is deprecated from 0.11 and its pallas_call path breaks on 0.12.
+        return "triton" if version < (0, 12) else "mosaic"
+    if backend in ("triton", "mosaic") and not on_gpu:
+        raise ValueError(f"{backend=} needs a CUDA GPU; use backend='interpret' on CPU")
+    return backend
+
+
+# --------------------------------------------------------------------------- kernel body
+
+
+def _copy_layer(src_ref, out_ref, idx, rows, valid, base, *, width, layer, stacked, evict):
+    """Copy `block_rows` gathered rows of one layer entry into the flat pack.
+
+    src_ref: [R, W] block (stacked "grid" schedule squeezes L) or [L, R, W] ("loop").
+    out_ref: [P] words, the whole pack. idx/rows/valid: [block_rows]. base: word offset of
+    the entry's region (a scalar with a divisibility hint).
+    """
+    from jax.experimental.pallas import triton as pltriton
+
+    for off, size in pow2_chunks(width):
+        cols = pl.ds(off, size)
+        if layer is None:
+            vals = src_ref[idx, cols]  # [block_rows, size] data-dependent gather
+        else:
+            vals = src_ref[layer, idx, cols]
+        flat = base + rows[:, None] * width + (off + jnp.arange(size, dtype=jnp.int32))[None, :]
+        mask = jnp.broadcast_to(valid[:, None], (rows.shape[0], size))
+        pltriton.store(out_ref.at[flat], vals, mask=mask, eviction_policy=evict)
+
+
+def _gather_kernel(
+    meta_ref,  # i32[2]: (num_rows, offset in words)
+    idx_ref,  # i32[block_rows]
+    *refs,  # src refs (one stacked or L list entries), pack_in [P] (aliased), out [P]
+    widths: tuple[int, ...],
+    stacked: bool,
+    schedule: str,
+    block_rows: int,
+    align: tuple[int, ...],
+    evict: str | None,
+):
+    src_refs, out_ref = refs[:-2], refs[-1]
+    num_layers = len(widths)
+    i = pl.program_id(0)
+    n = meta_ref[0]
+    offset = meta_ref[1]
+    rows = i * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+    valid = rows < n
+    # Masked rows read row 0 (always in range) and store nothing.
+    idx = jnp.where(valid, idx_ref[...], 0)
+    prefix = [0]
+    for w in widths:
+        prefix.append(prefix[-1] + w)
+
+    def base_of(l):
+        # n * prefix[l] is divisible by prefix[l]'s power-of-2 factor; offset by its own, so the
+        # hint keeps 16-byte vector stores (Triton cannot see it through the loaded scalar).
+        return pl.multiple_of(offset + n * prefix[l], align[l])
+
+    copy = functools.partial(_copy_layer, out_ref=out_ref, idx=idx, rows=rows, valid=valid,
+                             evict=evict)
+    if schedule == "grid":
+        layer = pl.program_id(1)
+        if stacked:
+            # The src block is already layer `layer` ([R, W], L squeezed).
+            base = pl.multiple_of(offset + n * widths[0] * layer, min(align[0], _pow2_factor(widths[0])))
+            copy(src_refs[0], base=base, width=widths[0], layer=None, stacked=True)
+        else:
+            for l in range(num_layers):
+                @pl.when(layer == l)
+                def _(l=l):
+                    copy(src_refs[l], base=base_of(l), width=widths[l], layer=None, stacked=False)
+    else:
+        for l in range(num_layers):
+            if stacked:
+                copy(src_refs[0], base=base_of(l), width=widths[l], layer=l, stacked=True)
+            else:
+                copy(src_refs[l], base=base_of(l), width=widths[l], layer=None, stacked=False)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _layer_shapes(src) -> tuple[bool, list[tuple[int, int]], Any]:
+    """(stacked, [(rows, width)] per layer entry, dtype); raises on bad ndim / dtype."""
+    if isinstance(src, (list, tuple)):
+        if not src:
+            raise ValueError("src must hold at least one layer entry")
+        shapes, dtypes = [], set()
+        for l, a in enumerate(src):
+            if a.ndim != 2:
+                raise ValueError(f"src[{l}] must be 2-D [rows, width], got shape {a.shape}")
+            shapes.append((int(a.shape[0]), int(a.shape[1])))
+            dtypes.add(np.dtype(a.dtype))
+        if len(dtypes) != 1:
+            raise TypeError(f"src entries must share one dtype, got {sorted(map(str, dtypes))}")
+        return False, shapes, dtypes.pop()
+    if src.ndim != 3:
+        raise ValueError(f"src must be [L, R, W] or a list of [R, W] arrays, got shape {src.shape}")
+    L, R, W = (int(d) for d in src.shape)
+    return True, [(R, W)] * L, np.dtype(src.dtype)
+
+
+def _static_validate(src, indices, pack, offset):
+    stacked, shapes, dtype = _layer_shapes(src)
+    if dtype not in WORD_DTYPES:
+        raise TypeError(f"src dtype {dtype} must be one of uint32/uint16/uint8 (view rows as words)")
+    if pack.ndim != 1:
+        raise ValueError(f"pack must be 1-D, got shape {pack.shape}")
+    if np.dtype(pack.dtype) != dtype:
+        raise TypeError(f"pack dtype {pack.dtype} must equal the src dtype {dtype}")
+    if indices.ndim != 1:
+        raise ValueError(f"indices must be 1-D, got shape {indices.shape}")
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise TypeError(f"indices dtype {indices.dtype} must be an integer type")
+    if not isinstance(offset, (int, np.integer)) or offset < 0:
+        raise ValueError(f"{offset=} must be a non-negative int (words)")
+    if shapes and min(w for _, w in shapes) <= 0:
+        raise ValueError(f"every layer width must be positive, got {[w for _, w in shapes]}")
+    return stacked, shapes
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC_ARGNAMES, donate_argnames=("pack",))
+def gather_rows(
+    src,
+    indices: jax.Array,
+    pack: jax.Array,
+    num_rows: jax.Array | int | None = None,
+    *,
+    offset: int = 0,
+    config: GatherConfig = GatherConfig(),
+    backend: str = "auto",
+) -> jax.Array:
+    """Gather rows of every layer entry into the flat pack, layer-major, in place.
+
+    For entry l (width W_l words) and j < n: pack[offset + off_l + j*W_l : ... + W_l] =
+    src[l][indices[j]], off_l = sum_{k<l} n*W_k. Words outside these ranges keep their value.
+
+    Args:
+        src: u32/u16/u8[L, R, W] (stacked) or a list of u*[R_l, W_l] arrays (one per layer
+            entry; widths may differ). Rows are words of the dtype, not bytes.
+        indices: int[m] source rows (m >= n; rows past n are ignored, any value). Indices are
+            clamped to [0, R-1] so the kernel never reads out of bounds; `pack_rows` checks
+            them and raises instead.
+        pack: 1-D array of the src dtype, donated; the result aliases its memory.
+        num_rows: n, rows to gather (int or traced int32 scalar; default m). n is clamped so
+            the layer-major region never extends past the end of `pack`.
+        offset: word offset of this region inside `pack` (static).
+        config: `GatherConfig` tuning knobs (static).
+        backend: "auto", "triton", "mosaic" or "interpret" (static; see module docstring).
+
+    Returns:
+        The pack (same shape and dtype), written in place when the input was donated.
+
+    Raises:
+        ValueError: wrong ndim, widths, offset, or a GPU backend without a GPU.
+        TypeError: mixed or unsupported dtypes.
+    """
+    stacked, shapes = _static_validate(src, indices, pack, offset)
+    backend = select_backend(backend)
+    widths = tuple(w for _, w in shapes)
+    m = int(indices.shape[0])
+    total_w = sum(widths)
+    n = jnp.asarray(m if num_rows is None else num_rows, jnp.int32)
+    # Never write past the pack, whatever n says.
+    n = jnp.clip(n, 0, min(m, (int(pack.shape[0]) - offset) // total_w))
+    min_rows = min(r for r, _ in shapes)
+    idx = jnp.clip(indices.astype(jnp.int32), 0, min_rows - 1)
+    if m == 0:
+        return pack
+    if backend == "mosaic":
+        from pallas_kernels import mosaic_gather
+
+        return mosaic_gather.gather_rows_mosaic(src, idx, pack, n, offset=offset,
+                                                widths=widths, config=config)
+    return _gather_triton(src, idx, pack, n, offset=offset, shapes=tuple(shapes), stacked=stacked,
+                          config=config, interpret=backend == "interpret")
+
+
+def _gather_triton(src, idx, pack, n, *, offset, shapes, stacked, config, interpret):
+    from jax.experimental.pallas import triton as pltriton
+
+    widths = tuple(w for _, w in shapes)
+    br = config.block_rows
+    m = int(idx.shape[0])
+    m_pad = -(-m // br) * br
+    if m_pad != m:
+        idx = jnp.pad(idx, (0, m_pad - m))
+    num_blocks = m_pad // br
+    prefix = np.concatenate([[0], np.cumsum(widths)])
+    align = tuple(min(_pow2_factor(offset), _pow2_factor(int(p))) for p in prefix[:-1])
+    meta = jnp.stack([n, jnp.asarray(offset, jnp.int32)])
+    P = int(pack.shape[0])
+    L = len(widths)
+    srcs = [src] if stacked else list(src)
+    if config.schedule == "grid":
+        grid = (num_blocks, L)
+        small = lambda i, l: (0,)  # noqa: E731
+        idx_map = lambda i, l: (i,)  # noqa: E731
+        if stacked:
+            R, W = shapes[0]
+            src_specs = [pl.BlockSpec((None, R, W), lambda i, l: (l, 0, 0))]
+        else:
+            src_specs = [pl.BlockSpec(s, lambda i, l: (0, 0)) for s in shapes]
+        pack_spec = pl.BlockSpec((P,), lambda i, l: (0,))
+    else:
+        grid = (num_blocks,)
+        small = lambda i: (0,)  # noqa: E731
+        idx_map = lambda i: (i,)  # noqa: E731
+        if stacked:
+            src_specs = [pl.BlockSpec(tuple(src.shape), lambda i: (0, 0, 0))]
+        else:
+            src_specs = [pl.BlockSpec(s, lambda i: (0, 0)) for s in shapes]
+        pack_spec = pl.BlockSpec((P,), lambda i: (0,))
+    kernel = functools.partial(
+        _gather_kernel, widths=widths, stacked=stacked, schedule=config.schedule,
+        block_rows=br, align=align, evict=config.eviction_policy)
+    n_in = 2 + len(srcs)
+    call = pl.pallas_call(
+        kernel,
+        grid=grid,
+        # The aliased pack input gets the output's BlockSpec (an ANY-space alias crashes
+        # interpret mode on 0.11+ with ragged blocks; on Triton it is never read).
+        in_specs=[pl.BlockSpec((2,), small), pl.BlockSpec((br,), idx_map), *src_specs, pack_spec],
+        out_specs=pack_spec,
+        out_shape=jax.ShapeDtypeStruct(pack.shape, pack.dtype),
+        input_output_aliases={n_in: 0},
+        compiler_params=None if interpret else pltriton.CompilerParams(
+            num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name=f"kv_gather_{config.schedule}_{br=}_{L=}",
+    )
+    return call(meta, idx, *srcs, pack)
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def gather_rows_reference(src, indices, pack, num_rows=None, *, offset: int = 0) -> jax.Array:
+    """`gather_rows` in plain `jnp.take` (the oracle; same arguments and result).
+
+    Args:
+        src: [L, R, W] or a list of [R_l, W_l] arrays (one integer dtype).
+        indices: int[m]; the first `num_rows` are used.
+        pack: 1-D array of the src dtype (not modified; a new array is returned).
+        num_rows: n (Python int, default m).
+        offset: word offset of the region.
+
+    Returns:
+        A copy of `pack` with the layer-major region written.
+    """
+    stacked, shapes = _static_validate(src, indices, pack, offset)
+    n = int(indices.shape[0]) if num_rows is None else int(num_rows)
+    layers = [src[l] for l in range(len(shapes))] if stacked else list(src)
+    idx = jnp.asarray(indices)[:n]
+    pieces = [jnp.take(jnp.asarray(a), idx, axis=0).reshape(-1) for a in layers]
+    region = jnp.concatenate(pieces) if pieces else jnp.zeros((0,), pack.dtype)
+    return jnp.asarray(pack).at[offset:offset + region.shape[0]].set(region)
+
+
+
+
+# --------------------------------------------------------------------------- host contract
+
+_IMPORTED_LAYERS: dict[tuple, Any] = {}  # (ptr, shape, dtype) -> JAX view of a CuPy layer
+_MAX_CACHED_LAYERS = 1024
+
+
+def _is_cupy(a) -> bool:
+    return type(a).__module__.split(".")[0] == "cupy"
+
+
+def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
+              config: GatherConfig | None = None) -> int:
+    """Gather rows of every KV layer buffer into the registered pack buffer, in place.
+
+    Layer-major (spec section 6): entry l goes to bytes
+    `[offset + off_l, offset + off_l + n * item_len_l)`, `off_l = sum_{k<l} n * item_len_k`,
+    row j of it being `layers[l][indices[j]]`. No other byte of `pack` changes.
+
+    numpy (host memory): one `np.take(..., out=view)` per layer straight into the pack (one
+    copy, no temporaries). CuPy (device memory): each layer is viewed as words and imported by
+    DLPack (zero-copy, cached), the pack is imported afresh (the donated handle is consumed)
+    and the jitted Pallas kernel writes into the CuPy memory; the call returns once the
+    bytes are there.
+
+    Args:
+        layers: sequence of u8[num_rows_l, kv_item_len_l] arrays (numpy or CuPy, all of the
+            pack's kind), sharing one row index space.
+        indices: int[n] source rows (numpy, CuPy or a Python sequence).
+        pack: u8[size] (numpy or CuPy), C-contiguous: the registered pack buffer.
+        offset: byte offset of this rank's region inside `pack`.
+        backend: "auto" (numpy: "numpy"; CuPy: see `select_backend`), "numpy", "interpret",
+            "triton" or "mosaic".
+        config: kernel tuning (`GatherConfig.default()` when None).
+
+    Returns:
+        Bytes written, `n * sum(kv_item_len)`.
+
+    Raises:
+        ValueError: bad ndim, empty `layers`, negative or out-of-range `indices`, negative
+            `offset`, or a region that would extend past the end of `pack`.
+        TypeError: non-uint8 buffers, mixed numpy/CuPy, or non-integer `indices`.
+        RuntimeError: the device kernel did not write in place (a copy was made).
+    """
+    if not isinstance(layers, (list, tuple)) or not layers:
+        raise ValueError("layers must be a non-empty list of 2-D uint8 arrays")
+    on_device = _is_cupy(pack)
+    for l, a in enumerate(layers):
+        if _is_cupy(a) != on_device:
+            raise TypeError(f"layers[{l}] and pack must both be numpy or both CuPy arrays")
+        if a.ndim != 2:
+            raise ValueError(f"layers[{l}] must be 2-D [num_rows, kv_item_len], got {a.shape}")
+        if a.dtype != np.uint8:
+            raise TypeError(f"layers[{l}] dtype {a.dtype} must be uint8 (view rows as bytes)")
+    if pack.ndim != 1 or pack.dtype != np.uint8:
+        raise ValueError(f"pack must be a 1-D uint8 array, got {pack.dtype}{list(pack.shape)}")
+    if not pack.flags.c_contiguous:
+        raise ValueError("pack must be C-contiguous")
+    if not isinstance(offset, (int, np.integer)) or offset < 0:
+        raise ValueError(f"{offset=} must be a non-negative int (bytes)")
+    offset = int(offset)
+    if on_device and _is_cupy(indices):
+        idx = indices
+    else:
+        idx = np.asarray(indices)
+        if idx.size == 0:
+            idx = idx.astype(np.int64)
+    if idx.ndim != 1:
+        raise ValueError(f"indices must be 1-D, got shape {idx.shape}")
+    if not np.issubdtype(idx.dtype, np.integer):
+        raise TypeError(f"indices dtype {idx.dtype} must be an integer type")
+    n = int(idx.shape[0])
+    item_lens = [int(a.shape[1]) for a in layers]
+    total = n * sum(item_lens)
+    if offset + total > pack.nbytes:
+        raise ValueError(
+            f"pack region overflow: {offset=} + {n} rows x {sum(item_lens)} B = "
+            f"{offset + total} B > pack of {pack.nbytes} B")
+    if n == 0:
+        return 0
+    num_rows = min(int(a.shape[0]) for a in layers)
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0:
+        raise ValueError(f"indices must be >= 0, got min {lo}")
+    if hi >= num_rows:
+        raise ValueError(f"indices must be < num_rows={num_rows} of every layer, got max {hi}")
+    if backend == "auto":
+        backend = "numpy" if not on_device else select_backend("auto")
+    if backend == "numpy":
+        if on_device:
+            raise ValueError("backend='numpy' needs numpy (host) buffers")
+        pos = offset
+        for a, w in zip(layers, item_lens):
+            # mode="clip" (indices are checked above) avoids np.take's buffered "raise" path.
+            np.take(a, idx, axis=0, out=pack[pos:pos + n * w].reshape(n, w), mode="clip")
+            pos += n * w
+        return total
+    config = GatherConfig.default() if config is None else config
+    if on_device:
+        _pack_rows_device(layers, idx, pack, offset, item_lens, backend, config)
+    else:
+        _pack_rows_host_pallas(layers, idx, pack, offset, item_lens, backend, config)
+    return total
+
+
+def _pack_rows_host_pallas(layers, idx, pack, offset, item_lens, backend, config):
+    """numpy buffers through the Pallas kernel (interpret on CPU): result copied back once."""
+    dt = word_dtype(item_lens, offset)
+    n = idx.shape[0]
+    m = bucket_rows(n, config.block_rows)
+    idx_pad = np.zeros(m, np.int32)
+    idx_pad[:n] = idx
+    srcs = [jnp.asarray(a.view(dt)) for a in layers]
+    out = gather_rows(srcs, jnp.asarray(idx_pad), jnp.asarray(pack.view(dt)), n,
+                      offset=offset // dt.itemsize, config=config, backend=backend)
+    total = n * sum(item_lens)
+    pack[offset:offset + total] = np.asarray(out).view(np.uint8)[offset:offset + total]
+
+
+def _pack_rows_device(layers, idx, pack, offset, item_lens, backend, config):
+    import cupy as cp
+
+    dt = word_dtype(item_lens, offset)
+    srcs = []
+    for a in layers:
+        key = (a.data.ptr, a.shape, a.strides)
+        view = _IMPORTED_LAYERS.get(key)
+        if view is None:
+            if len(_IMPORTED_LAYERS) >= _MAX_CACHED_LAYERS:
+                _IMPORTED_LAYERS.clear()
+            view = jax.dlpack.from_dlpack(cp.ascontiguousarray(a).view(dt))
+            _IMPORTED_LAYERS[key] = view
+        srcs.append(view)
+    n = int(idx.shape[0])
+    m = bucket_rows(n, config.block_rows)
+    idx_pad = cp.zeros(m, cp.int32)
+    idx_pad[:n] = cp.asarray(idx).astype(cp.int32)
+    # The donated pack handle is consumed by the call: import afresh on every pack.
+    pack_j = jax.dlpack.from_dlpack(pack.view(dt))
+    out = gather_rows(srcs, jax.dlpack.from_dlpack(idx_pad), pack_j, n,
+                      offset=offset // dt.itemsize, config=config, backend=backend)
+    out.block_until_ready()
+    in_place = out.unsafe_buffer_pointer() == pack.data.ptr
+    del out
+    if not in_place:
+        raise RuntimeError("the Pallas call did not write into the CuPy pack (XLA copied it); "
+                           "is the pack still referenced elsewhere in JAX?")
+
+
+def clear_import_cache() -> None:
+    """Forget the cached DLPack views of CuPy layer buffers (call before freeing them)."""
+    _IMPORTED_LAYERS.clear()
+
+
+__all__ = [
+    "BACKENDS",
+    "clear_import_cache",
+    "pack_rows",
+    "GatherConfig",
+    "bucket_rows",
+    "gather_rows",
+    "gather_rows_reference",
+    "pow2_chunks",
+    "select_backend",
+    "word_dtype",
+]
