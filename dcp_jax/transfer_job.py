@@ -1,0 +1,1119 @@
+"""The main job: ship one request's KV from prefill processes to DCP decode-rank processes.
+
+``dcp-jax transfer`` (see ``dcp_jax.cli``) calls :func:`run_job`. It starts ``prefill_dcp_size``
+prefill processes and ``dcp_size`` decode-rank processes (multiprocessing *spawn*), each with one
+transfer engine (NIXL or Mooncake) created once and reused for every mode. Control messages travel
+over Pipes: engine ``PeerInfo``, page tables, layer base addresses, per-chunk completions, results.
+
+One request, per mode:
+
+1. Every decode rank takes its page table from a seeded shuffled free list of its pool (as a real
+   allocator leaves it), fills its whole registered pool with :data:`~dcp_jax.kv_data.SENTINEL_BYTE`
+   and tells the prefill side ``dst_pages`` and its layer base addresses.
+2. The prefill side (KV filled once with the deterministic pattern of ``dcp_jax.kv_data``, in pages
+   drawn the same way) plans every (chunk, destination rank) with ``dcp_jax.plan`` and sends:
+
+   - ``direct``: descriptors straight from the KV buffers (token round-robin: one per token per
+     layer entry);
+   - ``packed``: the rank's rows of every layer entry are gathered (``pallas_kernels.pack_rows``)
+     into the rank's fixed region of the registered pack buffer, layer-major, then one descriptor
+     per destination page run per layer entry.
+
+   All layer entries of one (chunk, rank) are ONE engine call (or one per ``max_batch_indices``
+   window, sent in order, stopping at the first failure). Packs for all ranks are in flight at
+   once in their own regions; a region slot is rewritten only after the transfer reading it has
+   completed (chunk barrier). Each region holds as many chunk slots as fit, so with
+   ``chunk_tokens`` the pack of chunk k+1 overlaps the transfer of chunk k. Rows that do not fit
+   a region are sent in slices (gather, send, wait, repeat); a region that holds no row falls back
+   to per-row descriptors with a logged warning. Nothing is ever written past a region.
+3. After a batch completes, the prefill sends the rank a completion message (with per-layer CRC-32
+   checksums when ``verify``). The decode rank waits for the engine's own notification too (NIXL)
+   before it reads the chunk; with ``verify`` it checks the checksums on arrival.
+4. Every decode rank then verifies its whole pool byte for byte against the pattern (received rows
+   hold their token's bytes; every other row still holds the sentinel). This full check, computed
+   from the spec's ownership formulas independently of the planner, is the test of record; it runs
+   always. The job's result is not verified if any byte of any rank is wrong.
+
+The prefill side is a reusable :class:`PrefillServer`; a request that fails (a decode rank killed
+mid-transfer, an engine error) raises :class:`RequestFailed` naming the rank and chunk within the
+configured timeout, after every in-flight handle was waited or aborted and every pack region freed,
+so the server can serve the next request to the ranks that remain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection, wait as conn_wait
+from typing import Any
+
+import numpy as np
+
+from dcp_jax.geometry import ModelGeometry, get_geometry
+from dcp_jax.kv_data import (
+    SENTINEL_BYTE,
+    allocate_pages,
+    fill_rows,
+    page_rows,
+    rows_checksum,
+    verify_rows,
+)
+
+__all__ = [
+    "MODES",
+    "ENGINES",
+    "JobConfig",
+    "RequestFailed",
+    "PrefillServer",
+    "DecodeProcess",
+    "start_decode_processes",
+    "decode_owned_tokens",
+    "run_job",
+]
+
+logger = logging.getLogger(__name__)
+
+MODES = ("direct", "packed")
+ENGINES = ("nixl", "mooncake", "auto")
+
+# Engines log to stderr on their own; keep loopback traffic and quiet logs unless the user set them.
+_ENGINE_ENV = {
+    "UCX_NET_DEVICES": "lo",
+    "UCX_LOG_LEVEL": "fatal",
+    "NIXL_LOG_LEVEL": "WARN",
+    "MC_LOG_LEVEL": "ERROR",
+}
+
+
+def _engine_env() -> None:
+    for k, v in _ENGINE_ENV.items():
+        os.environ.setdefault(k, v)
+
+
+# ------------------------------------------------------------------------------------------------
+# Configuration
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+    """Knobs of one ``dcp-jax transfer`` run (all sizes in tokens unless stated).
+
+    Attributes:
+        model: geometry name (``dcp_jax.geometry``), e.g. ``"deepseek-v3"``.
+        prompt_tokens: request length L (prefix included).
+        page_size: tokens per KV page P, both sides.
+        dcp_size: decode ranks N (processes).
+        prefill_dcp_size: prefill ranks M (processes); each holds its own shard.
+        interleave_size: decode-side interleave I (1 = token round-robin).
+        prefill_interleave_size: prefill-side interleave when ``prefill_dcp_size > 1``.
+        chunk_tokens: chunked prefill: send the request in chunks of this many tokens (a multiple
+            of ``page_size``); None sends it as one chunk.
+        prefix_tokens: tokens the decode side already holds (not sent); a multiple of
+            ``lcm(P*N, I*N)``.
+        modes: subset of :data:`MODES`, run in this order.
+        engine: ``"nixl"``, ``"mooncake"`` or ``"auto"``.
+        max_batch_indices: split each (chunk, rank) into windows of at most this many rows.
+        pack_tokens: the pack buffer serves chunks of up to this many tokens
+            (``N * ceil(pack_tokens / N) * sum(item_len)`` bytes); default: the whole send range.
+            Smaller values force sliced packing.
+        verify: also send a CRC-32 per (chunk, rank, layer) with each completion and check it on
+            arrival (the full byte verification runs regardless).
+        seed: seeds the KV pattern and the page allocators.
+        timeout_s: deadline for any single wait (engine, notification, control message), seconds.
+        pool_slack: each side's page pool is this many times the pages the request needs.
+        corrupt_rank: test hook: this decode rank flips one received byte on arrival of its first
+            chunk (checks that verification catches it).
+        die_rank: test hook: this decode rank SIGKILLs itself after ``die_after_chunks`` chunks.
+        die_after_chunks: see ``die_rank``.
+
+    Raises:
+        ValueError: any value out of range; the message names the argument.
+    """
+
+    model: str = "deepseek-v3"
+    prompt_tokens: int = 32768
+    page_size: int = 64
+    dcp_size: int = 8
+    prefill_dcp_size: int = 1
+    interleave_size: int = 1
+    prefill_interleave_size: int = 1
+    chunk_tokens: int | None = None
+    prefix_tokens: int = 0
+    modes: tuple[str, ...] = MODES
+    engine: str = "nixl"
+    max_batch_indices: int | None = None
+    pack_tokens: int | None = None
+    verify: bool = False
+    seed: int = 0
+    timeout_s: float = 60.0
+    pool_slack: float = 1.25
+    corrupt_rank: int | None = None
+    die_rank: int | None = None
+    die_after_chunks: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "modes", tuple(self.modes))
+        get_geometry(self.model)  # raises ValueError listing the valid names
+        for name in ("prompt_tokens", "page_size", "dcp_size", "prefill_dcp_size",
+                     "interleave_size", "prefill_interleave_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an int >= 1")
+        if isinstance(self.prefix_tokens, bool) or not isinstance(self.prefix_tokens, int) or self.prefix_tokens < 0:
+            raise ValueError(f"prefix_tokens={self.prefix_tokens!r} must be an int >= 0")
+        if self.prefix_tokens >= self.prompt_tokens:
+            raise ValueError(f"prefix_tokens={self.prefix_tokens} must be < prompt_tokens={self.prompt_tokens}")
+        n, p, i = self.dcp_size, self.page_size, self.interleave_size
+        align = math.lcm(p * n, i * n)
+        if self.prefix_tokens % align:
+            raise ValueError(
+                f"prefix_tokens={self.prefix_tokens} must be a multiple of {align} "
+                f"(lcm(page_size*dcp_size, interleave_size*dcp_size))")
+        if self.chunk_tokens is not None:
+            if isinstance(self.chunk_tokens, bool) or not isinstance(self.chunk_tokens, int) or self.chunk_tokens < 1:
+                raise ValueError(f"chunk_tokens={self.chunk_tokens!r} must be an int >= 1 (or None)")
+            if self.chunk_tokens % p:
+                raise ValueError(f"chunk_tokens={self.chunk_tokens} must be a multiple of page_size={p}")
+        if not self.modes or any(md not in MODES for md in self.modes):
+            raise ValueError(f"modes={self.modes!r} must be a non-empty subset of {MODES}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine={self.engine!r} must be one of {ENGINES}")
+        for name in ("max_batch_indices", "pack_tokens"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name}={v!r} must be an int >= 1 (or None)")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0 seconds")
+        if not self.pool_slack >= 1.0:
+            raise ValueError(f"pool_slack={self.pool_slack!r} must be >= 1.0")
+        for name in ("corrupt_rank", "die_rank"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v < self.dcp_size:
+                raise ValueError(f"{name}={v!r} must be in [0, dcp_size={self.dcp_size})")
+
+    @property
+    def geometry(self) -> ModelGeometry:
+        return get_geometry(self.model)
+
+    @property
+    def send_tokens(self) -> int:
+        """Tokens actually sent: ``prompt_tokens - prefix_tokens``."""
+        return self.prompt_tokens - self.prefix_tokens
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """``(start, length)`` of every chunk in absolute token positions, in order."""
+        c = self.chunk_tokens or self.send_tokens
+        return [(s, min(c, self.prompt_tokens - s)) for s in range(self.prefix_tokens, self.prompt_tokens, c)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Ownership, computed straight from the spec's formulas (section 2). The decode ranks use this
+# brute-force form to verify what they received, independently of the planner being exercised.
+# ------------------------------------------------------------------------------------------------
+def _owner(t: np.ndarray, n: int, i: int) -> np.ndarray:
+    return (t // i) % n
+
+
+def _local_index(t: np.ndarray, n: int, i: int) -> np.ndarray:
+    return (t // (i * n)) * i + t % i
+
+
+def decode_owned_tokens(start: int, stop: int, dcp_size: int, dcp_rank: int, interleave_size: int
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens of ``[start, stop)`` that rank ``dcp_rank`` owns, and their dense local index.
+
+    The local index is counted from ``start`` (``local_index(t) - local_len(start, r)``), i.e. the
+    position inside the rank's page table for the send range (spec sections 2-4). Brute force over
+    every token, owner by definition.
+
+    Args:
+        start, stop: absolute token positions (tokens), ``0 <= start <= stop``.
+        dcp_size, dcp_rank, interleave_size: N, r, I.
+
+    Returns:
+        ``(tokens, local)``: two int64 [n] arrays in token order.
+    """
+    t = np.arange(start, stop, dtype=np.int64)
+    t = t[_owner(t, dcp_size, interleave_size) == dcp_rank]
+    base = int(np.count_nonzero(_owner(np.arange(start, dtype=np.int64), dcp_size, interleave_size) == dcp_rank)) \
+        if start else 0
+    local = _local_index(t, dcp_size, interleave_size) - base
+    return t, local
+
+
+def _pages_for(rows: int, page_size: int) -> int:
+    return -(-rows // page_size)
+
+
+def _pool_pages(pages: int, slack: float) -> int:
+    return max(pages + 1, int(math.ceil(pages * slack)) + 1)
+
+
+def _rng(seed: int, *key: int) -> np.random.Generator:
+    return np.random.default_rng([seed & 0xFFFFFFFF, *key])
+
+
+def _layer_views(buf: np.ndarray, pool_rows: int, item_lens: Sequence[int]) -> tuple[list[np.ndarray], list[int]]:
+    """Views ``uint8 [pool_rows, item_len_l]`` of a layer-major buffer, and their byte offsets."""
+    views, offs, off = [], [], 0
+    for il in item_lens:
+        views.append(buf[off: off + pool_rows * il].reshape(pool_rows, il))
+        offs.append(off)
+        off += pool_rows * il
+    return views, offs
+
+
+# ------------------------------------------------------------------------------------------------
+# Errors
+# ------------------------------------------------------------------------------------------------
+class RequestFailed(RuntimeError):
+    """A request could not be delivered; raised by the prefill side after cleaning up.
+
+    Attributes:
+        dcp_rank: decode rank whose transfer failed (None if not rank-specific).
+        chunk: chunk index that failed (None if not chunk-specific).
+        cause: the underlying error's text.
+    """
+
+    def __init__(self, message: str, *, dcp_rank: int | None = None, chunk: int | None = None, cause: str = ""):
+        self.dcp_rank, self.chunk, self.cause = dcp_rank, chunk, cause
+        super().__init__(f"{message} (dcp_rank={dcp_rank}, chunk={chunk}){': ' + cause if cause else ''}")
+
+    def __reduce__(self):
+        return (_rebuild_failed, (self.args[0], self.dcp_rank, self.chunk, self.cause))
+
+
+def _rebuild_failed(text, rank, chunk, cause):
+    e = RequestFailed.__new__(RequestFailed)
+    e.dcp_rank, e.chunk, e.cause = rank, chunk, cause
+    RuntimeError.__init__(e, text)
+    return e
+
+
+# ------------------------------------------------------------------------------------------------
+# Plans (the only place that calls dcp_jax.plan)
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Target:
+    dcp_rank: int
+    peer: str
+    layer_bases: np.ndarray  # i64[L] absolute addresses of each layer entry's row 0
+    dst_pages: np.ndarray
+    conn: Connection | None
+
+
+def _prefill_page_table(cfg: JobConfig, prefill_rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Prefill rank's (tokens, local index, page table, pool pages) for the send range.
+
+    Deterministic in ``cfg.seed``, so every prefill rank can rebuild every other rank's table
+    (the DCP-M -> DCP-N planner takes all of them).
+    """
+    tokens, local = decode_owned_tokens(cfg.prefix_tokens, cfg.prompt_tokens, cfg.prefill_dcp_size,
+                                        prefill_rank, cfg.prefill_interleave_size)
+    num_pages = _pages_for(len(tokens), cfg.page_size)
+    pool = _pool_pages(num_pages, cfg.pool_slack)
+    return tokens, local, allocate_pages(num_pages, pool, _rng(cfg.seed, 1, prefill_rank)), pool
+
+
+def _chunk_plans(cfg: JobConfig, prefill_rank: int, src_pages: np.ndarray, chunk: tuple[int, int],
+                 targets: Sequence[_Target], dcp_size: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """{dcp_rank: (src rows, dst rows)} int64 of one chunk from this prefill rank, via dcp_jax.plan."""
+    from dcp_jax import plan as planmod
+
+    p = cfg.page_size
+    start, length = chunk
+    out = {}
+    if cfg.prefill_dcp_size == 1:
+        off_pages = (start - cfg.prefix_tokens) // p
+        pages = src_pages[off_pages: off_pages + _pages_for(length, p)]
+        for tgt in targets:
+            tp = planmod.build_token_transfer_plan(
+                pages, tgt.dst_pages, page_size=p, dcp_size=dcp_size, dcp_rank=tgt.dcp_rank,
+                interleave_size=cfg.interleave_size, src_page_offset=off_pages,
+                decode_prefix_len=cfg.prefix_tokens, num_kv_tokens=length)
+            out[tgt.dcp_rank] = (np.asarray(tp.src_token_indices, np.int64),
+                                 np.asarray(tp.dst_token_indices, np.int64))
+        return out
+    m = cfg.prefill_dcp_size
+    src_tables = [src_pages if k == prefill_rank else _prefill_page_table(cfg, k)[2] for k in range(m)]
+    by_rank = {t.dcp_rank: t.dst_pages for t in targets}
+    if sorted(by_rank) != list(range(dcp_size)):
+        raise ValueError(f"prefill_dcp_size={m} needs page tables of all {dcp_size=} decode ranks")
+    plans = planmod.build_mxn_transfer_plans(
+        src_tables, [by_rank[r] for r in range(dcp_size)], page_size=p, prefill_dcp_size=m,
+        dcp_size=dcp_size, num_kv_tokens=length, prefill_interleave_size=cfg.prefill_interleave_size,
+        interleave_size=cfg.interleave_size, decode_prefix_len=cfg.prefix_tokens, chunk_start=start)
+    empty = np.zeros(0, np.int64)
+    for tgt in targets:
+        tp = plans.get((prefill_rank, tgt.dcp_rank))
+        out[tgt.dcp_rank] = (empty, empty) if tp is None else (
+            np.asarray(tp.src_token_indices, np.int64), np.asarray(tp.dst_token_indices, np.int64))
+    return out
+
+
+def _descriptors(src_rows: np.ndarray, dst_rows: np.ndarray, src_bases: np.ndarray, dst_bases: np.ndarray,
+                 item_lens: np.ndarray) -> np.ndarray:
+    """i64[L*k, 3] layer-major descriptors of the runs of (src_rows, dst_rows) (spec section 5)."""
+    from dcp_jax import plan as planmod
+
+    runs = planmod.group_runs(src_rows, dst_rows)
+    return planmod.build_descriptors(runs, src_bases, dst_bases, item_lens)
+
+
+def _windows(n: int, w: int | None) -> list[tuple[int, int]]:
+    if n == 0:
+        return [(0, 0)]
+    if w is None:
+        return [(0, n)]
+    return [(s, min(s + w, n)) for s in range(0, n, w)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Prefill side
+# ------------------------------------------------------------------------------------------------
+class PrefillServer:
+    """One prefill rank: KV buffers holding its shard of the request, a pack buffer, an engine.
+
+    Buffers are allocated and registered once; the KV holds the deterministic pattern of
+    ``dcp_jax.kv_data`` in pages drawn from a shuffled pool. :meth:`send_request` serves one request
+    to a set of decode targets and may be called again (other mode, other ranks).
+
+    Args:
+        cfg: the job configuration (geometry, sizes, engine kind, seed).
+        prefill_rank: this rank, ``0 <= prefill_rank < cfg.prefill_dcp_size``.
+        name: engine name, unique among the communicating engines.
+
+    Raises:
+        ValueError: ``prefill_rank`` out of range.
+        bridge.BridgeError: the engine could not start or register.
+    """
+
+    def __init__(self, cfg: JobConfig, prefill_rank: int = 0, *, name: str | None = None):
+        if not 0 <= prefill_rank < cfg.prefill_dcp_size:
+            raise ValueError(f"{prefill_rank=} must be in [0, prefill_dcp_size={cfg.prefill_dcp_size})")
+        _engine_env()
+        from bridge import make_engine
+
+        self.cfg = cfg
+        self.rank = prefill_rank
+        geo = cfg.geometry
+        self.item_lens = np.asarray(geo.kv_item_lens, np.int64)
+        # This rank's tokens of the send range (all of it when M = 1).
+        tokens, local, self.src_pages, self.pool_pages = _prefill_page_table(cfg, prefill_rank)
+        self.pool_rows = self.pool_pages * cfg.page_size
+        self.kv = np.empty(self.pool_rows * int(self.item_lens.sum()), np.uint8)
+        self.layers, offs = _layer_views(self.kv, self.pool_rows, self.item_lens.tolist())
+        rows = page_rows(self.src_pages, local, cfg.page_size)
+        for li, view in enumerate(self.layers):
+            view[:] = SENTINEL_BYTE  # unused pages: something defined, never sent
+            fill_rows(view, rows, tokens, li, cfg.seed)
+        self.kv_bases = int(self.kv.ctypes.data) + np.asarray(offs, np.int64)
+        # Pack buffer: N * ceil(max_tokens / N) * sum(item_len) bytes, one fixed region per rank.
+        from dcp_jax import packing
+
+        self.pack_tokens = cfg.pack_tokens or len(tokens)
+        self.pack_size = packing.pack_buffer_size(self.pack_tokens, cfg.dcp_size, self.item_lens.tolist())
+        self.pack = np.empty(max(self.pack_size, 1), np.uint8)
+        self.pack_addr = int(self.pack.ctypes.data)
+        # Import the planner and the gather kernel now, so their (jax) import is not timed as planning.
+        import dcp_jax.plan  # noqa: F401
+        import pallas_kernels  # noqa: F401
+
+        self.engine = make_engine(cfg.engine, name or f"prefill{prefill_rank}-{uuid.uuid4().hex[:8]}")
+        self.engine.register([self.kv, self.pack])
+        self._busy_slots: dict[tuple[int, int], Any] = {}
+        self._rank_counts: dict[int, tuple[int, int, int]] = {}
+
+    # -- peers ------------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    def peer_info(self):
+        """This engine's ``PeerInfo`` (picklable; send to decode ranks out of band)."""
+        return self.engine.peer_info()
+
+    def connect(self, info) -> str:
+        """Adds (or refreshes) a decode rank's engine; returns its peer name."""
+        return self.engine.add_peer(info)
+
+    def disconnect(self, peer: str) -> None:
+        """Forgets a decode rank's engine (e.g. after it died)."""
+        if peer in self.engine.peers:
+            self.engine.remove_peer(peer)
+
+    @property
+    def busy_regions(self) -> int:
+        """Pack region slots still held by an in-flight transfer (0 between requests)."""
+        return len(self._busy_slots)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    # -- one request ------------------------------------------------------------------------------
+    def send_request(self, mode: str, targets: Sequence[_Target], *, dcp_size: int, request_id: str = "r",
+                     progress: Callable[[int], None] | None = None) -> dict:
+        """Sends this rank's share of the request to every target, in ``mode``.
+
+        Args:
+            mode: ``"direct"`` or ``"packed"``.
+            targets: decode ranks (``_Target``: rank, peer name, layer bases, page table, pipe).
+            dcp_size: N of the decode group the targets belong to.
+            request_id: tag prefix for notifications.
+            progress: called with 1 after each (chunk, rank) completed.
+
+        Returns:
+            Statistics: per-rank and total descriptors, bytes, engine calls; plan / pack /
+            transfer / total seconds; strategy used per rank.
+
+        Raises:
+            ValueError: unknown mode.
+            RequestFailed: a transfer, notification or completion message failed; names the rank
+                and chunk. Every handle was waited or aborted and every region freed first.
+        """
+        if mode not in MODES:
+            raise ValueError(f"{mode=} must be one of {MODES}")
+        cfg, eng = self.cfg, self.engine
+        eng.reset_counters()
+        item_lens = self.item_lens
+        chunks = cfg.chunks()
+        per_rank = {t.dcp_rank: dict(descriptors=0, bytes=0, batches=0, rows=0, strategy=set()) for t in targets}
+        stats = dict(mode=mode, plan_seconds=0.0, pack_seconds=0.0, transfer_seconds=0.0)
+        # Region slots: rank region of size pack_size // N holds `nslots` chunk-sized slots.
+        region_size = self.pack_size // dcp_size
+        row_bytes = int(item_lens.sum())
+        region_rows = region_size // row_bytes
+        pending: dict[int, deque] = {t.dcp_rank: deque() for t in targets}
+        t0 = time.perf_counter()
+
+        def complete(rank: int) -> None:
+            """Waits for the oldest pending (chunk, rank) batch set and tells the decode rank."""
+            chunk_i, handles, slot, msg = pending[rank].popleft()
+            ts = time.perf_counter()
+            try:
+                for h in handles:
+                    eng.wait(h, timeout_s=cfg.timeout_s)
+            finally:
+                stats["transfer_seconds"] += time.perf_counter() - ts
+                self._busy_slots.pop((rank, slot), None)
+            _send(tmap[rank].conn, ("chunk", msg), rank, chunk_i)
+            if progress:
+                progress(1)
+
+        tmap = {t.dcp_rank: t for t in targets}
+        try:
+            for ci, chunk in enumerate(chunks):
+                tp = time.perf_counter()
+                plans = _chunk_plans(cfg, self.rank, self.src_pages, chunk, targets, dcp_size)
+                stats["plan_seconds"] += time.perf_counter() - tp
+                for tgt in targets:
+                    r = tgt.dcp_rank
+                    src, dst = plans[r]
+                    n = len(src)
+                    per_rank[r]["rows"] += n
+                    tag_base = f"{request_id}:{mode}:{self.rank}:{ci}:{r}"
+                    checks = None
+                    if cfg.verify:
+                        checks = [rows_checksum(v, src) for v in self.layers]
+                    msg = dict(chunk=ci, source=self.name, tags=[], rows=dst, checksums=checks)
+                    handles = []
+                    slot = -1
+                    use_pack = mode == "packed" and region_rows > 0
+                    if mode == "packed" and region_rows == 0:
+                        # choose_pack_strategy logs the warning for the per-row fallback.
+                        from dcp_jax import packing
+                        packing.choose_pack_strategy(n, None if region_size == 0 else region_size,
+                                                     item_lens.tolist())
+                    if use_pack:
+                        nslots = max(1, region_rows // max(n, 1))
+                        slot = ci % nslots
+                        if n <= region_rows:
+                            # Chunk barrier: the slot's previous reader must have completed.
+                            while (r, slot) in self._busy_slots or len(pending[r]) >= nslots:
+                                complete(r)
+                            slot_rows = region_rows // nslots
+                            off = r * region_size + slot * slot_rows * row_bytes
+                            per_rank[r]["strategy"].add("packed")
+                            handles, tp_s, pk_s = self._send_packed(tgt, src, dst, off, ci, tag_base, msg)
+                            stats["plan_seconds"] += tp_s
+                            stats["pack_seconds"] += pk_s
+                            self._busy_slots[(r, slot)] = True
+                        else:
+                            # Sliced: gather, send, wait, repeat inside the whole region.
+                            while pending[r]:
+                                complete(r)
+                            per_rank[r]["strategy"].add("sliced")
+                            slot = 0
+                            self._busy_slots[(r, 0)] = True
+                            try:
+                                for s, e in _windows(n, region_rows):
+                                    hs, tp_s, pk_s = self._send_packed(tgt, src[s:e], dst[s:e], r * region_size,
+                                                                       ci, f"{tag_base}:s{s}", msg)
+                                    stats["plan_seconds"] += tp_s
+                                    stats["pack_seconds"] += pk_s
+                                    ts = time.perf_counter()
+                                    for h in hs:
+                                        eng.wait(h, timeout_s=cfg.timeout_s)
+                                    stats["transfer_seconds"] += time.perf_counter() - ts
+                            finally:
+                                self._busy_slots.pop((r, 0), None)
+                            slot = -1
+                    else:
+                        # Direct (or per-row fallback): descriptors straight from the KV buffers.
+                        while len(pending[r]) >= 2:
+                            complete(r)
+                        if mode == "direct":
+                            per_rank[r]["strategy"].add("direct")
+                        else:
+                            per_rank[r]["strategy"].add("per_row")
+                        handles, tp_s = self._send_direct(tgt, src, dst, ci, tag_base, msg)
+                        stats["plan_seconds"] += tp_s
+                    pending[r].append((ci, handles, slot, msg))
+            for tgt in targets:
+                while pending[tgt.dcp_rank]:
+                    complete(tgt.dcp_rank)
+        except Exception as exc:  # noqa: BLE001 - turned into RequestFailed after cleanup
+            rank = getattr(exc, "dcp_rank", None)
+            chunk_i = getattr(exc, "chunk", None)
+            self._abort(pending)
+            for tgt in targets:
+                _send_quiet(tgt.conn, ("done", dict(source=self.name, ok=False, error=str(exc))))
+            if isinstance(exc, RequestFailed):
+                raise
+            raise RequestFailed(f"{mode} request failed", dcp_rank=rank, chunk=chunk_i,
+                                cause=f"{type(exc).__name__}: {exc}") from exc
+        total = time.perf_counter() - t0
+        for tgt in targets:
+            _send(tgt.conn, ("done", dict(source=self.name, ok=True, chunks=len(chunks))), tgt.dcp_rank, None)
+        c = eng.counters
+        stats.update(
+            total_seconds=total,
+            descriptors=c.descriptors, bytes=c.bytes, batches=c.batches, engine_calls=c.engine_calls,
+            per_rank={r: dict(descriptors=v["descriptors"], bytes=v["bytes"], batches=v["batches"],
+                              rows=v["rows"], strategy=",".join(sorted(v["strategy"])))
+                      for r, v in self._per_rank_totals(per_rank).items()},
+        )
+        return stats
+
+    def _per_rank_totals(self, per_rank: dict) -> dict:
+        for r, v in per_rank.items():
+            tot = self._rank_counts.get(r, (0, 0, 0))
+            v["descriptors"], v["bytes"], v["batches"] = tot
+        self._rank_counts = {}
+        return per_rank
+
+    def _count(self, rank: int, descs: np.ndarray) -> None:
+        d, b, n = self._rank_counts.get(rank, (0, 0, 0))
+        self._rank_counts[rank] = (d + len(descs), b + int(descs[:, 2].sum()) if len(descs) else b, n + 1)
+
+    def _submit_windows(self, tgt: _Target, src: np.ndarray, dst: np.ndarray, src_bases_fn, ci: int,
+                        tag_base: str, msg: dict, wait_between: bool) -> tuple[list, float]:
+        """Builds and submits one batch per window of rows; returns (handles, plan seconds)."""
+        eng, cfg = self.engine, self.cfg
+        handles, plan_s = [], 0.0
+        wins = _windows(len(src), cfg.max_batch_indices)
+        for wi, (s, e) in enumerate(wins):
+            tp = time.perf_counter()
+            descs = _descriptors(src[s:e], dst[s:e], src_bases_fn(s, e), tgt.layer_bases, self.item_lens) \
+                if e > s else np.zeros((0, 3), np.int64)
+            plan_s += time.perf_counter() - tp
+            tag = f"{tag_base}:w{wi}".encode()
+            notif = tag if eng.kind == "nixl" else None
+            if notif is not None:
+                msg["tags"].append(tag)
+            self._count(tgt.dcp_rank, descs)
+            h = eng.transfer_batch(tgt.peer, descs, notif=notif, dcp_rank=tgt.dcp_rank, chunk=ci)
+            handles.append(h)
+            if wait_between and len(wins) > 1:
+                # Windows go in order and stop at the first failure.
+                eng.wait(h, timeout_s=cfg.timeout_s)
+                handles.pop()
+        return handles, plan_s
+
+    def _send_direct(self, tgt: _Target, src, dst, ci, tag_base, msg):
+        kv_bases = self.kv_bases
+        return self._submit_windows(tgt, src, dst, lambda s, e: kv_bases, ci, tag_base, msg, True)
+
+    def _send_packed(self, tgt: _Target, src, dst, region_off: int, ci, tag_base, msg):
+        from dcp_jax import packing
+        from pallas_kernels import pack_rows
+
+        n = len(src)
+        tk = time.perf_counter()
+        if n:
+            pack_rows(self.layers, src, self.pack, offset=region_off)
+        pack_s = time.perf_counter() - tk
+        bases = self.pack_addr + region_off + packing.layer_offsets(n, self.item_lens.tolist())
+        local = np.arange(n, dtype=np.int64)
+        # Windows index the packed rows 0..n-1; the layer-major bases stay those of the whole pack.
+        handles, plan_s = self._submit_windows(tgt, local, dst, lambda s, e: bases, ci, tag_base, msg, True)
+        return handles, plan_s, pack_s
+
+    def _abort(self, pending: dict[int, deque]) -> None:
+        """Waits (briefly) or aborts every in-flight handle and frees every region slot."""
+        for q in pending.values():
+            while q:
+                _, handles, _, _ = q.popleft()
+                for h in handles:
+                    if not h.released:
+                        try:
+                            self.engine.wait(h, timeout_s=min(self.cfg.timeout_s, 5.0))
+                        except Exception:  # noqa: BLE001 - the request already failed
+                            pass
+        self._busy_slots.clear()
+        self._rank_counts = {}
+
+
+def _send(conn: Connection | None, msg: Any, rank: int, chunk: int | None) -> None:
+    if conn is None:
+        return
+    try:
+        conn.send(msg)
+    except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
+        raise RequestFailed("decode rank is gone", dcp_rank=rank, chunk=chunk,
+                            cause=f"{type(exc).__name__}: {exc}") from exc
+
+
+def _send_quiet(conn: Connection | None, msg: Any) -> None:
+    if conn is None:
+        return
+    try:
+        conn.send(msg)
+    except Exception:  # noqa: BLE001 - best effort on the failure path
+        pass
+
+
+# ------------------------------------------------------------------------------------------------
+# Decode side
+# ------------------------------------------------------------------------------------------------
+def _decode_request(cfg: JobConfig, eng, layers: list[np.ndarray], buf: np.ndarray, pool_pages: int,
+                    layer_bases: np.ndarray, ctrl: Connection, src_conns: Sequence[Connection],
+                    arg: dict) -> dict:
+    """Serves one request on a decode rank: page table, sentinel, arrivals, full verification."""
+    r, n = int(arg["dcp_rank"]), int(arg["dcp_size"])
+    p = cfg.page_size
+    tokens, local = decode_owned_tokens(cfg.prefix_tokens, cfg.prompt_tokens, n, r, cfg.interleave_size)
+    need = _pages_for(len(tokens), p)
+    if need > pool_pages:
+        raise ValueError(f"dcp_rank={r} needs {need} pages, its pool has {pool_pages=}")
+    dst_pages = allocate_pages(need, pool_pages, _rng(cfg.seed, 2, r, int(arg.get("seq", 0))))
+    buf[:] = SENTINEL_BYTE
+    ctrl.send(("ready", dict(dcp_rank=r, peer_info=eng.peer_info(), layer_bases=layer_bases, dst_pages=dst_pages)))
+
+    sources = [c for c in src_conns if c is not None]
+    open_conns = {id(c): c for c in sources}
+    chunks, errors, bad_checks, corrupted = 0, [], [], False
+    notif_wait = 0.0
+    deadline = time.monotonic() + cfg.timeout_s
+    while open_conns:
+        ready = conn_wait(list(open_conns.values()), timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            errors.append(f"no message from the prefill side within {cfg.timeout_s} s")
+            break
+        for c in ready:
+            try:
+                kind, msg = c.recv()
+            except (EOFError, OSError) as exc:
+                errors.append(f"prefill connection lost: {type(exc).__name__}")
+                open_conns.pop(id(c), None)
+                continue
+            deadline = time.monotonic() + cfg.timeout_s
+            if kind == "done":
+                open_conns.pop(id(c), None)
+                if not msg.get("ok", False):
+                    errors.append(f"prefill {msg.get('source')} failed: {msg.get('error')}")
+                continue
+            # A chunk: learn from the engine itself that every byte landed before reading it.
+            tn = time.perf_counter()
+            for tag in msg["tags"]:
+                eng.wait_notification(msg["source"], tag, timeout_s=cfg.timeout_s)
+            notif_wait += time.perf_counter() - tn
+            rows = np.asarray(msg["rows"], np.int64)
+            if cfg.corrupt_rank == r and not corrupted and len(rows):
+                layers[-1][rows[0], 0] ^= np.uint8(0xFF)  # test hook: a byte damaged on arrival
+                corrupted = True
+            if msg.get("checksums") is not None:
+                for li, want in enumerate(msg["checksums"]):
+                    if rows_checksum(layers[li], rows) != want:
+                        bad_checks.append((int(msg["chunk"]), li))
+            chunks += 1
+            if cfg.die_rank == r and chunks >= cfg.die_after_chunks:
+                os.kill(os.getpid(), signal.SIGKILL)  # test hook: die in the middle of a request
+    tv = time.perf_counter()
+    res = verify_rows(layers, page_rows(dst_pages, local, p), tokens, cfg.seed)
+    verify_s = time.perf_counter() - tv
+    return dict(
+        dcp_rank=r, rows=int(len(tokens)), chunks=chunks, errors=errors,
+        bytes_verified=int(len(tokens)) * int(sum(v.shape[1] for v in layers)),
+        verified=bool(res["ok"]) and not errors and not bad_checks,
+        bytes_exact=bool(res["ok"]), bad_rows=res["bad_rows"], bad_sentinel_rows=res["bad_sentinel_rows"],
+        first_bad=res["first_bad"], checksum_ok=(not bad_checks) if cfg.verify else None,
+        bad_checksums=bad_checks[:10], verify_seconds=verify_s, notification_seconds=notif_wait,
+    )
+
+
+def _decode_main(cfg_dict: dict, index: int, ctrl: Connection, src_conns: Sequence[Connection],
+                 pool_pages: int, name: str) -> None:
+    """Decode-rank process: one engine and one registered pool, serving requests until shutdown."""
+    try:
+        _engine_env()
+        cfg = JobConfig(**cfg_dict)
+        from bridge import make_engine
+
+        item_lens = list(cfg.geometry.kv_item_lens)
+        pool_rows = pool_pages * cfg.page_size
+        buf = np.empty(pool_rows * sum(item_lens), np.uint8)
+        layers, offs = _layer_views(buf, pool_rows, item_lens)
+        eng = make_engine(cfg.engine, name)
+        eng.register([buf])
+        layer_bases = int(buf.ctypes.data) + np.asarray(offs, np.int64)
+        ctrl.send(("hello", dict(index=index, peer_info=eng.peer_info(), pool_pages=pool_pages,
+                                 engine=eng.kind)))
+    except BaseException:  # noqa: BLE001 - report, then exit non-zero
+        _send_quiet(ctrl, ("error", traceback.format_exc()))
+        raise SystemExit(1)
+    try:
+        while True:
+            try:
+                cmd, arg = ctrl.recv()
+            except EOFError:
+                break
+            if cmd == "shutdown":
+                break
+            if cmd == "request":
+                try:
+                    out = _decode_request(cfg, eng, layers, buf, pool_pages, layer_bases, ctrl, src_conns, arg)
+                    ctrl.send(("result", out))
+                except Exception:  # noqa: BLE001 - the orchestrator reports it
+                    ctrl.send(("error", traceback.format_exc()))
+    finally:
+        eng.close()
+
+
+class DecodeProcess:
+    """A spawned decode-rank process and its control pipe (see :func:`start_decode_processes`).
+
+    Attributes:
+        index: position in the group at start (its first ``dcp_rank``).
+        process: the ``multiprocessing`` process.
+        ctrl: the orchestrator's end of the control pipe.
+        src_conns: the prefill side's ends of the completion pipes, one per prefill rank.
+        peer_info: the rank's engine ``PeerInfo`` (after :meth:`hello`).
+    """
+
+    def __init__(self, index: int, process, ctrl: Connection, src_conns: list[Connection]):
+        self.index, self.process, self.ctrl, self.src_conns = index, process, ctrl, src_conns
+        self.peer_info = None
+
+    def recv(self, timeout_s: float, expect: str) -> Any:
+        """Receives one control message of kind ``expect``; raises RuntimeError otherwise."""
+        if not self.ctrl.poll(timeout_s):
+            raise RuntimeError(f"decode process {self.index}: no {expect!r} within {timeout_s} s")
+        try:
+            kind, arg = self.ctrl.recv()
+        except EOFError:
+            raise RuntimeError(f"decode process {self.index} exited (code {self.process.exitcode})") from None
+        if kind != expect:
+            raise RuntimeError(f"decode process {self.index}: expected {expect!r}, got {kind!r}: {arg}")
+        return arg
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Asks the process to exit; kills it if it does not within ``timeout_s``."""
+        _send_quiet(self.ctrl, ("shutdown", None))
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+def start_decode_processes(cfg: JobConfig, *, num: int | None = None, num_sources: int | None = None,
+                           tag: str | None = None) -> list[DecodeProcess]:
+    """Spawns decode-rank processes with engines and registered pools, and waits for their hello.
+
+    Each pool holds the pages of the largest rank share of a ``cfg.dcp_size`` group, times
+    ``cfg.pool_slack`` (so it also serves smaller groups of the same request poorly balanced: the
+    pool is checked per request).
+
+    Args:
+        cfg: job configuration.
+        num: processes to start (default ``cfg.dcp_size``).
+        num_sources: prefill ranks that will send to them (default ``cfg.prefill_dcp_size``).
+        tag: engine name suffix (default random).
+
+    Returns:
+        The processes, in rank order, with ``peer_info`` filled in.
+
+    Raises:
+        RuntimeError: a process failed to start (its traceback is in the message).
+    """
+    ctx = mp.get_context("spawn")
+    num = cfg.dcp_size if num is None else num
+    num_sources = cfg.prefill_dcp_size if num_sources is None else num_sources
+    tag = tag or uuid.uuid4().hex[:8]
+    # Largest share over a group of any size from num down to 1 would be the whole request; size
+    # the pool for the ranks of the smallest group this run uses (num - 1 when a rank may die).
+    smallest = max(1, num - (1 if cfg.die_rank is not None else 0))
+    share = max(len(decode_owned_tokens(cfg.prefix_tokens, cfg.prompt_tokens, smallest, r, cfg.interleave_size)[0])
+                for r in range(smallest))
+    pool_pages = _pool_pages(_pages_for(share, cfg.page_size), cfg.pool_slack)
+    cfg_dict = dataclasses.asdict(cfg)
+    procs = []
+    for i in range(num):
+        ctrl_parent, ctrl_child = ctx.Pipe()
+        links = [ctx.Pipe() for _ in range(num_sources)]
+        pr = ctx.Process(target=_decode_main, name=f"dcp-decode-{i}",
+                         args=(cfg_dict, i, ctrl_child, [b for _, b in links], pool_pages, f"decode{i}-{tag}"),
+                         daemon=True)
+        pr.start()
+        ctrl_child.close()
+        for _, b in links:
+            b.close()
+        procs.append(DecodeProcess(i, pr, ctrl_parent, [a for a, _ in links]))
+    try:
+        for dp in procs:
+            dp.peer_info = _expect_hello(dp.ctrl, dp.process, max(cfg.timeout_s, 120.0), f"decode {dp.index}")["peer_info"]
+    except BaseException:
+        for dp in procs:
+            dp.process.kill()
+        raise
+    return procs
+
+
+def _expect_hello(conn: Connection, proc, timeout_s: float, who: str) -> dict:
+    if not conn.poll(timeout_s):
+        raise RuntimeError(f"{who}: no hello within {timeout_s} s")
+    try:
+        kind, arg = conn.recv()
+    except EOFError:
+        raise RuntimeError(f"{who} exited during start-up (code {proc.exitcode})") from None
+    if kind != "hello":
+        raise RuntimeError(f"{who} failed to start:\n{arg}")
+    return arg
+
+
+# ------------------------------------------------------------------------------------------------
+# Prefill process
+# ------------------------------------------------------------------------------------------------
+def _prefill_main(cfg_dict: dict, rank: int, ctrl: Connection, dec_conns: Sequence[Connection], name: str) -> None:
+    try:
+        cfg = JobConfig(**cfg_dict)
+        server = PrefillServer(cfg, rank, name=name)
+        ctrl.send(("hello", dict(index=rank, peer_info=server.peer_info(), engine=server.engine.kind)))
+    except BaseException:  # noqa: BLE001
+        _send_quiet(ctrl, ("error", traceback.format_exc()))
+        raise SystemExit(1)
+    try:
+        while True:
+            try:
+                cmd, arg = ctrl.recv()
+            except EOFError:
+                break
+            if cmd == "shutdown":
+                break
+            try:
+                if cmd == "connect":
+                    ctrl.send(("connected", [server.connect(i) for i in arg]))
+                elif cmd == "send":
+                    targets = [_Target(t["dcp_rank"], t["peer"], np.asarray(t["layer_bases"], np.int64),
+                                       np.asarray(t["dst_pages"], np.int64), dec_conns[t["dcp_rank"]])
+                               for t in arg["targets"]]
+                    stats = server.send_request(arg["mode"], targets, dcp_size=arg["dcp_size"],
+                                                request_id=arg["request_id"],
+                                                progress=lambda k: ctrl.send(("progress", k)))
+                    ctrl.send(("stats", stats))
+            except RequestFailed as exc:
+                ctrl.send(("failed", dict(error=str(exc), dcp_rank=exc.dcp_rank, chunk=exc.chunk)))
+            except Exception:  # noqa: BLE001
+                ctrl.send(("error", traceback.format_exc()))
+    finally:
+        server.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Orchestrator
+# ------------------------------------------------------------------------------------------------
+def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """Runs the main job: starts the processes, ships the request once per mode, verifies, reports.
+
+    Args:
+        cfg: the configuration.
+        on_progress: called as ``on_progress(mode, done, total)`` with (chunk, rank) units.
+
+    Returns:
+        ``{"config": {...}, "runs": [{"mode", "engine", "descriptors", "bytes", "engine_calls",
+        "plan_seconds", "pack_seconds", "transfer_seconds", "total_seconds", "gbps", "verified",
+        "ranks": [...]}, ...], "comparison": {...}}``. Descriptors, bytes and engine calls are
+        totals over all ranks (and prefill ranks); seconds are the slowest prefill rank's.
+
+    Raises:
+        RuntimeError: a process failed to start or crashed (with its traceback).
+    """
+    ctx = mp.get_context("spawn")
+    tag = uuid.uuid4().hex[:8]
+    n, m = cfg.dcp_size, cfg.prefill_dcp_size
+    t_start = time.perf_counter()
+    decodes = start_decode_processes(cfg, tag=tag)
+    prefills = []
+    try:
+        for k in range(m):
+            a, b = ctx.Pipe()
+            pr = ctx.Process(target=_prefill_main, name=f"dcp-prefill-{k}",
+                             args=(dataclasses.asdict(cfg), k, b, [dp.src_conns[k] for dp in decodes],
+                                   f"prefill{k}-{tag}"), daemon=True)
+            pr.start()
+            b.close()
+            prefills.append((pr, a))
+        engine_kind = None
+        for k, (pr, a) in enumerate(prefills):
+            engine_kind = _expect_hello(a, pr, max(cfg.timeout_s, 180.0), f"prefill {k}")["engine"]
+        for dp in decodes:
+            for c in dp.src_conns:
+                c.close()  # the prefill processes hold these ends now
+        for pr, a in prefills:
+            a.send(("connect", [dp.peer_info for dp in decodes]))
+        peers = None
+        for k, (pr, a) in enumerate(prefills):
+            peers = _recv_kind(a, pr, cfg.timeout_s, "connected", f"prefill {k}")
+        setup_s = time.perf_counter() - t_start
+        runs = []
+        for seq, mode in enumerate(cfg.modes):
+            runs.append(_run_mode(cfg, mode, seq, decodes, prefills, peers, engine_kind, tag, on_progress))
+    finally:
+        for pr, a in prefills:
+            _send_quiet(a, ("shutdown", None))
+        for dp in decodes:
+            dp.stop()
+        for pr, a in prefills:
+            pr.join(10)
+            if pr.is_alive():
+                pr.kill()
+    out = dict(config=_config_json(cfg), setup_seconds=setup_s, runs=runs)
+    by = {r["mode"]: r for r in runs}
+    if "direct" in by and "packed" in by:
+        d, p = by["direct"], by["packed"]
+        out["comparison"] = dict(
+            descriptor_ratio=d["descriptors"] / max(p["descriptors"], 1),
+            total_seconds_ratio=d["total_seconds"] / max(p["total_seconds"], 1e-9),
+        )
+    out["verified"] = all(r["verified"] for r in runs)
+    return out
+
+
+def _config_json(cfg: JobConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["modes"] = list(cfg.modes)
+    g = cfg.geometry
+    d.update(num_layers=g.num_layers, kv_item_lens=sorted(set(g.kv_item_lens)), row_bytes=g.row_bytes,
+             request_bytes=g.request_bytes(cfg.send_tokens), chunks=len(cfg.chunks()))
+    return d
+
+
+def _recv_kind(conn: Connection, proc, timeout_s: float, expect: str, who: str) -> Any:
+    if not conn.poll(timeout_s):
+        raise RuntimeError(f"{who}: no {expect!r} within {timeout_s} s")
+    try:
+        kind, arg = conn.recv()
+    except EOFError:
+        raise RuntimeError(f"{who} exited (code {proc.exitcode})") from None
+    if kind != expect:
+        raise RuntimeError(f"{who}: expected {expect!r}, got {kind!r}:\n{arg}")
+    return arg
+
+
+def _run_mode(cfg: JobConfig, mode: str, seq: int, decodes: list[DecodeProcess], prefills, peers,
+              engine_kind: str, tag: str, on_progress) -> dict:
+    n = len(decodes)
+    request_id = f"{tag}{seq}"
+    for r, dp in enumerate(decodes):
+        dp.ctrl.send(("request", dict(dcp_rank=r, dcp_size=n, seq=0, mode=mode)))
+    ready = [dp.recv(cfg.timeout_s, "ready") for dp in decodes]
+    targets = [dict(dcp_rank=r, peer=peers[r], layer_bases=ready[r]["layer_bases"], dst_pages=ready[r]["dst_pages"])
+               for r in range(n)]
+    for pr, a in prefills:
+        a.send(("send", dict(mode=mode, targets=targets, dcp_size=n, request_id=request_id)))
+    total_units = len(cfg.chunks()) * n * len(prefills)
+    done_units = 0
+    if on_progress:
+        on_progress(mode, 0, total_units)
+    stats: dict[int, dict] = {}
+    results: dict[int, dict] = {}
+    failures: list[str] = []
+    conns = {id(a): ("prefill", k, a, pr) for k, (pr, a) in enumerate(prefills)}
+    conns.update({id(dp.ctrl): ("decode", r, dp.ctrl, dp.process) for r, dp in enumerate(decodes)})
+    deadline_extra = cfg.timeout_s
+    last = time.monotonic()
+    while len(stats) + len(results) < len(prefills) + n:
+        live = [v[2] for v in conns.values()]
+        ready_c = conn_wait(live, timeout=1.0)
+        if not ready_c:
+            dead = [f"{v[0]} {v[1]} (exit {v[3].exitcode})" for v in conns.values() if not v[3].is_alive()]
+            if dead or time.monotonic() - last > deadline_extra + 30:
+                failures.append(f"no progress; dead processes: {dead}")
+                break
+            continue
+        last = time.monotonic()
+        for c in ready_c:
+            side, idx, conn, proc = conns[id(c)]
+            try:
+                kind, arg = conn.recv()
+            except EOFError:
+                failures.append(f"{side} {idx} exited (code {proc.exitcode})")
+                conns.pop(id(c))
+                continue
+            if kind == "progress":
+                done_units += arg
+                if on_progress:
+                    on_progress(mode, done_units, total_units)
+            elif kind == "stats":
+                stats[idx] = arg
+                conns.pop(id(c))
+            elif kind == "result":
+                results[idx] = arg
+                conns.pop(id(c))
+            elif kind == "failed":
+                failures.append(f"{side} {idx}: {arg['error']}")
+                stats[idx] = None
+                conns.pop(id(c))
+            else:
+                failures.append(f"{side} {idx} error:\n{arg}")
+                if side == "prefill":
+                    stats[idx] = None
+                else:
+                    results[idx] = None
+                conns.pop(id(c))
+        if not conns:
+            break
+    good = [s for s in stats.values() if s]
+    rank_rows = []
+    for r in range(n):
+        res = results.get(r) or dict(dcp_rank=r, verified=False, errors=["no result"])
+        sent = dict(descriptors=0, bytes=0, batches=0, strategy="")
+        for s in good:
+            pr_ = s["per_rank"].get(r) or s["per_rank"].get(str(r))
+            if pr_:
+                sent["descriptors"] += pr_["descriptors"]
+                sent["bytes"] += pr_["bytes"]
+                sent["batches"] += pr_["batches"]
+                sent["strategy"] = pr_["strategy"]
+        rank_rows.append({**sent, **res})
+    total_bytes = sum(s["bytes"] for s in good)
+    total_s = max((s["total_seconds"] for s in good), default=float("nan"))
+    return dict(
+        mode=mode, engine=engine_kind,
+        descriptors=sum(s["descriptors"] for s in good), bytes=total_bytes,
+        engine_calls=sum(s["engine_calls"] for s in good), batches=sum(s["batches"] for s in good),
+        plan_seconds=max((s["plan_seconds"] for s in good), default=float("nan")),
+        pack_seconds=max((s["pack_seconds"] for s in good), default=float("nan")),
+        transfer_seconds=max((s["transfer_seconds"] for s in good), default=float("nan")),
+        total_seconds=total_s, gbps=total_bytes / total_s / 1e9 if good and total_s > 0 else 0.0,
+        verified=not failures and len(good) == len(prefills) and all(x.get("verified") for x in rank_rows),
+        failures=failures, ranks=rank_rows,
+    )
