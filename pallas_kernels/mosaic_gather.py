@@ -4,9 +4,10 @@ Hopper has no TMA gather (the `tile::gather4` form is Blackwell-only), so each p
 its `block_rows` source rows one by one into shared memory with plain bulk copies
 (`cp.async.bulk`, `oob_mode=PROMISE_IN_BOUNDS`: the indices are clamped in range by the
 caller), waits on one barrier, then stores each row to the flat pack with bulk copies of at
-most 256 elements (the TMA box limit), predicated on `row < n` so ragged tails write nothing.
+most 256 elements (the TMA box limit), under `pl.when(row < n)` so ragged tails write nothing.
 
-Constraints (checked, `ValueError` otherwise): every row is a multiple of 16 bytes and the
+Constraints (checked, `ValueError` otherwise): every row is a multiple of 128 bytes (a bulk
+copy moves a multiple of the warpgroup size: 1152 B rows qualify, 576 B FP8 rows do not), the
 offset and every layer entry's region start are 16-byte aligned (`num_rows` is a traced value,
 so the region start of entry l is offset + n * sum_{k<l} W_k: pass widths whose bytes are
 multiples of 16); `block_rows * max(W) * itemsize` fits in shared memory.
@@ -26,6 +27,8 @@ from jax.experimental import pallas as pl
 # H200: 227 KiB of shared memory per block; keep headroom for the barrier and indices.
 _SMEM_LIMIT_BYTES = 200 * 1024
 _TMA_MAX_ELEMS = 256
+_COPY_QUANTUM_BYTES = 128  # a bulk copy moves a multiple of the warpgroup size (128 B)
+_META_WORDS = _COPY_QUANTUM_BYTES // 4
 
 
 def _store_chunks(width: int, itemsize: int) -> tuple[tuple[int, int], ...]:
@@ -71,11 +74,13 @@ def _mosaic_kernel(meta_gmem, idx_gmem, *refs, widths, stacked, block_rows):
         plgpu.commit_smem()
         for j in range(block_rows):
             row = i * block_rows + j
-            start = base + row * width
-            for off, size in _store_chunks(width, buf.dtype.itemsize):
-                plgpu.copy_smem_to_gmem(buf.at[j, pl.ds(off, size)],
-                                        out_gmem.at[pl.ds(start + off, size)],
-                                        predicate=row < n)
+
+            @pl.when(row < n)  # ragged tail: rows past n store nothing
+            def _(j=j, row=row):
+                start = base + row * width
+                for off, size in _store_chunks(width, buf.dtype.itemsize):
+                    plgpu.copy_smem_to_gmem(buf.at[j, pl.ds(off, size)],
+                                            out_gmem.at[pl.ds(start + off, size)])
         plgpu.wait_smem_to_gmem(0)
 
     if stacked:
@@ -87,7 +92,7 @@ def _mosaic_kernel(meta_gmem, idx_gmem, *refs, widths, stacked, block_rows):
                 one_layer(srcs[l], widths[l], offset + n * int(prefix[l]), None)
 
 
-def gather_rows_mosaic(src, idx, pack, n, *, offset, widths, config):
+def gather_rows_mosaic(src, idx, pack, n, *, offset, widths, config, interpret=False):
     """Mosaic GPU kernel behind `gather_rows(backend="mosaic")` (same contract).
 
     Args:
@@ -98,6 +103,7 @@ def gather_rows_mosaic(src, idx, pack, n, *, offset, widths, config):
         offset: word offset (static).
         widths: words per row of each entry (static).
         config: `GatherConfig` (block_rows used).
+        interpret: run under Mosaic GPU interpret mode (`plgpu.InterpretGPUParams`, CPU tests).
 
     Raises:
         ValueError: rows or offsets not 16-byte multiples, or the block exceeds shared memory.
@@ -107,10 +113,15 @@ def gather_rows_mosaic(src, idx, pack, n, *, offset, widths, config):
     stacked = not isinstance(src, (list, tuple))
     itemsize = np.dtype(pack.dtype).itemsize
     for w in widths:
+        if (w * itemsize) % _COPY_QUANTUM_BYTES:
+            raise ValueError(f"mosaic copies whole rows of a multiple of 128 bytes; a row of "
+                             f"{w * itemsize} B is not (use backend='triton')")
         _store_chunks(w, itemsize)
     if (offset * itemsize) % 16:
         raise ValueError(f"offset of {offset * itemsize} bytes must be a multiple of 16 for mosaic")
     br = config.block_rows
+    if br * 4 % _COPY_QUANTUM_BYTES:
+        raise ValueError(f"mosaic needs block_rows a multiple of 32 (index copy), got {br=}")
     smem = br * max(widths) * itemsize
     if smem > _SMEM_LIMIT_BYTES:
         raise ValueError(f"block of {smem} bytes exceeds shared memory: lower {br=}")
@@ -119,7 +130,8 @@ def gather_rows_mosaic(src, idx, pack, n, *, offset, widths, config):
     if m_pad != m:
         idx = jnp.pad(idx, (0, m_pad - m))
     L = len(widths)
-    meta = jnp.stack([n, jnp.asarray(offset, jnp.int32)])
+    # Bulk copies move multiples of 128 bytes: pad the (n, offset) pair to 32 words.
+    meta = jnp.zeros((_META_WORDS,), jnp.int32).at[0].set(n).at[1].set(offset)
     srcs = [src] if stacked else list(src)
     kernel = plgpu.kernel(
         functools.partial(_mosaic_kernel, widths=tuple(widths), stacked=stacked, block_rows=br),
@@ -129,13 +141,14 @@ def gather_rows_mosaic(src, idx, pack, n, *, offset, widths, config):
         scratch_types=[
             plgpu.SMEM((br, max(widths)), pack.dtype),
             plgpu.SMEM((br,), jnp.int32),
-            plgpu.SMEM((2,), jnp.int32),
+            plgpu.SMEM((_META_WORDS,), jnp.int32),
             plgpu.Barrier(num_arrivals=1),
             plgpu.Barrier(num_arrivals=br),
         ],
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Lane),
         kernel_name=f"kv_gather_mosaic_{br=}_{L=}",
+        **({"interpret": plgpu.InterpretGPUParams()} if interpret else {}),
     )
     # In-place on 0.11+: the pack becomes a mutable ref that the kernel writes.
     ref = jax.new_ref(pack)
