@@ -365,8 +365,13 @@ def plot_descriptors_vs_prompt(
                 if i == inter:
                     series[label].append(summary[mode]["max_descriptors_per_rank"])
     fig, ax = plt.subplots(figsize=(7.5, 5))
-    for (label, _, mode), marker in zip(series_cfg, "osD^"):
-        ax.plot(prompt_tokens, series[label], marker=marker, linestyle="-" if mode == "direct" else "--", label=label)
+    # Decreasing marker sizes and line widths keep coinciding series (packed and block
+    # round-robin both reach one descriptor per destination page per layer) visible.
+    for k, ((label, _, mode), marker) in enumerate(zip(series_cfg, "osD^")):
+        ax.plot(
+            prompt_tokens, series[label], marker=marker, markersize=10 - 2 * k, linewidth=3.0 - 0.6 * k,
+            linestyle="-" if mode == "direct" else "--", label=label,
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("prompt length (tokens)")
