@@ -26,9 +26,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from dcp_jax.layout import check_layout_args, local_len_np
+from dcp_jax.layout import check_layout_args
 from dcp_jax.packing import choose_pack_strategy, pack_buffer_size, pack_region, pack_slices
-from dcp_jax.plan import build_mxn_transfer_plans, split_windows
+from dcp_jax.plan import build_mxn_transfer_plans, send_rows_per_rank, split_windows
 
 __all__ = [
     "CostConfig",
@@ -162,10 +162,9 @@ def draw_page_tables(
 
 
 def _send_rows(cfg: CostConfig, size: int, inter: int) -> list[int]:
-    ranks = np.arange(size)
-    return (
-        local_len_np(cfg.prompt_tokens, size, ranks, inter) - local_len_np(cfg.decode_prefix_len, size, ranks, inter)
-    ).tolist()
+    return send_rows_per_rank(
+        cfg.prompt_tokens, dcp_size=size, interleave_size=inter, decode_prefix_len=cfg.decode_prefix_len
+    )
 
 
 def _windows_descs(plan, max_batch: int | None, num_layers: int, packed: bool) -> tuple[int, int]:

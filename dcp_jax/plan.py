@@ -46,6 +46,7 @@ __all__ = [
     "prefix_alignment",
     "rows_from_page_table",
     "pages_required",
+    "send_rows_per_rank",
     "sglang_virtual_dst_pages",
     "virtual_page_rows",
     "group_runs",
@@ -70,14 +71,15 @@ def _int(name: str, value: Any, *, minimum: int) -> int:
     return value
 
 
-def _int_array(name: str, value: Any, *, ndim: int = 1) -> np.ndarray:
+def _int_array(name: str, value: Any) -> np.ndarray:
+    """A 1-D int64 array; an empty input of any dtype (e.g. ``[]``) is an empty int64 array."""
     arr = np.asarray(value)
     if arr.size == 0:
-        return arr.astype(np.int64).reshape((0,) * ndim if ndim == 1 else (0, 3))
+        return np.zeros(0, np.int64)
     if not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must be integers, got dtype {arr.dtype}")
-    if arr.ndim != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {arr.shape}")
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
     return arr.astype(np.int64, copy=False)
 
 
@@ -113,6 +115,27 @@ def _check_prefix(decode_prefix_len: Any, page_size: int, n: int, i: int) -> int
             f" = lcm({page_size}*{n}, {i}*{n}) = {align} tokens, got {decode_prefix_len=}"
         )
     return decode_prefix_len
+
+
+def send_rows_per_rank(
+    total_tokens: int, *, dcp_size: int, interleave_size: int = 1, decode_prefix_len: int = 0
+) -> list[int]:
+    """Rows each rank holds of the send range ``[decode_prefix_len, total_tokens)``.
+
+    ``local_len(total, r) - local_len(prefix, r)`` per rank: the rows its page table for the
+    send range must cover (on either side; pass the prefill side's size and interleave for
+    prefill tables).
+
+    Raises:
+        ValueError: negative or inverted token counts, bad sizes.
+    """
+    n, i, _ = check_layout_args(dcp_size, interleave_size)
+    total_tokens = _int("total_tokens", total_tokens, minimum=0)
+    decode_prefix_len = _int("decode_prefix_len", decode_prefix_len, minimum=0)
+    if decode_prefix_len > total_tokens:
+        raise ValueError(f"decode_prefix_len must be <= total_tokens, got {decode_prefix_len=}, {total_tokens=}")
+    ranks = np.arange(n)
+    return (local_len_np(total_tokens, n, ranks, i) - local_len_np(decode_prefix_len, n, ranks, i)).tolist()
 
 
 def pages_required(num_local_rows: int, page_size: int) -> int:

@@ -149,3 +149,14 @@ def test_bad_types_raise_type_error():
 
 def test_check_layout_args_returns_python_ints():
     assert layout.check_layout_args(np.int64(4), np.int32(2), np.int16(3)) == (4, 2, 3)
+
+
+def test_composes_with_jit_and_vmap():
+    import jax
+
+    t = jnp.arange(40, dtype=jnp.int32)
+    jitted = jax.jit(lambda x: owner(x, 4, 2) * 1000 + local_index(x, 4, 2))
+    np.testing.assert_array_equal(np.asarray(jitted(t)), owner_np(np.arange(40), 4, 2) * 1000 + local_index_np(np.arange(40), 4, 2))
+    lengths = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
+    got = jax.vmap(lambda row: local_len(row, 3, 1, 2))(lengths)
+    np.testing.assert_array_equal(np.asarray(got), local_len_np(np.arange(12).reshape(3, 4), 3, 1, 2))

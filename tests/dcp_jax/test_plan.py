@@ -394,3 +394,17 @@ def test_rows_from_page_table():
     assert rows_from_page_table([0, 3, 4, 9], [7, 2, 5], 4).tolist() == [28, 31, 8, 21]
     with pytest.raises(ValueError, match="3 pages"):
         rows_from_page_table([9], [7, 2], 4)
+
+
+def test_send_rows_per_rank():
+    from dcp_jax.plan import send_rows_per_rank
+
+    # N=2, I=4: local_len(9) = [5, 4], local_len(0) = [0, 0].
+    assert send_rows_per_rank(9, dcp_size=2, interleave_size=4) == [5, 4]
+    # Prefix 16 (aligned): each rank already holds 8.
+    assert send_rows_per_rank(25, dcp_size=2, interleave_size=4, decode_prefix_len=16) == [5, 4]
+    assert sum(send_rows_per_rank(1001, dcp_size=7, interleave_size=3, decode_prefix_len=42)) == 959
+    with pytest.raises(ValueError, match="decode_prefix_len"):
+        send_rows_per_rank(8, dcp_size=2, decode_prefix_len=16)
+    with pytest.raises(ValueError, match="total_tokens"):
+        send_rows_per_rank(-1, dcp_size=2)
