@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import traceback
 
@@ -22,13 +23,14 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 
-def target_main(conn, kind: str, name: str, nbytes: int) -> None:
-    """Decode-side peer. Commands (tuples) over `conn`:
+def target_main(conn, kind: str, name: str, nbytes: int, env: dict | None = None) -> None:
+    """Decode-side peer (`env` is applied before the engine loads). Commands (tuples) over `conn`:
 
     ("wait", sender, tag, timeout_s) -> ("ok", bytes of the buffer) once the notification came,
         or ("err", message);
     ("info",) -> PeerInfo; ("close",) -> closes and exits.
     """
+    os.environ.update(env or {})
     from bridge import make_engine
 
     buf = np.zeros(nbytes, dtype=np.uint8)
@@ -65,14 +67,17 @@ def scattered_descs(src_addr: int, dst_addr: int, n: int, item: int, seed: int) 
 
 
 def initiator_kill_scenario(conn, kind: str, victim_info, victim_pid: int, live_info,
-                            n: int, item: int, timeout_s: float) -> None:
-    """Prefill side: one big batch to `victim`, SIGKILL it mid-transfer, then serve `live`.
+                            n: int, item: int, timeout_s: float, env: dict | None = None) -> None:
+    """Prefill side: one big batch to `victim`, SIGKILL it 50 ms into the batch, then serve `live`.
 
-    Sends back a dict: what the in-flight wait raised and how long it took, whether the next
-    batch to the dead peer was refused, outstanding handles, and the live batch's descriptors.
+    The kill comes from a timer thread, so it lands while the engine is posting or moving the
+    batch whether `transfer_batch` returns at once or not. Sends back a dict: what the batch
+    raised (at submit or at wait) and after how long, whether the next batch to the dead peer
+    failed, outstanding handles, and the bytes the live peer must hold.
     """
     out: dict = {}
     try:
+        os.environ.update(env or {})
         from bridge import BridgeError, TransferError, make_engine
 
         src = np.random.default_rng(7).integers(0, 256, n * item, dtype=np.uint8)
@@ -81,16 +86,17 @@ def initiator_kill_scenario(conn, kind: str, victim_info, victim_pid: int, live_
             victim = eng.add_peer(victim_info)
             live = eng.add_peer(live_info)
             descs, _, _ = scattered_descs(src.ctypes.data, victim_info.regions[0].addr, n, item, seed=1)
+            killer = threading.Timer(0.05, os.kill, (victim_pid, signal.SIGKILL))
             t0 = time.monotonic()
-            h = eng.transfer_batch(victim, descs, dcp_rank=3, chunk=0)
-            time.sleep(0.02)
-            os.kill(victim_pid, signal.SIGKILL)
+            killer.start()
             try:
+                h = eng.transfer_batch(victim, descs, dcp_rank=3, chunk=0)
                 eng.wait(h, timeout_s=timeout_s)
                 out["inflight_error"] = None
             except TransferError as exc:
                 out["inflight_error"] = (type(exc).__name__, exc.peer, exc.dcp_rank, exc.chunk, str(exc))
             out["inflight_seconds"] = time.monotonic() - t0
+            killer.join()
             # The dead peer again: must fail (at submit or at wait) within the timeout, never hang.
             t0 = time.monotonic()
             try:
@@ -103,12 +109,13 @@ def initiator_kill_scenario(conn, kind: str, victim_info, victim_pid: int, live_
             out["outstanding"] = eng.outstanding
             eng.remove_peer(victim)
             # The remaining rank is served normally.
-            m = min(n, 4096)
-            descs, src_rows, dst_rows = scattered_descs(src.ctypes.data, live_info.regions[0].addr, m, item, seed=2)
+            m = 4096
+            lsrc = src[: m * 64]
+            descs, src_rows, dst_rows = scattered_descs(lsrc.ctypes.data, live_info.regions[0].addr, m, 64, seed=2)
             h3 = eng.transfer_batch(live, descs, notif=b"live-0")
             eng.wait(h3, timeout_s=timeout_s)
             expect = np.zeros(live_info.regions[0].nbytes, dtype=np.uint8)
-            expect.reshape(-1, item)[dst_rows] = src.reshape(-1, item)[src_rows]
+            expect.reshape(-1, 64)[dst_rows] = lsrc.reshape(-1, 64)[src_rows]
             out["live_expected"] = expect.tobytes()
             out["outstanding_after"] = eng.outstanding
     except BaseException:  # report everything to the test instead of dying silently
@@ -117,11 +124,11 @@ def initiator_kill_scenario(conn, kind: str, victim_info, victim_pid: int, live_
     conn.close()
 
 
-def spawn_target(kind: str, name: str, nbytes: int):
+def spawn_target(kind: str, name: str, nbytes: int, env: dict | None = None):
     """Starts `target_main` in a spawned process; returns (process, conn, PeerInfo)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target_main, args=(child, kind, name, nbytes))
+    proc = ctx.Process(target=target_main, args=(child, kind, name, nbytes, env))
     proc.start()
     child.close()
     if not parent.poll(25):
