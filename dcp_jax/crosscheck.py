@@ -28,7 +28,9 @@ from dcp_jax import merge as _merge
 
 __all__ = [
     "CrosscheckReport",
+    "FORMS",
     "crosscheck_merge",
+    "edge_case_inputs",
     "from_torch",
     "torch_ag_rs_reference",
     "torch_merge_reference",
@@ -86,16 +88,23 @@ def _torch_lse_and_factors(lse):
     return merged, factors
 
 
+def _compute_dtype(dtype):
+    """float32 arithmetic, or float64 for a float64 input (then the reference is an oracle)."""
+    torch = _torch()
+    return torch.promote_types(dtype, torch.float32)
+
+
 def torch_ag_rs_reference(out, lse):
     """PyTorch AG+RS DCP combine, simulated for all N ranks in one process.
 
     Args:
       out: torch [N, T, H, D] partial outputs (rank r's is ``out[r]``), any float dtype.
       lse: torch f32[N, T, H] natural-log LSEs (what the all-gather of the LSEs yields).
+        Arithmetic in float32, or float64 when ``out`` is float64.
 
     Returns:
-      A list of N pairs ``(out_r [T, H/N, D] in out's dtype, lse_r f32[T, H/N])``: what rank r
-      holds after the reduce-scatter over heads.
+      A list of N pairs ``(out_r [T, H/N, D] in out's dtype, lse_r [T, H/N] in the compute
+      dtype)``: what rank r holds after the reduce-scatter over heads.
 
     Raises:
       TypeError / ValueError: not torch tensors, bad shapes, ``H % N != 0``.
@@ -104,11 +113,11 @@ def torch_ag_rs_reference(out, lse):
     n, _, h, _ = out.shape
     if h % n != 0:
         raise ValueError(f"heads H={h} must divide by N={n} for AG+RS")
-    merged, factors = _torch_lse_and_factors(lse.float())
+    ct = _compute_dtype(out.dtype)
+    merged, factors = _torch_lse_and_factors(lse.to(ct))
     # Each rank corrects its own partial; a zero factor selects 0 (0 * NaN would be NaN).
     f = factors.unsqueeze(-1)
-    corrected = torch.where(f > 0, out.float() * f, torch.zeros((), dtype=torch.float32,
-                                                                device=out.device))
+    corrected = torch.where(f > 0, out.to(ct) * f, torch.zeros((), dtype=ct, device=out.device))
     reduced = corrected.sum(dim=0)  # the reduction half of the reduce-scatter
     hs = h // n
     return [
@@ -132,10 +141,11 @@ def torch_merge_reference(out, lse):
     if h % n == 0:
         parts = torch_ag_rs_reference(out, lse)
         return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
-    merged, factors = _torch_lse_and_factors(lse.float())
+    ct = _compute_dtype(out.dtype)
+    merged, factors = _torch_lse_and_factors(lse.to(ct))
     f = factors.unsqueeze(-1)
-    zero = torch.zeros((), dtype=torch.float32, device=out.device)
-    return torch.where(f > 0, out.float() * f, zero).sum(dim=0).to(out.dtype), merged
+    zero = torch.zeros((), dtype=ct, device=out.device)
+    return torch.where(f > 0, out.to(ct) * f, zero).sum(dim=0).to(out.dtype), merged
 
 
 # --------------------------------------------------------------------------------------------
