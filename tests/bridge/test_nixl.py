@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import _peer_worker as pw
-from bridge import BridgeError, PeerError, TransferHandle, make_engine
+from bridge import BridgeError, PeerError, TransferError, TransferHandle, make_engine
 from bridge.nixl import NixlEngine
 
 
@@ -135,3 +135,35 @@ def test_engine_construction_and_peer_errors():
     eng.close()
     with pytest.raises(BridgeError, match="closed"):
         eng.peer_info()
+
+
+@pytest.mark.timeout(30)
+def test_refresh_drops_stale_metadata_inside_nixl(nixl_pair):
+    """Below the bridge's own validation: NIXL with stale metadata writes into a region the peer
+    deregistered (the trap); after `add_peer` with the refreshed PeerInfo NIXL itself refuses."""
+    from bridge.base import TransferHandle
+
+    p = nixl_pair
+    p.fill(seed=16)
+    extra = np.zeros(4 * pw.ITEM, np.uint8)
+    p.tgt.register([extra])
+    p.ini.add_peer(p.tgt.peer_info())
+    p.tgt.deregister([extra])
+    descs = np.array([[p.src.ctypes.data, extra.ctypes.data, pw.ITEM]], np.int64)
+    mem = ("DRAM", np.zeros(1, np.int64))
+
+    def post_directly():  # the engine call transfer_batch would make, minus validation
+        h = TransferHandle(p.peer, 1, pw.ITEM, None, None, None)
+        xfer, state = p.ini._post(h, descs, mem, mem, p.peer)
+        while state == "PROC":
+            state = p.ini._agent.check_xfer_state(xfer)
+        xfer.release()
+        return state
+
+    assert post_directly() == "DONE"  # stale metadata: the write lands in deregistered memory
+    np.testing.assert_array_equal(extra[: pw.ITEM], p.src[: pw.ITEM])
+    extra[:] = 0
+    p.ini.add_peer(p.tgt.peer_info())
+    with pytest.raises(TransferError, match="nixlNotFoundError"):
+        post_directly()
+    assert not extra.any()

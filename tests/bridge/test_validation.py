@@ -262,3 +262,13 @@ def test_wait_arguments_are_checked(two_connected_engines):
         p.ini.wait(h)
     with pytest.raises(ValueError, match="notif"):
         p.ini.transfer_batch(p.peer, _good(p, 4), notif=b"")
+
+
+def test_make_engine_auto_prefers_nixl():
+    from bridge import available_engines
+
+    avail = available_engines()
+    assert avail, "CI installs at least one engine"
+    with make_engine("auto", "auto-pick") as eng:
+        assert eng.kind == avail[0]
+        assert eng.peer_info().engine == avail[0]
