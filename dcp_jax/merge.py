@@ -60,6 +60,7 @@ BASES = ("e", "2")
 LSE_LAYOUTS = ("TH", "HT")
 MERGE_FORMS = ("ag_rs", "ag_ar", "a2a")
 DEFAULT_AXIS_NAME = "dcp"
+_UNROLL_MAX_SHARDS = 16  # up to this many partials the N-way sum is unrolled (see _merge_core)
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,7 +169,18 @@ def _merge_core(out: jax.Array, lse: jax.Array, *, base: str) -> tuple[jax.Array
     """N-way merge of token-major stacked states; out [N, T, H, D], lse [N, T, H] -> cdtype."""
     cdtype = _compute_dtype(out.dtype)
     w, merged = _merge_weights(lse.astype(cdtype), base=base)
-    return jnp.sum(_weighted(out, w), axis=0), merged
+    # Materialise the small [N, T, H] weights: otherwise XLA may fuse exp/log into the big
+    # [T, H, D] pass and recompute them for every element of D.
+    w = jax.lax.optimization_barrier(w)
+    n = out.shape[0]
+    if n > _UNROLL_MAX_SHARDS:
+        return jnp.sum(_weighted(out, w), axis=0), merged
+    # Few shards: an unrolled sum is one elementwise, memory-bound pass reading each partial
+    # once (a predictable lowering on GPU, unlike a reduction over the outermost axis).
+    acc = _weighted(out[0], w[0])
+    for r in range(1, n):
+        acc = acc + _weighted(out[r], w[r])
+    return acc, merged
 
 
 @functools.partial(jax.jit, static_argnames=("base", "lse_layout"))
