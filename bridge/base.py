@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import itertools
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -376,10 +377,10 @@ class TransferHandle:
     """
 
     __slots__ = ("peer", "num_descriptors", "nbytes", "notif", "dcp_rank", "chunk", "released",
-                 "engine_state", "submitted_at")
+                 "submitted_at", "seq")
 
     def __init__(self, peer: str, num_descriptors: int, nbytes: int, notif: bytes | None,
-                 dcp_rank: int | None, chunk: int | None, engine_state: Any = None):
+                 dcp_rank: int | None, chunk: int | None):
         self.peer = peer
         self.num_descriptors = num_descriptors
         self.nbytes = nbytes
@@ -387,8 +388,8 @@ class TransferHandle:
         self.dcp_rank = dcp_rank
         self.chunk = chunk
         self.released = False
-        self.engine_state = engine_state
         self.submitted_at = time.monotonic()
+        self.seq = 0  # set by the engine: unique per engine, keys its bookkeeping
 
     def __repr__(self) -> str:
         ctx = "" if self.dcp_rank is None else f", dcp_rank={self.dcp_rank}"
@@ -440,7 +441,8 @@ class TransferEngine(abc.ABC):
         self._local_table = RegionTable(())
         self._peers: dict[str, tuple[PeerInfo, RegionTable]] = {}
         self._counters = EngineCounters()
-        self._outstanding: set[int] = set()  # id() of handles submitted and not yet waited
+        self._outstanding: dict[int, TransferHandle] = {}  # by seq: submitted, not yet waited
+        self._seq = itertools.count(1)
         self._notifs: dict[str, list[bytes]] = {}
         self._closed = False
 
@@ -640,9 +642,10 @@ class TransferEngine(abc.ABC):
         remote_mem = _mem_of(remote_table, ri, "remote")
         handle = TransferHandle(peer, int(d.shape[0]), int(d[:, 2].sum()) if len(d) else 0, notif,
                                 dcp_rank, chunk)
+        handle.seq = next(self._seq)
         self._engine_submit(handle, d, local_mem, remote_mem, info)
         with self._lock:
-            self._outstanding.add(id(handle))
+            self._outstanding[handle.seq] = handle
             self._counters.descriptors += handle.num_descriptors
             self._counters.bytes += handle.nbytes
             self._counters.batches += 1
@@ -668,7 +671,7 @@ class TransferEngine(abc.ABC):
         timeout_s = _check_timeout(timeout_s)
         if not isinstance(handle, TransferHandle):
             raise TypeError(f"handle must be a TransferHandle, got {type(handle).__name__}")
-        if handle.released or id(handle) not in self._outstanding:
+        if handle.released or self._outstanding.get(handle.seq) is not handle:
             raise BridgeError(f"handle {handle!r} was already waited or is not from engine {self.name!r}")
         deadline = time.monotonic() + timeout_s
         try:
@@ -682,7 +685,7 @@ class TransferEngine(abc.ABC):
         finally:
             handle.released = True
             with self._lock:
-                self._outstanding.discard(id(handle))
+                self._outstanding.pop(handle.seq, None)
 
     def notifications(self) -> dict[str, list[bytes]]:
         """Returns and forgets every notification received so far, by sender name."""

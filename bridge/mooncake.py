@@ -169,7 +169,7 @@ class MooncakeEngine(TransferEngine):
             job.future = worker.submit(self._run, handle, info.session, local, remote, lens, notif_addrs, job)
         except RuntimeError as exc:  # executor shut down by a concurrent remove_peer
             raise PeerError(f"peer={handle.peer!r} was removed") from exc
-        self._jobs[id(handle)] = job
+        self._jobs[handle.seq] = job
 
     def _run(self, handle: TransferHandle, session: str, local: list, remote: list, lens: list,
              notif_addrs: tuple[int, int] | None, job: _Job) -> None:
@@ -200,7 +200,7 @@ class MooncakeEngine(TransferEngine):
                                    f"transfer_sync returned {rc}")
 
     def _engine_wait(self, handle: TransferHandle, deadline: float) -> None:
-        job = self._jobs.get(id(handle))
+        job = self._jobs.get(handle.seq)
         if job is None:
             return
         try:
@@ -209,10 +209,10 @@ class MooncakeEngine(TransferEngine):
             raise handle.error(TransferTimeout, "Mooncake batch not complete by the deadline") from None
         except cf.CancelledError:
             raise handle.error(TransferError, "batch cancelled (peer removed or engine closed)") from None
-        self._jobs.pop(id(handle), None)
+        self._jobs.pop(handle.seq, None)
 
     def _engine_abort(self, handle: TransferHandle) -> None:
-        job = self._jobs.pop(id(handle), None)
+        job = self._jobs.pop(handle.seq, None)
         if job is not None:
             # Stops further windows; the one inside the engine finishes or fails on its own.
             job.cancel.set()

@@ -163,7 +163,7 @@ class NixlEngine(TransferEngine):
             post.future.set_result(self._post(*args))  # errors propagate from transfer_batch
         else:
             post.future = self._submitter.submit(self._post, *args)
-        self._live[id(handle)] = post
+        self._live[handle.seq] = post
 
     def _post(self, handle, descs, local_mem, remote_mem, peer: str):
         """Builds and posts one WRITE; returns (xfer handle or None for an empty batch, state)."""
@@ -199,7 +199,7 @@ class NixlEngine(TransferEngine):
         return xfer, state
 
     def _engine_wait(self, handle: TransferHandle, deadline: float) -> None:
-        post = self._live[id(handle)]
+        post = self._live[handle.seq]
         try:
             xfer, state = post.future.result(timeout=max(0.0, deadline - time.monotonic()))
         except cf.TimeoutError:
@@ -219,12 +219,12 @@ class NixlEngine(TransferEngine):
                 state = self._agent.check_xfer_state(xfer)
             except _NIXL_ERRORS as exc:
                 raise handle.error(TransferError, "NIXL reported a failed WRITE", _engine_msg(exc)) from exc
-        self._live.pop(id(handle), None)
+        self._live.pop(handle.seq, None)
         if xfer is not None:
             _release(xfer)
 
     def _engine_abort(self, handle: TransferHandle) -> None:
-        post = self._live.pop(id(handle), None)
+        post = self._live.pop(handle.seq, None)
         if post is not None:
             post.abandon()
 
