@@ -6,8 +6,10 @@ backoff and releases the handle. ``transfer`` itself posts every descriptor befo
 (measured: 400k small descriptors keep it busy ~4 s over CMA, while the GIL is released), so by
 default the posting runs on one background thread per engine and `transfer_batch` returns at
 once: packing the next chunk overlaps the transfer of this one. The agent is then created with
-``NIXL_THREAD_SYNC_STRICT`` (NIXL's default without a listener thread is unsynchronised). NIXL's typed exceptions (``nixlNotFoundError``,
-``nixlRemoteDisconnectError``, ...) and its "ERR" status become `TransferError` here.
+``NIXL_THREAD_SYNC_STRICT`` (NIXL's default without a listener thread is unsynchronised).
+Engine-side refusals (unknown registrations, a disconnected peer) therefore surface in `wait`.
+NIXL's typed exceptions (``nixlNotFoundError``, ``nixlRemoteDisconnectError``, ...) and its
+"ERR" status become `TransferError` here.
 
 Stale metadata: NIXL keeps a peer's old registrations after the peer deregisters, and a WRITE
 into them still succeeds. `add_peer` with a refreshed `PeerInfo` therefore drops and reloads the

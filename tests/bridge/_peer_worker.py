@@ -23,6 +23,13 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 
 
+def available_kinds() -> list[str]:
+    """Engine kinds that import here (NIXL first)."""
+    from bridge import available_engines
+
+    return list(available_engines())
+
+
 def target_main(conn, kind: str, name: str, nbytes: int, env: dict | None = None) -> None:
     """Decode-side peer (`env` is applied before the engine loads). Commands (tuples) over `conn`:
 

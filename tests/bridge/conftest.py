@@ -26,7 +26,7 @@ import _peer_worker  # noqa: E402
 from bridge.mooncake import mooncake_available  # noqa: E402
 from bridge.nixl import nixl_available  # noqa: E402
 
-ENGINES = [k for k, ok in (("nixl", nixl_available()), ("mooncake", mooncake_available())) if ok]
+ENGINES = _peer_worker.available_kinds()
 
 
 @pytest.fixture(scope="module", params=ENGINES)

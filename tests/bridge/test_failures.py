@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import _peer_worker as pw
-from conftest import ENGINES
 from bridge import TransferError, TransferTimeout
 
 # Batches that take far longer than the 50 ms before the kill on 2 cores: NIXL posts ~100-300k
@@ -25,7 +24,7 @@ _TIMEOUT_S = 8.0
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("case", [c for c in _KILL_CASES if _KILL_CASES[c][0] in ENGINES])
+@pytest.mark.parametrize("case", [c for c in _KILL_CASES if _KILL_CASES[c][0] in pw.available_kinds()])
 def test_peer_killed_mid_transfer(case):
     """The initiator gets a TransferError naming peer, rank and chunk within the timeout, has no
     handle left, and then serves the remaining live rank byte-exact."""
