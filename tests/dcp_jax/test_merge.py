@@ -285,3 +285,12 @@ def test_prop_nan_in_empty_shard_never_leaks(states):
     assert not np.isnan(np.asarray(l)).any() and not np.isposinf(np.asarray(l)).any()
     ro, rl = merge_states_reference(out, lse)
     np.testing.assert_allclose(np.asarray(o), ro, rtol=1e-5, atol=1e-5)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import dcp_jax.merge as merge_mod
+
+    res = doctest.testmod(merge_mod)
+    assert res.attempted > 0 and res.failed == 0
