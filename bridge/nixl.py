@@ -41,11 +41,15 @@ try:  # the CUDA 12 wheel installs nixl_cu12; the meta package maps `nixl` onto 
     from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
     from nixl_cu12 import _bindings as _nixl_bindings
 except ImportError:  # pragma: no cover - depends on which wheel is installed
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-        from nixl import _bindings as _nixl_bindings
+    try:  # the GPU machine's CUDA 13 build
+        from nixl_cu13._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+        from nixl_cu13 import _bindings as _nixl_bindings
     except ImportError:
-        nixl_agent = nixl_agent_config = nixl_thread_sync_t = _nixl_bindings = None
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+            from nixl import _bindings as _nixl_bindings
+        except ImportError:
+            nixl_agent = nixl_agent_config = nixl_thread_sync_t = _nixl_bindings = None
 
 # Every NIXL binding error (they derive from Exception directly; there is no common base).
 _NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
