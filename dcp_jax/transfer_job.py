@@ -431,6 +431,9 @@ class PrefillServer:
         self.engine.register([self.kv, self.pack])
         self._busy_slots: dict[tuple[int, int], Any] = {}
         self._rank_counts: dict[int, tuple[int, int, int]] = {}
+        self._transfer_s = 0.0  # seconds inside engine submit calls (engines may copy there)
+        # The pack buffer is allocated once and reused: fault its pages in now, not in the first pack.
+        self.pack[:] = 0
 
     # -- peers ------------------------------------------------------------------------------------
     @property
@@ -483,6 +486,7 @@ class PrefillServer:
             raise ValueError(f"{mode=} must be one of {MODES}")
         cfg, eng = self.cfg, self.engine
         eng.reset_counters()
+        self._transfer_s = 0.0
         item_lens = self.item_lens
         chunks = cfg.chunks()
         per_rank = {t.dcp_rank: dict(descriptors=0, bytes=0, batches=0, rows=0, strategy=set()) for t in targets}
@@ -491,6 +495,13 @@ class PrefillServer:
         region_size = self.pack_size // dcp_size
         row_bytes = int(item_lens.sum())
         region_rows = region_size // row_bytes
+        # Slots of one region: each holds the most rows one (chunk, rank) can have, so chunk k+1
+        # can be packed while chunk k is in flight. A rank owns at most ceil(C/(I*N)) + 1 blocks
+        # of I tokens of a C-token chunk (any alignment).
+        c_tok, i_sz = cfg.chunk_tokens or cfg.send_tokens, cfg.interleave_size
+        bound = min(c_tok, (-(-c_tok // (i_sz * dcp_size)) + 1) * i_sz)
+        nslots = max(1, region_rows // max(bound, 1))
+        slot_rows = region_rows // nslots
         pending: dict[int, deque] = {t.dcp_rank: deque() for t in targets}
         t0 = time.perf_counter()
 
@@ -533,13 +544,11 @@ class PrefillServer:
                         packing.choose_pack_strategy(n, None if region_size == 0 else region_size,
                                                      item_lens.tolist())
                     if use_pack:
-                        nslots = max(1, region_rows // max(n, 1))
-                        slot = ci % nslots
-                        if n <= region_rows:
+                        if n <= slot_rows:
+                            slot = ci % nslots
                             # Chunk barrier: the slot's previous reader must have completed.
-                            while (r, slot) in self._busy_slots or len(pending[r]) >= nslots:
+                            while (r, slot) in self._busy_slots:
                                 complete(r)
-                            slot_rows = region_rows // nslots
                             off = r * region_size + slot * slot_rows * row_bytes
                             per_rank[r]["strategy"].add("packed")
                             handles, tp_s, pk_s = self._send_packed(tgt, src, dst, off, ci, tag_base, msg)
@@ -547,12 +556,11 @@ class PrefillServer:
                             stats["pack_seconds"] += pk_s
                             self._busy_slots[(r, slot)] = True
                         else:
-                            # Sliced: gather, send, wait, repeat inside the whole region.
+                            # Sliced: gather, send, wait, repeat, using the whole region.
                             while pending[r]:
                                 complete(r)
                             per_rank[r]["strategy"].add("sliced")
-                            slot = 0
-                            self._busy_slots[(r, 0)] = True
+                            self._busy_slots[(r, -1)] = True
                             try:
                                 for s, e in _windows(n, region_rows):
                                     hs, tp_s, pk_s = self._send_packed(tgt, src[s:e], dst[s:e], r * region_size,
@@ -564,8 +572,7 @@ class PrefillServer:
                                         eng.wait(h, timeout_s=cfg.timeout_s)
                                     stats["transfer_seconds"] += time.perf_counter() - ts
                             finally:
-                                self._busy_slots.pop((r, 0), None)
-                            slot = -1
+                                self._busy_slots.pop((r, -1), None)
                     else:
                         # Direct (or per-row fallback): descriptors straight from the KV buffers.
                         while len(pending[r]) >= 2:
@@ -591,6 +598,7 @@ class PrefillServer:
             raise RequestFailed(f"{mode} request failed", dcp_rank=rank, chunk=chunk_i,
                                 cause=f"{type(exc).__name__}: {exc}") from exc
         total = time.perf_counter() - t0
+        stats["transfer_seconds"] += self._transfer_s
         for tgt in targets:
             _send(tgt.conn, ("done", dict(source=self.name, ok=True, chunks=len(chunks))), tgt.dcp_rank, None)
         c = eng.counters
@@ -630,12 +638,14 @@ class PrefillServer:
             if notif is not None:
                 msg["tags"].append(tag)
             self._count(tgt.dcp_rank, descs)
+            ts = time.perf_counter()
             h = eng.transfer_batch(tgt.peer, descs, notif=notif, dcp_rank=tgt.dcp_rank, chunk=ci)
             handles.append(h)
             if wait_between and len(wins) > 1:
                 # Windows go in order and stop at the first failure.
                 eng.wait(h, timeout_s=cfg.timeout_s)
                 handles.pop()
+            self._transfer_s += time.perf_counter() - ts
         return handles, plan_s
 
     def _send_direct(self, tgt: _Target, src, dst, ci, tag_base, msg):
