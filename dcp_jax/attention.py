@@ -204,10 +204,15 @@ def local_kv_lens(kv_lens, query_len: int, *, dcp_size: int, interleave_size: in
 
 
 def _check_common(q, page_table, kv_lens, n_ranks, num_pages_axis_len, name_cache):
-    b, qn, h = q.shape[:3]
+    """Checks the shared arguments; returns the page table as i32[N, B, max_pages]."""
+    b = q.shape[0]
+    if page_table.ndim == 2 and page_table.shape[0] == b:
+        # sglang's convention (spec section 3): one table of virtual page ids for every rank.
+        page_table = jnp.broadcast_to(page_table, (n_ranks,) + page_table.shape)
     if page_table.ndim != 3 or page_table.shape[:2] != (n_ranks, b):
         raise ValueError(
-            f"page_table must be [N, B, max_pages] = [{n_ranks}, {b}, ...], got {page_table.shape=}"
+            f"page_table must be [N, B, max_pages] = [{n_ranks}, {b}, ...] or shared "
+            f"[B, max_pages], got {page_table.shape=}"
         )
     if not jnp.issubdtype(page_table.dtype, jnp.integer):
         raise TypeError(f"page_table must be integer, got {page_table.dtype=}")
@@ -217,7 +222,7 @@ def _check_common(q, page_table, kv_lens, n_ranks, num_pages_axis_len, name_cach
         raise TypeError(f"kv_lens must be integer, got {kv_lens.dtype=}")
     if num_pages_axis_len < 1:
         raise ValueError(f"{name_cache} needs at least one page")
-    return b, qn, h
+    return page_table.astype(jnp.int32)
 
 
 def _check_scale(softmax_scale):
@@ -241,8 +246,9 @@ def _check_mla(q_latent, q_rope, kv_cache, page_table, kv_lens):
         raise ValueError(
             f"kv_cache must be [N, num_pages, page_size, Dl + Dr = {dl + dr}], got {kv_cache.shape=}"
         )
-    _check_common(q_latent, page_table, kv_lens, kv_cache.shape[0], kv_cache.shape[1], "kv_cache")
-    return q_latent, q_rope, kv_cache, page_table.astype(jnp.int32), kv_lens.astype(jnp.int32)
+    page_table = _check_common(q_latent, page_table, kv_lens, kv_cache.shape[0], kv_cache.shape[1],
+                               "kv_cache")
+    return q_latent, q_rope, kv_cache, page_table, kv_lens.astype(jnp.int32)
 
 
 def _check_gqa(q, k_cache, v_cache, page_table, kv_lens):
@@ -257,8 +263,8 @@ def _check_gqa(q, k_cache, v_cache, page_table, kv_lens):
     hkv = k_cache.shape[3]
     if q.shape[2] % hkv != 0:
         raise ValueError(f"query heads H={q.shape[2]} must be a multiple of KV heads Hkv={hkv}")
-    _check_common(q, page_table, kv_lens, k_cache.shape[0], k_cache.shape[1], "k_cache")
-    return q, k_cache, v_cache, page_table.astype(jnp.int32), kv_lens.astype(jnp.int32)
+    page_table = _check_common(q, page_table, kv_lens, k_cache.shape[0], k_cache.shape[1], "k_cache")
+    return q, k_cache, v_cache, page_table, kv_lens.astype(jnp.int32)
 
 
 def _check_form(merge, h, n, axis_name):
@@ -346,7 +352,8 @@ def dcp_mla_decode(q_latent, q_rope, kv_cache, page_table, kv_lens, *, softmax_s
         replicated array is resharded); H must divide by N.
       q_rope: [B, Q, H, Dr] rope queries (Dr = 64).
       kv_cache: [N, num_pages, page_size, Dl + Dr] per-rank KV pages; slice r lives on rank r.
-      page_table: i32[N, B, max_pages] per-rank page ids per request (see :func:`paginate_kv`).
+      page_table: i32[N, B, max_pages] per-rank page ids per request (see :func:`paginate_kv`),
+        or one shared i32[B, max_pages] table for every rank (sglang's virtual pages).
       kv_lens: i32[B] cached tokens per request including its Q query tokens (0 = empty slot).
       softmax_scale: score multiplier (DeepSeek-V3: ``1/sqrt(192)`` times the YaRN mscale^2).
       mesh: a mesh with an ``axis_name`` axis of size N (e.g. ``merge.make_dcp_mesh(N)``).
@@ -381,7 +388,7 @@ def dcp_gqa_decode(q, k_cache, v_cache, page_table, kv_lens, *, softmax_scale: f
       q: [B, Q, H, D] queries, head-sharded over ``axis_name``; H must divide by N and by Hkv.
       k_cache: [N, num_pages, page_size, Hkv, D] per-rank key pages.
       v_cache: [N, num_pages, page_size, Hkv, Dv] per-rank value pages.
-      page_table: i32[N, B, max_pages] per-rank page ids per request.
+      page_table: i32[N, B, max_pages] per-rank page ids per request, or shared [B, max_pages].
       kv_lens: i32[B] cached tokens per request including its Q query tokens.
       softmax_scale: score multiplier (usually ``1/sqrt(D)``).
       mesh, interleave_size, axis_name, merge: as :func:`dcp_mla_decode`.
@@ -446,7 +453,8 @@ def dcp_gqa_decode_emulated(q, k_cache, v_cache, page_table, kv_lens, *, softmax
 
 
 def paginate_kv(kv, kv_lens, *, dcp_size: int, page_size: int, interleave_size: int = 1,
-                fill=0.0, shuffle_seed: int | None = None, extra_pages: int = 0):
+                fill=0.0, shuffle_seed: int | None = None, extra_pages: int = 0,
+                shared_page_table: bool = False):
     """Lays out contiguous per-request KV as N per-rank paged caches (spec sections 2-3).
 
     Token t of request b goes to rank ``owner(t)``, local index ``j = local_index(t)``, row
@@ -461,9 +469,12 @@ def paginate_kv(kv, kv_lens, *, dcp_size: int, page_size: int, interleave_size: 
       fill: value of every unused row (tests pass NaN to poison free slots).
       shuffle_seed: if given, page ids are randomly permuted per rank (else allocated in order).
       extra_pages: spare pages per rank (left at ``fill``).
+      shared_page_table: every rank uses the same page ids (sglang's convention, spec section
+        3); the table is then returned as ``[B, max_pages]``.
 
     Returns:
       ``(cache np[N, num_pages, P, ...] in kv's dtype, page_table np.int32[N, B, max_pages])``
+      (``[B, max_pages]`` with ``shared_page_table``)
       with ``max_pages = max(1, ceil(max_r,b local_len / P))`` and ``num_pages = B * max_pages +
       extra_pages``.
 
@@ -489,7 +500,8 @@ def paginate_kv(kv, kv_lens, *, dcp_size: int, page_size: int, interleave_size: 
     rng = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)
     page_table = np.empty((n, b, max_pages), dtype=np.int32)
     for r in range(n):
-        ids = np.arange(num_pages) if rng is None else rng.permutation(num_pages)
+        if r == 0 or not shared_page_table:
+            ids = np.arange(num_pages) if rng is None else rng.permutation(num_pages)
         page_table[r] = ids[: b * max_pages].reshape(b, max_pages)
     for bi in range(b):
         t = np.arange(kv_lens[bi])
@@ -499,7 +511,7 @@ def paginate_kv(kv, kv_lens, *, dcp_size: int, page_size: int, interleave_size: 
         j = layout.local_index_np(t, n, i)
         pages = page_table[own, bi, j // page_size]
         cache[own, pages, j % page_size] = kv[bi, t]
-    return cache, page_table
+    return cache, (page_table[0] if shared_page_table else page_table)
 
 
 def _softmax_ref(scores):

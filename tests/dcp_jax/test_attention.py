@@ -125,6 +125,18 @@ def test_mla_emulated_equals_sharded():
     _check(e_o, e_l, ref_o, ref_l, jnp.float32)
 
 
+def test_mla_shared_page_table_sglang_convention():
+    ql, qr, kv, kv_lens = _mla_inputs(8, [2, 9, 31], q_len=2)
+    cache, pt = paginate_kv(np.asarray(kv), kv_lens, dcp_size=N, page_size=4, fill=np.nan,
+                            shuffle_seed=8, shared_page_table=True)
+    assert pt.shape == (3, 1)  # ceil(max local_len 4 / 4) pages, same ids on every rank
+    out, lse = dcp_mla_decode(ql, qr, cache, pt, kv_lens, softmax_scale=0.3, mesh=make_dcp_mesh(N))
+    ref_o, ref_l = mla_decode_reference(ql, qr, kv, kv_lens, softmax_scale=0.3)
+    _check(out, lse, ref_o, ref_l, jnp.float32)
+    e_o, _ = dcp_mla_decode_emulated(ql, qr, cache, pt, kv_lens, softmax_scale=0.3)
+    np.testing.assert_allclose(np.asarray(e_o), np.asarray(out), rtol=1e-6, atol=1e-6)
+
+
 def test_mla_smaller_dcp_group():
     ql, qr, kv, kv_lens = _mla_inputs(5, [1, 6, 17], h=4)
     cache, pt = paginate_kv(np.asarray(kv), kv_lens, dcp_size=2, page_size=4, fill=np.nan)
@@ -215,7 +227,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="q_latent"):
         dcp_mla_decode(ql, qr[:, :, :4], cache, pt, kv_lens, **ok)
     with pytest.raises(ValueError, match="page_table"):
-        dcp_mla_decode(ql, qr, cache, pt[0], kv_lens, **ok)
+        dcp_mla_decode(ql, qr, cache, pt[:, :1], kv_lens, **ok)
     with pytest.raises(TypeError, match="page_table"):
         dcp_mla_decode(ql, qr, cache, pt.astype(np.float32), kv_lens, **ok)
     with pytest.raises(ValueError, match="kv_lens"):
