@@ -68,6 +68,8 @@ class GatherConfig:
             program per row block that walks every layer entry (indices loaded once).
         eviction_policy: Triton cache hint for the streaming loads and stores
             (``None``, ``"evict_first"`` or ``"evict_last"``).
+        layers_per_step: ``"loop"`` schedule: layer entries whose loads are issued before
+            their stores (more bytes in flight per program, more registers).
     """
 
     block_rows: int = 32
@@ -75,6 +77,7 @@ class GatherConfig:
     num_stages: int = 1
     schedule: str = "grid"
     eviction_policy: str | None = None
+    layers_per_step: int = 1
 
     def __post_init__(self):
         if self.block_rows <= 0 or self.block_rows & (self.block_rows - 1):
@@ -85,6 +88,8 @@ class GatherConfig:
             raise ValueError(f"{self.num_stages=} must be positive")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"{self.schedule=} must be one of {SCHEDULES}")
+        if self.layers_per_step <= 0:
+            raise ValueError(f"{self.layers_per_step=} must be positive")
         if self.eviction_policy not in (None, "evict_first", "evict_last"):
             raise ValueError(f"{self.eviction_policy=} must be None, 'evict_first' or 'evict_last'")
 
@@ -177,46 +182,60 @@ def select_backend(backend: str = "auto") -> str:
 # --------------------------------------------------------------------------- kernel body
 
 
-def _copy_layer(src_ref, out_ref, idx, rows, valid, base, *, width, layer, stacked, evict):
-    """Copy `block_rows` gathered rows of one layer entry into the flat pack.
+def _load_layer(src_ref, idx, *, width, layer):
+    """Gather `block_rows` rows of one layer entry: one [block_rows, size] value per piece.
 
-    src_ref: [R, W] block (stacked "grid" schedule squeezes L) or [L, R, W] ("loop").
-    out_ref: [P] words, the whole pack. idx/rows/valid: [block_rows]. base: word offset of
-    the entry's region (a scalar with a divisibility hint).
+    src_ref: [R, W] block (stacked "grid" schedule squeezes L, list entries) or [L, R, W]
+    (stacked "loop", with a static `layer`).
     """
-    from jax.experimental.pallas import triton as pltriton
-
+    vals = []
     for off, size in pow2_chunks(width):
         cols = pl.ds(off, size)
-        if layer is None:
-            vals = src_ref[idx, cols]  # [block_rows, size] data-dependent gather
-        else:
-            vals = src_ref[layer, idx, cols]
+        vals.append(src_ref[idx, cols] if layer is None else src_ref[layer, idx, cols])
+    return vals
+
+
+def _store_layer(out_ref, vals, rows, valid, base, *, width, evict):
+    """Store gathered pieces at `base + row * width` of the flat pack [P], rows < n only."""
+    from jax.experimental.pallas import triton as pltriton
+
+    for (off, size), v in zip(pow2_chunks(width), vals):
         flat = base + rows[:, None] * width + (off + jnp.arange(size, dtype=jnp.int32))[None, :]
         mask = jnp.broadcast_to(valid[:, None], (rows.shape[0], size))
-        pltriton.store(out_ref.at[flat], vals, mask=mask, eviction_policy=evict)
+        pltriton.store(out_ref.at[flat], v, mask=mask, eviction_policy=evict)
+
+
+def _copy_layer(src_ref, out_ref, idx, rows, valid, base, *, width, layer, stacked, evict):
+    """Copy `block_rows` gathered rows of one layer entry into the flat pack."""
+    del stacked
+    vals = _load_layer(src_ref, idx, width=width, layer=layer)
+    _store_layer(out_ref, vals, rows, valid, base, width=width, evict=evict)
 
 
 def _gather_kernel(
-    meta_ref,  # i32[2]: (num_rows, offset in words)
+    n_ref,  # i32[1]: rows to gather
     idx_ref,  # i32[block_rows]
     *refs,  # src refs (one stacked or L list entries), pack_in [P] (aliased), out [P]
     widths: tuple[int, ...],
     stacked: bool,
     schedule: str,
     block_rows: int,
+    offset: int,
+    max_rows: int,
+    num_src_rows: int,
     align: tuple[int, ...],
     evict: str | None,
+    layers_per_step: int = 1,
 ):
     src_refs, out_ref = refs[:-2], refs[-1]
     num_layers = len(widths)
     i = pl.program_id(0)
-    n = meta_ref[0]
-    offset = meta_ref[1]
+    # Clamped here, not in XLA around the call: the jitted function is the kernel alone.
+    n = jnp.minimum(jnp.maximum(n_ref[0], 0), max_rows)  # never past the end of the pack
     rows = i * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
     valid = rows < n
-    # Masked rows read row 0 (always in range) and store nothing.
-    idx = jnp.where(valid, idx_ref[...], 0)
+    # Masked rows read row 0 and store nothing; indices are clamped so no read is out of bounds.
+    idx = jnp.where(valid, jnp.clip(idx_ref[...], 0, num_src_rows - 1), 0)
     prefix = [0]
     for w in widths:
         prefix.append(prefix[-1] + w)
@@ -240,11 +259,14 @@ def _gather_kernel(
                 def _(l=l):
                     copy(src_refs[l], base=base_of(l), width=widths[l], layer=None, stacked=False)
     else:
-        for l in range(num_layers):
-            if stacked:
-                copy(src_refs[0], base=base_of(l), width=widths[l], layer=l, stacked=True)
-            else:
-                copy(src_refs[l], base=base_of(l), width=widths[l], layer=None, stacked=False)
+        # Issue the loads of `layers_per_step` entries before their stores, so that many row
+        # gathers are in flight per program (stores would otherwise order every next load).
+        for g in range(0, num_layers, layers_per_step):
+            group = range(g, min(num_layers, g + layers_per_step))
+            loaded = [_load_layer(src_refs[0] if stacked else src_refs[l], idx, width=widths[l],
+                                  layer=l if stacked else None) for l in group]
+            for l, vals in zip(group, loaded):
+                _store_layer(out_ref, vals, rows, valid, base_of(l), width=widths[l], evict=evict)
 
 
 # --------------------------------------------------------------------------- validation
@@ -332,24 +354,24 @@ def gather_rows(
     backend = select_backend(backend)
     widths = tuple(w for _, w in shapes)
     m = int(indices.shape[0])
-    total_w = sum(widths)
-    n = jnp.asarray(m if num_rows is None else num_rows, jnp.int32)
-    # Never write past the pack, whatever n says.
-    n = jnp.clip(n, 0, min(m, (int(pack.shape[0]) - offset) // total_w))
-    min_rows = min(r for r, _ in shapes)
-    idx = jnp.clip(indices.astype(jnp.int32), 0, min_rows - 1)
     if m == 0:
         return pack
+    # Never write past the pack, whatever n says (the kernels clamp n to this).
+    max_rows = max(0, min(m, (int(pack.shape[0]) - offset) // sum(widths)))
+    n = jnp.asarray(m if num_rows is None else num_rows, jnp.int32).reshape(1)
+    idx = indices if indices.dtype == jnp.int32 else indices.astype(jnp.int32)
     if backend == "mosaic":
         from pallas_kernels import mosaic_gather
 
-        return mosaic_gather.gather_rows_mosaic(src, idx, pack, n, offset=offset,
-                                                widths=widths, config=config)
+        min_rows = min(r for r, _ in shapes)
+        n = jnp.clip(n, 0, max_rows)
+        return mosaic_gather.gather_rows_mosaic(src, jnp.clip(idx, 0, min_rows - 1), pack, n[0],
+                                                offset=offset, widths=widths, config=config)
     return _gather_triton(src, idx, pack, n, offset=offset, shapes=tuple(shapes), stacked=stacked,
-                          config=config, interpret=backend == "interpret")
+                          config=config, interpret=backend == "interpret", max_rows=max_rows)
 
 
-def _gather_triton(src, idx, pack, n, *, offset, shapes, stacked, config, interpret):
+def _gather_triton(src, idx, pack, n, *, offset, shapes, stacked, config, interpret, max_rows):
     from jax.experimental.pallas import triton as pltriton
 
     widths = tuple(w for _, w in shapes)
@@ -361,7 +383,6 @@ def _gather_triton(src, idx, pack, n, *, offset, shapes, stacked, config, interp
     num_blocks = m_pad // br
     prefix = np.concatenate([[0], np.cumsum(widths)])
     align = tuple(min(_pow2_factor(offset), _pow2_factor(int(p))) for p in prefix[:-1])
-    meta = jnp.stack([n, jnp.asarray(offset, jnp.int32)])
     P = int(pack.shape[0])
     L = len(widths)
     srcs = [src] if stacked else list(src)
@@ -386,14 +407,16 @@ def _gather_triton(src, idx, pack, n, *, offset, shapes, stacked, config, interp
         pack_spec = pl.BlockSpec((P,), lambda i: (0,))
     kernel = functools.partial(
         _gather_kernel, widths=widths, stacked=stacked, schedule=config.schedule,
-        block_rows=br, align=align, evict=config.eviction_policy)
+        block_rows=br, offset=offset, max_rows=max_rows,
+        num_src_rows=min(r for r, _ in shapes), align=align, evict=config.eviction_policy,
+        layers_per_step=config.layers_per_step)
     n_in = 2 + len(srcs)
     call = pl.pallas_call(
         kernel,
         grid=grid,
         # The aliased pack input gets the output's BlockSpec (an ANY-space alias crashes
         # interpret mode on 0.11+ with ragged blocks; on Triton it is never read).
-        in_specs=[pl.BlockSpec((2,), small), pl.BlockSpec((br,), idx_map), *src_specs, pack_spec],
+        in_specs=[pl.BlockSpec((1,), small), pl.BlockSpec((br,), idx_map), *src_specs, pack_spec],
         out_specs=pack_spec,
         out_shape=jax.ShapeDtypeStruct(pack.shape, pack.dtype),
         input_output_aliases={n_in: 0},
@@ -402,7 +425,7 @@ def _gather_triton(src, idx, pack, n, *, offset, shapes, stacked, config, interp
         interpret=interpret,
         name=f"kv_gather_{config.schedule}_{br=}_{L=}",
     )
-    return call(meta, idx, *srcs, pack)
+    return call(n, idx, *srcs, pack)
 
 
 # --------------------------------------------------------------------------- reference
@@ -434,8 +457,8 @@ def gather_rows_reference(src, indices, pack, num_rows=None, *, offset: int = 0)
 
 # --------------------------------------------------------------------------- host contract
 
-_IMPORTED_LAYERS: dict[tuple, Any] = {}  # (ptr, shape, dtype) -> JAX view of a CuPy layer
-_MAX_CACHED_LAYERS = 1024
+_IMPORTED_LAYERS: dict[tuple, Any] = {}  # (word dtype, layer pointers/shapes) -> JAX views
+_MAX_CACHED_LAYERS = 64
 
 
 def _is_cupy(a) -> bool:
@@ -512,7 +535,12 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
     if n == 0:
         return 0
     num_rows = min(int(a.shape[0]) for a in layers)
-    lo, hi = int(idx.min()), int(idx.max())
+    if _is_cupy(idx):
+        import cupy as cp
+
+        lo, hi = (int(v) for v in cp.stack([idx.min(), idx.max()]).get())  # one sync
+    else:
+        lo, hi = int(idx.min()), int(idx.max())
     if lo < 0:
         raise ValueError(f"indices must be >= 0, got min {lo}")
     if hi >= num_rows:
@@ -554,16 +582,14 @@ def _pack_rows_device(layers, idx, pack, offset, item_lens, backend, config):
     import cupy as cp
 
     dt = word_dtype(item_lens, offset)
-    srcs = []
-    for a in layers:
-        key = (a.data.ptr, a.shape, a.strides)
-        view = _IMPORTED_LAYERS.get(key)
-        if view is None:
-            if len(_IMPORTED_LAYERS) >= _MAX_CACHED_LAYERS:
-                _IMPORTED_LAYERS.clear()
-            view = jax.dlpack.from_dlpack(cp.ascontiguousarray(a).view(dt))
-            _IMPORTED_LAYERS[key] = view
-        srcs.append(view)
+    # Layers are registered once and read-only here: import them once (zero-copy) and reuse.
+    key = (dt.str, tuple((a.data.ptr, a.shape, a.strides) for a in layers))
+    srcs = _IMPORTED_LAYERS.get(key)
+    if srcs is None:
+        if len(_IMPORTED_LAYERS) >= _MAX_CACHED_LAYERS:
+            _IMPORTED_LAYERS.clear()
+        srcs = [jax.dlpack.from_dlpack(cp.ascontiguousarray(a).view(dt)) for a in layers]
+        _IMPORTED_LAYERS[key] = srcs
     n = int(idx.shape[0])
     m = bucket_rows(n, config.block_rows)
     idx_pad = cp.zeros(m, cp.int32)
