@@ -368,7 +368,9 @@ def merge_ag_ar(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"
     base = _check_base(base)
     n = _check_local(out, lse, axis_name, "merge_ag_ar")
     if n == 1:
-        return out, lse
+        # Unchanged values; a psum over one rank is the identity and marks them replicated
+        # (invariant over the axis) as an all-heads result must be.
+        return jax.lax.psum(out, axis_name), jax.lax.psum(lse, axis_name)
     cdtype = _compute_dtype(out.dtype)
     lse_all = jax.lax.all_gather(lse.astype(cdtype), axis_name, axis=0, to="invarying")
     w_all, merged = _merge_weights(lse_all, base=base)

@@ -137,10 +137,13 @@ def test_mla_shared_page_table_sglang_convention():
     np.testing.assert_allclose(np.asarray(e_o), np.asarray(out), rtol=1e-6, atol=1e-6)
 
 
-def test_mla_smaller_dcp_group():
-    ql, qr, kv, kv_lens = _mla_inputs(5, [1, 6, 17], h=4)
-    cache, pt = paginate_kv(np.asarray(kv), kv_lens, dcp_size=2, page_size=4, fill=np.nan)
-    out, lse = dcp_mla_decode(ql, qr, cache, pt, kv_lens, softmax_scale=0.3, mesh=make_dcp_mesh(2))
+@pytest.mark.parametrize("form", MERGE_FORMS)
+@pytest.mark.parametrize("n", [1, 2])
+def test_mla_smaller_dcp_group(n, form):
+    ql, qr, kv, kv_lens = _mla_inputs(5, [0, 1, 6, 17], h=4)
+    cache, pt = paginate_kv(np.asarray(kv), kv_lens, dcp_size=n, page_size=4, fill=np.nan)
+    out, lse = dcp_mla_decode(ql, qr, cache, pt, kv_lens, softmax_scale=0.3, mesh=make_dcp_mesh(n),
+                              merge=form)
     ref_o, ref_l = mla_decode_reference(ql, qr, kv, kv_lens, softmax_scale=0.3)
     _check(out, lse, ref_o, ref_l, jnp.float32)
 

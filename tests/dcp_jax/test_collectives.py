@@ -109,6 +109,18 @@ def test_n1_passes_through_unchanged(form):
 
 
 @pytest.mark.parametrize("form", MERGE_FORMS)
+def test_local_forms_pass_through_on_a_one_rank_axis(form):
+    mesh = make_dcp_mesh(1)
+    out, lse = _states(11, 1)
+    spec = P(None, "dcp") if form != "ag_ar" else P()
+    f = jax.jit(jax.shard_map(lambda o, l: LOCAL[form](o[0], l[0]), mesh=mesh,
+                              in_specs=(P("dcp"), P("dcp")), out_specs=(spec, spec)))
+    o, l = f(out, lse)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(out[0]))  # NaN stays where it was
+    np.testing.assert_array_equal(np.asarray(l), lse[0])
+
+
+@pytest.mark.parametrize("form", MERGE_FORMS)
 def test_heads_not_divisible_raise_before_tracing(form, monkeypatch):
     out, lse = _states(6, 8, h=12)
     import dcp_jax.merge as merge_mod
