@@ -257,9 +257,13 @@ def _check_gqa(q, k_cache, v_cache, page_table, kv_lens):
     if q.ndim != 4:
         raise ValueError(f"q must be [B, Q, H, D], got {q.shape=}")
     if k_cache.ndim != 5 or k_cache.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k_cache must be [N, num_pages, page_size, Hkv, D={q.shape[-1]}], got {k_cache.shape=}")
+        raise ValueError(
+            f"k_cache must be [N, num_pages, page_size, Hkv, D={q.shape[-1]}], got {k_cache.shape=}"
+        )
     if v_cache.ndim != 5 or v_cache.shape[:4] != k_cache.shape[:4]:
-        raise ValueError(f"v_cache must be [N, num_pages, page_size, Hkv, Dv] like k_cache, got {v_cache.shape=}")
+        raise ValueError(
+            f"v_cache must be [N, num_pages, page_size, Hkv, Dv] like k_cache, got {v_cache.shape=}"
+        )
     hkv = k_cache.shape[3]
     if q.shape[2] % hkv != 0:
         raise ValueError(f"query heads H={q.shape[2]} must be a multiple of KV heads Hkv={hkv}")
