@@ -73,10 +73,13 @@ __all__ = [
     "ENGINES",
     "JobConfig",
     "RequestFailed",
+    "DecodeTarget",
     "PrefillServer",
     "DecodeProcess",
     "start_decode_processes",
     "decode_owned_tokens",
+    "decode_pool_pages",
+    "decode_page_table",
     "run_job",
 ]
 
@@ -249,6 +252,43 @@ def decode_owned_tokens(start: int, stop: int, dcp_size: int, dcp_rank: int, int
     return t, local
 
 
+def decode_pool_pages(cfg: JobConfig, min_dcp_size: int | None = None) -> int:
+    """Pages in each decode rank's pool: the largest share of any group of ``min_dcp_size`` ..
+    ``cfg.dcp_size`` ranks, times ``cfg.pool_slack`` (plus one page).
+
+    Raises:
+        ValueError: ``min_dcp_size`` outside ``[1, cfg.dcp_size]``.
+    """
+    lo = cfg.dcp_size if min_dcp_size is None else min_dcp_size
+    if not 1 <= lo <= cfg.dcp_size:
+        raise ValueError(f"{min_dcp_size=} must be in [1, dcp_size={cfg.dcp_size}]")
+    share = max(len(decode_owned_tokens(cfg.prefix_tokens, cfg.prompt_tokens, n, r, cfg.interleave_size)[0])
+                for n in range(lo, cfg.dcp_size + 1) for r in range(n))
+    return _pool_pages(_pages_for(share, cfg.page_size), cfg.pool_slack)
+
+
+def decode_page_table(cfg: JobConfig, dcp_rank: int, dcp_size: int, pool_pages: int, *, seq: int = 0) -> np.ndarray:
+    """A decode rank's page table for the send range, popped from a seeded shuffled free list.
+
+    Args:
+        cfg: job configuration (seed, sizes).
+        dcp_rank, dcp_size: r and N of the group serving this request.
+        pool_pages: pages in the rank's registered pool.
+        seq: request sequence number (a new request gets a new allocation).
+
+    Returns:
+        int64 [ceil(rows / P)] page ids.
+
+    Raises:
+        ValueError: the pool is too small for the rank's rows.
+    """
+    rows = len(decode_owned_tokens(cfg.prefix_tokens, cfg.prompt_tokens, dcp_size, dcp_rank, cfg.interleave_size)[0])
+    need = _pages_for(rows, cfg.page_size)
+    if need > pool_pages:
+        raise ValueError(f"dcp_rank={dcp_rank} of dcp_size={dcp_size} needs {need} pages, {pool_pages=}")
+    return allocate_pages(need, pool_pages, _rng(cfg.seed, 2, dcp_rank, seq))
+
+
 def _pages_for(rows: int, page_size: int) -> int:
     return -(-rows // page_size)
 
@@ -302,7 +342,17 @@ def _rebuild_failed(text, rank, chunk, cause):
 # Plans (the only place that calls dcp_jax.plan)
 # ------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
-class _Target:
+class DecodeTarget:
+    """Where one decode rank receives a request (what the prefill side needs to send to it).
+
+    Attributes:
+        dcp_rank: the rank in the group serving this request.
+        peer: its engine's peer name (from ``PrefillServer.connect``).
+        layer_bases: i64[L] address of row 0 of each layer entry in its registered pool (bytes).
+        dst_pages: i64[pages] its page table for the send range.
+        conn: pipe end for completion messages (None: no messages, e.g. in unit tests).
+    """
+
     dcp_rank: int
     peer: str
     layer_bases: np.ndarray  # i64[L] absolute addresses of each layer entry's row 0
@@ -324,7 +374,7 @@ def _prefill_page_table(cfg: JobConfig, prefill_rank: int) -> tuple[np.ndarray, 
 
 
 def _chunk_plans(cfg: JobConfig, prefill_rank: int, src_pages: np.ndarray, chunk: tuple[int, int],
-                 targets: Sequence[_Target], dcp_size: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+                 targets: Sequence[DecodeTarget], dcp_size: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """{dcp_rank: (src rows, dst rows)} int64 of one chunk from this prefill rank, via dcp_jax.plan."""
     from dcp_jax import plan as planmod
 
@@ -462,13 +512,13 @@ class PrefillServer:
         self.engine.close()
 
     # -- one request ------------------------------------------------------------------------------
-    def send_request(self, mode: str, targets: Sequence[_Target], *, dcp_size: int, request_id: str = "r",
+    def send_request(self, mode: str, targets: Sequence[DecodeTarget], *, dcp_size: int, request_id: str = "r",
                      progress: Callable[[int], None] | None = None) -> dict:
         """Sends this rank's share of the request to every target, in ``mode``.
 
         Args:
             mode: ``"direct"`` or ``"packed"``.
-            targets: decode ranks (``_Target``: rank, peer name, layer bases, page table, pipe).
+            targets: decode ranks (``DecodeTarget``: rank, peer name, layer bases, page table, pipe).
             dcp_size: N of the decode group the targets belong to.
             request_id: tag prefix for notifications.
             progress: called with 1 after each (chunk, rank) completed.
@@ -622,7 +672,7 @@ class PrefillServer:
         d, b, n = self._rank_counts.get(rank, (0, 0, 0))
         self._rank_counts[rank] = (d + len(descs), b + int(descs[:, 2].sum()) if len(descs) else b, n + 1)
 
-    def _submit_windows(self, tgt: _Target, src: np.ndarray, dst: np.ndarray, src_bases_fn, ci: int,
+    def _submit_windows(self, tgt: DecodeTarget, src: np.ndarray, dst: np.ndarray, src_bases_fn, ci: int,
                         tag_base: str, msg: dict, wait_between: bool) -> tuple[list, float]:
         """Builds and submits one batch per window of rows; returns (handles, plan seconds)."""
         eng, cfg = self.engine, self.cfg
@@ -648,11 +698,11 @@ class PrefillServer:
             self._transfer_s += time.perf_counter() - ts
         return handles, plan_s
 
-    def _send_direct(self, tgt: _Target, src, dst, ci, tag_base, msg):
+    def _send_direct(self, tgt: DecodeTarget, src, dst, ci, tag_base, msg):
         kv_bases = self.kv_bases
         return self._submit_windows(tgt, src, dst, lambda s, e: kv_bases, ci, tag_base, msg, True)
 
-    def _send_packed(self, tgt: _Target, src, dst, region_off: int, ci, tag_base, msg):
+    def _send_packed(self, tgt: DecodeTarget, src, dst, region_off: int, ci, tag_base, msg):
         from dcp_jax import packing
         from pallas_kernels import pack_rows
 
@@ -711,10 +761,7 @@ def _decode_request(cfg: JobConfig, eng, layers: list[np.ndarray], buf: np.ndarr
     r, n = int(arg["dcp_rank"]), int(arg["dcp_size"])
     p = cfg.page_size
     tokens, local = decode_owned_tokens(cfg.prefix_tokens, cfg.prompt_tokens, n, r, cfg.interleave_size)
-    need = _pages_for(len(tokens), p)
-    if need > pool_pages:
-        raise ValueError(f"dcp_rank={r} needs {need} pages, its pool has {pool_pages=}")
-    dst_pages = allocate_pages(need, pool_pages, _rng(cfg.seed, 2, r, int(arg.get("seq", 0))))
+    dst_pages = decode_page_table(cfg, r, n, pool_pages, seq=int(arg.get("seq", 0)))
     buf[:] = SENTINEL_BYTE
     ctrl.send(("ready", dict(dcp_rank=r, peer_info=eng.peer_info(), layer_bases=layer_bases, dst_pages=dst_pages)))
 
@@ -845,17 +892,18 @@ class DecodeProcess:
 
 
 def start_decode_processes(cfg: JobConfig, *, num: int | None = None, num_sources: int | None = None,
-                           tag: str | None = None) -> list[DecodeProcess]:
+                           min_dcp_size: int | None = None, tag: str | None = None) -> list[DecodeProcess]:
     """Spawns decode-rank processes with engines and registered pools, and waits for their hello.
 
-    Each pool holds the pages of the largest rank share of a ``cfg.dcp_size`` group, times
-    ``cfg.pool_slack`` (so it also serves smaller groups of the same request poorly balanced: the
-    pool is checked per request).
+    Each pool holds :func:`decode_pool_pages` pages: the largest rank share of any group of
+    ``min_dcp_size .. cfg.dcp_size`` ranks, times ``cfg.pool_slack``.
 
     Args:
         cfg: job configuration.
         num: processes to start (default ``cfg.dcp_size``).
         num_sources: prefill ranks that will send to them (default ``cfg.prefill_dcp_size``).
+        min_dcp_size: smallest group these processes will serve (default ``num``; smaller when a
+            request may be re-served to the ranks left after a failure).
         tag: engine name suffix (default random).
 
     Returns:
@@ -868,12 +916,7 @@ def start_decode_processes(cfg: JobConfig, *, num: int | None = None, num_source
     num = cfg.dcp_size if num is None else num
     num_sources = cfg.prefill_dcp_size if num_sources is None else num_sources
     tag = tag or uuid.uuid4().hex[:8]
-    # Largest share over a group of any size from num down to 1 would be the whole request; size
-    # the pool for the ranks of the smallest group this run uses (num - 1 when a rank may die).
-    smallest = max(1, num - (1 if cfg.die_rank is not None else 0))
-    share = max(len(decode_owned_tokens(cfg.prefix_tokens, cfg.prompt_tokens, smallest, r, cfg.interleave_size)[0])
-                for r in range(smallest))
-    pool_pages = _pool_pages(_pages_for(share, cfg.page_size), cfg.pool_slack)
+    pool_pages = decode_pool_pages(cfg, min_dcp_size if min_dcp_size is not None else min(num, cfg.dcp_size))
     cfg_dict = dataclasses.asdict(cfg)
     procs = []
     for i in range(num):
@@ -932,7 +975,7 @@ def _prefill_main(cfg_dict: dict, rank: int, ctrl: Connection, dec_conns: Sequen
                 if cmd == "connect":
                     ctrl.send(("connected", [server.connect(i) for i in arg]))
                 elif cmd == "send":
-                    targets = [_Target(t["dcp_rank"], t["peer"], np.asarray(t["layer_bases"], np.int64),
+                    targets = [DecodeTarget(t["dcp_rank"], t["peer"], np.asarray(t["layer_bases"], np.int64),
                                        np.asarray(t["dst_pages"], np.int64), dec_conns[t["dcp_rank"]])
                                for t in arg["targets"]]
                     stats = server.send_request(arg["mode"], targets, dcp_size=arg["dcp_size"],
