@@ -160,18 +160,36 @@ def _run_table(run: dict) -> Table:
 
 
 @app.command()
-def plan(ctx: typer.Context) -> None:
-    """Cost report: descriptors, engine calls and bytes per destination rank (see dcp_jax.cost)."""
-    raise typer.Exit(_run_plan(ctx.args))
+def plan(
+    model: str = typer.Option(DEFAULT_GEOMETRY, help=f"Model KV geometry: {', '.join(geometry_names())}."),
+    prompt_tokens: int = typer.Option(32768, help="Request length in tokens (prefix included)."),
+    page_size: int = typer.Option(64, help="Tokens per KV page."),
+    dcp_size: int = typer.Option(8, help="Decode DCP ranks N."),
+    interleave_size: int = typer.Option(1, help="Decode-side interleave I (tokens)."),
+    prefill_dcp_size: int = typer.Option(1, help="Prefill DCP ranks M."),
+    prefill_interleave_size: int = typer.Option(1, help="Prefill-side interleave (tokens)."),
+    prefix_tokens: int = typer.Option(0, help="Tokens decode already holds (not sent)."),
+    chunk_tokens: Optional[int] = typer.Option(None, help="Chunked prefill: chunk length (tokens)."),
+    mode: str = typer.Option("both", help="direct, packed or both."),
+    max_batch_indices: Optional[int] = typer.Option(None, help="Rows per engine batch window."),
+    pack_tokens: Optional[int] = typer.Option(None, help="Pack buffer sized for this many tokens."),
+    seed: int = typer.Option(0, help="Seeds the allocator-drawn page tables."),
+    plot: Optional[Path] = typer.Option(None, help="Also draw descriptors per rank vs prompt length "
+                                                   "(1k-256k tokens, log scale) to this image."),
+) -> None:
+    """Cost report from the real plans: descriptors, engine calls and bytes per destination rank."""
+    from dcp_jax.cost import plan_command
 
-
-def _run_plan(args: list[str]) -> int:
-    from dcp_jax import cost
-
-    cost_app = getattr(cost, "app", None)
-    if cost_app is not None:
-        return typer.main.get_command(cost_app).main(args, standalone_mode=False) or 0
-    raise typer.BadParameter("dcp_jax.cost provides no command yet")
+    try:
+        plan_command(
+            model, prompt_tokens, page_size=page_size, dcp_size=dcp_size, interleave_size=interleave_size,
+            prefill_dcp_size=prefill_dcp_size, prefill_interleave_size=prefill_interleave_size,
+            decode_prefix_len=prefix_tokens, chunk_tokens=chunk_tokens, mode=mode,
+            max_batch_indices=max_batch_indices, pack_max_tokens=pack_tokens, seed=seed,
+            plot=str(plot) if plot else None, console=Console(),
+        )
+    except (ValueError, TypeError) as exc:
+        _fail(str(exc))
 
 
 if __name__ == "__main__":  # python -m dcp_jax.cli
