@@ -51,6 +51,7 @@ from jax.experimental import pallas as pl
 WORD_DTYPES = (np.dtype(np.uint32), np.dtype(np.uint16), np.dtype(np.uint8))
 BACKENDS = ("auto", "triton", "mosaic", "interpret")
 SCHEDULES = ("grid", "loop")
+DEFAULT_BLOCK_ROWS = 32
 # Static arguments of the jitted entry point, written once.
 _STATIC_ARGNAMES = ("offset", "config", "backend")
 
@@ -72,7 +73,7 @@ class GatherConfig:
             their stores (more bytes in flight per program, more registers).
     """
 
-    block_rows: int = 32
+    block_rows: int = DEFAULT_BLOCK_ROWS
     num_warps: int = 8
     num_stages: int = 1
     schedule: str = "grid"
@@ -123,7 +124,7 @@ def word_dtype(item_lens: Sequence[int], offset: int = 0) -> np.dtype:
     return WORD_DTYPES[-1]
 
 
-def bucket_rows(n: int, block_rows: int = GatherConfig.block_rows) -> int:
+def bucket_rows(n: int, block_rows: int = DEFAULT_BLOCK_ROWS) -> int:
     """Padded row count: the next power of 2 >= max(n, block_rows), so few shapes compile.
 
     Args:

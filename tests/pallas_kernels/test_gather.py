@@ -1,0 +1,214 @@
+"""CPU: the Pallas gather kernel in interpret mode, bit-exact against `jnp.take`.
+
+The same kernel body runs compiled (Triton) on a GPU; tests/gpu covers that.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import (
+    GatherConfig,
+    bucket_rows,
+    gather_rows,
+    gather_rows_reference,
+    pow2_chunks,
+    select_backend,
+    word_dtype,
+)
+from pallas_kernels import mosaic_gather
+
+SCHEDULES = [GatherConfig(block_rows=16), GatherConfig(block_rows=16, schedule="loop"),
+             GatherConfig(block_rows=8, schedule="loop", layers_per_step=2)]
+_ids = lambda c: f"{c.schedule}_br={c.block_rows}_lps={c.layers_per_step}"  # noqa: E731
+
+
+def _words(rng, shape, dtype):
+    return rng.integers(0, int(np.iinfo(dtype).max) + 1, shape, dtype=np.uint64).astype(dtype)
+
+
+def _run(src, idx, pack, n, offset, cfg):
+    out = gather_rows(src, jnp.asarray(idx), jnp.asarray(pack), n, offset=offset, config=cfg,
+                      backend="interpret")
+    ref = gather_rows_reference(src, jnp.asarray(idx), jnp.asarray(pack), n, offset=offset)
+    return np.asarray(out), np.asarray(ref)
+
+
+@pytest.mark.parametrize("cfg", SCHEDULES, ids=_ids)
+@pytest.mark.parametrize("n", [1, 37, 64])
+def test_stacked_uint16_ragged_tail(cfg, n):
+    # 37 rows is not a multiple of the 16-row block: the tail block is masked.
+    rng = np.random.default_rng(n)
+    L, R, W = 3, 90, 36
+    src = jnp.asarray(_words(rng, (L, R, W), np.uint16))
+    idx = rng.integers(0, R, 64).astype(np.int32)
+    pack = _words(rng, L * n * W + 29, np.uint16)
+    out, ref = _run(src, idx, pack, n, 5, cfg)
+    np.testing.assert_array_equal(out, ref)
+    # Words outside the region keep their value (ref only writes the region).
+    np.testing.assert_array_equal(out[:5], pack[:5])
+    np.testing.assert_array_equal(out[5 + L * n * W:], pack[5 + L * n * W:])
+
+
+def test_576_words_split_512_plus_64():
+    assert pow2_chunks(576) == ((0, 512), (512, 64))
+    rng = np.random.default_rng(1)
+    L, R, W, n = 2, 40, 576, 21
+    src = jnp.asarray(_words(rng, (L, R, W), np.uint16))  # bf16 MLA rows as uint16
+    idx = rng.integers(0, R, 32).astype(np.int32)
+    out, ref = _run(src, idx, _words(rng, L * n * W, np.uint16), n, 0, GatherConfig(16))
+    np.testing.assert_array_equal(out, ref)
+
+
+@pytest.mark.parametrize("cfg", SCHEDULES, ids=_ids)
+def test_list_mixed_item_len(cfg):
+    rng = np.random.default_rng(2)
+    R, n = 50, 19
+    widths = (36, 5, 1, 33)  # words of uint16: 72 B, 10 B, 2 B, 66 B rows
+    srcs = [jnp.asarray(_words(rng, (R, w), np.uint16)) for w in widths]
+    idx = rng.integers(0, R, 32).astype(np.int32)
+    pack = _words(rng, n * sum(widths) + 17, np.uint16)
+    out, ref = _run(srcs, idx, pack, n, 3, cfg)
+    np.testing.assert_array_equal(out, ref)
+
+
+def test_list_equals_stacked_uint8():
+    rng = np.random.default_rng(3)
+    L, R, W, n = 3, 30, 1152, 9  # 1152-B rows as bytes: 1024 + 128
+    data = _words(rng, (L, R, W), np.uint8)
+    idx = jnp.asarray(rng.integers(0, R, 16).astype(np.int32))
+    cfg = GatherConfig(block_rows=8)
+    a = gather_rows(jnp.asarray(data), idx, jnp.zeros(L * n * W, jnp.uint8), n, config=cfg,
+                    backend="interpret")
+    b = gather_rows([jnp.asarray(x) for x in data], idx, jnp.zeros(L * n * W, jnp.uint8), n,
+                    config=cfg, backend="interpret")
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(a).reshape(L, n, W), data[:, np.asarray(idx)[:n]])
+
+
+def test_variable_n_reuses_one_compile():
+    rng = np.random.default_rng(4)
+    L, R, W = 2, 40, 8
+    src = jnp.asarray(_words(rng, (L, R, W), np.uint32))
+    idx = jnp.asarray(rng.integers(0, R, bucket_rows(20, 16)).astype(np.int32))
+    P = L * 32 * W
+    cfg = GatherConfig(block_rows=16)
+    gather_rows(src, idx, jnp.zeros(P, jnp.uint32), 3, config=cfg, backend="interpret")
+    size = gather_rows._cache_size()
+    for n in (0, 1, 17, 20, 32):
+        out = gather_rows(src, idx, jnp.zeros(P, jnp.uint32), n, config=cfg, backend="interpret")
+        ref = gather_rows_reference(src, idx, jnp.zeros(P, jnp.uint32), n)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    assert gather_rows._cache_size() == size
+
+
+def test_n_is_clamped_to_the_pack_and_indices_to_the_rows():
+    rng = np.random.default_rng(5)
+    L, R, W = 2, 10, 4
+    src = jnp.asarray(_words(rng, (L, R, W), np.uint32))
+    idx = jnp.asarray(np.arange(16, dtype=np.int32))
+    P = L * 5 * W + 3  # room for 5 rows only
+    pack = jnp.full(P, 7, jnp.uint32)
+    out = np.asarray(gather_rows(src, idx, pack, 16, config=GatherConfig(block_rows=8),
+                                 backend="interpret"))
+    np.testing.assert_array_equal(out[:L * 5 * W], np.asarray(src)[:, :5].reshape(-1))
+    assert np.all(out[L * 5 * W:] == 7)
+
+
+def test_cpu_really_interprets():
+    # The jaxpr must hold a pallas_call with interpret=True, and no Triton/Mosaic custom call.
+    assert jax.default_backend() == "cpu"
+    assert select_backend("auto") == "interpret"
+    src = jnp.zeros((2, 8, 4), jnp.uint32)
+    f = functools.partial(gather_rows, config=GatherConfig(block_rows=8), backend="auto")
+    jaxpr = str(jax.make_jaxpr(lambda s, i, p: f(s, i, p, 3))(
+        src, jnp.zeros(8, jnp.int32), jnp.zeros(64, jnp.uint32)))
+    assert "pallas_call" in jaxpr and "interpret=True" in jaxpr
+    hlo = jax.jit(lambda s, i, p: f(s, i, p, 3)).lower(
+        src, jnp.zeros(8, jnp.int32), jnp.zeros(64, jnp.uint32)).as_text()
+    assert "triton" not in hlo and "mosaic" not in hlo
+
+
+def test_in_place_alias_and_donation():
+    src = jnp.arange(2 * 8 * 4, dtype=jnp.uint32).reshape(2, 8, 4)
+    lowered = jax.jit(functools.partial(gather_rows, backend="interpret"),
+                      donate_argnums=(2,)).lower(src, jnp.zeros(8, jnp.int32),
+                                                 jnp.zeros(64, jnp.uint32), 3)
+    assert "tf.aliasing_output" in lowered.as_text()
+
+
+def test_mosaic_form_in_gpu_interpret_mode():
+    rng = np.random.default_rng(6)
+    L, R, W, n = 2, 40, 32, 21  # 128-B rows: the bulk-copy quantum
+    src = jnp.asarray(_words(rng, (L, R, W), np.uint32))
+    idx = jnp.asarray(rng.integers(0, R, 32).astype(np.int32))
+    pack = _words(rng, L * n * W + 64, np.uint32)
+    f = jax.jit(lambda s, i, p, k: mosaic_gather.gather_rows_mosaic(
+        s, i, p, k, offset=32, widths=(W,) * L, config=GatherConfig(block_rows=32),
+        interpret=True), donate_argnums=2)
+    out = f(src, idx, jnp.asarray(pack), jnp.int32(n))
+    ref = gather_rows_reference(src, idx, jnp.asarray(pack), n, offset=32)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
+def test_mosaic_rejects_rows_off_the_copy_quantum():
+    with pytest.raises(ValueError, match="multiple of 128 bytes"):
+        mosaic_gather.gather_rows_mosaic(
+            jnp.zeros((1, 8, 36), jnp.uint32), jnp.zeros(32, jnp.int32),
+            jnp.zeros(2000, jnp.uint32), jnp.int32(1), offset=0, widths=(36,),
+            config=GatherConfig(block_rows=32))
+
+
+def test_helpers():
+    assert word_dtype([1152, 576]) == np.uint32
+    assert word_dtype([1152, 576], offset=2) == np.uint16
+    assert word_dtype([656, 3]) == np.uint8
+    assert word_dtype([2]) == np.uint16
+    assert bucket_rows(0) == 32 and bucket_rows(33) == 64 and bucket_rows(4096) == 4096
+    assert bucket_rows(5, 16) == 16
+    assert pow2_chunks(288) == ((0, 256), (256, 32))
+    assert pow2_chunks(5) == ((0, 4), (4, 1))
+    assert sum(s for _, s in pow2_chunks(1153)) == 1153
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"block_rows": 24}, "block_rows"), ({"num_warps": 3}, "num_warps"),
+    ({"num_stages": 0}, "num_stages"), ({"schedule": "zigzag"}, "schedule"),
+    ({"eviction_policy": "evict_never"}, "eviction_policy"), ({"layers_per_step": 0}, "layers"),
+])
+def test_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GatherConfig(**kwargs)
+
+
+def test_bad_inputs():
+    src = jnp.zeros((2, 8, 4), jnp.uint32)
+    idx = jnp.zeros(8, jnp.int32)
+    pack = jnp.zeros(64, jnp.uint32)
+    with pytest.raises(ValueError, match="backend"):
+        gather_rows(src, idx, pack, backend="cuda")
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        gather_rows(src, idx, pack, backend="triton")
+    with pytest.raises(TypeError, match="pack dtype"):
+        gather_rows(src, idx, jnp.zeros(64, jnp.uint16), backend="interpret")
+    with pytest.raises(ValueError, match="pack must be 1-D"):
+        gather_rows(src, idx, jnp.zeros((8, 8), jnp.uint32), backend="interpret")
+    with pytest.raises(ValueError, match="indices must be 1-D"):
+        gather_rows(src, jnp.zeros((2, 4), jnp.int32), pack, backend="interpret")
+    with pytest.raises(TypeError, match="indices dtype"):
+        gather_rows(src, jnp.zeros(8, jnp.float32), pack, backend="interpret")
+    with pytest.raises(ValueError, match="offset"):
+        gather_rows(src, idx, pack, offset=-1, backend="interpret")
+    with pytest.raises(ValueError, match="src must be"):
+        gather_rows(jnp.zeros((8, 4), jnp.uint32), idx, pack, backend="interpret")
+    with pytest.raises(TypeError, match="share one dtype"):
+        gather_rows([jnp.zeros((8, 4), jnp.uint32), jnp.zeros((8, 4), jnp.uint16)], idx, pack,
+                    backend="interpret")
+    with pytest.raises(TypeError, match="uint32/uint16/uint8"):
+        gather_rows(jnp.zeros((2, 8, 4), jnp.float32), idx, jnp.zeros(64, jnp.float32),
+                    backend="interpret")
+    with pytest.raises(ValueError, match="item_lens"):
+        word_dtype([])
