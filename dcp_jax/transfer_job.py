@@ -297,6 +297,22 @@ def _pool_pages(pages: int, slack: float) -> int:
     return max(pages + 1, int(math.ceil(pages * slack)) + 1)
 
 
+def _host_alloc(nbytes: int) -> np.ndarray:
+    """uint8 [nbytes] in anonymous, page-aligned memory, with transparent huge pages requested.
+
+    Huge pages cut the page faults of first touch and the page walks of engine copies on the
+    multi-GB KV, pool and pack buffers; where the kernel refuses, ordinary pages are used.
+    """
+    import mmap
+
+    mm = mmap.mmap(-1, max(int(nbytes), 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # no THP support: plain pages
+        pass
+    return np.frombuffer(mm, dtype=np.uint8, count=int(nbytes))
+
+
 def _rng(seed: int, *key: int) -> np.random.Generator:
     return np.random.default_rng([seed & 0xFFFFFFFF, *key])
 
@@ -454,28 +470,35 @@ class PrefillServer:
 
         self.cfg = cfg
         self.rank = prefill_rank
+        t0 = time.perf_counter()
+        self.setup_seconds: dict[str, float] = {}
         geo = cfg.geometry
         self.item_lens = np.asarray(geo.kv_item_lens, np.int64)
         # This rank's tokens of the send range (all of it when M = 1).
         tokens, local, self.src_pages, self.pool_pages = _prefill_page_table(cfg, prefill_rank)
         self.pool_rows = self.pool_pages * cfg.page_size
-        self.kv = np.empty(self.pool_rows * int(self.item_lens.sum()), np.uint8)
+        self.kv = _host_alloc(self.pool_rows * int(self.item_lens.sum()))
         self.layers, offs = _layer_views(self.kv, self.pool_rows, self.item_lens.tolist())
         rows = page_rows(self.src_pages, local, cfg.page_size)
         for li, view in enumerate(self.layers):
-            view[:] = SENTINEL_BYTE  # unused pages: something defined, never sent
+            # Only the request's pages are written; the pool's free pages are never read.
             fill_rows(view, rows, tokens, li, cfg.seed)
+        self.setup_seconds["fill_kv"] = time.perf_counter() - t0
         self.kv_bases = int(self.kv.ctypes.data) + np.asarray(offs, np.int64)
         # Pack buffer: N * ceil(max_tokens / N) * sum(item_len) bytes, one fixed region per rank.
         from dcp_jax import packing
 
         self.pack_tokens = cfg.pack_tokens or len(tokens)
         self.pack_size = packing.pack_buffer_size(self.pack_tokens, cfg.dcp_size, self.item_lens.tolist())
-        self.pack = np.empty(max(self.pack_size, 1), np.uint8)
+        self.pack = _host_alloc(max(self.pack_size, 1))
         self.pack_addr = int(self.pack.ctypes.data)
         # Import the planner and the gather kernel now, so their (jax) import is not timed as planning.
+        t1 = time.perf_counter()
         import dcp_jax.plan  # noqa: F401
         import pallas_kernels  # noqa: F401
+
+        self.setup_seconds["imports"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
 
         self.engine = make_engine(cfg.engine, name or f"prefill{prefill_rank}-{uuid.uuid4().hex[:8]}")
         self.engine.register([self.kv, self.pack])
@@ -484,6 +507,8 @@ class PrefillServer:
         self._transfer_s = 0.0  # seconds inside engine submit calls (engines may copy there)
         # The pack buffer is allocated once and reused: fault its pages in now, not in the first pack.
         self.pack[:] = 0
+        self.setup_seconds["engine_and_pack"] = time.perf_counter() - t1
+        self.setup_seconds["total"] = time.perf_counter() - t0
 
     # -- peers ------------------------------------------------------------------------------------
     @property
@@ -827,7 +852,7 @@ def _decode_main(cfg_dict: dict, index: int, ctrl: Connection, src_conns: Sequen
 
         item_lens = list(cfg.geometry.kv_item_lens)
         pool_rows = pool_pages * cfg.page_size
-        buf = np.empty(pool_rows * sum(item_lens), np.uint8)
+        buf = _host_alloc(pool_rows * sum(item_lens))
         layers, offs = _layer_views(buf, pool_rows, item_lens)
         eng = make_engine(cfg.engine, name)
         eng.register([buf])
@@ -959,7 +984,8 @@ def _prefill_main(cfg_dict: dict, rank: int, ctrl: Connection, dec_conns: Sequen
     try:
         cfg = JobConfig(**cfg_dict)
         server = PrefillServer(cfg, rank, name=name)
-        ctrl.send(("hello", dict(index=rank, peer_info=server.peer_info(), engine=server.engine.kind)))
+        ctrl.send(("hello", dict(index=rank, peer_info=server.peer_info(), engine=server.engine.kind,
+                                 setup=server.setup_seconds)))
     except BaseException:  # noqa: BLE001
         _send_quiet(ctrl, ("error", traceback.format_exc()))
         raise SystemExit(1)
@@ -1014,6 +1040,7 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
     n, m = cfg.dcp_size, cfg.prefill_dcp_size
     t_start = time.perf_counter()
     decodes = start_decode_processes(cfg, tag=tag)
+    decode_start_s = time.perf_counter() - t_start
     prefills = []
     try:
         for k in range(m):
@@ -1025,8 +1052,11 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
             b.close()
             prefills.append((pr, a))
         engine_kind = None
+        prefill_setup = []
         for k, (pr, a) in enumerate(prefills):
-            engine_kind = _expect_hello(a, pr, max(cfg.timeout_s, 180.0), f"prefill {k}")["engine"]
+            hello = _expect_hello(a, pr, max(cfg.timeout_s, 180.0), f"prefill {k}")
+            engine_kind = hello["engine"]
+            prefill_setup.append(hello["setup"])
         for dp in decodes:
             for c in dp.src_conns:
                 c.close()  # the prefill processes hold these ends now
@@ -1048,7 +1078,8 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
             pr.join(10)
             if pr.is_alive():
                 pr.kill()
-    out = dict(config=_config_json(cfg), setup_seconds=setup_s, runs=runs)
+    out = dict(config=_config_json(cfg), setup_seconds=setup_s, decode_start_seconds=decode_start_s,
+               prefill_setup=prefill_setup, runs=runs)
     by = {r["mode"]: r for r in runs}
     if "direct" in by and "packed" in by:
         d, p = by["direct"], by["packed"]
