@@ -459,6 +459,7 @@ def gather_rows_reference(src, indices, pack, num_rows=None, *, offset: int = 0)
 # --------------------------------------------------------------------------- host contract
 
 _IMPORTED_LAYERS: dict[tuple, Any] = {}  # (word dtype, layer pointers/shapes) -> JAX views
+_CHECKED_LAYERS: dict[tuple, Any] = {}  # (kind, layer ids) -> (layers, item_lens, min rows)
 _MAX_CACHED_LAYERS = 64
 
 
@@ -502,13 +503,22 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
     if not isinstance(layers, (list, tuple)) or not layers:
         raise ValueError("layers must be a non-empty list of 2-D uint8 arrays")
     on_device = _is_cupy(pack)
-    for l, a in enumerate(layers):
-        if _is_cupy(a) != on_device:
-            raise TypeError(f"layers[{l}] and pack must both be numpy or both CuPy arrays")
-        if a.ndim != 2:
-            raise ValueError(f"layers[{l}] must be 2-D [num_rows, kv_item_len], got {a.shape}")
-        if a.dtype != np.uint8:
-            raise TypeError(f"layers[{l}] dtype {a.dtype} must be uint8 (view rows as bytes)")
+    # The same registered layers come back on every pack: their checks are cached by identity
+    # (the cache holds the arrays, so an id cannot be reused while its entry lives).
+    layer_key = (on_device, tuple(map(id, layers)))
+    if layer_key not in _CHECKED_LAYERS:
+        for l, a in enumerate(layers):
+            if _is_cupy(a) != on_device:
+                raise TypeError(f"layers[{l}] and pack must both be numpy or both CuPy arrays")
+            if a.ndim != 2:
+                raise ValueError(f"layers[{l}] must be 2-D [num_rows, kv_item_len], got {a.shape}")
+            if a.dtype != np.uint8:
+                raise TypeError(f"layers[{l}] dtype {a.dtype} must be uint8 (view rows as bytes)")
+        if len(_CHECKED_LAYERS) >= _MAX_CACHED_LAYERS:
+            _CHECKED_LAYERS.clear()
+        _CHECKED_LAYERS[layer_key] = (tuple(layers), [int(a.shape[1]) for a in layers],
+                                      min(int(a.shape[0]) for a in layers))
+    _, item_lens, num_rows = _CHECKED_LAYERS[layer_key]
     if pack.ndim != 1 or pack.dtype != np.uint8:
         raise ValueError(f"pack must be a 1-D uint8 array, got {pack.dtype}{list(pack.shape)}")
     if not pack.flags.c_contiguous:
@@ -527,7 +537,6 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
     if not np.issubdtype(idx.dtype, np.integer):
         raise TypeError(f"indices dtype {idx.dtype} must be an integer type")
     n = int(idx.shape[0])
-    item_lens = [int(a.shape[1]) for a in layers]
     total = n * sum(item_lens)
     if offset + total > pack.nbytes:
         raise ValueError(
@@ -535,7 +544,6 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
             f"{offset + total} B > pack of {pack.nbytes} B")
     if n == 0:
         return 0
-    num_rows = min(int(a.shape[0]) for a in layers)
     if _is_cupy(idx):
         import cupy as cp
 
@@ -584,13 +592,15 @@ def _pack_rows_device(layers, idx, pack, offset, item_lens, backend, config):
 
     dt = word_dtype(item_lens, offset)
     # Layers are registered once and read-only here: import them once (zero-copy) and reuse.
-    key = (dt.str, tuple((a.data.ptr, a.shape, a.strides) for a in layers))
+    key = (dt.str, tuple(map(id, layers)))  # entries hold the arrays: ids stay unique
     srcs = _IMPORTED_LAYERS.get(key)
     if srcs is None:
         if len(_IMPORTED_LAYERS) >= _MAX_CACHED_LAYERS:
             _IMPORTED_LAYERS.clear()
         srcs = [jax.dlpack.from_dlpack(cp.ascontiguousarray(a).view(dt)) for a in layers]
-        _IMPORTED_LAYERS[key] = srcs
+        _IMPORTED_LAYERS[key] = (tuple(layers), srcs)
+    else:
+        srcs = srcs[1]
     n = int(idx.shape[0])
     m = bucket_rows(n, config.block_rows)
     idx_pad = cp.zeros(m, cp.int32)
@@ -608,8 +618,9 @@ def _pack_rows_device(layers, idx, pack, offset, item_lens, backend, config):
 
 
 def clear_import_cache() -> None:
-    """Forget the cached DLPack views of CuPy layer buffers (call before freeing them)."""
+    """Forget the cached layer checks and DLPack views (they keep the layer buffers alive)."""
     _IMPORTED_LAYERS.clear()
+    _CHECKED_LAYERS.clear()
 
 
 __all__ = [
