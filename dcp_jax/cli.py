@@ -57,7 +57,7 @@ def transfer(
                                                         "exit status."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON to this path."),
     seed: int = typer.Option(0, help="Seeds the KV bytes and the page allocators."),
-    timeout_s: float = typer.Option(60.0, help="Deadline of any single wait, seconds."),
+    timeout_s: float = typer.Option(300.0, help="Deadline of any single wait (an engine batch, a notification, a control message), seconds; a dead peer is reported as soon as the engine or the pipe notices."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
     corrupt_rank: Optional[int] = typer.Option(None, hidden=True, help="Test hook: this rank damages one "
                                                                        "received byte."),

@@ -156,7 +156,7 @@ class JobConfig:
     pack_tokens: int | None = None
     verify: bool = False
     seed: int = 0
-    timeout_s: float = 60.0
+    timeout_s: float = 300.0
     pool_slack: float = 1.25
     corrupt_rank: int | None = None
     die_rank: int | None = None
@@ -436,7 +436,7 @@ def _descriptors(src_rows: np.ndarray, dst_rows: np.ndarray, src_bases: np.ndarr
 
 def _windows(n: int, w: int | None) -> list[tuple[int, int]]:
     if n == 0:
-        return [(0, 0)]
+        return []  # nothing for this rank in this chunk: no batch, only the completion message
     if w is None:
         return [(0, n)]
     return [(s, min(s + w, n)) for s in range(0, n, w)]
