@@ -37,9 +37,10 @@ def test_transfer_writes_json_and_verifies(tmp_path):
 
 def test_corrupted_byte_exits_nonzero(tmp_path):
     out = tmp_path / "bad.json"
-    res = runner.invoke(app, ["transfer", *SMALL, "--mode", "packed", "--corrupt-rank", "0", "--json", str(out)])
+    args = [a for a in SMALL if a != "--no-progress"]  # with the progress bar this time
+    res = runner.invoke(app, ["transfer", *args, "--mode", "packed", "--corrupt-rank", "0", "--json", str(out)])
     assert res.exit_code == 1, res.output
-    assert "NOT VERIFIED" in res.output
+    assert "NOT VERIFIED" in res.output and "packed (chunk, rank) batches" in res.output
     data = json.loads(out.read_text())
     assert data["verified"] is False and data["runs"][0]["ranks"][0]["bad_rows"] == 1
 
