@@ -71,6 +71,19 @@ class GatherConfig:
             (``None``, ``"evict_first"`` or ``"evict_last"``).
         layers_per_step: ``"loop"`` schedule: layer entries whose loads are issued before
             their stores (more bytes in flight per program, more registers).
+        layers_per_program: ``"grid"`` schedule: layer entries one program copies (the grid's
+            layer axis has ceil(L / layers_per_program) steps); their loads are issued before
+            their stores, the row indices are loaded once.
+        interleave: store each power-of-2 piece of a row right after loading it (fewer live
+            registers, so more programs per SM) instead of loading every piece first.
+        mask_loads: read only the rows < n (masked loads) instead of reading row 0 for the
+            masked rows of the tail block.
+        layers_fastest: ``"grid"`` schedule: launch the layer axis as the fastest-varying one
+            (consecutive programs copy the same row block of successive layer entries) instead
+            of the row-block axis.
+        load_eviction_policy: Triton cache hint of the gathered loads (``None``,
+            ``"evict_first"``: each row is read once; ``"evict_last"``). (Triton cache
+            modifiers are not reachable: JAX 0.11's lowering maps ``".cg"`` to a missing key.)
     """
 
     block_rows: int = DEFAULT_BLOCK_ROWS
@@ -79,6 +92,11 @@ class GatherConfig:
     schedule: str = "grid"
     eviction_policy: str | None = None
     layers_per_step: int = 1
+    layers_per_program: int = 1
+    interleave: bool = False
+    load_eviction_policy: str | None = None
+    mask_loads: bool = False
+    layers_fastest: bool = False
 
     def __post_init__(self):
         if self.block_rows <= 0 or self.block_rows & (self.block_rows - 1):
@@ -91,6 +109,11 @@ class GatherConfig:
             raise ValueError(f"{self.schedule=} must be one of {SCHEDULES}")
         if self.layers_per_step <= 0:
             raise ValueError(f"{self.layers_per_step=} must be positive")
+        if self.layers_per_program <= 0:
+            raise ValueError(f"{self.layers_per_program=} must be positive")
+        if self.load_eviction_policy not in (None, "evict_first", "evict_last"):
+            raise ValueError(f"{self.load_eviction_policy=} must be None, 'evict_first' or "
+                             "'evict_last'")
         if self.eviction_policy not in (None, "evict_first", "evict_last"):
             raise ValueError(f"{self.eviction_policy=} must be None, 'evict_first' or 'evict_last'")
 
@@ -183,34 +206,69 @@ def select_backend(backend: str = "auto") -> str:
 # --------------------------------------------------------------------------- kernel body
 
 
-def _load_layer(src_ref, idx, *, width, layer):
-    """Gather `block_rows` rows of one layer entry: one [block_rows, size] value per piece.
+def _load_piece(src_ref, idx, off, size, *, layer, load_evict, mask=None):
+    """Gather one power-of-2 piece [block_rows, size] of `block_rows` rows.
 
     src_ref: [R, W] block (stacked "grid" schedule squeezes L, list entries) or [L, R, W]
-    (stacked "loop", with a static `layer`).
+    (a static or traced `layer`). `mask` ([block_rows] bool): rows to read (others read no
+    memory); `load_evict`: Triton eviction policy of the loads.
     """
-    vals = []
-    for off, size in pow2_chunks(width):
+    if load_evict is None and mask is None:
         cols = pl.ds(off, size)
-        vals.append(src_ref[idx, cols] if layer is None else src_ref[layer, idx, cols])
-    return vals
+        return src_ref[idx, cols] if layer is None else src_ref[layer, idx, cols]
+    from jax.experimental.pallas import triton as pltriton
+
+    # All-array indexers ([block_rows, 1] rows x [1, size] columns): the masked-load path of
+    # interpret mode does not take a slice next to an array index.
+    r2 = idx[:, None]
+    c2 = (off + jnp.arange(size, dtype=jnp.int32))[None, :]
+    ref = src_ref.at[r2, c2] if layer is None else src_ref.at[layer, r2, c2]
+    if mask is not None:
+        mask = jnp.broadcast_to(mask[:, None], (idx.shape[0], size))
+    return pltriton.load(ref, mask=mask, eviction_policy=load_evict)
+
+
+def _load_layer(src_ref, idx, *, width, layer, load_evict=None, mask=None):
+    """Gather `block_rows` rows of one layer entry: one [block_rows, size] value per piece."""
+    return [_load_piece(src_ref, idx, off, size, layer=layer, load_evict=load_evict, mask=mask)
+            for off, size in pow2_chunks(width)]
+
+
+def _store_piece(out_ref, v, rows, valid, base, off, *, width, evict):
+    """Store one piece at `base + row * width + off` of the flat pack [P], rows < n only."""
+    from jax.experimental.pallas import triton as pltriton
+
+    size = v.shape[1]
+    flat = base + rows[:, None] * width + (off + jnp.arange(size, dtype=jnp.int32))[None, :]
+    mask = jnp.broadcast_to(valid[:, None], (rows.shape[0], size))
+    pltriton.store(out_ref.at[flat], v, mask=mask, eviction_policy=evict)
 
 
 def _store_layer(out_ref, vals, rows, valid, base, *, width, evict):
     """Store gathered pieces at `base + row * width` of the flat pack [P], rows < n only."""
-    from jax.experimental.pallas import triton as pltriton
-
-    for (off, size), v in zip(pow2_chunks(width), vals):
-        flat = base + rows[:, None] * width + (off + jnp.arange(size, dtype=jnp.int32))[None, :]
-        mask = jnp.broadcast_to(valid[:, None], (rows.shape[0], size))
-        pltriton.store(out_ref.at[flat], v, mask=mask, eviction_policy=evict)
+    for (off, _), v in zip(pow2_chunks(width), vals):
+        _store_piece(out_ref, v, rows, valid, base, off, width=width, evict=evict)
 
 
-def _copy_layer(src_ref, out_ref, idx, rows, valid, base, *, width, layer, stacked, evict):
-    """Copy `block_rows` gathered rows of one layer entry into the flat pack."""
-    del stacked
-    vals = _load_layer(src_ref, idx, width=width, layer=layer)
-    _store_layer(out_ref, vals, rows, valid, base, width=width, evict=evict)
+def _copy_layers(jobs, out_ref, idx, rows, valid, *, evict, interleave, load_evict):
+    """Copy `block_rows` gathered rows of each job's layer entry into the flat pack.
+
+    jobs: (src_ref, layer or None, width, base, load mask or None, store mask) per entry.
+    Without `interleave` every load is issued before the first store (more bytes in flight);
+    with it each piece is stored right after its load (fewer live registers).
+    """
+    if interleave:
+        for src_ref, layer, width, base, lmask, smask in jobs:
+            for off, size in pow2_chunks(width):
+                v = _load_piece(src_ref, idx, off, size, layer=layer, load_evict=load_evict,
+                                mask=lmask)
+                _store_piece(out_ref, v, rows, smask, base, off, width=width, evict=evict)
+        return
+    loaded = [_load_layer(src_ref, idx, width=width, layer=layer, load_evict=load_evict,
+                          mask=lmask)
+              for src_ref, layer, width, _, lmask, _ in jobs]
+    for (_, _, width, base, _, smask), vals in zip(jobs, loaded):
+        _store_layer(out_ref, vals, rows, smask, base, width=width, evict=evict)
 
 
 def _gather_kernel(
@@ -227,10 +285,15 @@ def _gather_kernel(
     align: tuple[int, ...],
     evict: str | None,
     layers_per_step: int = 1,
+    layers_per_program: int = 1,
+    interleave: bool = False,
+    load_evict: str | None = None,
+    mask_loads: bool = False,
+    layers_fastest: bool = False,
 ):
     src_refs, out_ref = refs[:-2], refs[-1]
     num_layers = len(widths)
-    i = pl.program_id(0)
+    i = pl.program_id(1 if layers_fastest and schedule == "grid" else 0)
     # Clamped here, not in XLA around the call: the jitted function is the kernel alone.
     n = jnp.minimum(jnp.maximum(n_ref[0], 0), max_rows)  # never past the end of the pack
     rows = i * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
@@ -246,28 +309,43 @@ def _gather_kernel(
         # hint keeps 16-byte vector stores (Triton cannot see it through the loaded scalar).
         return pl.multiple_of(offset + n * prefix[l], align[l])
 
-    copy = functools.partial(_copy_layer, out_ref=out_ref, idx=idx, rows=rows, valid=valid,
-                             evict=evict)
+    copy = functools.partial(_copy_layers, out_ref=out_ref, idx=idx, rows=rows, valid=valid,
+                             evict=evict, interleave=interleave, load_evict=load_evict)
+    G = layers_per_program
+    lm = valid if mask_loads else None
     if schedule == "grid":
-        layer = pl.program_id(1)
-        if stacked:
-            # The src block is already layer `layer` ([R, W], L squeezed).
-            base = pl.multiple_of(offset + n * widths[0] * layer, min(align[0], _pow2_factor(widths[0])))
-            copy(src_refs[0], base=base, width=widths[0], layer=None, stacked=True)
+        g = pl.program_id(0 if layers_fastest else 1)
+        if stacked and G == 1:
+            # The src block is already layer `g` ([R, W], L squeezed).
+            base = pl.multiple_of(offset + n * widths[0] * g,
+                                  min(align[0], _pow2_factor(widths[0])))
+            copy([(src_refs[0], None, widths[0], base, lm, valid)])
+        elif stacked:
+            # One program copies layers g*G .. g*G+G-1 of the whole [L, R, W] ref; past the
+            # last layer, loads and stores are masked off (no memory traffic).
+            W = widths[0]
+            jobs = []
+            for k in range(G):
+                lk = g * G + k
+                ok = lk < num_layers
+                lc = jnp.minimum(lk, num_layers - 1)
+                base = pl.multiple_of(offset + n * W * lc, min(align[0], _pow2_factor(W)))
+                lmask = lm if num_layers % G == 0 else jnp.logical_and(valid, ok)
+                jobs.append((src_refs[0], lc, W, base, lmask, jnp.logical_and(valid, ok)))
+            copy(jobs)
         else:
-            for l in range(num_layers):
-                @pl.when(layer == l)
-                def _(l=l):
-                    copy(src_refs[l], base=base_of(l), width=widths[l], layer=None, stacked=False)
+            for gi in range(-(-num_layers // G)):
+                @pl.when(g == gi)
+                def _(gi=gi):
+                    copy([(src_refs[l], None, widths[l], base_of(l), lm, valid)
+                          for l in range(gi * G, min(num_layers, gi * G + G))])
     else:
         # Issue the loads of `layers_per_step` entries before their stores, so that many row
         # gathers are in flight per program (stores would otherwise order every next load).
-        for g in range(0, num_layers, layers_per_step):
-            group = range(g, min(num_layers, g + layers_per_step))
-            loaded = [_load_layer(src_refs[0] if stacked else src_refs[l], idx, width=widths[l],
-                                  layer=l if stacked else None) for l in group]
-            for l, vals in zip(group, loaded):
-                _store_layer(out_ref, vals, rows, valid, base_of(l), width=widths[l], evict=evict)
+        for s0 in range(0, num_layers, layers_per_step):
+            copy([(src_refs[0] if stacked else src_refs[l], l if stacked else None, widths[l],
+                   base_of(l), lm, valid)
+                  for l in range(s0, min(num_layers, s0 + layers_per_step))])
 
 
 # --------------------------------------------------------------------------- validation
@@ -388,19 +466,31 @@ def _gather_triton(src, idx, pack, n, *, offset, shapes, stacked, config, interp
     L = len(widths)
     srcs = [src] if stacked else list(src)
     if config.schedule == "grid":
-        grid = (num_blocks, L)
-        small = lambda i, l: (0,)  # noqa: E731
-        idx_map = lambda i, l: (i,)  # noqa: E731
-        if stacked:
-            R, W = shapes[0]
-            src_specs = [pl.BlockSpec((None, R, W), lambda i, l: (l, 0, 0))]
+        num_groups = -(-L // config.layers_per_program)
+        if config.layers_fastest:
+            grid = (num_groups, num_blocks)
+
+            def spec(block, f):  # index maps take (row block, layer group) either way
+                return pl.BlockSpec(block, lambda l, i: f(i, l))
         else:
-            src_specs = [pl.BlockSpec(s, lambda i, l: (0, 0)) for s in shapes]
-        pack_spec = pl.BlockSpec((P,), lambda i, l: (0,))
+            grid = (num_blocks, num_groups)
+
+            def spec(block, f):
+                return pl.BlockSpec(block, f)
+        n_spec = spec((1,), lambda i, l: (0,))
+        idx_spec = spec((br,), lambda i, l: (i,))
+        if stacked and config.layers_per_program > 1:
+            src_specs = [spec(tuple(src.shape), lambda i, l: (0, 0, 0))]
+        elif stacked:
+            R, W = shapes[0]
+            src_specs = [spec((None, R, W), lambda i, l: (l, 0, 0))]
+        else:
+            src_specs = [spec(s, lambda i, l: (0, 0)) for s in shapes]
+        pack_spec = spec((P,), lambda i, l: (0,))
     else:
         grid = (num_blocks,)
-        small = lambda i: (0,)  # noqa: E731
-        idx_map = lambda i: (i,)  # noqa: E731
+        n_spec = pl.BlockSpec((1,), lambda i: (0,))
+        idx_spec = pl.BlockSpec((br,), lambda i: (i,))
         if stacked:
             src_specs = [pl.BlockSpec(tuple(src.shape), lambda i: (0, 0, 0))]
         else:
@@ -410,21 +500,23 @@ def _gather_triton(src, idx, pack, n, *, offset, shapes, stacked, config, interp
         _gather_kernel, widths=widths, stacked=stacked, schedule=config.schedule,
         block_rows=br, offset=offset, max_rows=max_rows,
         num_src_rows=min(r for r, _ in shapes), align=align, evict=config.eviction_policy,
-        layers_per_step=config.layers_per_step)
+        layers_per_step=config.layers_per_step, layers_per_program=config.layers_per_program,
+        interleave=config.interleave, load_evict=config.load_eviction_policy,
+        mask_loads=config.mask_loads, layers_fastest=config.layers_fastest)
     n_in = 2 + len(srcs)
     call = pl.pallas_call(
         kernel,
         grid=grid,
         # The aliased pack input gets the output's BlockSpec (an ANY-space alias crashes
         # interpret mode on 0.11+ with ragged blocks; on Triton it is never read).
-        in_specs=[pl.BlockSpec((1,), small), pl.BlockSpec((br,), idx_map), *src_specs, pack_spec],
+        in_specs=[n_spec, idx_spec, *src_specs, pack_spec],
         out_specs=pack_spec,
         out_shape=jax.ShapeDtypeStruct(pack.shape, pack.dtype),
         input_output_aliases={n_in: 0},
         compiler_params=None if interpret else pltriton.CompilerParams(
             num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
-        name=f"kv_gather_{config.schedule}_{br=}_{L=}",
+        name=f"kv_gather_{config.schedule}_{br=}_{L=}_g{config.layers_per_program}",
     )
     return call(n, idx, *srcs, pack)
 

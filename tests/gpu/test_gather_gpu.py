@@ -48,6 +48,28 @@ def test_stacked_bit_exact(backend, n, schedule):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
 
 
+KNOBS = [GatherConfig(block_rows=32, interleave=True),
+         GatherConfig(block_rows=16, num_warps=4, layers_per_program=4, mask_loads=True),
+         GatherConfig(block_rows=32, layers_fastest=True, load_eviction_policy="evict_first"),
+         GatherConfig(block_rows=32, interleave=True, layers_per_program=2)]
+
+
+@pytest.mark.parametrize("cfg", KNOBS, ids=repr)
+@pytest.mark.parametrize("form", ["stacked", "list"])
+def test_tuning_knobs_bit_exact(cfg, form):
+    # 5 layer entries: 2 and 4 entries per program leave a masked-off entry in the last one.
+    rng = np.random.default_rng(7)
+    L, R, W, n = 5, 700, 288, 100
+    src = jnp.asarray(_rand_words(rng, (L, R, W), np.uint32))
+    idx = rng.integers(0, R, bucket_rows(n, 32)).astype(np.int32)
+    pack0 = _rand_words(rng, L * n * W + 96, np.uint32)
+    arg = src if form == "stacked" else [src[l] for l in range(L)]
+    out = gather_rows(arg, jnp.asarray(idx), jnp.asarray(pack0), n, offset=32, config=cfg,
+                      backend="triton")
+    ref = gather_rows_reference(src, jnp.asarray(idx), jnp.asarray(pack0), n, offset=32)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+
+
 @pytest.mark.parametrize("item_lens", [(1152,) * 4, (576,) * 3, (656, 1152, 576),
                                        (2, 6, 14), (3, 1152, 5), (1154,)])
 @pytest.mark.parametrize("n", [1, 77, 300])

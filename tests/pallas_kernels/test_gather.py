@@ -22,8 +22,19 @@ from pallas_kernels import (
 from pallas_kernels import mosaic_gather
 
 SCHEDULES = [GatherConfig(block_rows=16), GatherConfig(block_rows=16, schedule="loop"),
-             GatherConfig(block_rows=8, schedule="loop", layers_per_step=2)]
-_ids = lambda c: f"{c.schedule}_br={c.block_rows}_lps={c.layers_per_step}"  # noqa: E731
+             GatherConfig(block_rows=8, schedule="loop", layers_per_step=2),
+             # Two layer entries per program (3 entries: the last program's second is masked
+             # off), pieces stored right after their loads, loads hinted evict_first.
+             GatherConfig(block_rows=16, layers_per_program=2),
+             GatherConfig(block_rows=16, interleave=True, load_eviction_policy="evict_first"),
+             GatherConfig(block_rows=8, layers_per_program=3, interleave=True),
+             # Layer axis launched fastest; tail rows read nothing (masked loads).
+             GatherConfig(block_rows=16, layers_fastest=True, mask_loads=True),
+             GatherConfig(block_rows=8, layers_per_program=2, layers_fastest=True,
+                          mask_loads=True)]
+_ids = lambda c: (f"{c.schedule}_br={c.block_rows}_lps={c.layers_per_step}"  # noqa: E731
+                  f"_lpp={c.layers_per_program}_il={int(c.interleave)}_{c.load_eviction_policy}"
+                  f"_ml={int(c.mask_loads)}_lf={int(c.layers_fastest)}")
 
 
 def _words(rng, shape, dtype):
@@ -178,6 +189,7 @@ def test_helpers():
     ({"block_rows": 24}, "block_rows"), ({"num_warps": 3}, "num_warps"),
     ({"num_stages": 0}, "num_stages"), ({"schedule": "zigzag"}, "schedule"),
     ({"eviction_policy": "evict_never"}, "eviction_policy"), ({"layers_per_step": 0}, "layers"),
+    ({"layers_per_program": 0}, "layers_per_program"), ({"load_eviction_policy": "x"}, "load_eviction"),
 ])
 def test_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
