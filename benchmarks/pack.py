@@ -239,7 +239,9 @@ def main(argv=None):
                      GatherConfig(block_rows=16, num_warps=8, layers_per_program=2),
                      GatherConfig(block_rows=32, num_warps=8, interleave=True,
                                   layers_per_program=2),
-                     GatherConfig(block_rows=16, num_warps=4, layers_per_program=4)]
+                     GatherConfig(block_rows=16, num_warps=4, layers_per_program=4),
+                     GatherConfig(block_rows=32, num_warps=8, interleave=True, mask_loads=True),
+                     GatherConfig(block_rows=16, num_warps=4, interleave=True, mask_loads=True)]
         best_cfgs = {}
         for form, src in (("stacked", stacked_j), ("list", layers_j)):
             best = None
