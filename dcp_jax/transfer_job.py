@@ -559,6 +559,16 @@ class PrefillServer:
         """
         if mode not in MODES:
             raise ValueError(f"{mode=} must be one of {MODES}")
+        if not 1 <= dcp_size or sorted(t.dcp_rank for t in targets) != sorted(set(t.dcp_rank for t in targets)) \
+                or any(not 0 <= t.dcp_rank < dcp_size for t in targets):
+            raise ValueError(f"targets must have distinct dcp_rank in [0, {dcp_size=})")
+        for t in targets:
+            # A decode side of another geometry is refused before anything is sent.
+            if len(t.layer_bases) != len(self.item_lens):
+                raise ValueError(f"targets[dcp_rank={t.dcp_rank}].layer_bases has {len(t.layer_bases)} layer "
+                                 f"entries, this prefill has {len(self.item_lens)} ({self.cfg.model})")
+            if t.peer not in self.engine.peers:
+                raise ValueError(f"targets[dcp_rank={t.dcp_rank}].peer={t.peer!r} is not connected")
         cfg, eng = self.cfg, self.engine
         eng.reset_counters()
         self._transfer_s = 0.0

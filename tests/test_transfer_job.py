@@ -227,3 +227,22 @@ def test_decode_owned_tokens_matches_layout_reference():
             ref = ref[owner_np(ref, n, i) == r]
             np.testing.assert_array_equal(t, ref)
             np.testing.assert_array_equal(j, local_index_np(ref, n, i) - local_len_np(start, n, r, i))
+
+
+def test_send_request_rejects_mismatched_targets_before_sending():
+    cfg = JobConfig(model="tiny", prompt_tokens=64, page_size=16, dcp_size=2, timeout_s=5.0)
+    server = PrefillServer(cfg, 0)
+    try:
+        pages = np.arange(2)
+        with pytest.raises(ValueError, match="layer_bases has 2 layer entries"):
+            server.send_request("packed", [DecodeTarget(0, "x", np.zeros(2, np.int64), pages, None)], dcp_size=2)
+        with pytest.raises(ValueError, match="not connected"):
+            server.send_request("direct", [DecodeTarget(0, "nobody", np.zeros(3, np.int64), pages, None)],
+                                dcp_size=2)
+        with pytest.raises(ValueError, match="dcp_rank"):
+            server.send_request("direct", [DecodeTarget(2, "x", np.zeros(3, np.int64), pages, None)], dcp_size=2)
+        with pytest.raises(ValueError, match="mode"):
+            server.send_request("sideways", [], dcp_size=2)
+        assert server.engine.counters.batches == 0
+    finally:
+        server.close()
