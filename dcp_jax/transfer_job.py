@@ -499,14 +499,14 @@ class PrefillServer:
 
         self.setup_seconds["imports"] = time.perf_counter() - t1
         t1 = time.perf_counter()
+        # The pack buffer is allocated once and reused: fault its pages in now, not in the first pack.
+        self.pack[:] = 0
 
         self.engine = make_engine(cfg.engine, name or f"prefill{prefill_rank}-{uuid.uuid4().hex[:8]}")
         self.engine.register([self.kv, self.pack])
         self._busy_slots: dict[tuple[int, int], Any] = {}
         self._rank_counts: dict[int, tuple[int, int, int]] = {}
         self._transfer_s = 0.0  # seconds inside engine submit calls (engines may copy there)
-        # The pack buffer is allocated once and reused: fault its pages in now, not in the first pack.
-        self.pack[:] = 0
         self.setup_seconds["engine_and_pack"] = time.perf_counter() - t1
         self.setup_seconds["total"] = time.perf_counter() - t0
 
@@ -927,7 +927,8 @@ class DecodeProcess:
 
 
 def start_decode_processes(cfg: JobConfig, *, num: int | None = None, num_sources: int | None = None,
-                           min_dcp_size: int | None = None, tag: str | None = None) -> list[DecodeProcess]:
+                           min_dcp_size: int | None = None, tag: str | None = None,
+                           src_ends: Sequence[Sequence[Connection]] | None = None) -> list[DecodeProcess]:
     """Spawns decode-rank processes with engines and registered pools, and waits for their hello.
 
     Each pool holds :func:`decode_pool_pages` pages: the largest rank share of any group of
@@ -940,6 +941,9 @@ def start_decode_processes(cfg: JobConfig, *, num: int | None = None, num_source
         min_dcp_size: smallest group these processes will serve (default ``num``; smaller when a
             request may be re-served to the ranks left after a failure).
         tag: engine name suffix (default random).
+        src_ends: decode-side ends of existing completion pipes, ``src_ends[i][k]`` for process i
+            and prefill rank k (they are closed here once handed over); default: new pipes, whose
+            prefill-side ends are in ``DecodeProcess.src_conns``.
 
     Returns:
         The processes, in rank order, with ``peer_info`` filled in.
@@ -956,15 +960,18 @@ def start_decode_processes(cfg: JobConfig, *, num: int | None = None, num_source
     procs = []
     for i in range(num):
         ctrl_parent, ctrl_child = ctx.Pipe()
-        links = [ctx.Pipe() for _ in range(num_sources)]
+        if src_ends is None:
+            links = [ctx.Pipe() for _ in range(num_sources)]
+        else:
+            links = [(None, b) for b in src_ends[i]]
         pr = ctx.Process(target=_decode_main, name=f"dcp-decode-{i}",
                          args=(cfg_dict, i, ctrl_child, [b for _, b in links], pool_pages, f"decode{i}-{tag}"),
                          daemon=True)
         pr.start()
         ctrl_child.close()
         for _, b in links:
-            b.close()
-        procs.append(DecodeProcess(i, pr, ctrl_parent, [a for a, _ in links]))
+            b.close()  # the decode process holds this end now
+        procs.append(DecodeProcess(i, pr, ctrl_parent, [a for a, _ in links if a is not None]))
     try:
         for dp in procs:
             dp.peer_info = _expect_hello(dp.ctrl, dp.process, max(cfg.timeout_s, 120.0), f"decode {dp.index}")["peer_info"]
@@ -1049,17 +1056,21 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
     tag = uuid.uuid4().hex[:8]
     n, m = cfg.dcp_size, cfg.prefill_dcp_size
     t_start = time.perf_counter()
-    decodes = start_decode_processes(cfg, tag=tag)
-    decode_start_s = time.perf_counter() - t_start
-    prefills = []
+    # Completion pipes prefill k -> decode r, created before either side starts.
+    links = [[ctx.Pipe() for _ in range(n)] for _ in range(m)]
+    prefills, decodes = [], []
     try:
+        # The prefill side starts first: filling its multi-GB KV is the longest part of start-up and
+        # should not compete with the decode processes' engines starting.
         for k in range(m):
             a, b = ctx.Pipe()
             pr = ctx.Process(target=_prefill_main, name=f"dcp-prefill-{k}",
-                             args=(dataclasses.asdict(cfg), k, b, [dp.src_conns[k] for dp in decodes],
+                             args=(dataclasses.asdict(cfg), k, b, [links[k][r][0] for r in range(n)],
                                    f"prefill{k}-{tag}"), daemon=True)
             pr.start()
             b.close()
+            for r in range(n):
+                links[k][r][0].close()  # the prefill process holds this end now
             prefills.append((pr, a))
         engine_kind = None
         prefill_setup = []
@@ -1067,9 +1078,9 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
             hello = _expect_hello(a, pr, max(cfg.timeout_s, 180.0), f"prefill {k}")
             engine_kind = hello["engine"]
             prefill_setup.append(hello["setup"])
-        for dp in decodes:
-            for c in dp.src_conns:
-                c.close()  # the prefill processes hold these ends now
+        t_dec = time.perf_counter()
+        decodes = start_decode_processes(cfg, tag=tag, src_ends=[[links[k][r][1] for k in range(m)] for r in range(n)])
+        decode_start_s = time.perf_counter() - t_dec
         for pr, a in prefills:
             a.send(("connect", [dp.peer_info for dp in decodes]))
         peers = None
