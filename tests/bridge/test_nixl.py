@@ -167,3 +167,24 @@ def test_refresh_drops_stale_metadata_inside_nixl(nixl_pair):
     with pytest.raises(TransferError, match="nixlNotFoundError"):
         post_directly()
     assert not extra.any()
+
+
+def test_idle_agents_do_not_spin_a_core():
+    # NIXL's wrapper would make each progress thread busy-poll (pthrDelay = 0): about one core per
+    # idle agent. Ours passes a delay, so two idle agents together stay far below one core.
+    import time
+
+    engines = [NixlEngine(f"idle-{i}") for i in range(2)]
+    try:
+        t0, w0 = time.process_time(), time.perf_counter()
+        time.sleep(1.0)
+        cores = (time.process_time() - t0) / (time.perf_counter() - w0)
+        assert cores < 0.5, f"two idle NIXL agents used {cores:.2f} cores"
+    finally:
+        for e in engines:
+            e.close()
+
+
+def test_progress_delay_must_not_be_negative():
+    with pytest.raises(ValueError, match="progress_delay_us"):
+        NixlEngine("neg-delay", progress_delay_us=-1)
