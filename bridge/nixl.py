@@ -82,8 +82,6 @@ _AGENT_CTOR_LOCK = threading.Lock()
 
 
 def _create_agent(name: str, conf, progress_delay_us: int):
-    if progress_delay_us < 0:
-        raise ValueError(f"{progress_delay_us=} must be >= 0")
     bind = sys.modules[nixl_agent.__module__].nixlBind
     real_ctor = bind.nixlAgent
 
@@ -119,6 +117,8 @@ class NixlEngine(TransferEngine):
         super().__init__(name)
         if nixl_agent is None:
             raise BridgeError("NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
+        if progress_delay_us < 0:
+            raise ValueError(f"{progress_delay_us=} must be >= 0")
         conf = nixl_agent_config(backends=list(backends))
         if async_submit:  # two threads call into the agent: ask NIXL to lock
             conf.sync_mode = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
