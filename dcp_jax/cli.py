@@ -45,6 +45,10 @@ def transfer(
     mode: str = typer.Option("both", help="direct (descriptors straight from the KV buffers), packed (gather "
                                           "each rank's rows into its pack region first) or both."),
     engine: str = typer.Option("nixl", help="Transfer engine: nixl, mooncake or auto."),
+    device: str = typer.Option("cpu", help="Where the KV, the pack buffer and the decode pools live: cpu (host "
+                                           "memory) or gpu (CuPy device memory of GPU 0 registered as VRAM, "
+                                           "the Pallas gather packing in place; needs CuPy, a CUDA GPU and "
+                                           "--engine nixl)."),
     max_batch_indices: Optional[int] = typer.Option(None, help="Split each (chunk, rank) batch into windows "
                                                                "of at most this many rows."),
     pack_tokens: Optional[int] = typer.Option(None, help="Size the pack buffer for this many tokens "
@@ -67,10 +71,12 @@ def transfer(
     Prints a table per mode (descriptors, bytes, engine calls, plan / pack / transfer / total seconds,
     GB/s, verified per rank) and the packed/direct ratios. Exit status 1 if any byte is wrong.
     """
-    from dcp_jax.transfer_job import JobConfig, run_job
+    from dcp_jax.transfer_job import DEVICES, JobConfig, check_device, run_job
 
     if mode not in _MODES:
         _fail(f"--mode={mode!r} must be one of {', '.join(_MODES)}")
+    if device not in DEVICES:
+        _fail(f"--device={device!r} must be one of {', '.join(DEVICES)}")
     try:
         cfg = JobConfig(
             model=model, prompt_tokens=prompt_tokens, page_size=page_size, dcp_size=dcp_size,
@@ -78,8 +84,9 @@ def transfer(
             prefill_interleave_size=prefill_interleave_size, chunk_tokens=chunk_tokens,
             prefix_tokens=prefix_tokens, modes=_MODES[mode], engine=engine,
             max_batch_indices=max_batch_indices, pack_tokens=pack_tokens, verify=verify, seed=seed,
-            timeout_s=timeout_s, corrupt_rank=corrupt_rank,
+            timeout_s=timeout_s, corrupt_rank=corrupt_rank, device=device,
         )
+        check_device(cfg.device)
     except ValueError as exc:
         _fail(str(exc))
     console = Console()
@@ -88,7 +95,7 @@ def transfer(
         f"[bold]dcp-jax transfer[/]: {geo.name} ({geo.num_layers} layers, {geo.row_bytes:,} B/token), "
         f"{cfg.prompt_tokens:,} tokens (prefix {cfg.prefix_tokens:,}), page {cfg.page_size}, "
         f"prefill DCP{cfg.prefill_dcp_size} -> decode DCP{cfg.dcp_size}, I={cfg.interleave_size}, "
-        f"{len(cfg.chunks())} chunk(s), engine {cfg.engine}; {geo.request_bytes(cfg.send_tokens) / 1e9:.2f} GB to move"
+        f"{len(cfg.chunks())} chunk(s), engine {cfg.engine_kind}, device {cfg.device}; {geo.request_bytes(cfg.send_tokens) / 1e9:.2f} GB to move"
     )
     if progress:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

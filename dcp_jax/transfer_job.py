@@ -34,6 +34,14 @@ One request, per mode:
    from the spec's ownership formulas independently of the planner, is the test of record; it runs
    always. The job's result is not verified if any byte of any rank is wrong.
 
+With ``device="gpu"`` (``--device gpu``) the same code runs on device memory of GPU 0: the prefill KV
+layer buffers and the pack buffer are CuPy allocations registered once as VRAM (the KV pattern is
+generated on the host and copied over once at setup), ``pack_rows`` runs the Pallas gather writing
+in place into the registered pack buffer, every decode pool is a CuPy allocation registered as VRAM
+(decode processes never import JAX), and each decode rank copies its pool back to the host once to
+verify it. Plans, descriptors, engine calls, barriers and results are the same as on the CPU; only
+NIXL registers VRAM here.
+
 The prefill side is a reusable :class:`PrefillServer`; a request that fails (a decode rank killed
 mid-transfer, an engine error) raises :class:`RequestFailed` naming the rank and chunk within the
 configured timeout, after every in-flight handle was waited or aborted and every pack region freed,
@@ -71,6 +79,8 @@ from dcp_jax.kv_data import (
 __all__ = [
     "MODES",
     "ENGINES",
+    "DEVICES",
+    "check_device",
     "JobConfig",
     "RequestFailed",
     "DecodeTarget",
@@ -87,6 +97,7 @@ logger = logging.getLogger(__name__)
 
 MODES = ("direct", "packed")
 ENGINES = ("nixl", "mooncake", "auto")
+DEVICES = ("cpu", "gpu")
 
 # Engines log to stderr on their own; keep loopback traffic and quiet logs unless the user set them.
 _ENGINE_ENV = {
@@ -136,6 +147,12 @@ class JobConfig:
             chunk (checks that verification catches it).
         die_rank: test hook: this decode rank SIGKILLs itself after ``die_after_chunks`` chunks.
         die_after_chunks: see ``die_rank``.
+        device: where the KV, pack buffer and decode pools live: ``"cpu"`` (host memory registered
+            as DRAM, numpy gather) or ``"gpu"`` (CuPy device memory of GPU 0 registered as VRAM,
+            the Pallas gather writing in place into the registered pack buffer). ``"gpu"`` needs
+            NIXL (the Mooncake build used here registers host memory only); ``engine="auto"``
+            then means NIXL. Whether CuPy and a CUDA device are present is checked by
+            :func:`check_device` (``run_job`` calls it), not here.
 
     Raises:
         ValueError: any value out of range; the message names the argument.
@@ -161,6 +178,7 @@ class JobConfig:
     corrupt_rank: int | None = None
     die_rank: int | None = None
     die_after_chunks: int = 1
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "modes", tuple(self.modes))
@@ -201,10 +219,20 @@ class JobConfig:
             v = getattr(self, name)
             if v is not None and not 0 <= v < self.dcp_size:
                 raise ValueError(f"{name}={v!r} must be in [0, dcp_size={self.dcp_size})")
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r} (--device) must be one of {DEVICES}")
+        if self.device == "gpu" and self.engine == "mooncake":
+            raise ValueError("device='gpu' (--device gpu) needs engine='nixl' (--engine nixl or auto): the "
+                             "Mooncake build used here registers host memory only, not VRAM")
 
     @property
     def geometry(self) -> ModelGeometry:
         return get_geometry(self.model)
+
+    @property
+    def engine_kind(self) -> str:
+        """The engine kind the processes create: ``engine``, except that ``"auto"`` on the GPU is NIXL."""
+        return "nixl" if self.device == "gpu" and self.engine == "auto" else self.engine
 
     @property
     def send_tokens(self) -> int:
@@ -311,6 +339,104 @@ def _host_alloc(nbytes: int) -> np.ndarray:
     except (AttributeError, OSError):  # no THP support: plain pages
         pass
     return np.frombuffer(mm, dtype=np.uint8, count=int(nbytes))
+
+
+# ------------------------------------------------------------------------------------------------
+# Device selection: the only place that knows host (numpy) from device (CuPy) buffers. Everything
+# else (plans, descriptors, engine calls, barriers) sees an array, its address and its region.
+# ------------------------------------------------------------------------------------------------
+def check_device(device: str) -> None:
+    """Checks that ``device`` can run here.
+
+    Args:
+        device: ``"cpu"`` or ``"gpu"``.
+
+    Raises:
+        ValueError: unknown device, or ``"gpu"`` without CuPy or without a CUDA device; the
+            message names the ``--device`` option.
+    """
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r} (--device) must be one of {DEVICES}")
+    if device == "cpu":
+        return
+    try:
+        import cupy as cp
+    except Exception as exc:  # noqa: BLE001 - ImportError, or CuPy failing to load its CUDA libraries
+        raise ValueError(f"device='gpu' (--device gpu) needs CuPy and a CUDA GPU, but CuPy does not import here "
+                         f"({type(exc).__name__}: {exc}); install the gpu extra or use --device cpu") from None
+    try:
+        count = int(cp.cuda.runtime.getDeviceCount())
+        why = f"{count} CUDA devices"
+    except Exception as exc:  # noqa: BLE001 - no driver: CUDARuntimeError
+        count, why = 0, f"{type(exc).__name__}: {exc}"
+    if count < 1:
+        raise ValueError(f"device='gpu' (--device gpu) needs a CUDA GPU, found none ({why}); use --device cpu")
+
+
+def _is_host(a: Any) -> bool:
+    return isinstance(a, np.ndarray)
+
+
+def _alloc_buffer(nbytes: int, device: str, *, like: np.ndarray | None = None) -> tuple[Any, Any]:
+    """One registrable uint8 [nbytes] buffer: ``(array, region)``.
+
+    ``"cpu"``: page-aligned host memory (``_host_alloc``); the region is the numpy array itself.
+    ``"gpu"``: a CuPy allocation on GPU 0 (``bridge.buffers.DeviceBuffer``, registered as VRAM).
+    ``like`` (host uint8 [nbytes]) gives the initial bytes: on the CPU it is returned as the buffer,
+    on the GPU it is copied to the device once. Otherwise the buffer is zeroed.
+    """
+    if like is not None and like.nbytes != nbytes:
+        raise ValueError(f"like has {like.nbytes} bytes, {nbytes=}")
+    if device == "cpu":
+        buf = like if like is not None else _host_alloc(nbytes)
+        return buf, buf
+    if device != "gpu":
+        raise ValueError(f"device={device!r} (--device) must be one of {DEVICES}")
+    from bridge.buffers import DeviceBuffer
+
+    dev = DeviceBuffer(max(int(nbytes), 1), device_id=0)
+    if like is not None:
+        dev.array.set(like)  # host -> device, once, at setup
+    _sync(dev.array)
+    return dev.array, dev
+
+
+def _buffer_addr(a: Any) -> int:
+    """Address of byte 0 of a numpy (host) or CuPy (device) array."""
+    return int(a.ctypes.data) if _is_host(a) else int(a.data.ptr)
+
+
+def _sync(a: Any) -> None:
+    """Waits until every queued device operation on ``a`` has finished (no-op on the host).
+
+    The engines read and write device memory on their own streams: a fill or an upload must be
+    complete before a peer is told the buffer is ready.
+    """
+    if not _is_host(a):
+        import cupy as cp
+
+        cp.cuda.runtime.deviceSynchronize()
+
+
+def _to_host(a: Any) -> np.ndarray:
+    """The bytes of ``a`` as a numpy array (``a`` itself on the host; one device-to-host copy on the GPU)."""
+    return a if _is_host(a) else a.get()
+
+
+def _checksum(layer_rows: Any, rows: np.ndarray) -> int:
+    """``rows_checksum`` of host or device rows (device rows are gathered on the GPU, then copied)."""
+    if _is_host(layer_rows):
+        return rows_checksum(layer_rows, rows)
+    import cupy as cp
+
+    got = layer_rows[cp.asarray(np.asarray(rows, np.int64))].get()
+    return rows_checksum(got, slice(None))
+
+
+def _flip_first_byte(layer_rows: Any, row: int) -> None:
+    """Test hook: inverts byte 0 of one row (host or device)."""
+    layer_rows[int(row), 0:1] ^= np.uint8(0xFF)
+    _sync(layer_rows)
 
 
 def _rng(seed: int, *key: int) -> np.random.Generator:
@@ -466,6 +592,9 @@ class PrefillServer:
         if not 0 <= prefill_rank < cfg.prefill_dcp_size:
             raise ValueError(f"{prefill_rank=} must be in [0, prefill_dcp_size={cfg.prefill_dcp_size})")
         _engine_env()
+        if cfg.device == "gpu":
+            # Several processes share the GPU: JAX must not reserve 75% of its memory up front.
+            os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         from bridge import make_engine
 
         self.cfg = cfg
@@ -477,21 +606,29 @@ class PrefillServer:
         # This rank's tokens of the send range (all of it when M = 1).
         tokens, local, self.src_pages, self.pool_pages = _prefill_page_table(cfg, prefill_rank)
         self.pool_rows = self.pool_pages * cfg.page_size
-        self.kv = _host_alloc(self.pool_rows * int(self.item_lens.sum()))
-        self.layers, offs = _layer_views(self.kv, self.pool_rows, self.item_lens.tolist())
+        kv_bytes = self.pool_rows * int(self.item_lens.sum())
+        host_kv = _host_alloc(kv_bytes)
+        host_layers, offs = _layer_views(host_kv, self.pool_rows, self.item_lens.tolist())
         rows = page_rows(self.src_pages, local, cfg.page_size)
-        for li, view in enumerate(self.layers):
+        for li, view in enumerate(host_layers):
             # Only the request's pages are written; the pool's free pages are never read.
             fill_rows(view, rows, tokens, li, cfg.seed)
         self.setup_seconds["fill_kv"] = time.perf_counter() - t0
-        self.kv_bases = int(self.kv.ctypes.data) + np.asarray(offs, np.int64)
+        # KV and pack buffer: host memory, or device memory (the pattern copied over once).
+        t1 = time.perf_counter()
+        self.kv, kv_region = _alloc_buffer(kv_bytes, cfg.device, like=host_kv)
+        del host_kv, host_layers  # on the GPU the host copy is no longer needed
+        self.layers, _ = _layer_views(self.kv, self.pool_rows, self.item_lens.tolist())
+        self.kv_bases = _buffer_addr(self.kv) + np.asarray(offs, np.int64)
         # Pack buffer: N * ceil(max_tokens / N) * sum(item_len) bytes, one fixed region per rank.
         from dcp_jax import packing
 
         self.pack_tokens = cfg.pack_tokens or len(tokens)
         self.pack_size = packing.pack_buffer_size(self.pack_tokens, cfg.dcp_size, self.item_lens.tolist())
-        self.pack = _host_alloc(max(self.pack_size, 1))
-        self.pack_addr = int(self.pack.ctypes.data)
+        self.pack, pack_region = _alloc_buffer(max(self.pack_size, 1), cfg.device)
+        self.pack_addr = _buffer_addr(self.pack)
+        if cfg.device != "cpu":
+            self.setup_seconds["device_buffers"] = time.perf_counter() - t1
         # Import the planner and the gather kernel now, so their (jax) import is not timed as planning.
         t1 = time.perf_counter()
         import dcp_jax.plan  # noqa: F401
@@ -499,16 +636,32 @@ class PrefillServer:
 
         self.setup_seconds["imports"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        # The pack buffer is allocated once and reused: fault its pages in now, not in the first pack.
-        self.pack[:] = 0
+        if cfg.device == "cpu":
+            # The pack buffer is allocated once and reused: fault its pages in now, not in the first pack.
+            self.pack[:] = 0
+        else:
+            # Compile the device gather now (JAX client start, Pallas lowering), not in the first pack.
+            self._warm_up_pack(len(tokens))
 
-        self.engine = make_engine(cfg.engine, name or f"prefill{prefill_rank}-{uuid.uuid4().hex[:8]}")
-        self.engine.register([self.kv, self.pack])
+        self.engine = make_engine(cfg.engine_kind, name or f"prefill{prefill_rank}-{uuid.uuid4().hex[:8]}")
+        self.engine.register([kv_region, pack_region])
         self._busy_slots: dict[tuple[int, int], Any] = {}
         self._rank_counts: dict[int, tuple[int, int, int]] = {}
         self._transfer_s = 0.0  # seconds inside engine submit calls (engines may copy there)
         self.setup_seconds["engine_and_pack"] = time.perf_counter() - t1
         self.setup_seconds["total"] = time.perf_counter() - t0
+
+    def _warm_up_pack(self, num_tokens: int) -> None:
+        """Runs the device gather once on the row count of a typical (chunk, rank), then re-zeroes the pack."""
+        from pallas_kernels import pack_rows
+
+        cfg = self.cfg
+        n = -(-min(cfg.chunk_tokens or cfg.send_tokens, num_tokens) // cfg.dcp_size)
+        n = max(1, min(n, self.pack_size // int(self.item_lens.sum())))
+        if self.pack_size >= n * int(self.item_lens.sum()):
+            pack_rows(self.layers, np.zeros(n, np.int64), self.pack, offset=0)
+        self.pack[:] = 0
+        _sync(self.pack)
 
     # -- peers ------------------------------------------------------------------------------------
     @property
@@ -618,7 +771,7 @@ class PrefillServer:
                     tag_base = f"{request_id}:{mode}:{self.rank}:{ci}:{r}"
                     checks = None
                     if cfg.verify:
-                        checks = [rows_checksum(v, src) for v in self.layers]
+                        checks = [_checksum(v, src) for v in self.layers]
                     msg = dict(chunk=ci, source=self.name, tags=[], rows=dst, checksums=checks)
                     handles = []
                     slot = -1
@@ -798,6 +951,7 @@ def _decode_request(cfg: JobConfig, eng, layers: list[np.ndarray], buf: np.ndarr
     tokens, local = decode_owned_tokens(cfg.prefix_tokens, cfg.prompt_tokens, n, r, cfg.interleave_size)
     dst_pages = decode_page_table(cfg, r, n, pool_pages, seq=int(arg.get("seq", 0)))
     buf[:] = SENTINEL_BYTE
+    _sync(buf)  # the sentinel must be in place before the prefill side may write
     ctrl.send(("ready", dict(dcp_rank=r, peer_info=eng.peer_info(), layer_bases=layer_bases, dst_pages=dst_pages)))
 
     sources = [c for c in src_conns if c is not None]
@@ -830,17 +984,20 @@ def _decode_request(cfg: JobConfig, eng, layers: list[np.ndarray], buf: np.ndarr
             notif_wait += time.perf_counter() - tn
             rows = np.asarray(msg["rows"], np.int64)
             if cfg.corrupt_rank == r and not corrupted and len(rows):
-                layers[-1][rows[0], 0] ^= np.uint8(0xFF)  # test hook: a byte damaged on arrival
+                _flip_first_byte(layers[-1], rows[0])  # test hook: a byte damaged on arrival
                 corrupted = True
             if msg.get("checksums") is not None:
                 for li, want in enumerate(msg["checksums"]):
-                    if rows_checksum(layers[li], rows) != want:
+                    if _checksum(layers[li], rows) != want:
                         bad_checks.append((int(msg["chunk"]), li))
             chunks += 1
             if cfg.die_rank == r and chunks >= cfg.die_after_chunks:
                 os.kill(os.getpid(), signal.SIGKILL)  # test hook: die in the middle of a request
     tv = time.perf_counter()
-    res = verify_rows(layers, page_rows(dst_pages, local, p), tokens, cfg.seed)
+    # Device pools are copied back to the host once and checked by the same code as host pools.
+    host_layers = layers if _is_host(buf) else \
+        _layer_views(_to_host(buf), int(layers[0].shape[0]), [int(v.shape[1]) for v in layers])[0]
+    res = verify_rows(host_layers, page_rows(dst_pages, local, p), tokens, cfg.seed)
     verify_s = time.perf_counter() - tv
     return dict(
         dcp_rank=r, rows=int(len(tokens)), chunks=chunks, errors=errors,
@@ -862,11 +1019,12 @@ def _decode_main(cfg_dict: dict, index: int, ctrl: Connection, src_conns: Sequen
 
         item_lens = list(cfg.geometry.kv_item_lens)
         pool_rows = pool_pages * cfg.page_size
-        buf = _host_alloc(pool_rows * sum(item_lens))
+        # Host memory, or a CuPy pool on the GPU registered as VRAM (no JAX in this process).
+        buf, region = _alloc_buffer(pool_rows * sum(item_lens), cfg.device)
         layers, offs = _layer_views(buf, pool_rows, item_lens)
-        eng = make_engine(cfg.engine, name)
-        eng.register([buf])
-        layer_bases = int(buf.ctypes.data) + np.asarray(offs, np.int64)
+        eng = make_engine(cfg.engine_kind, name)
+        eng.register([region])
+        layer_bases = _buffer_addr(buf) + np.asarray(offs, np.int64)
         ctrl.send(("hello", dict(index=index, peer_info=eng.peer_info(), pool_pages=pool_pages,
                                  engine=eng.kind)))
     except BaseException:  # noqa: BLE001 - report, then exit non-zero
@@ -1050,8 +1208,10 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
         totals over all ranks (and prefill ranks); seconds are the slowest prefill rank's.
 
     Raises:
+        ValueError: ``cfg.device="gpu"`` without CuPy or a CUDA device (:func:`check_device`).
         RuntimeError: a process failed to start or crashed (with its traceback).
     """
+    check_device(cfg.device)
     ctx = mp.get_context("spawn")
     tag = uuid.uuid4().hex[:8]
     n, m = cfg.dcp_size, cfg.prefill_dcp_size
