@@ -651,15 +651,42 @@ class PrefillServer:
         self.setup_seconds["engine_and_pack"] = time.perf_counter() - t1
         self.setup_seconds["total"] = time.perf_counter() - t0
 
-    def _warm_up_pack(self, num_tokens: int) -> None:
-        """Runs the device gather once on the row count of a typical (chunk, rank), then re-zeroes the pack."""
+    def _region_layout(self, dcp_size: int) -> tuple[int, int, int, int, int]:
+        """``(region_size, row_bytes, region_rows, nslots, slot_rows)`` of the pack for ``dcp_size`` ranks.
+
+        Rank r's region of ``pack_size // N`` bytes holds ``nslots`` chunk-sized slots of
+        ``slot_rows`` rows each, so chunk k+1 can be packed while chunk k is in flight.
+        """
+        cfg = self.cfg
+        region_size = self.pack_size // dcp_size
+        row_bytes = int(self.item_lens.sum())
+        region_rows = region_size // row_bytes
+        # Each slot holds the most rows one (chunk, rank) can have: a rank owns at most
+        # ceil(C/(I*N)) + 1 blocks of I tokens of a C-token chunk (any alignment).
+        c_tok, i_sz = cfg.chunk_tokens or cfg.send_tokens, cfg.interleave_size
+        bound = min(c_tok, (-(-c_tok // (i_sz * dcp_size)) + 1) * i_sz)
+        nslots = max(1, region_rows // max(bound, 1))
+        return region_size, row_bytes, region_rows, nslots, region_rows // nslots
+
+    def _warm_up_pack(self, num_tokens: int, max_compiles: int = 64) -> None:
+        """Compiles the device gather for every region slot the request will use, then re-zeroes the pack.
+
+        The kernel is specialised on the region's offset (static) and on the row-count bucket, so
+        each (rank, slot) offset is packed once here with a typical (chunk, rank) row count: the
+        timed packs then find it compiled.
+        """
         from pallas_kernels import pack_rows
 
         cfg = self.cfg
-        n = -(-min(cfg.chunk_tokens or cfg.send_tokens, num_tokens) // cfg.dcp_size)
-        n = max(1, min(n, self.pack_size // int(self.item_lens.sum())))
-        if self.pack_size >= n * int(self.item_lens.sum()):
-            pack_rows(self.layers, np.zeros(n, np.int64), self.pack, offset=0)
+        region_size, row_bytes, region_rows, nslots, slot_rows = self._region_layout(cfg.dcp_size)
+        if region_rows == 0:
+            return  # per-row fallback: no packing
+        typical = -(-min(cfg.chunk_tokens or cfg.send_tokens, num_tokens) // cfg.dcp_size)
+        n = typical if typical <= slot_rows else region_rows  # larger: sliced, whole-region windows
+        slots = 1 if typical > slot_rows else nslots
+        offsets = [r * region_size + s * slot_rows * row_bytes for r in range(cfg.dcp_size) for s in range(slots)]
+        for off in offsets[:max_compiles]:
+            pack_rows(self.layers, np.zeros(max(n, 1), np.int64), self.pack, offset=off)
         self.pack[:] = 0
         _sync(self.pack)
 
@@ -729,17 +756,7 @@ class PrefillServer:
         chunks = cfg.chunks()
         per_rank = {t.dcp_rank: dict(descriptors=0, bytes=0, batches=0, rows=0, strategy=set()) for t in targets}
         stats = dict(mode=mode, plan_seconds=0.0, pack_seconds=0.0, transfer_seconds=0.0)
-        # Region slots: rank region of size pack_size // N holds `nslots` chunk-sized slots.
-        region_size = self.pack_size // dcp_size
-        row_bytes = int(item_lens.sum())
-        region_rows = region_size // row_bytes
-        # Slots of one region: each holds the most rows one (chunk, rank) can have, so chunk k+1
-        # can be packed while chunk k is in flight. A rank owns at most ceil(C/(I*N)) + 1 blocks
-        # of I tokens of a C-token chunk (any alignment).
-        c_tok, i_sz = cfg.chunk_tokens or cfg.send_tokens, cfg.interleave_size
-        bound = min(c_tok, (-(-c_tok // (i_sz * dcp_size)) + 1) * i_sz)
-        nslots = max(1, region_rows // max(bound, 1))
-        slot_rows = region_rows // nslots
+        region_size, row_bytes, region_rows, nslots, slot_rows = self._region_layout(dcp_size)
         pending: dict[int, deque] = {t.dcp_rank: deque() for t in targets}
         t0 = time.perf_counter()
 

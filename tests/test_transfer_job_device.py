@@ -138,3 +138,25 @@ def test_job_with_device_cpu_verifies_and_reports_device():
     for run in res["runs"]:
         assert run["engine"] == "nixl" and run["bytes"] == 256 * 3 * 64
         assert all(r["bytes_exact"] and r["checksum_ok"] for r in run["ranks"])
+
+
+@pytest.mark.parametrize("kw", [
+    dict(model="tiny", prompt_tokens=512, page_size=16, dcp_size=2, chunk_tokens=256),
+    dict(model="tiny", prompt_tokens=1024, page_size=16, dcp_size=4, interleave_size=16, pack_tokens=128),
+    dict(model="tiny-mixed", prompt_tokens=2048, page_size=8, dcp_size=8, chunk_tokens=256),
+])
+def test_pack_warm_up_stays_inside_the_pack_and_leaves_it_zero(kw):
+    """The GPU path packs every (rank, slot) offset once at setup; with host buffers the same code runs
+    through the numpy gather, so its offsets and row counts are checked here."""
+    from dcp_jax.transfer_job import PrefillServer
+
+    server = PrefillServer(JobConfig(**kw, engine="nixl"), name="warmup-test")
+    try:
+        server.pack[:] = 0x5A
+        region_size, row_bytes, region_rows, nslots, slot_rows = server._region_layout(server.cfg.dcp_size)
+        assert region_rows >= 1 and 1 <= nslots and slot_rows * nslots <= region_rows
+        assert region_size * server.cfg.dcp_size <= server.pack_size
+        server._warm_up_pack(server.cfg.send_tokens)  # raises if any pack would leave the buffer
+        assert not server.pack.any()
+    finally:
+        server.close()
