@@ -78,7 +78,9 @@ EOF
 
 # --- the suite --------------------------------------------------------------------------------------
 step pytest_gpu 280 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider --durations=15
-step merge_bench 70 "$PY" benchmarks/merge.py --json "$OUT/merge_h200.json" --md "$OUT/merge_h200.md"
+# --no-attention: the attention rows compile for over a minute on the H200 (seen 2026-11-29); DCP
+# attention on the GPU is checked by tests/gpu/test_merge_gpu.py above. The merge rows take about 30 s.
+step merge_bench 90 "$PY" benchmarks/merge.py --no-attention --json "$OUT/merge_h200.json" --md "$OUT/merge_h200.md"
 step crosscheck 30 "$PY" -m dcp_jax.crosscheck
 step transfer_gpu 100 "$PY" -m dcp_jax.cli transfer --device gpu --no-progress --timeout-s 90 \
     --json "$OUT/transfer_gpu.json"
