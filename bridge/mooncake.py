@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Sequence
 
-import numpy as np
 
 from bridge.base import (
     BridgeError,

@@ -20,11 +20,12 @@ sender would hand the engine:
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
+
+from dcp_jax._validate import check_int as _int
 
 from dcp_jax.layout import check_layout_args
 from dcp_jax.packing import choose_pack_strategy, pack_buffer_size, pack_region, pack_slices
@@ -46,15 +47,6 @@ MODES: tuple[Mode, ...] = ("direct", "packed")
 
 # Prompt lengths of the plot: 1k .. 256k tokens, powers of two.
 PLOT_PROMPT_TOKENS: tuple[int, ...] = tuple(1024 << k for k in range(9))
-
-
-def _int(name: str, value: Any, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({name}={value!r})")
-    value = operator.index(value)
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {name}={value}")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)

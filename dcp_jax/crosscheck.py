@@ -230,7 +230,7 @@ def crosscheck_merge(out, lse, *, form: str = "flat", base: str = "e", mesh=None
     Raises:
       ValueError: bad ``form`` / ``base`` / shapes; TypeError: inputs not torch tensors.
     """
-    torch = _check_torch_pair(out, lse)
+    _check_torch_pair(out, lse)
     if form not in FORMS:
         raise ValueError(f"{form=} must be one of {FORMS}")
     base = _merge._check_base(base)

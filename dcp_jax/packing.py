@@ -18,10 +18,11 @@ numpy/Python only: it computes geometry, the gather itself lives in ``pallas_ker
 from __future__ import annotations
 
 import logging
-import operator
-from typing import Any, Literal, Sequence
+from typing import Literal, Sequence
 
 import numpy as np
+
+from dcp_jax._validate import check_int as _int
 
 __all__ = [
     "PackRegionTooSmallError",
@@ -40,15 +41,6 @@ PackStrategy = Literal["packed", "sliced", "per_row"]
 
 class PackRegionTooSmallError(ValueError):
     """The pack region cannot hold even one row of every layer entry."""
-
-
-def _int(name: str, value: Any, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({name}={value!r})")
-    value = operator.index(value)
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {name}={value}")
-    return value
 
 
 def _item_lens(item_lens: Sequence[int] | np.ndarray | int) -> np.ndarray:

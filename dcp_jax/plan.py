@@ -31,10 +31,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import operator
 from typing import Any, Sequence, overload
 
 import numpy as np
+
+from dcp_jax._validate import check_int as _int
 
 from dcp_jax.layout import check_layout_args, local_index_np, local_len_np, owner_np
 from dcp_jax.packing import layer_offsets
@@ -60,15 +61,6 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 # Argument normalisation.
 # --------------------------------------------------------------------------------------------
-
-
-def _int(name: str, value: Any, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({name}={value!r})")
-    value = operator.index(value)
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {name}={value}")
-    return value
 
 
 def _int_array(name: str, value: Any) -> np.ndarray:
