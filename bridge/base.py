@@ -12,9 +12,11 @@ keeps writing into a remote region the peer has deregistered if its metadata is 
 from __future__ import annotations
 
 import abc
+import atexit
 import dataclasses
 import itertools
 import threading
+import weakref
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -421,6 +423,21 @@ def _check_timeout(timeout_s: Any) -> float:
     return float(timeout_s)
 
 
+# Engines still open when the interpreter exits are closed by an atexit hook: otherwise their worker
+# threads and the engines' C++ state are torn down during interpreter finalization, after the Python
+# objects they call back into are gone.
+_LIVE_ENGINES: "weakref.WeakSet[TransferEngine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_engines() -> None:
+    for eng in list(_LIVE_ENGINES):
+        try:
+            eng.close()
+        except Exception:  # noqa: BLE001 - exiting anyway; one engine must not stop the others
+            pass
+
+
 class TransferEngine(abc.ABC):
     """One process's transfer engine: registrations, known peers, WRITE batches, notifications.
 
@@ -445,6 +462,7 @@ class TransferEngine(abc.ABC):
         self._seq = itertools.count(1)
         self._notifs: dict[str, list[bytes]] = {}
         self._closed = False
+        _LIVE_ENGINES.add(self)
 
     # ---- engine hooks ---------------------------------------------------------------------
     @abc.abstractmethod

@@ -942,9 +942,13 @@ def _send(conn: Connection | None, msg: Any, rank: int, chunk: int | None) -> No
         return
     try:
         conn.send(msg)
+        return
     except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
-        raise RequestFailed("decode rank is gone", dcp_rank=rank, chunk=chunk,
-                            cause=f"{type(exc).__name__}: {exc}") from exc
+        cause = f"{type(exc).__name__}: {exc}"
+    # Raised outside the except block so the pipe error is not kept as __context__: its frames hold
+    # multiprocessing's pickled message (a memoryview of a BytesIO), and when the garbage collector
+    # frees that pair at exit CPython can crash ("deallocated BytesIO object has exported buffers").
+    raise RequestFailed("decode rank is gone", dcp_rank=rank, chunk=chunk, cause=cause)
 
 
 def _send_quiet(conn: Connection | None, msg: Any) -> None:
