@@ -289,7 +289,9 @@ class RegionTable:
         pos = np.searchsorted(self._starts, addrs, side="right") - 1
         ok = pos >= 0
         pos_c = np.where(ok, pos, 0)
-        ok &= self._running_end[pos_c] >= addrs + lengths
+        # Compare lengths with the room left (end - addr), never addr + length: that sum can wrap
+        # int64 and let a huge length pass as inside a region.
+        ok &= lengths <= self._running_end[pos_c] - addrs
         return np.where(ok, self._best[pos_c], -1)
 
 

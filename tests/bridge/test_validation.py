@@ -147,6 +147,26 @@ def test_local_range_outside_registration_is_refused(two_connected_engines):
     _assert_nothing_sent(p)
 
 
+def test_huge_length_cannot_wrap_past_the_region_check():
+    # addr + nbytes would wrap int64 and look "inside" the region; the check must not add them.
+    a, b = 0x10000, 0x20000
+    local, remote = RegionTable([MemoryRegion(a, 4096)]), RegionTable([MemoryRegion(b, 4096)])
+    huge = np.iinfo(np.int64).max - a + 100
+    assert (local.locate(np.array([a + 10]), np.array([huge])) == -1).all()
+    assert (remote.locate(np.array([b + 10]), np.array([np.iinfo(np.int64).max - b])) == -1).all()
+    with pytest.raises(DescriptorError, match="local ranges"):
+        validate_descriptors(np.array([[a + 10, b, huge]], np.int64), local, remote)
+
+
+def test_huge_length_is_refused_before_sending(two_connected_engines):
+    p = two_connected_engines
+    descs = _good(p)
+    descs[0, 2] = np.iinfo(np.int64).max - min(int(descs[0, 0]), int(descs[0, 1])) + 16
+    with pytest.raises(DescriptorError):
+        p.ini.transfer_batch(p.peer, descs)
+    _assert_nothing_sent(p)
+
+
 @pytest.mark.timeout(30)
 def test_unregistered_local_buffer_is_refused(two_connected_engines):
     """Mooncake's TCP transport would read this memory and send it; the bridge refuses first."""
