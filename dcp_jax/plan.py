@@ -75,11 +75,23 @@ def _int_array(name: str, value: Any) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def _pages(name: str, value: Any) -> np.ndarray:
+def _pages(name: str, value: Any, page_size: int | None = None) -> np.ndarray:
+    """A page table: 1-D int64 ids, >= 0, no id twice (two token ranges on one page would
+    overwrite each other), and, with ``page_size``, every row ``id * P + P - 1`` within int64."""
     arr = _int_array(name, value)
-    if arr.size and arr.min() < 0:
+    if arr.size == 0:
+        return arr
+    if arr.min() < 0:
         bad = int(np.flatnonzero(arr < 0)[0])
         raise ValueError(f"{name} must hold page ids >= 0, got {name}[{bad}]={int(arr[bad])}")
+    uniq, first, counts = np.unique(arr, return_index=True, return_counts=True)
+    if (counts > 1).any():
+        dup = int(uniq[np.argmax(counts > 1)])
+        where = np.flatnonzero(arr == dup)[:2].tolist()
+        raise ValueError(f"{name} holds page id {dup} twice (at {where}); a page table must not repeat pages")
+    if page_size is not None and int(arr.max()) > np.iinfo(np.int64).max // page_size - 1:
+        raise ValueError(f"{name} holds page id {int(arr.max())}, whose rows overflow int64 "
+                         f"with page_size={page_size}")
     return arr
 
 
@@ -150,11 +162,11 @@ def rows_from_page_table(local_indices, pages, page_size: int, *, name: str = "p
         int64 ``[n]`` buffer rows.
 
     Raises:
-        ValueError: negative page ids, or too few pages for the largest index (the message
-            says how many are required).
+        ValueError: negative or repeated page ids, or too few pages for the largest index (the
+            message says how many are required).
     """
     page_size = _int("page_size", page_size, minimum=1)
-    pages = _pages(name, pages)
+    pages = _pages(name, pages, page_size)
     j = _int_array("local_indices", local_indices)
     if j.size == 0:
         return np.zeros(0, np.int64)
@@ -303,8 +315,8 @@ def build_token_transfer_plan(
     n, i, r = check_layout_args(dcp_size, interleave_size, dcp_rank)
     src_page_offset = _int("src_page_offset", src_page_offset, minimum=0)
     decode_prefix_len = _check_prefix(decode_prefix_len, page_size, n, i)
-    src = _pages("src_pages", src_pages)
-    dst = _pages("dst_pages", dst_pages)
+    src = _pages("src_pages", src_pages, page_size)
+    dst = _pages("dst_pages", dst_pages, page_size)
     capacity = src.size * page_size
     if num_kv_tokens is None:
         num_kv_tokens = capacity
@@ -519,7 +531,7 @@ def sglang_virtual_dst_pages(
     page_size, n, i = _check_virtual(page_size, dcp_size, interleave_size)
     check_layout_args(n, i, dcp_rank)
     decode_prefix_len = _check_prefix(decode_prefix_len, page_size, n, i)
-    pages = _pages("virtual_pages", virtual_pages)
+    pages = _pages("virtual_pages", virtual_pages, page_size)
     skip = decode_prefix_len // (page_size * n)
     if skip > pages.size:
         raise ValueError(
@@ -577,7 +589,7 @@ def group_runs(src_indices, dst_indices) -> np.ndarray:
         int64 ``[k, 3]`` of ``(src_start, dst_start, length)`` in order; ``[0, 3]`` for n = 0.
 
     Raises:
-        ValueError: lengths differ or arrays are not 1-D.
+        ValueError: lengths differ, arrays are not 1-D, or a row is negative.
         TypeError: non-integer arrays.
 
     Example:
@@ -590,6 +602,10 @@ def group_runs(src_indices, dst_indices) -> np.ndarray:
         raise ValueError(f"src_indices and dst_indices must have equal length, got {src.shape} and {dst.shape}")
     if src.size == 0:
         return np.zeros((0, 3), np.int64)
+    for name, arr in (("src_indices", src), ("dst_indices", dst)):
+        if arr.min() < 0:  # rows are buffer offsets; a negative one is a planning bug
+            bad = int(np.flatnonzero(arr < 0)[0])
+            raise ValueError(f"{name} must hold rows >= 0, got {name}[{bad}]={int(arr[bad])}")
     breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
     starts = np.concatenate([[0], breaks])
     lengths = np.diff(np.concatenate([starts, [src.size]]))

@@ -108,6 +108,9 @@ BASE = dict(src_pages=[1, 2], dst_pages=[3, 4], page_size=4, dcp_size=2, dcp_ran
         (dict(src_pages=[1, 2, 3, 4, 5], dst_pages=[1, 2]), r"dst_pages: 3 pages .* required"),
         (dict(src_pages=[1, -2]), r"src_pages.*src_pages\[1\]=-2"),
         (dict(dst_pages=[-3, 4]), r"dst_pages"),
+        (dict(dst_pages=[30, 30]), r"dst_pages holds page id 30 twice"),
+        (dict(src_pages=[7, 1, 7]), r"src_pages holds page id 7 twice"),
+        (dict(src_pages=[2**62, 1]), r"src_pages .* overflow int64 with page_size=4"),
         (dict(page_size=0), "page_size"),
         (dict(dcp_size=0), "dcp_size"),
         (dict(dcp_rank=2), "dcp_rank"),
@@ -242,6 +245,10 @@ def test_group_runs_errors():
         group_runs([1, 2], [1])
     with pytest.raises(TypeError, match="src_indices"):
         group_runs([1.0], [1])
+    with pytest.raises(ValueError, match=r"src_indices\[0\]=-2"):
+        group_runs([-2, -1], [5, 6])
+    with pytest.raises(ValueError, match="dst_indices"):
+        group_runs([0, 1], [3, -1])
 
 
 # --------------------------------------------------------------------------------------------
