@@ -14,11 +14,11 @@ the ``*_np`` twins are the ones the numpy planning layer (``dcp_jax.plan``) call
 the static ints before tracing and raise ``ValueError`` naming the argument.
 
 Token positions are counted from 0 over the whole request (prefix included) and must be
-non-negative; the numpy twins check this, the JAX functions cannot (values are traced) and
-return meaningless numbers for negative positions.
+non-negative. Both forms check concrete inputs (``ValueError`` naming the argument); inside a
+``jit`` the JAX functions see traced values they cannot check.
 
-JAX keeps 32-bit integers unless ``jax_enable_x64`` is set: int64 inputs are then computed in
-int32, which is exact for positions below 2**31 tokens.
+JAX keeps 32-bit integers unless ``jax_enable_x64`` is set: then concrete positions of 2**31
+tokens or more are refused rather than wrapped.
 """
 
 from __future__ import annotations
@@ -113,11 +113,24 @@ def _count(xp, start, length, n: int, r: int, i: int):
 # --------------------------------------------------------------------------------------------
 
 
-def _as_int_array(x) -> jax.Array:
-    arr = jnp.asarray(x)
-    if not jnp.issubdtype(arr.dtype, jnp.integer):
-        raise TypeError(f"token positions must be integers, got dtype {arr.dtype}")
-    return arr
+def _as_int_array(name: str, x) -> jax.Array:
+    """Integer positions as a JAX array; concrete inputs are checked, traced ones cannot be."""
+    if isinstance(x, jax.core.Tracer):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"{name} must be integers, got dtype {x.dtype}")
+        return x
+    arr = np.asarray(x)
+    if arr.size == 0:  # [] has no dtype to speak of
+        return jnp.zeros(arr.shape, jnp.int32)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must be integers, got dtype {arr.dtype}")
+    if arr.min() < 0:
+        raise ValueError(f"{name} must be >= 0 tokens, got {name}={int(arr.min())}")
+    # Without jax_enable_x64 JAX computes in int32: refuse what would silently wrap.
+    if not jax.config.jax_enable_x64 and arr.max() > np.iinfo(np.int32).max:
+        raise ValueError(f"{name}={int(arr.max())} does not fit int32; enable jax_enable_x64 "
+                         f"or use the numpy twin (*_np)")
+    return jnp.asarray(arr)
 
 
 @functools.partial(jax.jit, static_argnames=("n", "i"))
@@ -153,14 +166,15 @@ def owner(t, dcp_size: int, interleave_size: int = 1) -> jax.Array:
 
     Raises:
         TypeError: ``t`` is not integer, or a static argument is not an int.
-        ValueError: ``dcp_size`` or ``interleave_size`` is not positive.
+        ValueError: ``dcp_size`` or ``interleave_size`` is not positive; a concrete ``t`` is
+            negative (or >= 2**31 without x64).
 
     Example:
         >>> [int(x) for x in owner(jnp.arange(6), 2, 2)]
         [0, 0, 1, 1, 0, 0]
     """
     n, i, _ = check_layout_args(dcp_size, interleave_size)
-    return _owner_jit(_as_int_array(t), n=n, i=i)
+    return _owner_jit(_as_int_array("t", t), n=n, i=i)
 
 
 def local_index(t, dcp_size: int, interleave_size: int = 1) -> jax.Array:
@@ -176,14 +190,15 @@ def local_index(t, dcp_size: int, interleave_size: int = 1) -> jax.Array:
 
     Raises:
         TypeError: ``t`` is not integer, or a static argument is not an int.
-        ValueError: ``dcp_size`` or ``interleave_size`` is not positive.
+        ValueError: ``dcp_size`` or ``interleave_size`` is not positive; a concrete ``t`` is
+            negative (or >= 2**31 without x64).
 
     Example:
         >>> [int(x) for x in local_index(jnp.arange(6), 2)]
         [0, 0, 1, 1, 2, 2]
     """
     n, i, _ = check_layout_args(dcp_size, interleave_size)
-    return _local_index_jit(_as_int_array(t), n=n, i=i)
+    return _local_index_jit(_as_int_array("t", t), n=n, i=i)
 
 
 def local_len(length, dcp_size: int, dcp_rank: int, interleave_size: int = 1) -> jax.Array:
@@ -210,7 +225,7 @@ def local_len(length, dcp_size: int, dcp_rank: int, interleave_size: int = 1) ->
         [1, 4, 4, 4, 5]
     """
     n, i, r = check_layout_args(dcp_size, interleave_size, dcp_rank)
-    return _local_len_jit(_as_int_array(length), n=n, r=r, i=i)
+    return _local_len_jit(_as_int_array("length", length), n=n, r=r, i=i)
 
 
 def count(start, length, dcp_size: int, dcp_rank: int, interleave_size: int = 1) -> jax.Array:
@@ -235,7 +250,7 @@ def count(start, length, dcp_size: int, dcp_rank: int, interleave_size: int = 1)
         3
     """
     n, i, r = check_layout_args(dcp_size, interleave_size, dcp_rank)
-    return _count_jit(_as_int_array(start), _as_int_array(length), n=n, r=r, i=i)
+    return _count_jit(_as_int_array("start", start), _as_int_array("length", length), n=n, r=r, i=i)
 
 
 # --------------------------------------------------------------------------------------------

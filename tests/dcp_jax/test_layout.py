@@ -129,6 +129,12 @@ def test_section2_invariants(n, i, length, start):
         (lambda: owner_np([1, -3], 2), "t"),
         (lambda: count_np(-1, 3, 2, 0), "start"),
         (lambda: local_len_np(-5, 2, 0), "length"),
+        # the JAX forms check concrete inputs too
+        (lambda: local_len(-3, 2, 1), "length"),
+        (lambda: count(10, -5, 2, 0), "length"),
+        (lambda: count(-1, 5, 2, 0), "start"),
+        (lambda: owner([0, -1], 2), "t"),
+        (lambda: local_index(np.array([2**33 + 3]), 2), "t=8589934595 does not fit int32"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_them(call, name):
@@ -144,7 +150,14 @@ def test_bad_types_raise_type_error():
     with pytest.raises(TypeError, match="integers"):
         owner(np.array([1.5]), 2)
     with pytest.raises(TypeError, match="t must be integers"):
+        owner("3", 2)
+    with pytest.raises(TypeError, match="t must be integers"):
         owner_np(np.array([1.5]), 2)
+
+
+def test_empty_positions_give_empty_results():
+    assert owner([], 2).shape == (0,)
+    assert owner_np([], 2).shape == (0,)
 
 
 def test_check_layout_args_returns_python_ints():
