@@ -202,14 +202,16 @@ def merge_states(out, lse, *, base: str = "e", lse_layout: str = "TH"):
 
     Args:
       out: [N, T, H, D] partial outputs, state axis FIRST, each normalised over its own KV
-        (any float dtype: bf16, f16, f32, f64). numpy, JAX or nested sequences.
+        (any float dtype: bf16, f16, f32; f64 stays f64 only with ``jax_enable_x64``, otherwise
+        JAX holds it as f32). numpy, JAX or nested sequences.
       lse: f32[N, T, H] LSEs (token-major), or [N, H, T] with ``lse_layout="HT"``. Natural log
         for ``base="e"``, base 2 for ``base="2"``.
       base: "e" (default; vLLM, sglang) or "2" (FlashInfer's ``lse * log2(e)``).
       lse_layout: "TH" (token-major, default) or "HT" (head-major) for both input and output LSE.
 
     Returns:
-      ``(out [T, H, D] in out's dtype, lse f32[T, H] (or [H, T]) in the same base)``. All shards
+      ``(out [T, H, D] in out's dtype as JAX holds it, lse f32[T, H] (or [H, T]) in the same
+      base)``. All shards
       empty gives out = 0 and lse = -inf.
 
     Raises:

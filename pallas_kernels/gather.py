@@ -384,7 +384,7 @@ def _static_validate(src, indices, pack, offset):
         raise ValueError(f"indices must be 1-D, got shape {indices.shape}")
     if not jnp.issubdtype(indices.dtype, jnp.integer):
         raise TypeError(f"indices dtype {indices.dtype} must be an integer type")
-    if not isinstance(offset, (int, np.integer)) or offset < 0:
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
         raise ValueError(f"{offset=} must be a non-negative int (words)")
     if shapes and min(w for _, w in shapes) <= 0:
         raise ValueError(f"every layer width must be positive, got {[w for _, w in shapes]}")
@@ -616,7 +616,9 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
         raise ValueError(f"pack must be a 1-D uint8 array, got {pack.dtype}{list(pack.shape)}")
     if not pack.flags.c_contiguous:
         raise ValueError("pack must be C-contiguous")
-    if not isinstance(offset, (int, np.integer)) or offset < 0:
+    if not on_device and not pack.flags.writeable:
+        raise ValueError("pack must be writeable (a registered buffer, not a read-only view)")
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
         raise ValueError(f"{offset=} must be a non-negative int (bytes)")
     offset = int(offset)
     if on_device and _is_cupy(indices):
@@ -647,6 +649,8 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
         raise ValueError(f"indices must be >= 0, got min {lo}")
     if hi >= num_rows:
         raise ValueError(f"indices must be < num_rows={num_rows} of every layer, got max {hi}")
+    if backend not in ("numpy",) + BACKENDS:  # select_backend's message would omit "numpy"
+        raise ValueError(f"{backend=} must be one of {('numpy',) + BACKENDS}")
     if backend == "auto":
         backend = "numpy" if not on_device else select_backend("auto")
     if backend == "numpy":

@@ -37,11 +37,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 pip=".venv/bin/python -m pip"
 $pip install -q --upgrade pip >/dev/null
-# The engines declare torch/CUDA deps they do not need for host memory: install them alone.
-$pip install -q --no-deps -c constraints.txt nixl-cu12 mooncake-transfer-engine-non-cuda
-$pip install -q -c constraints.txt -e ".[test,plot]"
+# The engines declare torch/CUDA deps they do not need for host memory: install them alone, and
+# keep pip from reporting those deliberately missing deps as conflicts on every later install.
+$pip install -q --no-deps --no-warn-conflicts -c constraints.txt nixl-cu12 mooncake-transfer-engine-non-cuda
+$pip install -q --no-warn-conflicts -c constraints.txt -e ".[test,plot]"
 if [ "$with_torch" = 1 ]; then
     # The GPU machine's torch (2.11) for the PyTorch cross-check tests.
-    $pip install -q -c constraints.txt "torch==2.11.0"
+    $pip install -q --no-warn-conflicts -c constraints.txt "torch==2.11.0"
 fi
 echo "dcp-jax environment ready in .venv ($(.venv/bin/python --version))"

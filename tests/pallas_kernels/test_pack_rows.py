@@ -98,14 +98,19 @@ def test_non_contiguous_layer_views():
     ([], [0], 200, {}, ValueError, "layers must be a non-empty"),
     ("1d", [0], 200, {}, ValueError, "layers\\[0\\] must be 2-D"),
     ("f32", [0], 200, {}, TypeError, "layers\\[0\\] dtype"),
-    ("ok", [0], 200, {"backend": "cuda"}, ValueError, "backend"),
+    ("ok", [0], 200, {"backend": "cuda"}, ValueError, "backend.*'numpy'"),
+    ("ok", [0], 200, {"offset": True}, ValueError, "offset"),
+    ("ok", [0], "readonly", {}, ValueError, "pack must be writeable"),
 ])
 def test_bad_inputs(layers, indices, pack, kwargs, exc, match):
     ok = [np.zeros((10, 8), np.uint8), np.zeros((12, 4), np.uint8)]
     layers = {"ok": ok, "1d": [np.zeros(10, np.uint8)],
               "f32": [np.zeros((10, 8), np.float32)]}.get(layers, layers) \
         if isinstance(layers, str) else layers
-    pack = {"2d": np.zeros((10, 20), np.uint8), "u16": np.zeros(200, np.uint16)}.get(pack) \
+    readonly = np.full(200, SENTINEL, np.uint8)
+    readonly.flags.writeable = False
+    pack = {"2d": np.zeros((10, 20), np.uint8), "u16": np.zeros(200, np.uint16),
+            "readonly": readonly}.get(pack) \
         if isinstance(pack, str) else np.full(pack, SENTINEL, np.uint8)
     before = pack.copy()
     with pytest.raises(exc, match=match):
