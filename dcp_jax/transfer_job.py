@@ -90,6 +90,7 @@ __all__ = [
     "decode_owned_tokens",
     "decode_pool_pages",
     "decode_page_table",
+    "pack_region_rows",
     "run_job",
 ]
 
@@ -515,6 +516,35 @@ def _prefill_page_table(cfg: JobConfig, prefill_rank: int) -> tuple[np.ndarray, 
     return tokens, local, allocate_pages(num_pages, pool, _rng(cfg.seed, 1, prefill_rank)), pool
 
 
+def pack_region_rows(tokens: np.ndarray, cfg: JobConfig, dcp_size: int) -> tuple[int, int]:
+    """Rows of one decode rank's pack region of a prefill rank, and the rows of one chunk slot.
+
+    The region holds the most rows this prefill rank sends to any one decode rank over the send
+    range, so the default pack never slices, also when ``prefill_dcp_size > 1`` (one decode rank
+    may then receive more than ``shard / N`` rows from one prefill rank) or when interleave
+    blocks split unevenly. It is never smaller than the spec's ``ceil(max_tokens / N)`` (section 6),
+    which it equals for ``M = 1`` with even shares. ``cfg.pack_tokens`` overrides it with
+    ``ceil(pack_tokens / N)`` (smaller values force sliced packing).
+
+    Args:
+        tokens: int64 [n] absolute positions of the prefill rank's tokens in the send range.
+        cfg: job configuration (interleave, prefix, chunking, ``pack_tokens``).
+        dcp_size: N of the decode group.
+
+    Returns:
+        ``(region_rows, slot_rows)``: rows per layer entry of a region, and the most rows this
+        prefill rank sends to one decode rank in one chunk (a chunk slot's need).
+    """
+    tokens = np.asarray(tokens, np.int64)
+    owner = _owner(tokens, dcp_size, cfg.interleave_size)
+    chunk = (tokens - cfg.prefix_tokens) // (cfg.chunk_tokens or max(cfg.send_tokens, 1))
+    whole = int(np.bincount(owner, minlength=dcp_size).max()) if len(tokens) else 0
+    per_chunk = int(np.bincount(chunk * dcp_size + owner).max()) if len(tokens) else 0
+    if cfg.pack_tokens is not None:
+        return -(-cfg.pack_tokens // dcp_size), per_chunk
+    return max(-(-len(tokens) // dcp_size), whole), per_chunk
+
+
 def _chunk_plans(cfg: JobConfig, prefill_rank: int, src_pages: np.ndarray, chunk: tuple[int, int],
                  targets: Sequence[DecodeTarget], dcp_size: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """{dcp_rank: (src rows, dst rows)} int64 of one chunk from this prefill rank, via dcp_jax.plan."""
@@ -620,11 +650,12 @@ class PrefillServer:
         del host_kv, host_layers  # on the GPU the host copy is no longer needed
         self.layers, _ = _layer_views(self.kv, self.pool_rows, self.item_lens.tolist())
         self.kv_bases = _buffer_addr(self.kv) + np.asarray(offs, np.int64)
-        # Pack buffer: N * ceil(max_tokens / N) * sum(item_len) bytes, one fixed region per rank.
-        from dcp_jax import packing
-
+        # Pack buffer: one fixed region per decode rank, sized by pack_region_rows (the spec's
+        # N * ceil(max_tokens / N) * sum(item_len) when M = 1 and the shares are even).
+        self.tokens = tokens
         self.pack_tokens = cfg.pack_tokens or len(tokens)
-        self.pack_size = packing.pack_buffer_size(self.pack_tokens, cfg.dcp_size, self.item_lens.tolist())
+        region_rows, _ = pack_region_rows(tokens, cfg, cfg.dcp_size)
+        self.pack_size = cfg.dcp_size * region_rows * int(self.item_lens.sum())
         self.pack, pack_region = _alloc_buffer(max(self.pack_size, 1), cfg.device)
         self.pack_addr = _buffer_addr(self.pack)
         if cfg.device != "cpu":
@@ -661,10 +692,8 @@ class PrefillServer:
         region_size = self.pack_size // dcp_size
         row_bytes = int(self.item_lens.sum())
         region_rows = region_size // row_bytes
-        # Each slot holds the most rows one (chunk, rank) can have: a rank owns at most
-        # ceil(C/(I*N)) + 1 blocks of I tokens of a C-token chunk (any alignment).
-        c_tok, i_sz = cfg.chunk_tokens or cfg.send_tokens, cfg.interleave_size
-        bound = min(c_tok, (-(-c_tok // (i_sz * dcp_size)) + 1) * i_sz)
+        # Each slot holds the most rows this prefill rank sends to one rank in one chunk.
+        _, bound = pack_region_rows(self.tokens, cfg, dcp_size)
         nslots = max(1, region_rows // max(bound, 1))
         return region_size, row_bytes, region_rows, nslots, region_rows // nslots
 
@@ -790,6 +819,11 @@ class PrefillServer:
                     if cfg.verify:
                         checks = [_checksum(v, src) for v in self.layers]
                     msg = dict(chunk=ci, source=self.name, tags=[], rows=dst, checksums=checks)
+                    if n == 0:
+                        # Nothing from this prefill rank for r in this chunk (M > 1): no batch, no
+                        # strategy, no slot; only the completion message, in order.
+                        pending[r].append((ci, [], -1, msg))
+                        continue
                     handles = []
                     slot = -1
                     use_pack = mode == "packed" and region_rows > 0
@@ -1381,14 +1415,20 @@ def _run_mode(cfg: JobConfig, mode: str, seq: int, decodes: list[DecodeProcess],
     rank_rows = []
     for r in range(n):
         res = results.get(r) or dict(dcp_rank=r, verified=False, errors=["no result"])
-        sent = dict(descriptors=0, bytes=0, batches=0, strategy="")
-        for s in good:
-            pr_ = s["per_rank"].get(r) or s["per_rank"].get(str(r))
+        sent = dict(descriptors=0, bytes=0, batches=0, strategy="", sources=[])
+        strategies: set[str] = set()
+        for k, s in sorted(stats.items()):
+            pr_ = s and (s["per_rank"].get(r) or s["per_rank"].get(str(r)))
             if pr_:
                 sent["descriptors"] += pr_["descriptors"]
                 sent["bytes"] += pr_["bytes"]
                 sent["batches"] += pr_["batches"]
-                sent["strategy"] = pr_["strategy"]
+                if pr_["rows"]:
+                    # Only prefill ranks that sent this rank rows say how it was sent.
+                    strategies.update(x for x in pr_["strategy"].split(",") if x)
+                    sent["sources"].append(dict(prefill_rank=k, rows=pr_["rows"], descriptors=pr_["descriptors"],
+                                                batches=pr_["batches"], strategy=pr_["strategy"]))
+        sent["strategy"] = ",".join(sorted(strategies))
         rank_rows.append({**sent, **res})
     total_bytes = sum(s["bytes"] for s in good)
     total_s = max((s["total_seconds"] for s in good), default=float("nan"))

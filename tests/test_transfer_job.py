@@ -4,6 +4,7 @@ Every run is checked by the decode ranks byte for byte (received rows hold their
 every other row of the pool its sentinel); descriptor counts are recomputed here from the planner
 and the same allocator-drawn page tables.
 """
+import dataclasses
 import os
 import signal
 import time
@@ -95,8 +96,41 @@ def test_prefill_dcp_m_to_decode_dcp_n(m, n, ip, i):
                     interleave_size=i, prefill_interleave_size=ip, chunk_tokens=256 if m == 2 else None,
                     timeout_s=20.0)
     res = run_job(cfg)
+    # (chunk, source, destination) triples with rows, brute force from the ownership formulas.
+    pairs = set()
+    for k in range(m):
+        toks, _ = decode_owned_tokens(cfg.prefix_tokens, cfg.prompt_tokens, m, k, ip)
+        for ci, (start, length) in enumerate(cfg.chunks()):
+            t = toks[(toks >= start) & (toks < start + length)]
+            pairs.update((ci, k, int(d)) for d in np.unique((t // i) % n))
+    assert len(pairs) < len(cfg.chunks()) * m * n  # some pairs are empty: they must not count
     for run in res["runs"]:
         _check_run(run, cfg)
+        assert run["batches"] == run["engine_calls"] == len(pairs)
+        for r in run["ranks"]:
+            assert r["batches"] == sum(1 for p in pairs if p[2] == r["dcp_rank"])
+            assert r["strategy"] == run["mode"]  # the default pack buffer never slices
+            assert sorted(x["prefill_rank"] for x in r["sources"]) == sorted({p[1] for p in pairs
+                                                                             if p[2] == r["dcp_rank"]})
+            assert all(x["strategy"] == run["mode"] and x["rows"] > 0 for x in r["sources"])
+
+
+@pytest.mark.parametrize("m, n", [(2, 4), (4, 2)])
+def test_mxn_default_pack_never_slices_and_pack_tokens_still_slices(m, n):
+    # Whole-request send: one decode rank gets all of a prefill rank's rows for some pairs, more
+    # than shard / N; the pack region must still hold them.
+    cfg = JobConfig(model="tiny", prompt_tokens=2048, page_size=16, dcp_size=n, prefill_dcp_size=m,
+                    modes=("packed",), timeout_s=20.0)
+    run = run_job(cfg)["runs"][0]
+    _check_run(run, cfg)
+    assert all(r["strategy"] == "packed" for r in run["ranks"])
+    with_rows = sum(len(r["sources"]) for r in run["ranks"])
+    assert run["batches"] == with_rows == max(m, n)  # I = I_p = 1: each source feeds N/M or M/N ranks
+    forced = dataclasses.replace(cfg, pack_tokens=256)
+    run = run_job(forced)["runs"][0]
+    _check_run(run, forced)
+    assert all(r["strategy"] == "sliced" for r in run["ranks"])
+    assert run["batches"] > with_rows
 
 
 def test_block_round_robin_sliced_pack_and_windows():
