@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -25,6 +26,31 @@ _MODES = {"direct": ("direct",), "packed": ("packed",), "both": ("direct", "pack
 
 def _fail(msg: str) -> None:
     raise typer.BadParameter(msg)
+
+
+def _check_out_path(path: Optional[Path], option: str) -> None:
+    """Refuses an output path that cannot be written, before any work: its folder must exist."""
+    if path is None:
+        return
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        _fail(f"{option} {str(path)!r}: folder {str(parent)!r} does not exist")
+    if path.is_dir():
+        _fail(f"{option} {str(path)!r} is a folder, not a file")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        _fail(f"{option} {str(path)!r}: not writable")
+
+
+def _job_config(mode: str, **kwargs):
+    """The main job's JobConfig for these options: the one validation ``transfer`` and ``plan`` share."""
+    from dcp_jax.transfer_job import JobConfig
+
+    if mode not in _MODES:
+        _fail(f"--mode={mode!r} must be one of {', '.join(_MODES)}")
+    try:
+        return JobConfig(modes=_MODES[mode], **kwargs)
+    except ValueError as exc:
+        _fail(str(exc))
 
 
 @app.command()
@@ -71,24 +97,25 @@ def transfer(
     Prints a table per mode (descriptors, bytes, engine calls, plan / pack / transfer / total seconds,
     GB/s, verified per rank) and the packed/direct ratios. Exit status 1 if any byte is wrong.
     """
-    from dcp_jax.transfer_job import DEVICES, JobConfig, check_device, run_job
+    from dcp_jax.transfer_job import DEVICES, check_device, run_job
 
     if mode not in _MODES:
         _fail(f"--mode={mode!r} must be one of {', '.join(_MODES)}")
     if device not in DEVICES:
         _fail(f"--device={device!r} must be one of {', '.join(DEVICES)}")
+    cfg = _job_config(
+        mode, model=model, prompt_tokens=prompt_tokens, page_size=page_size, dcp_size=dcp_size,
+        prefill_dcp_size=prefill_dcp_size, interleave_size=interleave_size,
+        prefill_interleave_size=prefill_interleave_size, chunk_tokens=chunk_tokens,
+        prefix_tokens=prefix_tokens, engine=engine, max_batch_indices=max_batch_indices,
+        pack_tokens=pack_tokens, verify=verify, seed=seed, timeout_s=timeout_s, corrupt_rank=corrupt_rank,
+        device=device,
+    )
     try:
-        cfg = JobConfig(
-            model=model, prompt_tokens=prompt_tokens, page_size=page_size, dcp_size=dcp_size,
-            prefill_dcp_size=prefill_dcp_size, interleave_size=interleave_size,
-            prefill_interleave_size=prefill_interleave_size, chunk_tokens=chunk_tokens,
-            prefix_tokens=prefix_tokens, modes=_MODES[mode], engine=engine,
-            max_batch_indices=max_batch_indices, pack_tokens=pack_tokens, verify=verify, seed=seed,
-            timeout_s=timeout_s, corrupt_rank=corrupt_rank, device=device,
-        )
         check_device(cfg.device)
     except ValueError as exc:
         _fail(str(exc))
+    _check_out_path(json_path, "--json")
     console = Console()
     geo = cfg.geometry
     console.print(
@@ -119,7 +146,6 @@ def transfer(
         console.print(f"packed vs direct: [bold]{c['descriptor_ratio']:.1f}x[/] fewer descriptors, "
                       f"[bold]{c['total_seconds_ratio']:.2f}x[/] faster end to end")
     if json_path is not None:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=2, default=_json_default))
         console.print(f"wrote {json_path}")
     if not result["verified"]:
@@ -183,12 +209,25 @@ def plan(
     seed: int = typer.Option(0, help="Seeds the allocator-drawn page tables."),
     plot: Optional[Path] = typer.Option(None, help="Also draw descriptors per rank vs prompt length "
                                                    "(1k-256k tokens, log scale) to this image."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the per-rank rows as JSON to this path."),
 ) -> None:
-    """Cost report from the real plans: descriptors, engine calls and bytes per destination rank."""
+    """Cost report from the real plans: descriptors, engine calls and bytes per destination rank.
+
+    Same options, validation, page tables (the job's seeded allocators) and pack regions as
+    ``transfer``, so for one configuration and --seed it prints the counts ``transfer`` reports.
+    """
     from dcp_jax.cost import plan_command
 
+    _job_config(
+        mode, model=model, prompt_tokens=prompt_tokens, page_size=page_size, dcp_size=dcp_size,
+        prefill_dcp_size=prefill_dcp_size, interleave_size=interleave_size,
+        prefill_interleave_size=prefill_interleave_size, chunk_tokens=chunk_tokens, prefix_tokens=prefix_tokens,
+        max_batch_indices=max_batch_indices, pack_tokens=pack_tokens, seed=seed,
+    )
+    _check_out_path(plot, "--plot")
+    _check_out_path(json_path, "--json")
     try:
-        plan_command(
+        rows = plan_command(
             model, prompt_tokens, page_size=page_size, dcp_size=dcp_size, interleave_size=interleave_size,
             prefill_dcp_size=prefill_dcp_size, prefill_interleave_size=prefill_interleave_size,
             decode_prefix_len=prefix_tokens, chunk_tokens=chunk_tokens, mode=mode,
@@ -197,6 +236,8 @@ def plan(
         )
     except (ValueError, TypeError) as exc:
         _fail(str(exc))
+    if json_path is not None:
+        json_path.write_text(json.dumps(rows, indent=2, default=_json_default))
 
 
 if __name__ == "__main__":  # python -m dcp_jax.cli

@@ -1,8 +1,8 @@
 """Cost report: descriptors, engine calls and bytes per destination rank, from the real plans.
 
 For one configuration (geometry, prompt length, decode prefix, chunking, page size, M, N, I and
-the transfer mode) this module draws page tables the way an allocator leaves them (a seeded,
-shuffled free list per rank), builds every plan with :mod:`dcp_jax.plan`, and counts what a
+the transfer mode) this module takes the page tables the main job draws (a seeded, shuffled
+free list per rank, :func:`dcp_jax.kv_data.draw_page_table`) and its pack regions, builds every plan with :mod:`dcp_jax.plan`, and counts what a
 sender would hand the engine:
 
 - ``direct``: descriptors straight from the KV buffers, one per run of each plan window per
@@ -20,6 +20,7 @@ sender would hand the engine:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 from typing import Literal
 
@@ -28,12 +29,13 @@ import numpy as np
 from dcp_jax._validate import check_int as _int
 
 from dcp_jax.layout import check_layout_args
-from dcp_jax.packing import choose_pack_strategy, pack_buffer_size, pack_region, pack_slices
+from dcp_jax.packing import choose_pack_strategy, pack_slices
 from dcp_jax.plan import build_mxn_transfer_plans, send_rows_per_rank, split_windows
+from dcp_jax.transfer_job import decode_owned_tokens, pack_region_rows
 
 __all__ = [
     "CostConfig",
-    "draw_page_tables",
+    "job_page_tables",
     "cost_report",
     "cost_summary",
     "render_cost_table",
@@ -67,8 +69,12 @@ class CostConfig:
         interleave_size: I.
         max_batch_indices: rows per engine batch (None: one batch per plan or slice).
         pack_max_tokens: tokens the pack buffer is sized for (``N * ceil(max/N) * sum(item_len)``
-            bytes per prefill rank); None = ``chunk_tokens`` (or the whole send range).
-        seed: seed of the shuffled free lists.
+            bytes per prefill rank); None = the main job's default
+            (:func:`dcp_jax.transfer_job.pack_region_rows`: the most rows one prefill rank sends
+            to one decode rank, so nothing is sliced).
+        seed: seed of the page allocators (the job's ``--seed``).
+        pool_slack: each page pool is this many times the pages a rank needs (the job's
+            ``pool_slack``).
 
     Raises:
         ValueError, TypeError: invalid values (named).
@@ -87,6 +93,7 @@ class CostConfig:
     max_batch_indices: int | None = None
     pack_max_tokens: int | None = None
     seed: int = 0
+    pool_slack: float = 1.25
 
     def __post_init__(self) -> None:
         _int("num_layers", self.num_layers, minimum=1)
@@ -112,7 +119,14 @@ class CostConfig:
         _int("prefill_dcp_size", self.prefill_dcp_size, minimum=1)
         _int("prefill_interleave_size", self.prefill_interleave_size, minimum=1)
         check_layout_args(self.dcp_size, self.interleave_size)
-        _int("seed", self.seed, minimum=0)
+        align = math.lcm(self.page_size * self.dcp_size, self.interleave_size * self.dcp_size)
+        if self.decode_prefix_len % align:
+            raise ValueError(f"decode_prefix_len={self.decode_prefix_len} must be a multiple of {align} "
+                             f"(lcm(page_size*dcp_size, interleave_size*dcp_size))")
+        _int("seed", self.seed, minimum=-(1 << 63))  # any int, as the job's --seed
+        if isinstance(self.pool_slack, bool) or not isinstance(self.pool_slack, (int, float)) \
+                or not self.pool_slack >= 1.0:
+            raise ValueError(f"pool_slack={self.pool_slack!r} must be a number >= 1.0")
 
     @property
     def send_tokens(self) -> int:
@@ -127,30 +141,35 @@ class CostConfig:
         ]
 
 
-def draw_page_tables(
-    rows_per_rank: Sequence[int], page_size: int, rng: np.random.Generator, *, pool_factor: int = 2
-) -> list[np.ndarray]:
-    """Page tables as an allocator leaves them: each rank draws from its own shuffled free list.
+def job_page_tables(config: CostConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The page tables the main job (``dcp-jax transfer``) draws for this configuration and seed.
 
-    Rank k's pool has ``pool_factor * pages_k + 1`` pages (so ids are scattered, not 0..n-1) and
-    its table is the first ``pages_k = ceil(rows_k / P)`` ids of a random permutation.
+    Built by :func:`dcp_jax.transfer_job.request_page_tables` (which draws with
+    :func:`dcp_jax.kv_data.draw_page_table`): every rank pops its pages from its own seeded,
+    shuffled free list of a pool ``pool_slack`` times the pages it needs, exactly as the job's
+    prefill and decode processes do. The tables do not depend on the geometry or the chunking.
 
     Args:
-        rows_per_rank: rows (tokens) each rank must hold.
-        page_size: P (tokens per page).
-        rng: numpy Generator (seeded by the caller).
-        pool_factor: pool pages per needed page (>= 1).
+        config: the configuration (sizes, prefix, seed, ``pool_slack``).
 
     Returns:
-        One int64 ``[pages_k]`` table per rank.
+        ``(src_tables, dst_tables)``: one int64 page table per prefill rank and per decode rank
+        (empty tables when nothing is sent).
     """
-    page_size = _int("page_size", page_size, minimum=1)
-    pool_factor = _int("pool_factor", pool_factor, minimum=1)
-    tables = []
-    for rows in rows_per_rank:
-        pages = -(-_int("rows_per_rank", rows, minimum=0) // page_size)
-        tables.append(rng.permutation(pool_factor * pages + 1)[:pages].astype(np.int64))
-    return tables
+    from dcp_jax.geometry import DEFAULT_GEOMETRY
+    from dcp_jax.transfer_job import JobConfig, request_page_tables
+
+    if config.send_tokens == 0:
+        empty = np.zeros(0, np.int64)
+        return [empty] * config.prefill_dcp_size, [empty] * config.dcp_size
+    # The geometry and the chunking do not enter the tables; JobConfig only carries the sizes.
+    job = JobConfig(
+        model=DEFAULT_GEOMETRY, prompt_tokens=config.prompt_tokens, prefix_tokens=config.decode_prefix_len,
+        page_size=config.page_size, dcp_size=config.dcp_size, prefill_dcp_size=config.prefill_dcp_size,
+        interleave_size=config.interleave_size, prefill_interleave_size=config.prefill_interleave_size,
+        seed=config.seed, pool_slack=config.pool_slack,
+    )
+    return request_page_tables(job)
 
 
 def _send_rows(cfg: CostConfig, size: int, inter: int) -> list[int]:
@@ -170,7 +189,8 @@ def cost_report(config: CostConfig | None = None, /, *, modes: Iterable[str] = M
     """Descriptors, engine calls and bytes per destination rank for each mode.
 
     Builds the real plans (:func:`dcp_jax.plan.build_mxn_transfer_plans`) for every chunk of the
-    send range, with page tables from :func:`draw_page_tables`, and counts per destination rank.
+    send range, on the main job's own page tables (:func:`job_page_tables`) and pack regions, and
+    counts per destination rank: ``dcp-jax plan`` prints the counts ``dcp-jax transfer`` reports.
 
     Args:
         config: a :class:`CostConfig`; or pass its fields as keyword arguments.
@@ -195,13 +215,17 @@ def cost_report(config: CostConfig | None = None, /, *, modes: Iterable[str] = M
     m, n = cfg.prefill_dcp_size, cfg.dcp_size
     lens = np.asarray(cfg.item_lens, np.int64)
     row_bytes = int(lens.sum())
-    rng = np.random.default_rng(cfg.seed)
-    src_tables = draw_page_tables(_send_rows(cfg, m, cfg.prefill_interleave_size), cfg.page_size, rng)
-    dst_tables = draw_page_tables(_send_rows(cfg, n, cfg.interleave_size), cfg.page_size, rng)
-    pack_tokens = cfg.pack_max_tokens
-    if pack_tokens is None:
-        pack_tokens = cfg.chunk_tokens or cfg.send_tokens
-    pack_size = pack_buffer_size(pack_tokens, n, lens)
+    _send_rows(cfg, m, cfg.prefill_interleave_size)  # validates the prefix alignment, naming it
+    _send_rows(cfg, n, cfg.interleave_size)
+    src_tables, dst_tables = job_page_tables(cfg)
+    # Each prefill rank's pack regions, sized as the job sizes them (pack_region_rows).
+    region_bytes = []
+    for k in range(m):
+        tokens = decode_owned_tokens(cfg.decode_prefix_len, cfg.prompt_tokens, m, k, cfg.prefill_interleave_size)[0]
+        rows, _ = pack_region_rows(tokens, dcp_size=n, interleave_size=cfg.interleave_size,
+                                   prefix_tokens=cfg.decode_prefix_len, chunk_tokens=cfg.chunk_tokens,
+                                   pack_tokens=cfg.pack_max_tokens)
+        region_bytes.append(rows * row_bytes)
 
     zero = {"rows": 0, "bytes": 0, "descriptors": 0, "engine_calls": 0, "packs": 0, "per_row_fallbacks": 0}
     acc = {(mode, d): dict(zero) for mode in modes for d in range(n)}
@@ -211,7 +235,7 @@ def cost_report(config: CostConfig | None = None, /, *, modes: Iterable[str] = M
             prefill_interleave_size=cfg.prefill_interleave_size, dcp_size=n, interleave_size=cfg.interleave_size,
             decode_prefix_len=cfg.decode_prefix_len, chunk_start=chunk_start, num_kv_tokens=num,
         )
-        for (_, d), plan in plans.items():
+        for (k, d), plan in plans.items():
             for mode in modes:
                 row = acc[(mode, d)]
                 row["rows"] += plan.num_rows
@@ -219,7 +243,7 @@ def cost_report(config: CostConfig | None = None, /, *, modes: Iterable[str] = M
                 if mode == "direct":
                     descs, calls = _windows_descs(plan, cfg.max_batch_indices, cfg.num_layers, packed=False)
                 else:
-                    region = pack_region(d, pack_size, n)[1]
+                    region = region_bytes[k]
                     strategy = choose_pack_strategy(plan.num_rows, region, lens)
                     if strategy == "per_row":
                         descs, calls = _windows_descs(plan, cfg.max_batch_indices, cfg.num_layers, packed=False)
@@ -331,6 +355,9 @@ def plot_descriptors_vs_prompt(
 
     Returns:
         ``{series label: [descriptors per rank for each prompt length]}``.
+
+    Raises:
+        ValueError: the image cannot be written (missing folder, no permission, unknown format).
     """
     import matplotlib
 
@@ -373,8 +400,12 @@ def plot_descriptors_vs_prompt(
     ax.set_title(title or f"{num_layers} layers, page {page_size}, DCP{prefill_dcp_size} -> DCP{dcp_size}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as exc:
+        raise ValueError(f"plot={str(path)!r}: cannot write the image ({exc.strerror or exc})") from None
+    finally:
+        plt.close(fig)
     return series
 
 

@@ -13,6 +13,7 @@ rows of its last page must still hold it after a transfer.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Sequence
 
@@ -24,6 +25,10 @@ __all__ = [
     "row_pattern",
     "fill_rows",
     "allocate_pages",
+    "PREFILL_SIDE",
+    "DECODE_SIDE",
+    "pool_pages_for",
+    "draw_page_table",
     "page_rows",
     "rows_checksum",
     "verify_rows",
@@ -149,6 +154,59 @@ def allocate_pages(num_pages: int, pool_pages: int, rng: np.random.Generator) ->
         raise ValueError(f"{pool_pages=} must be >= {num_pages=}")
     free_list = rng.permutation(pool_pages).astype(np.int64)
     return free_list[:num_pages].copy()
+
+
+PREFILL_SIDE = 1
+"""Allocator key of the prefill side (see :func:`draw_page_table`)."""
+DECODE_SIDE = 2
+"""Allocator key of the decode side (see :func:`draw_page_table`)."""
+
+
+def pool_pages_for(num_pages: int, pool_slack: float) -> int:
+    """Pages of a pool serving ``num_pages``: ``max(num_pages + 1, ceil(num_pages * pool_slack) + 1)``.
+
+    The extra page keeps ids scattered even when ``pool_slack`` is 1.
+
+    Raises:
+        ValueError: ``num_pages < 0`` or ``pool_slack < 1``.
+    """
+    if num_pages < 0:
+        raise ValueError(f"{num_pages=} must be >= 0")
+    if not pool_slack >= 1.0:
+        raise ValueError(f"{pool_slack=} must be >= 1.0")
+    return max(num_pages + 1, int(math.ceil(num_pages * pool_slack)) + 1)
+
+
+def draw_page_table(num_rows: int, page_size: int, pool_pages: int, seed: int, side: int, rank: int,
+                    *seq: int) -> np.ndarray:
+    """THE page-table drawing of the main job and of the cost report (``dcp-jax plan``).
+
+    ``ceil(num_rows / P)`` pages popped from a shuffled free list of a ``pool_pages`` pool
+    (:func:`allocate_pages`), with a generator seeded by ``[seed mod 2**32, side, rank, *seq]``.
+    Both commands call this, so for one configuration and seed they plan on the same tables and
+    print the same counts.
+
+    Args:
+        num_rows: rows (tokens) the rank holds, >= 0.
+        page_size: P, tokens per page, >= 1.
+        pool_pages: pages in the rank's pool (>= the pages needed).
+        seed: the job's ``--seed``.
+        side: :data:`PREFILL_SIDE` or :data:`DECODE_SIDE`.
+        rank: the rank on that side.
+        *seq: the decode side's request sequence number (the prefill side passes none).
+
+    Returns:
+        int64 [ceil(num_rows / page_size)] distinct page ids in ``[0, pool_pages)``.
+
+    Raises:
+        ValueError: negative ``num_rows``, ``page_size < 1`` or a pool too small.
+    """
+    if page_size < 1:
+        raise ValueError(f"{page_size=} must be >= 1")
+    if num_rows < 0:
+        raise ValueError(f"{num_rows=} must be >= 0")
+    rng = np.random.default_rng([seed & 0xFFFFFFFF, side, rank, *seq])
+    return allocate_pages(-(-num_rows // page_size), pool_pages, rng)
 
 
 def rows_checksum(layer_rows: np.ndarray, rows: np.ndarray) -> int:

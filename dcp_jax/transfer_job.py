@@ -68,10 +68,13 @@ import numpy as np
 
 from dcp_jax.geometry import ModelGeometry, get_geometry
 from dcp_jax.kv_data import (
+    DECODE_SIDE,
+    PREFILL_SIDE,
     SENTINEL_BYTE,
-    allocate_pages,
+    draw_page_table,
     fill_rows,
     page_rows,
+    pool_pages_for,
     rows_checksum,
     verify_rows,
 )
@@ -91,6 +94,7 @@ __all__ = [
     "decode_pool_pages",
     "decode_page_table",
     "pack_region_rows",
+    "request_page_tables",
     "run_job",
 ]
 
@@ -315,7 +319,7 @@ def decode_page_table(cfg: JobConfig, dcp_rank: int, dcp_size: int, pool_pages: 
     need = _pages_for(rows, cfg.page_size)
     if need > pool_pages:
         raise ValueError(f"dcp_rank={dcp_rank} of dcp_size={dcp_size} needs {need} pages, {pool_pages=}")
-    return allocate_pages(need, pool_pages, _rng(cfg.seed, 2, dcp_rank, seq))
+    return draw_page_table(rows, cfg.page_size, pool_pages, cfg.seed, DECODE_SIDE, dcp_rank, seq)
 
 
 def _pages_for(rows: int, page_size: int) -> int:
@@ -323,7 +327,7 @@ def _pages_for(rows: int, page_size: int) -> int:
 
 
 def _pool_pages(pages: int, slack: float) -> int:
-    return max(pages + 1, int(math.ceil(pages * slack)) + 1)
+    return pool_pages_for(pages, slack)
 
 
 def _host_alloc(nbytes: int) -> np.ndarray:
@@ -440,10 +444,6 @@ def _flip_first_byte(layer_rows: Any, row: int) -> None:
     _sync(layer_rows)
 
 
-def _rng(seed: int, *key: int) -> np.random.Generator:
-    return np.random.default_rng([seed & 0xFFFFFFFF, *key])
-
-
 def _layer_views(buf: np.ndarray, pool_rows: int, item_lens: Sequence[int]) -> tuple[list[np.ndarray], list[int]]:
     """Views ``uint8 [pool_rows, item_len_l]`` of a layer-major buffer, and their byte offsets."""
     views, offs, off = [], [], 0
@@ -513,36 +513,58 @@ def _prefill_page_table(cfg: JobConfig, prefill_rank: int) -> tuple[np.ndarray, 
                                         prefill_rank, cfg.prefill_interleave_size)
     num_pages = _pages_for(len(tokens), cfg.page_size)
     pool = _pool_pages(num_pages, cfg.pool_slack)
-    return tokens, local, allocate_pages(num_pages, pool, _rng(cfg.seed, 1, prefill_rank)), pool
+    return tokens, local, draw_page_table(len(tokens), cfg.page_size, pool, cfg.seed, PREFILL_SIDE, prefill_rank), pool
 
 
-def pack_region_rows(tokens: np.ndarray, cfg: JobConfig, dcp_size: int) -> tuple[int, int]:
-    """Rows of one decode rank's pack region of a prefill rank, and the rows of one chunk slot.
+def pack_region_rows(tokens: np.ndarray, *, dcp_size: int, interleave_size: int, prefix_tokens: int = 0,
+                     chunk_tokens: int | None = None, pack_tokens: int | None = None) -> tuple[int, int]:
+    """Rows of one decode rank's pack region of a prefill rank, and the rows one chunk slot needs.
 
     The region holds the most rows this prefill rank sends to any one decode rank over the send
     range, so the default pack never slices, also when ``prefill_dcp_size > 1`` (one decode rank
     may then receive more than ``shard / N`` rows from one prefill rank) or when interleave
-    blocks split unevenly. It is never smaller than the spec's ``ceil(max_tokens / N)`` (section 6),
-    which it equals for ``M = 1`` with even shares. ``cfg.pack_tokens`` overrides it with
-    ``ceil(pack_tokens / N)`` (smaller values force sliced packing).
+    blocks split unevenly. It is never smaller than the spec's ``ceil(max_tokens / N)`` (section
+    6), which it equals for ``M = 1`` with even shares. ``pack_tokens`` overrides it with
+    ``ceil(pack_tokens / N)`` (smaller values force sliced packing). The main job and the cost
+    report (``dcp-jax plan``) both size regions with this function.
 
     Args:
         tokens: int64 [n] absolute positions of the prefill rank's tokens in the send range.
-        cfg: job configuration (interleave, prefix, chunking, ``pack_tokens``).
         dcp_size: N of the decode group.
+        interleave_size: decode-side I (tokens).
+        prefix_tokens: first token of the send range.
+        chunk_tokens: chunk length (tokens), None for one chunk.
+        pack_tokens: explicit pack buffer size in tokens (``--pack-tokens``), or None.
 
     Returns:
         ``(region_rows, slot_rows)``: rows per layer entry of a region, and the most rows this
-        prefill rank sends to one decode rank in one chunk (a chunk slot's need).
+        prefill rank sends to one decode rank in one chunk.
     """
     tokens = np.asarray(tokens, np.int64)
-    owner = _owner(tokens, dcp_size, cfg.interleave_size)
-    chunk = (tokens - cfg.prefix_tokens) // (cfg.chunk_tokens or max(cfg.send_tokens, 1))
+    owner = _owner(tokens, dcp_size, interleave_size)
     whole = int(np.bincount(owner, minlength=dcp_size).max()) if len(tokens) else 0
-    per_chunk = int(np.bincount(chunk * dcp_size + owner).max()) if len(tokens) else 0
-    if cfg.pack_tokens is not None:
-        return -(-cfg.pack_tokens // dcp_size), per_chunk
+    per_chunk = whole
+    if chunk_tokens and len(tokens):
+        chunk = (tokens - prefix_tokens) // chunk_tokens
+        per_chunk = int(np.bincount(chunk * dcp_size + owner).max())
+    if pack_tokens is not None:
+        return -(-pack_tokens // dcp_size), per_chunk
     return max(-(-len(tokens) // dcp_size), whole), per_chunk
+
+
+def request_page_tables(cfg: JobConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The page tables of one request as the job draws them: every prefill rank's and every decode rank's.
+
+    Decode tables are those of the first request (``seq=0``) to the ``cfg.dcp_size`` ranks, in
+    pools of :func:`decode_pool_pages` pages; prefill tables are :func:`_prefill_page_table`'s.
+    The cost report (``dcp-jax plan``) plans on these, so it prints the job's counts.
+
+    Returns:
+        ``(src_tables, dst_tables)``: ``prefill_dcp_size`` and ``dcp_size`` int64 page tables.
+    """
+    src = [_prefill_page_table(cfg, k)[2] for k in range(cfg.prefill_dcp_size)]
+    pool = decode_pool_pages(cfg)
+    return src, [decode_page_table(cfg, r, cfg.dcp_size, pool) for r in range(cfg.dcp_size)]
 
 
 def _chunk_plans(cfg: JobConfig, prefill_rank: int, src_pages: np.ndarray, chunk: tuple[int, int],
@@ -654,7 +676,7 @@ class PrefillServer:
         # N * ceil(max_tokens / N) * sum(item_len) when M = 1 and the shares are even).
         self.tokens = tokens
         self.pack_tokens = cfg.pack_tokens or len(tokens)
-        region_rows, _ = pack_region_rows(tokens, cfg, cfg.dcp_size)
+        region_rows, _ = self._pack_rows(cfg.dcp_size)
         self.pack_size = cfg.dcp_size * region_rows * int(self.item_lens.sum())
         self.pack, pack_region = _alloc_buffer(max(self.pack_size, 1), cfg.device)
         self.pack_addr = _buffer_addr(self.pack)
@@ -693,9 +715,15 @@ class PrefillServer:
         row_bytes = int(self.item_lens.sum())
         region_rows = region_size // row_bytes
         # Each slot holds the most rows this prefill rank sends to one rank in one chunk.
-        _, bound = pack_region_rows(self.tokens, cfg, dcp_size)
+        _, bound = self._pack_rows(dcp_size)
         nslots = max(1, region_rows // max(bound, 1))
         return region_size, row_bytes, region_rows, nslots, region_rows // nslots
+
+    def _pack_rows(self, dcp_size: int) -> tuple[int, int]:
+        cfg = self.cfg
+        return pack_region_rows(self.tokens, dcp_size=dcp_size, interleave_size=cfg.interleave_size,
+                                prefix_tokens=cfg.prefix_tokens, chunk_tokens=cfg.chunk_tokens,
+                                pack_tokens=cfg.pack_tokens)
 
     def _warm_up_pack(self, num_tokens: int, max_compiles: int = 64) -> None:
         """Compiles the device gather for every region slot the request will use, then re-zeroes the pack.

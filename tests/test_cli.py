@@ -77,3 +77,58 @@ def test_help_documents_verify():
     res = runner.invoke(app, ["transfer", "--help"], terminal_width=200)
     assert res.exit_code == 0
     assert "--verify" in res.output and "CRC-32" in res.output
+
+
+@pytest.mark.parametrize("extra", [
+    ["--dcp-size", "3"],
+    ["--dcp-size", "4", "--prefill-dcp-size", "2", "--chunk-tokens", "256", "--seed", "5"],
+], ids=["m1", "m2-chunked"])
+def test_plan_prints_the_counts_transfer_reports(tmp_path, extra):
+    """`plan` and `transfer` plan on the same allocator-drawn page tables and pack regions."""
+    cfg = ["--model", "tiny-mixed", "--prompt-tokens", "700", "--page-size", "16", *extra]
+    res = runner.invoke(app, ["transfer", *cfg, "--no-progress", "--timeout-s", "20",
+                              "--json", str(tmp_path / "job.json")])
+    assert res.exit_code == 0, res.output
+    res_plan = runner.invoke(app, ["plan", *cfg, "--json", str(tmp_path / "plan.json")], terminal_width=200)
+    assert res_plan.exit_code == 0, res_plan.output
+    job = {r["mode"]: r for r in json.loads((tmp_path / "job.json").read_text())["runs"]}
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    for mode in ("direct", "packed"):
+        rows = [r for r in plan if r["mode"] == mode]
+        assert [r["descriptors"] for r in rows] == [r["descriptors"] for r in job[mode]["ranks"]]
+        assert [r["bytes"] for r in rows] == [r["bytes"] for r in job[mode]["ranks"]]
+        assert [r["engine_calls"] for r in rows] == [r["batches"] for r in job[mode]["ranks"]]
+        assert sum(r["descriptors"] for r in rows) == job[mode]["descriptors"]
+        assert f"{job[mode]['descriptors']:,}" in res_plan.output  # the printed total, too
+
+
+@pytest.mark.parametrize(
+    "args, text",
+    [
+        (["--chunk-tokens", "100"], "chunk_tokens=100 must be a multiple of page_size=64"),
+        (["--prompt-tokens", "0"], "prompt_tokens=0"),
+        (["--prefix-tokens", "64"], "prefix_tokens=64"),
+        (["--mode", "sideways"], "--mode"),
+        (["--max-batch-indices", "0"], "max_batch_indices=0"),
+    ],
+)
+def test_plan_validates_like_transfer(args, text):
+    for cmd in ("plan", "transfer"):
+        res = runner.invoke(app, [cmd, *args, *(["--no-progress"] if cmd == "transfer" else [])])
+        assert res.exit_code == 2, (cmd, res.output)
+        flat = " ".join(res.output.replace("│", " ").split())
+        assert text in flat, (cmd, res.output)
+
+
+def test_unwritable_outputs_are_clear_usage_errors(tmp_path):
+    missing = tmp_path / "no" / "such" / "dir"
+    small = ["--model", "tiny", "--prompt-tokens", "256", "--dcp-size", "2", "--page-size", "16"]
+    for cmd, opt in (("plan", "--plot"), ("plan", "--json"), ("transfer", "--json")):
+        res = runner.invoke(app, [cmd, *small, opt, str(missing / "out.png"),
+                                  *(["--no-progress"] if cmd == "transfer" else [])], terminal_width=300)
+        assert res.exit_code == 2, (cmd, opt, res.output)
+        flat = " ".join(res.output.replace("│", " ").split())
+        assert opt in flat and "does not exist" in flat and "Traceback" not in res.output
+        assert not missing.exists()  # nothing created
+    res = runner.invoke(app, ["plan", *small, "--plot", str(tmp_path)], terminal_width=300)
+    assert res.exit_code == 2 and "is a folder" in res.output

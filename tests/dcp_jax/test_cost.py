@@ -1,5 +1,6 @@
 """Cost report: counts from the real plans, the spec's descriptor numbers, table, plot, command."""
 
+import dataclasses
 import io
 import logging
 
@@ -11,7 +12,7 @@ from dcp_jax.cost import (
     CostConfig,
     cost_report,
     cost_summary,
-    draw_page_tables,
+    job_page_tables,
     plan_command,
     plot_descriptors_vs_prompt,
     render_cost_table,
@@ -113,14 +114,33 @@ def test_equal_layouts_block_rr_direct_moves_whole_pages():
         assert r["rows"] == 640 and r["descriptors"] <= 5 * 10 and r["engine_calls"] == 1
 
 
-def test_draw_page_tables_are_shuffled_and_sized():
-    rng = np.random.default_rng(0)
-    tables = draw_page_tables([100, 0, 64], 16, rng)
-    assert [t.size for t in tables] == [7, 0, 4]
-    assert all(np.unique(t).size == t.size for t in tables)
-    assert tables[0].tolist() != list(range(7))
-    with pytest.raises(ValueError, match="rows_per_rank"):
-        draw_page_tables([-1], 16, rng)
+def test_job_page_tables_are_the_jobs_and_shuffled():
+    from dcp_jax.kv_data import draw_page_table
+    from dcp_jax.transfer_job import JobConfig, _prefill_page_table, decode_page_table, decode_pool_pages
+
+    cfg = CostConfig(num_layers=1, item_lens=(4,), prompt_tokens=1600, decode_prefix_len=64, page_size=16,
+                     prefill_dcp_size=2, dcp_size=4, interleave_size=2, seed=11)
+    src, dst = job_page_tables(cfg)
+    job = JobConfig(model="tiny", prompt_tokens=1600, prefix_tokens=64, page_size=16, prefill_dcp_size=2,
+                    dcp_size=4, interleave_size=2, seed=11)
+    pool = decode_pool_pages(job)
+    for k in range(2):
+        np.testing.assert_array_equal(src[k], _prefill_page_table(job, k)[2])
+        assert src[k].size == 1536 // 2 // 16
+    for r in range(4):
+        np.testing.assert_array_equal(dst[r], decode_page_table(job, r, 4, pool))
+        assert dst[r].size == 1536 // 4 // 16 and np.unique(dst[r]).size == dst[r].size
+        assert dst[r].max() < pool and dst[r].tolist() != sorted(dst[r].tolist())
+    # Another seed, other tables; the same seed, the same tables.
+    assert any((a != b).any() for a, b in zip(dst, job_page_tables(dataclasses.replace(cfg, seed=12))[1]))
+    np.testing.assert_array_equal(draw_page_table(100, 16, 20, 5, 2, 0, 0), draw_page_table(100, 16, 20, 5, 2, 0, 0))
+    assert draw_page_table(100, 16, 20, 5, 2, 0, 0).size == 7 and draw_page_table(0, 16, 1, 5, 1, 0).size == 0
+    with pytest.raises(ValueError, match="num_rows"):
+        draw_page_table(-1, 16, 20, 0, 1, 0)
+    with pytest.raises(ValueError, match="pool_pages"):
+        draw_page_table(100, 16, 6, 0, 1, 0)
+    with pytest.raises(ValueError, match="pool_slack"):
+        CostConfig(num_layers=1, item_lens=(4,), prompt_tokens=64, pool_slack=0.5)
 
 
 def test_render_table_and_plan_command():
@@ -149,6 +169,9 @@ def test_plot_is_written(tmp_path):
     assert direct == [3 * t // 4 for t in (256, 1024, 4096)]
     for values in series.values():
         assert values == sorted(values)
+    with pytest.raises(ValueError, match="plot=.*cannot write"):
+        plot_descriptors_vs_prompt(str(tmp_path / "missing" / "d.png"), num_layers=1, item_lens=(8,), page_size=8,
+                                   dcp_size=2, prompt_tokens=(256,))
 
 
 @pytest.mark.parametrize(
