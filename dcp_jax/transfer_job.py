@@ -5,6 +5,11 @@ prefill processes and ``dcp_size`` decode-rank processes (multiprocessing *spawn
 transfer engine (NIXL or Mooncake) created once and reused for every mode. Control messages travel
 over Pipes: engine ``PeerInfo``, page tables, layer base addresses, per-chunk completions, results.
 
+Before the timed modes, an untimed warm-up (:meth:`PrefillServer.warm_up`) sends one small WRITE
+per (prefill, decode) pair through the same engines and regions (from the KV and from the pack
+region, with a notification the decode rank consumes) and plans chunk 0 once, so the first mode
+does not pay first-use costs (connections, page faults, notification path) alone.
+
 One request, per mode:
 
 1. Every decode rank takes its page table from a seeded shuffled free list of its pool (as a real
@@ -103,6 +108,7 @@ logger = logging.getLogger(__name__)
 MODES = ("direct", "packed")
 ENGINES = ("nixl", "mooncake", "auto")
 DEVICES = ("cpu", "gpu")
+WARMUP_TAG = b"dcp-jax-warm-up"  # notification of the warm-up WRITE (NIXL), consumed by the decode rank
 
 # Engines log to stderr on their own; keep loopback traffic and quiet logs unless the user set them.
 _ENGINE_ENV = {
@@ -765,6 +771,59 @@ class PrefillServer:
         if peer in self.engine.peers:
             self.engine.remove_peer(peer)
 
+    def warm_up(self, targets: Sequence[tuple[int, str, np.ndarray]], *, dcp_size: int) -> float:
+        """Untimed first use of every path the timed modes take, so no mode pays it alone.
+
+        Per decode rank: one gather of one row into the rank's pack region, then ONE batch of two
+        one-row WRITEs (one from the KV buffer, as direct sends; one from the pack region, as
+        packed sends) into rows 0 and 1 of the rank's pool, waited for. This opens the engine's
+        connection to the peer and takes the first-use costs (page faults, registration
+        caches, endpoint set-up) out of whichever mode runs first. The bytes written are
+        overwritten: every request fills the pool with the sentinel before it is sent.
+
+        Args:
+            targets: ``(dcp_rank, peer, layer_bases)`` per decode rank (``layer_bases``: i64[L]).
+            dcp_size: N of the decode group.
+
+        Returns:
+            Seconds the warm-up took.
+
+        Raises:
+            ValueError: a peer is not connected or ``layer_bases`` has the wrong length.
+            bridge.BridgeError: the engine failed.
+        """
+        from pallas_kernels import pack_rows
+
+        t0 = time.perf_counter()
+        eng = self.engine
+        region_size, row_bytes, region_rows, _, _ = self._region_layout(dcp_size)
+        il = int(self.item_lens[0])
+        handles = []
+        for r, peer, bases in targets:
+            bases = np.asarray(bases, np.int64)
+            if len(bases) != len(self.item_lens) or peer not in eng.peers:
+                raise ValueError(f"warm-up target dcp_rank={r}: peer {peer!r} not connected or layer_bases of "
+                                 f"{len(bases)} entries (this prefill has {len(self.item_lens)})")
+            descs = [(int(self.kv_bases[0]), int(bases[0]), il)]
+            if region_rows > 0:
+                pack_rows(self.layers, np.zeros(1, np.int64), self.pack, offset=r * region_size)
+                descs.append((self.pack_addr + r * region_size, int(bases[0]) + il, il))
+            handles.append(eng.transfer_batch(peer, np.asarray(descs, np.int64), dcp_rank=r,
+                                              notif=WARMUP_TAG if eng.kind == "nixl" else None))
+        _sync(self.pack)
+        # The planner's first call (numpy set-up) is a first-use cost too: plan chunk 0 once on
+        # stand-in decode page tables (the real ones come with the request).
+        cfg = self.cfg
+        fake = [DecodeTarget(r, "", np.zeros(len(self.item_lens), np.int64), np.arange(_pages_for(len(
+                    decode_owned_tokens(cfg.prefix_tokens, cfg.prompt_tokens, dcp_size, r, cfg.interleave_size)[0]),
+                    cfg.page_size), dtype=np.int64), None) for r in range(dcp_size)]
+        for src, dst in _chunk_plans(cfg, self.rank, self.src_pages, cfg.chunks()[0], fake, dcp_size).values():
+            _descriptors(src, dst, self.kv_bases, fake[0].layer_bases, self.item_lens)
+        for h in handles:
+            eng.wait(h, timeout_s=cfg.timeout_s)
+        eng.reset_counters()
+        return time.perf_counter() - t0
+
     @property
     def busy_regions(self) -> int:
         """Pack region slots still held by an in-flight transfer (0 between requests)."""
@@ -1109,7 +1168,7 @@ def _decode_main(cfg_dict: dict, index: int, ctrl: Connection, src_conns: Sequen
         eng.register([region])
         layer_bases = _buffer_addr(buf) + np.asarray(offs, np.int64)
         ctrl.send(("hello", dict(index=index, peer_info=eng.peer_info(), pool_pages=pool_pages,
-                                 engine=eng.kind)))
+                                 engine=eng.kind, layer_bases=layer_bases)))
     except BaseException:  # noqa: BLE001 - report, then exit non-zero
         _send_quiet(ctrl, ("error", traceback.format_exc()))
         raise SystemExit(1)
@@ -1121,6 +1180,16 @@ def _decode_main(cfg_dict: dict, index: int, ctrl: Connection, src_conns: Sequen
                 break
             if cmd == "shutdown":
                 break
+            if cmd == "warmup":
+                try:
+                    # Consume the warm-up WRITEs' notifications (NIXL) so none stays queued.
+                    t0 = time.perf_counter()
+                    if eng.kind == "nixl":
+                        for source in arg["sources"]:
+                            eng.wait_notification(source, WARMUP_TAG, timeout_s=cfg.timeout_s)
+                    ctrl.send(("warmed", time.perf_counter() - t0))
+                except Exception:  # noqa: BLE001 - the orchestrator reports it
+                    ctrl.send(("error", traceback.format_exc()))
             if cmd == "request":
                 try:
                     out = _decode_request(cfg, eng, layers, buf, pool_pages, layer_bases, ctrl, src_conns, arg)
@@ -1140,11 +1209,13 @@ class DecodeProcess:
         ctrl: the orchestrator's end of the control pipe.
         src_conns: the prefill side's ends of the completion pipes, one per prefill rank.
         peer_info: the rank's engine ``PeerInfo`` (after :meth:`hello`).
+        layer_bases: i64[L] address of row 0 of each layer entry of its registered pool (bytes).
     """
 
     def __init__(self, index: int, process, ctrl: Connection, src_conns: list[Connection]):
         self.index, self.process, self.ctrl, self.src_conns = index, process, ctrl, src_conns
         self.peer_info = None
+        self.layer_bases: np.ndarray | None = None
 
     def recv(self, timeout_s: float, expect: str) -> Any:
         """Receives one control message of kind ``expect``; raises RuntimeError otherwise."""
@@ -1215,7 +1286,8 @@ def start_decode_processes(cfg: JobConfig, *, num: int | None = None, num_source
         procs.append(DecodeProcess(i, pr, ctrl_parent, [a for a, _ in links if a is not None]))
     try:
         for dp in procs:
-            dp.peer_info = _expect_hello(dp.ctrl, dp.process, max(cfg.timeout_s, 120.0), f"decode {dp.index}")["peer_info"]
+            hello = _expect_hello(dp.ctrl, dp.process, max(cfg.timeout_s, 120.0), f"decode {dp.index}")
+            dp.peer_info, dp.layer_bases = hello["peer_info"], np.asarray(hello["layer_bases"], np.int64)
     except BaseException:
         for dp in procs:
             dp.process.kill()
@@ -1258,6 +1330,10 @@ def _prefill_main(cfg_dict: dict, rank: int, ctrl: Connection, dec_conns: Sequen
             try:
                 if cmd == "connect":
                     ctrl.send(("connected", [server.connect(i) for i in arg]))
+                elif cmd == "warmup":
+                    secs = server.warm_up([(t["dcp_rank"], t["peer"], np.asarray(t["layer_bases"], np.int64))
+                                           for t in arg["targets"]], dcp_size=arg["dcp_size"])
+                    ctrl.send(("warmed", dict(seconds=secs, source=server.name)))
                 elif cmd == "send":
                     targets = [DecodeTarget(t["dcp_rank"], t["peer"], np.asarray(t["layer_bases"], np.int64),
                                        np.asarray(t["dst_pages"], np.int64), dec_conns[t["dcp_rank"]])
@@ -1285,10 +1361,16 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
         on_progress: called as ``on_progress(mode, done, total)`` with (chunk, rank) units.
 
     Returns:
-        ``{"config": {...}, "runs": [{"mode", "engine", "descriptors", "bytes", "engine_calls",
-        "plan_seconds", "pack_seconds", "transfer_seconds", "total_seconds", "gbps", "verified",
-        "ranks": [...]}, ...], "comparison": {...}}``. Descriptors, bytes and engine calls are
-        totals over all ranks (and prefill ranks); seconds are the slowest prefill rank's.
+        ``{"config": {...}, "setup_seconds", "warmup_seconds", "runs": [{"mode", "engine",
+        "descriptors", "bytes", "batches", "engine_calls", "plan_seconds", "pack_seconds",
+        "transfer_seconds", "total_seconds", "gbps", "verified", "ranks": [...]}, ...],
+        "comparison": {...}}``. Descriptors, bytes, batches and engine calls are totals over all
+        ranks (and prefill ranks); seconds are the slowest prefill rank's. ``batches`` counts
+        ``transfer_batch`` calls (one per (chunk, source, destination) window with rows);
+        ``engine_calls`` counts submit calls into the engine library (a Mooncake batch longer
+        than its 1024-entry window costs several). Each rank row has ``strategy`` (the union over
+        the prefill ranks that sent it rows) and ``sources`` (per such prefill rank: rows,
+        descriptors, batches, strategy).
 
     Raises:
         ValueError: ``cfg.device="gpu"`` without CuPy or a CUDA device (:func:`check_device`).
@@ -1329,6 +1411,18 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
         peers = None
         for k, (pr, a) in enumerate(prefills):
             peers = _recv_kind(a, pr, cfg.timeout_s, "connected", f"prefill {k}")
+        # Untimed warm-up: one small WRITE per (prefill, decode) pair through the same engines and
+        # regions, so the first timed mode does not pay the first-use costs alone.
+        t_warm = time.perf_counter()
+        wt = [dict(dcp_rank=r, peer=peers[r], layer_bases=dp.layer_bases) for r, dp in enumerate(decodes)]
+        for pr, a in prefills:
+            a.send(("warmup", dict(targets=wt, dcp_size=n)))
+        warmed = [_recv_kind(a, pr, cfg.timeout_s, "warmed", f"prefill {k}") for k, (pr, a) in enumerate(prefills)]
+        for dp in decodes:
+            dp.ctrl.send(("warmup", dict(sources=[w["source"] for w in warmed])))
+        for dp in decodes:
+            dp.recv(cfg.timeout_s, "warmed")
+        warmup_s = time.perf_counter() - t_warm
         setup_s = time.perf_counter() - t_start
         runs = []
         for seq, mode in enumerate(cfg.modes):
@@ -1343,7 +1437,7 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
             if pr.is_alive():
                 pr.kill()
     out = dict(config=_config_json(cfg), setup_seconds=setup_s, decode_start_seconds=decode_start_s,
-               prefill_setup=prefill_setup, runs=runs)
+               warmup_seconds=warmup_s, prefill_setup=prefill_setup, runs=runs)
     by = {r["mode"]: r for r in runs}
     if "direct" in by and "packed" in by:
         d, p = by["direct"], by["packed"]

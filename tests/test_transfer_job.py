@@ -65,6 +65,7 @@ def test_small_job_both_modes_nixl_matches_plan():
     cfg = JobConfig(**SMALL, engine="nixl")
     res = run_job(cfg)
     assert res["verified"] and [r["mode"] for r in res["runs"]] == ["direct", "packed"]
+    assert res["warmup_seconds"] > 0  # untimed warm-up ran before the timed modes (and is not counted)
     want = _expected_descriptors(cfg)
     for run in res["runs"]:
         _check_run(run, cfg)
@@ -277,6 +278,8 @@ def test_send_request_rejects_mismatched_targets_before_sending():
             server.send_request("direct", [DecodeTarget(2, "x", np.zeros(3, np.int64), pages, None)], dcp_size=2)
         with pytest.raises(ValueError, match="mode"):
             server.send_request("sideways", [], dcp_size=2)
+        with pytest.raises(ValueError, match="dcp_rank=0: peer 'nobody' not connected"):
+            server.warm_up([(0, "nobody", np.zeros(3, np.int64))], dcp_size=2)
         assert server.engine.counters.batches == 0
     finally:
         server.close()
