@@ -705,7 +705,7 @@ class PrefillServer:
         self.engine = make_engine(cfg.engine_kind, name or f"prefill{prefill_rank}-{uuid.uuid4().hex[:8]}")
         self.engine.register([kv_region, pack_region])
         self._busy_slots: dict[tuple[int, int], Any] = {}
-        self._rank_counts: dict[int, tuple[int, int, int]] = {}
+        self._rank_counts: dict[int, tuple[int, int, int, int]] = {}
         self._transfer_s = 0.0  # seconds inside engine submit calls (engines may copy there)
         self.setup_seconds["engine_and_pack"] = time.perf_counter() - t1
         self.setup_seconds["total"] = time.perf_counter() - t0
@@ -982,21 +982,29 @@ class PrefillServer:
             total_seconds=total,
             descriptors=c.descriptors, bytes=c.bytes, batches=c.batches, engine_calls=c.engine_calls,
             per_rank={r: dict(descriptors=v["descriptors"], bytes=v["bytes"], batches=v["batches"],
-                              rows=v["rows"], strategy=",".join(sorted(v["strategy"])))
+                              engine_calls=v["engine_calls"], rows=v["rows"], strategy=",".join(sorted(v["strategy"])))
                       for r, v in self._per_rank_totals(per_rank).items()},
         )
         return stats
 
     def _per_rank_totals(self, per_rank: dict) -> dict:
         for r, v in per_rank.items():
-            tot = self._rank_counts.get(r, (0, 0, 0))
-            v["descriptors"], v["bytes"], v["batches"] = tot
+            tot = self._rank_counts.get(r, (0, 0, 0, 0))
+            v["descriptors"], v["bytes"], v["batches"], v["engine_calls"] = tot
         self._rank_counts = {}
         return per_rank
 
-    def _count(self, rank: int, descs: np.ndarray) -> None:
-        d, b, n = self._rank_counts.get(rank, (0, 0, 0))
-        self._rank_counts[rank] = (d + len(descs), b + int(descs[:, 2].sum()) if len(descs) else b, n + 1)
+    def _count(self, rank: int, descs: np.ndarray, notif: bytes | None) -> None:
+        """Per-rank totals: descriptors, bytes, batches and engine calls of one batch.
+
+        Engine calls follow the engines' submit rule (NIXL: one per batch; Mooncake: one per
+        window of ``engine.window`` descriptors, plus one for a notification); the job's tests
+        check their sum against the engine's own counter.
+        """
+        d, b, n, c = self._rank_counts.get(rank, (0, 0, 0, 0))
+        window = getattr(self.engine, "window", None)
+        calls = 1 if window is None else -(-len(descs) // window) + (notif is not None)
+        self._rank_counts[rank] = (d + len(descs), b + int(descs[:, 2].sum()) if len(descs) else b, n + 1, c + calls)
 
     def _submit_windows(self, tgt: DecodeTarget, src: np.ndarray, dst: np.ndarray, src_bases_fn, ci: int,
                         tag_base: str, msg: dict, wait_between: bool) -> tuple[list, float]:
@@ -1013,7 +1021,7 @@ class PrefillServer:
             notif = tag if eng.kind == "nixl" else None
             if notif is not None:
                 msg["tags"].append(tag)
-            self._count(tgt.dcp_rank, descs)
+            self._count(tgt.dcp_rank, descs, notif)
             ts = time.perf_counter()
             h = eng.transfer_batch(tgt.peer, descs, notif=notif, dcp_rank=tgt.dcp_rank, chunk=ci)
             handles.append(h)
@@ -1537,7 +1545,7 @@ def _run_mode(cfg: JobConfig, mode: str, seq: int, decodes: list[DecodeProcess],
     rank_rows = []
     for r in range(n):
         res = results.get(r) or dict(dcp_rank=r, verified=False, errors=["no result"])
-        sent = dict(descriptors=0, bytes=0, batches=0, strategy="", sources=[])
+        sent = dict(descriptors=0, bytes=0, batches=0, engine_calls=0, strategy="", sources=[])
         strategies: set[str] = set()
         for k, s in sorted(stats.items()):
             pr_ = s and (s["per_rank"].get(r) or s["per_rank"].get(str(r)))
@@ -1545,6 +1553,7 @@ def _run_mode(cfg: JobConfig, mode: str, seq: int, decodes: list[DecodeProcess],
                 sent["descriptors"] += pr_["descriptors"]
                 sent["bytes"] += pr_["bytes"]
                 sent["batches"] += pr_["batches"]
+                sent["engine_calls"] += pr_.get("engine_calls", 0)
                 if pr_["rows"]:
                     # Only prefill ranks that sent this rank rows say how it was sent.
                     strategies.update(x for x in pr_["strategy"].split(",") if x)

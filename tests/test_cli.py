@@ -21,6 +21,7 @@ def test_transfer_writes_json_and_verifies(tmp_path):
     data = json.loads(out.read_text())
     assert data["config"]["model"] == "tiny-mixed" and data["config"]["chunks"] == 4
     assert data["verified"] is True
+    assert "transfer_batch" in data["legend"]["batches"] and "Mooncake" in data["legend"]["engine_calls"]
     modes = {r["mode"]: r for r in data["runs"]}
     assert set(modes) == {"direct", "packed"}
     for r in data["runs"]:

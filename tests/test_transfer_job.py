@@ -73,6 +73,7 @@ def test_small_job_both_modes_nixl_matches_plan():
         assert run["descriptors"] == want[run["mode"]]
         # One engine call per (chunk, rank): all layer entries in one batch.
         assert run["batches"] == run["engine_calls"] == cfg.dcp_size
+        assert all(r["batches"] == r["engine_calls"] == 1 for r in run["ranks"])
     d, p = res["runs"]
     assert p["descriptors"] < d["descriptors"]
     assert res["comparison"]["descriptor_ratio"] == pytest.approx(d["descriptors"] / p["descriptors"])
@@ -88,7 +89,20 @@ def test_chunked_prefix_verify_mooncake_matches_plan():
         _check_run(run, cfg)
         assert run["engine"] == "mooncake" and run["descriptors"] == want[run["mode"]]
         assert run["batches"] == chunks * cfg.dcp_size
+        # Per-rank engine calls (Mooncake: one per 1024-descriptor window) add up to the engine's counter.
+        assert sum(r["engine_calls"] for r in run["ranks"]) == run["engine_calls"] >= run["batches"]
         assert all(r["checksum_ok"] is True and r["chunks"] == chunks for r in run["ranks"])
+
+
+def test_mooncake_engine_calls_per_rank_count_1024_descriptor_windows():
+    # 4096 rows x 3 layer entries of token round-robin = 12,288 descriptors per rank in ONE batch,
+    # which Mooncake submits as 12 windows of 1024: batches 1, engine calls 12 per rank.
+    cfg = JobConfig(model="tiny", prompt_tokens=8192, page_size=16, dcp_size=2, engine="mooncake",
+                    modes=("direct",), timeout_s=20.0)
+    run = run_job(cfg)["runs"][0]
+    _check_run(run, cfg)
+    assert [(r["batches"], r["engine_calls"]) for r in run["ranks"]] == [(1, 12), (1, 12)]
+    assert run["batches"] == 2 and run["engine_calls"] == 24
 
 
 @pytest.mark.parametrize("m, n, ip, i", [(2, 4, 1, 1), (4, 2, 8, 16)], ids=lambda v: str(v))
