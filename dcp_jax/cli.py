@@ -141,6 +141,7 @@ def transfer(
         console.print(_run_table(run))
         for f in run["failures"]:
             console.print(f"[red]failure:[/] {f}")
+    console.print(f"[dim]{_COUNTS_NOTE}[/]")
     if "comparison" in result:
         c = result["comparison"]
         console.print(f"packed vs direct: [bold]{c['descriptor_ratio']:.1f}x[/] fewer descriptors, "
@@ -190,7 +191,7 @@ def _run_table(run: dict) -> Table:
     timing = (f"plan {run['plan_seconds']:.3f} s | pack {run['pack_seconds']:.3f} s | "
               f"transfer {run['transfer_seconds']:.3f} s | total {tot_s:.3f} s | {run['gbps']:.2f} GB/s"
               if math.isfinite(tot_s) else "no timing")
-    t.caption = (f"{timing}\n{_COUNTS_NOTE}")
+    t.caption = timing
     return t
 
 
