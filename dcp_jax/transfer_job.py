@@ -806,7 +806,10 @@ class PrefillServer:
                                  f"{len(bases)} entries (this prefill has {len(self.item_lens)})")
             descs = [(int(self.kv_bases[0]), int(bases[0]), il)]
             if region_rows > 0:
-                pack_rows(self.layers, np.zeros(1, np.int64), self.pack, offset=r * region_size)
+                if _is_host(self.pack):
+                    # On the GPU the gather was compiled and run for every region at setup
+                    # (_warm_up_pack); a one-row gather there would compile a new row bucket.
+                    pack_rows(self.layers, np.zeros(1, np.int64), self.pack, offset=r * region_size)
                 descs.append((self.pack_addr + r * region_size, int(bases[0]) + il, il))
             handles.append(eng.transfer_batch(peer, np.asarray(descs, np.int64), dcp_rank=r,
                                               notif=WARMUP_TAG if eng.kind == "nixl" else None))
