@@ -147,8 +147,9 @@ class JobConfig:
         engine: ``"nixl"``, ``"mooncake"`` or ``"auto"``.
         max_batch_indices: split each (chunk, rank) into windows of at most this many rows.
         pack_tokens: the pack buffer serves chunks of up to this many tokens
-            (``N * ceil(pack_tokens / N) * sum(item_len)`` bytes); default: the whole send range.
-            Smaller values force sliced packing.
+            (``N * ceil(pack_tokens / N) * sum(item_len)`` bytes); default: each region holds the
+            most rows the prefill rank sends to one decode rank over the send range
+            (:func:`pack_region_rows`), so nothing is sliced. Smaller values force sliced packing.
         verify: also send a CRC-32 per (chunk, rank, layer) with each completion and check it on
             arrival (the full byte verification runs regardless).
         seed: seeds the KV pattern and the page allocators.
