@@ -39,6 +39,12 @@ def _check_nbytes(nbytes: Any) -> int:
     return int(nbytes)
 
 
+def _check_fill(fill: Any) -> int | None:
+    if fill is not None and not 0 <= int(fill) <= 255:
+        raise ValueError(f"{fill=} must be a byte value 0..255")
+    return None if fill is None else int(fill)
+
+
 def _view_range(total: int, offset: int, nbytes: int | None, itemsize: int) -> tuple[int, int]:
     if not isinstance(offset, (int, np.integer)) or offset < 0:
         raise ValueError(f"{offset=} must be a non-negative int (bytes)")
@@ -68,14 +74,13 @@ class HostBuffer:
 
     def __init__(self, nbytes: int, *, fill: int | None = None):
         nbytes = _check_nbytes(nbytes)
+        fill = _check_fill(fill)
         # Over-allocate and slice so the view starts on a 64-byte boundary.
         self._raw = np.zeros(nbytes + HOST_ALIGN_BYTES, np.uint8)
         start = (-self._raw.ctypes.data) % HOST_ALIGN_BYTES
         self.array: np.ndarray = self._raw[start:start + nbytes]
         if fill is not None:
-            if not 0 <= int(fill) <= 255:
-                raise ValueError(f"{fill=} must be a byte value 0..255")
-            self.array.fill(int(fill))
+            self.array.fill(fill)
 
     @property
     def addr(self) -> int:
@@ -138,6 +143,7 @@ class DeviceBuffer:
 
     def __init__(self, nbytes: int, *, device_id: int = 0, fill: int | None = None):
         nbytes = _check_nbytes(nbytes)
+        fill = _check_fill(fill)  # before allocating device memory
         try:
             import cupy as cp
         except ImportError as e:  # pragma: no cover - CPU machines
@@ -148,9 +154,7 @@ class DeviceBuffer:
         with cp.cuda.Device(self.device_id):
             self.array = cp.zeros(nbytes, cp.uint8)
             if fill is not None:
-                if not 0 <= int(fill) <= 255:
-                    raise ValueError(f"{fill=} must be a byte value 0..255")
-                self.array.fill(int(fill))
+                self.array.fill(fill)
             cp.cuda.runtime.deviceSynchronize()
 
     @property
