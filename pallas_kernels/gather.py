@@ -82,8 +82,11 @@ class GatherConfig:
             (consecutive programs copy the same row block of successive layer entries) instead
             of the row-block axis.
         load_eviction_policy: Triton cache hint of the gathered loads (``None``,
-            ``"evict_first"``: each row is read once; ``"evict_last"``). (Triton cache
-            modifiers are not reachable: JAX 0.11's lowering maps ``".cg"`` to a missing key.)
+            ``"evict_first"``: each row is read once; ``"evict_last"``).
+        load_cache_modifier: PTX cache operator of the gathered loads (``None``, ``".cg"``:
+            cache in L2 only, not L1; ``".ca"``). JAX 0.11's Triton lowering accepts these
+            names but looks them up without the dot (a KeyError); `_patch_cache_modifiers`
+            adds the dotted keys before the first such call.
     """
 
     block_rows: int = DEFAULT_BLOCK_ROWS
@@ -97,6 +100,7 @@ class GatherConfig:
     load_eviction_policy: str | None = None
     mask_loads: bool = False
     layers_fastest: bool = False
+    load_cache_modifier: str | None = None
 
     def __post_init__(self):
         if self.block_rows <= 0 or self.block_rows & (self.block_rows - 1):
@@ -114,6 +118,8 @@ class GatherConfig:
         if self.load_eviction_policy not in (None, "evict_first", "evict_last"):
             raise ValueError(f"{self.load_eviction_policy=} must be None, 'evict_first' or "
                              "'evict_last'")
+        if self.load_cache_modifier not in (None, ".ca", ".cg"):
+            raise ValueError(f"{self.load_cache_modifier=} must be None, '.ca' or '.cg'")
         if self.eviction_policy not in (None, "evict_first", "evict_last"):
             raise ValueError(f"{self.eviction_policy=} must be None, 'evict_first' or 'evict_last'")
 
@@ -207,14 +213,29 @@ def select_backend(backend: str = "auto") -> str:
 # --------------------------------------------------------------------------- kernel body
 
 
-def _load_piece(src_ref, idx, off, size, *, layer, load_evict, mask=None):
+def _patch_cache_modifiers() -> None:
+    """Let JAX 0.11's Triton lowering find the dotted cache modifiers it accepts.
+
+    Its load rule admits ``".ca"``/``".cg"`` and then indexes a table keyed ``"ca"``/``"cg"``
+    (KeyError). Adding the dotted keys is a no-op on versions whose table already has them.
+    """
+    from jax._src.pallas.triton import lowering
+
+    table = getattr(lowering, "_STR_TO_CACHE_MODIFIER", None)
+    if isinstance(table, dict):
+        for key in ("ca", "cg"):
+            if key in table:
+                table.setdefault("." + key, table[key])
+
+
+def _load_piece(src_ref, idx, off, size, *, layer, load_evict, mask=None, cache=None):
     """Gather one power-of-2 piece [block_rows, size] of `block_rows` rows.
 
     src_ref: [R, W] block (stacked "grid" schedule squeezes L, list entries) or [L, R, W]
     (a static or traced `layer`). `mask` ([block_rows] bool): rows to read (others read no
-    memory); `load_evict`: Triton eviction policy of the loads.
+    memory); `load_evict`: Triton eviction policy of the loads; `cache`: PTX cache operator.
     """
-    if load_evict is None and mask is None:
+    if load_evict is None and mask is None and cache is None:
         cols = pl.ds(off, size)
         return src_ref[idx, cols] if layer is None else src_ref[layer, idx, cols]
     from jax.experimental.pallas import triton as pltriton
@@ -226,12 +247,13 @@ def _load_piece(src_ref, idx, off, size, *, layer, load_evict, mask=None):
     ref = src_ref.at[r2, c2] if layer is None else src_ref.at[layer, r2, c2]
     if mask is not None:
         mask = jnp.broadcast_to(mask[:, None], (idx.shape[0], size))
-    return pltriton.load(ref, mask=mask, eviction_policy=load_evict)
+    return pltriton.load(ref, mask=mask, eviction_policy=load_evict, cache_modifier=cache)
 
 
-def _load_layer(src_ref, idx, *, width, layer, load_evict=None, mask=None):
+def _load_layer(src_ref, idx, *, width, layer, load_evict=None, mask=None, cache=None):
     """Gather `block_rows` rows of one layer entry: one [block_rows, size] value per piece."""
-    return [_load_piece(src_ref, idx, off, size, layer=layer, load_evict=load_evict, mask=mask)
+    return [_load_piece(src_ref, idx, off, size, layer=layer, load_evict=load_evict, mask=mask,
+                        cache=cache)
             for off, size in pow2_chunks(width)]
 
 
@@ -251,7 +273,7 @@ def _store_layer(out_ref, vals, rows, valid, base, *, width, evict):
         _store_piece(out_ref, v, rows, valid, base, off, width=width, evict=evict)
 
 
-def _copy_layers(jobs, out_ref, idx, rows, valid, *, evict, interleave, load_evict):
+def _copy_layers(jobs, out_ref, idx, rows, valid, *, evict, interleave, load_evict, cache=None):
     """Copy `block_rows` gathered rows of each job's layer entry into the flat pack.
 
     jobs: (src_ref, layer or None, width, base, load mask or None, store mask) per entry.
@@ -262,11 +284,11 @@ def _copy_layers(jobs, out_ref, idx, rows, valid, *, evict, interleave, load_evi
         for src_ref, layer, width, base, lmask, smask in jobs:
             for off, size in pow2_chunks(width):
                 v = _load_piece(src_ref, idx, off, size, layer=layer, load_evict=load_evict,
-                                mask=lmask)
+                                mask=lmask, cache=cache)
                 _store_piece(out_ref, v, rows, smask, base, off, width=width, evict=evict)
         return
     loaded = [_load_layer(src_ref, idx, width=width, layer=layer, load_evict=load_evict,
-                          mask=lmask)
+                          mask=lmask, cache=cache)
               for src_ref, layer, width, _, lmask, _ in jobs]
     for (_, _, width, base, _, smask), vals in zip(jobs, loaded):
         _store_layer(out_ref, vals, rows, smask, base, width=width, evict=evict)
@@ -291,6 +313,7 @@ def _gather_kernel(
     load_evict: str | None = None,
     mask_loads: bool = False,
     layers_fastest: bool = False,
+    load_cache: str | None = None,
 ):
     src_refs, out_ref = refs[:-2], refs[-1]
     num_layers = len(widths)
@@ -311,7 +334,8 @@ def _gather_kernel(
         return pl.multiple_of(offset + n * prefix[l], align[l])
 
     copy = functools.partial(_copy_layers, out_ref=out_ref, idx=idx, rows=rows, valid=valid,
-                             evict=evict, interleave=interleave, load_evict=load_evict)
+                             evict=evict, interleave=interleave, load_evict=load_evict,
+                             cache=load_cache)
     G = layers_per_program
     lm = valid if mask_loads else None
     if schedule == "grid":
@@ -503,7 +527,10 @@ def _gather_triton(src, idx, pack, n, *, offset, shapes, stacked, config, interp
         num_src_rows=min(r for r, _ in shapes), align=align, evict=config.eviction_policy,
         layers_per_step=config.layers_per_step, layers_per_program=config.layers_per_program,
         interleave=config.interleave, load_evict=config.load_eviction_policy,
-        mask_loads=config.mask_loads, layers_fastest=config.layers_fastest)
+        mask_loads=config.mask_loads, layers_fastest=config.layers_fastest,
+        load_cache=config.load_cache_modifier)
+    if config.load_cache_modifier is not None:
+        _patch_cache_modifiers()
     n_in = 2 + len(srcs)
     call = pl.pallas_call(
         kernel,
