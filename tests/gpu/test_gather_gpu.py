@@ -51,7 +51,9 @@ def test_stacked_bit_exact(backend, n, schedule):
 KNOBS = [GatherConfig(block_rows=32, interleave=True),
          GatherConfig(block_rows=16, num_warps=4, layers_per_program=4, mask_loads=True),
          GatherConfig(block_rows=32, layers_fastest=True, load_eviction_policy="evict_first"),
-         GatherConfig(block_rows=32, interleave=True, layers_per_program=2)]
+         GatherConfig(block_rows=32, interleave=True, layers_per_program=2),
+         GatherConfig(block_rows=64, interleave=True, load_eviction_policy="evict_last"),
+         GatherConfig(block_rows=32, load_cache_modifier=".cg", eviction_policy="evict_last")]
 
 
 @pytest.mark.parametrize("cfg", KNOBS, ids=repr)
