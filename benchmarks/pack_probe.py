@@ -28,7 +28,7 @@ import time
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 POISON = 0xA5A5A5A5
 
@@ -183,7 +183,7 @@ def main(argv=None):
             print(f"{name}: exact={exact}", flush=True)
             continue
 
-        def wall(iters):
+        def wall(iters, step=step, block=block):
             samples = []
             for _ in range(args.repeats):
                 sync()
@@ -194,10 +194,10 @@ def main(argv=None):
                     block()
                 sync()
                 samples.append((time.perf_counter() - t0) / iters)
-            return float(np.median(samples)), samples
+            return float(np.median(samples))
 
-        w10, s10 = wall(10)
-        w100, s100 = wall(100)
+        w10 = wall(10)
+        w100 = wall(100)
         slope = (w100 * 100 - w10 * 10) / 90
         kern = None
         try:
@@ -221,7 +221,7 @@ def main(argv=None):
                "slope_ms": slope * 1e3, "kernel": kern}
         for k in ("wall10", "wall100", "slope"):
             row[k + "_gbps"] = bytes_rw / (row[k + "_ms"] / 1e3) / 1e9
-        if "ms_per_call" in kern and kern["ms_per_call"]:
+        if kern.get("ms_per_call"):
             row["kernel_gbps"] = bytes_rw / (kern["ms_per_call"] / 1e3) / 1e9
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -230,7 +230,7 @@ def main(argv=None):
         print(f"\n{'variant':<44} {'exact':>5} {'wall10':>8} {'wall100':>8} {'slope':>8} "
               f"{'kernel':>8}  (GB/s r+w; kernel = CUPTI durations)")
         for r in rows:
-            print(f"{r['variant']:<44} {str(r['exact']):>5} {r['wall10_gbps']:8.0f} "
+            print(f"{r['variant']:<44} {r['exact']!s:>5} {r['wall10_gbps']:8.0f} "
                   f"{r['wall100_gbps']:8.0f} {r['slope_gbps']:8.0f} "
                   f"{r.get('kernel_gbps', float('nan')):8.0f}  {r['kernel'].get('kernels_per_call', '')}")
     if args.json:

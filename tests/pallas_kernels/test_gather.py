@@ -31,10 +31,13 @@ SCHEDULES = [GatherConfig(block_rows=16), GatherConfig(block_rows=16, schedule="
              # Layer axis launched fastest; tail rows read nothing (masked loads).
              GatherConfig(block_rows=16, layers_fastest=True, mask_loads=True),
              GatherConfig(block_rows=8, layers_per_program=2, layers_fastest=True,
-                          mask_loads=True)]
+                          mask_loads=True),
+             # The tuned default's hint (evict_last loads) and the L2-only cache operator.
+             GatherConfig(block_rows=16, num_warps=16, interleave=True,
+                          load_eviction_policy="evict_last", load_cache_modifier=".cg")]
 _ids = lambda c: (f"{c.schedule}_br={c.block_rows}_lps={c.layers_per_step}"  # noqa: E731
                   f"_lpp={c.layers_per_program}_il={int(c.interleave)}_{c.load_eviction_policy}"
-                  f"_ml={int(c.mask_loads)}_lf={int(c.layers_fastest)}")
+                  f"_ml={int(c.mask_loads)}_lf={int(c.layers_fastest)}_{c.load_cache_modifier}")
 
 
 def _words(rng, shape, dtype):
@@ -190,10 +193,30 @@ def test_helpers():
     ({"num_stages": 0}, "num_stages"), ({"schedule": "zigzag"}, "schedule"),
     ({"eviction_policy": "evict_never"}, "eviction_policy"), ({"layers_per_step": 0}, "layers"),
     ({"layers_per_program": 0}, "layers_per_program"), ({"load_eviction_policy": "x"}, "load_eviction"),
+    ({"load_cache_modifier": "cg"}, "load_cache_modifier"),
+    ({"load_cache_modifier": ".cs"}, "load_cache_modifier"),
 ])
 def test_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         GatherConfig(**kwargs)
+
+
+def test_default_config_is_the_tuned_one():
+    d = GatherConfig.default()
+    assert (d.block_rows, d.num_warps, d.interleave, d.load_eviction_policy) == (
+        64, 16, True, "evict_last")
+    assert bucket_rows(100, d.block_rows) == 128
+
+
+def test_cache_modifier_patch_adds_dotted_keys_once():
+    from jax._src.pallas.triton import lowering
+
+    from pallas_kernels.gather import _patch_cache_modifiers
+
+    _patch_cache_modifiers()
+    _patch_cache_modifiers()  # idempotent
+    table = lowering._STR_TO_CACHE_MODIFIER
+    assert table[".cg"] is table["cg"] and table[".ca"] is table["ca"]
 
 
 def test_bad_inputs():
