@@ -34,12 +34,13 @@ import os
 import platform
 import sys
 import time
-import traceback
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # CuPy and torch allocate too
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
+
+from benchmarks.triton_peer import row_gather_kernel  # noqa: E402
 
 POISON = 0xA5A5A5A5
 TAIL_WORDS = 4096  # poisoned words after the region: an overrun shows up
@@ -155,7 +156,6 @@ def main(argv=None):
     import jaxlib
     import torch
     import triton
-    import triton.language as tl
 
     from pallas_kernels import GatherConfig, bucket_rows, clear_import_cache, gather_rows, pack_rows
 
@@ -183,25 +183,7 @@ def main(argv=None):
 
     timer = Timer(device_sync, calls=args.calls)
 
-    @triton.jit
-    def _row_gather(src_ptr, idx_ptr, out_ptr, n, R, W: tl.constexpr, C0: tl.constexpr,
-                    C1: tl.constexpr, BLOCK_R: tl.constexpr, EVICT: tl.constexpr = ""):
-        pid_r = tl.program_id(0)
-        layer = tl.program_id(1).to(tl.int64)
-        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        valid = rows < n
-        idx = tl.load(idx_ptr + rows, mask=valid, other=0)
-        src = src_ptr + layer * R * W
-        dst = out_ptr + layer * n * W
-        c0 = tl.arange(0, C0)
-        v = tl.load(src + idx[:, None] * W + c0[None, :], mask=valid[:, None],
-                    eviction_policy=EVICT)
-        tl.store(dst + rows[:, None] * W + c0[None, :], v, mask=valid[:, None])
-        if C1 > 0:
-            c1 = C0 + tl.arange(0, C1)
-            v1 = tl.load(src + idx[:, None] * W + c1[None, :], mask=valid[:, None],
-                         eviction_policy=EVICT)
-            tl.store(dst + rows[:, None] * W + c1[None, :], v1, mask=valid[:, None])
+    _row_gather = row_gather_kernel()  # the triton.jit peer
 
     # Run 5 (kernel time by CUPTI) found every tiling within 1 % of the peer; run 6 (first
     # geometry only) found evict_last loads 2.8 % faster than every other config. This sweep
