@@ -39,7 +39,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -590,15 +593,16 @@ def _is_cupy(a) -> bool:
 
 
 def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
-              config: GatherConfig | None = None) -> int:
+              config: GatherConfig | None = None, threads: int | None = None) -> int:
     """Gather rows of every KV layer buffer into the registered pack buffer, in place.
 
     Layer-major (spec section 6): entry l goes to bytes
     `[offset + off_l, offset + off_l + n * item_len_l)`, `off_l = sum_{k<l} n * item_len_k`,
     row j of it being `layers[l][indices[j]]`. No other byte of `pack` changes.
 
-    numpy (host memory): one `np.take(..., out=view)` per layer straight into the pack (one
-    copy, no temporaries). CuPy (device memory): each layer is viewed as words and imported by
+    numpy (host memory): `np.take(..., out=view)` straight into the pack (one copy, no
+    temporaries), split over worker threads by (layer, row range): `np.take` releases the GIL,
+    and every thread writes its own disjoint slice of the region. CuPy (device memory): each layer is viewed as words and imported by
     DLPack (zero-copy, cached), the pack is imported afresh (the donated handle is consumed)
     and the jitted Pallas kernel writes into the CuPy memory; the call returns once the
     bytes are there.
@@ -612,13 +616,15 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
         backend: "auto" (numpy: "numpy"; CuPy: see `select_backend`), "numpy", "interpret",
             "triton" or "mosaic".
         config: kernel tuning (`GatherConfig.default()` when None).
+        threads: host gather only: worker threads (>= 1). None: one per core, at most
+            `HOST_MAX_THREADS`, for regions of at least `HOST_THREADS_MIN_BYTES`; else one.
 
     Returns:
         Bytes written, `n * sum(kv_item_len)`.
 
     Raises:
         ValueError: bad ndim, empty `layers`, negative or out-of-range `indices`, negative
-            `offset`, or a region that would extend past the end of `pack`.
+            `offset`, `threads` < 1, or a region that would extend past the end of `pack`.
         TypeError: non-uint8 buffers, mixed numpy/CuPy, or non-integer `indices`.
         RuntimeError: the device kernel did not write in place (a copy was made).
     """
@@ -650,6 +656,9 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
     if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
         raise ValueError(f"{offset=} must be a non-negative int (bytes)")
     offset = int(offset)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, (int, np.integer))
+                                or threads < 1):
+        raise ValueError(f"{threads=} must be None or an int >= 1")
     if on_device and _is_cupy(indices):
         idx = indices
     else:
@@ -685,11 +694,7 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
     if backend == "numpy":
         if on_device:
             raise ValueError("backend='numpy' needs numpy (host) buffers")
-        pos = offset
-        for a, w in zip(layers, item_lens):
-            # mode="clip" (indices are checked above) avoids np.take's buffered "raise" path.
-            np.take(a, idx, axis=0, out=pack[pos:pos + n * w].reshape(n, w), mode="clip")
-            pos += n * w
+        _pack_rows_host(layers, idx, pack, offset, item_lens, threads)
         return total
     config = GatherConfig.default() if config is None else config
     if on_device:
@@ -697,6 +702,56 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
     else:
         _pack_rows_host_pallas(layers, idx, pack, offset, item_lens, backend, config)
     return total
+
+
+HOST_MAX_THREADS = 8  # past this the gather is bound by memory bandwidth, not cores
+HOST_THREADS_MIN_BYTES = 8 << 20  # smaller regions: thread hand-off costs more than it saves
+_HOST_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (pid, workers) -> pool
+_HOST_POOL_LOCK = threading.Lock()
+
+
+def _host_pool(workers: int) -> ThreadPoolExecutor:
+    """A pool of exactly `workers` threads, made again after a fork (a child has no threads)."""
+    key = (os.getpid(), workers)
+    with _HOST_POOL_LOCK:
+        pool = _HOST_POOLS.get(key)
+        if pool is None:
+            for k in [k for k in _HOST_POOLS if k[0] != key[0]]:
+                del _HOST_POOLS[k]  # a parent's pools: their threads do not exist here
+            pool = _HOST_POOLS[key] = ThreadPoolExecutor(max_workers=workers,
+                                                         thread_name_prefix="pack_rows")
+        return pool
+
+
+def _pack_rows_host(layers, idx, pack, offset, item_lens, threads):
+    """numpy gather into the pack: (layer, row range) units over `threads` workers."""
+    n = int(idx.shape[0])
+    total = n * sum(item_lens)
+    if threads is None:
+        threads = (min(HOST_MAX_THREADS, os.cpu_count() or 1)
+                   if total >= HOST_THREADS_MIN_BYTES else 1)
+    # About two units per worker, each a whole row range of one layer entry.
+    chunks = max(1, min(n, -(-2 * threads // len(layers)))) if threads > 1 else 1
+    bounds = [n * k // chunks for k in range(chunks + 1)]
+    units, pos = [], offset
+    for a, w in zip(layers, item_lens):
+        for r0, r1 in zip(bounds[:-1], bounds[1:]):
+            if r1 > r0:
+                units.append((a, r0, r1, w, pos + r0 * w))
+        pos += n * w
+
+    def take(unit):
+        a, r0, r1, w, start = unit
+        # mode="clip" (indices are checked by the caller) avoids np.take's buffered "raise" path.
+        np.take(a, idx[r0:r1], axis=0, out=pack[start:start + (r1 - r0) * w].reshape(r1 - r0, w),
+                mode="clip")
+
+    if threads == 1 or len(units) == 1:
+        for u in units:
+            take(u)
+        return
+    # list() waits for every unit and re-raises the first worker's exception here.
+    list(_host_pool(threads).map(take, units))
 
 
 def _pack_rows_host_pallas(layers, idx, pack, offset, item_lens, backend, config):

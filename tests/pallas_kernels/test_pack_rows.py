@@ -45,14 +45,15 @@ def test_bit_exact_and_no_other_byte(item_lens, backend):
 @settings(max_examples=25, deadline=None)
 @given(item_lens=st.lists(st.integers(1, 40), min_size=1, max_size=4),
        rows=st.integers(1, 30), n=st.integers(0, 25), offset=st.integers(0, 50),
-       slack=st.integers(0, 20), seed=st.integers(0, 2**16))
-def test_property_matches_brute_force(item_lens, rows, n, offset, slack, seed):
+       slack=st.integers(0, 20), seed=st.integers(0, 2**16),
+       threads=st.sampled_from([None, 1, 2, 3, 7]))
+def test_property_matches_brute_force(item_lens, rows, n, offset, slack, seed, threads):
     rng = np.random.default_rng(seed)
     layers = _layers(rng, rows, item_lens)
     idx = rng.integers(0, rows, n)
     size = offset + n * sum(item_lens) + slack
     pack = np.full(max(size, 1), SENTINEL, np.uint8)
-    assert pack_rows(layers, idx, pack, offset=offset) == n * sum(item_lens)
+    assert pack_rows(layers, idx, pack, offset=offset, threads=threads) == n * sum(item_lens)
     np.testing.assert_array_equal(pack, _brute_force(layers, idx, pack.size, offset))
 
 
@@ -67,6 +68,39 @@ def test_exact_fit_and_region_per_rank():
         pack_rows(layers, idx, pack, offset=r * region)
         exp = np.concatenate([layers[0][idx].ravel(), layers[1][idx].ravel()])
         np.testing.assert_array_equal(pack[r * region:(r + 1) * region], exp)
+
+
+@pytest.mark.parametrize("threads", [None, 1, 2, 5])
+def test_threaded_host_gather_equals_fancy_indexing(threads):
+    # Over HOST_THREADS_MIN_BYTES, so threads=None splits too; 3 layer entries of different
+    # widths, rows not a multiple of any worker count, poisoned bytes on both sides.
+    rng = np.random.default_rng(11)
+    layers = _layers(rng, 3000, (1152, 576, 656))
+    idx = rng.integers(0, 3000, 4099)
+    offset, total = 77, 4099 * (1152 + 576 + 656)
+    pack = np.full(offset + total + 64, SENTINEL, np.uint8)
+    assert pack_rows(layers, idx, pack, offset=offset, threads=threads) == total
+    exp = np.concatenate([a[idx].ravel() for a in layers])
+    np.testing.assert_array_equal(pack[offset:offset + total], exp)
+    assert np.all(pack[:offset] == SENTINEL) and np.all(pack[offset + total:] == SENTINEL)
+
+
+def test_worker_pool_is_made_again_in_a_forked_child(monkeypatch):
+    # A forked child inherits the parent's pool object but none of its threads: pools are
+    # keyed by pid, so the child (another pid) makes its own instead of waiting on dead threads.
+    from pallas_kernels import gather
+
+    layers = _layers(np.random.default_rng(6), 50, (16, 8))
+    idx = np.arange(40)
+    pack_rows(layers, idx, np.zeros(960, np.uint8), threads=2)
+    parent_pool = gather._host_pool(2)
+    monkeypatch.setattr(gather.os, "getpid", lambda: -12345)  # as seen from a child
+    child_pool = gather._host_pool(2)
+    assert child_pool is not parent_pool
+    assert all(pid == -12345 for pid, _ in gather._HOST_POOLS)
+    pack = np.zeros(960, np.uint8)
+    pack_rows(layers, idx, pack, threads=2)
+    np.testing.assert_array_equal(pack, np.concatenate([a[idx].ravel() for a in layers]))
 
 
 def test_empty_indices_write_nothing():
@@ -101,6 +135,9 @@ def test_non_contiguous_layer_views():
     ("ok", [0], 200, {"backend": "cuda"}, ValueError, "backend.*'numpy'"),
     ("ok", [0], 200, {"offset": True}, ValueError, "offset"),
     ("ok", [0], "readonly", {}, ValueError, "pack must be writeable"),
+    ("ok", [0], 200, {"threads": 0}, ValueError, "threads"),
+    ("ok", [0], 200, {"threads": True}, ValueError, "threads"),
+    ("ok", [0], 200, {"threads": 1.5}, ValueError, "threads"),
 ])
 def test_bad_inputs(layers, indices, pack, kwargs, exc, match):
     ok = [np.zeros((10, 8), np.uint8), np.zeros((12, 4), np.uint8)]
