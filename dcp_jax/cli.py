@@ -97,7 +97,7 @@ def transfer(
     Prints a table per mode (descriptors, bytes, engine calls, plan / pack / transfer / total seconds,
     GB/s, verified per rank) and the packed/direct ratios. Exit status 1 if any byte is wrong.
     """
-    from dcp_jax.transfer_job import DEVICES, check_device, run_job
+    from dcp_jax.transfer_job import DEVICES, check_device, check_host_memory, run_job
 
     if mode not in _MODES:
         _fail(f"--mode={mode!r} must be one of {', '.join(_MODES)}")
@@ -113,6 +113,7 @@ def transfer(
     )
     try:
         check_device(cfg.device)
+        check_host_memory(cfg)
     except ValueError as exc:
         _fail(str(exc))
     _check_out_path(json_path, "--json")
@@ -144,8 +145,13 @@ def transfer(
     console.print(f"[dim]{_COUNTS_NOTE}[/]")
     if "comparison" in result:
         c = result["comparison"]
+        ratio = c["total_seconds_ratio"]
+        speed = (f"[bold]{ratio:.2f}x[/] faster" if ratio >= 1
+                 else f"[bold]{1 / ratio:.2f}x[/] slower")
         console.print(f"packed vs direct: [bold]{c['descriptor_ratio']:.1f}x[/] fewer descriptors, "
-                      f"[bold]{c['total_seconds_ratio']:.2f}x[/] faster end to end")
+                      f"{speed} end to end")
+    elif len(result["runs"]) > 1:
+        console.print("packed vs direct: no comparison, a mode did not complete verified")
     if json_path is not None:
         result["legend"] = dict(batches=_BATCHES_NOTE, engine_calls=_ENGINE_CALLS_NOTE)
         json_path.write_text(json.dumps(result, indent=2, default=_json_default))

@@ -250,7 +250,15 @@ def count(start, length, dcp_size: int, dcp_rank: int, interleave_size: int = 1)
         3
     """
     n, i, r = check_layout_args(dcp_size, interleave_size, dcp_rank)
-    return _count_jit(_as_int_array("start", start), _as_int_array("length", length), n=n, r=r, i=i)
+    s_arr, l_arr = _as_int_array("start", start), _as_int_array("length", length)
+    # The range end S + L is computed too: it must fit int32 as well (concrete inputs only).
+    if (not jax.config.jax_enable_x64 and not isinstance(start, jax.core.Tracer)
+            and not isinstance(length, jax.core.Tracer) and s_arr.size and l_arr.size):
+        end = int((np.asarray(start, np.int64) + np.asarray(length, np.int64)).max())
+        if end > np.iinfo(np.int32).max:
+            raise ValueError(f"start + length = {end} does not fit int32; enable jax_enable_x64 "
+                             f"or use count_np")
+    return _count_jit(s_arr, l_arr, n=n, r=r, i=i)
 
 
 # --------------------------------------------------------------------------------------------

@@ -97,6 +97,8 @@ __all__ = [
     "start_decode_processes",
     "decode_owned_tokens",
     "decode_pool_pages",
+    "check_host_memory",
+    "estimate_host_bytes",
     "decode_page_table",
     "pack_region_rows",
     "request_page_tables",
@@ -108,6 +110,8 @@ logger = logging.getLogger(__name__)
 MODES = ("direct", "packed")
 ENGINES = ("nixl", "mooncake", "auto")
 DEVICES = ("cpu", "gpu")
+MAX_RANKS = 64  # dcp_size / prefill_dcp_size: one process per rank
+MAX_TIMEOUT_S = 86400.0  # a day; larger values overflow the pipes' and engines' wait calls
 WARMUP_TAG = b"dcp-jax-warm-up"  # notification of the warm-up WRITE (NIXL), consumed by the decode rank
 
 # Engines log to stderr on their own; keep loopback traffic and quiet logs unless the user set them.
@@ -200,6 +204,10 @@ class JobConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an int >= 1")
+        for name in ("dcp_size", "prefill_dcp_size"):  # one process per rank
+            if getattr(self, name) > MAX_RANKS:
+                raise ValueError(f"{name}={getattr(self, name)} must be <= {MAX_RANKS} "
+                                 "(the job starts one process per rank)")
         if isinstance(self.prefix_tokens, bool) or not isinstance(self.prefix_tokens, int) or self.prefix_tokens < 0:
             raise ValueError(f"prefix_tokens={self.prefix_tokens!r} must be an int >= 0")
         if self.prefix_tokens >= self.prompt_tokens:
@@ -223,8 +231,8 @@ class JobConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}={v!r} must be an int >= 1 (or None)")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0 seconds")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"timeout_s={self.timeout_s!r} must be in (0, {MAX_TIMEOUT_S}] seconds")
         if not self.pool_slack >= 1.0:
             raise ValueError(f"pool_slack={self.pool_slack!r} must be >= 1.0")
         for name in ("corrupt_rank", "die_rank"):
@@ -1236,7 +1244,7 @@ class DecodeProcess:
         try:
             kind, arg = self.ctrl.recv()
         except EOFError:
-            raise RuntimeError(f"decode process {self.index} exited (code {self.process.exitcode})") from None
+            raise RuntimeError(f"decode process {self.index} exited (code {_exit_code(self.process)})") from None
         if kind != expect:
             raise RuntimeError(f"decode process {self.index}: expected {expect!r}, got {kind!r}: {arg}")
         return arg
@@ -1365,6 +1373,44 @@ def _prefill_main(cfg_dict: dict, rank: int, ctrl: Connection, dec_conns: Sequen
 # ------------------------------------------------------------------------------------------------
 # Orchestrator
 # ------------------------------------------------------------------------------------------------
+def estimate_host_bytes(cfg: JobConfig) -> int:
+    """Host memory the job's processes allocate, in bytes (an upper estimate).
+
+    Prefill: each rank's KV pool (its share of the send range in pages, times ``pool_slack``) and
+    its pack buffer (at most its tokens plus a page per decode rank); decode: each rank's pool of
+    :func:`decode_pool_pages` pages. On ``device="gpu"`` the pools live in VRAM, and only the
+    prefill's host copy of the KV pattern counts.
+    """
+    row = cfg.geometry.row_bytes
+    m, n, p = cfg.prefill_dcp_size, cfg.dcp_size, cfg.page_size
+    share = -(-cfg.send_tokens // m) + cfg.prefill_interleave_size  # most tokens one prefill rank holds
+    prefill_pool = _pool_pages(_pages_for(share, p), cfg.pool_slack) * p * row
+    if cfg.device == "gpu":
+        return m * prefill_pool
+    prefill_pack = (share + n * p) * row
+    decode_pool = decode_pool_pages(cfg) * p * row
+    return m * (prefill_pool + prefill_pack) + n * decode_pool
+
+
+def check_host_memory(cfg: JobConfig) -> None:
+    """Refuses a job whose buffers would not fit this machine's physical memory.
+
+    Raises:
+        ValueError: :func:`estimate_host_bytes` exceeds the physical memory (naming the options).
+    """
+    need = estimate_host_bytes(cfg)
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf: nothing to check against
+        return
+    if need > have:
+        raise ValueError(
+            f"this job needs about {need / 2**30:.1f} GiB of host memory (prompt_tokens="
+            f"{cfg.prompt_tokens}, page_size={cfg.page_size}, dcp_size={cfg.dcp_size}, "
+            f"prefill_dcp_size={cfg.prefill_dcp_size}, model {cfg.model}); this machine has "
+            f"{have / 2**30:.1f} GiB")
+
+
 def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Runs the main job: starts the processes, ships the request once per mode, verifies, reports.
 
@@ -1385,10 +1431,12 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
         descriptors, batches, strategy).
 
     Raises:
-        ValueError: ``cfg.device="gpu"`` without CuPy or a CUDA device (:func:`check_device`).
+        ValueError: ``cfg.device="gpu"`` without CuPy or a CUDA device (:func:`check_device`), or
+            buffers larger than the machine's memory (:func:`check_host_memory`).
         RuntimeError: a process failed to start or crashed (with its traceback).
     """
     check_device(cfg.device)
+    check_host_memory(cfg)
     ctx = mp.get_context("spawn")
     tag = uuid.uuid4().hex[:8]
     n, m = cfg.dcp_size, cfg.prefill_dcp_size
@@ -1451,7 +1499,8 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
     out = dict(config=_config_json(cfg), setup_seconds=setup_s, decode_start_seconds=decode_start_s,
                warmup_seconds=warmup_s, prefill_setup=prefill_setup, runs=runs)
     by = {r["mode"]: r for r in runs}
-    if "direct" in by and "packed" in by:
+    # Ratios only between two complete, verified runs: a failed mode's times mean nothing.
+    if "direct" in by and "packed" in by and by["direct"]["verified"] and by["packed"]["verified"]:
         d, p = by["direct"], by["packed"]
         out["comparison"] = dict(
             descriptor_ratio=d["descriptors"] / max(p["descriptors"], 1),
@@ -1482,17 +1531,48 @@ def _recv_kind(conn: Connection, proc, timeout_s: float, expect: str, who: str) 
     return arg
 
 
+def _exit_code(proc) -> Any:
+    """The process's exit code, after a short wait for it to be reaped (None: still running)."""
+    if proc.exitcode is None:
+        proc.join(1.0)
+    return proc.exitcode
+
+
+def _send_or_raise(conn: Connection, msg: Any, who: str, proc) -> None:
+    """Sends a control message; a closed pipe becomes RuntimeError naming the process."""
+    try:
+        conn.send(msg)
+    except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
+        raise RuntimeError(f"{who} exited (code {_exit_code(proc)}): {type(exc).__name__}") from None
+
+
+def _failed_run(mode: str, engine_kind: str | None, n: int, failure: str) -> dict:
+    """The result of a mode that could not run: nothing sent, nothing verified."""
+    nan = float("nan")
+    ranks = [dict(dcp_rank=r, descriptors=0, bytes=0, batches=0, engine_calls=0, strategy="",
+                  sources=[], verified=False, errors=[failure]) for r in range(n)]
+    return dict(mode=mode, engine=engine_kind, descriptors=0, bytes=0, engine_calls=0, batches=0,
+                plan_seconds=nan, pack_seconds=nan, transfer_seconds=nan, total_seconds=nan,
+                gbps=0.0, verified=False, failures=[failure], ranks=ranks)
+
+
 def _run_mode(cfg: JobConfig, mode: str, seq: int, decodes: list[DecodeProcess], prefills, peers,
               engine_kind: str, tag: str, on_progress) -> dict:
     n = len(decodes)
     request_id = f"{tag}{seq}"
-    for r, dp in enumerate(decodes):
-        dp.ctrl.send(("request", dict(dcp_rank=r, dcp_size=n, seq=0, mode=mode)))
-    ready = [dp.recv(cfg.timeout_s, "ready") for dp in decodes]
-    targets = [dict(dcp_rank=r, peer=peers[r], layer_bases=ready[r]["layer_bases"], dst_pages=ready[r]["dst_pages"])
-               for r in range(n)]
-    for pr, a in prefills:
-        a.send(("send", dict(mode=mode, targets=targets, dcp_size=n, request_id=request_id)))
+    try:
+        for r, dp in enumerate(decodes):
+            _send_or_raise(dp.ctrl, ("request", dict(dcp_rank=r, dcp_size=n, seq=0, mode=mode)),
+                           f"decode process {r}", dp.process)
+        ready = [dp.recv(cfg.timeout_s, "ready") for dp in decodes]
+        targets = [dict(dcp_rank=r, peer=peers[r], layer_bases=ready[r]["layer_bases"],
+                        dst_pages=ready[r]["dst_pages"]) for r in range(n)]
+        for k, (pr, a) in enumerate(prefills):
+            _send_or_raise(a, ("send", dict(mode=mode, targets=targets, dcp_size=n,
+                                            request_id=request_id)), f"prefill {k}", pr)
+    except RuntimeError as exc:
+        # A process died earlier (e.g. in the previous mode): this mode cannot start.
+        return _failed_run(mode, engine_kind, n, f"mode not started: {exc}")
     total_units = len(cfg.chunks()) * n * len(prefills)
     done_units = 0
     if on_progress:
@@ -1519,7 +1599,7 @@ def _run_mode(cfg: JobConfig, mode: str, seq: int, decodes: list[DecodeProcess],
             try:
                 kind, arg = conn.recv()
             except EOFError:
-                failures.append(f"{side} {idx} exited (code {proc.exitcode})")
+                failures.append(f"{side} {idx} exited (code {_exit_code(proc)})")
                 conns.pop(id(c))
                 continue
             if kind == "progress":

@@ -57,6 +57,11 @@ def test_corrupted_byte_exits_nonzero(tmp_path):
         (["--engine", "rdma"], "engine='rdma'"),
         (["--chunk-tokens", "100"], "chunk_tokens=100"),
         (["--prefix-tokens", "64"], "prefix_tokens=64"),
+        (["--dcp-size", "100"], "dcp_size=100 must be <= 64"),
+        (["--timeout-s", "3000000"], "timeout_s=3000000.0 must be in (0, 86400.0]"),
+        (["--timeout-s", "inf"], "timeout_s=inf"),
+        # 36 MB to move, but a million-token page makes every pool page-sized: refused up front
+        (["--prompt-tokens", "512", "--page-size", "1000000"], "GiB of host memory"),
     ],
 )
 def test_transfer_bad_input_is_a_clear_usage_error(args, text):

@@ -243,6 +243,19 @@ def test_job_level_death_reports_failure_without_hanging():
     assert run["ranks"][2]["verified"] is False
 
 
+def test_death_in_first_mode_fails_the_next_mode_with_a_message():
+    # Decode rank 2 dies in the direct mode; the packed mode must not crash on the dead pipe
+    # (it used to raise BrokenPipeError, which the CLI turned into a silent exit 1).
+    cfg = JobConfig(**dict(SMALL, modes=("direct", "packed"), timeout_s=8.0), chunk_tokens=64,
+                    die_rank=2, die_after_chunks=2)
+    res = run_job(cfg)
+    direct, packed = res["runs"]
+    assert not direct["verified"] and direct["failures"]
+    assert not packed["verified"] and packed["failures"][0].startswith("mode not started")
+    assert "decode process 2" in packed["failures"][0] or "exited" in packed["failures"][0]
+    assert "comparison" not in res and not res["verified"]
+
+
 @pytest.mark.parametrize(
     "kwargs, arg",
     [
@@ -258,12 +271,30 @@ def test_job_level_death_reports_failure_without_hanging():
         (dict(engine="ucx"), "engine"),
         (dict(max_batch_indices=0), "max_batch_indices"),
         (dict(timeout_s=0), "timeout_s"),
+        (dict(timeout_s=float("nan")), "timeout_s"),
+        (dict(timeout_s=1e7), "timeout_s"),
+        (dict(dcp_size=65), "dcp_size=65 must be <= 64"),
+        (dict(prefill_dcp_size=65), "prefill_dcp_size=65 must be <= 64"),
         (dict(corrupt_rank=8), "corrupt_rank"),
     ],
 )
 def test_bad_config_names_the_argument(kwargs, arg):
     with pytest.raises(ValueError, match=arg):
         JobConfig(**kwargs)
+
+
+def test_host_memory_estimate_covers_the_buffers_and_refuses_the_impossible():
+    from dcp_jax.transfer_job import check_host_memory, decode_pool_pages, estimate_host_bytes
+
+    cfg = JobConfig(**SMALL)
+    row = cfg.geometry.row_bytes
+    # At least the whole request on each side (prefill pool + pack, the decode pools).
+    assert estimate_host_bytes(cfg) >= 2 * cfg.send_tokens * row
+    assert estimate_host_bytes(cfg) >= 3 * decode_pool_pages(cfg) * cfg.page_size * row
+    check_host_memory(cfg)  # a small job fits
+    # 2**31-token pages of 168 B rows: terabytes for a 512-token request.
+    with pytest.raises(ValueError, match="GiB of host memory.*page_size=2147483648"):
+        check_host_memory(JobConfig(**dict(SMALL, page_size=2**31, prompt_tokens=512)))
 
 
 def test_decode_owned_tokens_matches_layout_reference():

@@ -135,6 +135,9 @@ def test_section2_invariants(n, i, length, start):
         (lambda: count(-1, 5, 2, 0), "start"),
         (lambda: owner([0, -1], 2), "t"),
         (lambda: local_index(np.array([2**33 + 3]), 2), "t=8589934595 does not fit int32"),
+        # each fits int32, their sum (the range end) does not: it used to wrap to a negative count
+        (lambda: count(2**31 - 10, 100, 2, 0), "start \\+ length = 2147483738"),
+        (lambda: count([5, 2**31 - 1], [1, 1], 2, 0), "start \\+ length"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_them(call, name):
