@@ -1174,6 +1174,7 @@ def _decode_request(cfg: JobConfig, eng, layers: list[np.ndarray], buf: np.ndarr
 def _decode_main(cfg_dict: dict, index: int, ctrl: Connection, src_conns: Sequence[Connection],
                  pool_pages: int, name: str) -> None:
     """Decode-rank process: one engine and one registered pool, serving requests until shutdown."""
+    _ignore_sigint()
     try:
         _engine_env()
         cfg = JobConfig(**cfg_dict)
@@ -1330,7 +1331,15 @@ def _expect_hello(conn: Connection, proc, timeout_s: float, who: str) -> dict:
 # ------------------------------------------------------------------------------------------------
 # Prefill process
 # ------------------------------------------------------------------------------------------------
+def _ignore_sigint() -> None:
+    """Child processes ignore Ctrl-C: it reaches the whole process group, and the parent stops
+    them itself (a shutdown message, then a kill), so nine children need not print nine
+    KeyboardInterrupt tracebacks."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _prefill_main(cfg_dict: dict, rank: int, ctrl: Connection, dec_conns: Sequence[Connection], name: str) -> None:
+    _ignore_sigint()
     try:
         cfg = JobConfig(**cfg_dict)
         server = PrefillServer(cfg, rank, name=name)
