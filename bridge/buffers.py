@@ -39,15 +39,23 @@ def _check_nbytes(nbytes: Any) -> int:
     return int(nbytes)
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
 def _check_fill(fill: Any) -> int | None:
-    if fill is not None and not 0 <= int(fill) <= 255:
-        raise ValueError(f"{fill=} must be a byte value 0..255")
-    return None if fill is None else int(fill)
+    if fill is None:
+        return None
+    if not _is_int(fill) or not 0 <= fill <= 255:
+        raise ValueError(f"{fill=} must be None or an int byte value 0..255")
+    return int(fill)
 
 
 def _view_range(total: int, offset: int, nbytes: int | None, itemsize: int) -> tuple[int, int]:
-    if not isinstance(offset, (int, np.integer)) or offset < 0:
+    if not _is_int(offset) or offset < 0:
         raise ValueError(f"{offset=} must be a non-negative int (bytes)")
+    if nbytes is not None and not _is_int(nbytes):
+        raise ValueError(f"{nbytes=} must be None or an int (bytes)")
     nbytes = total - offset if nbytes is None else int(nbytes)
     if nbytes < 0 or offset + nbytes > total:
         raise ValueError(f"{offset=} + {nbytes=} exceeds the buffer of {total} bytes")

@@ -55,6 +55,7 @@ WORD_DTYPES = (np.dtype(np.uint32), np.dtype(np.uint16), np.dtype(np.uint8))
 BACKENDS = ("auto", "triton", "mosaic", "interpret")
 SCHEDULES = ("grid", "loop")
 DEFAULT_BLOCK_ROWS = 32
+MAX_BLOCK_ROWS = 1024  # a program's rows live in registers: more would never compile well
 # Static arguments of the jitted entry point, written once.
 _STATIC_ARGNAMES = ("offset", "config", "backend")
 
@@ -106,6 +107,16 @@ class GatherConfig:
     load_cache_modifier: str | None = None
 
     def __post_init__(self):
+        for name in ("block_rows", "num_warps", "num_stages", "layers_per_step",
+                     "layers_per_program"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"{name}={v!r} must be an int")
+        for name in ("interleave", "mask_loads", "layers_fastest"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        if self.block_rows > MAX_BLOCK_ROWS:
+            raise ValueError(f"{self.block_rows=} must be <= {MAX_BLOCK_ROWS} (rows per program)")
         if self.block_rows <= 0 or self.block_rows & (self.block_rows - 1):
             raise ValueError(f"{self.block_rows=} must be a positive power of 2")
         if self.num_warps <= 0 or self.num_warps & (self.num_warps - 1):
@@ -625,11 +636,17 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
     Raises:
         ValueError: bad ndim, empty `layers`, negative or out-of-range `indices`, negative
             `offset`, `threads` < 1, or a region that would extend past the end of `pack`.
-        TypeError: non-uint8 buffers, mixed numpy/CuPy, or non-integer `indices`.
+        TypeError: non-uint8 buffers, mixed numpy/CuPy, a `pack` that is neither a numpy nor a
+            CuPy array, a `config` that is not a `GatherConfig`, or non-integer `indices`.
         RuntimeError: the device kernel did not write in place (a copy was made).
     """
     if not isinstance(layers, (list, tuple)) or not layers:
         raise ValueError("layers must be a non-empty list of 2-D uint8 arrays")
+    if not (isinstance(pack, np.ndarray) or _is_cupy(pack)):
+        raise TypeError(f"pack must be a numpy or CuPy uint8 array (the registered buffer), got "
+                        f"{type(pack).__name__}")
+    if config is not None and not isinstance(config, GatherConfig):
+        raise TypeError(f"config must be a GatherConfig or None, got {type(config).__name__}")
     on_device = _is_cupy(pack)
     # The same registered layers come back on every pack: their checks are cached by identity
     # (the cache holds the arrays, so an id cannot be reused while its entry lives).
@@ -761,7 +778,8 @@ def _pack_rows_host_pallas(layers, idx, pack, offset, item_lens, backend, config
     m = bucket_rows(n, config.block_rows)
     idx_pad = np.zeros(m, np.int32)
     idx_pad[:n] = idx
-    srcs = [jnp.asarray(a.view(dt)) for a in layers]
+    # A word view needs rows contiguous in their last axis: copy strided layers once first.
+    srcs = [jnp.asarray(np.ascontiguousarray(a).view(dt)) for a in layers]
     out = gather_rows(srcs, jnp.asarray(idx_pad), jnp.asarray(pack.view(dt)), n,
                       offset=offset // dt.itemsize, config=config, backend=backend)
     total = n * sum(item_lens)

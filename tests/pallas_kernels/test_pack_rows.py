@@ -155,6 +155,29 @@ def test_bad_inputs(layers, indices, pack, kwargs, exc, match):
     np.testing.assert_array_equal(pack, before)  # nothing written on error
 
 
+def test_pack_and_config_of_the_wrong_kind_are_type_errors():
+    import jax.numpy as jnp
+
+    layers = _layers(np.random.default_rng(8), 10, (8,))
+    for pack in ([0] * 80, jnp.zeros(80, jnp.uint8), bytearray(80)):
+        with pytest.raises(TypeError, match="pack must be a numpy or CuPy"):
+            pack_rows(layers, [1, 2], pack)
+    with pytest.raises(TypeError, match="config must be a GatherConfig"):
+        pack_rows(layers, [1, 2], np.zeros(80, np.uint8), config="fast")
+
+
+def test_layers_strided_in_the_last_axis_work_in_interpret_mode():
+    # Every other byte of a wider buffer: the word view needs a contiguous copy first.
+    rng = np.random.default_rng(9)
+    base = rng.integers(0, 256, (30, 64), dtype=np.uint8)
+    layers = [base[:, ::2], base[:, 1::2]]
+    idx = rng.integers(0, 30, 11)
+    for backend in ("numpy", "interpret"):
+        pack = np.full(11 * 64 + 16, SENTINEL, np.uint8)
+        pack_rows(layers, idx, pack, offset=8, backend=backend, config=GatherConfig(block_rows=16))
+        np.testing.assert_array_equal(pack, _brute_force(layers, idx, pack.size, 8))
+
+
 def test_numpy_pack_with_cupy_layers_is_refused():
     class FakeCupy:  # only its module name matters to the kind check
         __module__ = "cupy._core.core"
