@@ -94,8 +94,8 @@ def transfer(
 ) -> None:
     """Ship one request's KV from prefill to decode-rank processes through a real engine; verify every byte.
 
-    Prints a table per mode (descriptors, bytes, engine calls, plan / pack / transfer / total seconds,
-    GB/s, verified per rank) and the packed/direct ratios. Exit status 1 if any byte is wrong.
+    Prints one table per mode: descriptors, bytes, engine calls, seconds, GB/s, verified per rank.
+    Then the packed/direct ratios. Exit status 1 if any byte is wrong, 2 for bad options.
     """
     from dcp_jax.transfer_job import DEVICES, check_device, check_host_memory, run_job
 
