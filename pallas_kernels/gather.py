@@ -460,7 +460,8 @@ def gather_rows(
         num_rows: n, rows to gather (int or traced int32 scalar; default m). n is clamped so
             the layer-major region never extends past the end of `pack`.
         offset: word offset of this region inside `pack` (static).
-        config: `GatherConfig` tuning knobs (static).
+        config: `GatherConfig` tuning knobs (static). The dataclass defaults are the plain
+            32-row kernel; `GatherConfig.default()` is the tuned one (`pack_rows` uses it).
         backend: "auto", "triton", "mosaic" or "interpret" (static; see module docstring).
 
     Returns:
