@@ -46,16 +46,20 @@ def _is_int(x: Any) -> bool:
 def _check_fill(fill: Any) -> int | None:
     if fill is None:
         return None
-    if not _is_int(fill) or not 0 <= fill <= 255:
+    if not _is_int(fill):
+        raise TypeError(f"{fill=} must be None or an int byte value 0..255")
+    if not 0 <= fill <= 255:
         raise ValueError(f"{fill=} must be None or an int byte value 0..255")
     return int(fill)
 
 
 def _view_range(total: int, offset: int, nbytes: int | None, itemsize: int) -> tuple[int, int]:
-    if not _is_int(offset) or offset < 0:
+    if not _is_int(offset):
+        raise TypeError(f"{offset=} must be a non-negative int (bytes)")
+    if offset < 0:
         raise ValueError(f"{offset=} must be a non-negative int (bytes)")
     if nbytes is not None and not _is_int(nbytes):
-        raise ValueError(f"{nbytes=} must be None or an int (bytes)")
+        raise TypeError(f"{nbytes=} must be None or an int (bytes)")
     nbytes = total - offset if nbytes is None else int(nbytes)
     if nbytes < 0 or offset + nbytes > total:
         raise ValueError(f"{offset=} + {nbytes=} exceeds the buffer of {total} bytes")

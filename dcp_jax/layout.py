@@ -113,6 +113,16 @@ def _count(xp, start, length, n: int, r: int, i: int):
 # --------------------------------------------------------------------------------------------
 
 
+def _jax_layout_args(dcp_size: Any, interleave_size: Any = 1, dcp_rank: Any = None):
+    """`check_layout_args`, plus: the JAX forms compute ``t // (I * N)`` in int32 without x64,
+    so ``I * N`` must fit int32 (the numpy twins compute in int64)."""
+    n, i, r = check_layout_args(dcp_size, interleave_size, dcp_rank)
+    if not jax.config.jax_enable_x64 and n * i > np.iinfo(np.int32).max:
+        raise ValueError(f"dcp_size * interleave_size = {n * i} does not fit int32; enable "
+                         "jax_enable_x64 or use the numpy twins (*_np)")
+    return n, i, r
+
+
 def _as_int_array(name: str, x) -> jax.Array:
     """Integer positions as a JAX array; concrete inputs are checked, traced ones cannot be."""
     if isinstance(x, jax.core.Tracer):
@@ -173,7 +183,7 @@ def owner(t, dcp_size: int, interleave_size: int = 1) -> jax.Array:
         >>> [int(x) for x in owner(jnp.arange(6), 2, 2)]
         [0, 0, 1, 1, 0, 0]
     """
-    n, i, _ = check_layout_args(dcp_size, interleave_size)
+    n, i, _ = _jax_layout_args(dcp_size, interleave_size)
     return _owner_jit(_as_int_array("t", t), n=n, i=i)
 
 
@@ -197,7 +207,7 @@ def local_index(t, dcp_size: int, interleave_size: int = 1) -> jax.Array:
         >>> [int(x) for x in local_index(jnp.arange(6), 2)]
         [0, 0, 1, 1, 2, 2]
     """
-    n, i, _ = check_layout_args(dcp_size, interleave_size)
+    n, i, _ = _jax_layout_args(dcp_size, interleave_size)
     return _local_index_jit(_as_int_array("t", t), n=n, i=i)
 
 
@@ -224,7 +234,7 @@ def local_len(length, dcp_size: int, dcp_rank: int, interleave_size: int = 1) ->
         >>> [int(local_len(L, 2, 0, 4)) for L in (1, 4, 5, 8, 9)]
         [1, 4, 4, 4, 5]
     """
-    n, i, r = check_layout_args(dcp_size, interleave_size, dcp_rank)
+    n, i, r = _jax_layout_args(dcp_size, interleave_size, dcp_rank)
     return _local_len_jit(_as_int_array("length", length), n=n, r=r, i=i)
 
 
@@ -245,11 +255,14 @@ def count(start, length, dcp_size: int, dcp_rank: int, interleave_size: int = 1)
         TypeError: an input is not integer, or a static argument is not an int.
         ValueError: ``dcp_size``/``interleave_size`` not positive or ``dcp_rank`` out of range.
 
+    Traced inputs (under ``jax.jit``) cannot be checked: keep ``S + L < 2**31`` there, or enable
+    ``jax_enable_x64``; concrete inputs past that raise.
+
     Example:
         >>> int(count(3, 5, 2, 1))  # tokens 3..7, rank 1 holds 3, 5, 7
         3
     """
-    n, i, r = check_layout_args(dcp_size, interleave_size, dcp_rank)
+    n, i, r = _jax_layout_args(dcp_size, interleave_size, dcp_rank)
     s_arr, l_arr = _as_int_array("start", start), _as_int_array("length", length)
     # The range end S + L is computed too: it must fit int32 as well (concrete inputs only).
     if (not jax.config.jax_enable_x64 and not isinstance(start, jax.core.Tracer)

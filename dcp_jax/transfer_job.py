@@ -112,6 +112,7 @@ ENGINES = ("nixl", "mooncake", "auto")
 DEVICES = ("cpu", "gpu")
 MAX_RANKS = 64  # dcp_size / prefill_dcp_size: one process per rank
 MAX_TIMEOUT_S = 86400.0  # a day; larger values overflow the pipes' and engines' wait calls
+FAILURE_GRACE_S = 5.0  # after a process fails mid-mode, how long the others get to report
 WARMUP_TAG = b"dcp-jax-warm-up"  # notification of the warm-up WRITE (NIXL), consumed by the decode rank
 
 # Engines log to stderr on their own; keep loopback traffic and quiet logs unless the user set them.
@@ -483,7 +484,8 @@ class RequestFailed(RuntimeError):
 
     def __init__(self, message: str, *, dcp_rank: int | None = None, chunk: int | None = None, cause: str = ""):
         self.dcp_rank, self.chunk, self.cause = dcp_rank, chunk, cause
-        super().__init__(f"{message} (dcp_rank={dcp_rank}, chunk={chunk}){': ' + cause if cause else ''}")
+        where = ", ".join(f"{k}={v}" for k, v in (("dcp_rank", dcp_rank), ("chunk", chunk)) if v is not None)
+        super().__init__(f"{message}{f' ({where})' if where else ''}{': ' + cause if cause else ''}")
 
     def __reduce__(self):
         return (_rebuild_failed, (self.args[0], self.dcp_rank, self.chunk, self.cause))
@@ -1497,14 +1499,7 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
         for seq, mode in enumerate(cfg.modes):
             runs.append(_run_mode(cfg, mode, seq, decodes, prefills, peers, engine_kind, tag, on_progress))
     finally:
-        for pr, a in prefills:
-            _send_quiet(a, ("shutdown", None))
-        for dp in decodes:
-            dp.stop()
-        for pr, a in prefills:
-            pr.join(10)
-            if pr.is_alive():
-                pr.kill()
+        _stop_all([(a, pr) for pr, a in prefills] + [(dp.ctrl, dp.process) for dp in decodes])
     out = dict(config=_config_json(cfg), setup_seconds=setup_s, decode_start_seconds=decode_start_s,
                warmup_seconds=warmup_s, prefill_setup=prefill_setup, runs=runs)
     by = {r["mode"]: r for r in runs}
@@ -1538,6 +1533,23 @@ def _recv_kind(conn: Connection, proc, timeout_s: float, expect: str, who: str) 
     if kind != expect:
         raise RuntimeError(f"{who}: expected {expect!r}, got {kind!r}:\n{arg}")
     return arg
+
+
+def _stop_all(procs: Sequence[tuple[Connection, Any]], timeout_s: float = 10.0) -> None:
+    """Asks every process to shut down, waits for all under one deadline, kills the rest.
+
+    A process stuck in a wait of its own (a peer died mid-request) does not read its control
+    pipe; one shared deadline keeps the stop at ``timeout_s`` in all, not per process.
+    """
+    for conn, _ in procs:
+        _send_quiet(conn, ("shutdown", None))
+    deadline = time.monotonic() + timeout_s
+    for _, proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for _, proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
 
 
 def _exit_code(proc) -> Any:
@@ -1593,7 +1605,15 @@ def _run_mode(cfg: JobConfig, mode: str, seq: int, decodes: list[DecodeProcess],
     conns.update({id(dp.ctrl): ("decode", r, dp.ctrl, dp.process) for r, dp in enumerate(decodes)})
     deadline_extra = cfg.timeout_s
     last = time.monotonic()
+    give_up_at = None  # set at the first failure: the others' messages may never come
     while len(stats) + len(results) < len(prefills) + n:
+        if failures and give_up_at is None:
+            give_up_at = time.monotonic() + min(FAILURE_GRACE_S, cfg.timeout_s)
+        if give_up_at is not None and time.monotonic() > give_up_at:
+            waiting = ", ".join(f"{v[0]} {v[1]}" for v in conns.values())
+            failures.append(f"stopped waiting for {waiting}: no message within "
+                            f"{min(FAILURE_GRACE_S, cfg.timeout_s):g} s of the first failure")
+            break
         live = [v[2] for v in conns.values()]
         ready_c = conn_wait(live, timeout=1.0)
         if not ready_c:

@@ -111,12 +111,16 @@ class GatherConfig:
                      "layers_per_program"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                raise ValueError(f"{name}={v!r} must be an int")
+                raise TypeError(f"{name}={v!r} must be an int")
         for name in ("interleave", "mask_loads", "layers_fastest"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+                raise TypeError(f"{name}={getattr(self, name)!r} must be a bool")
         if self.block_rows > MAX_BLOCK_ROWS:
             raise ValueError(f"{self.block_rows=} must be <= {MAX_BLOCK_ROWS} (rows per program)")
+        if self.num_warps > 32:  # 1024 threads, the most one CUDA thread block may have
+            raise ValueError(f"{self.num_warps=} must be <= 32")
+        if self.num_stages > 16:
+            raise ValueError(f"{self.num_stages=} must be <= 16")
         if self.block_rows <= 0 or self.block_rows & (self.block_rows - 1):
             raise ValueError(f"{self.block_rows=} must be a positive power of 2")
         if self.num_warps <= 0 or self.num_warps & (self.num_warps - 1):
@@ -628,8 +632,9 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
         backend: "auto" (numpy: "numpy"; CuPy: see `select_backend`), "numpy", "interpret",
             "triton" or "mosaic".
         config: kernel tuning (`GatherConfig.default()` when None).
-        threads: host gather only: worker threads (>= 1). None: one per core, at most
-            `HOST_MAX_THREADS`, for regions of at least `HOST_THREADS_MIN_BYTES`; else one.
+        threads: host gather only: worker threads, 1..`HOST_MAX_THREADS_ARG`. None: one per
+            core, at most `HOST_MAX_THREADS`, for regions of at least `HOST_THREADS_MIN_BYTES`;
+            else one. The process keeps one pool, grown to the largest count asked for.
 
     Returns:
         Bytes written, `n * sum(kv_item_len)`.
@@ -654,6 +659,9 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
     layer_key = (on_device, tuple(map(id, layers)))
     if layer_key not in _CHECKED_LAYERS:
         for l, a in enumerate(layers):
+            if not (isinstance(a, np.ndarray) or _is_cupy(a)):
+                raise TypeError(f"layers[{l}] must be a numpy or CuPy uint8 array, got "
+                                f"{type(a).__name__}")
             if _is_cupy(a) != on_device:
                 raise TypeError(f"layers[{l}] and pack must both be numpy or both CuPy arrays")
             if a.ndim != 2:
@@ -675,8 +683,8 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
         raise ValueError(f"{offset=} must be a non-negative int (bytes)")
     offset = int(offset)
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, (int, np.integer))
-                                or threads < 1):
-        raise ValueError(f"{threads=} must be None or an int >= 1")
+                                or not 1 <= threads <= HOST_MAX_THREADS_ARG):
+        raise ValueError(f"{threads=} must be None or an int in [1, {HOST_MAX_THREADS_ARG}]")
     if on_device and _is_cupy(indices):
         idx = indices
     else:
@@ -724,25 +732,26 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
 
 HOST_MAX_THREADS = 8  # past this the gather is bound by memory bandwidth, not cores
 HOST_THREADS_MIN_BYTES = 8 << 20  # smaller regions: thread hand-off costs more than it saves
-_HOST_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (pid, workers) -> pool
+HOST_MAX_THREADS_ARG = 64  # the most `threads=` may ask for (one shared pool of at most this)
+_HOST_POOL: dict[str, Any] = {}  # {"pid", "workers", "pool"}: this process's one pool
 _HOST_POOL_LOCK = threading.Lock()
 
 
 def _host_pool(workers: int) -> ThreadPoolExecutor:
-    """A pool of exactly `workers` threads, made again after a fork (a child has no threads)."""
-    key = (os.getpid(), workers)
+    """This process's worker pool, at least `workers` threads (one pool, grown when asked for
+    more; made again after a fork, since a child inherits no threads)."""
     with _HOST_POOL_LOCK:
-        pool = _HOST_POOLS.get(key)
-        if pool is None:
-            for k in [k for k in _HOST_POOLS if k[0] != key[0]]:
-                del _HOST_POOLS[k]  # a parent's pools: their threads do not exist here
-            pool = _HOST_POOLS[key] = ThreadPoolExecutor(max_workers=workers,
-                                                         thread_name_prefix="pack_rows")
+        pool = _HOST_POOL.get("pool")
+        if pool is None or _HOST_POOL["pid"] != os.getpid() or _HOST_POOL["workers"] < workers:
+            if pool is not None and _HOST_POOL["pid"] == os.getpid():
+                pool.shutdown(wait=False)  # its threads exit once idle
+            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pack_rows")
+            _HOST_POOL.update(pid=os.getpid(), workers=workers, pool=pool)
         return pool
 
 
 def _pack_rows_host(layers, idx, pack, offset, item_lens, threads):
-    """numpy gather into the pack: (layer, row range) units over `threads` workers."""
+    """numpy gather into the pack: (layer, row range) units, dealt to `threads` workers."""
     n = int(idx.shape[0])
     total = n * sum(item_lens)
     if threads is None:
@@ -758,18 +767,19 @@ def _pack_rows_host(layers, idx, pack, offset, item_lens, threads):
                 units.append((a, r0, r1, w, pos + r0 * w))
         pos += n * w
 
-    def take(unit):
-        a, r0, r1, w, start = unit
-        # mode="clip" (indices are checked by the caller) avoids np.take's buffered "raise" path.
-        np.take(a, idx[r0:r1], axis=0, out=pack[start:start + (r1 - r0) * w].reshape(r1 - r0, w),
-                mode="clip")
+    def take(batch):
+        for a, r0, r1, w, start in batch:
+            # mode="clip" (indices are checked by the caller) skips np.take's buffered "raise" path.
+            np.take(a, idx[r0:r1], axis=0,
+                    out=pack[start:start + (r1 - r0) * w].reshape(r1 - r0, w), mode="clip")
 
-    if threads == 1 or len(units) == 1:
-        for u in units:
-            take(u)
+    threads = min(threads, len(units))
+    if threads <= 1:
+        take(units)
         return
-    # list() waits for every unit and re-raises the first worker's exception here.
-    list(_host_pool(threads).map(take, units))
+    # Exactly `threads` tasks, so no more run at once whatever the pool's size; list() waits
+    # for all of them and re-raises the first worker's exception here.
+    list(_host_pool(threads).map(take, [units[k::threads] for k in range(threads)]))
 
 
 def _pack_rows_host_pallas(layers, idx, pack, offset, item_lens, backend, config):

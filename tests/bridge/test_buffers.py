@@ -44,8 +44,9 @@ def test_as_jax_is_zero_copy_when_aligned():
     ({"nbytes": 0}, ValueError, "nbytes"), ({"nbytes": -5}, ValueError, "nbytes"),
     ({"nbytes": 1.5}, TypeError, "nbytes"), ({"nbytes": True}, TypeError, "nbytes"),
     ({"nbytes": 8, "fill": 256}, ValueError, "fill"),
-    ({"nbytes": 8, "fill": 1.7}, ValueError, "fill"), ({"nbytes": 8, "fill": True}, ValueError, "fill"),
-    ({"nbytes": 8, "fill": "5"}, ValueError, "fill"), ({"nbytes": 8, "fill": "x"}, ValueError, "fill"),
+    ({"nbytes": 8, "fill": 1.7}, TypeError, "fill"), ({"nbytes": 8, "fill": True}, TypeError, "fill"),
+    ({"nbytes": 8, "fill": "5"}, TypeError, "fill"), ({"nbytes": 8, "fill": "x"}, TypeError, "fill"),
+    ({"nbytes": 8, "fill": -1}, ValueError, "fill"),
 ])
 def test_host_buffer_errors(kwargs, exc, match):
     with pytest.raises(exc, match=match):
@@ -62,9 +63,9 @@ def test_view_range_errors():
         buf.as_jax(np.uint32, offset=2, nbytes=8)
     with pytest.raises(ValueError, match="exceeds the buffer"):
         buf.as_jax(offset=90, nbytes=20)
-    with pytest.raises(ValueError, match="nbytes"):
+    with pytest.raises(TypeError, match="nbytes"):
         buf.as_jax(nbytes=1.5)  # used to truncate to 1
-    with pytest.raises(ValueError, match="offset"):
+    with pytest.raises(TypeError, match="offset"):
         buf.view(offset=True)
 
 

@@ -138,6 +138,8 @@ def test_section2_invariants(n, i, length, start):
         # each fits int32, their sum (the range end) does not: it used to wrap to a negative count
         (lambda: count(2**31 - 10, 100, 2, 0), "start \\+ length = 2147483738"),
         (lambda: count([5, 2**31 - 1], [1, 1], 2, 0), "start \\+ length"),
+        (lambda: owner([3], 65536, 65536), "dcp_size \\* interleave_size"),
+        (lambda: local_len(3, 65536, 0, 65536), "does not fit int32"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_them(call, name):

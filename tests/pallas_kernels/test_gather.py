@@ -194,14 +194,23 @@ def test_helpers():
     ({"eviction_policy": "evict_never"}, "eviction_policy"), ({"layers_per_step": 0}, "layers"),
     ({"layers_per_program": 0}, "layers_per_program"), ({"load_eviction_policy": "x"}, "load_eviction"),
     ({"load_cache_modifier": "cg"}, "load_cache_modifier"),
-    ({"block_rows": True}, "block_rows"), ({"block_rows": 2.0}, "block_rows"),
-    ({"block_rows": 2**40}, "block_rows"), ({"num_stages": 1.5}, "num_stages"),
-    ({"layers_per_step": 2.5}, "layers_per_step"), ({"interleave": "no"}, "interleave"),
-    ({"mask_loads": 5}, "mask_loads"), ({"layers_fastest": None}, "layers_fastest"),
+    ({"block_rows": 2**40}, "block_rows"), ({"num_warps": 2**20}, "num_warps"),
+    ({"num_stages": 10**9}, "num_stages"),
     ({"load_cache_modifier": ".cs"}, "load_cache_modifier"),
 ])
 def test_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
+        GatherConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"block_rows": True}, "block_rows"), ({"block_rows": 2.0}, "block_rows"),
+    ({"num_stages": 1.5}, "num_stages"), ({"layers_per_step": 2.5}, "layers_per_step"),
+    ({"interleave": "no"}, "interleave"), ({"mask_loads": 5}, "mask_loads"),
+    ({"layers_fastest": None}, "layers_fastest"),
+])
+def test_config_type_errors(kwargs, match):
+    with pytest.raises(TypeError, match=match):
         GatherConfig(**kwargs)
 
 

@@ -1,5 +1,7 @@
 """CPU: `pallas_kernels.pack_rows` on host buffers, byte-exact, touching no other byte."""
 
+import time
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -86,8 +88,9 @@ def test_threaded_host_gather_equals_fancy_indexing(threads):
 
 
 def test_worker_pool_is_made_again_in_a_forked_child(monkeypatch):
-    # A forked child inherits the parent's pool object but none of its threads: pools are
-    # keyed by pid, so the child (another pid) makes its own instead of waiting on dead threads.
+    # A forked child inherits the parent's pool object but none of its threads: the pool is
+    # tagged with its pid, so the child (another pid) makes its own instead of waiting on dead
+    # threads.
     from pallas_kernels import gather
 
     layers = _layers(np.random.default_rng(6), 50, (16, 8))
@@ -96,11 +99,30 @@ def test_worker_pool_is_made_again_in_a_forked_child(monkeypatch):
     parent_pool = gather._host_pool(2)
     monkeypatch.setattr(gather.os, "getpid", lambda: -12345)  # as seen from a child
     child_pool = gather._host_pool(2)
-    assert child_pool is not parent_pool
-    assert all(pid == -12345 for pid, _ in gather._HOST_POOLS)
+    assert child_pool is not parent_pool and gather._HOST_POOL["pid"] == -12345
     pack = np.zeros(960, np.uint8)
     pack_rows(layers, idx, pack, threads=2)
     np.testing.assert_array_equal(pack, np.concatenate([a[idx].ravel() for a in layers]))
+
+
+def test_one_bounded_pool_whatever_threads_are_asked_for():
+    # Many different counts used to leave a pool each (hundreds of idle threads).
+    import threading
+
+    from pallas_kernels import gather
+
+    rng = np.random.default_rng(12)
+    layers = _layers(rng, 200, (32, 16))
+    idx = rng.integers(0, 200, 150)
+    exp = np.concatenate([a[idx].ravel() for a in layers])
+    for threads in (2, 3, 5, 9, 17, 33, 64, 4):
+        pack = np.zeros(150 * 48, np.uint8)
+        pack_rows(layers, idx, pack, threads=threads)
+        np.testing.assert_array_equal(pack, exp)
+    assert gather._HOST_POOL["workers"] <= gather.HOST_MAX_THREADS_ARG
+    time.sleep(0.2)  # replaced pools' threads exit once idle
+    alive = [t for t in threading.enumerate() if t.name.startswith("pack_rows")]
+    assert len(alive) <= gather.HOST_MAX_THREADS_ARG + 4  # the live pool, plus stragglers
 
 
 def test_empty_indices_write_nothing():
@@ -138,6 +160,7 @@ def test_non_contiguous_layer_views():
     ("ok", [0], 200, {"threads": 0}, ValueError, "threads"),
     ("ok", [0], 200, {"threads": True}, ValueError, "threads"),
     ("ok", [0], 200, {"threads": 1.5}, ValueError, "threads"),
+    ("ok", [0], 200, {"threads": 65}, ValueError, "threads"),
 ])
 def test_bad_inputs(layers, indices, pack, kwargs, exc, match):
     ok = [np.zeros((10, 8), np.uint8), np.zeros((12, 4), np.uint8)]
@@ -164,6 +187,8 @@ def test_pack_and_config_of_the_wrong_kind_are_type_errors():
             pack_rows(layers, [1, 2], pack)
     with pytest.raises(TypeError, match="config must be a GatherConfig"):
         pack_rows(layers, [1, 2], np.zeros(80, np.uint8), config="fast")
+    with pytest.raises(TypeError, match="layers\\[0\\] must be a numpy or CuPy"):
+        pack_rows([[[1, 2], [3, 4]]], [1], np.zeros(80, np.uint8))
 
 
 def test_layers_strided_in_the_last_axis_work_in_interpret_mode():
