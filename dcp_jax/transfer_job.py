@@ -1254,11 +1254,7 @@ class DecodeProcess:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Asks the process to exit; kills it if it does not within ``timeout_s``."""
-        _send_quiet(self.ctrl, ("shutdown", None))
-        self.process.join(timeout_s)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(5)
+        _stop_all([(self.ctrl, self.process)], timeout_s)
 
 
 def start_decode_processes(cfg: JobConfig, *, num: int | None = None, num_sources: int | None = None,
