@@ -1080,18 +1080,27 @@ class PrefillServer:
         self._rank_counts = {}
 
 
+def _try_send(conn: Connection, msg: Any) -> str | None:
+    """Sends ``msg``; returns None, or the pipe error's text if the other end is gone.
+
+    Callers raise their own error *after* this returns, outside any except block, so the pipe
+    error is not kept as ``__context__`` (``from None`` only hides it): its frames hold
+    multiprocessing's pickled message (a memoryview of a BytesIO), and when the garbage collector
+    frees that pair at exit CPython can crash ("deallocated BytesIO object has exported buffers").
+    """
+    try:
+        conn.send(msg)
+    except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def _send(conn: Connection | None, msg: Any, rank: int, chunk: int | None) -> None:
     if conn is None:
         return
-    try:
-        conn.send(msg)
-        return
-    except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
-        cause = f"{type(exc).__name__}: {exc}"
-    # Raised outside the except block so the pipe error is not kept as __context__: its frames hold
-    # multiprocessing's pickled message (a memoryview of a BytesIO), and when the garbage collector
-    # frees that pair at exit CPython can crash ("deallocated BytesIO object has exported buffers").
-    raise RequestFailed("decode rank is gone", dcp_rank=rank, chunk=chunk, cause=cause)
+    cause = _try_send(conn, msg)
+    if cause is not None:
+        raise RequestFailed("decode rank is gone", dcp_rank=rank, chunk=chunk, cause=cause)
 
 
 def _send_quiet(conn: Connection | None, msg: Any) -> None:
@@ -1557,10 +1566,9 @@ def _exit_code(proc) -> Any:
 
 def _send_or_raise(conn: Connection, msg: Any, who: str, proc) -> None:
     """Sends a control message; a closed pipe becomes RuntimeError naming the process."""
-    try:
-        conn.send(msg)
-    except (BrokenPipeError, ConnectionResetError, EOFError, OSError) as exc:
-        raise RuntimeError(f"{who} exited (code {_exit_code(proc)}): {type(exc).__name__}") from None
+    cause = _try_send(conn, msg)
+    if cause is not None:
+        raise RuntimeError(f"{who} exited (code {_exit_code(proc)}): {cause}")
 
 
 def _failed_run(mode: str, engine_kind: str | None, n: int, failure: str) -> dict:
