@@ -1,0 +1,151 @@
+"""The caller's paged KV cache as the connector sees it: byte-row views, regions, base addresses.
+
+`CacheLayers` wraps ``kv_layers`` (numpy, JAX on CPU or GPU, or CuPy arrays, one per layer entry,
+``[num_pages, page_size, ...]``) without copying a byte: it finds each buffer's pointer (the
+buffer protocol, ``unsafe_buffer_pointer``, DLPack or ``__cuda_array_interface__``), checks the
+shape against the `KVCacheSpec`, and keeps a reference to every array for as long as it lives,
+so the memory an engine has registered cannot be freed under it.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from bridge import MemoryRegion
+from dcp_jax.transfer.spec import KVCacheSpec
+
+__all__ = ["CacheLayers", "array_kind"]
+
+
+def array_kind(a: Any) -> str:
+    """``"numpy"``, ``"cupy"``, ``"jax-cpu"``, ``"jax-gpu"`` (any non-CPU JAX device), or raises.
+
+    Raises:
+        TypeError: not one of those array types.
+    """
+    if isinstance(a, np.ndarray):
+        return "numpy"
+    mod = type(a).__module__.split(".")[0]
+    if mod == "cupy":
+        return "cupy"
+    if mod in ("jax", "jaxlib"):
+        devs = list(a.devices())
+        if len(devs) != 1:
+            raise TypeError(f"a JAX KV layer must live on one device, this one spans {len(devs)}")
+        return "jax-cpu" if devs[0].platform == "cpu" else "jax-gpu"
+    raise TypeError(f"KV layers must be numpy, CuPy or JAX arrays, got {type(a).__name__}")
+
+
+def _pointer(a: Any, kind: str) -> int:
+    if kind == "numpy":
+        return int(a.ctypes.data)
+    if kind == "cupy":
+        return int(a.data.ptr)
+    return int(a.unsafe_buffer_pointer())
+
+
+def _row_view(a: Any, kind: str, rows: int, item: int) -> Any:
+    """u8[rows, item] view of one layer's memory (no copy) for the pack; JAX GPU stays JAX."""
+    if kind == "numpy":
+        return a.reshape(rows, -1).view(np.uint8).reshape(rows, item)
+    if kind == "cupy":
+        import cupy as cp
+
+        return a.reshape(rows, -1).view(cp.uint8).reshape(rows, item)
+    if kind == "jax-cpu":
+        host = np.from_dlpack(a)  # zero-copy, read-only: the pack only reads, engines write raw
+        if int(host.ctypes.data) != _pointer(a, kind):
+            raise RuntimeError("DLPack import of a JAX CPU layer copied it")
+        return host.reshape(rows, -1).view(np.uint8).reshape(rows, item)
+    import jax
+
+    return jax.lax.bitcast_convert_type(a.reshape(rows, -1), np.uint8).reshape(rows, item) \
+        if a.dtype.itemsize == 1 else a  # JAX GPU: the device pack path reads the array itself
+
+
+class CacheLayers:
+    """One side's KV layer buffers, checked against its spec and held alive.
+
+    Args:
+        spec: the side's `KVCacheSpec`.
+        kv_layers: ``spec.num_layers`` arrays, each ``[num_pages, page_size, ...]`` whose
+            trailing dims hold ``spec.item_lens[l]`` bytes per token, C-contiguous, all of one
+            kind (numpy, CuPy, or JAX on one device). The caller owns them; this object keeps a
+            reference until `close`.
+
+    Attributes:
+        kind: `array_kind` of the layers.
+        mem_type: ``"DRAM"`` or ``"VRAM"``; device_id: accelerator ordinal (0 on the host).
+        num_rows: i64[L] rows (``num_pages * page_size``) of each layer.
+        bases: i64[L] address of row 0 of each layer (bytes).
+        rows: per-layer u8[num_rows, item_len] views (numpy / CuPy; JAX GPU arrays as given).
+        regions: one `bridge.MemoryRegion` per layer (what the engine registers).
+
+    Raises:
+        TypeError: not a sequence, mixed kinds, unknown array type.
+        ValueError: wrong number of layers, wrong page size or bytes per token, not contiguous
+            (the message names ``kv_layers[l]``).
+    """
+
+    def __init__(self, spec: KVCacheSpec, kv_layers: Sequence[Any]):
+        if not isinstance(kv_layers, (list, tuple)):
+            raise TypeError(f"kv_layers must be a list or tuple of arrays, got {type(kv_layers).__name__}")
+        if len(kv_layers) != spec.num_layers:
+            raise ValueError(f"kv_layers has {len(kv_layers)} layers, spec.num_layers={spec.num_layers}")
+        kinds = {array_kind(a) for a in kv_layers}
+        if len(kinds) != 1:
+            raise TypeError(f"kv_layers mixes array kinds {sorted(kinds)}; give one kind")
+        self.kind = kinds.pop()
+        self.mem_type = "DRAM" if self.kind in ("numpy", "jax-cpu") else "VRAM"
+        self.device_id = 0
+        self._arrays = tuple(kv_layers)
+        bases, rows, regions, views = [], [], [], []
+        for l, a in enumerate(kv_layers):
+            shape = tuple(a.shape)
+            if len(shape) < 2 or shape[1] != spec.page_size:
+                raise ValueError(f"kv_layers[{l}] has shape {shape}; expected [num_pages, "
+                                 f"page_size={spec.page_size}, ...]")
+            if shape[0] < 1:
+                raise ValueError(f"kv_layers[{l}] has no page (shape {shape})")
+            nbytes = int(np.prod(shape)) * np.dtype(a.dtype).itemsize
+            n = shape[0] * shape[1]
+            if nbytes != n * spec.item_lens[l]:
+                raise ValueError(f"kv_layers[{l}] holds {nbytes // n} bytes per token, "
+                                 f"spec.item_lens[{l}]={spec.item_lens[l]}")
+            if self.kind in ("numpy", "cupy") and not a.flags.c_contiguous:
+                raise ValueError(f"kv_layers[{l}] must be C-contiguous")
+            if self.kind == "cupy":
+                self.device_id = int(a.device.id)
+            elif self.kind == "jax-gpu":
+                self.device_id = int(list(a.devices())[0].local_hardware_id or 0)
+            ptr = _pointer(a, self.kind)
+            bases.append(ptr)
+            rows.append(n)
+            regions.append(MemoryRegion(ptr, nbytes, self.mem_type, self.device_id))
+            views.append(_row_view(a, self.kind, n, spec.item_lens[l]))
+        self.bases = np.asarray(bases, np.int64)
+        self.num_rows = np.asarray(rows, np.int64)
+        self.item_lens = np.asarray(spec.item_lens, np.int64)
+        self.rows = views
+        self.regions = tuple(regions)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every layer together."""
+        return sum(r.nbytes for r in self.regions)
+
+    @property
+    def min_rows(self) -> int:
+        """Rows every layer has (page ids must stay below ``min_rows // page_size``)."""
+        return int(self.num_rows.min())
+
+    def close(self) -> None:
+        """Drops the references to the caller's arrays (after the engine deregistered them)."""
+        self._arrays = ()
+        self.rows = []
+
+    def __repr__(self) -> str:
+        return (f"CacheLayers(kind={self.kind!r}, layers={len(self.regions)}, "
+                f"bytes={self.nbytes:,}, mem_type={self.mem_type!r})")

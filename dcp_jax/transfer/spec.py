@@ -1,0 +1,158 @@
+"""`KVCacheSpec`: the KV cache geometry one side of a transfer declares, and the handshake check.
+
+Each side (the prefill `KVSender`, every decode `KVReceiver`) describes its own paged cache.
+At ``receiver.connect`` both specs cross the control plane and `check_compatible` refuses any
+pair the transfer cannot serve, naming the field and both values, before any byte moves.
+
+Conventions (``shared/spec/dcp.md`` sections 2, 3 and 10): ``kv_layers[l]`` is
+``[num_pages, page_size, item]`` with ``item_lens[l]`` bytes per token; the decode rank
+``dcp_rank`` of ``dcp_size`` owns token ``t`` iff ``(t // interleave_size) % dcp_size == dcp_rank``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from dcp_jax._validate import check_int
+
+__all__ = ["KVCacheSpec", "HandshakeError", "check_compatible", "MAX_DCP_SIZE", "MAX_LAYERS"]
+
+MAX_DCP_SIZE = 1024      # DCP groups beyond this are not a serving configuration
+MAX_LAYERS = 4096        # layer entries per cache (one per layer for MLA; more for hybrid models)
+MAX_ITEM_LEN = 1 << 24   # bytes per token per layer entry (16 MiB)
+_INT32_MAX = (1 << 31) - 1
+
+
+class HandshakeError(ValueError):
+    """Two sides cannot be connected: one field differs or a geometry cannot be served.
+
+    Attributes:
+        field: the field that decided it (``"num_layers"``, ``"item_lens"``, ``"version"``, ...).
+        ours: this side's value.
+        theirs: the peer's value.
+    """
+
+    def __init__(self, field: str, ours: Any, theirs: Any, detail: str = ""):
+        self.field, self.ours, self.theirs = field, ours, theirs
+        msg = f"handshake refused: {field} differs (this side {ours!r}, peer {theirs!r})"
+        super().__init__(msg + (f": {detail}" if detail else ""))
+
+    def __reduce__(self):
+        return (type(self), (self.field, self.ours, self.theirs))
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheSpec:
+    """The paged KV cache one side of a transfer holds.
+
+    Attributes:
+        num_layers: layer entries (registered KV buffers), >= 1.
+        item_lens: bytes per token of each layer entry, ``num_layers`` ints > 0 (DeepSeek-V3
+            MLA bf16: 576 x 2 = 1152).
+        page_size: tokens per page, >= 1.
+        dcp_size: this side's DCP group size (prefill M, decode N), >= 1.
+        dcp_rank: this side's rank in it, ``0 <= dcp_rank < dcp_size``.
+        interleave_size: tokens per ownership block I (1 = token round-robin), >= 1.
+        dtype: element type name of the cache (``"bfloat16"``, ``"float8_e4m3fn"``, ...); bytes
+            move as bytes, but both sides must agree on what they mean.
+        layout: cache layout name (``"mla"``: one latent row per token; ``"nhd"``/``"hnd"``
+            for per-head caches).
+        tp_size, tp_rank: tensor-parallel size and rank (recorded; both sides must agree).
+
+    Raises:
+        TypeError: a field has the wrong type (the message names it).
+        ValueError: a value is out of range, or ``len(item_lens) != num_layers``.
+    """
+
+    num_layers: int
+    item_lens: tuple[int, ...]
+    page_size: int
+    dcp_size: int = 1
+    dcp_rank: int = 0
+    interleave_size: int = 1
+    dtype: str = "bfloat16"
+    layout: str = "mla"
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
+        set_("num_layers", check_int("num_layers", self.num_layers, minimum=1))
+        if self.num_layers > MAX_LAYERS:
+            raise ValueError(f"num_layers={self.num_layers} must be <= {MAX_LAYERS}")
+        if isinstance(self.item_lens, (str, bytes)) or not hasattr(self.item_lens, "__len__"):
+            raise TypeError(f"item_lens must be a sequence of ints (bytes per token), got "
+                            f"{type(self.item_lens).__name__}")
+        lens = tuple(check_int(f"item_lens[{k}]", v, minimum=1) for k, v in enumerate(self.item_lens))
+        if len(lens) != self.num_layers:
+            raise ValueError(f"item_lens has {len(lens)} entries, num_layers={self.num_layers}")
+        if max(lens) > MAX_ITEM_LEN:
+            raise ValueError(f"item_lens: {max(lens)} bytes per token exceeds {MAX_ITEM_LEN}")
+        set_("item_lens", lens)
+        set_("page_size", check_int("page_size", self.page_size, minimum=1))
+        set_("dcp_size", check_int("dcp_size", self.dcp_size, minimum=1))
+        if self.dcp_size > MAX_DCP_SIZE:
+            raise ValueError(f"dcp_size={self.dcp_size} must be <= {MAX_DCP_SIZE}")
+        set_("dcp_rank", check_int("dcp_rank", self.dcp_rank, minimum=0))
+        if self.dcp_rank >= self.dcp_size:
+            raise ValueError(f"dcp_rank={self.dcp_rank} must be < dcp_size={self.dcp_size}")
+        set_("interleave_size", check_int("interleave_size", self.interleave_size, minimum=1))
+        if self.interleave_size * self.dcp_size > _INT32_MAX:
+            raise ValueError(f"interleave_size * dcp_size = {self.interleave_size * self.dcp_size} "
+                             f"exceeds int32")
+        set_("tp_size", check_int("tp_size", self.tp_size, minimum=1))
+        set_("tp_rank", check_int("tp_rank", self.tp_rank, minimum=0))
+        if self.tp_rank >= self.tp_size:
+            raise ValueError(f"tp_rank={self.tp_rank} must be < tp_size={self.tp_size}")
+        for name in ("dtype", "layout"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v or len(v) > 64:
+                raise TypeError(f"{name} must be a non-empty string of at most 64 characters, got {v!r}")
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token over every layer entry, ``sum(item_lens)``."""
+        return sum(self.item_lens)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-type dict (msgpack-able): what crosses the control plane at the handshake."""
+        d = dataclasses.asdict(self)
+        d["item_lens"] = list(self.item_lens)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "KVCacheSpec":
+        """Builds (and validates) a spec from `to_dict` output received from a peer.
+
+        Raises:
+            TypeError, ValueError: not a dict, unknown or missing keys, or invalid values.
+        """
+        if not isinstance(d, dict):
+            raise TypeError(f"spec must be a dict, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"spec has unknown fields {sorted(map(str, unknown))}")
+        return cls(**d)
+
+
+def check_compatible(prefill: KVCacheSpec, decode: KVCacheSpec, *, side: str = "prefill") -> None:
+    """Refuses a (prefill, decode) pair the transfer cannot serve.
+
+    The rows move as bytes: both sides must hold the same layer entries of the same sizes,
+    dtype, layout and page size. Any DCP sizes and interleaves on either side are served
+    (``dcp_jax.transfer.schedule`` maps every token between them).
+
+    Args:
+        prefill: the sender's spec.
+        decode: the receiver's spec.
+        side: which one is "this side" in the message (``"prefill"`` or ``"decode"``).
+
+    Raises:
+        HandshakeError: the first field that differs, with both values.
+    """
+    ours, theirs = (prefill, decode) if side == "prefill" else (decode, prefill)
+    for field in ("num_layers", "item_lens", "dtype", "layout", "page_size", "tp_size"):
+        a, b = getattr(ours, field), getattr(theirs, field)
+        if a != b:
+            raise HandshakeError(field, a, b)
