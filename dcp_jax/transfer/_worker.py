@@ -1,0 +1,161 @@
+"""Shared pieces of the sender and the receiver: the worker thread and argument checks."""
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+import uuid
+from typing import Any, Callable
+
+import numpy as np
+import zmq
+
+from dcp_jax.transfer.control import zmq_context
+
+__all__ = ["Worker", "check_page_table", "check_seconds", "count_engine_calls"]
+
+logger = logging.getLogger(__name__)
+
+#: Poll timeouts of the worker (milliseconds): while anything is in flight the engine is
+#: polled often (its completions wake no socket); idle, only sockets and `wake` end a wait.
+BUSY_POLL_MS = 0.2
+IDLE_POLL_MS = 20
+
+
+class Worker:
+    """One daemon thread calling ``round_fn`` until stopped.
+
+    ``round_fn()`` returns True while work is in flight (the next round comes after
+    `BUSY_POLL_MS`), False when idle (it waits up to `IDLE_POLL_MS` for a control message on
+    ``sock`` or a `wake`). An exception in a round is logged and counted, never fatal.
+    """
+
+    def __init__(self, name: str, round_fn: Callable[[], bool], sock: zmq.Socket | None):
+        self.name, self._round, self.errors = name, round_fn, 0
+        self.last_error = ""
+        addr = f"inproc://wake-{uuid.uuid4().hex}"
+        self._rx = zmq_context().socket(zmq.PULL)
+        self._rx.setsockopt(zmq.LINGER, 0)
+        self._rx.bind(addr)
+        self._tx = zmq_context().socket(zmq.PUSH)
+        self._tx.setsockopt(zmq.LINGER, 0)
+        self._tx.connect(addr)
+        self._tx_lock = threading.Lock()
+        self._poller = zmq.Poller()
+        self._poller.register(self._rx, zmq.POLLIN)
+        self._socks = []
+        if sock is not None:
+            self.add_socket(sock)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def add_socket(self, sock: zmq.Socket) -> None:
+        """Also end idle waits on messages to ``sock`` (call from the worker or before start)."""
+        self._poller.register(sock, zmq.POLLIN)
+        self._socks.append(sock)
+
+    def remove_socket(self, sock: zmq.Socket) -> None:
+        if sock in self._socks:
+            self._poller.unregister(sock)
+            self._socks.remove(sock)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Ends the worker's idle wait now (any thread)."""
+        with self._tx_lock:
+            try:
+                self._tx.send(b"", zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def stop(self, timeout_s: float) -> bool:
+        """Asks the loop to end and waits up to ``timeout_s``; True if it ended."""
+        self._stop.set()
+        self.wake()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+        ended = not self._thread.is_alive()
+        if ended:
+            self._rx.close(0)
+        with self._tx_lock:
+            self._tx.close(0)
+        return ended
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                busy = self._round()
+            except Exception as exc:  # noqa: BLE001 - a bad round must not kill the connector
+                self.errors += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                logger.error("%s: error in worker round: %s", self.name, traceback.format_exc())
+                busy = False
+            if self._stop.is_set():
+                break
+            events = dict(self._poller.poll(BUSY_POLL_MS if busy else IDLE_POLL_MS))
+            if self._rx in events:
+                while True:
+                    try:
+                        self._rx.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+
+
+def check_seconds(name: str, value: Any) -> float:
+    """A positive number of seconds, at most a day (ValueError/TypeError naming ``name``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
+    if not 0 < value <= 86400:
+        raise ValueError(f"{name}={value!r} must be in (0, 86400] seconds")
+    return float(value)
+
+
+def check_page_table(page_table: Any, rows: int, page_size: int, num_pages: int,
+                     name: str = "page_table") -> np.ndarray:
+    """A page table as i64[pages], checked against the rows it must map and the cache's pages.
+
+    Args:
+        page_table: int sequence or array of page ids.
+        rows: local rows ``[0, rows)`` it must cover (rows).
+        page_size: tokens per page.
+        num_pages: pages of the cache (ids must be below it).
+
+    Raises:
+        TypeError: not integers.  ValueError: not 1-D, too few pages (says how many are needed),
+            page ids negative, repeated or >= num_pages.
+    """
+    a = np.asarray(page_table)
+    if a.size == 0:
+        a = a.astype(np.int64)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    if not np.issubdtype(a.dtype, np.integer):
+        raise TypeError(f"{name} must hold integer page ids, got dtype {a.dtype}")
+    a = a.astype(np.int64)
+    need = -(-rows // page_size)
+    if a.size < need:
+        raise ValueError(f"{name} has {a.size} pages; {need} are required for {rows} local rows "
+                         f"of page_size={page_size}")
+    used = a[:need]
+    if used.size:
+        if int(used.min()) < 0 or int(used.max()) >= num_pages:
+            raise ValueError(f"{name} holds page ids outside [0, {num_pages}) (min {int(used.min())}, "
+                             f"max {int(used.max())})")
+        if np.unique(used).size != used.size:
+            raise ValueError(f"{name} repeats a page id")
+    return a
+
+
+def count_engine_calls(engine: Any, num_descriptors: int) -> int:
+    """Engine calls of one batch with a notification: NIXL one per batch; Mooncake one per
+    ``engine.window`` descriptors, plus one for the notification."""
+    window = getattr(engine, "window", None)
+    if window is None:
+        return 1
+    return -(-num_descriptors // window) + 1

@@ -1,0 +1,157 @@
+"""The connector's control plane: one ZeroMQ ROUTER on the sender's address, a DEALER per receiver.
+
+Only byte frames cross it; `dcp_jax.transfer.protocol` parses and validates them. A frame that
+fails validation is dropped and counted (`rejected`) and the connection lives on. Sockets are
+used by the thread that polls them (the owner's worker thread) and closed with ``linger=0``, so
+closing never waits for a peer.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import zmq
+
+from dcp_jax.transfer import protocol
+
+__all__ = ["ControlServer", "ControlClient", "zmq_context"]
+
+_CTX_LOCK = threading.Lock()
+_CTX: dict[int, zmq.Context] = {}
+
+
+def zmq_context() -> zmq.Context:
+    """This process's ZeroMQ context (made once per pid, so a forked child makes its own)."""
+    import os
+
+    with _CTX_LOCK:
+        pid = os.getpid()
+        if pid not in _CTX:
+            _CTX[pid] = zmq.Context()
+        return _CTX[pid]
+
+
+def _socket(kind: int) -> zmq.Socket:
+    s = zmq_context().socket(kind)
+    s.setsockopt(zmq.LINGER, 0)
+    # Frames larger than this would be refused by `protocol.decode` anyway; zmq drops the
+    # connection beyond MAXMSGSIZE, so the limit there is generous and the real one is ours.
+    s.setsockopt(zmq.MAXMSGSIZE, 4 * protocol.MAX_CONTROL_BYTES)
+    s.setsockopt(zmq.SNDHWM, 100_000)
+    s.setsockopt(zmq.RCVHWM, 100_000)
+    return s
+
+
+class ControlServer:
+    """The sender's ROUTER socket: frames from many receivers, replies by their identity.
+
+    Args:
+        host: interface to bind (an address of this machine, e.g. "127.0.0.1").
+        port: TCP port, 0 for any free one.
+
+    Attributes:
+        address: ``"tcp://host:port"``, what receivers `connect` to.
+        rejected: frames dropped by validation.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        self.sock = _socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises, not drops
+        if port == 0:
+            port = self.sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            self.sock.bind(f"tcp://{host}:{port}")
+        self.address = f"tcp://{host}:{port}"
+        self.rejected = 0
+        self.last_error = ""
+
+    def recv(self) -> list[tuple[bytes, dict[str, Any]]]:
+        """Every frame waiting now, validated: ``[(identity, message)]``; never blocks."""
+        out = []
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return out
+            if len(frames) != 2:
+                self.rejected += 1
+                continue
+            try:
+                out.append((frames[0], protocol.decode(frames[1])))
+            except protocol.ProtocolError as exc:
+                self.rejected += 1
+                self.last_error = str(exc)
+                bad = _hello_of_another_version(frames[1])
+                if bad is not None:  # answered with a refusal naming the version, not silence
+                    out.append((frames[0], {"k": "_bad_version", "v": bad}))
+
+    def send(self, identity: bytes, frame: bytes) -> bool:
+        """Sends one frame to a receiver; False if it is gone (nothing raised)."""
+        try:
+            self.sock.send_multipart([identity, frame], zmq.NOBLOCK)
+            return True
+        except (zmq.Again, zmq.ZMQError):
+            return False
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def _hello_of_another_version(frame: bytes):
+    """The version a refused frame claims if it is a ``hello`` of another protocol version."""
+    import msgpack
+
+    try:
+        msg = msgpack.unpackb(frame, raw=False, max_bin_len=len(frame), max_str_len=len(frame))
+    except Exception:  # noqa: BLE001 - garbage: no answer
+        return None
+    if isinstance(msg, dict) and msg.get("k") == "hello" and msg.get("v") != protocol.PROTOCOL_VERSION:
+        v = msg.get("v")
+        return v if isinstance(v, (int, str)) and not isinstance(v, bool) else repr(v)[:64]
+    return None
+
+
+class ControlClient:
+    """A receiver's DEALER socket to one sender.
+
+    Args:
+        address: the sender's ``"tcp://host:port"``.
+
+    Raises:
+        ValueError: ``address`` is not a ``tcp://host:port`` string.
+    """
+
+    def __init__(self, address: str):
+        if not isinstance(address, str) or not address.startswith("tcp://") or ":" not in address[6:]:
+            raise ValueError(f"address={address!r} must be 'tcp://host:port' (KVSender.address)")
+        self.address = address
+        self.sock = _socket(zmq.DEALER)
+        self.sock.connect(address)
+        self.rejected = 0
+        self.last_error = ""
+
+    def send(self, frame: bytes) -> bool:
+        try:
+            self.sock.send(frame, zmq.NOBLOCK)
+            return True
+        except (zmq.Again, zmq.ZMQError):
+            return False
+
+    def recv(self, timeout_ms: int = 0) -> list[dict[str, Any]]:
+        """Every validated frame waiting (waits up to ``timeout_ms`` for the first)."""
+        out = []
+        if timeout_ms and not self.sock.poll(timeout_ms):
+            return out
+        while True:
+            try:
+                frame = self.sock.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return out
+            try:
+                out.append(protocol.decode(frame))
+            except protocol.ProtocolError as exc:
+                self.rejected += 1
+                self.last_error = str(exc)
+
+    def close(self) -> None:
+        self.sock.close(0)

@@ -1,0 +1,156 @@
+"""Control-plane and notification messages: msgpack maps checked against a schema, never pickle.
+
+Every message is a msgpack map carrying ``v`` (protocol version), ``k`` (kind), ``rid``
+(request id, "" for connection-level messages), ``inc`` (the receiver's incarnation of that
+request, so a request id reused after `release` never collects a stale message) and, where it
+concerns one, ``chunk``. `decode` refuses anything that is not exactly one of the kinds below
+with the right field types and bounds; the caller drops it and counts it. Nothing a peer sends
+is trusted before it passed here, and addresses in it are validated again by the engine adapter
+against the registrations before any byte moves.
+
+Kinds (receiver -> sender): ``hello``, ``expect``, ``abort``, ``failed``, ``pull_done``, ``ping``.
+Kinds (sender -> receiver): ``hello_ack``, ``hello_nack``, ``abort``, ``failed``, ``pull_ready``,
+``ping``. Engine notification (sender -> receiver, delivered by the engine after the batch's
+bytes landed): ``done``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+
+__all__ = [
+    "PROTOCOL_VERSION", "MAX_CONTROL_BYTES", "MAX_NOTIF_BYTES", "ProtocolError", "encode",
+    "decode", "pack_i64", "unpack_i64", "KINDS",
+]
+
+#: Bumped on any change of a message's meaning; peers of another version are refused at hello.
+PROTOCOL_VERSION = 1
+#: Largest control message accepted (bytes). A direct pull of 262,144 rows is 2 MiB of rows.
+MAX_CONTROL_BYTES = 16 << 20
+#: Largest engine notification accepted (bytes).
+MAX_NOTIF_BYTES = 1024
+MAX_REQUEST_ID = 256       # characters
+MAX_TEXT = 4096            # characters of a reason / message
+_I64 = (1 << 63) - 1
+
+
+class ProtocolError(ValueError):
+    """A message is malformed, oversized, of another version or of an unknown kind."""
+
+
+# field -> (type(s), lower bound for ints or max length for str/bytes)
+_INT, _STR, _BYTES, _BOOL, _DICT, _ANY = int, str, bytes, bool, dict, object
+_COMMON = {"v": (_INT, 0), "k": (_STR, 32), "rid": (_STR, MAX_REQUEST_ID), "inc": (_INT, 0)}
+_CHUNK = {"chunk": (_INT, 0), "part": (_INT, 0), "nparts": (_INT, 1), "start": (_INT, 0),
+          "stop": (_INT, 0), "nrows": (_INT, 0)}
+KINDS: dict[str, dict[str, tuple]] = {
+    "hello": {"spec": (_DICT, 0), "peer": (_DICT, 0), "group": (_STR, 256), "direction": (_STR, 8),
+              "name": (_STR, 256), "layer_bases": (_BYTES, 8 * 4096)},
+    "hello_ack": {"spec": (_DICT, 0), "peer": (_DICT, 0), "layer_bases": (_BYTES, 8 * 4096),
+                  "name": (_STR, 256)},
+    "hello_nack": {"field": (_STR, 64), "ours": (_ANY, 0), "theirs": (_ANY, 0), "message": (_STR, MAX_TEXT)},
+    "expect": {"num_tokens": (_INT, 0), "prefix_tokens": (_INT, 0), "page_table": (_BYTES, MAX_CONTROL_BYTES),
+               "dcp_rank": (_INT, 0)},
+    "abort": {"reason": (_STR, MAX_TEXT)},
+    "failed": {"reason": (_STR, MAX_TEXT)},
+    "pull_ready": {**_CHUNK, "lo": (_INT, 0), "src_addr": (_INT, 0), "src_rows": (_BYTES, MAX_CONTROL_BYTES)},
+    "pull_done": {"chunk": (_INT, 0), "part": (_INT, 0), "ok": (_BOOL, 0), "reason": (_STR, MAX_TEXT)},
+    "done": dict(_CHUNK),
+    "ping": {},
+}
+
+
+def encode(kind: str, rid: str = "", inc: int = 0, **fields: Any) -> bytes:
+    """One message as msgpack bytes (the sender of a message checks it like its receiver will).
+
+    Raises:
+        ProtocolError: unknown kind, missing/extra fields, or values outside the schema.
+    """
+    msg = {"v": PROTOCOL_VERSION, "k": kind, "rid": rid, "inc": inc, **fields}
+    _check(msg)
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def decode(data: Any, *, max_bytes: int = MAX_CONTROL_BYTES) -> dict[str, Any]:
+    """Parses and validates one message received from a peer.
+
+    Args:
+        data: the raw bytes (a zmq frame or an engine notification).
+        max_bytes: refuse anything longer (bytes).
+
+    Returns:
+        The message as a dict with exactly the fields of its kind.
+
+    Raises:
+        ProtocolError: not bytes, too long, not a msgpack map, another protocol version, an
+            unknown kind, or a field missing, extra, of the wrong type or out of bounds.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"message must be bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        msg = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, max_bin_len=max_bytes,
+                              max_str_len=max_bytes, max_array_len=1 << 16, max_map_len=64,
+                              use_list=True)
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several types for garbage
+        raise ProtocolError(f"not a msgpack message: {type(exc).__name__}: {exc}") from None
+    _check(msg)
+    return msg
+
+
+def _check(msg: Any) -> None:
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"message must be a map, got {type(msg).__name__}")
+    if msg.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {msg.get('v')!r}, this side speaks {PROTOCOL_VERSION}")
+    kind = msg.get("k")
+    schema = KINDS.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    want = {**_COMMON, **schema}
+    if set(msg) != set(want):
+        missing, extra = sorted(set(want) - set(msg)), sorted(map(str, set(msg) - set(want)))
+        raise ProtocolError(f"{kind}: missing fields {missing}, unexpected fields {extra}")
+    for name, (typ, bound) in want.items():
+        v = msg[name]
+        if typ is _ANY:
+            continue
+        if typ is _INT:
+            if isinstance(v, bool) or not isinstance(v, int) or not bound <= v <= _I64:
+                raise ProtocolError(f"{kind}.{name}={v!r} must be an int in [{bound}, 2^63)")
+        elif typ is _BOOL:
+            if not isinstance(v, bool):
+                raise ProtocolError(f"{kind}.{name} must be a bool")
+        elif not isinstance(v, typ):
+            raise ProtocolError(f"{kind}.{name} must be {typ.__name__}, got {type(v).__name__}")
+        elif bound and len(v) > bound:
+            raise ProtocolError(f"{kind}.{name} has {len(v)} items, at most {bound}")
+    if "start" in schema and msg["stop"] < msg["start"]:
+        raise ProtocolError(f"{kind}: stop={msg['stop']} < start={msg['start']}")
+    if "part" in schema and "nparts" in schema and msg["part"] >= msg["nparts"]:
+        raise ProtocolError(f"{kind}: part={msg['part']} must be < nparts={msg['nparts']}")
+
+
+def pack_i64(a: Any) -> bytes:
+    """An integer array as little-endian int64 bytes (how arrays cross the control plane)."""
+    return np.ascontiguousarray(np.asarray(a, dtype="<i8")).tobytes()
+
+
+def unpack_i64(b: bytes, name: str, *, max_items: int | None = None) -> np.ndarray:
+    """int64 bytes from a peer back to i64[n] (copied, writable).
+
+    Raises:
+        ProtocolError: length not a multiple of 8, more than ``max_items`` entries, or a
+            negative entry (the message names ``name``).
+    """
+    if len(b) % 8:
+        raise ProtocolError(f"{name}: {len(b)} bytes is not a whole number of int64")
+    a = np.frombuffer(b, dtype="<i8").astype(np.int64)
+    if max_items is not None and a.size > max_items:
+        raise ProtocolError(f"{name}: {a.size} entries, at most {max_items}")
+    if a.size and int(a.min()) < 0:
+        raise ProtocolError(f"{name}: negative entry {int(a.min())}")
+    return a

@@ -1,0 +1,503 @@
+"""`KVReceiver`: one decode rank's side of the connector.
+
+The decode rank owns its paged KV cache and decides where each request's rows go
+(`expect`); the receiver announces that to every prefill sender it is connected to and learns
+completion from the engine itself: in push mode from the ``done`` notifications the engine
+delivers after a batch's bytes landed, in pull mode from its own READs finishing. A request is
+SUCCESS only when, for every sender, the chunks it completed cover ``[prefix_tokens,
+num_tokens)``. Messages that do not belong to a live request of the right incarnation are
+dropped and counted, never credited to another request.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import secrets
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from bridge import PeerInfo, TransferError, make_engine
+from dcp_jax import plan as planmod
+from dcp_jax.layout import local_len_np
+from dcp_jax.packing import layer_offsets
+from dcp_jax.transfer import protocol as proto
+from dcp_jax.transfer._worker import Worker, check_page_table, check_seconds
+from dcp_jax.transfer.control import ControlClient
+from dcp_jax.transfer.memory import CacheLayers
+from dcp_jax.transfer.requests import RecvRequest, check_request_id
+from dcp_jax.transfer.schedule import SideLayout, owned_tokens, token_rows
+from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
+from dcp_jax.transfer.status import TransferStatus
+
+__all__ = ["KVReceiver", "DIRECTIONS"]
+
+logger = logging.getLogger(__name__)
+
+DIRECTIONS = ("push", "pull")
+
+
+@dataclasses.dataclass(eq=False)
+class _Link:
+    """One connected prefill sender."""
+
+    client: ControlClient
+    spec: KVCacheSpec
+    peer: str                  # its engine name (notifications come under it)
+    layer_bases: np.ndarray    # its KV layer addresses (direct pulls read from them)
+    direction: str
+    last_seen: float
+    registered: bool = False
+
+
+class KVReceiver:
+    """Decode-rank connector over the caller's KV layers.
+
+    Args:
+        spec: this decode rank's `KVCacheSpec` (``dcp_size``/``dcp_rank``/``interleave_size`` are
+            the decode DCP layout).
+        kv_layers: ``spec.num_layers`` arrays ``[num_pages, page_size, ...]`` (numpy, JAX or
+            CuPy), registered once and held until `close`; the engine writes into them in place.
+        engine: ``"nixl"``, ``"mooncake"`` or ``"auto"``; must match the sender's.
+        direction: default direction of `connect`: ``"push"`` (the sender WRITEs) or ``"pull"``
+            (this rank READs).
+        group: name of this decode DCP group (every rank of a group gives the same name).
+        timeout_s: a request with no progress for this long FAILS (seconds).
+        peer_timeout_s: a sender silent for this long is dropped and its requests FAIL.
+        heartbeat_s: ping interval (seconds).
+        engine_options: keyword arguments for `bridge.make_engine`.
+
+    Raises:
+        TypeError, ValueError: bad spec, layers or options.
+        bridge.BridgeError: the engine could not start or register (nothing is left open).
+    """
+
+    def __init__(self, spec: KVCacheSpec, kv_layers: Sequence[Any], *, engine: str = "nixl",
+                 direction: str = "push", group: str = "default", timeout_s: float = 30.0,
+                 peer_timeout_s: float = 5.0, heartbeat_s: float = 0.5, engine_options: dict | None = None):
+        if not isinstance(spec, KVCacheSpec):
+            raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction={direction!r} must be one of {DIRECTIONS}")
+        if not isinstance(group, str) or not 0 < len(group) <= 256:
+            raise ValueError(f"group={group!r} must be a non-empty str of at most 256 characters")
+        self.spec, self.direction, self.group = spec, direction, group
+        self.timeout_s = check_seconds("timeout_s", timeout_s)
+        self.peer_timeout_s = check_seconds("peer_timeout_s", peer_timeout_s)
+        self.heartbeat_s = check_seconds("heartbeat_s", heartbeat_s)
+        self._layers = CacheLayers(spec, kv_layers)
+        self._layout = SideLayout.of(spec)
+        name = f"dcp-recv-{spec.dcp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.engine = make_engine(engine, name, **(engine_options or {}))
+        try:
+            self.engine.register(self._layers.regions)
+        except BaseException:
+            self.engine.close()
+            raise
+        self._lock = threading.RLock()
+        self._links: list[_Link] = []
+        self._by_peer: dict[str, _Link] = {}
+        self._outbox: deque[tuple[_Link, bytes]] = deque()
+        self._requests: dict[str, RecvRequest] = {}
+        self._reads: dict[int, tuple] = {}  # handle seq -> (request, link, msg, handle)
+        self._chunk_rows: dict[tuple, np.ndarray] = {}
+        self._counts = dict(dropped_messages=0, rejected_notifications=0, inconsistent_messages=0,
+                            requests=0, succeeded=0, failed=0, aborted=0, bytes=0, reads=0)
+        self._last_ping = 0.0
+        self._worker = Worker(f"dcp-receiver-{spec.dcp_rank}", self._round, None)
+        self._worker.start()
+
+    # ---- public API --------------------------------------------------------------------------
+    def connect(self, address: str, *, direction: str | None = None, timeout_s: float = 10.0) -> None:
+        """Connects to a prefill `KVSender` and performs the versioned handshake.
+
+        Both specs and the protocol version cross; the sender checks them against its own and
+        against the ranks of this group already connected, this side checks the sender's.
+
+        Args:
+            address: the sender's `KVSender.address` (``"tcp://host:port"``).
+            direction: ``"push"`` or ``"pull"`` for this connection (default: the receiver's).
+            timeout_s: how long to wait for the sender's answer (seconds).
+
+        Raises:
+            HandshakeError: a field differs or the geometry cannot be served (names the field
+                and both values); nothing was registered with the peer.
+            TimeoutError: no answer within ``timeout_s``.
+            ValueError: malformed address, unknown direction, or already connected there.
+        """
+        direction = self.direction if direction is None else direction
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction={direction!r} must be one of {DIRECTIONS}")
+        timeout_s = check_seconds("timeout_s", timeout_s)
+        with self._lock:
+            if any(link.client.address == address for link in self._links):
+                raise ValueError(f"address={address!r} is already connected")
+        client = ControlClient(address)
+        try:
+            client.send(proto.encode("hello", spec=self.spec.to_dict(), peer=self.engine.peer_info().to_dict(),
+                                     group=self.group, direction=direction, name=self.engine.name,
+                                     layer_bases=proto.pack_i64(self._layers.bases)))
+            reply = self._await_reply(client, timeout_s)
+            if reply["k"] == "hello_nack":  # the sender's ours/theirs are the other way round
+                raise HandshakeError(reply["field"], reply["theirs"], reply["ours"], reply["message"])
+            sender_spec = KVCacheSpec.from_dict(reply["spec"])
+            check_compatible(sender_spec, self.spec, side="decode")
+            bases = proto.unpack_i64(reply["layer_bases"], "layer_bases", max_items=self.spec.num_layers)
+            peer = self.engine.add_peer(PeerInfo.from_dict(reply["peer"]))
+        except BaseException:
+            client.close()
+            raise
+        link = _Link(client, sender_spec, peer, bases, direction, time.monotonic())
+        with self._lock:
+            self._links.append(link)
+            self._by_peer[peer] = link
+        self._worker.wake()
+
+    @staticmethod
+    def _await_reply(client: ControlClient, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            for msg in client.recv(timeout_ms=max(1, int(left * 1000))):
+                if msg["k"] in ("hello_ack", "hello_nack"):
+                    return msg
+        raise TimeoutError(f"no handshake answer from {client.address} within {timeout_s:g} s "
+                           f"(is a KVSender listening there, of protocol version {proto.PROTOCOL_VERSION}?)")
+
+    def expect(self, request_id: str, page_table: Any, num_tokens: int, prefix_tokens: int = 0) -> None:
+        """Announces a request: this rank's rows of tokens ``[prefix_tokens, num_tokens)`` go
+        where ``page_table`` says; returns at once.
+
+        Args:
+            request_id: the request's id (the one the sender's `send` uses).
+            page_table: int[pages]: ``page_table[k]`` is the physical page holding this rank's
+                local rows ``[k*page_size, (k+1)*page_size)``; local row of token t is
+                ``layout.local_index(t)`` counted from token 0 (spec section 10). It must cover
+                ``local_len(num_tokens)`` rows. Requests must use disjoint pages.
+            num_tokens: tokens of the request (prompt length), >= 0.
+            prefix_tokens: tokens this rank's group already holds (a prefix-cache hit); only
+                ``[prefix_tokens, num_tokens)`` is transferred.
+
+        Raises:
+            RuntimeError: not connected to any sender.
+            TypeError, ValueError: bad id, token counts or page table, or an id still held
+                (release it first).
+        """
+        rid = check_request_id(request_id)
+        for name, v in (("num_tokens", num_tokens), ("prefix_tokens", prefix_tokens)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"{name}={v!r} must be an int >= 0")
+        if prefix_tokens > num_tokens:
+            raise ValueError(f"prefix_tokens={prefix_tokens} must be <= num_tokens={num_tokens}")
+        s = self.spec
+        rows = int(local_len_np(int(num_tokens), s.dcp_size, s.dcp_rank, s.interleave_size))
+        table = check_page_table(page_table, rows, s.page_size, self._layers.min_rows // s.page_size)
+        with self._lock:
+            if not self._links:
+                raise RuntimeError("expect() before connect(): no sender to announce the request to")
+            if rid in self._requests:
+                raise ValueError(f"request_id={rid!r} is still held ({self._requests[rid].status.name}); "
+                                 "release() it first")
+            req = RecvRequest(rid, secrets.randbits(62) + 1, table, int(num_tokens), int(prefix_tokens),
+                              self._links)
+            self._requests[rid] = req
+            self._counts["requests"] += 1
+            frame = proto.encode("expect", rid, req.inc, num_tokens=int(num_tokens),
+                                 prefix_tokens=int(prefix_tokens), page_table=proto.pack_i64(table),
+                                 dcp_rank=s.dcp_rank)
+            self._outbox.extend((link, frame) for link in req.senders)
+        self._worker.wake()
+
+    def poll(self, request_id: str) -> TransferStatus:
+        """The request's `TransferStatus` on this rank. Raises KeyError if unknown."""
+        return self._get(request_id).status
+
+    def failure_reason(self, request_id: str) -> str:
+        """Why the request FAILED or was ABORTED ("" otherwise). Raises KeyError if unknown."""
+        return self._get(request_id).state.reason
+
+    def abort(self, request_id: str, reason: str = "aborted by the decode side") -> bool:
+        """Aborts the request here and tells its senders; reads in flight are cancelled and
+        reported to the sender once the engine is done with them. Idempotent.
+
+        Returns:
+            True if it moved to ABORTED now. Raises KeyError if unknown.
+        """
+        with self._lock:
+            return self._end(self._get(request_id), TransferStatus.ABORTED, str(reason)[:proto.MAX_TEXT], "abort")
+
+    def release(self, request_id: str) -> None:
+        """Forgets a request (aborting it first if live); the id may then be expected again.
+        Raises KeyError if unknown."""
+        with self._lock:
+            req = self._get(request_id)
+            if not req.status.terminal:
+                self._end(req, TransferStatus.ABORTED, "released before completion", "abort")
+            del self._requests[request_id]
+            for key in [k for k in self._chunk_rows if k[0] is req]:
+                del self._chunk_rows[key]
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Counters: requests by outcome, bytes landed, reads, dropped/rejected/inconsistent
+        messages, connections."""
+        with self._lock:
+            out = dict(self._counts)
+            out.update(rejected_messages=sum(link.client.rejected for link in self._links),
+                       live_requests=len(self._requests), inflight_reads=len(self._reads),
+                       connections=len(self._links), worker_errors=self._worker.errors)
+        return out
+
+    def request_latency(self, request_id: str) -> float | None:
+        """Seconds from `expect` to SUCCESS/FAILED/ABORTED (None while live)."""
+        req = self._get(request_id)
+        return None if req.t_done is None else req.t_done - req.created
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stops the worker, fails live requests, closes the engine and sockets, releases the
+        registrations; returns within ``timeout_s`` (+ a small margin). Idempotent."""
+        deadline = time.monotonic() + check_seconds("timeout_s", timeout_s)
+        self._worker.stop(max(0.1, deadline - time.monotonic() - 1.0))
+        with self._lock:
+            for req in list(self._requests.values()):
+                self._end(req, TransferStatus.FAILED, "receiver closed", "failed")
+            self._flush()
+            for link in self._links:
+                link.client.close()
+        self.engine.close(timeout_s=max(0.1, deadline - time.monotonic()))
+        self._layers.close()
+
+    def __enter__(self) -> "KVReceiver":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- the worker's round -------------------------------------------------------------------
+    def _round(self) -> bool:
+        with self._lock:
+            for link in self._links:
+                if not link.registered:
+                    self._worker.add_socket(link.client.sock)
+                    link.registered = True
+            self._flush()
+            for link in list(self._links):
+                for msg in link.client.recv():
+                    link.last_seen = time.monotonic()
+                    self._on_message(link, msg)
+            pending = any(not r.status.terminal for r in self._requests.values())
+            if pending or self._reads:
+                for peer, notes in self.engine.notifications().items():
+                    for note in notes:
+                        self._on_notification(peer, note)
+            self._poll_reads()
+            self._check_timeouts()
+            self._heartbeat()
+            self._flush()
+            return pending or bool(self._reads)
+
+    def _flush(self) -> None:
+        while self._outbox:
+            link, frame = self._outbox.popleft()
+            link.client.send(frame)
+
+    def _live(self, link: _Link, msg: dict) -> RecvRequest | None:
+        req = self._requests.get(msg["rid"])
+        if req is None or req.inc != msg["inc"] or req.status.terminal or link not in req.senders:
+            self._counts["dropped_messages"] += 1
+            return None
+        return req
+
+    def _on_message(self, link: _Link, msg: dict) -> None:
+        kind = msg["k"]
+        if kind == "pull_ready":
+            req = self._live(link, msg)
+            if req is None:  # the sender holds a region for it: let it go at once
+                link.client.send(proto.encode("pull_done", msg["rid"], msg["inc"], chunk=msg["chunk"],
+                                              part=msg["part"], ok=False, reason="request not live here"))
+                return
+            return self._start_read(req, link, msg)
+        if kind in ("abort", "failed"):
+            req = self._live(link, msg)
+            if req is not None:
+                status = TransferStatus.ABORTED if kind == "abort" else TransferStatus.FAILED
+                self._end(req, status, f"prefill rank {link.spec.dcp_rank}: {msg['reason']}", None)
+        elif kind != "ping":
+            self._counts["dropped_messages"] += 1
+
+    def _on_notification(self, peer: str, note: bytes) -> None:
+        link = self._by_peer.get(peer)
+        try:
+            msg = proto.decode(note, max_bytes=proto.MAX_NOTIF_BYTES)
+            if msg["k"] != "done" or link is None:
+                raise proto.ProtocolError(f"unexpected notification {msg['k']!r} from {peer!r}")
+        except proto.ProtocolError:
+            self._counts["rejected_notifications"] += 1
+            return
+        req = self._live(link, msg)
+        if req is not None:
+            self._part_landed(req, link, msg)
+
+    def _rows_of(self, req: RecvRequest, link: _Link, start: int, stop: int) -> np.ndarray:
+        """This rank's rows of tokens [start, stop) that ``link``'s prefill rank holds."""
+        key = (req, id(link), start, stop)
+        rows = self._chunk_rows.get(key)
+        if rows is None:
+            a = max(start, req.prefix_tokens)
+            toks = owned_tokens(a, max(a, stop), dst=self._layout, src=SideLayout.of(link.spec))
+            rows = self._chunk_rows[key] = token_rows(toks, self._layout, req.page_table)
+        return rows
+
+    def _part_landed(self, req: RecvRequest, link: _Link, msg: dict) -> None:
+        start, stop, chunk = msg["start"], msg["stop"], msg["chunk"]
+        if stop > req.num_tokens:
+            self._inconsistent(req, f"chunk [{start}, {stop}) passes num_tokens={req.num_tokens}")
+            return
+        key = (id(link), chunk)
+        parts = self.parts_of(req, key, msg["nparts"])
+        if msg["part"] in parts[1]:
+            self._counts["dropped_messages"] += 1  # a duplicate part: credit it once
+            return
+        parts[1].add(msg["part"])
+        req.rows_landed[key] = req.rows_landed.get(key, 0) + msg["nrows"]
+        req.bytes += msg["nrows"] * self.spec.row_bytes
+        self._counts["bytes"] += msg["nrows"] * self.spec.row_bytes
+        req.state.advance(TransferStatus.TRANSFERRING)
+        req.state.touch()
+        if len(parts[1]) == parts[0]:
+            expected = len(self._rows_of(req, link, start, stop))
+            if req.rows_landed[key] != expected:
+                self._inconsistent(req, f"chunk {chunk} [{start}, {stop}) brought {req.rows_landed[key]} rows, "
+                                        f"this rank owns {expected}")
+                return
+            self._chunk_rows.pop((req, id(link), start, stop), None)
+            req.coverage[id(link)].add(start, stop)
+            self._maybe_done(req)
+
+    @staticmethod
+    def parts_of(req: RecvRequest, key: tuple, nparts: int) -> list:
+        entry = req.parts.get(key)
+        if entry is None:
+            entry = req.parts[key] = [nparts, set()]
+        return entry
+
+    def _inconsistent(self, req: RecvRequest, why: str) -> None:
+        self._counts["inconsistent_messages"] += 1
+        self._end(req, TransferStatus.FAILED, f"inconsistent completion: {why}", "failed")
+
+    def _start_read(self, req: RecvRequest, link: _Link, msg: dict) -> None:
+        rows = self._rows_of(req, link, msg["start"], msg["stop"])
+        lo, n = msg["lo"], msg["nrows"]
+        if lo + n > len(rows) or msg["stop"] > req.num_tokens:
+            self._inconsistent(req, f"pull of rows [{lo}, {lo + n}) of a chunk this rank holds {len(rows)} rows of")
+            return
+        done = dict(chunk=msg["chunk"], part=msg["part"], nparts=msg["nparts"], start=msg["start"],
+                    stop=msg["stop"], nrows=n)
+        if n == 0:
+            link.client.send(proto.encode("pull_done", req.rid, req.inc, chunk=msg["chunk"], part=msg["part"],
+                                          ok=True, reason=""))
+            return self._part_landed(req, link, {"rid": req.rid, "inc": req.inc, **done})
+        dst = rows[lo:lo + n]
+        try:
+            if msg["src_rows"]:
+                src = proto.unpack_i64(msg["src_rows"], "src_rows", max_items=n)
+                if len(src) != n:
+                    raise proto.ProtocolError(f"src_rows has {len(src)} rows, nrows={n}")
+                src_bases = link.layer_bases
+            else:
+                src = np.arange(n, dtype=np.int64)
+                src_bases = msg["src_addr"] + layer_offsets(n, self.spec.item_lens)
+            descs = planmod.build_descriptors(planmod.group_runs(src, dst), src_bases, self._layers.bases,
+                                              self._layers.item_lens)
+            # READ rows are (local, remote, nbytes): local is this rank's KV, remote the sender's.
+            h = self.engine.transfer_batch(link.peer, descs[:, [1, 0, 2]], op="READ",
+                                           dcp_rank=self.spec.dcp_rank, chunk=msg["chunk"])
+        except Exception as exc:  # noqa: BLE001 - refused before a byte moved
+            link.client.send(proto.encode("pull_done", req.rid, req.inc, chunk=msg["chunk"], part=msg["part"],
+                                          ok=False, reason=str(exc)[:proto.MAX_TEXT]))
+            self._end(req, TransferStatus.FAILED, f"pull refused: {exc}", "failed")
+            return
+        self._reads[h.seq] = (req, link, done, h)
+        req.inflight += 1
+        self._counts["reads"] += 1
+        req.state.advance(TransferStatus.TRANSFERRING)
+
+    def _poll_reads(self) -> None:
+        for seq, (req, link, done, h) in list(self._reads.items()):
+            err = None
+            try:
+                if not self.engine.check(h):
+                    continue
+            except TransferError as exc:
+                err = str(exc)
+            del self._reads[seq]
+            req.inflight -= 1
+            link.client.send(proto.encode("pull_done", req.rid, req.inc, chunk=done["chunk"], part=done["part"],
+                                          ok=err is None and not req.status.terminal, reason=(err or "")[:proto.MAX_TEXT]))
+            if req.status.terminal or self._requests.get(req.rid) is not req:
+                continue
+            if err is not None:
+                self._end(req, TransferStatus.FAILED, f"read failed: {err}", "failed")
+            else:
+                self._part_landed(req, link, {"rid": req.rid, "inc": req.inc, **done})
+
+    def _maybe_done(self, req: RecvRequest) -> None:
+        if not req.status.terminal and req.complete():
+            if req.finish(TransferStatus.SUCCESS):
+                self._counts["succeeded"] += 1
+
+    def _end(self, req: RecvRequest, status: TransferStatus, reason: str, notify: str | None) -> bool:
+        if not req.finish(status, reason):
+            return False
+        self._counts["failed" if status is TransferStatus.FAILED else "aborted"] += 1
+        for _, (r, _, _, h) in self._reads.items():
+            if r is req:
+                self.engine.cancel(h)
+        if notify:
+            frame = proto.encode(notify, req.rid, req.inc, reason=reason[:proto.MAX_TEXT])
+            self._outbox.extend((link, frame) for link in req.senders if link in self._links)
+        return True
+
+    def _check_timeouts(self) -> None:
+        now = time.monotonic()
+        for req in list(self._requests.values()):
+            if not req.status.terminal and req.state.stalled_for(now) > self.timeout_s:
+                self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s", "failed")
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        for link in list(self._links):
+            if now - link.last_seen > self.peer_timeout_s:
+                self._drop_link(link, f"prefill sender {link.client.address} silent for {self.peer_timeout_s:g} s")
+        if now - self._last_ping >= self.heartbeat_s:
+            self._last_ping = now
+            ping = proto.encode("ping")
+            self._outbox.extend((link, ping) for link in self._links)
+
+    def _drop_link(self, link: _Link, reason: str) -> None:
+        self._links.remove(link)
+        self._by_peer.pop(link.peer, None)
+        for req in list(self._requests.values()):
+            if link in req.senders:
+                self._end(req, TransferStatus.FAILED, reason, "failed")
+        self._worker.remove_socket(link.client.sock)
+        link.client.close()
+        try:
+            self.engine.remove_peer(link.peer)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    def _get(self, request_id: str) -> RecvRequest:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise KeyError(f"request_id={request_id!r} is not known to this receiver")
+        return req
+
+    def __repr__(self) -> str:
+        return (f"KVReceiver(dcp_rank={self.spec.dcp_rank}, engine={self.engine.kind!r}, "
+                f"requests={len(self._requests)}, connections={len(self._links)})")

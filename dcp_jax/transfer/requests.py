@@ -1,0 +1,169 @@
+"""Per-request bookkeeping of the connector: token-range coverage, sender and receiver records.
+
+One object per request per side holds everything that request needs (state, page tables,
+what landed, counters); the `KVSender` / `KVReceiver` only hold what requests share (engine,
+pack arena, connections). Nothing here touches an engine or a socket.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+
+from dcp_jax.transfer.status import RequestState, TransferStatus
+
+__all__ = ["Coverage", "RankCounters", "RankTarget", "SendRequest", "RecvRequest", "check_request_id"]
+
+MAX_REQUEST_ID = 256
+
+
+def check_request_id(request_id: Any) -> str:
+    """Request ids are non-empty strings of at most 256 characters.
+
+    Raises:
+        TypeError: not a str.  ValueError: empty or too long.
+    """
+    if not isinstance(request_id, str):
+        raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+    if not 0 < len(request_id) <= MAX_REQUEST_ID:
+        raise ValueError(f"request_id must have 1..{MAX_REQUEST_ID} characters, got {len(request_id)}")
+    return request_id
+
+
+class Coverage:
+    """Union of half-open token ranges ``[start, stop)`` (kept merged and sorted)."""
+
+    __slots__ = ("_spans",)
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[int, int]] = []
+
+    def add(self, start: int, stop: int) -> None:
+        if stop <= start:
+            return
+        spans = sorted(self._spans + [(start, stop)])
+        merged = [spans[0]]
+        for a, b in spans[1:]:
+            if a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        self._spans = merged
+
+    def covers(self, start: int, stop: int) -> bool:
+        """True when every token of ``[start, stop)`` is inside one added range (empty: True)."""
+        if stop <= start:
+            return True
+        return any(a <= start and stop <= b for a, b in self._spans)
+
+    def overlaps(self, start: int, stop: int) -> bool:
+        return any(a < stop and start < b for a, b in self._spans)
+
+    def __repr__(self) -> str:
+        return f"Coverage({self._spans})"
+
+
+@dataclasses.dataclass
+class RankCounters:
+    """What one (request, decode rank) cost: the figures the cost report predicts."""
+
+    rows: int = 0
+    descriptors: int = 0
+    bytes: int = 0
+    batches: int = 0
+    engine_calls: int = 0
+    strategies: set = dataclasses.field(default_factory=set)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["strategy"] = ",".join(sorted(d.pop("strategies")))
+        return d
+
+
+@dataclasses.dataclass(eq=False)
+class RankTarget:
+    """One decode rank's announcement of a request, as the sender holds it."""
+
+    conn: Any                 # the receiver connection (sender._Conn)
+    inc: int                  # the receiver's incarnation of the request id
+    num_tokens: int
+    prefix_tokens: int
+    page_table: np.ndarray    # i64[pages], section-10 convention (local rows from token 0)
+    next_chunk: int = 0       # index of the next request chunk to plan for this rank
+    coverage: Coverage = dataclasses.field(default_factory=Coverage)
+    parts_left: dict = dataclasses.field(default_factory=dict)  # chunk -> windows not yet done
+    counters: RankCounters = dataclasses.field(default_factory=RankCounters)
+
+    @property
+    def complete(self) -> bool:
+        return not self.parts_left and self.coverage.covers(self.prefix_tokens, self.num_tokens)
+
+
+class SendRequest:
+    """The sender's record of one request: its chunks, its decode ranks, its state."""
+
+    def __init__(self, request_id: str):
+        self.rid = request_id
+        self.state = RequestState()
+        self.page_table: np.ndarray | None = None
+        self.chunks: list[tuple[int, int]] = []
+        self.sent = Coverage()
+        self.group: str | None = None
+        self.group_size: int | None = None
+        self.targets: dict[int, RankTarget] = {}
+        self.inflight = 0          # units submitted and not yet reported done by the engine
+        self.plan_seconds = 0.0
+        self.pack_seconds = 0.0
+        self.t_first_submit: float | None = None
+        self.t_done: float | None = None
+
+    @property
+    def status(self) -> TransferStatus:
+        return self.state.status
+
+    def complete(self) -> bool:
+        return (self.group_size is not None and len(self.targets) == self.group_size
+                and all(t.complete for t in self.targets.values()))
+
+    def finish(self, status: TransferStatus, reason: str = "") -> bool:
+        changed = self.state.advance(status, reason)
+        if changed:
+            self.t_done = time.perf_counter()
+        return changed
+
+
+class RecvRequest:
+    """A decode rank's record of one request it expects."""
+
+    def __init__(self, request_id: str, inc: int, page_table: np.ndarray, num_tokens: int,
+                 prefix_tokens: int, senders: list):
+        self.rid = request_id
+        self.inc = inc
+        self.state = RequestState()
+        self.page_table = page_table
+        self.num_tokens = num_tokens
+        self.prefix_tokens = prefix_tokens
+        self.senders = list(senders)                     # the sender links announced to
+        self.coverage = {id(s): Coverage() for s in self.senders}
+        self.parts: dict[tuple[int, int], set] = {}      # (sender id, chunk) -> parts landed
+        self.rows_landed: dict[tuple[int, int], int] = {}
+        self.inflight = 0                                # pull reads submitted, not yet done
+        self.bytes = 0
+        self.created = time.perf_counter()
+        self.t_done: float | None = None
+
+    @property
+    def status(self) -> TransferStatus:
+        return self.state.status
+
+    def complete(self) -> bool:
+        return self.inflight == 0 and all(
+            c.covers(self.prefix_tokens, self.num_tokens) for c in self.coverage.values())
+
+    def finish(self, status: TransferStatus, reason: str = "") -> bool:
+        changed = self.state.advance(status, reason)
+        if changed:
+            self.t_done = time.perf_counter()
+        return changed

@@ -1,0 +1,141 @@
+"""Connector test setup: real engines (NIXL over UCX, Mooncake over TCP) on loopback.
+
+`Cluster` builds one `KVSender` and N `KVReceiver`s in this process (engines talk over loopback
+exactly as across processes), over fresh random KV pages; every receiver page starts as the
+sentinel byte so a stray write shows. Oracles here do not call the library's formulas.
+"""
+import os
+import sys
+import time
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_LOG_LEVEL", "fatal")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+if _HERE not in sys.path:
+    sys.path.insert(0, _HERE)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from bridge.mooncake import mooncake_available  # noqa: E402
+from bridge.nixl import nixl_available  # noqa: E402
+from dcp_jax.transfer import KVCacheSpec, KVReceiver, KVSender, TransferStatus  # noqa: E402
+
+SENTINEL = 0xA5
+ENGINES = [e for e, ok in (("nixl", nixl_available()), ("mooncake", mooncake_available())) if ok]
+
+
+def owner(t, n, i):  # the oracle's own ownership rule (spec section 2), token by token
+    return (t // i) % n
+
+
+def local_index(t, n, i):
+    return (t // (i * n)) * i + t % i
+
+
+class Cluster:
+    """One sender over random KV and ``dcp_size`` receivers over sentinel-filled KV."""
+
+    def __init__(self, engine, *, dcp_size=2, item_lens=(48, 16), page_size=4, pages=64,
+                 interleave_size=1, direction="push", mode="auto", pack_bytes=None, kind="numpy",
+                 timeout_s=20.0, peer_timeout_s=5.0, seed=None, connect=True, **sender_kw):
+        self.rng = np.random.default_rng(seed)
+        self.dcp_size, self.page_size, self.item_lens = dcp_size, page_size, tuple(item_lens)
+        self.interleave = interleave_size
+        self.src = [self.rng.integers(0, 256, (pages, page_size, il), dtype=np.uint8) for il in item_lens]
+        wrap = _as_kind(kind)
+        # The caller's arrays (numpy or JAX): the engines write into these very buffers.
+        self.dst = [[wrap(np.full((pages, page_size, il), SENTINEL, np.uint8)) for il in item_lens]
+                    for _ in range(dcp_size)]
+        self.sender_spec = KVCacheSpec(len(item_lens), item_lens, page_size)
+        self.sender = KVSender(self.sender_spec, [wrap(a) for a in self.src], engine=engine, mode=mode,
+                               pack_bytes=pack_bytes, timeout_s=timeout_s, peer_timeout_s=peer_timeout_s,
+                               **sender_kw)
+        self.receivers = []
+        try:
+            for r in range(dcp_size):
+                spec = KVCacheSpec(len(item_lens), item_lens, page_size, dcp_size, r, interleave_size)
+                self.receivers.append(KVReceiver(spec, self.dst[r], engine=engine,
+                                                 direction=direction, timeout_s=timeout_s,
+                                                 peer_timeout_s=peer_timeout_s))
+                if connect:
+                    self.receivers[-1].connect(self.sender.address)
+        except BaseException:
+            self.close()
+            raise
+        self.pages = pages
+        self._free_src = list(self.rng.permutation(pages))
+        self._free_dst = [list(self.rng.permutation(pages)) for _ in range(dcp_size)]
+
+    def tables(self, num_tokens):
+        """Fresh disjoint page tables for one request: (src table, [dst table per rank])."""
+        p, n, i = self.page_size, self.dcp_size, self.interleave
+        src = [self._free_src.pop() for _ in range(-(-num_tokens // p))]
+        dst = []
+        for r in range(n):
+            rows = sum(1 for t in range(num_tokens) if owner(t, n, i) == r)
+            dst.append([self._free_dst[r].pop() for _ in range(-(-rows // p))])
+        return np.array(src, np.int64), [np.array(d, np.int64) for d in dst]
+
+    def expect(self, rid, dst_tables, num_tokens, prefix_tokens=0):
+        for r, recv in enumerate(self.receivers):
+            recv.expect(rid, dst_tables[r], num_tokens, prefix_tokens)
+
+    def wait(self, rid, timeout_s=20.0, sides=None):
+        """Polls every side until terminal; returns {side: status}."""
+        sides = sides or [self.sender] + self.receivers
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            st = [s.poll(rid) for s in sides]
+            if all(x.terminal for x in st):
+                return st
+            time.sleep(0.002)
+        return [s.poll(rid) for s in sides]
+
+    def check_bytes(self, src_table, dst_tables, num_tokens, prefix_tokens=0):
+        """Every owned token of [prefix, L) byte-exact at its rank; returns rows checked."""
+        p, n, i = self.page_size, self.dcp_size, self.interleave
+        kv = [[np.asarray(a) for a in layers] for layers in self.dst]
+        checked = 0
+        for t in range(prefix_tokens, num_tokens):
+            r = owner(t, n, i)
+            j = local_index(t, n, i)
+            dp, do = dst_tables[r][j // p], j % p
+            sp, so = src_table[t // p], t % p
+            for l in range(len(self.item_lens)):
+                got = kv[r][l][dp, do]
+                np.testing.assert_array_equal(got, self.src[l][sp, so], err_msg=f"token {t} layer {l}")
+            checked += 1
+        return checked
+
+    def sentinel_pages(self, r, used_pages):
+        """True when every page of rank r outside ``used_pages`` still holds only the sentinel."""
+        kv = self.dst
+        others = np.setdiff1d(np.arange(self.pages), np.asarray(used_pages, np.int64))
+        return all((np.asarray(kv[r][l])[others] == SENTINEL).all() for l in range(len(self.item_lens)))
+
+    def close(self):
+        for recv in self.receivers:
+            recv.close()
+        if getattr(self, "sender", None) is not None:
+            self.sender.close()
+
+
+def _as_kind(kind):
+    if kind == "numpy":
+        return lambda a: a
+    if kind == "jax":
+        import jax.numpy as jnp
+
+        return lambda a: jnp.asarray(a)
+    raise ValueError(kind)
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request):
+    return request.param
+
+
+__all__ = ["Cluster", "ENGINES", "SENTINEL", "TransferStatus"]

@@ -1,0 +1,183 @@
+"""KVSender / KVReceiver end to end with real engines: bytes, sentinels, statuses, stats."""
+import time
+
+import numpy as np
+import pytest
+
+import bridge
+from conftest import Cluster, TransferStatus
+from dcp_jax.transfer import KVReceiver
+
+S = TransferStatus
+
+
+@pytest.mark.parametrize("direction", ["push", "pull"])
+@pytest.mark.parametrize("mode", ["packed", "direct"])
+def test_chunked_request_lands_byte_exact(engine, direction, mode):
+    c = Cluster(engine, dcp_size=3, direction=direction, mode=mode)
+    try:
+        L = 37  # partial last page, three ranks, token round-robin
+        src, dst = c.tables(L)
+        c.expect("r0", dst, L)
+        for a, b in [(0, 10), (10, 11), (11, L)]:  # chunked prefill, one call per chunk
+            c.sender.send("r0", src, a, b)
+        assert c.wait("r0") == [S.SUCCESS] * 4
+        assert c.check_bytes(src, dst, L) == L
+        for r in range(3):
+            assert c.sentinel_pages(r, dst[r])
+        st = c.sender.request_stats("r0")
+        assert sum(v["rows"] for v in st["ranks"].values()) == L
+        assert {v["strategy"] for v in st["ranks"].values()} == {mode}
+        assert c.receivers[0].stats["bytes"] == 13 * sum(c.item_lens)  # rank 0 owns 13 of 37
+    finally:
+        c.close()
+
+
+def test_prefix_hit_sends_only_the_tail(engine):
+    c = Cluster(engine, dcp_size=2, page_size=4, interleave_size=4)
+    try:
+        L, prefix = 29, 11
+        src, dst = c.tables(L)
+        c.expect("r", dst, L, prefix_tokens=prefix)
+        c.sender.send("r", src, 0, L)
+        assert c.wait("r") == [S.SUCCESS] * 3
+        c.check_bytes(src, dst, L, prefix_tokens=prefix)
+        # The prefix's rows were never written: they still hold the sentinel.
+        kv = [np.asarray(c.dst[0][0])]
+        assert (kv[0][dst[0][0]] == 0xA5).all()  # tokens 0..3 (rank 0's first block) < prefix
+    finally:
+        c.close()
+
+
+def test_rank_with_no_tokens_still_completes(engine):
+    c = Cluster(engine, dcp_size=4)
+    try:
+        src, dst = c.tables(2)  # ranks 2 and 3 own nothing of a 2-token request
+        c.expect("tiny", dst, 2)
+        c.sender.send("tiny", src, 0, 2)
+        assert c.wait("tiny") == [S.SUCCESS] * 5
+        c.check_bytes(src, dst, 2)
+        assert c.receivers[3].stats["bytes"] == 0
+    finally:
+        c.close()
+
+
+def test_jax_arrays_as_caller_kv(engine):
+    c = Cluster(engine, dcp_size=2, kind="jax")
+    try:
+        src, dst = c.tables(21)
+        c.expect("j", dst, 21)
+        c.sender.send("j", src, 0, 21)
+        assert c.wait("j") == [S.SUCCESS] * 3
+        assert c.check_bytes(src, dst, 21) == 21  # read back through the caller's JAX arrays
+    finally:
+        c.close()
+
+
+def test_many_concurrent_requests_small_arena(engine):
+    # The arena holds 3 tokens: windows queue for regions, nothing is overwritten or refused.
+    c = Cluster(engine, dcp_size=2, pages=256, mode="packed", pack_bytes=3 * 64)
+    try:
+        reqs = {}
+        for k in range(12):
+            L = int(c.rng.integers(1, 30))
+            src, dst = c.tables(L)
+            reqs[f"q{k}"] = (src, dst, L)
+            c.expect(f"q{k}", dst, L)
+        for rid, (src, _, L) in reqs.items():
+            c.sender.send(rid, src, 0, L)
+        for rid, (src, dst, L) in reqs.items():
+            assert c.wait(rid) == [S.SUCCESS] * 3, c.sender.failure_reason(rid)
+            c.check_bytes(src, dst, L)
+        arena = c.sender.stats["arena"]
+        assert arena["waits"] > 0 and arena["in_use_bytes"] == 0 and arena["quarantined_bytes"] == 0
+    finally:
+        c.close()
+
+
+def test_send_before_expect_and_release_reuse(engine):
+    c = Cluster(engine, dcp_size=2)
+    try:
+        src, dst = c.tables(9)
+        c.sender.send("x", src, 0, 9)  # the decode side announces later
+        time.sleep(0.05)
+        assert c.sender.poll("x") is S.WAITING
+        c.expect("x", dst, 9)
+        assert c.wait("x") == [S.SUCCESS] * 3
+        for side in [c.sender] + c.receivers:
+            side.release("x")
+        with pytest.raises(KeyError, match="request_id='x'"):
+            c.sender.poll("x")
+        src2, dst2 = c.tables(5)  # the id again, for a new request
+        c.expect("x", dst2, 5)
+        c.sender.send("x", src2, 0, 5)
+        assert c.wait("x") == [S.SUCCESS] * 3
+        c.check_bytes(src2, dst2, 5)
+    finally:
+        c.close()
+
+
+def test_close_releases_registrations_and_is_bounded(engine):
+    before = bridge.registered_bytes()
+    c = Cluster(engine, dcp_size=2)
+    assert bridge.registered_bytes() > before
+    src, dst = c.tables(8)
+    c.expect("open", dst, 8)  # left open on purpose: close must fail it, not hang
+    t0 = time.monotonic()
+    c.close()
+    assert time.monotonic() - t0 < 5 * 3
+    assert bridge.registered_bytes() == before
+    assert c.receivers[0].poll("open") is S.FAILED
+
+
+def test_kernel_compiles_constant_after_warm_up(engine):
+    c = Cluster(engine, dcp_size=2, mode="packed")
+    try:
+        def one(rid, L):
+            src, dst = c.tables(L)
+            c.expect(rid, dst, L)
+            c.sender.send(rid, src, 0, L)
+            assert c.wait(rid) == [S.SUCCESS] * 3
+            for side in [c.sender] + c.receivers:
+                side.release(rid)
+        one("warm", 8)
+        before = c.sender.stats["kernel_compiles"]
+        for k in range(10):
+            one(f"k{k}", int(c.rng.integers(1, 9)))
+        assert c.sender.stats["kernel_compiles"] == before
+    finally:
+        c.close()
+
+
+def test_bad_arguments_name_themselves(engine):
+    c = Cluster(engine, dcp_size=2)
+    try:
+        src, dst = c.tables(8)
+        with pytest.raises(ValueError, match="start"):
+            c.sender.send("b", src, 5, 5)
+        with pytest.raises(ValueError, match="page_table"):
+            c.sender.send("b", src[:1], 0, 8)  # too few pages for 8 tokens of page 4
+        with pytest.raises(ValueError, match="page_table"):
+            c.sender.send("b", [10_000, 1], 0, 8)  # outside the cache
+        with pytest.raises(TypeError, match="request_id"):
+            c.sender.send(7, src, 0, 8)
+        with pytest.raises(ValueError, match="prefix_tokens"):
+            c.receivers[0].expect("b", dst[0], 8, prefix_tokens=9)
+        with pytest.raises(ValueError, match="page_table"):
+            c.receivers[0].expect("b", [], 8)
+        c.sender.send("b", src, 0, 4)
+        with pytest.raises(ValueError, match="overlap"):
+            c.sender.send("b", src, 3, 8)
+        with pytest.raises(ValueError, match="address"):
+            c.receivers[0].connect("localhost:1")
+        with pytest.raises(ValueError, match="already connected"):
+            c.receivers[0].connect(c.sender.address)
+        with pytest.raises(RuntimeError, match="connect"):
+            spec = c.receivers[0].spec
+            lonely = KVReceiver(spec, [np.zeros((4, 4, il), np.uint8) for il in c.item_lens], engine=engine)
+            try:
+                lonely.expect("z", [0], 1)
+            finally:
+                lonely.close()
+    finally:
+        c.close()

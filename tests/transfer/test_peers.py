@@ -1,0 +1,128 @@
+"""Handshake refusals (one per field) and peers that die mid-request (real processes)."""
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+import _peer
+from conftest import Cluster, TransferStatus
+from dcp_jax.transfer import HandshakeError, KVCacheSpec, KVReceiver
+from dcp_jax.transfer import protocol as proto
+
+S = TransferStatus
+
+
+@pytest.mark.parametrize("field, change", [
+    ("num_layers", dict(num_layers=3, item_lens=(48, 16, 16))),
+    ("item_lens", dict(item_lens=(48, 32))),
+    ("dtype", dict(dtype="float8_e4m3fn")),
+    ("layout", dict(layout="nhd")),
+    ("page_size", dict(page_size=8)),
+    ("tp_size", dict(tp_size=2)),
+])
+def test_handshake_refuses_each_field(engine, field, change):
+    c = Cluster(engine, dcp_size=1, connect=False)
+    try:
+        base = dict(num_layers=2, item_lens=(48, 16), page_size=4, dcp_size=1, dcp_rank=0)
+        spec = KVCacheSpec(**{**base, **change})
+        kv = [np.zeros((4, spec.page_size, il), np.uint8) for il in spec.item_lens]
+        with KVReceiver(spec, kv, engine=engine) as recv:
+            with pytest.raises(HandshakeError, match=field) as info:
+                recv.connect(c.sender.address)
+            err = info.value
+            assert err.field == field
+            assert err.ours == getattr(spec, field) or list(err.ours) == list(getattr(spec, field))
+            assert recv.stats["connections"] == 0
+        assert c.sender.stats["handshakes_refused"] == 1
+    finally:
+        c.close()
+
+
+def test_handshake_refuses_a_group_of_two_geometries(engine):
+    c = Cluster(engine, dcp_size=2, connect=True)
+    try:
+        spec = KVCacheSpec(2, (48, 16), 4, dcp_size=4, dcp_rank=3)  # the group already has N = 2
+        with KVReceiver(spec, [np.zeros((4, 4, il), np.uint8) for il in (48, 16)], engine=engine) as recv:
+            with pytest.raises(HandshakeError, match="dcp_size") as info:
+                recv.connect(c.sender.address)
+            assert (info.value.ours, info.value.theirs) == (4, 2)
+    finally:
+        c.close()
+
+
+def test_handshake_refuses_another_protocol_version(engine):
+    c = Cluster(engine, dcp_size=1, connect=False)
+    try:
+        s = zmq.Context.instance().socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(c.sender.address)
+        s.send(msgpack.packb({"v": 99, "k": "hello", "rid": "", "inc": 0}))
+        assert s.poll(5000)
+        reply = proto.decode(s.recv())
+        assert reply["k"] == "hello_nack" and reply["field"] == "version"
+        assert (reply["ours"], reply["theirs"]) == (proto.PROTOCOL_VERSION, 99)
+        s.close(0)
+    finally:
+        c.close()
+
+
+def test_connect_to_nobody_times_out():
+    spec = KVCacheSpec(1, (16,), 4)
+    with KVReceiver(spec, [np.zeros((2, 4, 16), np.uint8)], engine="auto") as recv:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="no handshake answer"):
+            recv.connect("tcp://127.0.0.1:9", timeout_s=0.5)
+        assert time.monotonic() - t0 < 2
+
+
+def _spawn(target, *args):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=target, args=(child,) + args, daemon=True)
+    p.start()
+    return p, parent
+
+
+def test_receiver_killed_mid_request_fails_the_sender(engine):
+    c = Cluster(engine, dcp_size=1, connect=False, peer_timeout_s=2.0)
+    p, pipe = _spawn(_peer.receiver_main, engine, c.sender.address, (48, 16), 4, "k", 40, 2.0)
+    try:
+        assert pipe.poll(60) and pipe.recv() == "ready"
+        src, _ = c.tables(40)
+        c.sender.send("k", src, 0, 8)
+        os.kill(p.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert c.wait("k", sides=[c.sender], timeout_s=10) == [S.FAILED]
+        assert time.monotonic() - t0 < 2.0 + 1.5
+        assert "silent" in c.sender.failure_reason("k") or "engine" in c.sender.failure_reason("k")
+    finally:
+        p.kill()
+        c.close()
+
+
+def test_sender_killed_mid_request_fails_the_receiver(engine):
+    p, pipe = _spawn(_peer.sender_main, engine, (48, 16), 4, 2.0)
+    try:
+        assert pipe.poll(60)
+        address = pipe.recv()
+        spec = KVCacheSpec(2, (48, 16), 4)
+        kv = [np.zeros((64, 4, il), np.uint8) for il in (48, 16)]
+        with KVReceiver(spec, kv, engine=engine, peer_timeout_s=2.0, timeout_s=60) as recv:
+            recv.connect(address)
+            recv.expect("d", np.arange(10), 40)
+            pipe.send(("d", 40))
+            assert pipe.poll(30) and pipe.recv() == "sent"
+            os.kill(p.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            while not recv.poll("d").terminal and time.monotonic() - t0 < 10:
+                time.sleep(0.01)
+            assert recv.poll("d") is S.FAILED
+            assert time.monotonic() - t0 < 2.0 + 1.5
+            assert "silent" in recv.failure_reason("d")
+    finally:
+        p.kill()
