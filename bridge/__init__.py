@@ -5,10 +5,13 @@
         eng.register([MemoryRegion(addr, nbytes)])
         send(eng.peer_info())                       # out of band, e.g. a multiprocessing Pipe
         peer = eng.add_peer(received_peer_info)
-        h = eng.transfer_batch(peer, descs, notif=b"chunk0")   # descs: i64[n, 3]
-        eng.wait(h, timeout_s=30.0)
+        h = eng.transfer_batch(peer, descs, notif=b"chunk0")   # descs: i64[n, 3]; op="READ" pulls
+        while not eng.check(h):                     # non-blocking; or eng.wait(h, timeout_s=30.0)
+            do_other_work()
 
-See `bridge.base` for the protocol, errors and descriptor validation.
+See `bridge.base` for the protocol (check / cancel / close semantics), `bridge.errors` for the
+errors, `bridge.regions` for regions, `PeerInfo` (and its plain-dict form) and descriptor
+validation.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from bridge.base import (
     TransferHandle,
     TransferTimeout,
     as_region,
+    registered_bytes,
     validate_descriptors,
 )
 
@@ -46,6 +50,7 @@ __all__ = [
     "as_region",
     "available_engines",
     "make_engine",
+    "registered_bytes",
     "validate_descriptors",
 ]
 

@@ -1,14 +1,17 @@
 """Mooncake adapter (``mooncake.engine.TransferEngine``, TCP, peer-to-peer handshake).
 
-A batch goes to a per-peer worker thread that submits it with ``batch_transfer_async_write`` in
+A batch goes to a per-peer worker thread (`bridge.handles.Worker`) that submits it with
+``batch_transfer_async_write`` (op "WRITE") or ``batch_transfer_async_read`` (op "READ") in
 windows of at most `MOONCAKE_MAX_BATCH_ENTRIES` entries and waits for each window with
 ``get_batch_transfer_status`` (which blocks in C++ with the GIL released), so packing the next
-chunk in Python overlaps the transfer. One worker per peer also keeps at most one window in
-flight per peer, which is what the TCP transport's per-peer queue limit counts.
+chunk in Python overlaps the transfer and `check` only looks at the job. One worker per peer also
+keeps at most one window in flight per peer, which is what the TCP transport's per-peer queue
+limit counts. `cancel` stops a batch between windows.
 
 Completion notification: Mooncake delivers a ``TransferNotify(name, msg)`` with a synchronous
 transfer; after the last window lands the worker sends a zero-length WRITE carrying the tag, and
-the target reads it with ``get_notifies`` (verified over TCP on loopback).
+the target reads it with ``get_notifies`` (verified over TCP on loopback). A READ's notification
+goes the same way, to the peer it read from, after its last window.
 
 Engine traps handled here (measured on mooncake-transfer-engine-non-cuda 0.3.13.post1):
 - the TCP transport never checks local source addresses: the shared validation in
@@ -20,11 +23,8 @@ Engine traps handled here (measured on mooncake-transfer-engine-non-cuda 0.3.13.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
-import threading
 import time
 from collections.abc import Sequence
-
 
 from bridge.base import (
     BridgeError,
@@ -35,8 +35,8 @@ from bridge.base import (
     TransferEngine,
     TransferError,
     TransferHandle,
-    TransferTimeout,
 )
+from bridge.handles import Job, Worker
 
 __all__ = ["MooncakeEngine", "MOONCAKE_MAX_BATCH_ENTRIES", "mooncake_available"]
 
@@ -57,14 +57,6 @@ MOONCAKE_MAX_BATCH_ENTRIES = 1024
 def mooncake_available() -> bool:
     """True when ``mooncake.engine`` imports in this environment."""
     return _mc is not None
-
-
-class _Job:
-    __slots__ = ("future", "cancel")
-
-    def __init__(self):
-        self.future: cf.Future | None = None
-        self.cancel = threading.Event()
 
 
 class MooncakeEngine(TransferEngine):
@@ -108,9 +100,9 @@ class MooncakeEngine(TransferEngine):
             raise BridgeError(f"Mooncake initialize({hostname=}, {metadata_server=}, {protocol=}) returned {rc}")
         # The port in the hostname is ignored under P2PHANDSHAKE: peers must use the bound one.
         self.session = f"{hostname}:{self._te.get_rpc_port()}"
-        self._workers: dict[str, cf.ThreadPoolExecutor] = {}
-        self._retired: list[cf.ThreadPoolExecutor] = []
-        self._jobs: dict[int, _Job] = {}
+        self._workers: dict[str, Worker] = {}  # one per peer
+        self._retired: list[Worker] = []  # of removed peers, joined at close
+        self._jobs: dict[int, Job] = {}  # handle.seq -> its job
 
     # ---- registration ---------------------------------------------------------------------
     def _engine_register(self, regions: Sequence[MemoryRegion]) -> None:
@@ -141,14 +133,18 @@ class MooncakeEngine(TransferEngine):
         if not host or not port.isdigit():
             raise PeerError(f"info: peer {info.name!r} has session={info.session!r}, expected 'host:port'")
         if info.name not in self._workers:
-            self._workers[info.name] = cf.ThreadPoolExecutor(1, thread_name_prefix=f"mooncake-{info.name}")
+            self._workers[info.name] = Worker(f"mooncake-{self.name}-{info.name}")
 
     def _engine_remove_peer(self, info: PeerInfo) -> None:
-        ex = self._workers.pop(info.name, None)
-        if ex is not None:
-            # Queued batches are cancelled; one already inside the engine finishes on its own.
-            ex.shutdown(wait=False, cancel_futures=True)
-            self._retired.append(ex)
+        # Queued batches are dropped; a running one stops after the window inside the engine.
+        reason = f"peer {info.name!r} removed"
+        for job in list(self._jobs.values()):
+            if job.tag == info.name:
+                job.cancel(reason)
+        worker = self._workers.pop(info.name, None)
+        if worker is not None:
+            worker.stop(reason)
+            self._retired.append(worker)
 
     # ---- transfers ------------------------------------------------------------------------
     def _engine_submit(self, handle, descs, local_mem, remote_mem, info) -> None:
@@ -160,62 +156,82 @@ class MooncakeEngine(TransferEngine):
             if not self._regions or not info.regions:
                 raise PeerError("notif: a Mooncake notification needs one registered region on each side")
             notif_addrs = (self._regions[0].addr, info.regions[0].addr)
-        job = _Job()
         # Python ints for pybind's list[int]; done here so the worker holds no numpy views.
         local, remote, lens = (descs[:, k].tolist() for k in range(3))
-        worker = self._workers[handle.peer]
+        # The job holds the engine object: it stays alive while the worker may be inside it.
+        job = Job(self._run, self._te, handle, info.session, local, remote, lens, notif_addrs, tag=handle.peer)
+        worker = self._workers.get(handle.peer)
         try:
-            job.future = worker.submit(self._run, handle, info.session, local, remote, lens, notif_addrs, job)
-        except RuntimeError as exc:  # executor shut down by a concurrent remove_peer
+            if worker is None:
+                raise RuntimeError("no worker")
+            self._jobs[handle.seq] = job
+            worker.submit(job)
+        except RuntimeError as exc:  # worker stopped by a concurrent remove_peer or close
+            self._jobs.pop(handle.seq, None)
             raise PeerError(f"peer={handle.peer!r} was removed") from exc
-        self._jobs[handle.seq] = job
 
-    def _run(self, handle: TransferHandle, session: str, local: list, remote: list, lens: list,
-             notif_addrs: tuple[int, int] | None, job: _Job) -> None:
+    def _run(self, job: Job, te, handle: TransferHandle, session: str, local: list, remote: list, lens: list,
+             notif_addrs: tuple[int, int] | None) -> None:
         """Worker thread: the windows of one batch, in order, then the notification."""
-        n, w = len(lens), self.window
+        n, w, op = len(lens), self.window, handle.op
+        submit = te.batch_transfer_async_write if op == "WRITE" else te.batch_transfer_async_read
         for lo in range(0, n, w):
-            if job.cancel.is_set():
-                raise handle.error(TransferError, "batch cancelled after a timeout",
-                                   f"{lo} of {n} entries were submitted")
+            if job.cancel_reason is not None:
+                raise handle.error(TransferError, f"Mooncake {op} cancelled",
+                                   f"{job.cancel_reason}; {lo} of {n} entries were submitted")
             hi = min(lo + w, n)
-            bid = self._te.batch_transfer_async_write(session, local[lo:hi], remote[lo:hi], lens[lo:hi])
+            bid = submit(session, local[lo:hi], remote[lo:hi], lens[lo:hi])
             self._count_engine_call()
             if bid == 0:  # failure sentinel: never pass it to get_batch_transfer_status
-                raise handle.error(TransferError, "Mooncake refused the batch",
-                                   f"batch_transfer_async_write returned 0 for entries {lo}..{hi - 1}")
-            rc = self._te.get_batch_transfer_status([bid])  # blocks, frees bid
+                raise handle.error(TransferError, f"Mooncake refused the {op} batch",
+                                   f"batch_transfer_async_{op.lower()} returned 0 for entries {lo}..{hi - 1}")
+            rc = te.get_batch_transfer_status([bid])  # blocks, frees bid
             if rc != 0:
-                raise handle.error(TransferError, "Mooncake reported a failed batch",
+                raise handle.error(TransferError, f"Mooncake reported a failed {op} batch",
                                    f"get_batch_transfer_status returned {rc} for entries {lo}..{hi - 1}")
-        if notif_addrs is not None and not job.cancel.is_set():
+        if notif_addrs is not None:
+            if job.cancel_reason is not None:
+                raise handle.error(TransferError, f"Mooncake {op} cancelled before its notification",
+                                   f"{job.cancel_reason}; all {n} entries had moved")
             # latin-1 maps bytes 1:1 onto str, so any tag survives pybind's str round trip.
             note = _mc.TransferNotify(self.name, handle.notif.decode("latin-1"))
-            rc = self._te.transfer_sync(session, notif_addrs[0], notif_addrs[1], 0,
-                                        _mc.TransferOpcode.Write, note)
+            rc = te.transfer_sync(session, notif_addrs[0], notif_addrs[1], 0, _mc.TransferOpcode.Write, note)
             self._count_engine_call()
             if rc != 0:
                 raise handle.error(TransferError, "Mooncake could not deliver the notification",
                                    f"transfer_sync returned {rc}")
 
-    def _engine_wait(self, handle: TransferHandle, deadline: float) -> None:
-        job = self._jobs.get(handle.seq)
-        if job is None:
-            return
-        try:
-            job.future.result(timeout=max(0.0, deadline - time.monotonic()))
-        except cf.TimeoutError:
-            raise handle.error(TransferTimeout, "Mooncake batch not complete by the deadline") from None
-        except cf.CancelledError:
-            raise handle.error(TransferError, "batch cancelled (peer removed or engine closed)") from None
+    def _engine_check(self, handle: TransferHandle) -> bool:
+        job = self._jobs[handle.seq]
+        if not job.done.is_set():
+            return False
         self._jobs.pop(handle.seq, None)
+        if job.dropped:
+            raise handle.error(TransferError, f"Mooncake {handle.op} cancelled before it started",
+                               job.cancel_reason or "")
+        if job.error is not None:
+            if isinstance(job.error, TransferError):
+                raise job.error
+            raise handle.error(TransferError, f"Mooncake {handle.op} failed",
+                               f"{type(job.error).__name__}: {job.error}")
+        return True
+
+    def _engine_block(self, handle: TransferHandle, max_s: float) -> None:
+        job = self._jobs.get(handle.seq)
+        if job is not None:
+            job.done.wait(max_s)
+        else:
+            time.sleep(max_s)
+
+    def _engine_cancel(self, handle: TransferHandle) -> None:
+        job = self._jobs.get(handle.seq)
+        if job is not None:
+            job.cancel("cancelled by the caller")
 
     def _engine_abort(self, handle: TransferHandle) -> None:
         job = self._jobs.pop(handle.seq, None)
-        if job is not None:
-            # Stops further windows; the one inside the engine finishes or fails on its own.
-            job.cancel.set()
-            job.future.cancel()
+        if job is not None:  # stops further windows; the one inside the engine ends on its own
+            job.cancel("abandoned after a timeout")
 
     def _engine_poll_notifs(self) -> dict[str, list[bytes]]:
         out: dict[str, list[bytes]] = {}
@@ -223,19 +239,23 @@ class MooncakeEngine(TransferEngine):
             out.setdefault(note.name, []).append(note.msg.encode("latin-1"))
         return out
 
-    def _engine_close(self) -> None:
-        for job in self._jobs.values():
-            job.cancel.set()
+    def _engine_close(self, regions, peers) -> None:
+        for job in list(self._jobs.values()):
+            job.cancel("engine closed")
+        self._jobs.clear()
+        workers = list(self._workers.values()) + self._retired
+        for worker in workers:
+            worker.stop("engine closed")
         # Join every worker before the engine is destroyed: a thread still inside
-        # get_batch_transfer_status would touch freed memory.
-        for ex in list(self._workers.values()) + self._retired:
-            ex.shutdown(wait=True, cancel_futures=True)
+        # get_batch_transfer_status would touch freed memory. No timeout: `close` does not wait for
+        # this thread beyond its own timeout, and the engine must outlive a stuck window.
+        for worker in workers:
+            worker.join()
         self._workers.clear()
         self._retired.clear()
-        self._jobs.clear()
-        for r in list(self._regions):
+        for r in regions:
             try:
                 self._te.unregister_memory(r.addr)
             except Exception:  # noqa: BLE001 - closing: best effort
                 pass
-        self._te = None  # the destructor tears the engine down (~1 s)
+        self._te = None  # the destructor tears the engine down (~1 s), on this thread

@@ -1,15 +1,25 @@
-"""NIXL adapter (UCX backend): one agent per process, out-of-band metadata, one WRITE per batch.
+"""NIXL adapter (UCX backend): one agent per process, out-of-band metadata, one transfer per batch.
 
-Call sequence per batch: ``get_xfer_descs`` for both sides, ``initialize_xfer("WRITE", ...)``
-with the notification, ``transfer``, then `wait` polls ``check_xfer_state`` with a deadline and
-backoff and releases the handle. ``transfer`` itself posts every descriptor before it returns
-(measured: 400k small descriptors keep it busy ~4 s over CMA, while the GIL is released), so by
-default the posting runs on one background thread per engine and `transfer_batch` returns at
-once: packing the next chunk overlaps the transfer of this one. The agent is then created with
-``NIXL_THREAD_SYNC_STRICT`` (NIXL's default without a listener thread is unsynchronised).
-Engine-side refusals (unknown registrations, a disconnected peer) therefore surface in `wait`.
-NIXL's typed exceptions (``nixlNotFoundError``, ``nixlRemoteDisconnectError``, ...) and its
-"ERR" status become `TransferError` here.
+Call sequence per batch: ``get_xfer_descs`` for both sides, ``initialize_xfer(op, ...)`` ("WRITE"
+local -> remote, or "READ" remote -> local) with the notification, ``transfer``, then `check`
+polls ``check_xfer_state`` and releases the NIXL handle at DONE or ERR. ``transfer`` itself posts
+every descriptor before it returns (measured: 400k small descriptors keep it busy ~4 s over CMA,
+while the GIL is released), so by default the posting runs on one background worker thread per
+engine (`bridge.handles.Worker`) and `transfer_batch` returns at once: packing the next chunk
+overlaps the transfer of this one. Engine-side refusals (unknown registrations, a disconnected
+peer) therefore surface in `check` / `wait`. NIXL's typed exceptions (``nixlNotFoundError``,
+``nixlRemoteDisconnectError``, ...) and its "ERR" status become `TransferError` here.
+
+Locking: with a worker the agent is created with ``NIXL_THREAD_SYNC_RW``. Posting and status
+checks then take NIXL's lock shared, so `check` does not wait for a long posting (under
+``NIXL_THREAD_SYNC_STRICT`` measured: ``check_xfer_state`` blocked 1-2.4 s behind a 300k-descriptor
+posting). Calls that take it exclusively (register, deregister, metadata, peers, notifications)
+wait for a posting in progress. So that `notifications` never does, it skips the agent while the
+worker is inside a posting (those notifications show up at the next poll), and peer changes run
+on the worker, in order with the postings: `add_peer` waits for the worker, `remove_peer` does not.
+NIXL is told to forget a removed peer only once that peer's posted transfers have ended (`check`
+reported them): removed at once, NIXL answers NOT_FOUND for them while UCX may still be moving
+their bytes, and `check` would hand back memory that is still in use.
 
 Stale metadata: NIXL keeps a peer's old registrations after the peer deregisters, and a WRITE
 into them still succeeds. `add_peer` with a refreshed `PeerInfo` therefore drops and reloads the
@@ -17,7 +27,7 @@ peer's metadata, and `transfer_batch` validates against the regions of the lates
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
+import logging
 import sys
 import threading
 import time
@@ -34,8 +44,8 @@ from bridge.base import (
     TransferEngine,
     TransferError,
     TransferHandle,
-    TransferTimeout,
 )
+from bridge.handles import Job, Worker
 
 __all__ = ["NixlEngine", "nixl_available"]
 
@@ -59,10 +69,13 @@ _NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
     if n.startswith("nixl") and n.endswith("Error") and isinstance(getattr(_nixl_bindings, n), type)
 ) if _nixl_bindings is not None else ()
 
-# Poll backoff for check_xfer_state: start fine-grained (small batches finish in ~100 us), cap low
-# so a finished transfer is noticed within a few ms.
-_POLL_FIRST_S = 2e-5
-_POLL_MAX_S = 2e-3
+_log = logging.getLogger("bridge")
+
+#: How long the teardown of a closed engine waits for posted transfers to reach DONE or ERR before
+#: it gives up and leaves the agent alive (seconds); it runs on a daemon thread.
+CLOSE_LINGER_S = 30.0
+# Agents whose transfers never finished at close: kept alive so NIXL never frees memory UCX uses.
+_LEAKED_AGENTS: list = []
 
 
 def nixl_available() -> bool:
@@ -103,7 +116,8 @@ class NixlEngine(TransferEngine):
     Args:
         name: agent name; unique among the agents that talk to each other.
         backends: NIXL backends to create (default UCX, the one that moves agent-to-agent bytes).
-        async_submit: post batches on a background thread (True) or inside `transfer_batch`.
+        async_submit: post batches on a background worker thread (True) or inside
+            `transfer_batch` (False: engine refusals then raise from `transfer_batch`).
         progress_delay_us: pause of NIXL's progress thread between polls, microseconds (0 = spin).
 
     Raises:
@@ -120,16 +134,22 @@ class NixlEngine(TransferEngine):
         if progress_delay_us < 0:
             raise ValueError(f"{progress_delay_us=} must be >= 0")
         conf = nixl_agent_config(backends=list(backends))
-        if async_submit:  # two threads call into the agent: ask NIXL to lock
-            conf.sync_mode = nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+        if async_submit:  # several threads call into the agent: shared lock for post and check
+            conf.sync_mode = nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
         try:
             self._agent = _create_agent(name, conf, progress_delay_us)
         except Exception as exc:
             raise BridgeError(f"cannot create NIXL agent {name=}: {_engine_msg(exc)}") from exc
         self._reg_dlists: dict[MemoryRegion, object] = {}
-        self._live: dict[int, _Post] = {}  # id(TransferHandle) -> its posting
-        self._submitter = (cf.ThreadPoolExecutor(1, thread_name_prefix=f"nixl-{name}")
-                           if async_submit else None)
+        self._jobs: dict[int, Job] = {}  # handle.seq -> its posting; result (xfer or None, state)
+        self._worker = Worker(f"nixl-{name}", inline=not async_submit)
+        # Held by the worker while it is inside a posting: `notifications` skips the agent then.
+        self._posting = threading.Lock()
+        self._stash: list[dict] = []  # notifications the worker collected after its postings
+        self._stash_lock = threading.Lock()
+        # Removed peers whose posted transfers still run: name -> their handle seqs.
+        self._removing: dict[str, set[int]] = {}
+        self._removing_lock = threading.Lock()
 
     # ---- registration ---------------------------------------------------------------------
     def _engine_register(self, regions: Sequence[MemoryRegion]) -> None:
@@ -167,6 +187,15 @@ class NixlEngine(TransferEngine):
     def _engine_add_peer(self, info: PeerInfo, refresh: bool) -> None:
         if not info.metadata:
             raise PeerError(f"info: peer {info.name!r} carries no NIXL agent metadata")
+        with self._removing_lock:  # removed, NIXL not told yet (transfers running): now a refresh
+            if self._removing.pop(info.name, None) is not None:
+                refresh = True
+        try:  # after the postings queued so far (a queued removal of this name included)
+            self._worker.call(lambda: self._load_peer(info, refresh))
+        except RuntimeError as exc:  # worker stopped: the engine is closing
+            raise PeerError(f"info: engine {self.name!r} is closing") from exc
+
+    def _load_peer(self, info: PeerInfo, refresh: bool) -> None:
         if refresh:
             # Drop what NIXL cached for this peer first, so regions the peer deregistered do not
             # stay writable through stale metadata.
@@ -184,24 +213,80 @@ class NixlEngine(TransferEngine):
             raise PeerError(f"info: metadata is for agent {loaded!r} but PeerInfo.name={info.name!r}")
 
     def _engine_remove_peer(self, info: PeerInfo) -> None:
+        # Postings not started yet are dropped. NIXL forgets the peer only once its posted transfers
+        # have ended: removing it earlier makes `check_xfer_state` answer NOT_FOUND at once while
+        # UCX may still be moving the bytes (a stopped peer), and `check` would free memory in use.
+        name = info.name
+        running = set()
+        for seq, job in list(self._jobs.items()):
+            if job.tag == name:
+                job.cancel(f"peer {name!r} removed")
+                running.add(seq)
+        with self._removing_lock:
+            if running:
+                self._removing[name] = running
+                return
+        self._queue_removal(name)
+
+    def _queue_removal(self, name: str) -> None:
+        def drop(job: Job) -> None:
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception as exc:  # noqa: BLE001 - nobody waits for this job: log it
+                _log.warning("NIXL could not remove peer %r: %s", name, _engine_msg(exc))
+
         try:
-            self._agent.remove_remote_agent(info.name)
-        except Exception as exc:
-            raise PeerError(f"name: NIXL could not remove peer {info.name!r}: {_engine_msg(exc)}") from exc
+            self._worker.submit(Job(drop))
+        except RuntimeError:  # worker stopped: the closing engine drops every peer anyway
+            pass
+
+    def _forget(self, handle: TransferHandle) -> Job | None:
+        """Drops the handle's job; the last transfer of a removed peer lets NIXL forget the peer."""
+        job = self._jobs.pop(handle.seq, None)
+        with self._removing_lock:
+            waiting = self._removing.get(handle.peer)
+            if waiting is None or handle.seq not in waiting:
+                return job
+            waiting.discard(handle.seq)
+            if waiting:
+                return job
+            del self._removing[handle.peer]
+        self._queue_removal(handle.peer)
+        return job
 
     # ---- transfers ------------------------------------------------------------------------
     def _engine_submit(self, handle, descs, local_mem, remote_mem, info) -> None:
-        post = _Post()
-        args = (handle, descs, local_mem, remote_mem, info.name)
-        if self._submitter is None:
-            post.future = cf.Future()
-            post.future.set_result(self._post(*args))  # errors propagate from transfer_batch
-        else:
-            post.future = self._submitter.submit(self._post, *args)
-        self._live[handle.seq] = post
+        job = Job(self._post_job, handle, descs, local_mem, remote_mem, info.name, tag=info.name)
+        self._jobs[handle.seq] = job
+        try:
+            self._worker.submit(job)  # inline mode: engine refusals raise here
+        except RuntimeError as exc:  # worker stopped: the engine is closing
+            self._jobs.pop(handle.seq, None)
+            raise handle.error(TransferError, f"engine {self.name!r} is closing") from exc
+        except BaseException:
+            self._jobs.pop(handle.seq, None)
+            raise
+
+    def _post_job(self, job: Job, handle, descs, local_mem, remote_mem, peer: str):
+        with self._posting:
+            try:
+                return self._post(handle, descs, local_mem, remote_mem, peer)
+            finally:  # collect notifications here too, so back-to-back postings never starve them
+                self._stash_notifs()
+
+    def _stash_notifs(self) -> None:
+        try:
+            new = self._agent.get_new_notifs()
+        except Exception:  # noqa: BLE001 - the caller's own poll reports a broken agent
+            return
+        if new:
+            with self._stash_lock:
+                self._stash.append(new)
 
     def _post(self, handle, descs, local_mem, remote_mem, peer: str):
-        """Builds and posts one WRITE; returns (xfer handle or None for an empty batch, state)."""
+        """Builds and posts one transfer of ``handle.op``; returns (xfer handle, or None for an
+        empty batch, and its state)."""
+        op = handle.op
         if descs.shape[0] == 0:
             if handle.notif is not None:
                 try:
@@ -219,7 +304,7 @@ class NixlEngine(TransferEngine):
             rd = self._agent.get_xfer_descs(remote, rkind)
             if ld is None or rd is None:
                 raise handle.error(TransferError, "NIXL could not build descriptor lists")
-            xfer = self._agent.initialize_xfer("WRITE", ld, rd, peer, handle.notif or b"")
+            xfer = self._agent.initialize_xfer(op, ld, rd, peer, handle.notif or b"")
             self._count_engine_call()
             state = self._agent.transfer(xfer)
         except TransferError:
@@ -227,56 +312,98 @@ class NixlEngine(TransferEngine):
         except _NIXL_ERRORS + (KeyError,) as exc:
             if xfer is not None:
                 _release(xfer)
-            raise handle.error(TransferError, "NIXL refused the WRITE", _engine_msg(exc)) from exc
+            raise handle.error(TransferError, f"NIXL refused the {op}", _engine_msg(exc)) from exc
         if state == "ERR":
             _release(xfer)
-            raise handle.error(TransferError, "NIXL failed to post the WRITE", "transfer() returned ERR")
+            raise handle.error(TransferError, f"NIXL failed to post the {op}", "transfer() returned ERR")
         return xfer, state
 
-    def _engine_wait(self, handle: TransferHandle, deadline: float) -> None:
-        post = self._live[handle.seq]
-        try:
-            xfer, state = post.future.result(timeout=max(0.0, deadline - time.monotonic()))
-        except cf.TimeoutError:
-            raise handle.error(TransferTimeout, "NIXL WRITE still being posted at the deadline") from None
-        except cf.CancelledError:
-            raise handle.error(TransferError, "NIXL WRITE cancelled (engine closing)") from None
-        sleep = _POLL_FIRST_S
-        while state != "DONE":
-            if state == "ERR":
-                raise handle.error(TransferError, "NIXL reported a failed WRITE", "check_xfer_state: ERR")
-            if time.monotonic() >= deadline:
-                raise handle.error(TransferTimeout, "NIXL WRITE not complete by the deadline",
-                                   f"last state {state}")
-            time.sleep(sleep)
-            sleep = min(sleep * 2, _POLL_MAX_S)
+    def _engine_check(self, handle: TransferHandle) -> bool:
+        job = self._jobs[handle.seq]
+        if not job.done.is_set():
+            return False  # queued or being posted
+        if job.dropped or job.error is not None:
+            self._forget(handle)
+            if job.dropped:
+                raise handle.error(TransferError, f"NIXL {handle.op} cancelled before it was posted",
+                                   job.cancel_reason or "")
+            if isinstance(job.error, TransferError):
+                raise job.error
+            raise handle.error(TransferError, f"NIXL {handle.op} failed", _engine_msg(job.error))
+        xfer, state = job.result
+        if state == "PROC":
             try:
                 state = self._agent.check_xfer_state(xfer)
             except _NIXL_ERRORS as exc:
-                raise handle.error(TransferError, "NIXL reported a failed WRITE", _engine_msg(exc)) from exc
-        self._live.pop(handle.seq, None)
+                self._forget(handle)
+                _release(xfer)
+                raise handle.error(TransferError, f"NIXL reported a failed {handle.op}", _engine_msg(exc)) from exc
+            if state == "PROC":
+                return False
+        self._forget(handle)
         if xfer is not None:
             _release(xfer)
+        if state != "DONE":
+            raise handle.error(TransferError, f"NIXL reported a failed {handle.op}", f"check_xfer_state: {state}")
+        return True
+
+    def _engine_block(self, handle: TransferHandle, max_s: float) -> None:
+        job = self._jobs.get(handle.seq)
+        if job is not None and not job.done.is_set():
+            job.done.wait(max_s)  # wakes when the posting ends
+        else:
+            time.sleep(max_s)
+
+    def _engine_cancel(self, handle: TransferHandle) -> None:
+        job = self._jobs.get(handle.seq)
+        if job is not None:  # effective only while queued: NIXL cannot stop a posting
+            job.cancel("cancelled by the caller")
 
     def _engine_abort(self, handle: TransferHandle) -> None:
-        post = self._live.pop(handle.seq, None)
-        if post is not None:
-            post.abandon()
+        job = self._forget(handle)
+        if job is not None:
+            job.cancel("abandoned after a timeout")
+            job.add_done_callback(_release_result)  # now, or when the posting ends
 
     def _engine_poll_notifs(self) -> dict[str, list[bytes]]:
-        new = self._agent.get_new_notifs()
-        return {(k.decode() if isinstance(k, bytes) else k): [bytes(m) for m in v] for k, v in new.items()}
+        batches = []
+        if self._posting.acquire(blocking=False):  # else the worker is posting: getNotifs would
+            try:                                   # wait for NIXL's lock until the posting ends
+                batches.append(self._agent.get_new_notifs())
+            finally:
+                self._posting.release()
+        with self._stash_lock:  # what the worker collected between postings (older: first)
+            batches[:0], self._stash = self._stash, []
+        out: dict[str, list[bytes]] = {}
+        for new in batches:
+            for k, v in new.items():
+                out.setdefault(k.decode() if isinstance(k, bytes) else k, []).extend(bytes(m) for m in v)
+        return out
 
-    def _engine_close(self) -> None:
-        if self._submitter is not None:
-            # No thread may still be inside the agent when it is destroyed.
-            self._submitter.shutdown(wait=True, cancel_futures=True)
-        for post in list(self._live.values()):
-            post.abandon()
-        self._live.clear()
-        for name in list(self._peers):
+    def _engine_close(self, regions, peers) -> None:
+        jobs = list(self._jobs.values())
+        self._jobs.clear()
+        for job in jobs:
+            job.cancel("engine closed")
+        self._worker.stop("engine closed")
+        self._worker.join()  # no thread may be inside the agent when it is destroyed
+        agent = self._agent
+        # Posted transfers still moving: let them reach DONE or ERR before releasing anything.
+        xfers = [j.result[0] for j in jobs if j.done.is_set() and j.error is None and not j.dropped
+                 and j.result[0] is not None]
+        deadline = time.monotonic() + CLOSE_LINGER_S
+        for xfer in xfers:
+            while _state(agent, xfer) == "PROC":
+                if time.monotonic() >= deadline:
+                    _log.warning("NIXL agent %r: transfers still in progress %.0f s after close; the agent "
+                                 "is kept alive", self.name, CLOSE_LINGER_S)
+                    _LEAKED_AGENTS.append(agent)
+                    return
+                time.sleep(1e-3)
+            _release(xfer)
+        for info in peers:
             try:
-                self._agent.remove_remote_agent(name)
+                agent.remove_remote_agent(info.name)
             except Exception:  # noqa: BLE001 - closing: best effort
                 pass
         for r in list(self._reg_dlists):
@@ -285,6 +412,13 @@ class NixlEngine(TransferEngine):
             except RegistrationError:
                 pass
         self._agent = None
+
+
+def _state(agent, xfer) -> str:
+    try:
+        return agent.check_xfer_state(xfer)
+    except Exception:  # noqa: BLE001 - a failed transfer is finished as far as close is concerned
+        return "ERR"
 
 
 def _release(xfer) -> None:
@@ -296,22 +430,7 @@ def _release(xfer) -> None:
         pass
 
 
-class _Post:
-    """A batch's posting (a future of (xfer, state)) and its release once nobody waits for it."""
-
-    __slots__ = ("future",)
-
-    def __init__(self):
-        self.future: cf.Future | None = None
-
-    def abandon(self) -> None:
-        """Releases the NIXL handle now, or when the posting finishes if it is still running."""
-
-        def _done(f: cf.Future) -> None:
-            if not f.cancelled() and f.exception() is None:
-                xfer, _ = f.result()
-                if xfer is not None:
-                    _release(xfer)
-
-        if not self.future.cancel():
-            self.future.add_done_callback(_done)
+def _release_result(job: Job) -> None:
+    """Done-callback of an abandoned posting: releases its NIXL handle, if it made one."""
+    if not job.dropped and job.error is None and job.result[0] is not None:
+        _release(job.result[0])

@@ -1,0 +1,264 @@
+"""Batch handles, counters, and the background jobs both adapters run their engine calls on.
+
+A `TransferHandle` is what `TransferEngine.transfer_batch` returns. Behind it each adapter keeps
+a `Job`: one unit of work (post a NIXL transfer, submit a batch's Mooncake windows) run by a
+`Worker`, a daemon thread with a FIFO queue. Workers are daemons on purpose: a thread stuck inside
+an engine (a window blocked on a dead peer) must not keep the interpreter from exiting, and
+`TransferEngine.close` must be able to return without joining it.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from bridge.errors import TransferError
+
+__all__ = ["EngineCounters", "TransferHandle", "Job", "Worker", "OPS"]
+
+#: Transfer directions: "WRITE" moves local -> remote, "READ" remote -> local.
+OPS = ("WRITE", "READ")
+
+
+@dataclasses.dataclass
+class EngineCounters:
+    """Running totals of what an engine submitted (the main job reports them).
+
+    Attributes:
+        descriptors: descriptors submitted (rows of every accepted batch, WRITE and READ).
+        bytes: payload bytes submitted.
+        batches: `transfer_batch` calls accepted.
+        engine_calls: submit calls made into the engine library (a Mooncake batch larger than its
+            window costs several).
+    """
+
+    descriptors: int = 0
+    bytes: int = 0
+    batches: int = 0
+    engine_calls: int = 0
+
+
+class TransferHandle:
+    """One submitted batch; finish it with `TransferEngine.check` (until True or it raises) or
+    `TransferEngine.wait`, once.
+
+    Attributes:
+        peer: the peer's name (destination of a WRITE, source of a READ).
+        num_descriptors: rows in the batch.
+        nbytes: payload bytes.
+        notif: notification the peer receives on completion, or None.
+        dcp_rank, chunk: caller context copied into any `TransferError`.
+        op: "WRITE" or "READ".
+        released: True once `check` returned True or raised, `wait` returned or raised, or the
+            engine was closed. The batch's memory may be reused only then (see `check`).
+        seq: unique per engine, set at submission (keys the engine's bookkeeping).
+    """
+
+    __slots__ = ("peer", "num_descriptors", "nbytes", "notif", "dcp_rank", "chunk", "released",
+                 "submitted_at", "seq", "op")
+
+    def __init__(self, peer: str, num_descriptors: int, nbytes: int, notif: bytes | None,
+                 dcp_rank: int | None, chunk: int | None, op: str = "WRITE"):
+        self.peer = peer
+        self.num_descriptors = num_descriptors
+        self.nbytes = nbytes
+        self.notif = notif
+        self.dcp_rank = dcp_rank
+        self.chunk = chunk
+        self.op = op
+        self.released = False
+        self.submitted_at = time.monotonic()
+        self.seq = 0  # set by the engine: unique per engine, keys its bookkeeping
+
+    def __repr__(self) -> str:
+        ctx = "" if self.dcp_rank is None else f", dcp_rank={self.dcp_rank}"
+        ctx += "" if self.chunk is None else f", chunk={self.chunk}"
+        return (f"TransferHandle({self.op}, peer={self.peer!r}, descriptors={self.num_descriptors:,}, "
+                f"bytes={self.nbytes:,}{ctx}, released={self.released})")
+
+    def error(self, cls: type[TransferError], message: str, engine_message: str = "") -> TransferError:
+        """Builds a `TransferError` (or subclass) carrying this batch's peer, size and context."""
+        return cls(message, peer=self.peer, num_descriptors=self.num_descriptors,
+                   engine_message=engine_message, dcp_rank=self.dcp_rank, chunk=self.chunk)
+
+
+class Job:
+    """One unit of engine work: ``fn(job, *args)`` run once by a `Worker`.
+
+    States: queued -> running -> done, or queued -> done with ``dropped`` set when it was
+    cancelled before it started. A running job sees `cancel_reason` and may stop early (the
+    Mooncake window loop does). ``done`` is set only after ``fn`` returned or raised, so once it
+    is set the job no longer runs engine code.
+
+    Attributes:
+        done: set when finished (ran, failed or dropped).
+        result: what fn returned. error: what it raised (None if nothing).
+        dropped: True when cancelled before it started (fn never ran).
+        cancel_reason: why cancellation was asked for, or None.
+        tag: free field for the adapter (the peer name).
+    """
+
+    __slots__ = ("fn", "args", "done", "result", "error", "dropped", "cancel_reason", "tag",
+                 "_callbacks", "_cb_lock")
+
+    def __init__(self, fn: Callable[..., Any], *args: Any, tag: Any = None):
+        self.fn, self.args, self.tag = fn, args, tag
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.dropped = False
+        self.cancel_reason: str | None = None
+        self._callbacks: list[Callable[[Job], None]] | None = []
+        self._cb_lock = threading.Lock()
+
+    def cancel(self, reason: str) -> None:
+        """Asks the job to stop: a queued job is dropped; a running one sees `cancel_reason`."""
+        if self.cancel_reason is None:
+            self.cancel_reason = reason
+
+    def run(self) -> None:
+        """Runs fn (or drops the job if cancelled first), then marks it done and calls back."""
+        if self.cancel_reason is not None:
+            self.dropped = True
+        else:
+            try:
+                self.result = self.fn(self, *self.args)
+            except BaseException as exc:  # noqa: BLE001 - kept for the thread that checks the job
+                _drop_locals(exc)
+                self.error = exc
+        self.fn = self.args = None  # the job may outlive its handle: keep no descriptor lists
+        with self._cb_lock:
+            self.done.set()
+            callbacks, self._callbacks = self._callbacks, None
+        for cb in callbacks:
+            try:
+                cb(self)
+            except Exception:  # noqa: BLE001 - a cleanup callback must not kill the worker
+                pass
+
+    def add_done_callback(self, cb: Callable[[Job], None]) -> None:
+        """Calls ``cb(job)`` once the job is done (now, in this thread, if it already is)."""
+        with self._cb_lock:
+            if self._callbacks is not None:
+                self._callbacks.append(cb)
+                return
+        cb(self)
+
+
+def _drop_locals(exc: BaseException | None) -> None:
+    """Clears the local variables of the finished frames in exc's tracebacks (its causes too).
+
+    A stored error otherwise keeps the job's frame alive, and with it the engine object that
+    frame used (a reference cycle job -> error -> frame -> job): the engine would then be destroyed
+    by a later garbage collection, at any time, in any thread, instead of by `close`.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
+class Worker:
+    """A daemon thread running `Job`s in submission order (or inline, in the caller).
+
+    Args:
+        name: thread name.
+        inline: run each job inside `submit` (no thread): errors then propagate from `submit`.
+    """
+
+    def __init__(self, name: str, inline: bool = False):
+        self.name, self.inline = name, inline
+        self._queue: collections.deque[Job] = collections.deque()
+        self._cv = threading.Condition(threading.Lock())
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Job) -> None:
+        """Queues a job (starting the thread on first use).
+
+        Raises:
+            RuntimeError: the worker was stopped.
+            BaseException: inline mode only, whatever the job raised.
+        """
+        if self.inline:
+            if self._stopped:
+                raise RuntimeError(f"worker {self.name} is stopped")
+            job.run()
+            if job.error is not None:
+                raise job.error
+            return
+        with self._cv:
+            if self._stopped:
+                raise RuntimeError(f"worker {self.name} is stopped")
+            self._queue.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Runs ``fn()`` on the worker after the jobs queued so far and returns its result.
+
+        Raises:
+            RuntimeError: the worker was stopped. BaseException: whatever fn raised.
+        """
+        job = Job(lambda _job: fn())
+        self.submit(job)
+        job.done.wait()
+        if job.dropped:
+            raise RuntimeError(f"worker {self.name} stopped before the call ran")
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopped:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+            job.run()
+
+    def stop(self, reason: str) -> None:
+        """Refuses new jobs and drops the queued ones; the running job (if any) finishes."""
+        with self._cv:
+            self._stopped = True
+            for job in self._queue:
+                job.cancel(reason)
+            self._cv.notify()
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Waits for the thread to end after `stop`; True when it has (or never started)."""
+        t = self._thread
+        if t is None:
+            return True
+        t.join(timeout_s)
+        return not t.is_alive()
+
+
+def check_notif(notif: Any) -> bytes | None:
+    """Validates a notification tag: None, or non-empty bytes (returned as bytes)."""
+    if notif is None:
+        return None
+    if not isinstance(notif, (bytes, bytearray)):
+        raise TypeError(f"notif must be bytes or None, got {type(notif).__name__}")
+    if len(notif) == 0:
+        raise ValueError("notif must be non-empty bytes (an empty tag cannot be matched)")
+    return bytes(notif)
+
+
+def check_timeout(timeout_s: Any, *, allow_zero: bool = False) -> float:
+    """Validates a timeout in seconds: a number > 0 (>= 0 with allow_zero)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        raise TypeError(f"timeout_s must be a number of seconds, got {type(timeout_s).__name__}")
+    if not (timeout_s >= 0 if allow_zero else timeout_s > 0) or timeout_s != timeout_s:
+        raise ValueError(f"{timeout_s=} must be {'>=' if allow_zero else '>'} 0 seconds")
+    return float(timeout_s)
