@@ -381,7 +381,12 @@ class KVSender:
             return
         req = self._requests.get(rid)
         if req is not None and req.status.terminal:
-            self._early.setdefault(rid, []).append((conn, msg))  # for the id's next use
+            if rank in req.targets or req.status is TransferStatus.SUCCESS:
+                # This rank already had this id: the decode side released and reused it.
+                self._early.setdefault(rid, []).append((conn, msg))
+            else:  # a late announcement of the request that ended: tell the rank how it ended
+                kind = "abort" if req.status is TransferStatus.ABORTED else "failed"
+                self._ctl.send(conn.ident, proto.encode(kind, rid, msg["inc"], reason=req.state.reason))
             return
         if req is None:
             req = self._new_request(rid)
@@ -426,7 +431,8 @@ class KVSender:
                     req.plan_seconds += time.perf_counter() - tp
                     t.parts_left[ci] = (len(rc.windows), start, stop)
                     t.counters.rows += len(rc.src_rows)
-                    t.counters.strategies.add(rc.strategy)
+                    if rc.strategy != "empty":
+                        t.counters.strategies.add(rc.strategy)
                     self._queue.extend(_Unit(req, t, rc, w) for w in range(len(rc.windows)))
                 if req.status.terminal:
                     break
@@ -479,6 +485,10 @@ class KVSender:
             src_rows = b"" if region_addr is not None else proto.pack_i64(rc.src_rows[lo:hi])
             self._pulls[(req.rid, t.inc, rank, rc.chunk, u.w)] = u
             req.inflight += 1
+            # The reader builds these very descriptors (same rows, same runs): count them here.
+            ndesc = rc.descriptors_per_window(self.spec.num_layers)[u.w] if n else 0
+            self._count(t, ndesc, rc.window_bytes(u.w, self._layers.item_lens) if n else 0,
+                        count_engine_calls(self.engine, ndesc) if n else 0)
             self._ctl.send(t.conn.ident, proto.encode("pull_ready", req.rid, t.inc, lo=lo, src_addr=region_addr or 0,
                                                       src_rows=src_rows, **head))
             return
@@ -488,14 +498,19 @@ class KVSender:
         u.handle = self.engine.transfer_batch(t.conn.peer, descs, notif=notif, dcp_rank=rank, chunk=rc.chunk)
         req.inflight += 1
         self._inflight.append(u)
-        c, nb = t.counters, int(descs[:, 2].sum()) if len(descs) else 0
-        calls = count_engine_calls(self.engine, len(descs))
-        c.descriptors += len(descs)
-        c.bytes += nb
-        c.batches += 1 if len(descs) else 0
+        self._count(t, len(descs), int(descs[:, 2].sum()) if len(descs) else 0,
+                    count_engine_calls(self.engine, len(descs)))
+
+    def _count(self, t: RankTarget, descriptors: int, nbytes: int, calls: int) -> None:
+        """Adds one batch to the rank's and the sender's counters (a notification-only batch
+        moves no descriptor and counts no batch)."""
+        batches = 1 if descriptors else 0
+        c = t.counters
+        c.descriptors += descriptors
+        c.bytes += nbytes
+        c.batches += batches
         c.engine_calls += calls
-        for k, v in (("descriptors", len(descs)), ("bytes", nb), ("batches", 1 if len(descs) else 0),
-                     ("engine_calls", calls)):
+        for k, v in (("descriptors", descriptors), ("bytes", nbytes), ("batches", batches), ("engine_calls", calls)):
             self._counts[k] += v
 
     def _poll_inflight(self) -> bool:
