@@ -131,6 +131,49 @@ def initiator_kill_scenario(conn, kind: str, victim_info, victim_pid: int, live_
     conn.close()
 
 
+def initiator_stopped_peer_scenario(conn, kind: str, info, pid: int, n: int, item: int,
+                                    env: dict | None = None) -> None:
+    """Prefill side of "the peer hangs": SIGSTOP the peer, start a batch that cannot finish, then
+    `check`, `remove_peer` and `close(timeout_s=1)`. Sends a dict back; after the test replies
+    (it has SIGKILLed the peer), waits for the background teardown and sends a second dict."""
+    out: dict = {}
+    try:
+        os.environ.update(env or {})
+        from bridge import make_engine, registered_bytes
+
+        src = np.full(n * item, 3, dtype=np.uint8)
+        eng = make_engine(kind, "initiator")
+        eng.register([src])
+        peer = eng.add_peer(info)
+        rows = np.arange(n, dtype=np.int64)
+        descs = np.stack([src.ctypes.data + rows * item, info.regions[0].addr + rows * item,
+                          np.full(n, item, dtype=np.int64)], axis=1)
+        warm = np.array([[src.ctypes.data, info.regions[0].addr, 64]], dtype=np.int64)
+        eng.wait(eng.transfer_batch(peer, warm), timeout_s=20)  # connected before the peer stops
+        os.kill(pid, signal.SIGSTOP)
+        h = eng.transfer_batch(peer, descs)
+        time.sleep(0.5)
+        out["check_while_stopped"] = eng.check(h)
+        eng.remove_peer(peer)
+        time.sleep(0.3)
+        out["check_after_remove"] = eng.check(h)  # the engine may still be using the memory
+        t0 = time.monotonic()
+        eng.close(timeout_s=1.0)
+        out["close_seconds"] = time.monotonic() - t0
+        out["teardown_running"] = eng._closer.is_alive()
+        out["registered_after_close"] = registered_bytes()
+        out["handle_released"] = h.released
+    except BaseException:
+        out["exception"] = traceback.format_exc()
+    conn.send(out)
+    if "exception" in out:
+        return
+    conn.recv()  # the peer is dead now
+    eng._closer.join(30)
+    conn.send({"teardown_running_after_kill": eng._closer.is_alive()})
+    conn.close()
+
+
 def spawn_target(kind: str, name: str, nbytes: int, env: dict | None = None):
     """Starts `target_main` in a spawned process; returns (process, conn, PeerInfo)."""
     ctx = mp.get_context("spawn")
