@@ -26,12 +26,14 @@ from dcp_jax._validate import check_int as _int
 
 __all__ = [
     "PackRegionTooSmallError",
+    "pack_bytes",
     "pack_buffer_size",
     "pack_region",
     "layer_offsets",
     "rows_per_region",
     "pack_slices",
     "choose_pack_strategy",
+    "choose_pack_strategy_for_rows",
 ]
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,32 @@ def _item_lens(item_lens: Sequence[int] | np.ndarray | int) -> np.ndarray:
     if (arr <= 0).any():
         raise ValueError(f"item_lens must be > 0 bytes, got min item_lens={int(arr.min())}")
     return arr.astype(np.int64)
+
+
+def pack_bytes(num_rows: int, item_lens: Sequence[int] | np.ndarray | int) -> int:
+    """Bytes of a layer-major pack of ``num_rows`` rows of every layer entry.
+
+    ``num_rows * sum(item_len)``: THE pack-size formula; every other size in this module (and
+    in ``dcp_jax.transfer.schedule``) is computed through it.
+
+    Args:
+        num_rows: rows per layer entry (rows), >= 0.
+        item_lens: bytes per row of each layer entry (one int per entry, or one int for a
+            single entry), each > 0.
+
+    Returns:
+        Size in bytes (Python int).
+
+    Raises:
+        TypeError, ValueError: ``num_rows`` is not a non-negative int, or ``item_lens`` is not
+            a non-empty sequence of positive ints; the message names the argument.
+
+    Example:
+        >>> pack_bytes(4096, [1152] * 61)
+        287834112
+    """
+    num_rows = _int("num_rows", num_rows, minimum=0)
+    return num_rows * int(_item_lens(item_lens).sum())
 
 
 def pack_buffer_size(max_tokens: int, dcp_size: int, item_lens: Sequence[int] | int) -> int:
@@ -79,8 +107,7 @@ def pack_buffer_size(max_tokens: int, dcp_size: int, item_lens: Sequence[int] | 
     """
     max_tokens = _int("max_tokens", max_tokens, minimum=0)
     dcp_size = _int("dcp_size", dcp_size, minimum=1)
-    per_token = int(_item_lens(item_lens).sum())
-    return dcp_size * (-(-max_tokens // dcp_size)) * per_token
+    return dcp_size * pack_bytes(-(-max_tokens // dcp_size), item_lens)
 
 
 def pack_region(dcp_rank: int, buffer_size: int, dcp_size: int) -> tuple[int, int]:
@@ -141,7 +168,7 @@ def rows_per_region(region_size: int, item_lens: Sequence[int] | int) -> int:
         Row count (rows), possibly 0.
     """
     region_size = _int("region_size", region_size, minimum=0)
-    return region_size // int(_item_lens(item_lens).sum())
+    return region_size // pack_bytes(1, item_lens)
 
 
 def pack_slices(num_rows: int, region_size: int, item_lens: Sequence[int] | int) -> list[tuple[int, int]]:
@@ -171,7 +198,7 @@ def pack_slices(num_rows: int, region_size: int, item_lens: Sequence[int] | int)
     if num_rows == 0:
         return []
     if per == 0:
-        need = int(_item_lens(item_lens).sum())
+        need = pack_bytes(1, item_lens)
         raise PackRegionTooSmallError(
             f"region_size={region_size} bytes holds no row; one row of every entry needs {need} bytes"
         )
@@ -197,15 +224,36 @@ def choose_pack_strategy(
     Returns:
         One of ``"packed"``, ``"sliced"``, ``"per_row"``.
     """
-    num_rows = _int("num_rows", num_rows, minimum=0)
     lens = _item_lens(item_lens)
     per = 0 if region_size is None else rows_per_region(region_size, lens)
+    where = "missing" if region_size is None else f"of {region_size} bytes"
+    return _strategy(num_rows, per, f"pack region {where} holds no row of {pack_bytes(1, lens)} bytes")
+
+
+def choose_pack_strategy_for_rows(num_rows: int, region_rows: int) -> PackStrategy:
+    """:func:`choose_pack_strategy` for a region given in rows (rows of every layer entry).
+
+    The same rule: ``"packed"`` when ``num_rows <= region_rows``, ``"sliced"`` when
+    ``region_rows >= 1`` holds fewer, ``"per_row"`` (with a logged warning) when
+    ``region_rows == 0``.
+
+    Args:
+        num_rows: rows this rank receives (rows), >= 0.
+        region_rows: rows the pack region holds (:func:`rows_per_region`), >= 0.
+
+    Returns:
+        One of ``"packed"``, ``"sliced"``, ``"per_row"``.
+
+    Raises:
+        TypeError, ValueError: negative or non-int arguments (named).
+    """
+    region_rows = _int("region_rows", region_rows, minimum=0)
+    return _strategy(num_rows, region_rows, "pack region holds no row (region_rows=0)")
+
+
+def _strategy(num_rows: int, per: int, why: str) -> PackStrategy:
+    num_rows = _int("num_rows", num_rows, minimum=0)
     if per == 0:
-        logger.warning(
-            "pack region %s holds no row of %d bytes; sending %d rows with per-row descriptors",
-            "missing" if region_size is None else f"of {region_size} bytes",
-            int(lens.sum()),
-            num_rows,
-        )
+        logger.warning("%s; sending %d rows with per-row descriptors", why, num_rows)
         return "per_row"
     return "packed" if num_rows <= per else "sliced"

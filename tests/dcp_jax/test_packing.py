@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 from dcp_jax.packing import (
     PackRegionTooSmallError,
     choose_pack_strategy,
+    choose_pack_strategy_for_rows,
     layer_offsets,
     pack_buffer_size,
+    pack_bytes,
     pack_region,
     pack_slices,
     rows_per_region,
@@ -25,6 +27,37 @@ def test_pack_buffer_size_hand_computed():
     assert pack_buffer_size(10, 4, [2, 6]) == 4 * 3 * 8
     assert pack_buffer_size(0, 4, [2, 6]) == 0
     assert pack_buffer_size(5, 1, 7) == 35
+
+
+def test_pack_bytes_is_the_one_size_formula():
+    assert pack_bytes(4096, [1152] * 61) == 4096 * 61 * 1152 == 287_834_112
+    assert pack_bytes(0, [3, 5]) == 0 and pack_bytes(7, 9) == 63
+    # The other sizes go through it: a buffer is N regions of pack_bytes(ceil(max/N)) bytes,
+    # and a region of pack_bytes(k) bytes holds exactly k rows.
+    assert pack_buffer_size(10, 4, [2, 6]) == 4 * pack_bytes(3, [2, 6])
+    assert rows_per_region(pack_bytes(17, [2, 6]), [2, 6]) == 17
+    assert rows_per_region(pack_bytes(17, [2, 6]) - 1, [2, 6]) == 16
+    # The layer-major pack of n rows ends exactly at pack_bytes(n).
+    assert layer_offsets(5, [4, 8, 2])[-1] + 5 * 2 == pack_bytes(5, [4, 8, 2])
+    for bad, exc in ((-1, ValueError), (1.0, TypeError)):
+        with pytest.raises(exc, match="num_rows"):
+            pack_bytes(bad, [4])
+    with pytest.raises(ValueError, match="item_lens"):
+        pack_bytes(1, [4, 0])
+
+
+def test_choose_pack_strategy_for_rows(caplog):
+    with caplog.at_level(logging.WARNING, logger="dcp_jax.packing"):
+        assert choose_pack_strategy_for_rows(10, 10) == "packed"
+        assert choose_pack_strategy_for_rows(0, 1) == "packed"
+        assert choose_pack_strategy_for_rows(11, 10) == "sliced"
+        assert not caplog.records
+        assert choose_pack_strategy_for_rows(5, 0) == "per_row"
+    assert len(caplog.records) == 1 and "per-row" in caplog.records[0].getMessage()
+    with pytest.raises(ValueError, match="region_rows"):
+        choose_pack_strategy_for_rows(5, -1)
+    with pytest.raises(ValueError, match="num_rows"):
+        choose_pack_strategy_for_rows(-5, 3)
 
 
 def test_pack_region_hand_computed():

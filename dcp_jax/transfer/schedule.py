@@ -1,0 +1,469 @@
+"""The send algorithm, one model of it: which rows go where, in which batches, at what cost.
+
+A sender (prefill rank) moves tokens ``[start, stop)`` of a request to the decode ranks that own
+them (spec sections 2-6 and 10). Page-table conventions (section 10), each side with its own
+``(dcp_size, dcp_rank, interleave_size, page_size)`` (:class:`SideLayout`):
+
+- sender: ``page_table[k]`` holds the rank's local rows ``[k*P_s, (k+1)*P_s)``, local row of
+  token t = ``local_index_M(t)`` on prefill rank ``owner_M(t)`` (t itself when M = 1);
+- receiver: ``page_table[k]`` holds its local rows ``[k*P_d, (k+1)*P_d)``, local row of token t
+  = ``local_index_N(t)``, counted from token 0 (prefix included).
+
+Ownership comes only from :mod:`dcp_jax.layout`, page -> row mapping from
+:func:`dcp_jax.plan.rows_from_page_table`, runs and descriptors from :mod:`dcp_jax.plan`, pack
+offsets and sizes from :mod:`dcp_jax.packing`. A :class:`TransferSchedule` lists one
+:class:`RankChunk` per (chunk, destination rank), in send order, and counts descriptors, bytes,
+batches, notifications and engine calls (:meth:`RankChunk.engine_calls` gives the engine rule).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal, Sequence
+
+import numpy as np
+
+from dcp_jax._validate import check_int
+from dcp_jax.layout import check_layout_args, local_index_np, local_len_np, owner_np
+from dcp_jax.packing import choose_pack_strategy_for_rows, pack_bytes
+from dcp_jax.plan import build_descriptors, group_runs, packed_src_bases, rows_from_page_table
+
+__all__ = ["SideLayout", "owned_tokens", "token_rows", "chunk_rows", "RankChunk", "plan_rank_chunk",
+           "ScheduleCounts", "TransferSchedule"]
+
+Strategy = Literal["empty", "direct", "packed"]
+_EMPTY = np.zeros(0, np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class SideLayout:
+    """One side's token layout: DCP group, rank, ownership block and page size.
+
+    Attributes:
+        dcp_size: ranks of this side's DCP group (M prefill, N decode), >= 1.
+        dcp_rank: this rank, ``0 <= dcp_rank < dcp_size``.
+        interleave_size: tokens per ownership block (1 = token round-robin), >= 1.
+        page_size: tokens per page of this side's cache, >= 1.
+
+    Raises:
+        TypeError, ValueError: a field is not an int or out of range (named).
+    """
+
+    dcp_size: int
+    dcp_rank: int
+    interleave_size: int
+    page_size: int
+
+    def __post_init__(self) -> None:
+        n, i, r = check_layout_args(self.dcp_size, self.interleave_size, self.dcp_rank)
+        for k, v in (("dcp_size", n), ("interleave_size", i), ("dcp_rank", r),
+                     ("page_size", check_int("page_size", self.page_size, minimum=1))):
+            object.__setattr__(self, k, v)
+
+    @classmethod
+    def of(cls, spec) -> "SideLayout":
+        """The layout of a :class:`dcp_jax.transfer.spec.KVCacheSpec` (or any object with its fields)."""
+        return cls(spec.dcp_size, spec.dcp_rank, spec.interleave_size, spec.page_size)
+
+    def _owns(self, t: np.ndarray) -> np.ndarray:
+        return owner_np(t, self.dcp_size, self.interleave_size) == self.dcp_rank
+
+
+def _range(start, stop) -> tuple[int, int]:
+    start = check_int("start", start, minimum=0)
+    stop = check_int("stop", stop, minimum=0)
+    if stop < start:
+        raise ValueError(f"stop must be >= start (tokens), got {start=}, {stop=}")
+    return start, stop
+
+
+def _tokens_of_rank(side: SideLayout, start: int, stop: int) -> np.ndarray:
+    """Tokens of ``[start, stop)`` owned by ``side``, from its local index range (O(owned)).
+
+    The inverse of ``local_index`` on rank r: local index j is token
+    ``(j // I) * (I*N) + r*I + j % I`` (checked against ``owner_np``/``local_index_np`` in the tests).
+    """
+    n, i, r = side.dcp_size, side.interleave_size, side.dcp_rank
+    j0, j1 = local_len_np(np.array([start, stop], np.int64), n, r, i).tolist()
+    j = np.arange(j0, j1, dtype=np.int64)
+    return (j // i) * (i * n) + r * i + j % i
+
+
+def owned_tokens(start: int, stop: int, *, dst: SideLayout, src: SideLayout | None = None) -> np.ndarray:
+    """Tokens t of ``[start, stop)`` with ``owner_N(t) == dst.dcp_rank`` (and ``owner_M(t) ==
+    src.dcp_rank`` when ``src`` is given), ascending.
+
+    Enumerated from the local index range of one rank (the one of the larger group, whose
+    share is the smaller) and filtered by the other side's owner: O(tokens that rank owns),
+    never a scan of every token.
+
+    Args:
+        start, stop: token positions, ``0 <= start <= stop`` (tokens).
+        dst: the destination (decode) rank's layout.
+        src: the source (prefill) rank's layout, or None for all sources.
+
+    Returns:
+        i64[n] token positions.
+
+    Raises:
+        TypeError, ValueError: bad ``start``/``stop`` (named).
+    """
+    start, stop = _range(start, stop)
+    if src is None or src.dcp_size == 1:
+        return _tokens_of_rank(dst, start, stop)
+    # Each side owns about (stop - start) / size tokens of the range: enumerate the smaller share.
+    base, other = (dst, src) if dst.dcp_size >= src.dcp_size else (src, dst)
+    t = _tokens_of_rank(base, start, stop)
+    return t[other._owns(t)]
+
+
+def _token_rows(tokens, side: SideLayout, page_table, name: str, check_table: bool) -> np.ndarray:
+    t = np.asarray(tokens)
+    if t.size == 0:
+        if check_table:
+            rows_from_page_table(_EMPTY, page_table, side.page_size, name=name)
+        return _EMPTY.copy()
+    if not np.issubdtype(t.dtype, np.integer) or t.ndim != 1:
+        raise TypeError(f"tokens must be a 1-D integer array, got dtype {t.dtype}, shape {t.shape}")
+    if not side._owns(t).all():
+        bad = int(t[~side._owns(t)][0])
+        raise ValueError(f"tokens holds token {bad}, which dcp_rank={side.dcp_rank} does not own")
+    local = local_index_np(t, side.dcp_size, side.interleave_size)
+    p = side.page_size
+    lo, hi = int(local.min()) // p, int(local.max()) // p + 1
+    table = np.asarray(page_table)
+    if check_table:
+        rows_from_page_table(_EMPTY, table, p, name=name)  # validates the whole table once
+    if table.ndim != 1 or table.size < hi:
+        raise ValueError(f"{name} is too short: {hi} pages of {p} tokens are required for local row "
+                         f"{int(local.max())} of dcp_rank={side.dcp_rank}, got {table.size}")
+    # Only the pages the tokens touch go to rows_from_page_table (the table was validated once).
+    return rows_from_page_table(local - lo * p, table[lo:hi], p, name=name)
+
+
+def token_rows(tokens, side: SideLayout, page_table) -> np.ndarray:
+    """Rows of ``tokens`` in ``side``'s cache: local row ``local_index(t)`` through its page table.
+
+    Args:
+        tokens: i64[n] token positions, all owned by ``side.dcp_rank``.
+        side: the rank's layout.
+        page_table: i64[pages] the rank's page table from its local row 0 (section 10).
+
+    Returns:
+        i64[n] buffer rows (``page_table[j // P] * P + j % P``).
+
+    Raises:
+        TypeError: non-integer tokens.
+        ValueError: a token the rank does not own; negative or repeated page ids; a
+            ``page_table`` too short (the message says how many pages are required).
+    """
+    return _token_rows(tokens, side, page_table, "page_table", True)
+
+
+def chunk_rows(start: int, stop: int, *, src: SideLayout, dst: SideLayout, src_page_table,
+               dst_page_table) -> tuple[np.ndarray, np.ndarray]:
+    """``(src_rows, dst_rows)``: i64[n] each, the rows of the tokens of ``[start, stop)`` that
+    ``src`` sends to ``dst``, in token order.
+
+    Raises:
+        ValueError: as :func:`owned_tokens` and :func:`token_rows` (``src_page_table`` /
+            ``dst_page_table`` named).
+    """
+    return _chunk_rows(start, stop, src, dst, src_page_table, dst_page_table, True)
+
+
+def _chunk_rows(start, stop, src, dst, src_page_table, dst_page_table, check: bool):
+    t = owned_tokens(start, stop, dst=dst, src=src)
+    return (_token_rows(t, src, src_page_table, "src_page_table", check),
+            _token_rows(t, dst, dst_page_table, "dst_page_table", check))
+
+
+def _windows(n: int, step: int | None) -> tuple[tuple[int, int], ...]:
+    step = step or max(n, 1)
+    return tuple((a, min(a + step, n)) for a in range(0, n, step)) or ((0, 0),)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RankChunk:
+    """What one sender sends one destination rank for one chunk: rows, strategy, batches.
+
+    Attributes:
+        chunk: chunk index in the schedule.
+        start, stop: the chunk's token range ``[start, stop)`` (tokens).
+        dst_rank: the destination (decode) rank.
+        src_rows, dst_rows: i64[n] rows of the sender's / receiver's cache, token order.
+        strategy: ``"empty"`` (no rows: one empty window, only the completion goes out),
+            ``"direct"`` (descriptors from the KV buffers) or ``"packed"`` (each window gathered
+            into a pack region first).
+        windows: ``(lo, hi)`` row ranges into ``src_rows``/``dst_rows``, one engine batch each.
+        fallback: packing was asked for but the region holds no row: sent direct.
+    """
+
+    chunk: int
+    start: int
+    stop: int
+    dst_rank: int
+    src_rows: np.ndarray
+    dst_rows: np.ndarray
+    strategy: Strategy
+    windows: tuple[tuple[int, int], ...]
+    fallback: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        """Rows (tokens) per layer entry."""
+        return int(self.src_rows.shape[0])
+
+    @property
+    def num_batches(self) -> int:
+        """Engine batches of descriptors: one per window, 0 for an empty unit."""
+        return 0 if self.strategy == "empty" else len(self.windows)
+
+    @functools.cached_property
+    def _runs(self) -> tuple[np.ndarray, ...]:
+        out = []
+        for lo, hi in self.windows:
+            src = np.arange(hi - lo, dtype=np.int64) if self.strategy == "packed" else self.src_rows[lo:hi]
+            out.append(group_runs(src, self.dst_rows[lo:hi]))
+        return tuple(out)
+
+    def window_rows(self, w: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(src_rows, dst_rows)`` of window ``w`` (what a packed window gathers)."""
+        lo, hi = self.windows[w]
+        return self.src_rows[lo:hi], self.dst_rows[lo:hi]
+
+    def descriptors_per_window(self, num_layers: int) -> list[int]:
+        """Descriptors of each window: runs x ``num_layers``."""
+        num_layers = check_int("num_layers", num_layers, minimum=1)
+        return [int(r.shape[0]) * num_layers for r in self._runs]
+
+    def num_descriptors(self, num_layers: int) -> int:
+        """Descriptors over every window (``num_layers`` layer entries)."""
+        return sum(self.descriptors_per_window(num_layers))
+
+    def window_bytes(self, w: int, item_lens) -> int:
+        """Bytes window ``w`` moves (= its pack size): ``packing.pack_bytes(rows, item_lens)``."""
+        lo, hi = self.windows[w]
+        return pack_bytes(hi - lo, item_lens)
+
+    def window_descriptors(self, w: int, *, src_bases, dst_bases, item_lens, region_addr: int | None = None
+                           ) -> np.ndarray:
+        """i64[k, 3] ``(src_addr, dst_addr, nbytes)`` of window ``w``, layer-major.
+
+        Direct: runs of ``(src_rows, dst_rows)`` from the KV bases. Packed: the window's rows
+        sit at ``region_addr`` layer-major (entry l at ``region_addr + layer_offsets(n)[l]``,
+        rows ``0..n-1``), so runs follow the destination rows only; ``src_bases`` is unused.
+
+        Args:
+            w: window index.
+            src_bases, dst_bases: i64[L] address of row 0 of each layer entry (bytes).
+            item_lens: i64[L] bytes per row of each entry.
+            region_addr: the pack region's address (bytes); required for a packed unit.
+
+        Raises:
+            ValueError: ``region_addr`` missing for a packed unit; bad bases (as
+                :func:`dcp_jax.plan.build_descriptors`).
+        """
+        runs = self._runs[w]
+        if self.strategy == "packed":
+            if region_addr is None:
+                raise ValueError("region_addr is required for the windows of a packed unit")
+            lo, hi = self.windows[w]
+            src_bases = packed_src_bases(region_addr, hi - lo, item_lens)
+        return build_descriptors(runs, src_bases, dst_bases, item_lens)
+
+    def engine_calls(self, num_layers: int, engine_window: int | None = None) -> int:
+        """Engine calls of this unit.
+
+        NIXL (``engine_window=None``): one transfer request per batch, its notification riding
+        on it; an empty unit posts a bare notification (no transfer request, 0 calls counted).
+        Mooncake (``engine_window=W``): ``ceil(descriptors / W)`` submissions per batch plus
+        one notification call per batch; an empty unit costs one notification-only call.
+        """
+        if engine_window is None:
+            return self.num_batches
+        w = check_int("engine_window", engine_window, minimum=1)
+        if self.strategy == "empty":
+            return 1
+        return sum(-(-d // w) + 1 for d in self.descriptors_per_window(num_layers))
+
+    def __repr__(self) -> str:
+        return (f"RankChunk(chunk={self.chunk}, tokens=[{self.start}, {self.stop}), dst_rank={self.dst_rank}, "
+                f"rows={self.num_rows:,}, strategy={self.strategy!r}{', fallback' if self.fallback else ''}, "
+                f"windows={len(self.windows)}, runs={sum(r.shape[0] for r in self._runs):,})")
+
+
+def _positive_or_none(name: str, v, minimum: int = 1) -> int | None:
+    return None if v is None else check_int(name, v, minimum=minimum)
+
+
+def plan_rank_chunk(chunk: int, start: int, stop: int, *, src: SideLayout, dst: SideLayout, src_page_table,
+                    dst_page_table, mode: str, max_batch_indices: int | None = None,
+                    max_region_rows: int | None = None) -> RankChunk:
+    """Plans one (chunk, destination rank) unit of a sender.
+
+    Args:
+        chunk: chunk index (>= 0).
+        start, stop: the chunk's tokens ``[start, stop)``.
+        src, dst: sender's and receiver's layouts.
+        src_page_table, dst_page_table: their page tables (section 10 conventions).
+        mode: ``"direct"`` or ``"packed"``.
+        max_batch_indices: rows per batch (window), None = no limit.
+        max_region_rows: rows the pack region holds (packed), None = no limit. Fewer rows than
+            the unit has: sliced sending (one pack per window); 0: direct, with a logged
+            warning (:func:`dcp_jax.packing.choose_pack_strategy_for_rows`).
+
+    Returns:
+        The :class:`RankChunk`; no rows gives strategy ``"empty"`` with one empty window.
+
+    Raises:
+        ValueError: bad mode, limits, ranges or page tables (named).
+    """
+    return _plan(chunk, start, stop, src, dst, src_page_table, dst_page_table, mode, max_batch_indices,
+                 max_region_rows, True)
+
+
+def _plan(chunk, start, stop, src, dst, src_page_table, dst_page_table, mode, max_batch_indices,
+          max_region_rows, check: bool) -> RankChunk:
+    if mode not in ("direct", "packed"):
+        raise ValueError(f"mode must be 'direct' or 'packed', got {mode=}")
+    chunk = check_int("chunk", chunk, minimum=0)
+    step = _positive_or_none("max_batch_indices", max_batch_indices)
+    region = _positive_or_none("max_region_rows", max_region_rows, minimum=0)
+    src_rows, dst_rows = _chunk_rows(start, stop, src, dst, src_page_table, dst_page_table, check)
+    n, strategy, fallback = src_rows.size, mode, False
+    if n == 0:
+        strategy = "empty"
+    elif mode == "packed" and region is not None:
+        if choose_pack_strategy_for_rows(n, region) == "per_row":
+            strategy, fallback = "direct", True
+        else:
+            step = region if step is None else min(step, region)
+    for a in (src_rows, dst_rows):
+        a.setflags(write=False)
+    return RankChunk(chunk, int(start), int(stop), dst.dcp_rank, src_rows, dst_rows, strategy,
+                     _windows(n, step), fallback)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleCounts:
+    """Counts of a set of units: rows (per layer entry), bytes, descriptors, batches (engine
+    batches of descriptors), notifications (one per batch, one per empty unit), engine calls,
+    packs (gathers), fallbacks (batches sent direct though packing was asked for) and empty units."""
+
+    rows: int = 0
+    bytes: int = 0
+    descriptors: int = 0
+    batches: int = 0
+    notifications: int = 0
+    engine_calls: int = 0
+    packs: int = 0
+    fallbacks: int = 0
+    empty_units: int = 0
+
+    def __add__(self, other: "ScheduleCounts") -> "ScheduleCounts":
+        return ScheduleCounts(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TransferSchedule:
+    """One sender's units for a request, in send order (chunk-major, rank-minor), and their counts.
+
+    Attributes:
+        units: the :class:`RankChunk` of every (chunk, destination rank).
+        num_layers: layer entries.
+        item_lens: bytes per row of each entry.
+        mode: ``"direct"`` or ``"packed"``.
+        engine_window: None for NIXL's engine-call rule, W for Mooncake's (see
+            :meth:`RankChunk.engine_calls`).
+    """
+
+    units: tuple[RankChunk, ...]
+    num_layers: int
+    item_lens: tuple[int, ...]
+    mode: str
+    engine_window: int | None = None
+
+    @classmethod
+    def build(cls, *, src_spec_layout: SideLayout, dst_layouts: Sequence[SideLayout], src_page_table,
+              dst_page_tables: Sequence, chunks: Sequence[tuple[int, int]], num_layers: int,
+              item_lens: Sequence[int], mode: str, max_batch_indices: int | None = None,
+              max_region_rows: int | None = None, engine_window: int | None = None) -> "TransferSchedule":
+        """Plans every (chunk, destination rank) unit of one sender.
+
+        Args:
+            src_spec_layout: the sender's layout.
+            dst_layouts: one layout per destination rank (same dcp_size, distinct ranks).
+            src_page_table: the sender's page table; dst_page_tables: one per destination rank.
+            chunks: ``[(start, stop)]`` token ranges, ascending, not overlapping.
+            num_layers, item_lens: layer entries and their bytes per row.
+            mode, max_batch_indices, max_region_rows: as :func:`plan_rank_chunk`.
+            engine_window: Mooncake's descriptors per submission, None for NIXL.
+
+        Raises:
+            TypeError, ValueError: mismatched lengths, overlapping chunks, bad values (named).
+        """
+        num_layers = check_int("num_layers", num_layers, minimum=1)
+        lens = tuple(check_int(f"item_lens[{k}]", v, minimum=1) for k, v in enumerate(item_lens))
+        if len(lens) != num_layers:
+            raise ValueError(f"item_lens has {len(lens)} entries, num_layers={num_layers}")
+        engine_window = _positive_or_none("engine_window", engine_window)
+        dst_layouts = list(dst_layouts)
+        tables = list(dst_page_tables)
+        if len(tables) != len(dst_layouts):
+            raise ValueError(f"dst_page_tables needs one table per dst_layouts entry, got {len(tables)} "
+                             f"for {len(dst_layouts)}")
+        if len({(d.dcp_size, d.interleave_size) for d in dst_layouts}) > 1 or \
+                len({d.dcp_rank for d in dst_layouts}) != len(dst_layouts):
+            raise ValueError("dst_layouts must be distinct ranks of one group (one dcp_size and interleave_size)")
+        prev = 0
+        for k, (a, b) in enumerate(chunks):
+            a, b = _range(a, b)
+            if a < prev:
+                raise ValueError(f"chunks must be ascending and disjoint, chunks[{k}]=({a}, {b}) starts before {prev}")
+            prev = b
+        # Every table is validated once here (ids >= 0, no page twice), not once per unit.
+        src_table = np.asarray(src_page_table)
+        rows_from_page_table(_EMPTY, src_table, src_spec_layout.page_size, name="src_page_table")
+        for k, (d, t) in enumerate(zip(dst_layouts, tables)):
+            tables[k] = np.asarray(t)
+            rows_from_page_table(_EMPTY, tables[k], d.page_size, name=f"dst_page_tables[{k}]")
+        units = tuple(
+            _plan(c, a, b, src_spec_layout, d, src_table, t, mode, max_batch_indices, max_region_rows, False)
+            for c, (a, b) in enumerate(chunks) for d, t in zip(dst_layouts, tables))
+        return cls(units, num_layers, lens, mode, engine_window)
+
+    def _unit_counts(self, u: RankChunk) -> ScheduleCounts:
+        b = u.num_batches
+        return ScheduleCounts(
+            rows=u.num_rows, bytes=pack_bytes(u.num_rows, self.item_lens), descriptors=u.num_descriptors(self.num_layers),
+            batches=b, notifications=b or 1, engine_calls=u.engine_calls(self.num_layers, self.engine_window),
+            packs=b if u.strategy == "packed" else 0, fallbacks=b if u.fallback else 0,
+            empty_units=int(u.strategy == "empty"))
+
+    @functools.cached_property
+    def per_rank(self) -> dict[int, ScheduleCounts]:
+        """``{dst_rank: ScheduleCounts}`` over the chunks, ranks in first-send order."""
+        out: dict[int, ScheduleCounts] = {}
+        for u in self.units:
+            out[u.dst_rank] = out.get(u.dst_rank, ScheduleCounts()) + self._unit_counts(u)
+        return out
+
+    @functools.cached_property
+    def total(self) -> ScheduleCounts:
+        """Counts over every unit."""
+        return sum(self.per_rank.values(), ScheduleCounts())
+
+    descriptors = property(lambda self: self.total.descriptors, doc="Descriptors over every unit.")
+    bytes = property(lambda self: self.total.bytes, doc="Bytes over every unit.")
+    batches = property(lambda self: self.total.batches, doc="Engine batches over every unit.")
+    engine_calls = property(lambda self: self.total.engine_calls, doc="Engine calls over every unit.")
+
+    def __repr__(self) -> str:
+        t = self.total
+        engine = "nixl" if self.engine_window is None else f"mooncake(window={self.engine_window})"
+        chunks = len({u.chunk for u in self.units})
+        return (f"TransferSchedule(mode={self.mode!r}, engine={engine}, units={len(self.units)} "
+                f"({chunks} chunks x {len(self.per_rank)} ranks), rows={t.rows:,}, bytes={t.bytes:,}, "
+                f"descriptors={t.descriptors:,}, batches={t.batches:,}, engine_calls={t.engine_calls:,}, "
+                f"empty={t.empty_units})")
