@@ -158,10 +158,10 @@ class PeerInfo:
             raise PeerError(f"PeerInfo: expected a dict, got {type(d).__name__}")
         keys = set(d)
         if keys != _PEER_KEYS:
-            missing = sorted(map(str, _PEER_KEYS - keys))
-            extra = sorted(map(repr, keys - _PEER_KEYS))
+            missing = ", ".join(map(repr, sorted(_PEER_KEYS - keys)))
+            extra = ", ".join(sorted(repr(k)[:80] for k in keys - _PEER_KEYS)[:8])
             parts = ([f"missing key(s) {missing}"] if missing else []) + ([f"unknown key(s) {extra}"] if extra else [])
-            raise PeerError(f"PeerInfo: {', '.join(parts)}; expected exactly {sorted(_PEER_KEYS)}")
+            raise PeerError(f"PeerInfo: {'; '.join(parts)}; expected exactly {sorted(_PEER_KEYS)}")
         engine, name, session, metadata, regions = (d[k] for k in ("engine", "name", "session", "metadata", "regions"))
         if not isinstance(engine, str) or engine not in PEER_ENGINES:
             raise PeerError(f"PeerInfo.engine={engine!r:.80} must be one of {PEER_ENGINES}")
