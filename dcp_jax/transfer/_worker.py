@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import traceback
 import uuid
 from typing import Any, Callable
@@ -12,25 +13,33 @@ import zmq
 
 from dcp_jax.transfer.control import zmq_context
 
-__all__ = ["Worker", "check_page_table", "check_seconds", "count_engine_calls"]
+__all__ = ["Worker", "IDLE", "PENDING", "ACTIVE", "check_page_table", "check_seconds", "count_engine_calls"]
 
 logger = logging.getLogger(__name__)
 
-#: Poll timeouts of the worker (milliseconds): while anything is in flight the engine is
-#: polled often (its completions wake no socket); idle, only sockets and `wake` end a wait.
-BUSY_POLL_MS = 0.2
+#: The worker's waits. Engine completions and notifications wake no socket, so while anything
+#: is awaited the engine is polled on a backoff: right after a round that did something, then
+#: doubling from `MIN_BACKOFF_S` to `MAX_BACKOFF_S` over empty rounds (a pending request with
+#: nothing in flight costs ~500 wake-ups a second, not a core). Idle, only a control message or
+#: `wake` ends a wait of `IDLE_POLL_MS`.
+MIN_BACKOFF_S = 20e-6
+MAX_BACKOFF_S = 2e-3
 IDLE_POLL_MS = 20
+
+#: What a round returns.
+IDLE, PENDING, ACTIVE = 0, 1, 2
 
 
 class Worker:
     """One daemon thread calling ``round_fn`` until stopped.
 
-    ``round_fn()`` returns True while work is in flight (the next round comes after
-    `BUSY_POLL_MS`), False when idle (it waits up to `IDLE_POLL_MS` for a control message on
-    ``sock`` or a `wake`). An exception in a round is logged and counted, never fatal.
+    ``round_fn()`` returns `ACTIVE` (it did something: the next round follows at once),
+    `PENDING` (something is awaited from the engine: the next round follows after the backoff)
+    or `IDLE` (it waits up to `IDLE_POLL_MS` for a control message on a registered socket or a
+    `wake`). An exception in a round is logged and counted, never fatal.
     """
 
-    def __init__(self, name: str, round_fn: Callable[[], bool], sock: zmq.Socket | None):
+    def __init__(self, name: str, round_fn: Callable[[], int], sock: zmq.Socket | None):
         self.name, self._round, self.errors = name, round_fn, 0
         self.last_error = ""
         addr = f"inproc://wake-{uuid.uuid4().hex}"
@@ -88,17 +97,29 @@ class Worker:
         return self._stop.is_set()
 
     def _loop(self) -> None:
+        backoff = 0.0
         while not self._stop.is_set():
             try:
-                busy = self._round()
+                state = self._round()
             except Exception as exc:  # noqa: BLE001 - a bad round must not kill the connector
                 self.errors += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 logger.error("%s: error in worker round: %s", self.name, traceback.format_exc())
-                busy = False
+                state = IDLE
             if self._stop.is_set():
                 break
-            events = dict(self._poller.poll(BUSY_POLL_MS if busy else IDLE_POLL_MS))
+            if state == ACTIVE:
+                backoff, timeout_ms = 0.0, 0
+            elif state == PENDING:
+                backoff = min(max(2 * backoff, MIN_BACKOFF_S), MAX_BACKOFF_S)
+                if backoff >= 1e-3:
+                    timeout_ms = int(backoff * 1000)
+                else:  # zmq's poll takes whole milliseconds: sleep the fraction, then peek
+                    time.sleep(backoff)
+                    timeout_ms = 0
+            else:
+                backoff, timeout_ms = 0.0, IDLE_POLL_MS
+            events = dict(self._poller.poll(timeout_ms))
             if self._rx in events:
                 while True:
                     try:

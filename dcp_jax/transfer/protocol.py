@@ -10,7 +10,8 @@ against the registrations before any byte moves.
 
 Kinds (receiver -> sender): ``hello``, ``expect``, ``abort``, ``failed``, ``pull_done``, ``ping``.
 Kinds (sender -> receiver): ``hello_ack``, ``hello_nack``, ``abort``, ``failed``, ``pull_ready``,
-``ping``. Engine notification (sender -> receiver, delivered by the engine after the batch's
+``drained`` (after a request ended without success, no WRITE of the sender's into that rank's
+pages is in flight any more), ``ping``. Engine notification (sender -> receiver, delivered by the engine after the batch's
 bytes landed): ``done``.
 """
 from __future__ import annotations
@@ -58,6 +59,7 @@ KINDS: dict[str, dict[str, tuple]] = {
     "pull_ready": {**_CHUNK, "lo": (_INT, 0), "src_addr": (_INT, 0), "src_rows": (_BYTES, MAX_CONTROL_BYTES)},
     "pull_done": {"chunk": (_INT, 0), "part": (_INT, 0), "ok": (_BOOL, 0), "reason": (_STR, MAX_TEXT)},
     "done": dict(_CHUNK),
+    "drained": {},
     "ping": {},
 }
 

@@ -28,7 +28,7 @@ from dcp_jax import plan as planmod
 from dcp_jax.layout import local_len_np
 from dcp_jax.packing import layer_offsets
 from dcp_jax.transfer import protocol as proto
-from dcp_jax.transfer._worker import Worker, check_page_table, check_seconds
+from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, Worker, check_page_table, check_seconds
 from dcp_jax.transfer.control import ControlClient
 from dcp_jax.transfer.memory import CacheLayers
 from dcp_jax.transfer.requests import RecvRequest, check_request_id
@@ -223,7 +223,8 @@ class KVReceiver:
 
     def abort(self, request_id: str, reason: str = "aborted by the decode side") -> bool:
         """Aborts the request here and tells its senders; reads in flight are cancelled and
-        reported to the sender once the engine is done with them. Idempotent.
+        reported to the sender once the engine is done with them. Idempotent. The request's
+        pages may be reused once `is_drained` says so (a push sender may still be writing).
 
         Returns:
             True if it moved to ABORTED now. Raises KeyError if unknown.
@@ -241,6 +242,19 @@ class KVReceiver:
             del self._requests[request_id]
             for key in [k for k in self._chunk_rows if k[0] is req]:
                 del self._chunk_rows[key]
+
+    def is_drained(self, request_id: str) -> bool:
+        """True when nothing can write into this request's pages any more, so the decode side
+        may hand them to another request: after SUCCESS; after FAILED/ABORTED once this rank's
+        own reads (pull) finished and every push sender said it has no write in flight (or is
+        gone). Raises KeyError if unknown."""
+        with self._lock:
+            req = self._get(request_id)
+            if req.status is TransferStatus.SUCCESS:
+                return True
+            return req.status.terminal and req.inflight == 0 and all(
+                link.direction == "pull" or id(link) in req.drained or link not in self._links
+                for link in req.senders)
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -279,8 +293,9 @@ class KVReceiver:
         self.close()
 
     # ---- the worker's round -------------------------------------------------------------------
-    def _round(self) -> bool:
+    def _round(self) -> int:
         with self._lock:
+            busy = False
             for link in self._links:
                 if not link.registered:
                     self._worker.add_socket(link.client.sock)
@@ -288,18 +303,22 @@ class KVReceiver:
             self._flush()
             for link in list(self._links):
                 for msg in link.client.recv():
+                    busy = True
                     link.last_seen = time.monotonic()
                     self._on_message(link, msg)
             pending = any(not r.status.terminal for r in self._requests.values())
             if pending or self._reads:
                 for peer, notes in self.engine.notifications().items():
                     for note in notes:
+                        busy = True
                         self._on_notification(peer, note)
-            self._poll_reads()
+            busy |= self._poll_reads()
             self._check_timeouts()
             self._heartbeat()
             self._flush()
-            return pending or bool(self._reads)
+            if busy:
+                return ACTIVE
+            return PENDING if pending or self._reads else IDLE
 
     def _flush(self) -> None:
         while self._outbox:
@@ -322,6 +341,13 @@ class KVReceiver:
                                               part=msg["part"], ok=False, reason="request not live here"))
                 return
             return self._start_read(req, link, msg)
+        if kind == "drained":
+            req = self._requests.get(msg["rid"])
+            if req is not None and req.inc == msg["inc"] and link in req.senders:
+                req.drained.add(id(link))
+            else:
+                self._counts["dropped_messages"] += 1
+            return
         if kind in ("abort", "failed"):
             req = self._live(link, msg)
             if req is not None:
@@ -427,7 +453,8 @@ class KVReceiver:
         self._counts["reads"] += 1
         req.state.advance(TransferStatus.TRANSFERRING)
 
-    def _poll_reads(self) -> None:
+    def _poll_reads(self) -> bool:
+        busy = False
         for seq, (req, link, done, h) in list(self._reads.items()):
             err = None
             try:
@@ -435,6 +462,7 @@ class KVReceiver:
                     continue
             except TransferError as exc:
                 err = str(exc)
+            busy = True
             del self._reads[seq]
             req.inflight -= 1
             link.client.send(proto.encode("pull_done", req.rid, req.inc, chunk=done["chunk"], part=done["part"],
@@ -445,6 +473,7 @@ class KVReceiver:
                 self._end(req, TransferStatus.FAILED, f"read failed: {err}", "failed")
             else:
                 self._part_landed(req, link, {"rid": req.rid, "inc": req.inc, **done})
+        return busy
 
     def _maybe_done(self, req: RecvRequest) -> None:
         if not req.status.terminal and req.complete():

@@ -95,6 +95,8 @@ class RankTarget:
     coverage: Coverage = dataclasses.field(default_factory=Coverage)
     parts_left: dict = dataclasses.field(default_factory=dict)  # chunk -> windows not yet done
     counters: RankCounters = dataclasses.field(default_factory=RankCounters)
+    inflight: int = 0         # windows of this rank the engine (or the reader) still works on
+    drained: bool = False     # the rank was told no write of ours is in flight any more
 
     @property
     def complete(self) -> bool:
@@ -150,6 +152,7 @@ class RecvRequest:
         self.parts: dict[tuple[int, int], set] = {}      # (sender id, chunk) -> parts landed
         self.rows_landed: dict[tuple[int, int], int] = {}
         self.inflight = 0                                # pull reads submitted, not yet done
+        self.drained: set[int] = set()                   # id(sender link) that said "drained"
         self.bytes = 0
         self.created = time.perf_counter()
         self.t_done: float | None = None

@@ -31,7 +31,7 @@ import numpy as np
 
 from bridge import PeerInfo, TransferError, make_engine
 from dcp_jax.transfer import protocol as proto
-from dcp_jax.transfer._worker import Worker, check_page_table, check_seconds, count_engine_calls
+from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, Worker, check_page_table, check_seconds, count_engine_calls
 from dcp_jax.transfer.arena import PackArena
 from dcp_jax.transfer.control import ControlServer
 from dcp_jax.transfer.memory import CacheLayers
@@ -214,6 +214,7 @@ class KVSender:
 
         Queued windows are dropped; windows the engine is moving are cancelled as far as the
         engine can, and their pack regions stay quarantined until the engine reports them done.
+        The request's source pages may be reused once `is_drained` says so.
 
         Returns:
             True if the request moved to ABORTED now, False if it was already terminal.
@@ -241,13 +242,21 @@ class KVSender:
             with self._lock:
                 self._on_expect(conn, msg)
 
+    def is_drained(self, request_id: str) -> bool:
+        """True when no engine operation of this request reads its pages any more (its source
+        pages may be freed): always after SUCCESS; after FAILED/ABORTED once every window in
+        flight was reported done by the engine or the reader. Raises KeyError if unknown."""
+        with self._lock:
+            req = self._get(request_id)
+            return req.status.terminal and req.inflight == 0
+
     def request_stats(self, request_id: str) -> dict[str, Any]:
         """Per-request figures: status, per-rank rows/descriptors/bytes/batches/engine calls and
         strategies, plan/pack seconds, seconds from first submit to completion."""
         with self._lock:
             req = self._get(request_id)
             t0, t1 = req.t_first_submit, req.t_done
-            return dict(status=req.status.value, reason=req.state.reason,
+            return dict(status=req.status.value, reason=req.state.reason, inflight=req.inflight,
                         plan_seconds=req.plan_seconds, pack_seconds=req.pack_seconds,
                         transfer_seconds=(t1 - t0) if t0 is not None and t1 is not None else None,
                         ranks={r: t.counters.as_dict() for r, t in sorted(req.targets.items())})
@@ -285,7 +294,7 @@ class KVSender:
         self.close()
 
     # ---- the worker's round ---------------------------------------------------------------------
-    def _round(self) -> bool:
+    def _round(self) -> int:
         busy = False
         for ident, msg in self._ctl.recv():
             busy = True
@@ -297,7 +306,9 @@ class KVSender:
             busy |= self._poll_inflight()
             self._check_timeouts()
             self._heartbeat()
-            return busy or bool(self._inflight)
+            if busy:
+                return ACTIVE
+            return PENDING if self._inflight else IDLE
 
     def _on_message(self, ident: bytes, msg: dict) -> None:
         kind = msg["k"]
@@ -317,8 +328,14 @@ class KVSender:
         if kind in ("abort", "failed"):
             req = self._requests.get(msg["rid"])
             t = req.targets.get(conn.spec.dcp_rank) if req is not None else None
-            if t is None or t.inc != msg["inc"] or t.conn is not conn or req.status.terminal:
+            if t is None or t.inc != msg["inc"] or t.conn is not conn:
+                # Nothing of ours is in flight for that incarnation: the rank may reuse its pages.
+                self._ctl.send(conn.ident, proto.encode("drained", msg["rid"], msg["inc"]))
                 self._counts["dropped_messages"] += 1
+                return
+            if req.status.terminal:
+                self._counts["dropped_messages"] += 1
+                self._maybe_drained(req, t)
                 return
             status = TransferStatus.ABORTED if kind == "abort" else TransferStatus.FAILED
             self._end(req, status, f"decode rank {conn.spec.dcp_rank}: {msg['reason']}", notify=kind)
@@ -485,6 +502,7 @@ class KVSender:
             src_rows = b"" if region_addr is not None else proto.pack_i64(rc.src_rows[lo:hi])
             self._pulls[(req.rid, t.inc, rank, rc.chunk, u.w)] = u
             req.inflight += 1
+            t.inflight += 1
             # The reader builds these very descriptors (same rows, same runs): count them here.
             ndesc = rc.descriptors_per_window(self.spec.num_layers)[u.w] if n else 0
             self._count(t, ndesc, rc.window_bytes(u.w, self._layers.item_lens) if n else 0,
@@ -497,6 +515,7 @@ class KVSender:
         notif = proto.encode("done", req.rid, t.inc, **head)
         u.handle = self.engine.transfer_batch(t.conn.peer, descs, notif=notif, dcp_rank=rank, chunk=rc.chunk)
         req.inflight += 1
+        t.inflight += 1
         self._inflight.append(u)
         self._count(t, len(descs), int(descs[:, 2].sum()) if len(descs) else 0,
                     count_engine_calls(self.engine, len(descs)))
@@ -539,7 +558,9 @@ class KVSender:
             u.region = None
         req, t = u.req, u.target
         req.inflight -= 1
+        t.inflight -= 1
         if req.status.terminal or self._requests.get(req.rid) is not req:
+            self._maybe_drained(req, t)
             return
         if error is not None:
             self._end(req, TransferStatus.FAILED, f"decode rank {t.conn.spec.dcp_rank}, chunk {u.rc.chunk}: {error}",
@@ -581,7 +602,17 @@ class KVSender:
             for t in req.targets.values():
                 if t.conn.ident in self._conns:
                     self._ctl.send(t.conn.ident, proto.encode(notify, req.rid, t.inc, reason=reason[:proto.MAX_TEXT]))
+        for t in req.targets.values():
+            self._maybe_drained(req, t)
         return True
+
+    def _maybe_drained(self, req: SendRequest, t: RankTarget) -> None:
+        """Tells a rank of an ended (not successful) request once no write of ours into its
+        pages is in flight: the decode side may then reuse them (`KVReceiver.is_drained`)."""
+        if (req.status.terminal and req.status is not TransferStatus.SUCCESS and not t.drained
+                and t.inflight == 0 and t.conn.ident in self._conns):
+            t.drained = True
+            self._ctl.send(t.conn.ident, proto.encode("drained", req.rid, t.inc))
 
     def _check_timeouts(self) -> None:
         now = time.monotonic()

@@ -167,3 +167,25 @@ def test_protocol_refuses_bad_messages():
         proto.encode("abort", "x" * 300, 1, reason="")
     with pytest.raises(proto.ProtocolError, match="negative"):
         proto.unpack_i64(proto.pack_i64([1, -2]), "page_table")
+
+
+def test_is_drained_after_abort_on_both_sides(engine):
+    # After an abort, pages may be reused only once nothing can still write into them.
+    c = Cluster(engine, dcp_size=2, mode="packed")
+    try:
+        src, dst = c.tables(40)
+        c.expect("d", dst, 40)
+        c.sender.send("d", src, 0, 8)
+        c.receivers[0].abort("d")
+        deadline = time.monotonic() + 10
+        sides = [c.sender] + c.receivers
+        while not all(s.is_drained("d") for s in sides) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert all(s.is_drained("d") for s in sides)
+        assert [s.poll("d") for s in sides] == [S.ABORTED] * 3
+        assert c.sender.request_stats("d")["inflight"] == 0
+        src2, dst2 = c.tables(4)
+        c.expect("live", dst2, 4)
+        assert not c.receivers[0].is_drained("live")  # a live request is never drained
+    finally:
+        c.close()
