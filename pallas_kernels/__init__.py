@@ -1,23 +1,31 @@
-"""Pallas kernels of dcp-jax: the strided row gather into a pack buffer (spec section 6)."""
+"""Pallas kernels of dcp-jax: the strided row gather into a pack buffer (spec section 6).
+
+`gather_rows` (kernel, jitted; traced row count and offset) and its oracle live in
+`pallas_kernels.gather`; the host contract `pack_rows` / `PackSource` in `pallas_kernels.pack`.
+"""
 
 from pallas_kernels.gather import (
     BACKENDS,
+    MAX_WORD_OFFSET,
     GatherConfig,
     bucket_rows,
-    clear_import_cache,
+    compile_count,
     gather_rows,
     gather_rows_reference,
-    pack_rows,
     pow2_chunks,
     select_backend,
     word_dtype,
 )
+from pallas_kernels.pack import PackSource, clear_import_cache, pack_rows
 
 __all__ = [
     "BACKENDS",
+    "MAX_WORD_OFFSET",
     "GatherConfig",
+    "PackSource",
     "bucket_rows",
     "clear_import_cache",
+    "compile_count",
     "gather_rows",
     "gather_rows_reference",
     "pack_rows",

@@ -7,7 +7,7 @@ layer entry into a contiguous, registered pack region, layer-major:
     off_l = sum_{k<l} n * width[k]
 
 where a *word* is the element type the kernel moves (uint32, uint16 or uint8: the widest one
-that divides every row length and the offset, see `word_dtype`). Row `j < n` of entry `l` is
+that divides every row length, see `word_dtype`). Row `j < n` of entry `l` is
 `src[l][indices[j]]`; no other word of the pack is touched.
 
 Forms:
@@ -29,20 +29,24 @@ Backends:
 The pack is aliased to the output (`input_output_aliases`) and donated, so the call writes in
 place: into the CuPy memory when the pack was imported from CuPy by DLPack.
 
-A variable row count does not recompile: pass `indices` padded to `bucket_rows(n)` (any
-values) and the true count as `num_rows` (a traced int32); rows `>= num_rows` are masked.
+What compiles: one kernel per (shapes and dtype of `src`, `indices` and `pack`, `config`,
+`backend`, `offset_align`). The row count and the region offset are traced int32 values: pass
+`indices` padded to `bucket_rows(n)` (any values) and the true count as `num_rows`, rows
+`>= num_rows` are masked; a new `offset` (words, `0 <= offset < 2**31`) never recompiles.
+`compile_count()` says how many gather kernels this process has traced.
 
-`gather_rows_reference` (plain `jnp.take`) is the oracle the tests compare against.
+`gather_rows_reference` (plain `jnp.take`) is the oracle the tests compare against. The host
+contract (`pack_rows`, `PackSource`) lives in `pallas_kernels.pack`; its names are re-exported
+here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
+import os  # noqa: F401  (`gather.os` stays patchable: the host pool in `pack` reads os.getpid)
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -56,8 +60,9 @@ BACKENDS = ("auto", "triton", "mosaic", "interpret")
 SCHEDULES = ("grid", "loop")
 DEFAULT_BLOCK_ROWS = 32
 MAX_BLOCK_ROWS = 1024  # a program's rows live in registers: more would never compile well
+MAX_WORD_OFFSET = 2**31 - 1  # offsets and region ends are int32 word indices in the kernel
 # Static arguments of the jitted entry point, written once.
-_STATIC_ARGNAMES = ("offset", "config", "backend")
+_STATIC_ARGNAMES = ("config", "backend", "offset_align")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -150,28 +155,36 @@ class GatherConfig:
         return cls(block_rows=64, num_warps=16, interleave=True, load_eviction_policy="evict_last")
 
 
-def word_dtype(item_lens: Sequence[int], offset: int = 0) -> np.dtype:
-    """Widest word (uint32, uint16 or uint8) dividing every row length and the offset.
+def word_dtype(item_lens: Sequence[int], offset: int | None = None) -> np.dtype:
+    """Widest word (uint32, uint16 or uint8) dividing every row length.
+
+    The word depends on the row lengths alone, so one kernel serves every region offset. The
+    alignment rule that comes with it: a byte offset handed to the Pallas paths of `pack_rows`
+    must be a multiple of the word's size (4 bytes for rows of 1152 B or 576 B; the connector's
+    arena aligns regions to 64 bytes, which satisfies every word).
 
     Args:
         item_lens: bytes per row of each layer entry (positive ints).
-        offset: byte offset of the pack region.
+        offset: optional byte offset to check against that rule.
 
     Returns:
         The numpy dtype to view rows and pack as.
 
     Raises:
-        ValueError: `item_lens` empty or not positive, or `offset` negative.
+        ValueError: `item_lens` empty or not positive; `offset` negative or not a multiple of
+            the word size.
     """
     item_lens = [int(x) for x in item_lens]
     if not item_lens or min(item_lens) <= 0:
         raise ValueError(f"{item_lens=} must be a non-empty list of positive byte counts")
-    if offset < 0:
-        raise ValueError(f"{offset=} must be >= 0")
-    for dt in WORD_DTYPES:
-        if all(x % dt.itemsize == 0 for x in item_lens) and offset % dt.itemsize == 0:
-            return dt
-    return WORD_DTYPES[-1]
+    word = next(dt for dt in WORD_DTYPES if all(x % dt.itemsize == 0 for x in item_lens))
+    if offset is not None:
+        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
+            raise ValueError(f"{offset=} must be a non-negative int (bytes)")
+        if offset % word.itemsize:
+            raise ValueError(f"{offset=} must be a multiple of {word.itemsize} bytes: the word "
+                             f"({word.name}) of rows of {item_lens} B")
+    return word
 
 
 def bucket_rows(n: int, block_rows: int = DEFAULT_BLOCK_ROWS) -> int:
@@ -316,14 +329,15 @@ def _copy_layers(jobs, out_ref, idx, rows, valid, *, evict, interleave, load_evi
 
 def _gather_kernel(
     n_ref,  # i32[1]: rows to gather
+    off_ref,  # i32[1]: word offset of the region (traced: no recompile per offset)
     idx_ref,  # i32[block_rows]
     *refs,  # src refs (one stacked or L list entries), pack_in [P] (aliased), out [P]
     widths: tuple[int, ...],
     stacked: bool,
     schedule: str,
     block_rows: int,
-    offset: int,
     max_rows: int,
+    pack_words: int,
     num_src_rows: int,
     align: tuple[int, ...],
     evict: str | None,
@@ -339,7 +353,12 @@ def _gather_kernel(
     num_layers = len(widths)
     i = pl.program_id(1 if layers_fastest and schedule == "grid" else 0)
     # Clamped here, not in XLA around the call: the jitted function is the kernel alone.
-    n = jnp.minimum(jnp.maximum(n_ref[0], 0), max_rows)  # never past the end of the pack
+    # n never takes the region past the pack (nor past word 2**31 - 1: indices are int32); a
+    # negative offset writes nothing.
+    offset = off_ref[0]
+    room = jax.lax.div(jnp.maximum(pack_words - offset, 0), sum(widths))
+    n = jnp.minimum(jnp.maximum(n_ref[0], 0), jnp.minimum(room, max_rows))
+    n = jnp.where(offset >= 0, n, 0)
     rows = i * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
     valid = rows < n
     # Masked rows read row 0 and store nothing; indices are clamped so no read is out of bounds.
@@ -349,8 +368,9 @@ def _gather_kernel(
         prefix.append(prefix[-1] + w)
 
     def base_of(l):
-        # n * prefix[l] is divisible by prefix[l]'s power-of-2 factor; offset by its own, so the
-        # hint keeps 16-byte vector stores (Triton cannot see it through the loaded scalar).
+        # n * prefix[l] is divisible by prefix[l]'s power-of-2 factor, the offset by the
+        # promised `offset_align`: the hint keeps wide stores (Triton cannot see it through
+        # the loaded scalars).
         return pl.multiple_of(offset + n * prefix[l], align[l])
 
     copy = functools.partial(_copy_layers, out_ref=out_ref, idx=idx, rows=rows, valid=valid,
@@ -416,7 +436,7 @@ def _layer_shapes(src) -> tuple[bool, list[tuple[int, int]], Any]:
     return True, [(R, W)] * L, np.dtype(src.dtype)
 
 
-def _static_validate(src, indices, pack, offset):
+def _static_validate(src, indices, pack):
     stacked, shapes, dtype = _layer_shapes(src)
     if dtype not in WORD_DTYPES:
         raise TypeError(f"src dtype {dtype} must be one of uint32/uint16/uint8 (view rows as words)")
@@ -428,31 +448,134 @@ def _static_validate(src, indices, pack, offset):
         raise ValueError(f"indices must be 1-D, got shape {indices.shape}")
     if not jnp.issubdtype(indices.dtype, jnp.integer):
         raise TypeError(f"indices dtype {indices.dtype} must be an integer type")
-    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
-        raise ValueError(f"{offset=} must be a non-negative int (words)")
     if shapes and min(w for _, w in shapes) <= 0:
         raise ValueError(f"every layer width must be positive, got {[w for _, w in shapes]}")
     return stacked, shapes
 
 
+def _is_int(x) -> bool:
+    """A concrete integer: Python or numpy int (not bool) or a 0-d numpy integer array."""
+    if isinstance(x, (bool, np.bool_)):
+        return False
+    if isinstance(x, (int, np.integer)):
+        return True
+    return isinstance(x, np.ndarray) and x.ndim == 0 and np.issubdtype(x.dtype, np.integer)
+
+
+def _i32_scalar(x, name: str):
+    """An int32 scalar array (traced or on device) as the kernel takes it; others raise."""
+    dtype, shape = getattr(x, "dtype", None), getattr(x, "shape", None)
+    if dtype is None or shape is None or isinstance(x, np.ndarray):
+        raise ValueError(f"{name}={x!r} must be an int or an integer scalar array")
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"{name} dtype {dtype} must be an integer type")
+    if int(np.prod(shape)) != 1:
+        raise ValueError(f"{name} must be a scalar, got shape {shape}")
+    if dtype != jnp.int32:
+        x = x.astype(jnp.int32)
+    return x.reshape(()) if shape != () else x
+
+
+def _rows_arg(num_rows, m: int):
+    """num_rows as an int32 scalar: None -> m; a concrete int clamped to [0, m]."""
+    if num_rows is None:
+        return np.int32(m)
+    if _is_int(num_rows):
+        return np.int32(min(max(int(num_rows), 0), m))
+    return _i32_scalar(num_rows, "num_rows")
+
+
+def _offset_arg(offset, offset_align: int, backend: str, itemsize: int):
+    """offset as an int32 scalar; a concrete one is checked against every rule."""
+    if not _is_int(offset):
+        if getattr(offset, "dtype", None) is None:  # bool, float, str, ...
+            raise ValueError(f"{offset=} must be a non-negative int (words) or an int32 "
+                             "scalar array")
+        return _i32_scalar(offset, "offset")
+    off = int(offset)
+    if off < 0:
+        raise ValueError(f"{offset=} must be a non-negative int (words)")
+    if off > MAX_WORD_OFFSET:
+        raise ValueError(f"{offset=} words must be <= {MAX_WORD_OFFSET} (the kernel's word "
+                         "indices are int32)")
+    if off % offset_align:
+        raise ValueError(f"{offset=} words must be a multiple of {offset_align=}")
+    if backend == "mosaic" and (off * itemsize) % 16:
+        raise ValueError(f"{offset=} words ({off * itemsize} bytes) must be a multiple of 16 "
+                         "bytes for mosaic (bulk copies)")
+    return np.int32(off)
+
+
+# --------------------------------------------------------------------------- trace counter
+
+_KERNEL_TRACES = [0]
+_KERNEL_TRACES_LOCK = threading.Lock()
+
+
+def _count_kernel_trace() -> None:
+    """Called by every kernel builder, in the Python body that runs only while tracing."""
+    with _KERNEL_TRACES_LOCK:
+        _KERNEL_TRACES[0] += 1
+
+
+def compile_count() -> int:
+    """Gather kernels (Triton/interpret `pallas_call` or Mosaic GPU) traced in this process.
+
+    Each trace of `gather_rows` (or of `mosaic_gather.gather_rows_mosaic`) that builds a kernel
+    adds one; a call that hits the jit cache adds nothing. After one warm-up call per row
+    bucket, a serving loop should leave it unchanged: offsets, row counts and index values
+    are traced.
+
+    Returns:
+        The count since the module was imported (an int >= 0).
+    """
+    return _KERNEL_TRACES[0]
+
+
+# Modules the first lowering of each backend imports lazily. The Mosaic interpreters (imported
+# by pallas_call's interpret lowering) register a JAX config flag that is part of the tracing
+# context: were they imported during the first trace, every gather traced before would be
+# traced, and compiled, once more on its next call. Importing them first keeps the count exact.
+_LOWERING_MODULES = {
+    "interpret": ("jax._src.pallas.mosaic.interpret.interpret_pallas_call",
+                  "jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call"),
+    "triton": ("jax.experimental.pallas.triton",),
+    "mosaic": ("jax.experimental.pallas.mosaic_gpu",),
+}
+_PRELOADED: set[str] = set()
+
+
+def _preload_lowering(backend: str) -> None:
+    """Import `backend`'s lowering modules once, before its first trace (missing ones skipped)."""
+    import importlib
+
+    for name in _LOWERING_MODULES.get(backend, ()):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # another JAX version: its pallas_call skips them too
+            pass
+    _PRELOADED.add(backend)
+
+
 # --------------------------------------------------------------------------- entry point
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC_ARGNAMES, donate_argnames=("pack",))
 def gather_rows(
     src,
     indices: jax.Array,
     pack: jax.Array,
     num_rows: jax.Array | int | None = None,
     *,
-    offset: int = 0,
+    offset: jax.Array | int = 0,
     config: GatherConfig = GatherConfig(),
     backend: str = "auto",
+    offset_align: int = 1,
 ) -> jax.Array:
     """Gather rows of every layer entry into the flat pack, layer-major, in place.
 
     For entry l (width W_l words) and j < n: pack[offset + off_l + j*W_l : ... + W_l] =
     src[l][indices[j]], off_l = sum_{k<l} n*W_k. Words outside these ranges keep their value.
+    Jitted: `num_rows` and `offset` are traced int32 scalars, so neither recompiles.
 
     Args:
         src: u32/u16/u8[L, R, W] (stacked) or a list of u*[R_l, W_l] arrays (one per layer
@@ -461,44 +584,75 @@ def gather_rows(
             clamped to [0, R-1] so the kernel never reads out of bounds; `pack_rows` checks
             them and raises instead.
         pack: 1-D array of the src dtype, donated; the result aliases its memory.
-        num_rows: n, rows to gather (int or traced int32 scalar; default m). n is clamped so
-            the layer-major region never extends past the end of `pack`.
-        offset: word offset of this region inside `pack` (static).
+        num_rows: n, rows to gather (int or int32 scalar array, traced; default m). n is
+            clamped so the layer-major region never extends past the end of `pack`, nor past
+            word 2**31 - 1.
+        offset: word offset of this region inside `pack` (int or integer scalar array,
+            traced). An int must be in [0, 2**31 - 1] (`MAX_WORD_OFFSET`) and a multiple of
+            `offset_align`; a traced one is not checked: a negative one writes nothing.
         config: `GatherConfig` tuning knobs (static). The dataclass defaults are the plain
             32-row kernel; `GatherConfig.default()` is the tuned one (`pack_rows` uses it).
         backend: "auto", "triton", "mosaic" or "interpret" (static; see module docstring).
+            "mosaic" also needs the offset to be a multiple of 16 bytes.
+        offset_align: power of 2 in [1, 16] (static, words): the caller's promise that
+            `offset` is a multiple of it, passed to Triton as an alignment hint so stores of
+            the region stay vectorised. A traced offset that breaks the promise is undefined
+            on a GPU.
 
     Returns:
         The pack (same shape and dtype), written in place when the input was donated.
 
     Raises:
-        ValueError: wrong ndim, widths, offset, or a GPU backend without a GPU.
-        TypeError: mixed or unsupported dtypes.
+        ValueError: wrong ndim, widths, `offset` (negative, past `MAX_WORD_OFFSET`, off
+            `offset_align` or, for mosaic, off 16 bytes), `offset_align`, or a GPU backend
+            without a GPU.
+        TypeError: mixed or unsupported dtypes, or a non-integer `offset`/`num_rows` array.
     """
-    stacked, shapes = _static_validate(src, indices, pack, offset)
     backend = select_backend(backend)
+    if backend not in _PRELOADED:
+        _preload_lowering(backend)
+    if (isinstance(offset_align, bool) or not isinstance(offset_align, (int, np.integer))
+            or not 1 <= offset_align <= 16 or offset_align & (offset_align - 1)):
+        raise ValueError(f"{offset_align=} must be a power of 2 in [1, 16] (words)")
+    shape = getattr(indices, "shape", ())
+    m = int(shape[0]) if len(shape) else 0
+    n = _rows_arg(num_rows, m)
+    off = _offset_arg(offset, int(offset_align), backend, np.dtype(pack.dtype).itemsize)
+    return _gather_rows_jit(src, indices, pack, n, off, config=config, backend=backend,
+                            offset_align=int(offset_align))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC_ARGNAMES, donate_argnames=("pack",))
+def _gather_rows_jit(src, indices, pack, num_rows, offset, *, config, backend, offset_align):
+    """`gather_rows` after its argument checks: num_rows, offset are i32[] (traced)."""
+    stacked, shapes = _static_validate(src, indices, pack)
     widths = tuple(w for _, w in shapes)
     m = int(indices.shape[0])
     if m == 0:
         return pack
-    # Never write past the pack, whatever n says (the kernels clamp n to this).
-    max_rows = max(0, min(m, (int(pack.shape[0]) - offset) // sum(widths)))
-    n = jnp.asarray(m if num_rows is None else num_rows, jnp.int32).reshape(1)
     idx = indices if indices.dtype == jnp.int32 else indices.astype(jnp.int32)
     if backend == "mosaic":
         from pallas_kernels import mosaic_gather
 
+        # The clamps of the Triton kernel, in XLA (the Mosaic kernel takes n as it is).
+        room = jnp.maximum(min(int(pack.shape[0]), MAX_WORD_OFFSET) - offset, 0) // sum(widths)
+        n = jnp.where(offset >= 0, jnp.clip(num_rows, 0, jnp.minimum(room, m)), 0)
         min_rows = min(r for r, _ in shapes)
-        n = jnp.clip(n, 0, max_rows)
-        return mosaic_gather.gather_rows_mosaic(src, jnp.clip(idx, 0, min_rows - 1), pack, n[0],
+        return mosaic_gather.gather_rows_mosaic(src, jnp.clip(idx, 0, min_rows - 1), pack, n,
                                                 offset=offset, widths=widths, config=config)
-    return _gather_triton(src, idx, pack, n, offset=offset, shapes=tuple(shapes), stacked=stacked,
-                          config=config, interpret=backend == "interpret", max_rows=max_rows)
+    return _gather_triton(src, idx, pack, num_rows.reshape(1), offset.reshape(1),
+                          shapes=tuple(shapes), stacked=stacked, config=config,
+                          interpret=backend == "interpret", offset_align=offset_align)
 
 
-def _gather_triton(src, idx, pack, n, *, offset, shapes, stacked, config, interpret, max_rows):
+gather_rows._cache_size = _gather_rows_jit._cache_size  # compiled variants (tests, tools)
+
+
+def _gather_triton(src, idx, pack, n, offset, *, shapes, stacked, config, interpret, offset_align):
+    """Build and call the Triton-form `pallas_call` (n, offset: i32[1], traced)."""
     from jax.experimental.pallas import triton as pltriton
 
+    _count_kernel_trace()
     widths = tuple(w for _, w in shapes)
     br = config.block_rows
     m = int(idx.shape[0])
@@ -507,7 +661,7 @@ def _gather_triton(src, idx, pack, n, *, offset, shapes, stacked, config, interp
         idx = jnp.pad(idx, (0, m_pad - m))
     num_blocks = m_pad // br
     prefix = np.concatenate([[0], np.cumsum(widths)])
-    align = tuple(min(_pow2_factor(offset), _pow2_factor(int(p))) for p in prefix[:-1])
+    align = tuple(min(offset_align, _pow2_factor(int(p))) for p in prefix[:-1])
     P = int(pack.shape[0])
     L = len(widths)
     srcs = [src] if stacked else list(src)
@@ -523,7 +677,7 @@ def _gather_triton(src, idx, pack, n, *, offset, shapes, stacked, config, interp
 
             def spec(block, f):
                 return pl.BlockSpec(block, f)
-        n_spec = spec((1,), lambda i, l: (0,))
+        n_spec = spec((1,), lambda i, l: (0,))  # n and offset alike
         idx_spec = spec((br,), lambda i, l: (i,))
         if stacked and config.layers_per_program > 1:
             src_specs = [spec(tuple(src.shape), lambda i, l: (0, 0, 0))]
@@ -544,7 +698,7 @@ def _gather_triton(src, idx, pack, n, *, offset, shapes, stacked, config, interp
         pack_spec = pl.BlockSpec((P,), lambda i: (0,))
     kernel = functools.partial(
         _gather_kernel, widths=widths, stacked=stacked, schedule=config.schedule,
-        block_rows=br, offset=offset, max_rows=max_rows,
+        block_rows=br, max_rows=m, pack_words=min(P, MAX_WORD_OFFSET),
         num_src_rows=min(r for r, _ in shapes), align=align, evict=config.eviction_policy,
         layers_per_step=config.layers_per_step, layers_per_program=config.layers_per_program,
         interleave=config.interleave, load_evict=config.load_eviction_policy,
@@ -552,13 +706,13 @@ def _gather_triton(src, idx, pack, n, *, offset, shapes, stacked, config, interp
         load_cache=config.load_cache_modifier)
     if config.load_cache_modifier is not None:
         _patch_cache_modifiers()
-    n_in = 2 + len(srcs)
+    n_in = 3 + len(srcs)
     call = pl.pallas_call(
         kernel,
         grid=grid,
         # The aliased pack input gets the output's BlockSpec (an ANY-space alias crashes
         # interpret mode on 0.11+ with ragged blocks; on Triton it is never read).
-        in_specs=[n_spec, idx_spec, *src_specs, pack_spec],
+        in_specs=[n_spec, n_spec, idx_spec, *src_specs, pack_spec],
         out_specs=pack_spec,
         out_shape=jax.ShapeDtypeStruct(pack.shape, pack.dtype),
         input_output_aliases={n_in: 0},
@@ -567,7 +721,7 @@ def _gather_triton(src, idx, pack, n, *, offset, shapes, stacked, config, interp
         interpret=interpret,
         name=f"kv_gather_{config.schedule}_{br=}_{L=}_g{config.layers_per_program}",
     )
-    return call(n, idx, *srcs, pack)
+    return call(n, offset, idx, *srcs, pack)
 
 
 # --------------------------------------------------------------------------- reference
@@ -581,12 +735,19 @@ def gather_rows_reference(src, indices, pack, num_rows=None, *, offset: int = 0)
         indices: int[m]; the first `num_rows` are used.
         pack: 1-D array of the src dtype (not modified; a new array is returned).
         num_rows: n (Python int, default m).
-        offset: word offset of the region.
+        offset: word offset of the region (a concrete int, unlike `gather_rows`).
 
     Returns:
         A copy of `pack` with the layer-major region written.
+
+    Raises:
+        ValueError: as `gather_rows` (shapes, a negative or too large `offset`).
+        TypeError: as `gather_rows` (dtypes).
     """
-    stacked, shapes = _static_validate(src, indices, pack, offset)
+    stacked, shapes = _static_validate(src, indices, pack)
+    if not _is_int(offset):
+        raise ValueError(f"{offset=} must be a concrete non-negative int (words)")
+    offset = int(_offset_arg(offset, 1, "interpret", 1))
     n = int(indices.shape[0]) if num_rows is None else int(num_rows)
     layers = [src[l] for l in range(len(shapes))] if stacked else list(src)
     idx = jnp.asarray(indices)[:n]
@@ -595,252 +756,35 @@ def gather_rows_reference(src, indices, pack, num_rows=None, *, offset: int = 0)
     return jnp.asarray(pack).at[offset:offset + region.shape[0]].set(region)
 
 
-
-
 # --------------------------------------------------------------------------- host contract
 
-_IMPORTED_LAYERS: dict[tuple, Any] = {}  # (word dtype, layer pointers/shapes) -> JAX views
-_CHECKED_LAYERS: dict[tuple, Any] = {}  # (kind, layer ids) -> (layers, item_lens, min rows)
-_MAX_CACHED_LAYERS = 64
+# `pack_rows` and its helpers moved to `pallas_kernels.pack`; `from pallas_kernels.gather import
+# pack_rows` (and the private names tests use) still works, resolved lazily (pack imports this).
+_PACK_NAMES = frozenset({
+    "PackSource", "pack_rows", "clear_import_cache", "HOST_MAX_THREADS", "HOST_MAX_THREADS_ARG",
+    "HOST_THREADS_MIN_BYTES", "_HOST_POOL", "_host_pool", "_CHECKED_LAYERS", "_IMPORTED_LAYERS",
+    "_MAX_CACHED_LAYERS", "_is_cupy"})
 
 
-def _is_cupy(a) -> bool:
-    return type(a).__module__.split(".")[0] == "cupy"
+def __getattr__(name: str):
+    if name in _PACK_NAMES:
+        from pallas_kernels import pack
 
-
-def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
-              config: GatherConfig | None = None, threads: int | None = None) -> int:
-    """Gather rows of every KV layer buffer into the registered pack buffer, in place.
-
-    Layer-major (spec section 6): entry l goes to bytes
-    `[offset + off_l, offset + off_l + n * item_len_l)`, `off_l = sum_{k<l} n * item_len_k`,
-    row j of it being `layers[l][indices[j]]`. No other byte of `pack` changes.
-
-    numpy (host memory): `np.take(..., out=view)` straight into the pack (one copy, no
-    temporaries), split over worker threads by (layer, row range): `np.take` releases the GIL,
-    and every thread writes its own disjoint slice of the region. CuPy (device memory): each layer is viewed as words and imported by
-    DLPack (zero-copy, cached), the pack is imported afresh (the donated handle is consumed)
-    and the jitted Pallas kernel writes into the CuPy memory; the call returns once the
-    bytes are there.
-
-    Args:
-        layers: sequence of u8[num_rows_l, kv_item_len_l] arrays (numpy or CuPy, all of the
-            pack's kind), sharing one row index space.
-        indices: int[n] source rows (numpy, CuPy or a Python sequence).
-        pack: u8[size] (numpy or CuPy), C-contiguous: the registered pack buffer.
-        offset: byte offset of this rank's region inside `pack`.
-        backend: "auto" (numpy: "numpy"; CuPy: see `select_backend`), "numpy", "interpret",
-            "triton" or "mosaic".
-        config: kernel tuning (`GatherConfig.default()` when None).
-        threads: host gather only: worker threads, 1..`HOST_MAX_THREADS_ARG`. None: one per
-            core, at most `HOST_MAX_THREADS`, for regions of at least `HOST_THREADS_MIN_BYTES`;
-            else one. The process keeps one pool, grown to the largest count asked for.
-
-    Returns:
-        Bytes written, `n * sum(kv_item_len)`.
-
-    Raises:
-        ValueError: bad ndim, empty `layers`, negative or out-of-range `indices`, negative
-            `offset`, `threads` < 1, or a region that would extend past the end of `pack`.
-        TypeError: non-uint8 buffers, mixed numpy/CuPy, a `pack` that is neither a numpy nor a
-            CuPy array, a `config` that is not a `GatherConfig`, or non-integer `indices`.
-        RuntimeError: the device kernel did not write in place (a copy was made).
-    """
-    if not isinstance(layers, (list, tuple)) or not layers:
-        raise ValueError("layers must be a non-empty list of 2-D uint8 arrays")
-    if not (isinstance(pack, np.ndarray) or _is_cupy(pack)):
-        raise TypeError(f"pack must be a numpy or CuPy uint8 array (the registered buffer), got "
-                        f"{type(pack).__name__}")
-    if config is not None and not isinstance(config, GatherConfig):
-        raise TypeError(f"config must be a GatherConfig or None, got {type(config).__name__}")
-    on_device = _is_cupy(pack)
-    # The same registered layers come back on every pack: their checks are cached by identity
-    # (the cache holds the arrays, so an id cannot be reused while its entry lives).
-    layer_key = (on_device, tuple(map(id, layers)))
-    if layer_key not in _CHECKED_LAYERS:
-        for l, a in enumerate(layers):
-            if not (isinstance(a, np.ndarray) or _is_cupy(a)):
-                raise TypeError(f"layers[{l}] must be a numpy or CuPy uint8 array, got "
-                                f"{type(a).__name__}")
-            if _is_cupy(a) != on_device:
-                raise TypeError(f"layers[{l}] and pack must both be numpy or both CuPy arrays")
-            if a.ndim != 2:
-                raise ValueError(f"layers[{l}] must be 2-D [num_rows, kv_item_len], got {a.shape}")
-            if a.dtype != np.uint8:
-                raise TypeError(f"layers[{l}] dtype {a.dtype} must be uint8 (view rows as bytes)")
-        if len(_CHECKED_LAYERS) >= _MAX_CACHED_LAYERS:
-            _CHECKED_LAYERS.clear()
-        _CHECKED_LAYERS[layer_key] = (tuple(layers), [int(a.shape[1]) for a in layers],
-                                      min(int(a.shape[0]) for a in layers))
-    _, item_lens, num_rows = _CHECKED_LAYERS[layer_key]
-    if pack.ndim != 1 or pack.dtype != np.uint8:
-        raise ValueError(f"pack must be a 1-D uint8 array, got {pack.dtype}{list(pack.shape)}")
-    if not pack.flags.c_contiguous:
-        raise ValueError("pack must be C-contiguous")
-    if not on_device and not pack.flags.writeable:
-        raise ValueError("pack must be writeable (a registered buffer, not a read-only view)")
-    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
-        raise ValueError(f"{offset=} must be a non-negative int (bytes)")
-    offset = int(offset)
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, (int, np.integer))
-                                or not 1 <= threads <= HOST_MAX_THREADS_ARG):
-        raise ValueError(f"{threads=} must be None or an int in [1, {HOST_MAX_THREADS_ARG}]")
-    if on_device and _is_cupy(indices):
-        idx = indices
-    else:
-        idx = np.asarray(indices)
-        if idx.size == 0:
-            idx = idx.astype(np.int64)
-    if idx.ndim != 1:
-        raise ValueError(f"indices must be 1-D, got shape {idx.shape}")
-    if not np.issubdtype(idx.dtype, np.integer):
-        raise TypeError(f"indices dtype {idx.dtype} must be an integer type")
-    n = int(idx.shape[0])
-    total = n * sum(item_lens)
-    if offset + total > pack.nbytes:
-        raise ValueError(
-            f"pack region overflow: {offset=} + {n} rows x {sum(item_lens)} B = "
-            f"{offset + total} B > pack of {pack.nbytes} B")
-    if n == 0:
-        return 0
-    if _is_cupy(idx):
-        import cupy as cp
-
-        lo, hi = (int(v) for v in cp.stack([idx.min(), idx.max()]).get())  # one sync
-    else:
-        lo, hi = int(idx.min()), int(idx.max())
-    if lo < 0:
-        raise ValueError(f"indices must be >= 0, got min {lo}")
-    if hi >= num_rows:
-        raise ValueError(f"indices must be < num_rows={num_rows} of every layer, got max {hi}")
-    if backend not in ("numpy",) + BACKENDS:  # select_backend's message would omit "numpy"
-        raise ValueError(f"{backend=} must be one of {('numpy',) + BACKENDS}")
-    if backend == "auto":
-        backend = "numpy" if not on_device else select_backend("auto")
-    if backend == "numpy":
-        if on_device:
-            raise ValueError("backend='numpy' needs numpy (host) buffers")
-        _pack_rows_host(layers, idx, pack, offset, item_lens, threads)
-        return total
-    config = GatherConfig.default() if config is None else config
-    if on_device:
-        _pack_rows_device(layers, idx, pack, offset, item_lens, backend, config)
-    else:
-        _pack_rows_host_pallas(layers, idx, pack, offset, item_lens, backend, config)
-    return total
-
-
-HOST_MAX_THREADS = 8  # past this the gather is bound by memory bandwidth, not cores
-HOST_THREADS_MIN_BYTES = 8 << 20  # smaller regions: thread hand-off costs more than it saves
-HOST_MAX_THREADS_ARG = 64  # the most `threads=` may ask for (one shared pool of at most this)
-_HOST_POOL: dict[str, Any] = {}  # {"pid", "workers", "pool"}: this process's one pool
-_HOST_POOL_LOCK = threading.Lock()
-
-
-def _host_pool(workers: int) -> ThreadPoolExecutor:
-    """This process's worker pool, at least `workers` threads (one pool, grown when asked for
-    more; made again after a fork, since a child inherits no threads)."""
-    with _HOST_POOL_LOCK:
-        pool = _HOST_POOL.get("pool")
-        if pool is None or _HOST_POOL["pid"] != os.getpid() or _HOST_POOL["workers"] < workers:
-            if pool is not None and _HOST_POOL["pid"] == os.getpid():
-                pool.shutdown(wait=False)  # its threads exit once idle
-            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pack_rows")
-            _HOST_POOL.update(pid=os.getpid(), workers=workers, pool=pool)
-        return pool
-
-
-def _pack_rows_host(layers, idx, pack, offset, item_lens, threads):
-    """numpy gather into the pack: (layer, row range) units, dealt to `threads` workers."""
-    n = int(idx.shape[0])
-    total = n * sum(item_lens)
-    if threads is None:
-        threads = (min(HOST_MAX_THREADS, os.cpu_count() or 1)
-                   if total >= HOST_THREADS_MIN_BYTES else 1)
-    # About two units per worker, each a whole row range of one layer entry.
-    chunks = max(1, min(n, -(-2 * threads // len(layers)))) if threads > 1 else 1
-    bounds = [n * k // chunks for k in range(chunks + 1)]
-    units, pos = [], offset
-    for a, w in zip(layers, item_lens):
-        for r0, r1 in zip(bounds[:-1], bounds[1:]):
-            if r1 > r0:
-                units.append((a, r0, r1, w, pos + r0 * w))
-        pos += n * w
-
-    def take(batch):
-        for a, r0, r1, w, start in batch:
-            # mode="clip" (indices are checked by the caller) skips np.take's buffered "raise" path.
-            np.take(a, idx[r0:r1], axis=0,
-                    out=pack[start:start + (r1 - r0) * w].reshape(r1 - r0, w), mode="clip")
-
-    threads = min(threads, len(units))
-    if threads <= 1:
-        take(units)
-        return
-    # Exactly `threads` tasks, so no more run at once whatever the pool's size; list() waits
-    # for all of them and re-raises the first worker's exception here.
-    list(_host_pool(threads).map(take, [units[k::threads] for k in range(threads)]))
-
-
-def _pack_rows_host_pallas(layers, idx, pack, offset, item_lens, backend, config):
-    """numpy buffers through the Pallas kernel (interpret on CPU): result copied back once."""
-    dt = word_dtype(item_lens, offset)
-    n = idx.shape[0]
-    m = bucket_rows(n, config.block_rows)
-    idx_pad = np.zeros(m, np.int32)
-    idx_pad[:n] = idx
-    # A word view needs rows contiguous in their last axis: copy strided layers once first.
-    srcs = [jnp.asarray(np.ascontiguousarray(a).view(dt)) for a in layers]
-    out = gather_rows(srcs, jnp.asarray(idx_pad), jnp.asarray(pack.view(dt)), n,
-                      offset=offset // dt.itemsize, config=config, backend=backend)
-    total = n * sum(item_lens)
-    pack[offset:offset + total] = np.asarray(out).view(np.uint8)[offset:offset + total]
-
-
-def _pack_rows_device(layers, idx, pack, offset, item_lens, backend, config):
-    import cupy as cp
-
-    dt = word_dtype(item_lens, offset)
-    # Layers are registered once and read-only here: import them once (zero-copy) and reuse.
-    key = (dt.str, tuple(map(id, layers)))  # entries hold the arrays: ids stay unique
-    srcs = _IMPORTED_LAYERS.get(key)
-    if srcs is None:
-        if len(_IMPORTED_LAYERS) >= _MAX_CACHED_LAYERS:
-            _IMPORTED_LAYERS.clear()
-        srcs = [jax.dlpack.from_dlpack(cp.ascontiguousarray(a).view(dt)) for a in layers]
-        _IMPORTED_LAYERS[key] = (tuple(layers), srcs)
-    else:
-        srcs = srcs[1]
-    n = int(idx.shape[0])
-    m = bucket_rows(n, config.block_rows)
-    idx_pad = cp.zeros(m, cp.int32)
-    idx_pad[:n] = cp.asarray(idx).astype(cp.int32)
-    # The donated pack handle is consumed by the call: import afresh on every pack.
-    pack_j = jax.dlpack.from_dlpack(pack.view(dt))
-    out = gather_rows(srcs, jax.dlpack.from_dlpack(idx_pad), pack_j, n,
-                      offset=offset // dt.itemsize, config=config, backend=backend)
-    out.block_until_ready()
-    in_place = out.unsafe_buffer_pointer() == pack.data.ptr
-    del out
-    if not in_place:
-        raise RuntimeError("the Pallas call did not write into the CuPy pack (XLA copied it); "
-                           "is the pack still referenced elsewhere in JAX?")
-
-
-def clear_import_cache() -> None:
-    """Forget the cached layer checks and DLPack views (they keep the layer buffers alive)."""
-    _IMPORTED_LAYERS.clear()
-    _CHECKED_LAYERS.clear()
+        return getattr(pack, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
     "BACKENDS",
-    "clear_import_cache",
-    "pack_rows",
+    "MAX_WORD_OFFSET",
     "GatherConfig",
+    "PackSource",
     "bucket_rows",
+    "clear_import_cache",
+    "compile_count",
     "gather_rows",
     "gather_rows_reference",
+    "pack_rows",
     "pow2_chunks",
     "select_backend",
     "word_dtype",

@@ -8,9 +8,10 @@ most 256 elements (the TMA box limit), under `pl.when(row < n)` so ragged tails 
 
 Constraints (checked, `ValueError` otherwise): every row is a multiple of 128 bytes (a bulk
 copy moves a multiple of the warpgroup size: 1152 B rows qualify, 576 B FP8 rows do not), the
-offset and every layer entry's region start are 16-byte aligned (`num_rows` is a traced value,
-so the region start of entry l is offset + n * sum_{k<l} W_k: pass widths whose bytes are
-multiples of 16); `block_rows * max(W) * itemsize` fits in shared memory.
+offset and every layer entry's region start are 16-byte aligned (`num_rows` and `offset` are
+traced values, so the region start of entry l is offset + n * sum_{k<l} W_k: pass widths whose
+bytes are multiples of 16; a concrete offset is checked, a traced one is the caller's promise);
+`block_rows * max(W) * itemsize` fits in shared memory.
 
 Called through `pallas_kernels.gather.gather_rows(..., backend="mosaic")`.
 """
@@ -100,15 +101,18 @@ def gather_rows_mosaic(src, idx, pack, n, *, offset, widths, config, interpret=F
         idx: i32[m], already clamped in range.
         pack: 1-D words, aliased to the output.
         n: i32 scalar, rows to gather (already clamped to the pack).
-        offset: word offset (static).
+        offset: word offset, an int or an i32 scalar (traced: one kernel for every offset).
         widths: words per row of each entry (static).
         config: `GatherConfig` (block_rows used).
         interpret: run under Mosaic GPU interpret mode (`plgpu.InterpretGPUParams`, CPU tests).
 
     Raises:
-        ValueError: rows or offsets not 16-byte multiples, or the block exceeds shared memory.
+        ValueError: rows or a concrete offset not 16-byte multiples, or the block exceeds
+            shared memory.
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.gather import _count_kernel_trace
 
     stacked = not isinstance(src, (list, tuple))
     itemsize = np.dtype(pack.dtype).itemsize
@@ -117,7 +121,7 @@ def gather_rows_mosaic(src, idx, pack, n, *, offset, widths, config, interpret=F
             raise ValueError(f"mosaic copies whole rows of a multiple of 128 bytes; a row of "
                              f"{w * itemsize} B is not (use backend='triton')")
         _store_chunks(w, itemsize)
-    if (offset * itemsize) % 16:
+    if isinstance(offset, (int, np.integer)) and (offset * itemsize) % 16:
         raise ValueError(f"offset of {offset * itemsize} bytes must be a multiple of 16 for mosaic")
     br = config.block_rows
     if br * 4 % _COPY_QUANTUM_BYTES:
@@ -133,6 +137,7 @@ def gather_rows_mosaic(src, idx, pack, n, *, offset, widths, config, interpret=F
     # Bulk copies move multiples of 128 bytes: pad the (n, offset) pair to 32 words.
     meta = jnp.zeros((_META_WORDS,), jnp.int32).at[0].set(n).at[1].set(offset)
     srcs = [src] if stacked else list(src)
+    _count_kernel_trace()
     kernel = plgpu.kernel(
         functools.partial(_mosaic_kernel, widths=tuple(widths), stacked=stacked, block_rows=br),
         out_type=(),

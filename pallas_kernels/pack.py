@@ -1,0 +1,467 @@
+"""Host contract of the pack gather: `pack_rows` into a registered pack buffer (spec section 6).
+
+`pack_rows(layers, indices, pack, offset=...)` writes one rank's region of the registered pack:
+entry l goes to bytes `[offset + off_l, offset + off_l + n * item_len_l)`, off_l =
+sum_{k<l} n * item_len_k. numpy buffers are gathered on the host (`np.take` straight into the
+pack, no compile); CuPy buffers by the jitted Pallas kernel of `pallas_kernels.gather`, through
+DLPack, in place.
+
+Rules for a long-running caller (a KV connector serving many requests):
+
+- No recompiles per call: the word the kernel moves depends on the row lengths alone
+  (`word_dtype`), the region offset and the row count are traced values, and the indices are
+  padded to `bucket_rows(n)`. One kernel per row bucket, layer geometry, config and backend;
+  plus one more per bucket for region offsets that are word- but not 16-byte-aligned (the
+  16-byte ones get a wide-store hint). `compile_count()` counts kernel traces.
+- Alignment (Pallas paths: interpret, triton, mosaic): `offset` must be a multiple of the word
+  size (`word_dtype(item_lens).itemsize`: 4 bytes for 1152 B or 576 B rows), and the region's
+  end must stay within `MAX_WORD_OFFSET` words; mosaic needs 16 bytes. The connector's arena
+  aligns regions to 64 bytes. The numpy host path takes any byte offset.
+- Memory: nothing here keeps a caller's KV arrays alive. The per-call checks and DLPack imports
+  of a layer list are cached under weak references to its arrays, evicted when any of them
+  dies; or the caller holds a `PackSource`, which owns both and releases them with itself.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.gather import (
+    BACKENDS,
+    MAX_WORD_OFFSET,
+    GatherConfig,
+    bucket_rows,
+    gather_rows,
+    select_backend,
+    word_dtype,
+)
+
+# A region offset that is a multiple of this many bytes is passed to the kernel with an
+# alignment hint (`gather_rows(offset_align=...)`), so Triton keeps 16-byte stores; any other
+# word-aligned offset runs a second kernel without the hint.
+ALIGN_HINT_BYTES = 16
+
+_CHECKED_LAYERS: dict[tuple, "_CheckedLayers"] = {}  # (on_device, layer ids) -> checks
+_IMPORTED_LAYERS: dict[tuple, tuple] = {}  # (on_device, layer ids) -> (token, JAX views)
+_MAX_CACHED_LAYERS = 64
+
+
+def _is_cupy(a) -> bool:
+    return type(a).__module__.split(".")[0] == "cupy"
+
+
+def _check_layers(layers, on_device: bool, other: str) -> tuple[tuple[int, ...], int]:
+    """(item_lens, min rows) of layer buffers that must all be of `on_device`'s kind.
+
+    Raises:
+        TypeError: not a numpy/CuPy array, a kind other than `other`'s, or not uint8.
+        ValueError: not 2-D.
+    """
+    for l, a in enumerate(layers):
+        if not (isinstance(a, np.ndarray) or _is_cupy(a)):
+            raise TypeError(f"layers[{l}] must be a numpy or CuPy uint8 array, got "
+                            f"{type(a).__name__}")
+        if _is_cupy(a) != on_device:
+            raise TypeError(f"layers[{l}] and {other} must both be numpy or both CuPy arrays")
+        if a.ndim != 2:
+            raise ValueError(f"layers[{l}] must be 2-D [num_rows, kv_item_len], got {a.shape}")
+        if a.dtype != np.uint8:
+            raise TypeError(f"layers[{l}] dtype {a.dtype} must be uint8 (view rows as bytes)")
+    return tuple(int(a.shape[1]) for a in layers), min(int(a.shape[0]) for a in layers)
+
+
+def _device_views(layers, word: np.dtype, owning: bool) -> list:
+    """JAX views (DLPack, zero-copy) of C-contiguous CuPy layers as words; None for the rest.
+
+    `owning=False` imports through `cupy.cuda.UnownedMemory`, so the view keeps no reference
+    to the caller's array (the weak cache evicts it when that array dies). An import that
+    copied (another pointer) is not kept: a copy would go stale as the KV cache changes.
+    """
+    import cupy as cp
+
+    views = []
+    for a in layers:
+        view = None
+        if a.flags.c_contiguous and a.size:
+            w = a.view(word)
+            if not owning:
+                mem = cp.cuda.UnownedMemory(a.data.ptr, a.nbytes, None, a.device.id)
+                w = cp.ndarray(w.shape, word, cp.cuda.MemoryPointer(mem, 0))
+            view = jax.dlpack.from_dlpack(w)
+            if view.unsafe_buffer_pointer() != a.data.ptr:
+                view = None
+        views.append(view)
+    return views
+
+
+class PackSource:
+    """The caller's KV layer buffers, checked once, for many `pack_rows` calls.
+
+    Pass it to `pack_rows` in place of the layer list: the per-call type and shape checks are
+    skipped and, for CuPy layers, the zero-copy DLPack imports are made once and kept here.
+    It holds the layers (and the imports) as long as it lives, and nothing else does: drop it
+    and the buffers are released. The layers are read, never written; their contents may
+    change between calls (C-contiguous ones are read in place, others copied per call).
+
+    Args:
+        layers: non-empty sequence of u8[num_rows_l, kv_item_len_l] arrays, all numpy or all
+            CuPy, sharing one row index space.
+
+    Attributes:
+        layers: the buffers (a tuple).
+        on_device: True for CuPy layers.
+        item_lens: bytes per row of each layer entry.
+        num_rows: rows every layer has (the smallest `num_rows_l`).
+        word: `word_dtype(item_lens)`, what the kernel moves; Pallas-path offsets must be
+            multiples of its size.
+
+    Raises:
+        ValueError: empty `layers` or a layer that is not 2-D.
+        TypeError: a layer that is not a numpy/CuPy uint8 array, or mixed kinds.
+    """
+
+    __slots__ = ("layers", "on_device", "item_lens", "num_rows", "word", "_views",
+                 "__weakref__")
+
+    def __init__(self, layers):
+        if not isinstance(layers, (list, tuple)) or not layers:
+            raise ValueError("layers must be a non-empty list of 2-D uint8 arrays")
+        self.on_device = _is_cupy(layers[0])
+        self.item_lens, self.num_rows = _check_layers(layers, self.on_device, "layers[0]")
+        self.layers = tuple(layers)
+        self.word = word_dtype(self.item_lens)
+        self._views = None
+
+    def device_views(self) -> list:
+        """The cached JAX word views of CuPy layers (None where a layer is copied per call)."""
+        if self._views is None:
+            self._views = _device_views(self.layers, self.word, owning=True)
+        return self._views
+
+    def __repr__(self) -> str:
+        kind = "cupy" if self.on_device else "numpy"
+        return (f"PackSource({len(self.layers)} {kind} layers, item_lens={list(self.item_lens)}, "
+                f"num_rows={self.num_rows}, word={self.word.name})")
+
+
+class _CheckedLayers:
+    """A cached layer check: weak references to the layers, never the layers themselves."""
+
+    __slots__ = ("refs", "token", "item_lens", "num_rows", "word")
+
+    def __init__(self, item_lens, num_rows):
+        self.refs, self.token = (), object()
+        self.item_lens, self.num_rows = item_lens, num_rows
+        self.word = word_dtype(item_lens)
+
+
+def _evict(key, token, _ref=None) -> None:
+    """Weakref callback: a layer of `key` died; forget its entries (if still this token's)."""
+    entry = _CHECKED_LAYERS.get(key)
+    if entry is not None and entry.token is token:
+        _CHECKED_LAYERS.pop(key, None)
+    imported = _IMPORTED_LAYERS.get(key)
+    if imported is not None and imported[0] is token:
+        _IMPORTED_LAYERS.pop(key, None)
+
+
+def _checked(layers, on_device: bool):
+    """(key or None, _CheckedLayers) for a layer list, from the weak cache or checked now.
+
+    The key is None when a layer cannot be weakly referenced (nothing is cached then). A
+    cached entry is used only if its weak references still give these very objects, so a
+    recycled id can never pick up a stale entry (the callbacks evict it first anyway).
+    """
+    key = (on_device, tuple(map(id, layers)))
+    entry = _CHECKED_LAYERS.get(key)
+    if entry is not None and len(entry.refs) == len(layers) and all(
+            map(operator.is_, [r() for r in entry.refs], layers)):
+        return key, entry
+    entry = _CheckedLayers(*_check_layers(layers, on_device, "pack"))
+    try:
+        callback = lambda ref, key=key, token=entry.token: _evict(key, token, ref)  # noqa: E731
+        entry.refs = tuple(weakref.ref(a, callback) for a in layers)
+    except TypeError:  # not weakly referenceable: check on every call
+        return None, entry
+    if len(_CHECKED_LAYERS) >= _MAX_CACHED_LAYERS:
+        clear_import_cache()
+    _CHECKED_LAYERS[key] = entry
+    return key, entry
+
+
+def _cached_device_views(layers, key, entry) -> list:
+    """Non-owning JAX views of a layer list, cached under its weak entry."""
+    imported = _IMPORTED_LAYERS.get(key) if key is not None else None
+    if imported is not None and imported[0] is entry.token:
+        return imported[1]
+    views = _device_views(layers, entry.word, owning=False)
+    if key is not None and _CHECKED_LAYERS.get(key) is entry:
+        _IMPORTED_LAYERS[key] = (entry.token, views)
+    return views
+
+
+def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
+              config: GatherConfig | None = None, threads: int | None = None) -> int:
+    """Gather rows of every KV layer buffer into the registered pack buffer, in place.
+
+    Layer-major (spec section 6): entry l goes to bytes
+    `[offset + off_l, offset + off_l + n * item_len_l)`, `off_l = sum_{k<l} n * item_len_k`,
+    row j of it being `layers[l][indices[j]]`. No other byte of `pack` changes.
+
+    numpy (host memory): `np.take(..., out=view)` straight into the pack (one copy, no
+    temporaries), split over worker threads by (layer, row range): `np.take` releases the GIL,
+    and every thread writes its own disjoint slice of the region. CuPy (device memory): each
+    layer is viewed as words and imported by DLPack (zero-copy, cached), the pack is imported
+    afresh (the donated handle is consumed) and the jitted Pallas kernel writes into the CuPy
+    memory; the call returns once the bytes are there. The offset and row count are traced:
+    after one call per row bucket (`bucket_rows(n, config.block_rows)`) nothing recompiles.
+
+    Args:
+        layers: a `PackSource`, or a sequence of u8[num_rows_l, kv_item_len_l] arrays (numpy
+            or CuPy, all of the pack's kind) sharing one row index space. A list's checks and
+            imports are cached under weak references to its arrays (pass the same array
+            objects each call); a `PackSource` holds them itself.
+        indices: int[n] source rows (numpy, CuPy or a Python sequence).
+        pack: u8[size] (numpy or CuPy), C-contiguous: the registered pack buffer.
+        offset: byte offset of this rank's region inside `pack`. Pallas backends: a multiple
+            of the word size (`word_dtype(item_lens).itemsize`; 16 bytes for "mosaic"), with
+            the region ending within `MAX_WORD_OFFSET` words. "numpy": any byte offset.
+        backend: "auto" (numpy: "numpy"; CuPy: see `select_backend`), "numpy", "interpret",
+            "triton" or "mosaic".
+        config: kernel tuning (`GatherConfig.default()` when None).
+        threads: host gather only: worker threads, 1..`HOST_MAX_THREADS_ARG`. None: one per
+            core, at most `HOST_MAX_THREADS`, for regions of at least `HOST_THREADS_MIN_BYTES`;
+            else one. The process keeps one pool, grown to the largest count asked for.
+
+    Returns:
+        Bytes written, `n * sum(kv_item_len)`.
+
+    Raises:
+        ValueError: bad ndim, empty `layers`, negative or out-of-range `indices`, a negative,
+            misaligned or too large `offset`, `threads` < 1, a region that would extend past
+            the end of `pack`, or a device pack whose address is not word-aligned.
+        TypeError: non-uint8 buffers, mixed numpy/CuPy, a `pack` that is neither a numpy nor a
+            CuPy array, a `config` that is not a `GatherConfig`, or non-integer `indices`.
+        RuntimeError: the device kernel did not write in place (a copy was made).
+    """
+    source = layers if isinstance(layers, PackSource) else None
+    if source is None and (not isinstance(layers, (list, tuple)) or not layers):
+        raise ValueError("layers must be a non-empty list of 2-D uint8 arrays")
+    if not (isinstance(pack, np.ndarray) or _is_cupy(pack)):
+        raise TypeError(f"pack must be a numpy or CuPy uint8 array (the registered buffer), got "
+                        f"{type(pack).__name__}")
+    if config is not None and not isinstance(config, GatherConfig):
+        raise TypeError(f"config must be a GatherConfig or None, got {type(config).__name__}")
+    on_device = _is_cupy(pack)
+    if source is not None:
+        if source.on_device != on_device:
+            raise TypeError("layers (a PackSource) and pack must both be numpy or both CuPy")
+        key, entry, layers = None, source, source.layers
+    else:
+        key, entry = _checked(layers, on_device)
+    item_lens, num_rows = entry.item_lens, entry.num_rows
+    if pack.ndim != 1 or pack.dtype != np.uint8:
+        raise ValueError(f"pack must be a 1-D uint8 array, got {pack.dtype}{list(pack.shape)}")
+    if not pack.flags.c_contiguous:
+        raise ValueError("pack must be C-contiguous")
+    if not on_device and not pack.flags.writeable:
+        raise ValueError("pack must be writeable (a registered buffer, not a read-only view)")
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
+        raise ValueError(f"{offset=} must be a non-negative int (bytes)")
+    offset = int(offset)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, (int, np.integer))
+                                or not 1 <= threads <= HOST_MAX_THREADS_ARG):
+        raise ValueError(f"{threads=} must be None or an int in [1, {HOST_MAX_THREADS_ARG}]")
+    if on_device and _is_cupy(indices):
+        idx = indices
+    else:
+        idx = np.asarray(indices)
+        if idx.size == 0:
+            idx = idx.astype(np.int64)
+    if idx.ndim != 1:
+        raise ValueError(f"indices must be 1-D, got shape {idx.shape}")
+    if not np.issubdtype(idx.dtype, np.integer):
+        raise TypeError(f"indices dtype {idx.dtype} must be an integer type")
+    n = int(idx.shape[0])
+    total = n * sum(item_lens)
+    if offset + total > pack.nbytes:
+        raise ValueError(
+            f"pack region overflow: {offset=} + {n} rows x {sum(item_lens)} B = "
+            f"{offset + total} B > pack of {pack.nbytes} B")
+    if backend not in ("numpy",) + BACKENDS:  # select_backend's message would omit "numpy"
+        raise ValueError(f"{backend=} must be one of {('numpy',) + BACKENDS}")
+    if backend == "auto":
+        backend = "numpy" if not on_device else select_backend("auto")
+    if backend != "numpy":
+        _check_word_offset(offset, total, entry.word, item_lens, pack if on_device else None)
+    if n == 0:
+        return 0
+    if _is_cupy(idx):
+        import cupy as cp
+
+        lo, hi = (int(v) for v in cp.stack([idx.min(), idx.max()]).get())  # one sync
+    else:
+        lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0:
+        raise ValueError(f"indices must be >= 0, got min {lo}")
+    if hi >= num_rows:
+        raise ValueError(f"indices must be < num_rows={num_rows} of every layer, got max {hi}")
+    if backend == "numpy":
+        if on_device:
+            raise ValueError("backend='numpy' needs numpy (host) buffers")
+        _pack_rows_host(layers, idx, pack, offset, item_lens, threads)
+        return total
+    config = GatherConfig.default() if config is None else config
+    if on_device:
+        views = source.device_views() if source is not None else \
+            _cached_device_views(layers, key, entry)
+        _pack_rows_device(layers, views, idx, pack, offset, entry.word, backend, config)
+    else:
+        _pack_rows_host_pallas(layers, idx, pack, offset, entry.word, backend, config)
+    return total
+
+
+def _check_word_offset(offset: int, total: int, word: np.dtype, item_lens, device_pack) -> None:
+    """The Pallas paths' rules: word-aligned offset and address, region end within int32."""
+    ws = word.itemsize
+    if offset % ws:
+        raise ValueError(f"{offset=} must be a multiple of {ws} bytes on the Pallas paths: the "
+                         f"word ({word.name}) of rows of {list(item_lens)} B "
+                         "(backend='numpy' takes any offset)")
+    if (offset + total) // ws > MAX_WORD_OFFSET:
+        raise ValueError(f"{offset=} + {total} B ends past word {MAX_WORD_OFFSET} of {word.name} "
+                         "(the kernel's word indices are int32)")
+    if device_pack is not None and device_pack.data.ptr % ws:
+        raise ValueError(f"pack address {device_pack.data.ptr:#x} must be a multiple of {ws} "
+                         f"bytes (the {word.name} word)")
+
+
+def _offset_align(offset: int, word: np.dtype) -> int:
+    """The static hint for `gather_rows`: words of `ALIGN_HINT_BYTES` if the offset has them."""
+    if offset % ALIGN_HINT_BYTES == 0:
+        return max(1, ALIGN_HINT_BYTES // word.itemsize)
+    return 1
+
+
+HOST_MAX_THREADS = 8  # past this the gather is bound by memory bandwidth, not cores
+HOST_THREADS_MIN_BYTES = 8 << 20  # smaller regions: thread hand-off costs more than it saves
+HOST_MAX_THREADS_ARG = 64  # the most `threads=` may ask for (one shared pool of at most this)
+_HOST_POOL: dict[str, Any] = {}  # {"pid", "workers", "pool"}: this process's one pool
+_HOST_POOL_LOCK = threading.Lock()
+
+
+def _host_pool(workers: int) -> ThreadPoolExecutor:
+    """This process's worker pool, at least `workers` threads (one pool, grown when asked for
+    more; made again after a fork, since a child inherits no threads)."""
+    with _HOST_POOL_LOCK:
+        pool = _HOST_POOL.get("pool")
+        if pool is None or _HOST_POOL["pid"] != os.getpid() or _HOST_POOL["workers"] < workers:
+            if pool is not None and _HOST_POOL["pid"] == os.getpid():
+                pool.shutdown(wait=False)  # its threads exit once idle
+            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pack_rows")
+            _HOST_POOL.update(pid=os.getpid(), workers=workers, pool=pool)
+        return pool
+
+
+def _pack_rows_host(layers, idx, pack, offset, item_lens, threads):
+    """numpy gather into the pack: (layer, row range) units, dealt to `threads` workers."""
+    n = int(idx.shape[0])
+    total = n * sum(item_lens)
+    if threads is None:
+        threads = (min(HOST_MAX_THREADS, os.cpu_count() or 1)
+                   if total >= HOST_THREADS_MIN_BYTES else 1)
+    # About two units per worker, each a whole row range of one layer entry.
+    chunks = max(1, min(n, -(-2 * threads // len(layers)))) if threads > 1 else 1
+    bounds = [n * k // chunks for k in range(chunks + 1)]
+    units, pos = [], offset
+    for a, w in zip(layers, item_lens):
+        for r0, r1 in zip(bounds[:-1], bounds[1:]):
+            if r1 > r0:
+                units.append((a, r0, r1, w, pos + r0 * w))
+        pos += n * w
+
+    def take(batch):
+        for a, r0, r1, w, start in batch:
+            # mode="clip" (indices are checked by the caller) skips np.take's buffered "raise" path.
+            np.take(a, idx[r0:r1], axis=0,
+                    out=pack[start:start + (r1 - r0) * w].reshape(r1 - r0, w), mode="clip")
+
+    threads = min(threads, len(units))
+    if threads <= 1:
+        take(units)
+        return
+    # Exactly `threads` tasks, so no more run at once whatever the pool's size; list() waits
+    # for all of them and re-raises the first worker's exception here.
+    list(_host_pool(threads).map(take, [units[k::threads] for k in range(threads)]))
+
+
+def _pack_rows_host_pallas(layers, idx, pack, offset, word, backend, config):
+    """numpy buffers through the Pallas kernel (interpret on CPU): result copied back once.
+
+    The pack is viewed as words up to its last whole word (the region lies inside it, being
+    word-aligned), so its shape, and the kernel, do not depend on the offset.
+    """
+    ws = word.itemsize
+    n = idx.shape[0]
+    m = bucket_rows(n, config.block_rows)
+    idx_pad = np.zeros(m, np.int32)
+    idx_pad[:n] = idx
+    # A word view needs rows contiguous in their last axis: copy strided layers once first.
+    srcs = [jnp.asarray(np.ascontiguousarray(a).view(word)) for a in layers]
+    words = pack[:pack.nbytes // ws * ws].view(word)
+    out = gather_rows(srcs, jnp.asarray(idx_pad), jnp.asarray(words), n, offset=offset // ws,
+                      config=config, backend=backend, offset_align=_offset_align(offset, word))
+    total = n * sum(int(a.shape[1]) for a in layers)
+    pack[offset:offset + total] = np.asarray(out).view(np.uint8)[offset:offset + total]
+
+
+def _pack_rows_device(layers, views, idx, pack, offset, word, backend, config):
+    """CuPy buffers through the jitted kernel, written into the CuPy pack in place."""
+    import cupy as cp
+
+    ws = word.itemsize
+    # Layers without a cached zero-copy view (not C-contiguous) are copied on every call, so
+    # the kernel always reads the KV cache as it is now.
+    srcs = [v if v is not None else jax.dlpack.from_dlpack(cp.ascontiguousarray(a).view(word))
+            for v, a in zip(views, layers)]
+    n = int(idx.shape[0])
+    m = bucket_rows(n, config.block_rows)
+    idx_pad = cp.zeros(m, cp.int32)
+    idx_pad[:n] = cp.asarray(idx).astype(cp.int32)
+    # The donated pack handle is consumed by the call: import afresh on every pack.
+    pack_j = jax.dlpack.from_dlpack(pack[:pack.nbytes // ws * ws].view(word))
+    out = gather_rows(srcs, jax.dlpack.from_dlpack(idx_pad), pack_j, n, offset=offset // ws,
+                      config=config, backend=backend, offset_align=_offset_align(offset, word))
+    out.block_until_ready()
+    in_place = out.unsafe_buffer_pointer() == pack.data.ptr
+    del out
+    if not in_place:
+        raise RuntimeError("the Pallas call did not write into the CuPy pack (XLA copied it); "
+                           "is the pack still referenced elsewhere in JAX?")
+
+
+def clear_import_cache() -> None:
+    """Forget the cached layer checks and DLPack views of layer lists (`PackSource`s keep
+    theirs). The caches hold no layer alive; this only drops the bookkeeping early."""
+    _IMPORTED_LAYERS.clear()
+    _CHECKED_LAYERS.clear()
+
+
+__all__ = [
+    "ALIGN_HINT_BYTES",
+    "HOST_MAX_THREADS",
+    "HOST_MAX_THREADS_ARG",
+    "HOST_THREADS_MIN_BYTES",
+    "PackSource",
+    "clear_import_cache",
+    "pack_rows",
+]
