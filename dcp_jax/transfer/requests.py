@@ -119,7 +119,6 @@ class SendRequest:
         self.plan_seconds = 0.0
         self.pack_seconds = 0.0
         self.t_first_submit: float | None = None
-        self.t_done: float | None = None
 
     @property
     def status(self) -> TransferStatus:
@@ -130,10 +129,12 @@ class SendRequest:
                 and all(t.complete for t in self.targets.values()))
 
     def finish(self, status: TransferStatus, reason: str = "") -> bool:
-        changed = self.state.advance(status, reason)
-        if changed:
-            self.t_done = time.perf_counter()
-        return changed
+        return self.state.advance(status, reason)
+
+    @property
+    def t_done(self) -> float | None:
+        """`time.perf_counter()` when the request ended (None while live)."""
+        return self.state.ended_at
 
 
 class RecvRequest:
@@ -155,7 +156,6 @@ class RecvRequest:
         self.drained: set[int] = set()                   # id(sender link) that said "drained"
         self.bytes = 0
         self.created = time.perf_counter()
-        self.t_done: float | None = None
 
     @property
     def status(self) -> TransferStatus:
@@ -166,7 +166,9 @@ class RecvRequest:
             c.covers(self.prefix_tokens, self.num_tokens) for c in self.coverage.values())
 
     def finish(self, status: TransferStatus, reason: str = "") -> bool:
-        changed = self.state.advance(status, reason)
-        if changed:
-            self.t_done = time.perf_counter()
-        return changed
+        return self.state.advance(status, reason)
+
+    @property
+    def t_done(self) -> float | None:
+        """`time.perf_counter()` when the request ended (None while live)."""
+        return self.state.ended_at

@@ -61,15 +61,17 @@ class RequestState:
         status: the current `TransferStatus`.
         reason: why it FAILED or was ABORTED ("" otherwise).
         last_progress: `time.monotonic()` of the last transition or `touch` (seconds).
+        ended_at: `time.perf_counter()` of the move to a terminal state (None before).
     """
 
-    __slots__ = ("_lock", "status", "reason", "last_progress", "created")
+    __slots__ = ("_lock", "status", "reason", "last_progress", "created", "ended_at")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.status = TransferStatus.WAITING
         self.reason = ""
         self.created = self.last_progress = time.monotonic()
+        self.ended_at: float | None = None  # time.perf_counter() of the terminal transition
 
     def advance(self, new: TransferStatus, reason: str = "") -> bool:
         """Moves to ``new`` if legal; a terminal state ignores every later move.
@@ -87,10 +89,12 @@ class RequestState:
                 return False
             if new not in LEGAL_TRANSITIONS[cur]:
                 raise IllegalTransition(f"request cannot move from {cur.name} to {new.name}")
-            self.status = new
             if new in (TransferStatus.FAILED, TransferStatus.ABORTED):
                 self.reason = reason or new.value
+            if new.terminal:  # set before the status, so a caller who sees it sees the time too
+                self.ended_at = time.perf_counter()
             self.last_progress = time.monotonic()
+            self.status = new
             return True
 
     def touch(self) -> None:
