@@ -47,7 +47,8 @@ def _pointer(a: Any, kind: str) -> int:
 
 
 def _row_view(a: Any, kind: str, rows: int, item: int) -> Any:
-    """u8[rows, item] view of one layer's memory (no copy) for the pack; JAX GPU stays JAX."""
+    """u8[rows, item] view of one layer's memory (no copy) for the pack: numpy on the host,
+    CuPy on a GPU (JAX GPU arrays are viewed through DLPack; the pack reads them in place)."""
     if kind == "numpy":
         return a.reshape(rows, -1).view(np.uint8).reshape(rows, item)
     if kind == "cupy":
@@ -59,10 +60,12 @@ def _row_view(a: Any, kind: str, rows: int, item: int) -> Any:
         if int(host.ctypes.data) != _pointer(a, kind):
             raise RuntimeError("DLPack import of a JAX CPU layer copied it")
         return host.reshape(rows, -1).view(np.uint8).reshape(rows, item)
-    import jax
+    import cupy as cp  # JAX on a GPU: a CuPy view of the same device memory (DLPack, no copy)
 
-    return jax.lax.bitcast_convert_type(a.reshape(rows, -1), np.uint8).reshape(rows, item) \
-        if a.dtype.itemsize == 1 else a  # JAX GPU: the device pack path reads the array itself
+    view = cp.from_dlpack(a)
+    if int(view.data.ptr) != _pointer(a, kind):
+        raise RuntimeError("DLPack import of a JAX GPU layer copied it")
+    return view.reshape(rows, -1).view(cp.uint8).reshape(rows, item)
 
 
 class CacheLayers:
@@ -80,7 +83,7 @@ class CacheLayers:
         mem_type: ``"DRAM"`` or ``"VRAM"``; device_id: accelerator ordinal (0 on the host).
         num_rows: i64[L] rows (``num_pages * page_size``) of each layer.
         bases: i64[L] address of row 0 of each layer (bytes).
-        rows: per-layer u8[num_rows, item_len] views (numpy / CuPy; JAX GPU arrays as given).
+        rows: per-layer u8[num_rows, item_len] views (numpy on the host, CuPy on a GPU).
         regions: one `bridge.MemoryRegion` per layer (what the engine registers).
 
     Raises:
