@@ -1,20 +1,21 @@
-"""Cost report: descriptors, engine calls and bytes per destination rank, from the real plans.
+"""Cost report: descriptors, engine calls and bytes per destination rank, from the send model.
 
 For one configuration (geometry, prompt length, decode prefix, chunking, page size, M, N, I and
-the transfer mode) this module takes the page tables the main job draws (a seeded, shuffled
-free list per rank, :func:`dcp_jax.kv_data.draw_page_table`) and its pack regions, builds every plan with :mod:`dcp_jax.plan`, and counts what a
-sender would hand the engine:
+the transfer mode) this module plans every prefill rank's sends with the connector's own model,
+:class:`dcp_jax.transfer.schedule.TransferSchedule`, and reports its counts per destination
+rank. There is no second counting model here: rows, bytes, descriptors, batches, notifications,
+engine calls, packs and fallbacks are the schedule's.
 
-- ``direct``: descriptors straight from the KV buffers, one per run of each plan window per
-  layer entry; one engine call per (chunk, source rank, destination rank, window).
-- ``packed``: the rows of each (chunk, source rank, destination rank) are gathered into the
-  destination rank's pack region (:mod:`dcp_jax.packing`), so the source side is contiguous and
-  only destination pages break runs; one engine call per slice that fits the region (and per
-  ``max_batch_indices`` window), or the direct path with a logged warning when the region holds
-  no row.
+- ``direct``: descriptors straight from the KV buffers, one per run of each window per layer
+  entry; one batch per (chunk, source rank, destination rank, ``max_batch_indices`` window).
+- ``packed``: each window is gathered into a pack region first, so only destination pages break
+  runs; a region that cannot hold all rows gives one window per region-full (sliced sending),
+  one that holds none the direct path with a logged warning.
 
-``plan_command`` is the single entry behind ``dcp-jax plan`` (the CLI lives in
-``dcp_jax.cli``): it prints the table and can draw the descriptors-vs-prompt plot.
+Page tables follow the connector's convention (spec section 10: every table covers its rank's
+local rows from token 0). Pass them (``src_page_tables`` / ``dst_page_tables``), or let
+:func:`page_tables` draw them as the main job does (:func:`dcp_jax.kv_data.draw_page_table`).
+``plan_command`` is the single entry behind ``dcp-jax plan`` (the CLI lives in ``dcp_jax.cli``).
 """
 
 from __future__ import annotations
@@ -28,14 +29,17 @@ import numpy as np
 
 from dcp_jax._validate import check_int as _int
 
-from dcp_jax.layout import check_layout_args
-from dcp_jax.packing import choose_pack_strategy, pack_slices
-from dcp_jax.plan import build_mxn_transfer_plans, send_rows_per_rank, split_windows
-from dcp_jax.transfer_job import decode_owned_tokens, pack_region_rows
+from dcp_jax.kv_data import DECODE_SIDE, PREFILL_SIDE, draw_page_table, pool_pages_for
+from dcp_jax.layout import check_layout_args, local_len_np
+from dcp_jax.plan import send_rows_per_rank
+from dcp_jax.transfer.schedule import ScheduleCounts, SideLayout, TransferSchedule, owned_tokens
 
 __all__ = [
     "CostConfig",
     "job_page_tables",
+    "page_tables",
+    "region_rows",
+    "cost_schedules",
     "cost_report",
     "cost_summary",
     "render_cost_table",
@@ -67,11 +71,11 @@ class CostConfig:
         prefill_interleave_size: I_p.
         dcp_size: N.
         interleave_size: I.
-        max_batch_indices: rows per engine batch (None: one batch per plan or slice).
-        pack_max_tokens: tokens the pack buffer is sized for (``N * ceil(max/N) * sum(item_len)``
-            bytes per prefill rank); None = the main job's default
-            (:func:`dcp_jax.transfer_job.pack_region_rows`: the most rows one prefill rank sends
-            to one decode rank, so nothing is sliced).
+        max_batch_indices: rows per engine batch (None: one batch per unit or region-full).
+        pack_max_tokens: tokens the pack buffer is sized for (``ceil(max/N)`` rows per
+            destination rank, spec section 6); None = the main job's default
+            (:func:`region_rows`: the most rows one prefill rank sends to one decode rank, so
+            nothing is sliced).
         seed: seed of the page allocators (the job's ``--seed``).
         pool_slack: each page pool is this many times the pages a rank needs (the job's
             ``pool_slack``).
@@ -141,134 +145,204 @@ class CostConfig:
         ]
 
 
-def job_page_tables(config: CostConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """The page tables the main job (``dcp-jax transfer``) draws for this configuration and seed.
+    def layouts(self) -> tuple[list[SideLayout], list[SideLayout]]:
+        """``(prefill, decode)`` :class:`SideLayout` of every rank (page size P on both sides)."""
+        return ([SideLayout(self.prefill_dcp_size, k, self.prefill_interleave_size, self.page_size)
+                 for k in range(self.prefill_dcp_size)],
+                [SideLayout(self.dcp_size, d, self.interleave_size, self.page_size) for d in range(self.dcp_size)])
 
-    Built by :func:`dcp_jax.transfer_job.request_page_tables` (which draws with
-    :func:`dcp_jax.kv_data.draw_page_table`): every rank pops its pages from its own seeded,
-    shuffled free list of a pool ``pool_slack`` times the pages it needs, exactly as the job's
-    prefill and decode processes do. The tables do not depend on the geometry or the chunking.
+
+def _rows(tokens: int, size: int, inter: int) -> list[int]:
+    """Rows each rank of a group holds of tokens ``[0, tokens)``."""
+    return local_len_np(tokens, size, np.arange(size), inter).tolist()
+
+
+def job_page_tables(config: CostConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The page tables the main job (``dcp-jax transfer``) draws, for the *send range* only.
+
+    Every rank pops ``ceil(rows / P)`` pages from its own seeded, shuffled free list
+    (:func:`dcp_jax.kv_data.draw_page_table`) for its rows of ``[decode_prefix_len,
+    prompt_tokens)``: a prefill rank from a pool of ``pool_pages_for(its pages, pool_slack)``
+    pages, keyed ``(seed, PREFILL_SIDE, rank)``; a decode rank from a pool sized for the largest
+    decode share, keyed ``(seed, DECODE_SIDE, rank, 0)`` (request 0). The tables do not depend on
+    the geometry or the chunking. :func:`page_tables` turns them into the connector's convention.
 
     Args:
         config: the configuration (sizes, prefix, seed, ``pool_slack``).
 
     Returns:
-        ``(src_tables, dst_tables)``: one int64 page table per prefill rank and per decode rank
+        ``(src_tables, dst_tables)``: one i64[pages] table per prefill rank and per decode rank
         (empty tables when nothing is sent).
     """
-    from dcp_jax.geometry import DEFAULT_GEOMETRY
-    from dcp_jax.transfer_job import JobConfig, request_page_tables
-
-    if config.send_tokens == 0:
+    cfg, p = config, config.page_size
+    if cfg.send_tokens == 0:
         empty = np.zeros(0, np.int64)
-        return [empty] * config.prefill_dcp_size, [empty] * config.dcp_size
-    # The geometry and the chunking do not enter the tables; JobConfig only carries the sizes.
-    job = JobConfig(
-        model=DEFAULT_GEOMETRY, prompt_tokens=config.prompt_tokens, prefix_tokens=config.decode_prefix_len,
-        page_size=config.page_size, dcp_size=config.dcp_size, prefill_dcp_size=config.prefill_dcp_size,
-        interleave_size=config.interleave_size, prefill_interleave_size=config.prefill_interleave_size,
-        seed=config.seed, pool_slack=config.pool_slack,
-    )
-    return request_page_tables(job)
+        return [empty] * cfg.prefill_dcp_size, [empty] * cfg.dcp_size
+    send_s = [a - b for a, b in zip(_rows(cfg.prompt_tokens, cfg.prefill_dcp_size, cfg.prefill_interleave_size),
+                                     _rows(cfg.decode_prefix_len, cfg.prefill_dcp_size, cfg.prefill_interleave_size))]
+    send_d = [a - b for a, b in zip(_rows(cfg.prompt_tokens, cfg.dcp_size, cfg.interleave_size),
+                                     _rows(cfg.decode_prefix_len, cfg.dcp_size, cfg.interleave_size))]
+    src = [draw_page_table(r, p, pool_pages_for(-(-r // p), cfg.pool_slack), cfg.seed, PREFILL_SIDE, k)
+           for k, r in enumerate(send_s)]
+    pool = pool_pages_for(-(-max(send_d) // p), cfg.pool_slack)
+    return src, [draw_page_table(r, p, pool, cfg.seed, DECODE_SIDE, d, 0) for d, r in enumerate(send_d)]
+
+
+def page_tables(config: CostConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The default tables of :func:`cost_report`, in the connector's convention (section 10).
+
+    Each table covers its rank's local rows from token 0: the prefix's rows sit on pages past
+    the drawn pool (never read), then come the job's send-range pages (:func:`job_page_tables`),
+    so the counts are the job's. Where a prefill rank's prefix rows do not fill whole pages
+    (M > 1 with a prefix that is not a multiple of ``P * M``), the job's layout has no section-10
+    form: that rank's table is drawn for all its rows ``[0, prompt_tokens)`` instead (same seed
+    and pool rule).
+
+    Returns:
+        ``(src_tables, dst_tables)``: ``prefill_dcp_size`` and ``dcp_size`` i64 page tables.
+    """
+    cfg, p = config, config.page_size
+    src, dst = job_page_tables(cfg)
+    # Prefix pages get ids past every drawn id: distinct from the send range's, never read.
+    pool = 1 + max([int(t.max()) for t in (*src, *dst) if t.size] + [-1])
+    out = []
+    for tables, size, inter, side in ((src, cfg.prefill_dcp_size, cfg.prefill_interleave_size, PREFILL_SIDE),
+                                      (dst, cfg.dcp_size, cfg.interleave_size, DECODE_SIDE)):
+        prefix, total = _rows(cfg.decode_prefix_len, size, inter), _rows(cfg.prompt_tokens, size, inter)
+        full = []
+        for k, t in enumerate(tables):
+            if prefix[k] % p == 0:
+                full.append(np.concatenate([np.arange(pool, pool + prefix[k] // p), t]).astype(np.int64))
+            else:
+                full.append(draw_page_table(total[k], p, pool_pages_for(-(-total[k] // p), cfg.pool_slack),
+                                            cfg.seed, side, k))
+        out.append(full)
+    return out[0], out[1]
+
+
+def region_rows(config: CostConfig, prefill_rank: int) -> int:
+    """Rows of one destination rank's pack region on prefill rank ``prefill_rank`` (the job's rule).
+
+    The most rows the prefill rank sends to any one decode rank over the send range, and never
+    fewer than ``ceil(its rows / N)`` (spec section 6), so the default pack never slices;
+    ``pack_max_tokens`` overrides it with ``ceil(pack_max_tokens / N)`` (smaller values force
+    sliced packing, 0 the direct fallback).
+
+    Raises:
+        ValueError: ``prefill_rank`` out of range.
+    """
+    cfg, n = config, config.dcp_size
+    srcs, dsts = cfg.layouts()
+    if _int("prefill_rank", prefill_rank, minimum=0) >= len(srcs):
+        raise ValueError(f"prefill_rank={prefill_rank} must be < prefill_dcp_size={len(srcs)}")
+    if cfg.pack_max_tokens is not None:
+        return -(-cfg.pack_max_tokens // n)
+    a, b = cfg.decode_prefix_len, cfg.prompt_tokens
+    shares = [owned_tokens(a, b, dst=d, src=srcs[prefill_rank]).size for d in dsts]
+    return max(-(-sum(shares) // n), max(shares))
+
+
+def _tables(name: str, tables, expected: int, size_name: str) -> list[np.ndarray]:
+    if tables is None:
+        return None
+    tables = list(tables)
+    if len(tables) != expected:
+        raise ValueError(f"{name} must hold one page table per rank ({size_name}={expected}), got {len(tables)}")
+    return [np.asarray(t) for t in tables]
+
+
+def _config(config: CostConfig | None, kwargs: dict) -> CostConfig:
+    if config is None:
+        return CostConfig(**kwargs)
+    return dataclasses.replace(config, **kwargs) if kwargs else config
+
+
+def cost_schedules(config: CostConfig | None = None, /, *, modes: Iterable[str] = MODES, src_page_tables=None,
+                   dst_page_tables=None, engine_window: int | None = None, **kwargs
+                   ) -> dict[str, list[TransferSchedule]]:
+    """The :class:`TransferSchedule` of every prefill rank, per mode (what :func:`cost_report` counts).
+
+    Args:
+        config: a :class:`CostConfig`; or pass its fields as keyword arguments.
+        modes: any of ``"direct"``, ``"packed"``.
+        src_page_tables: ``prefill_dcp_size`` page tables (i64[pages] each, section 10: local
+            rows from token 0); default :func:`page_tables`. Given together with
+            ``dst_page_tables`` or not at all.
+        dst_page_tables: ``dcp_size`` page tables (section 10: local rows from token 0).
+        engine_window: Mooncake's descriptors per submission; None counts NIXL's engine calls.
+
+    Returns:
+        ``{mode: [schedule of prefill rank 0, 1, ...]}``.
+
+    Raises:
+        ValueError: unknown mode, wrong number of tables, tables too short (named), or any
+            invalid configuration value (named).
+    """
+    cfg = _config(config, kwargs)
+    modes = tuple(modes)
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"modes must be among {MODES}, got {mode!r}")
+    src_t = _tables("src_page_tables", src_page_tables, cfg.prefill_dcp_size, "prefill_dcp_size")
+    dst_t = _tables("dst_page_tables", dst_page_tables, cfg.dcp_size, "dcp_size")
+    if (src_t is None) != (dst_t is None):
+        raise ValueError("pass src_page_tables and dst_page_tables together (or neither)")
+    if src_t is None:
+        src_t, dst_t = page_tables(cfg)
+    srcs, dsts = cfg.layouts()
+    chunks = [(a, a + k) for a, k in cfg.chunks()]
+    return {mode: [TransferSchedule.build(
+        src_spec_layout=src, dst_layouts=dsts, src_page_table=src_t[k], dst_page_tables=dst_t, chunks=chunks,
+        num_layers=cfg.num_layers, item_lens=cfg.item_lens, mode=mode, max_batch_indices=cfg.max_batch_indices,
+        max_region_rows=region_rows(cfg, k) if mode == "packed" else None, engine_window=engine_window)
+        for k, src in enumerate(srcs)] for mode in modes}
+
+
+def cost_report(config: CostConfig | None = None, /, *, modes: Iterable[str] = MODES, src_page_tables=None,
+                dst_page_tables=None, engine_window: int | None = None, **kwargs) -> list[dict]:
+    """Descriptors, batches, engine calls and bytes per destination rank for each mode.
+
+    Sums, per destination rank, the counts of every prefill rank's :class:`TransferSchedule`
+    (:func:`cost_schedules`) over the chunks of the send range: ``dcp-jax plan`` prints the counts
+    ``dcp-jax transfer`` reports.
+
+    Args:
+        config: a :class:`CostConfig`; or pass its fields as keyword arguments.
+        modes: any of ``"direct"``, ``"packed"``.
+        src_page_tables, dst_page_tables, engine_window: as :func:`cost_schedules`.
+
+    Returns:
+        One dict per (mode, destination rank), ordered by mode then rank, with keys ``mode``,
+        ``interleave_size``, ``prefill_dcp_size``, ``dst_rank``, ``rows`` (tokens per layer),
+        ``bytes``, ``descriptors``, ``batches`` (engine batches of descriptors),
+        ``engine_calls`` (NIXL: = batches; Mooncake: see
+        :meth:`dcp_jax.transfer.schedule.RankChunk.engine_calls`), ``notifications`` (one per
+        batch and one per empty (chunk, source rank) unit), ``packs`` (gathers; 0 for direct)
+        and ``per_row_fallbacks`` (batches sent direct because the pack region holds no row).
+
+    Raises:
+        ValueError: as :func:`cost_schedules`.
+    """
+    cfg = _config(config, kwargs)
+    _send_rows(cfg, cfg.prefill_dcp_size, cfg.prefill_interleave_size)  # validates the prefix, naming it
+    _send_rows(cfg, cfg.dcp_size, cfg.interleave_size)
+    schedules = cost_schedules(cfg, modes=modes, src_page_tables=src_page_tables, dst_page_tables=dst_page_tables,
+                               engine_window=engine_window)
+    out = []
+    for mode, scheds in schedules.items():
+        for d in range(cfg.dcp_size):
+            c = sum((s.per_rank[d] for s in scheds if d in s.per_rank), ScheduleCounts())
+            out.append(dict(mode=mode, interleave_size=cfg.interleave_size, prefill_dcp_size=cfg.prefill_dcp_size,
+                            dst_rank=d, rows=c.rows, bytes=c.bytes, descriptors=c.descriptors, batches=c.batches,
+                            engine_calls=c.engine_calls, notifications=c.notifications, packs=c.packs,
+                            per_row_fallbacks=c.fallbacks))
+    return out
 
 
 def _send_rows(cfg: CostConfig, size: int, inter: int) -> list[int]:
     return send_rows_per_rank(
         cfg.prompt_tokens, dcp_size=size, interleave_size=inter, decode_prefix_len=cfg.decode_prefix_len
     )
-
-
-def _windows_descs(plan, max_batch: int | None, num_layers: int, packed: bool) -> tuple[int, int]:
-    """(descriptors, engine calls) of sending ``plan`` in ``max_batch`` windows."""
-    wins = split_windows(plan, max_batch)
-    runs = sum((w.packed_runs if packed else w.runs).shape[0] for w in wins)
-    return runs * num_layers, len(wins)
-
-
-def cost_report(config: CostConfig | None = None, /, *, modes: Iterable[str] = MODES, **kwargs) -> list[dict]:
-    """Descriptors, engine calls and bytes per destination rank for each mode.
-
-    Builds the real plans (:func:`dcp_jax.plan.build_mxn_transfer_plans`) for every chunk of the
-    send range, on the main job's own page tables (:func:`job_page_tables`) and pack regions, and
-    counts per destination rank: ``dcp-jax plan`` prints the counts ``dcp-jax transfer`` reports.
-
-    Args:
-        config: a :class:`CostConfig`; or pass its fields as keyword arguments.
-        modes: any of ``"direct"``, ``"packed"``.
-
-    Returns:
-        One dict per (mode, destination rank), ordered by mode then rank, with keys ``mode``,
-        ``interleave_size``, ``prefill_dcp_size``, ``dst_rank``, ``rows`` (tokens per layer),
-        ``bytes``, ``descriptors``, ``engine_calls``, ``packs`` (gathers; 0 for direct) and
-        ``per_row_fallbacks`` (batches that fell back to per-row descriptors).
-
-    Raises:
-        ValueError: unknown mode, or any invalid configuration value (named).
-    """
-    cfg = config if config is not None else CostConfig(**kwargs)
-    if config is not None and kwargs:
-        cfg = dataclasses.replace(config, **kwargs)
-    modes = tuple(modes)
-    for mode in modes:
-        if mode not in MODES:
-            raise ValueError(f"modes must be among {MODES}, got {mode!r}")
-    m, n = cfg.prefill_dcp_size, cfg.dcp_size
-    lens = np.asarray(cfg.item_lens, np.int64)
-    row_bytes = int(lens.sum())
-    _send_rows(cfg, m, cfg.prefill_interleave_size)  # validates the prefix alignment, naming it
-    _send_rows(cfg, n, cfg.interleave_size)
-    src_tables, dst_tables = job_page_tables(cfg)
-    # Each prefill rank's pack regions, sized as the job sizes them (pack_region_rows).
-    region_bytes = []
-    for k in range(m):
-        tokens = decode_owned_tokens(cfg.decode_prefix_len, cfg.prompt_tokens, m, k, cfg.prefill_interleave_size)[0]
-        rows, _ = pack_region_rows(tokens, dcp_size=n, interleave_size=cfg.interleave_size,
-                                   prefix_tokens=cfg.decode_prefix_len, chunk_tokens=cfg.chunk_tokens,
-                                   pack_tokens=cfg.pack_max_tokens)
-        region_bytes.append(rows * row_bytes)
-
-    zero = {"rows": 0, "bytes": 0, "descriptors": 0, "engine_calls": 0, "packs": 0, "per_row_fallbacks": 0}
-    acc = {(mode, d): dict(zero) for mode in modes for d in range(n)}
-    for chunk_start, num in cfg.chunks():
-        plans = build_mxn_transfer_plans(
-            src_tables, dst_tables, page_size=cfg.page_size, prefill_dcp_size=m,
-            prefill_interleave_size=cfg.prefill_interleave_size, dcp_size=n, interleave_size=cfg.interleave_size,
-            decode_prefix_len=cfg.decode_prefix_len, chunk_start=chunk_start, num_kv_tokens=num,
-        )
-        for (k, d), plan in plans.items():
-            for mode in modes:
-                row = acc[(mode, d)]
-                row["rows"] += plan.num_rows
-                row["bytes"] += plan.num_rows * row_bytes
-                if mode == "direct":
-                    descs, calls = _windows_descs(plan, cfg.max_batch_indices, cfg.num_layers, packed=False)
-                else:
-                    region = region_bytes[k]
-                    strategy = choose_pack_strategy(plan.num_rows, region, lens)
-                    if strategy == "per_row":
-                        descs, calls = _windows_descs(plan, cfg.max_batch_indices, cfg.num_layers, packed=False)
-                        row["per_row_fallbacks"] += calls
-                    else:
-                        descs = calls = 0
-                        slices = pack_slices(plan.num_rows, region, lens)
-                        row["packs"] += len(slices)
-                        for a, b in slices:
-                            k, c = _windows_descs(plan.window(a, b), cfg.max_batch_indices, cfg.num_layers, True)
-                            descs += k
-                            calls += c
-                row["descriptors"] += descs
-                row["engine_calls"] += calls
-    return [
-        {
-            "mode": mode,
-            "interleave_size": cfg.interleave_size,
-            "prefill_dcp_size": m,
-            "dst_rank": d,
-            **acc[(mode, d)],
-        }
-        for mode in modes
-        for d in range(n)
-    ]
 
 
 def cost_summary(rows: Sequence[dict]) -> dict[str, dict[str, int]]:
@@ -428,6 +502,7 @@ def plan_command(
     num_layers: int | None = None,
     item_lens: Sequence[int] | None = None,
     console=None,
+    engine_window: int | None = None,
 ) -> list[dict]:
     """The ``dcp-jax plan`` command: print the cost table (and optionally draw the plot).
 
@@ -442,6 +517,7 @@ def plan_command(
         plot: when given, also write :func:`plot_descriptors_vs_prompt` to this path.
         num_layers, item_lens: explicit geometry.
         console: a ``rich.console.Console`` (default: a new one on stdout).
+        engine_window: count Mooncake's engine calls with this window (None: NIXL's).
 
     Returns:
         The rows of :func:`cost_report`.
@@ -462,7 +538,7 @@ def plan_command(
         decode_prefix_len=decode_prefix_len, chunk_tokens=chunk_tokens, page_size=page_size,
         prefill_dcp_size=prefill_dcp_size, prefill_interleave_size=prefill_interleave_size, dcp_size=dcp_size,
         interleave_size=interleave_size, max_batch_indices=max_batch_indices, pack_max_tokens=pack_max_tokens,
-        seed=seed, modes=modes,
+        seed=seed, modes=modes, engine_window=engine_window,
     )
     if console is None:
         from rich.console import Console

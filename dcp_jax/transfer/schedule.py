@@ -172,10 +172,11 @@ def chunk_rows(start: int, stop: int, *, src: SideLayout, dst: SideLayout, src_p
     return _chunk_rows(start, stop, src, dst, src_page_table, dst_page_table, True)
 
 
-def _chunk_rows(start, stop, src, dst, src_page_table, dst_page_table, check: bool):
+def _chunk_rows(start, stop, src, dst, src_page_table, dst_page_table, check: bool,
+                names=("src_page_table", "dst_page_table")):
     t = owned_tokens(start, stop, dst=dst, src=src)
-    return (_token_rows(t, src, src_page_table, "src_page_table", check),
-            _token_rows(t, dst, dst_page_table, "dst_page_table", check))
+    return (_token_rows(t, src, src_page_table, names[0], check),
+            _token_rows(t, dst, dst_page_table, names[1], check))
 
 
 def _windows(n: int, step: int | None) -> tuple[tuple[int, int], ...]:
@@ -324,13 +325,13 @@ def plan_rank_chunk(chunk: int, start: int, stop: int, *, src: SideLayout, dst: 
 
 
 def _plan(chunk, start, stop, src, dst, src_page_table, dst_page_table, mode, max_batch_indices,
-          max_region_rows, check: bool) -> RankChunk:
+          max_region_rows, check: bool, names=("src_page_table", "dst_page_table")) -> RankChunk:
     if mode not in ("direct", "packed"):
         raise ValueError(f"mode must be 'direct' or 'packed', got {mode=}")
     chunk = check_int("chunk", chunk, minimum=0)
     step = _positive_or_none("max_batch_indices", max_batch_indices)
     region = _positive_or_none("max_region_rows", max_region_rows, minimum=0)
-    src_rows, dst_rows = _chunk_rows(start, stop, src, dst, src_page_table, dst_page_table, check)
+    src_rows, dst_rows = _chunk_rows(start, stop, src, dst, src_page_table, dst_page_table, check, names)
     n, strategy, fallback = src_rows.size, mode, False
     if n == 0:
         strategy = "empty"
@@ -403,6 +404,10 @@ class TransferSchedule:
         Raises:
             TypeError, ValueError: mismatched lengths, overlapping chunks, bad values (named).
         """
+        if mode not in ("direct", "packed"):
+            raise ValueError(f"mode must be 'direct' or 'packed', got {mode=}")
+        _positive_or_none("max_batch_indices", max_batch_indices)
+        _positive_or_none("max_region_rows", max_region_rows, minimum=0)
         num_layers = check_int("num_layers", num_layers, minimum=1)
         lens = tuple(check_int(f"item_lens[{k}]", v, minimum=1) for k, v in enumerate(item_lens))
         if len(lens) != num_layers:
@@ -429,8 +434,9 @@ class TransferSchedule:
             tables[k] = np.asarray(t)
             rows_from_page_table(_EMPTY, tables[k], d.page_size, name=f"dst_page_tables[{k}]")
         units = tuple(
-            _plan(c, a, b, src_spec_layout, d, src_table, t, mode, max_batch_indices, max_region_rows, False)
-            for c, (a, b) in enumerate(chunks) for d, t in zip(dst_layouts, tables))
+            _plan(c, a, b, src_spec_layout, d, src_table, t, mode, max_batch_indices, max_region_rows, False,
+                  ("src_page_table", f"dst_page_tables[{k}]"))
+            for c, (a, b) in enumerate(chunks) for k, (d, t) in enumerate(zip(dst_layouts, tables)))
         return cls(units, num_layers, lens, mode, engine_window)
 
     def _unit_counts(self, u: RankChunk) -> ScheduleCounts:

@@ -11,14 +11,19 @@ from rich.console import Console
 from dcp_jax.cost import (
     CostConfig,
     cost_report,
+    cost_schedules,
     cost_summary,
     job_page_tables,
+    page_tables,
     plan_command,
     plot_descriptors_vs_prompt,
+    region_rows,
     render_cost_table,
 )
+from dcp_jax.kv_data import DECODE_SIDE, PREFILL_SIDE, draw_page_table, pool_pages_for
 from dcp_jax.layout import local_len_np
 from dcp_jax.packing import rows_per_region
+from dcp_jax.plan import build_mxn_transfer_plans, group_runs
 
 DSV3 = dict(num_layers=61, item_lens=(1152,) * 61)
 
@@ -114,21 +119,16 @@ def test_equal_layouts_block_rr_direct_moves_whole_pages():
         assert r["rows"] == 640 and r["descriptors"] <= 5 * 10 and r["engine_calls"] == 1
 
 
-def test_job_page_tables_are_the_jobs_and_shuffled():
-    from dcp_jax.kv_data import draw_page_table
-    from dcp_jax.transfer_job import JobConfig, _prefill_page_table, decode_page_table, decode_pool_pages
-
+def test_job_page_tables_are_drawn_like_the_job_and_shuffled():
     cfg = CostConfig(num_layers=1, item_lens=(4,), prompt_tokens=1600, decode_prefix_len=64, page_size=16,
                      prefill_dcp_size=2, dcp_size=4, interleave_size=2, seed=11)
     src, dst = job_page_tables(cfg)
-    job = JobConfig(model="tiny", prompt_tokens=1600, prefix_tokens=64, page_size=16, prefill_dcp_size=2,
-                    dcp_size=4, interleave_size=2, seed=11)
-    pool = decode_pool_pages(job)
-    for k in range(2):
-        np.testing.assert_array_equal(src[k], _prefill_page_table(job, k)[2])
+    for k in range(2):  # 768 send rows, 48 pages, each prefill rank its own pool
+        np.testing.assert_array_equal(src[k], draw_page_table(768, 16, pool_pages_for(48, 1.25), 11, PREFILL_SIDE, k))
         assert src[k].size == 1536 // 2 // 16
+    pool = pool_pages_for(24, 1.25)  # the largest decode share: 384 rows
     for r in range(4):
-        np.testing.assert_array_equal(dst[r], decode_page_table(job, r, 4, pool))
+        np.testing.assert_array_equal(dst[r], draw_page_table(384, 16, pool, 11, DECODE_SIDE, r, 0))
         assert dst[r].size == 1536 // 4 // 16 and np.unique(dst[r]).size == dst[r].size
         assert dst[r].max() < pool and dst[r].tolist() != sorted(dst[r].tolist())
     # Another seed, other tables; the same seed, the same tables.
@@ -141,6 +141,102 @@ def test_job_page_tables_are_the_jobs_and_shuffled():
         draw_page_table(100, 16, 6, 0, 1, 0)
     with pytest.raises(ValueError, match="pool_slack"):
         CostConfig(num_layers=1, item_lens=(4,), prompt_tokens=64, pool_slack=0.5)
+
+
+def test_job_page_tables_match_the_demo_job_while_it_exists():
+    try:
+        from dcp_jax.transfer_job import JobConfig, request_page_tables
+    except ImportError:
+        pytest.skip("dcp_jax.transfer_job (the demo job) is not there")
+    cfg = CostConfig(num_layers=1, item_lens=(4,), prompt_tokens=1600, decode_prefix_len=64, page_size=16,
+                     prefill_dcp_size=2, dcp_size=4, interleave_size=2, seed=11)
+    job = JobConfig(model="tiny", prompt_tokens=1600, prefix_tokens=64, page_size=16, prefill_dcp_size=2,
+                    dcp_size=4, interleave_size=2, seed=11)
+    for ours, theirs in zip(job_page_tables(cfg), request_page_tables(job)):
+        for a, b in zip(ours, theirs):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_page_tables_count_from_token_zero():
+    cfg = CostConfig(num_layers=1, item_lens=(4,), prompt_tokens=1600, decode_prefix_len=128, page_size=16,
+                     prefill_dcp_size=2, dcp_size=4, interleave_size=2, seed=3)
+    (js, jd), (ps, pd) = job_page_tables(cfg), page_tables(cfg)
+    drawn = {int(x) for t in (*js, *jd) for x in t}
+    for job_t, full, prefix_rows in [(js[k], ps[k], 64) for k in range(2)] + [(jd[d], pd[d], 32) for d in range(4)]:
+        k = prefix_rows // 16  # the prefix's pages come first, with ids the draw never gives
+        assert full.size == k + job_t.size and not drawn & set(full[:k].tolist())
+        np.testing.assert_array_equal(full[k:], job_t)
+    # M = 3, I_p = 2, prefix 512: prefill rank 0 holds 172 prefix rows (not whole pages of 16):
+    # its table is drawn for all its rows from token 0.
+    odd = CostConfig(num_layers=1, item_lens=(4,), prompt_tokens=3000, decode_prefix_len=512, page_size=16,
+                     prefill_dcp_size=3, prefill_interleave_size=2, dcp_size=4, interleave_size=32, seed=7)
+    src, _ = page_tables(odd)
+    assert [int(local_len_np(512, 3, k, 2)) for k in range(3)] == [172, 170, 170]
+    rows0 = int(local_len_np(3000, 3, 0, 2))
+    np.testing.assert_array_equal(src[0], draw_page_table(rows0, 16, pool_pages_for(-(-rows0 // 16), 1.25), 7,
+                                                          PREFILL_SIDE, 0))
+
+
+def test_counts_equal_the_old_planner_on_the_jobs_tables():
+    """The schedule (section-10 tables) and plan.build_mxn_transfer_plans (send-range tables)
+    are two codes of one plan: with a prefix, M > 1 and chunks they count the same descriptors."""
+    cfg = CostConfig(num_layers=3, item_lens=(8, 8, 4), prompt_tokens=5000, decode_prefix_len=512, chunk_tokens=1000,
+                     page_size=16, prefill_dcp_size=2, prefill_interleave_size=16, dcp_size=4, interleave_size=4,
+                     seed=3)
+    rows = _by(cost_report(cfg), "direct")
+    src, dst = job_page_tables(cfg)
+    want = [0] * 4
+    for start, num in cfg.chunks():
+        plans = build_mxn_transfer_plans(src, dst, page_size=16, prefill_dcp_size=2, prefill_interleave_size=16,
+                                         dcp_size=4, interleave_size=4, decode_prefix_len=512, chunk_start=start,
+                                         num_kv_tokens=num)
+        for (_, d), p in plans.items():
+            want[d] += 3 * group_runs(p.src_token_indices, p.dst_token_indices).shape[0]
+    assert [r["descriptors"] for r in rows] == want
+
+
+def test_explicit_page_tables_and_one_counting_model():
+    cfg = CostConfig(num_layers=2, item_lens=(8, 4), prompt_tokens=512, page_size=8, prefill_dcp_size=2,
+                     dcp_size=4, chunk_tokens=128)
+    src, dst = page_tables(cfg)
+    assert cost_report(cfg, src_page_tables=src, dst_page_tables=dst) == cost_report(cfg)
+    # Contiguous destination pages: packed runs are whole tables, fewer descriptors than drawn ones.
+    flat = cost_report(cfg, src_page_tables=src, dst_page_tables=[np.arange(16) + 16 * d for d in range(4)],
+                       modes=("packed",))
+    assert sum(r["descriptors"] for r in flat) < sum(r["descriptors"] for r in _by(cost_report(cfg), "packed"))
+    # The rows are the schedules' per-rank counts, summed over prefill ranks: no second model.
+    scheds = cost_schedules(cfg, engine_window=3)
+    moon = cost_report(cfg, engine_window=3)
+    for r in moon:
+        per = [s.per_rank[r["dst_rank"]] for s in scheds[r["mode"]]]
+        assert r["descriptors"] == sum(c.descriptors for c in per)
+        assert r["engine_calls"] == sum(c.engine_calls for c in per)
+        # Prefill rank s (odd/even tokens) sends nothing to decode ranks of the other parity:
+        # 4 empty (chunk, source) units per rank, one notification-only call each on Mooncake.
+        assert sum(c.empty_units for c in per) == 4 and r["notifications"] == r["batches"] + 4
+        assert r["engine_calls"] == sum(-(-d // 3) + 1 for s in scheds[r["mode"]] for u in s.units
+                                        if u.dst_rank == r["dst_rank"] and u.strategy != "empty"
+                                        for d in u.descriptors_per_window(2)) + 4
+    nixl = cost_report(cfg)
+    assert all(r["engine_calls"] == r["batches"] == 4 for r in nixl)  # NIXL: one per batch, none per empty unit
+    with pytest.raises(ValueError, match="dst_page_tables"):
+        cost_report(cfg, src_page_tables=src, dst_page_tables=dst[:3])
+    with pytest.raises(ValueError, match="together"):
+        cost_report(cfg, src_page_tables=src)
+    with pytest.raises(ValueError, match=r"dst_page_tables\[0\] is too short"):
+        cost_report(cfg, src_page_tables=src, dst_page_tables=[t[:2] for t in dst])
+    with pytest.raises(ValueError, match="prefill_rank"):
+        region_rows(cfg, 2)
+
+
+def test_cost_does_not_import_the_demo_job():
+    import ast
+    import dcp_jax.cost as cost
+
+    tree = ast.parse(open(cost.__file__).read())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not any("transfer_job" in (m or "") for m in names)
 
 
 def test_render_table_and_plan_command():

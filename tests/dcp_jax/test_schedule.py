@@ -303,6 +303,8 @@ def test_packed_windows_follow_batch_and_region_limits(caplog):
     (dict(chunks=[(4, 2)]), ValueError, "stop"),
     (dict(dst_page_tables=[[0]] * 3), ValueError, "dst_page_tables"),
     (dict(dst_page_tables=[[0, -1]] * 4), ValueError, r"dst_page_tables\[0\]"),
+    (dict(dst_page_tables=[range(4), range(4), [0], range(4)]), ValueError,
+     r"dst_page_tables\[2\] is too short: 2 pages of 4 tokens are required"),
     (dict(src_page_table=[0, 0]), ValueError, "src_page_table"),
     (dict(dst_layouts=[SideLayout(4, 0, 1, 4)] * 4), ValueError, "dst_layouts"),
     (dict(item_lens=[4, 4]), ValueError, "item_lens"),
@@ -314,3 +316,11 @@ def test_packed_windows_follow_batch_and_region_limits(caplog):
 def test_build_errors(kw, exc, match):
     with pytest.raises(exc, match=match):
         _build(**kw)
+    if "mode" in kw or "max_" in str(kw) or "engine" in str(kw):  # checked without any chunk, too
+        with pytest.raises(exc, match=match):
+            _build(**{**kw, "chunks": []})
+
+
+def test_empty_schedule():
+    s = _build(chunks=[])
+    assert s.units == () and s.per_rank == {} and s.total.descriptors == 0 and "units=0" in repr(s)
