@@ -2,7 +2,8 @@
 
 A `TransferHandle` is what `TransferEngine.transfer_batch` returns. Behind it each adapter keeps
 a `Job`: one unit of work (post a NIXL transfer, submit a batch's Mooncake windows) run by a
-`Worker`, a daemon thread with a FIFO queue. Workers are daemons on purpose: a thread stuck inside
+`Worker`, a daemon thread with a FIFO queue; a `Poller` thread follows work the engine finishes
+on its own (a posted NIXL transfer). Both are daemons on purpose: a thread stuck inside
 an engine (a window blocked on a dead peer) must not keep the interpreter from exiting, and
 `TransferEngine.close` must be able to return without joining it.
 """
@@ -18,7 +19,7 @@ from typing import Any
 
 from bridge.errors import TransferError
 
-__all__ = ["EngineCounters", "TransferHandle", "Job", "Worker", "OPS"]
+__all__ = ["EngineCounters", "TransferHandle", "Job", "Worker", "Poller", "OPS"]
 
 #: Transfer directions: "WRITE" moves local -> remote, "READ" remote -> local.
 OPS = ("WRITE", "READ")
@@ -234,6 +235,89 @@ class Worker:
             for job in self._queue:
                 job.cancel(reason)
             self._cv.notify()
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Waits for the thread to end after `stop`; True when it has (or never started)."""
+        t = self._thread
+        if t is None:
+            return True
+        t.join(timeout_s)
+        return not t.is_alive()
+
+
+class Poller:
+    """A daemon thread calling ``poll(item)`` for every added item until it returns True.
+
+    Between rounds it sleeps with a backoff (`first_s` doubling up to `max_s` seconds) that
+    restarts whenever an item finished; with nothing to poll it waits for `add`. ``poll`` must
+    not raise (an exception counts as finished).
+    """
+
+    def __init__(self, name: str, poll: Callable[[Any], bool], *, first_s: float = 2e-5, max_s: float = 2e-3):
+        self.name, self._poll, self._first_s, self._max_s = name, poll, first_s, max_s
+        self._items: list[Any] = []
+        self._cv = threading.Condition(threading.Lock())
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def add(self, item: Any) -> None:
+        """Starts polling item (and the thread, on first use)."""
+        with self._cv:
+            self._items.append(item)
+            if self._thread is None and not self._stopped:
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    @property
+    def pending(self) -> int:
+        """Items not finished yet."""
+        return len(self._items)
+
+    def _loop(self) -> None:
+        pause = self._first_s
+        while True:
+            with self._cv:
+                while not self._items and not self._stopped:
+                    self._cv.wait()
+                    pause = self._first_s
+                if self._stopped:
+                    return
+                batch = list(self._items)
+            done = []
+            for item in batch:
+                try:
+                    if self._poll(item):
+                        done.append(item)
+                except Exception:  # noqa: BLE001 - documented: counts as finished
+                    done.append(item)
+            with self._cv:
+                for item in done:
+                    self._items.remove(item)
+                if not self._items:
+                    self._cv.notify_all()  # `drain` waiters
+            if done:
+                pause = self._first_s
+            else:
+                time.sleep(pause)
+                pause = min(pause * 2, self._max_s)
+
+    def drain(self, timeout_s: float) -> bool:
+        """Waits until every item finished; True if so within timeout_s seconds."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while self._items:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._thread is None:
+                    return False
+                self._cv.wait(min(left, 0.1))
+            return True
+
+    def stop(self) -> None:
+        """Ends the thread after its current round (unfinished items are abandoned)."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
 
     def join(self, timeout_s: float | None = None) -> bool:
         """Waits for the thread to end after `stop`; True when it has (or never started)."""

@@ -1,25 +1,24 @@
 """NIXL adapter (UCX backend): one agent per process, out-of-band metadata, one transfer per batch.
 
-Call sequence per batch: ``get_xfer_descs`` for both sides, ``initialize_xfer(op, ...)`` ("WRITE"
-local -> remote, or "READ" remote -> local) with the notification, ``transfer``, then `check`
-polls ``check_xfer_state`` and releases the NIXL handle at DONE or ERR. ``transfer`` itself posts
-every descriptor before it returns (measured: 400k small descriptors keep it busy ~4 s over CMA,
-while the GIL is released), so by default the posting runs on one background worker thread per
-engine (`bridge.handles.Worker`) and `transfer_batch` returns at once: packing the next chunk
-overlaps the transfer of this one. Engine-side refusals (unknown registrations, a disconnected
-peer) therefore surface in `check` / `wait`. NIXL's typed exceptions (``nixlNotFoundError``,
-``nixlRemoteDisconnectError``, ...) and its "ERR" status become `TransferError` here.
+Per batch: ``get_xfer_descs`` for both sides, ``initialize_xfer(op, ...)`` ("WRITE" local ->
+remote, "READ" remote -> local) with the notification, ``transfer``. ``transfer`` posts every
+descriptor before it returns (400k small descriptors keep it busy ~4 s over CMA, GIL released),
+so the posting runs on a background worker thread (`bridge.handles.Worker`) and `transfer_batch`
+returns at once. A transfer DONE at posting is released by the worker; one still moving goes to a
+poller thread (`bridge.handles.Poller`) that follows ``check_xfer_state`` to DONE or ERR and
+releases it. `check` never calls into NIXL: it reads what those threads recorded (a status
+check or release from the caller's thread was measured waiting 0.5-3 s on a loaded machine
+behind a big posting). NIXL's typed exceptions (``nixlNotFoundError``,
+``nixlRemoteDisconnectError``, ...) and its "ERR" status become `TransferError` in `check`/`wait`.
 
-Locking: with a worker the agent is created with ``NIXL_THREAD_SYNC_RW``. Posting and status
-checks then take NIXL's lock shared, so `check` does not wait for a long posting (under
-``NIXL_THREAD_SYNC_STRICT`` measured: ``check_xfer_state`` blocked 1-2.4 s behind a 300k-descriptor
-posting). Calls that take it exclusively (register, deregister, metadata, peers, notifications)
-wait for a posting in progress. So that `notifications` never does, it skips the agent while the
-worker is inside a posting (those notifications show up at the next poll), and peer changes run
-on the worker, in order with the postings: `add_peer` waits for the worker, `remove_peer` does not.
-NIXL is told to forget a removed peer only once that peer's posted transfers have ended (`check`
-reported them): removed at once, NIXL answers NOT_FOUND for them while UCX may still be moving
-their bytes, and `check` would hand back memory that is still in use.
+Locking: with a worker the agent uses ``NIXL_THREAD_SYNC_RW``: posting and status checks share
+NIXL's lock (under ``NIXL_THREAD_SYNC_STRICT`` a status check waited 1-6 s for a 200-300k
+descriptor posting). Exclusive calls (register, deregister, metadata, peers, notifications)
+wait for a posting in progress; `notifications` therefore skips the agent while the worker
+posts (the worker collects them after each posting), and peer changes run on the worker in order
+with the postings (`add_peer` waits for it, `remove_peer` does not). NIXL forgets a removed peer
+only once that peer's posted transfers have ended: removed at once, NIXL answers NOT_FOUND for them
+while UCX may still be moving their bytes, and `check` would hand back memory still in use.
 
 Stale metadata: NIXL keeps a peer's old registrations after the peer deregisters, and a WRITE
 into them still succeeds. `add_peer` with a refreshed `PeerInfo` therefore drops and reloads the
@@ -45,7 +44,7 @@ from bridge.base import (
     TransferError,
     TransferHandle,
 )
-from bridge.handles import Job, Worker
+from bridge.handles import Job, Poller, Worker
 
 __all__ = ["NixlEngine", "nixl_available"]
 
@@ -143,6 +142,7 @@ class NixlEngine(TransferEngine):
         self._reg_dlists: dict[MemoryRegion, object] = {}
         self._jobs: dict[int, Job] = {}  # handle.seq -> its posting; result (xfer or None, state)
         self._worker = Worker(f"nixl-{name}", inline=not async_submit)
+        self._poller = Poller(f"nixl-poll-{name}", self._poll_posted)  # follows posted transfers
         # Held by the worker while it is inside a posting: `notifications` skips the agent then.
         self._posting = threading.Lock()
         self._stash: list[dict] = []  # notifications the worker collected after its postings
@@ -267,12 +267,32 @@ class NixlEngine(TransferEngine):
             self._jobs.pop(handle.seq, None)
             raise
 
-    def _post_job(self, job: Job, handle, descs, local_mem, remote_mem, peer: str):
+    def _post_job(self, job: Job, handle, descs, local_mem, remote_mem, peer: str) -> _Posted:
+        """Worker thread: posts the batch; a transfer done at once is released here, one still
+        moving goes to the poller. `check` itself never calls into NIXL."""
         with self._posting:
             try:
-                return self._post(handle, descs, local_mem, remote_mem, peer)
+                xfer, state = self._post(handle, descs, local_mem, remote_mem, peer)
             finally:  # collect notifications here too, so back-to-back postings never starve them
                 self._stash_notifs()
+        rec = _Posted(xfer)
+        if state == "PROC":
+            self._poller.add(rec)
+        else:
+            rec.finish(state)
+        return rec
+
+    def _poll_posted(self, rec: _Posted) -> bool:
+        """Poller thread: True (and the NIXL handle released) once the transfer is DONE or ERR."""
+        try:
+            state = self._agent.check_xfer_state(rec.xfer)
+            message = f"check_xfer_state: {state}"
+        except Exception as exc:  # noqa: BLE001 - NIXL's typed errors: a failed transfer
+            state, message = "ERR", _engine_msg(exc)
+        if state == "PROC":
+            return False
+        rec.finish(state, message)
+        return True
 
     def _stash_notifs(self) -> None:
         try:
@@ -330,29 +350,22 @@ class NixlEngine(TransferEngine):
             if isinstance(job.error, TransferError):
                 raise job.error
             raise handle.error(TransferError, f"NIXL {handle.op} failed", _engine_msg(job.error))
-        xfer, state = job.result
-        if state == "PROC":
-            try:
-                state = self._agent.check_xfer_state(xfer)
-            except _NIXL_ERRORS as exc:
-                self._forget(handle)
-                _release(xfer)
-                raise handle.error(TransferError, f"NIXL reported a failed {handle.op}", _engine_msg(exc)) from exc
-            if state == "PROC":
-                return False
+        rec: _Posted = job.result
+        if not rec.final.is_set():
+            return False  # posted, still moving (the poller follows it)
         self._forget(handle)
-        if xfer is not None:
-            _release(xfer)
-        if state != "DONE":
-            raise handle.error(TransferError, f"NIXL reported a failed {handle.op}", f"check_xfer_state: {state}")
+        if rec.state != "DONE":
+            raise handle.error(TransferError, f"NIXL reported a failed {handle.op}", rec.message)
         return True
 
     def _engine_block(self, handle: TransferHandle, max_s: float) -> None:
         job = self._jobs.get(handle.seq)
-        if job is not None and not job.done.is_set():
-            job.done.wait(max_s)  # wakes when the posting ends
-        else:
+        if job is None:
             time.sleep(max_s)
+        elif not job.done.is_set():
+            job.done.wait(max_s)  # wakes when the posting ends
+        elif isinstance(job.result, _Posted):
+            job.result.final.wait(max_s)  # wakes when the poller saw DONE / ERR
 
     def _engine_cancel(self, handle: TransferHandle) -> None:
         job = self._jobs.get(handle.seq)
@@ -360,10 +373,11 @@ class NixlEngine(TransferEngine):
             job.cancel("cancelled by the caller")
 
     def _engine_abort(self, handle: TransferHandle) -> None:
+        # A queued posting is dropped; a posted transfer is still followed (and released) by the
+        # poller, so its NIXL handle is freed once UCX is done with the memory.
         job = self._forget(handle)
         if job is not None:
             job.cancel("abandoned after a timeout")
-            job.add_done_callback(_release_result)  # now, or when the posting ends
 
     def _engine_poll_notifs(self) -> dict[str, list[bytes]]:
         batches = []
@@ -387,23 +401,18 @@ class NixlEngine(TransferEngine):
             job.cancel("engine closed")
         self._worker.stop("engine closed")
         self._worker.join()  # no thread may be inside the agent when it is destroyed
-        agent = self._agent
         # Posted transfers still moving: let them reach DONE or ERR before releasing anything.
-        xfers = [j.result[0] for j in jobs if j.done.is_set() and j.error is None and not j.dropped
-                 and j.result[0] is not None]
-        deadline = time.monotonic() + CLOSE_LINGER_S
-        for xfer in xfers:
-            while _state(agent, xfer) == "PROC":
-                if time.monotonic() >= deadline:
-                    _log.warning("NIXL agent %r: transfers still in progress %.0f s after close; the agent "
-                                 "is kept alive", self.name, CLOSE_LINGER_S)
-                    _LEAKED_AGENTS.append(agent)
-                    return
-                time.sleep(1e-3)
-            _release(xfer)
+        if not self._poller.drain(CLOSE_LINGER_S):
+            _log.warning("NIXL agent %r: %d transfer(s) still in progress %.0f s after close; the agent is "
+                         "kept alive", self.name, self._poller.pending, CLOSE_LINGER_S)
+            _LEAKED_AGENTS.append(self._agent)
+            self._poller.stop()
+            return
+        self._poller.stop()
+        self._poller.join()
         for info in peers:
             try:
-                agent.remove_remote_agent(info.name)
+                self._agent.remove_remote_agent(info.name)
             except Exception:  # noqa: BLE001 - closing: best effort
                 pass
         for r in list(self._reg_dlists):
@@ -414,11 +423,23 @@ class NixlEngine(TransferEngine):
         self._agent = None
 
 
-def _state(agent, xfer) -> str:
-    try:
-        return agent.check_xfer_state(xfer)
-    except Exception:  # noqa: BLE001 - a failed transfer is finished as far as close is concerned
-        return "ERR"
+class _Posted:
+    """A posted transfer: its NIXL handle until DONE / ERR, then the final state (released)."""
+
+    __slots__ = ("xfer", "state", "message", "final")
+
+    def __init__(self, xfer):
+        self.xfer = xfer
+        self.state = "PROC"
+        self.message = ""
+        self.final = threading.Event()
+
+    def finish(self, state: str, message: str = "") -> None:
+        if self.xfer is not None:
+            _release(self.xfer)
+            self.xfer = None
+        self.state, self.message = state, message
+        self.final.set()
 
 
 def _release(xfer) -> None:
@@ -429,8 +450,3 @@ def _release(xfer) -> None:
     except Exception:  # noqa: BLE001
         pass
 
-
-def _release_result(job: Job) -> None:
-    """Done-callback of an abandoned posting: releases its NIXL handle, if it made one."""
-    if not job.dropped and job.error is None and job.result[0] is not None:
-        _release(job.result[0])

@@ -35,6 +35,18 @@ def _finish(eng, h, timeout_s: float = 25.0):
     raise AssertionError(f"{h!r} did not finish within {timeout_s} s")
 
 
+def _wait_started(p, h, timeout_s: float = 20.0) -> None:
+    """Until the engine works on h (white box): NIXL's worker is posting it, or Mooncake has
+    submitted a window of it (counters reset by `fill`)."""
+    deadline = time.monotonic() + timeout_s
+    job = p.ini._jobs[h.seq]
+    while not job.done.is_set():
+        if (p.ini._posting.locked() if p.kind == "nixl" else p.ini.counters.engine_calls > 0):
+            return
+        assert time.monotonic() < deadline, "batch never started"
+        time.sleep(1e-3)
+
+
 def _assert_follow_up_lands(p) -> None:
     p.dst[:] = 0
     descs, s_rows, d_rows = pw.scattered_descs(p.src.ctypes.data, p.dst.ctypes.data, 128, pw.ITEM, seed=5)
@@ -53,7 +65,7 @@ def test_check_does_not_block_while_a_big_batch_is_posted(two_connected_engines)
     big = p.ini.transfer_batch(p.peer, _many_small(p, _BIG[p.kind], seed=2))  # touches the engine
     t0 = time.monotonic()
     time.sleep(0.3)  # into the big posting (building its descriptor lists takes ~0.1 s)
-    lat, small_done, big_done, pending = [], None, None, 0
+    lat, small_done, big_done, pending, slowest = [], None, None, 0, ("", 0.0, 0.0)
     while big_done is None:
         for h in (small, big):
             if h.released:
@@ -61,6 +73,8 @@ def test_check_does_not_block_while_a_big_batch_is_posted(two_connected_engines)
             t = time.perf_counter()
             done = p.ini.check(h)
             lat.append(time.perf_counter() - t)
+            if lat[-1] > slowest[2]:
+                slowest = ("check(small)" if h is small else "check(big)", time.monotonic() - t0, lat[-1])
             if done:
                 if h is small:
                     small_done = time.monotonic() - t0
@@ -71,12 +85,14 @@ def test_check_does_not_block_while_a_big_batch_is_posted(two_connected_engines)
         t = time.perf_counter()
         p.ini.notifications()
         lat.append(time.perf_counter() - t)
+        if lat[-1] > slowest[2]:
+            slowest = ("notifications()", time.monotonic() - t0, lat[-1])
         time.sleep(1e-3)
         assert time.monotonic() - t0 < 50, "big batch never completed"
     lat = np.array(lat)
     print(f"{p.kind}: {len(lat)} calls, median {np.median(lat) * 1e6:.0f} us, p99 "
           f"{np.quantile(lat, 0.99) * 1e3:.2f} ms, max {lat.max() * 1e3:.1f} ms; small done at "
-          f"{small_done:.3f} s, big at {big_done:.2f} s")
+          f"{small_done:.3f} s, big at {big_done:.2f} s; slowest: {slowest[0]} at {slowest[1]:.2f} s")
     assert pending >= 3, "the big batch was not in flight long enough to test anything"
     assert small_done is not None and small_done < big_done - 0.1
     # A blocking call would wait for the rest of the posting (seconds; NIXL under
@@ -97,7 +113,7 @@ def test_cancel_then_check_until_done(two_connected_engines):
     n = _BIG[p.kind]
     running = p.ini.transfer_batch(p.peer, _many_small(p, n, seed=3), dcp_rank=1, chunk=2)
     queued = p.ini.transfer_batch(p.peer, _many_small(p, 512, seed=4), chunk=3)
-    time.sleep(0.05)
+    _wait_started(p, running)
     t0 = time.monotonic()
     p.ini.cancel(running)
     p.ini.cancel(queued)
@@ -127,6 +143,7 @@ def test_wait_after_cancel_reports_the_end(two_connected_engines):
     p.fill(seed=73)
     running = p.ini.transfer_batch(p.peer, _many_small(p, _BIG[p.kind] // 2, seed=5))
     queued = p.ini.transfer_batch(p.peer, _many_small(p, 64, seed=6))
+    _wait_started(p, running)
     p.ini.cancel(queued)
     p.ini.cancel(running)
     with pytest.raises(TransferError, match="cancelled"):
