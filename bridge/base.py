@@ -225,7 +225,9 @@ class TransferEngine(EngineCore):
         return handle
 
     def check(self, handle: TransferHandle) -> bool:
-        """Polls a batch without blocking (no engine wait: microseconds, at worst a few ms of GIL).
+        """Polls a batch without blocking: it never calls into the engine library, only reads what
+        the adapter's background threads recorded (measured: median ~10 us, max ~0.1 ms while a
+        200k-descriptor NIXL posting was in flight; only the GIL or the OS can delay it).
 
         Args:
             handle: from `transfer_batch` of this engine, not yet released.
