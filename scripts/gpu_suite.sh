@@ -4,7 +4,8 @@
 #
 #   scripts/gpu_suite.sh            # results under ${OUT:-out/gpu}
 #
-# Installs NIXL's CUDA wheel from .whl/ if present (nixl_cu13-*.whl, no network needed), then runs:
+# Installs NIXL's CUDA build from .whl/ if present (nixl_cu13_site.tgz, a trimmed unpacked wheel, or
+# nixl_cu13-*.whl; no network needed), then runs:
 # the GPU tests (kernels, DLPack/CuPy in place, the main job on device memory through NIXL), the
 # merge benchmark, the PyTorch cross-check, and the main job on the GPU (deepseek-v3, 32,768 tokens,
 # DCP1 -> DCP8, both modes). Every step runs under a time limit (about 8 minutes in all); a failing
@@ -39,8 +40,15 @@ step() {
 # --- NIXL (CUDA 13 build) from a local wheel ------------------------------------------------------
 shopt -s nullglob
 WHEELS=(.whl/nixl_cu13-*.whl)
+SITES=(.whl/nixl_cu13_site.tgz)
 shopt -u nullglob
-if (( ${#WHEELS[@]} )); then
+if (( ${#SITES[@]} )); then
+    # A trimmed site folder (nixl_cu13 + its libs, no nixl_ep, no headers): fits the device's carry.
+    t=$(date +%s)
+    mkdir -p "$SITE" && tar xzf "${SITES[0]}" -C "$SITE"
+    record nixl_install $? $(( $(date +%s) - t ))
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+elif (( ${#WHEELS[@]} )); then
     t=$(date +%s)
     echo "=== [nixl_install] ${WHEELS[0]} -> $SITE"
     "$PY" -m pip install -q --no-index --no-deps --upgrade --target "$SITE" "${WHEELS[0]}" 2>&1 \
@@ -50,7 +58,17 @@ if (( ${#WHEELS[@]} )); then
 else
     echo "=== no .whl/nixl_cu13-*.whl: NIXL tests will be skipped unless NIXL is installed"
 fi
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# The connector's control plane (pyzmq, msgpack) from local wheels when the image lacks them.
+for pkg in zmq msgpack; do
+    if ! "$PY" -c "import $pkg" 2>/dev/null; then
+        shopt -s nullglob
+        whl=(.whl/py"$pkg"-*.whl .whl/"$pkg"-*.whl)
+        shopt -u nullglob
+        (( ${#whl[@]} )) && "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "${whl[0]}" 2>&1 \
+            | grep -v -i "warning: running pip as"
+    fi
+done
+export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false UCX_LOG_LEVEL=fatal
 export DCP_GPU_OUT="$OUT"  # tests write their tables here
 
