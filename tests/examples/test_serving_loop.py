@@ -11,14 +11,16 @@ import pytest
 from bridge import available_engines
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serving_loop.py"
-ENGINES = available_engines()
-# nixl with push (the default), mooncake with pull: both engines and both directions, two runs.
-CASES = [c for c in (("nixl", "push"), ("mooncake", "pull")) if c[0] in ENGINES]
+# The command a user runs first (NIXL, push); Mooncake only where NIXL is missing. The other
+# engine and direction run the same code paths, covered by tests/transfer (one run here keeps
+# this test near 20-40 s on 2 cores).
+ENGINE = "nixl" if "nixl" in available_engines() else "mooncake"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine,direction", CASES)
-def test_example_runs_and_every_row_arrives(engine, direction):
+@pytest.mark.skipif(not available_engines(), reason="neither NIXL nor Mooncake imports here")
+def test_example_runs_and_every_row_arrives():
+    engine, direction = ENGINE, "push"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user has
     proc = subprocess.run([sys.executable, str(EXAMPLE), "--engine", engine, "--direction", direction],
                           capture_output=True, text=True, timeout=240, env=env, cwd=EXAMPLE.parents[1])
