@@ -11,6 +11,9 @@ layer entry into a contiguous, registered pack region, layer-major (spec section
   wait, repeat); when not even one row fits, the caller falls back to per-row descriptors
   straight from the KV buffers, with a logged warning (:func:`choose_pack_strategy`).
 
+:func:`pack_bytes` (``num_rows * sum(item_len)``) is the one pack-size formula: the buffer and
+region sizes here and the window sizes of ``dcp_jax.transfer.schedule`` go through it.
+
 All sizes are bytes, all counts rows (one token of one layer entry is one row). This module is
 numpy/Python only: it computes geometry, the gather itself lives in ``pallas_kernels``.
 """

@@ -210,15 +210,9 @@ class RankChunk:
     windows: tuple[tuple[int, int], ...]
     fallback: bool = False
 
-    @property
-    def num_rows(self) -> int:
-        """Rows (tokens) per layer entry."""
-        return int(self.src_rows.shape[0])
-
-    @property
-    def num_batches(self) -> int:
-        """Engine batches of descriptors: one per window, 0 for an empty unit."""
-        return 0 if self.strategy == "empty" else len(self.windows)
+    num_rows = property(lambda self: int(self.src_rows.shape[0]), doc="Rows (tokens) per layer entry.")
+    num_batches = property(lambda self: 0 if self.strategy == "empty" else len(self.windows),
+                           doc="Engine batches of descriptors: one per window, 0 for an empty unit.")
 
     @functools.cached_property
     def _runs(self) -> tuple[np.ndarray, ...]:
@@ -227,11 +221,6 @@ class RankChunk:
             src = np.arange(hi - lo, dtype=np.int64) if self.strategy == "packed" else self.src_rows[lo:hi]
             out.append(group_runs(src, self.dst_rows[lo:hi]))
         return tuple(out)
-
-    def window_rows(self, w: int) -> tuple[np.ndarray, np.ndarray]:
-        """``(src_rows, dst_rows)`` of window ``w`` (what a packed window gathers)."""
-        lo, hi = self.windows[w]
-        return self.src_rows[lo:hi], self.dst_rows[lo:hi]
 
     def descriptors_per_window(self, num_layers: int) -> list[int]:
         """Descriptors of each window: runs x ``num_layers``."""
@@ -440,10 +429,10 @@ class TransferSchedule:
         return cls(units, num_layers, lens, mode, engine_window)
 
     def _unit_counts(self, u: RankChunk) -> ScheduleCounts:
-        b = u.num_batches
+        b, n = u.num_batches, u.num_rows
         return ScheduleCounts(
-            rows=u.num_rows, bytes=pack_bytes(u.num_rows, self.item_lens), descriptors=u.num_descriptors(self.num_layers),
-            batches=b, notifications=b or 1, engine_calls=u.engine_calls(self.num_layers, self.engine_window),
+            rows=n, bytes=pack_bytes(n, self.item_lens), descriptors=u.num_descriptors(self.num_layers), batches=b,
+            notifications=b or 1, engine_calls=u.engine_calls(self.num_layers, self.engine_window),
             packs=b if u.strategy == "packed" else 0, fallbacks=b if u.fallback else 0,
             empty_units=int(u.strategy == "empty"))
 

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dcp_jax.layout import local_index_np
 from dcp_jax.transfer.schedule import (
     SideLayout,
     TransferSchedule,
@@ -192,7 +193,11 @@ def _check(c):
 def test_owned_tokens_is_the_filter_of_the_range(n, r, i, m, rs, ip, start, length):
     dst, src = SideLayout(n, r % n, i, 1), SideLayout(m, rs % m, ip, 1)
     ts = range(start, start + length)
-    assert owned_tokens(start, start + length, dst=dst).tolist() == [t for t in ts if (t // i) % n == r % n]
+    mine = owned_tokens(start, start + length, dst=dst)
+    assert mine.tolist() == [t for t in ts if (t // i) % n == r % n]
+    # The enumeration inverts local_index: the owned tokens' local indices are dense.
+    first = sum((t // i) % n == r % n for t in range(start))
+    assert local_index_np(mine, n, i).tolist() == list(range(first, first + mine.size))
     assert owned_tokens(start, start + length, dst=dst, src=src).tolist() == \
         [t for t in ts if (t // i) % n == r % n and (t // ip) % m == rs % m]
 
