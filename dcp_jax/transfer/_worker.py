@@ -13,7 +13,7 @@ import zmq
 
 from dcp_jax.transfer.control import zmq_context
 
-__all__ = ["Worker", "IDLE", "PENDING", "ACTIVE", "check_page_table", "check_seconds", "count_engine_calls"]
+__all__ = ["Worker", "IDLE", "PENDING", "ACTIVE", "check_page_table", "check_seconds"]
 
 logger = logging.getLogger(__name__)
 
@@ -171,12 +171,3 @@ def check_page_table(page_table: Any, rows: int, page_size: int, num_pages: int,
         if np.unique(used).size != used.size:
             raise ValueError(f"{name} repeats a page id")
     return a
-
-
-def count_engine_calls(engine: Any, num_descriptors: int) -> int:
-    """Engine calls of one batch with a notification: NIXL one per batch; Mooncake one per
-    ``engine.window`` descriptors, plus one for the notification."""
-    window = getattr(engine, "window", None)
-    if window is None:
-        return 1
-    return -(-num_descriptors // window) + 1

@@ -28,7 +28,7 @@ from dcp_jax.layout import check_layout_args, local_index_np, local_len_np, owne
 from dcp_jax.packing import choose_pack_strategy_for_rows, pack_bytes
 from dcp_jax.plan import build_descriptors, group_runs, packed_src_bases, rows_from_page_table
 
-__all__ = ["SideLayout", "owned_tokens", "token_rows", "chunk_rows", "RankChunk", "plan_rank_chunk",
+__all__ = ["SideLayout", "owned_tokens", "token_rows", "chunk_rows", "RankChunk", "plan_rank_chunk", "batch_engine_calls",
            "ScheduleCounts", "TransferSchedule"]
 
 Strategy = Literal["empty", "direct", "packed"]
@@ -270,17 +270,29 @@ class RankChunk:
         Mooncake (``engine_window=W``): ``ceil(descriptors / W)`` submissions per batch plus
         one notification call per batch; an empty unit costs one notification-only call.
         """
-        if engine_window is None:
-            return self.num_batches
-        w = check_int("engine_window", engine_window, minimum=1)
+        if engine_window is not None:
+            check_int("engine_window", engine_window, minimum=1)
         if self.strategy == "empty":
-            return 1
-        return sum(-(-d // w) + 1 for d in self.descriptors_per_window(num_layers))
+            return batch_engine_calls(0, engine_window)
+        return sum(batch_engine_calls(d, engine_window) for d in self.descriptors_per_window(num_layers))
 
     def __repr__(self) -> str:
         return (f"RankChunk(chunk={self.chunk}, tokens=[{self.start}, {self.stop}), dst_rank={self.dst_rank}, "
                 f"rows={self.num_rows:,}, strategy={self.strategy!r}{', fallback' if self.fallback else ''}, "
                 f"windows={len(self.windows)}, runs={sum(r.shape[0] for r in self._runs):,})")
+
+
+def batch_engine_calls(num_descriptors: int, engine_window: int | None = None) -> int:
+    """Engine calls of one batch that carries a notification (the one engine-call rule).
+
+    NIXL (``engine_window=None``): one transfer request per batch of descriptors, the
+    notification riding on it; a notification-only batch (0 descriptors) is a bare
+    ``send_notif``, counted as 0 calls. Mooncake (``engine_window=W``): ``ceil(n / W)``
+    submissions plus one notification write; a notification-only batch costs that one write.
+    """
+    if engine_window is None:
+        return 1 if num_descriptors else 0
+    return -(-num_descriptors // engine_window) + 1
 
 
 def _positive_or_none(name: str, v, minimum: int = 1) -> int | None:

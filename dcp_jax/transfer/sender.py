@@ -31,12 +31,12 @@ import numpy as np
 
 from bridge import PeerInfo, TransferError, make_engine
 from dcp_jax.transfer import protocol as proto
-from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, Worker, check_page_table, check_seconds, count_engine_calls
+from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, Worker, check_page_table, check_seconds
 from dcp_jax.transfer.arena import PackArena
 from dcp_jax.transfer.control import ControlServer
 from dcp_jax.transfer.memory import CacheLayers
 from dcp_jax.transfer.requests import RankTarget, SendRequest, check_request_id
-from dcp_jax.transfer.schedule import SideLayout, plan_rank_chunk
+from dcp_jax.transfer.schedule import SideLayout, batch_engine_calls, plan_rank_chunk
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
 from dcp_jax.transfer.status import TransferStatus
 from dcp_jax.layout import local_len_np
@@ -469,7 +469,7 @@ class KVSender:
             lo, hi = u.rc.windows[u.w]
             if u.rc.strategy == "packed" and hi > lo:
                 u.region = self._arena.acquire((u.req.rid, u.rc.chunk, u.target.conn.spec.dcp_rank, u.w),
-                                               (hi - lo) * self.spec.row_bytes)
+                                               u.rc.window_bytes(u.w, self._layers.item_lens))
                 if u.region is None:
                     break  # the arena is full: wait for a transfer to finish (FIFO keeps order)
             self._queue.popleft()
@@ -506,7 +506,7 @@ class KVSender:
             # The reader builds these very descriptors (same rows, same runs): count them here.
             ndesc = rc.descriptors_per_window(self.spec.num_layers)[u.w] if n else 0
             self._count(t, ndesc, rc.window_bytes(u.w, self._layers.item_lens) if n else 0,
-                        count_engine_calls(self.engine, ndesc) if n else 0)
+                        batch_engine_calls(ndesc, getattr(self.engine, "window", None)) if n else 0)
             self._ctl.send(t.conn.ident, proto.encode("pull_ready", req.rid, t.inc, lo=lo, src_addr=region_addr or 0,
                                                       src_rows=src_rows, **head))
             return
@@ -518,7 +518,7 @@ class KVSender:
         t.inflight += 1
         self._inflight.append(u)
         self._count(t, len(descs), int(descs[:, 2].sum()) if len(descs) else 0,
-                    count_engine_calls(self.engine, len(descs)))
+                    batch_engine_calls(len(descs), getattr(self.engine, "window", None)))
 
     def _count(self, t: RankTarget, descriptors: int, nbytes: int, calls: int) -> None:
         """Adds one batch to the rank's and the sender's counters (a notification-only batch
