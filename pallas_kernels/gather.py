@@ -328,8 +328,7 @@ def _copy_layers(jobs, out_ref, idx, rows, valid, *, evict, interleave, load_evi
 
 
 def _gather_kernel(
-    n_ref,  # i32[1]: rows to gather
-    off_ref,  # i32[1]: word offset of the region (traced: no recompile per offset)
+    meta_ref,  # i32[2]: rows to gather, region offset in units of offset_align words
     idx_ref,  # i32[block_rows]
     *refs,  # src refs (one stacked or L list entries), pack_in [P] (aliased), out [P]
     widths: tuple[int, ...],
@@ -339,6 +338,7 @@ def _gather_kernel(
     max_rows: int,
     pack_words: int,
     num_src_rows: int,
+    offset_align: int,
     align: tuple[int, ...],
     evict: str | None,
     layers_per_step: int = 1,
@@ -352,12 +352,15 @@ def _gather_kernel(
     src_refs, out_ref = refs[:-2], refs[-1]
     num_layers = len(widths)
     i = pl.program_id(1 if layers_fastest and schedule == "grid" else 0)
+    # The offset comes in units of `offset_align` words: a product with that constant lets
+    # Triton's alignment analysis prove it (wide stores); a hint on a sum with a loaded
+    # scalar can be lost, which cost 7 % on the 61-layer list form (H200).
+    offset = meta_ref[1] * offset_align
     # Clamped here, not in XLA around the call: the jitted function is the kernel alone.
     # n never takes the region past the pack (nor past word 2**31 - 1: indices are int32); a
     # negative offset writes nothing.
-    offset = off_ref[0]
     room = jax.lax.div(jnp.maximum(pack_words - offset, 0), sum(widths))
-    n = jnp.minimum(jnp.maximum(n_ref[0], 0), jnp.minimum(room, max_rows))
+    n = jnp.minimum(jnp.maximum(meta_ref[0], 0), jnp.minimum(room, max_rows))
     n = jnp.where(offset >= 0, n, 0)
     rows = i * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
     valid = rows < n
@@ -368,9 +371,8 @@ def _gather_kernel(
         prefix.append(prefix[-1] + w)
 
     def base_of(l):
-        # n * prefix[l] is divisible by prefix[l]'s power-of-2 factor, the offset by the
-        # promised `offset_align`: the hint keeps wide stores (Triton cannot see it through
-        # the loaded scalars).
+        # n * prefix[l] is divisible by prefix[l]'s power-of-2 factor, the offset by
+        # `offset_align`: the hint states what the products already show.
         return pl.multiple_of(offset + n * prefix[l], align[l])
 
     copy = functools.partial(_copy_layers, out_ref=out_ref, idx=idx, rows=rows, valid=valid,
@@ -486,12 +488,19 @@ def _rows_arg(num_rows, m: int):
 
 
 def _offset_arg(offset, offset_align: int, backend: str, itemsize: int):
-    """offset as an int32 scalar; a concrete one is checked against every rule."""
+    """The offset in units of `offset_align` words, an int32 scalar as the kernel takes it.
+
+    A concrete offset is checked against every rule (ValueError). A traced one that is not a
+    multiple of `offset_align` becomes -1: the kernel then writes nothing.
+    """
     if not _is_int(offset):
         if getattr(offset, "dtype", None) is None:  # bool, float, str, ...
             raise ValueError(f"{offset=} must be a non-negative int (words) or an int32 "
                              "scalar array")
-        return _i32_scalar(offset, "offset")
+        off = _i32_scalar(offset, "offset")
+        if offset_align == 1:
+            return off
+        return jnp.where(off % offset_align == 0, off // offset_align, -1)
     off = int(offset)
     if off < 0:
         raise ValueError(f"{offset=} must be a non-negative int (words)")
@@ -503,7 +512,7 @@ def _offset_arg(offset, offset_align: int, backend: str, itemsize: int):
     if backend == "mosaic" and (off * itemsize) % 16:
         raise ValueError(f"{offset=} words ({off * itemsize} bytes) must be a multiple of 16 "
                          "bytes for mosaic (bulk copies)")
-    return np.int32(off)
+    return np.int32(off // offset_align)
 
 
 # --------------------------------------------------------------------------- trace counter
@@ -589,15 +598,17 @@ def gather_rows(
             word 2**31 - 1.
         offset: word offset of this region inside `pack` (int or integer scalar array,
             traced). An int must be in [0, 2**31 - 1] (`MAX_WORD_OFFSET`) and a multiple of
-            `offset_align`; a traced one is not checked: a negative one writes nothing.
+            `offset_align`; a traced one is not checked, but a negative one, or one off
+            `offset_align`, writes nothing.
         config: `GatherConfig` tuning knobs (static). The dataclass defaults are the plain
             32-row kernel; `GatherConfig.default()` is the tuned one (`pack_rows` uses it).
         backend: "auto", "triton", "mosaic" or "interpret" (static; see module docstring).
             "mosaic" also needs the offset to be a multiple of 16 bytes.
-        offset_align: power of 2 in [1, 16] (static, words): the caller's promise that
-            `offset` is a multiple of it, passed to Triton as an alignment hint so stores of
-            the region stay vectorised. A traced offset that breaks the promise is undefined
-            on a GPU.
+        offset_align: power of 2 in [1, 16] (static, words) that `offset` is a multiple of.
+            The kernel takes the offset in these units, so Triton can prove the region's
+            alignment and keep 16-byte stores (4 words of uint32 are enough). With 1, the
+            61-layer list pack of 1152-B rows ran at 58 % of the speed on an H200.
+            `pack_rows` picks it from the offset (see `pallas_kernels.pack`).
 
     Returns:
         The pack (same shape and dtype), written in place when the input was donated.
@@ -617,39 +628,49 @@ def gather_rows(
     shape = getattr(indices, "shape", ())
     m = int(shape[0]) if len(shape) else 0
     n = _rows_arg(num_rows, m)
-    off = _offset_arg(offset, int(offset_align), backend, np.dtype(pack.dtype).itemsize)
-    return _gather_rows_jit(src, indices, pack, n, off, config=config, backend=backend,
+    units = _offset_arg(offset, int(offset_align), backend, np.dtype(pack.dtype).itemsize)
+    # Concrete values travel as one i32[2] (one host-to-device copy per call, as many as a
+    # bare row count); device or traced ones as a pair, stacked in the jitted function.
+    if isinstance(n, np.integer) and isinstance(units, np.integer):
+        meta = np.array((n, units), np.int32)
+    else:
+        meta = (n, units)
+    return _gather_rows_jit(src, indices, pack, meta, config=config, backend=backend,
                             offset_align=int(offset_align))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC_ARGNAMES, donate_argnames=("pack",))
-def _gather_rows_jit(src, indices, pack, num_rows, offset, *, config, backend, offset_align):
-    """`gather_rows` after its argument checks: num_rows, offset are i32[] (traced)."""
+def _gather_rows_jit(src, indices, pack, meta, *, config, backend, offset_align):
+    """`gather_rows` after its argument checks. meta: i32[2] or a pair of i32[] (traced):
+    rows to gather, offset in units of offset_align words (negative: write nothing)."""
     stacked, shapes = _static_validate(src, indices, pack)
     widths = tuple(w for _, w in shapes)
     m = int(indices.shape[0])
     if m == 0:
         return pack
     idx = indices if indices.dtype == jnp.int32 else indices.astype(jnp.int32)
+    if isinstance(meta, tuple):
+        meta = jnp.stack(meta)
     if backend == "mosaic":
         from pallas_kernels import mosaic_gather
 
         # The clamps of the Triton kernel, in XLA (the Mosaic kernel takes n as it is).
+        num_rows, offset = meta[0], meta[1] * offset_align
         room = jnp.maximum(min(int(pack.shape[0]), MAX_WORD_OFFSET) - offset, 0) // sum(widths)
         n = jnp.where(offset >= 0, jnp.clip(num_rows, 0, jnp.minimum(room, m)), 0)
         min_rows = min(r for r, _ in shapes)
         return mosaic_gather.gather_rows_mosaic(src, jnp.clip(idx, 0, min_rows - 1), pack, n,
                                                 offset=offset, widths=widths, config=config)
-    return _gather_triton(src, idx, pack, num_rows.reshape(1), offset.reshape(1),
-                          shapes=tuple(shapes), stacked=stacked, config=config,
-                          interpret=backend == "interpret", offset_align=offset_align)
+    return _gather_triton(src, idx, pack, meta, shapes=tuple(shapes), stacked=stacked,
+                          config=config, interpret=backend == "interpret",
+                          offset_align=offset_align)
 
 
 gather_rows._cache_size = _gather_rows_jit._cache_size  # compiled variants (tests, tools)
 
 
-def _gather_triton(src, idx, pack, n, offset, *, shapes, stacked, config, interpret, offset_align):
-    """Build and call the Triton-form `pallas_call` (n, offset: i32[1], traced)."""
+def _gather_triton(src, idx, pack, meta, *, shapes, stacked, config, interpret, offset_align):
+    """Build and call the Triton-form `pallas_call` (meta: i32[2], rows and offset units)."""
     from jax.experimental.pallas import triton as pltriton
 
     _count_kernel_trace()
@@ -677,7 +698,7 @@ def _gather_triton(src, idx, pack, n, offset, *, shapes, stacked, config, interp
 
             def spec(block, f):
                 return pl.BlockSpec(block, f)
-        n_spec = spec((1,), lambda i, l: (0,))  # n and offset alike
+        meta_spec = spec((2,), lambda i, l: (0,))
         idx_spec = spec((br,), lambda i, l: (i,))
         if stacked and config.layers_per_program > 1:
             src_specs = [spec(tuple(src.shape), lambda i, l: (0, 0, 0))]
@@ -689,7 +710,7 @@ def _gather_triton(src, idx, pack, n, offset, *, shapes, stacked, config, interp
         pack_spec = spec((P,), lambda i, l: (0,))
     else:
         grid = (num_blocks,)
-        n_spec = pl.BlockSpec((1,), lambda i: (0,))
+        meta_spec = pl.BlockSpec((2,), lambda i: (0,))
         idx_spec = pl.BlockSpec((br,), lambda i: (i,))
         if stacked:
             src_specs = [pl.BlockSpec(tuple(src.shape), lambda i: (0, 0, 0))]
@@ -698,7 +719,7 @@ def _gather_triton(src, idx, pack, n, offset, *, shapes, stacked, config, interp
         pack_spec = pl.BlockSpec((P,), lambda i: (0,))
     kernel = functools.partial(
         _gather_kernel, widths=widths, stacked=stacked, schedule=config.schedule,
-        block_rows=br, max_rows=m, pack_words=min(P, MAX_WORD_OFFSET),
+        block_rows=br, max_rows=m, pack_words=min(P, MAX_WORD_OFFSET), offset_align=offset_align,
         num_src_rows=min(r for r, _ in shapes), align=align, evict=config.eviction_policy,
         layers_per_step=config.layers_per_step, layers_per_program=config.layers_per_program,
         interleave=config.interleave, load_evict=config.load_eviction_policy,
@@ -706,13 +727,13 @@ def _gather_triton(src, idx, pack, n, offset, *, shapes, stacked, config, interp
         load_cache=config.load_cache_modifier)
     if config.load_cache_modifier is not None:
         _patch_cache_modifiers()
-    n_in = 3 + len(srcs)
+    n_in = 2 + len(srcs)
     call = pl.pallas_call(
         kernel,
         grid=grid,
         # The aliased pack input gets the output's BlockSpec (an ANY-space alias crashes
         # interpret mode on 0.11+ with ragged blocks; on Triton it is never read).
-        in_specs=[n_spec, n_spec, idx_spec, *src_specs, pack_spec],
+        in_specs=[meta_spec, idx_spec, *src_specs, pack_spec],
         out_specs=pack_spec,
         out_shape=jax.ShapeDtypeStruct(pack.shape, pack.dtype),
         input_output_aliases={n_in: 0},
@@ -721,7 +742,7 @@ def _gather_triton(src, idx, pack, n, offset, *, shapes, stacked, config, interp
         interpret=interpret,
         name=f"kv_gather_{config.schedule}_{br=}_{L=}_g{config.layers_per_program}",
     )
-    return call(n, offset, idx, *srcs, pack)
+    return call(meta, idx, *srcs, pack)
 
 
 # --------------------------------------------------------------------------- reference

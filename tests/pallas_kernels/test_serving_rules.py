@@ -107,6 +107,21 @@ def test_traced_offset_past_the_pack_clamps_and_negative_writes_nothing():
         assert np.asarray(step(jnp.asarray(pack), jnp.int32(off))).tobytes() == pack.tobytes()
 
 
+def test_traced_offset_off_its_promised_alignment_writes_nothing():
+    rng = np.random.default_rng(113)
+    src = jnp.asarray(_words(rng, (2, 20, 8), np.uint32))
+    idx = jnp.asarray(rng.integers(0, 20, 16).astype(np.int32))
+    step = jax.jit(lambda p, off: gather_rows(src, idx, p, 10, offset=off, config=CFG,
+                                              backend="interpret", offset_align=4))
+    pack = _words(rng, 400, np.uint32)
+    for off in (8, 36):  # multiples of 4 words: written
+        ref = gather_rows_reference(src, idx, jnp.asarray(pack), 10, offset=off)
+        assert np.asarray(step(jnp.asarray(pack), jnp.int32(off))).tobytes() == \
+            np.asarray(ref).tobytes()
+    for off in (2, 37):  # broken promise: nothing, rather than a shifted region
+        assert np.asarray(step(jnp.asarray(pack), jnp.int32(off))).tobytes() == pack.tobytes()
+
+
 @pytest.mark.parametrize("offset, match", [
     (-1, "offset=-1 must be a non-negative int"),
     (MAX_WORD_OFFSET + 1, "offset=2147483648 words must be <= 2147483647"),
