@@ -141,13 +141,15 @@ def _token_rows(tokens, side: SideLayout, page_table, name: str, check_table: bo
     return rows_from_page_table(local - lo * p, table[lo:hi], p, name=name)
 
 
-def token_rows(tokens, side: SideLayout, page_table) -> np.ndarray:
+def token_rows(tokens, side: SideLayout, page_table, *, check_table: bool = True) -> np.ndarray:
     """Rows of ``tokens`` in ``side``'s cache: local row ``local_index(t)`` through its page table.
 
     Args:
         tokens: i64[n] token positions, all owned by ``side.dcp_rank``.
         side: the rank's layout.
         page_table: i64[pages] the rank's page table from its local row 0 (section 10).
+        check_table: validate the whole table (ids >= 0, none repeated); False checks only the
+            pages the tokens touch (for a table validated once per request).
 
     Returns:
         i64[n] buffer rows (``page_table[j // P] * P + j % P``).
@@ -157,7 +159,7 @@ def token_rows(tokens, side: SideLayout, page_table) -> np.ndarray:
         ValueError: a token the rank does not own; negative or repeated page ids; a
             ``page_table`` too short (the message says how many pages are required).
     """
-    return _token_rows(tokens, side, page_table, "page_table", True)
+    return _token_rows(tokens, side, page_table, "page_table", bool(check_table))
 
 
 def chunk_rows(start: int, stop: int, *, src: SideLayout, dst: SideLayout, src_page_table,
@@ -301,7 +303,7 @@ def _positive_or_none(name: str, v, minimum: int = 1) -> int | None:
 
 def plan_rank_chunk(chunk: int, start: int, stop: int, *, src: SideLayout, dst: SideLayout, src_page_table,
                     dst_page_table, mode: str, max_batch_indices: int | None = None,
-                    max_region_rows: int | None = None) -> RankChunk:
+                    max_region_rows: int | None = None, check_tables: bool = True) -> RankChunk:
     """Plans one (chunk, destination rank) unit of a sender.
 
     Args:
@@ -314,6 +316,9 @@ def plan_rank_chunk(chunk: int, start: int, stop: int, *, src: SideLayout, dst: 
         max_region_rows: rows the pack region holds (packed), None = no limit. Fewer rows than
             the unit has: sliced sending (one pack per window); 0: direct, with a logged
             warning (:func:`dcp_jax.packing.choose_pack_strategy_for_rows`).
+        check_tables: validate both whole page tables (negative or repeated ids). A caller that
+            validated them once per request (the sender, at ``send``/``expect``) passes False:
+            the lengths of the pages actually used are still checked.
 
     Returns:
         The :class:`RankChunk`; no rows gives strategy ``"empty"`` with one empty window.
@@ -322,7 +327,7 @@ def plan_rank_chunk(chunk: int, start: int, stop: int, *, src: SideLayout, dst: 
         ValueError: bad mode, limits, ranges or page tables (named).
     """
     return _plan(chunk, start, stop, src, dst, src_page_table, dst_page_table, mode, max_batch_indices,
-                 max_region_rows, True)
+                 max_region_rows, bool(check_tables))
 
 
 def _plan(chunk, start, stop, src, dst, src_page_table, dst_page_table, mode, max_batch_indices,

@@ -392,6 +392,9 @@ class KVSender:
             if msg["dcp_rank"] != rank or msg["prefix_tokens"] > msg["num_tokens"]:
                 raise proto.ProtocolError("expect: rank or token range inconsistent")
             table = proto.unpack_i64(msg["page_table"], "page_table")
+            s = conn.spec  # once per announcement, so planning each chunk need not check it again
+            rows = int(local_len_np(msg["num_tokens"], s.dcp_size, s.dcp_rank, s.interleave_size))
+            table = check_page_table(table, rows, s.page_size, np.iinfo(np.int64).max // s.page_size)
         except (TypeError, ValueError) as exc:
             logger.debug("dropping expect: %s", exc)
             self._counts["dropped_messages"] += 1
@@ -441,7 +444,8 @@ class KVSender:
                             ci, max(start, t.prefix_tokens), max(stop, t.prefix_tokens), src=self._layout,
                             dst=SideLayout.of(t.conn.spec), src_page_table=req.page_table,
                             dst_page_table=t.page_table, mode=self._mode_for(t.conn.spec),
-                            max_batch_indices=self.max_batch_indices, max_region_rows=self._max_region_rows)
+                            max_batch_indices=self.max_batch_indices, max_region_rows=self._max_region_rows,
+                            check_tables=False)  # both tables were checked once, at send / expect
                     except ValueError as exc:
                         self._end(req, TransferStatus.FAILED, f"plan for decode rank {rank}: {exc}", notify="failed")
                         break
