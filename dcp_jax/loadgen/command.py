@@ -1,0 +1,83 @@
+"""The ``dcp-jax load`` command body: options -> run (with a progress bar) -> table and JSON."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from dcp_jax.loadgen.config import LoadConfig
+from dcp_jax.loadgen.report import render
+from dcp_jax.loadgen.run import run_load
+
+__all__ = ["load_command", "check_json_path"]
+
+
+def check_json_path(path: Path | None) -> None:
+    """Refuses a ``--json`` path that cannot be written, before any process starts.
+
+    Raises:
+        ValueError: its folder is missing, it is a folder, or it is not writable.
+    """
+    import os
+
+    if path is None:
+        return
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"--json {str(path)!r}: folder {str(parent)!r} does not exist")
+    if path.is_dir():
+        raise ValueError(f"--json {str(path)!r} is a folder, not a file")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"--json {str(path)!r}: not writable")
+
+
+class _Bar:
+    """rich progress bar fed by the orchestrator (one advance per finished request)."""
+
+    def __init__(self, progress, task):
+        self.p, self.task, self.ok, self.ab = progress, task, 0, 0
+
+    def advance(self, track) -> None:
+        st = [track.sender["status"]] + [r["status"] for r in track.recv]
+        self.ok += all(s == "success" for s in st)
+        self.ab += all(s == "aborted" for s in st)
+        self.p.update(self.task, advance=1, ok=self.ok, ab=self.ab)
+
+
+def load_command(cfg: LoadConfig, json_path: Path | None = None, *, progress: bool = True,
+                 console=None) -> int:
+    """Runs ``cfg``, prints the table, writes ``json_path``; returns the exit code (0: every
+    check passed, 1: a request or a check failed).
+
+    Raises:
+        ValueError: ``json_path`` cannot be written (checked before the run).
+    """
+    from rich.console import Console
+
+    check_json_path(json_path)
+    console = console or Console()
+    show = progress and sys.stdout.isatty() and console.is_terminal
+    if show:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        cols = (TextColumn("[bold]load[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("ok {task.fields[ok]} aborted {task.fields[ab]}"), TimeElapsedColumn())
+        with Progress(*cols, console=console, transient=True) as p:
+            task = p.add_task(f"{cfg.engine} {cfg.direction}", total=cfg.requests, ok=0, ab=0)
+            rep = run_load(cfg, progress=_Bar(p, task))
+    else:
+        rep = run_load(cfg)
+    render(rep, console)
+    if json_path is not None:
+        json_path.write_text(json.dumps(rep, indent=2, default=_default))
+        console.print(f"wrote {json_path}")
+    return 0 if rep["ok"] else 1
+
+
+def _default(o: Any):
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)
