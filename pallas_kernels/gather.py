@@ -30,10 +30,11 @@ The pack is aliased to the output (`input_output_aliases`) and donated, so the c
 place: into the CuPy memory when the pack was imported from CuPy by DLPack.
 
 What compiles: one kernel per (shapes and dtype of `src`, `indices` and `pack`, `config`,
-`backend`, `offset_align`). The row count and the region offset are traced int32 values: pass
-`indices` padded to `bucket_rows(n)` (any values) and the true count as `num_rows`, rows
-`>= num_rows` are masked; a new `offset` (words, `0 <= offset < 2**31`) never recompiles.
-`compile_count()` says how many gather kernels this process has traced.
+`backend`, `offset_align`, and whether `num_rows`/`offset` come as ints or as arrays). The row
+count and the region offset are traced int32 values: pass `indices` padded to
+`bucket_rows(n)` (any values) and the true count as `num_rows`, rows `>= num_rows` are
+masked; a new `offset` (words, `0 <= offset <= MAX_WORD_OFFSET = 2**31 - 1`) never
+recompiles. `compile_count()` says how many gather kernels this process has traced.
 
 `gather_rows_reference` (plain `jnp.take`) is the oracle the tests compare against. The host
 contract (`pack_rows`, `PackSource`) lives in `pallas_kernels.pack`; its names are re-exported

@@ -270,23 +270,43 @@ def test_dropped_layers_are_freed_and_evicted(backend):
     assert not [k for k in pack_mod._IMPORTED_LAYERS if k[1] == key_ids]
 
 
-def test_recycled_ids_are_checked_afresh():
+def test_recycled_ids_are_checked_afresh(monkeypatch):
+    # Deterministic: every array gets the same id, as if CPython had recycled a dead one's.
+    monkeypatch.setattr(pack_mod, "id", lambda obj: 12345, raising=False)
     rng = np.random.default_rng(109)
-    # Allocate and drop same-shaped arrays until CPython hands a new array a dead one's id.
+    wide = _layers(rng, 8, (16,))
+    pack_rows(wide, [0, 1], np.zeros(64, np.uint8))
+    assert (False, (12345,)) in pack_mod._CHECKED_LAYERS
+    del wide
+    gc.collect()
+    assert (False, (12345,)) not in pack_mod._CHECKED_LAYERS  # evicted when it died
+    narrow = _layers(rng, 8, (4,))  # same "id", another width: 4-byte rows, not 16
+    pack = np.full(12, SENTINEL, np.uint8)
+    assert pack_rows(narrow, [3, 5], pack) == 8
+    assert pack.tobytes() == (np.concatenate([narrow[0][3], narrow[0][5]]).tobytes()
+                              + bytes([SENTINEL] * 4))
+    with pytest.raises(ValueError, match="indices must be < num_rows=8"):
+        pack_rows(narrow, [8], pack)
+
+
+def test_a_really_recycled_id_is_checked_afresh():
+    # The same with CPython's own id reuse: keep allocating until a new array lands in the
+    # dead one's slot (at once, usually).
+    rng = np.random.default_rng(114)
     old = np.zeros((8, 16), np.uint8)
     pack_rows([old], [0, 1], np.zeros(64, np.uint8))
     old_id = id(old)
     del old
-    new = None
-    for _ in range(200):
+    kept, new = [], None
+    for _ in range(5000):
         cand = np.empty((8, 4), np.uint8)
         if id(cand) == old_id:
             new = cand
             break
-        del cand
+        kept.append(cand)
+    del kept
     if new is None:
-        pytest.skip("this interpreter never reused the id (CPython does, at once)")
-    # A different width under the dead array's id: 4-byte rows, not the cached 16.
+        pytest.skip("no new array got the dead one's id here")
     new[...] = rng.integers(0, 256, new.shape, dtype=np.uint8)
     pack = np.full(8, SENTINEL, np.uint8)
     assert pack_rows([new], [3, 5], pack) == 8
