@@ -17,7 +17,6 @@ until then.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -29,15 +28,17 @@ from typing import Any
 
 import numpy as np
 
-from bridge import PeerInfo, TransferError, make_engine
+from bridge import make_engine
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, Worker, check_page_table, check_seconds
 from dcp_jax.transfer.arena import PackArena
+from dcp_jax.transfer._sender_peers import SenderPeers
+from dcp_jax.transfer._sender_units import SenderUnits
 from dcp_jax.transfer.control import ControlServer
 from dcp_jax.transfer.memory import CacheLayers
-from dcp_jax.transfer.requests import RankTarget, SendRequest, check_request_id
-from dcp_jax.transfer.schedule import SideLayout, batch_engine_calls, plan_rank_chunk
-from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
+from dcp_jax.transfer.requests import SendRequest, check_request_id
+from dcp_jax.transfer.schedule import SideLayout
+from dcp_jax.transfer.spec import KVCacheSpec
 from dcp_jax.transfer.status import TransferStatus
 from dcp_jax.layout import local_len_np
 
@@ -49,33 +50,7 @@ SEND_MODES = ("auto", "packed", "direct")
 DEFAULT_PACK_BYTES = 64 << 20
 
 
-@dataclasses.dataclass(eq=False)
-class _Conn:
-    """One connected decode rank (its control identity, engine peer and cache geometry)."""
-
-    ident: bytes
-    name: str
-    peer: str
-    spec: KVCacheSpec
-    group: str
-    direction: str
-    layer_bases: np.ndarray
-    last_seen: float
-
-
-@dataclasses.dataclass(eq=False)
-class _Unit:
-    """One window of one (request, chunk, rank): one engine batch or one pull."""
-
-    req: SendRequest
-    target: RankTarget
-    rc: Any          # schedule.RankChunk
-    w: int           # window index
-    region: Any = None
-    handle: Any = None
-
-
-class KVSender:
+class KVSender(SenderPeers, SenderUnits):
     """Prefill-side connector over the caller's KV layers.
 
     Args:
@@ -137,10 +112,10 @@ class KVSender:
         self._lock = threading.RLock()
         self._requests: dict[str, SendRequest] = {}
         self._early: dict[str, list] = {}     # expects for an id still held in a terminal state
-        self._conns: dict[bytes, _Conn] = {}
-        self._queue: deque[_Unit] = deque()
-        self._inflight: list[_Unit] = []      # push windows the engine has not reported yet
-        self._pulls: dict[tuple, _Unit] = {}  # pull windows the reader has not reported yet
+        self._conns: dict[bytes, Any] = {}     # control identity -> _sender_peers.Conn
+        self._queue: deque = deque()         # _sender_units.Unit, FIFO
+        self._inflight: list = []      # push windows the engine has not reported yet
+        self._pulls: dict[tuple, Any] = {}  # pull windows the reader has not reported yet
         self._counts = dict(dropped_messages=0, handshakes=0, handshakes_refused=0, requests=0,
                             succeeded=0, failed=0, aborted=0, bytes=0, descriptors=0, batches=0,
                             engine_calls=0)
@@ -309,347 +284,6 @@ class KVSender:
             if busy:
                 return ACTIVE
             return PENDING if self._inflight else IDLE
-
-    def _on_message(self, ident: bytes, msg: dict) -> None:
-        kind = msg["k"]
-        if kind == "hello":
-            return self._on_hello(ident, msg)
-        conn = self._conns.get(ident)
-        if conn is None:
-            if kind == "_bad_version":
-                return self._nack(ident, HandshakeError("version", proto.PROTOCOL_VERSION, msg["v"]))
-            self._counts["dropped_messages"] += 1
-            return
-        conn.last_seen = time.monotonic()
-        if kind == "expect":
-            return self._on_expect(conn, msg)
-        if kind == "pull_done":
-            return self._on_pull_done(conn, msg)
-        if kind in ("abort", "failed"):
-            req = self._requests.get(msg["rid"])
-            t = req.targets.get(conn.spec.dcp_rank) if req is not None else None
-            if t is None or t.inc != msg["inc"] or t.conn is not conn:
-                # Nothing of ours is in flight for that incarnation: the rank may reuse its pages.
-                self._ctl.send(conn.ident, proto.encode("drained", msg["rid"], msg["inc"]))
-                self._counts["dropped_messages"] += 1
-                return
-            if req.status.terminal:
-                self._counts["dropped_messages"] += 1
-                self._maybe_drained(req, t)
-                return
-            status = TransferStatus.ABORTED if kind == "abort" else TransferStatus.FAILED
-            self._end(req, status, f"decode rank {conn.spec.dcp_rank}: {msg['reason']}", notify=kind)
-        elif kind != "ping":
-            self._counts["dropped_messages"] += 1
-
-    def _on_hello(self, ident: bytes, msg: dict) -> None:
-        try:
-            spec = KVCacheSpec.from_dict(msg["spec"])
-            check_compatible(self.spec, spec, side="prefill")
-            if msg["direction"] not in ("push", "pull"):
-                raise HandshakeError("direction", "push|pull", msg["direction"])
-            group = [c for c in self._conns.values() if c.group == msg["group"] and c.ident != ident]
-            for c in group:
-                for field in ("dcp_size", "interleave_size"):
-                    if getattr(c.spec, field) != getattr(spec, field):
-                        raise HandshakeError(field, getattr(c.spec, field), getattr(spec, field),
-                                             f"decode group {msg['group']!r} already has rank {c.spec.dcp_rank} with it")
-            bases = proto.unpack_i64(msg["layer_bases"], "layer_bases", max_items=self.spec.num_layers)
-            if len(bases) != self.spec.num_layers:
-                raise HandshakeError("layer_bases", self.spec.num_layers, len(bases))
-            info = PeerInfo.from_dict(msg["peer"])
-        except HandshakeError as exc:
-            return self._nack(ident, exc)
-        except (TypeError, ValueError, proto.ProtocolError) as exc:
-            return self._nack(ident, HandshakeError("spec", "a valid hello", "refused", str(exc)))
-        for old in [c for c in group if c.spec.dcp_rank == spec.dcp_rank]:
-            self._drop_conn(old, f"decode rank {spec.dcp_rank} reconnected")
-        try:
-            peer = self.engine.add_peer(info)
-        except Exception as exc:  # noqa: BLE001 - refused metadata: tell the receiver why
-            return self._nack(ident, HandshakeError("peer", "engine metadata", "refused", str(exc)))
-        self._conns[ident] = _Conn(ident, msg["name"], peer, spec, msg["group"], msg["direction"],
-                                   bases, time.monotonic())
-        self._counts["handshakes"] += 1
-        self._ctl.send(ident, proto.encode(
-            "hello_ack", spec=self.spec.to_dict(), peer=self.engine.peer_info().to_dict(),
-            layer_bases=proto.pack_i64(self._layers.bases), name=self.engine.name))
-
-    def _nack(self, ident: bytes, exc: HandshakeError) -> None:
-        self._counts["handshakes_refused"] += 1
-        def plain(v):  # msgpack-able as is: scalars and lists of them; anything else as text
-            if isinstance(v, (tuple, list)) and all(isinstance(x, (int, str)) for x in v):
-                return list(v)
-            return v if isinstance(v, (int, str, float, bool, type(None))) else repr(v)
-
-        self._ctl.send(ident, proto.encode("hello_nack", field=exc.field, ours=plain(exc.ours),
-                                           theirs=plain(exc.theirs), message=str(exc)[:proto.MAX_TEXT]))
-
-    def _on_expect(self, conn: _Conn, msg: dict) -> None:
-        rid, rank = msg["rid"], conn.spec.dcp_rank
-        try:
-            check_request_id(rid)
-            if msg["dcp_rank"] != rank or msg["prefix_tokens"] > msg["num_tokens"]:
-                raise proto.ProtocolError("expect: rank or token range inconsistent")
-            table = proto.unpack_i64(msg["page_table"], "page_table")
-            s = conn.spec  # once per announcement, so planning each chunk need not check it again
-            rows = int(local_len_np(msg["num_tokens"], s.dcp_size, s.dcp_rank, s.interleave_size))
-            table = check_page_table(table, rows, s.page_size, np.iinfo(np.int64).max // s.page_size)
-        except (TypeError, ValueError) as exc:
-            logger.debug("dropping expect: %s", exc)
-            self._counts["dropped_messages"] += 1
-            return
-        req = self._requests.get(rid)
-        if req is not None and req.status.terminal:
-            if rank in req.targets or req.status is TransferStatus.SUCCESS:
-                # This rank already had this id: the decode side released and reused it.
-                self._early.setdefault(rid, []).append((conn, msg))
-            else:  # a late announcement of the request that ended: tell the rank how it ended
-                kind = "abort" if req.status is TransferStatus.ABORTED else "failed"
-                self._ctl.send(conn.ident, proto.encode(kind, rid, msg["inc"], reason=req.state.reason))
-            return
-        if req is None:
-            req = self._new_request(rid)
-        old = req.targets.get(rank)
-        if old is not None or (req.group is not None and req.group != conn.group):
-            self._counts["dropped_messages"] += 1  # a duplicate or a second group: not ours
-            return
-        req.group, req.group_size = conn.group, conn.spec.dcp_size
-        req.targets[rank] = RankTarget(conn, msg["inc"], msg["num_tokens"], msg["prefix_tokens"], table)
-        req.state.touch()
-        self._maybe_done(req)
-
-    def _new_request(self, rid: str) -> SendRequest:
-        req = self._requests[rid] = SendRequest(rid)
-        self._counts["requests"] += 1
-        return req
-
-    # ---- planning and submission ------------------------------------------------------------------
-    def _plan_units(self) -> None:
-        for req in self._requests.values():
-            if req.status.terminal or req.page_table is None:
-                continue
-            for rank, t in req.targets.items():
-                while t.next_chunk < len(req.chunks):
-                    ci = t.next_chunk
-                    t.next_chunk += 1
-                    start, stop = req.chunks[ci]
-                    if stop > t.num_tokens:
-                        self._end(req, TransferStatus.FAILED, f"tokens [{start}, {stop}) pass decode rank "
-                                  f"{rank}'s num_tokens={t.num_tokens}", notify="failed")
-                        break
-                    tp = time.perf_counter()
-                    try:
-                        rc = plan_rank_chunk(
-                            ci, max(start, t.prefix_tokens), max(stop, t.prefix_tokens), src=self._layout,
-                            dst=SideLayout.of(t.conn.spec), src_page_table=req.page_table,
-                            dst_page_table=t.page_table, mode=self._mode_for(t.conn.spec),
-                            max_batch_indices=self.max_batch_indices, max_region_rows=self._max_region_rows,
-                            check_tables=False)  # both tables were checked once, at send / expect
-                    except ValueError as exc:
-                        self._end(req, TransferStatus.FAILED, f"plan for decode rank {rank}: {exc}", notify="failed")
-                        break
-                    req.plan_seconds += time.perf_counter() - tp
-                    t.parts_left[ci] = (len(rc.windows), start, stop)
-                    t.counters.rows += len(rc.src_rows)
-                    if rc.strategy != "empty":
-                        t.counters.strategies.add(rc.strategy)
-                    self._queue.extend(_Unit(req, t, rc, w) for w in range(len(rc.windows)))
-                if req.status.terminal:
-                    break
-
-    def _mode_for(self, dst: KVCacheSpec) -> str:
-        if self.mode != "auto":
-            return self.mode
-        return "direct" if dst.interleave_size % self.spec.page_size == 0 else "packed"
-
-    def _submit_units(self) -> bool:
-        busy = False
-        while self._queue:
-            u = self._queue[0]
-            if u.req.status.terminal:
-                self._queue.popleft()
-                continue
-            lo, hi = u.rc.windows[u.w]
-            if u.rc.strategy == "packed" and hi > lo:
-                u.region = self._arena.acquire((u.req.rid, u.rc.chunk, u.target.conn.spec.dcp_rank, u.w),
-                                               u.rc.window_bytes(u.w, self._layers.item_lens))
-                if u.region is None:
-                    break  # the arena is full: wait for a transfer to finish (FIFO keeps order)
-            self._queue.popleft()
-            busy = True
-            try:
-                self._submit(u, lo, hi)
-            except Exception as exc:  # noqa: BLE001 - the request fails, the sender lives on
-                if u.region is not None:
-                    self._arena.release(u.region)
-                self._end(u.req, TransferStatus.FAILED, f"decode rank {u.target.conn.spec.dcp_rank}, chunk "
-                          f"{u.rc.chunk}: {type(exc).__name__}: {exc}", notify="failed")
-        return busy
-
-    def _submit(self, u: _Unit, lo: int, hi: int) -> None:
-        req, t, rc = u.req, u.target, u.rc
-        rank, n = t.conn.spec.dcp_rank, hi - lo
-        region_addr = None
-        if u.region is not None:
-            from pallas_kernels import pack_rows
-
-            tk = time.perf_counter()
-            pack_rows(self._layers.rows, rc.src_rows[lo:hi], self._pack.array, offset=u.region.offset)
-            req.pack_seconds += time.perf_counter() - tk
-            region_addr = self._pack.addr + u.region.offset
-        head = dict(chunk=rc.chunk, part=u.w, nparts=len(rc.windows), start=rc.start, stop=rc.stop, nrows=n)
-        if req.t_first_submit is None:
-            req.t_first_submit = time.perf_counter()
-        req.state.advance(TransferStatus.TRANSFERRING)
-        if t.conn.direction == "pull":
-            src_rows = b"" if region_addr is not None else proto.pack_i64(rc.src_rows[lo:hi])
-            self._pulls[(req.rid, t.inc, rank, rc.chunk, u.w)] = u
-            req.inflight += 1
-            t.inflight += 1
-            # The reader builds these very descriptors (same rows, same runs): count them here.
-            ndesc = rc.descriptors_per_window(self.spec.num_layers)[u.w] if n else 0
-            self._count(t, ndesc, rc.window_bytes(u.w, self._layers.item_lens) if n else 0,
-                        batch_engine_calls(ndesc, getattr(self.engine, "window", None)) if n else 0)
-            self._ctl.send(t.conn.ident, proto.encode("pull_ready", req.rid, t.inc, lo=lo, src_addr=region_addr or 0,
-                                                      src_rows=src_rows, **head))
-            return
-        descs = rc.window_descriptors(u.w, src_bases=self._layers.bases, dst_bases=t.conn.layer_bases,
-                                      item_lens=self._layers.item_lens, region_addr=region_addr)
-        notif = proto.encode("done", req.rid, t.inc, **head)
-        u.handle = self.engine.transfer_batch(t.conn.peer, descs, notif=notif, dcp_rank=rank, chunk=rc.chunk)
-        req.inflight += 1
-        t.inflight += 1
-        self._inflight.append(u)
-        self._count(t, len(descs), int(descs[:, 2].sum()) if len(descs) else 0,
-                    batch_engine_calls(len(descs), getattr(self.engine, "window", None)))
-
-    def _count(self, t: RankTarget, descriptors: int, nbytes: int, calls: int) -> None:
-        """Adds one batch to the rank's and the sender's counters (a notification-only batch
-        moves no descriptor and counts no batch)."""
-        batches = 1 if descriptors else 0
-        c = t.counters
-        c.descriptors += descriptors
-        c.bytes += nbytes
-        c.batches += batches
-        c.engine_calls += calls
-        for k, v in (("descriptors", descriptors), ("bytes", nbytes), ("batches", batches), ("engine_calls", calls)):
-            self._counts[k] += v
-
-    def _poll_inflight(self) -> bool:
-        busy, keep = False, []
-        for u in self._inflight:
-            err = None
-            try:
-                done = self.engine.check(u.handle)
-            except TransferError as exc:
-                done, err = True, exc
-            if not done:
-                keep.append(u)
-                continue
-            busy = True
-            self._unit_finished(u, None if err is None else f"engine: {err}")
-        self._inflight = keep
-        return busy
-
-    def _unit_finished(self, u: _Unit, error: str | None) -> None:
-        """The engine (or the reader) is done with a window: free its region, credit or fail."""
-        if u.region is not None:
-            if u.region.state == "quarantined":
-                self._arena.release_quarantined(u.region)
-            else:
-                self._arena.release(u.region)
-            u.region = None
-        req, t = u.req, u.target
-        req.inflight -= 1
-        t.inflight -= 1
-        if req.status.terminal or self._requests.get(req.rid) is not req:
-            self._maybe_drained(req, t)
-            return
-        if error is not None:
-            self._end(req, TransferStatus.FAILED, f"decode rank {t.conn.spec.dcp_rank}, chunk {u.rc.chunk}: {error}",
-                      notify="failed")
-            return
-        left, start, stop = t.parts_left[u.rc.chunk]
-        if left > 1:
-            t.parts_left[u.rc.chunk] = (left - 1, start, stop)
-        else:
-            del t.parts_left[u.rc.chunk]
-            t.coverage.add(start, stop)
-        req.state.touch()
-        self._maybe_done(req)
-
-    def _maybe_done(self, req: SendRequest) -> None:
-        if not req.status.terminal and req.complete() and req.inflight == 0:
-            if req.finish(TransferStatus.SUCCESS):
-                self._counts["succeeded"] += 1
-
-    def _on_pull_done(self, conn: _Conn, msg: dict) -> None:
-        u = self._pulls.pop((msg["rid"], msg["inc"], conn.spec.dcp_rank, msg["chunk"], msg["part"]), None)
-        if u is None or u.target.conn is not conn:
-            self._counts["dropped_messages"] += 1
-            return
-        self._unit_finished(u, None if msg["ok"] else f"reader: {msg['reason']}")
-
-    # ---- endings, timeouts, peers ------------------------------------------------------------------
-    def _end(self, req: SendRequest, status: TransferStatus, reason: str, *, notify: str | None) -> bool:
-        """Moves a live request to FAILED/ABORTED, tells its decode ranks, quarantines its regions."""
-        if not req.finish(status, reason):
-            return False
-        self._counts["failed" if status is TransferStatus.FAILED else "aborted"] += 1
-        for u in self._inflight + list(self._pulls.values()):
-            if u.req is req and u.region is not None and u.region.state != "quarantined":
-                self._arena.quarantine(u.region)
-                if u.handle is not None:
-                    self.engine.cancel(u.handle)
-        if notify:
-            for t in req.targets.values():
-                if t.conn.ident in self._conns:
-                    self._ctl.send(t.conn.ident, proto.encode(notify, req.rid, t.inc, reason=reason[:proto.MAX_TEXT]))
-        for t in req.targets.values():
-            self._maybe_drained(req, t)
-        return True
-
-    def _maybe_drained(self, req: SendRequest, t: RankTarget) -> None:
-        """Tells a rank of an ended (not successful) request once no write of ours into its
-        pages is in flight: the decode side may then reuse them (`KVReceiver.is_drained`)."""
-        if (req.status.terminal and req.status is not TransferStatus.SUCCESS and not t.drained
-                and t.inflight == 0 and t.conn.ident in self._conns):
-            t.drained = True
-            self._ctl.send(t.conn.ident, proto.encode("drained", req.rid, t.inc))
-
-    def _check_timeouts(self) -> None:
-        now = time.monotonic()
-        for req in list(self._requests.values()):
-            if not req.status.terminal and req.state.stalled_for(now) > self.timeout_s:
-                self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s", notify="failed")
-
-    def _heartbeat(self) -> None:
-        now = time.monotonic()
-        for conn in list(self._conns.values()):
-            if now - conn.last_seen > self.peer_timeout_s:
-                self._drop_conn(conn, f"decode rank {conn.spec.dcp_rank} silent for {self.peer_timeout_s:g} s")
-        if now - self._last_ping >= self.heartbeat_s:
-            self._last_ping = now
-            ping = proto.encode("ping")
-            for conn in list(self._conns.values()):
-                self._ctl.send(conn.ident, ping)
-
-    def _drop_conn(self, conn: _Conn, reason: str) -> None:
-        """A receiver is gone: fail its requests, forget its engine peer (its handles then end)."""
-        self._conns.pop(conn.ident, None)
-        for req in list(self._requests.values()):
-            t = req.targets.get(conn.spec.dcp_rank)
-            if t is not None and t.conn is conn:
-                self._end(req, TransferStatus.FAILED, reason, notify="failed")
-        for key, u in list(self._pulls.items()):
-            if u.target.conn is conn:  # a dead reader reads no more: its regions are free
-                del self._pulls[key]
-                self._unit_finished(u, reason)
-        try:
-            self.engine.remove_peer(conn.peer)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
 
     def _get(self, request_id: str) -> SendRequest:
         req = self._requests.get(request_id)

@@ -1,0 +1,153 @@
+"""What arrives at a decode rank: engine notifications (push), its own reads (pull), and the
+bookkeeping that turns landed parts into covered token ranges and SUCCESS.
+
+Half of the worker-thread machinery of `dcp_jax.transfer.KVReceiver` (a mixin over the state
+``KVReceiver.__init__`` creates). Every method runs on the worker thread under the receiver's
+lock. A part is credited only to the live request of the same id AND incarnation, from a sender
+it announced to, once; a chunk counts when all its parts landed and their rows add up to the
+rows this rank owns in it.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from bridge import TransferError
+from dcp_jax import plan as planmod
+from dcp_jax.packing import layer_offsets
+from dcp_jax.transfer import protocol as proto
+from dcp_jax.transfer.requests import RecvRequest
+from dcp_jax.transfer.schedule import SideLayout, owned_tokens, token_rows
+from dcp_jax.transfer.status import TransferStatus
+
+__all__ = ["ReceiverData"]
+
+
+class ReceiverData:
+    """Notifications, pull reads, parts and chunks landing, SUCCESS."""
+
+    def _on_notification(self, peer: str, note: bytes) -> None:
+        link = self._by_peer.get(peer)
+        try:
+            msg = proto.decode(note, max_bytes=proto.MAX_NOTIF_BYTES)
+            if msg["k"] != "done" or link is None:
+                raise proto.ProtocolError(f"unexpected notification {msg['k']!r} from {peer!r}")
+        except proto.ProtocolError:
+            self._counts["rejected_notifications"] += 1
+            return
+        req = self._live(link, msg)
+        if req is not None:
+            self._part_landed(req, link, msg)
+
+    def _rows_of(self, req: RecvRequest, link: Any, start: int, stop: int) -> np.ndarray:
+        """This rank's rows of tokens [start, stop) that ``link``'s prefill rank holds."""
+        key = (req, id(link), start, stop)
+        rows = self._chunk_rows.get(key)
+        if rows is None:
+            a = max(start, req.prefix_tokens)
+            toks = owned_tokens(a, max(a, stop), dst=self._layout, src=SideLayout.of(link.spec))
+            # expect() checked the whole table once: only the pages these tokens touch here.
+            rows = self._chunk_rows[key] = token_rows(toks, self._layout, req.page_table, check_table=False)
+        return rows
+
+    def _part_landed(self, req: RecvRequest, link: Any, msg: dict) -> None:
+        start, stop, chunk = msg["start"], msg["stop"], msg["chunk"]
+        if stop > req.num_tokens:
+            self._inconsistent(req, f"chunk [{start}, {stop}) passes num_tokens={req.num_tokens}")
+            return
+        key = (id(link), chunk)
+        parts = self.parts_of(req, key, msg["nparts"])
+        if msg["part"] in parts[1]:
+            self._counts["dropped_messages"] += 1  # a duplicate part: credit it once
+            return
+        parts[1].add(msg["part"])
+        req.rows_landed[key] = req.rows_landed.get(key, 0) + msg["nrows"]
+        req.bytes += msg["nrows"] * self.spec.row_bytes
+        self._counts["bytes"] += msg["nrows"] * self.spec.row_bytes
+        req.state.advance(TransferStatus.TRANSFERRING)
+        req.state.touch()
+        if len(parts[1]) == parts[0]:
+            expected = len(self._rows_of(req, link, start, stop))
+            if req.rows_landed[key] != expected:
+                self._inconsistent(req, f"chunk {chunk} [{start}, {stop}) brought {req.rows_landed[key]} rows, "
+                                        f"this rank owns {expected}")
+                return
+            self._chunk_rows.pop((req, id(link), start, stop), None)
+            req.coverage[id(link)].add(start, stop)
+            self._maybe_done(req)
+
+    @staticmethod
+    def parts_of(req: RecvRequest, key: tuple, nparts: int) -> list:
+        entry = req.parts.get(key)
+        if entry is None:
+            entry = req.parts[key] = [nparts, set()]
+        return entry
+
+    def _inconsistent(self, req: RecvRequest, why: str) -> None:
+        self._counts["inconsistent_messages"] += 1
+        self._end(req, TransferStatus.FAILED, f"inconsistent completion: {why}", "failed")
+
+    def _start_read(self, req: RecvRequest, link: Any, msg: dict) -> None:
+        rows = self._rows_of(req, link, msg["start"], msg["stop"])
+        lo, n = msg["lo"], msg["nrows"]
+        if lo + n > len(rows) or msg["stop"] > req.num_tokens:
+            self._inconsistent(req, f"pull of rows [{lo}, {lo + n}) of a chunk this rank holds {len(rows)} rows of")
+            return
+        done = dict(chunk=msg["chunk"], part=msg["part"], nparts=msg["nparts"], start=msg["start"],
+                    stop=msg["stop"], nrows=n)
+        if n == 0:
+            link.client.send(proto.encode("pull_done", req.rid, req.inc, chunk=msg["chunk"], part=msg["part"],
+                                          ok=True, reason=""))
+            return self._part_landed(req, link, {"rid": req.rid, "inc": req.inc, **done})
+        dst = rows[lo:lo + n]
+        try:
+            if msg["src_rows"]:
+                src = proto.unpack_i64(msg["src_rows"], "src_rows", max_items=n)
+                if len(src) != n:
+                    raise proto.ProtocolError(f"src_rows has {len(src)} rows, nrows={n}")
+                src_bases = link.layer_bases
+            else:
+                src = np.arange(n, dtype=np.int64)
+                src_bases = msg["src_addr"] + layer_offsets(n, self.spec.item_lens)
+            descs = planmod.build_descriptors(planmod.group_runs(src, dst), src_bases, self._layers.bases,
+                                              self._layers.item_lens)
+            # READ rows are (local, remote, nbytes): local is this rank's KV, remote the sender's.
+            h = self.engine.transfer_batch(link.peer, descs[:, [1, 0, 2]], op="READ",
+                                           dcp_rank=self.spec.dcp_rank, chunk=msg["chunk"])
+        except Exception as exc:  # noqa: BLE001 - refused before a byte moved
+            link.client.send(proto.encode("pull_done", req.rid, req.inc, chunk=msg["chunk"], part=msg["part"],
+                                          ok=False, reason=str(exc)[:proto.MAX_TEXT]))
+            self._end(req, TransferStatus.FAILED, f"pull refused: {exc}", "failed")
+            return
+        self._reads[h.seq] = (req, link, done, h)
+        req.inflight += 1
+        self._counts["reads"] += 1
+        req.state.advance(TransferStatus.TRANSFERRING)
+
+    def _poll_reads(self) -> bool:
+        busy = False
+        for seq, (req, link, done, h) in list(self._reads.items()):
+            err = None
+            try:
+                if not self.engine.check(h):
+                    continue
+            except TransferError as exc:
+                err = str(exc)
+            busy = True
+            del self._reads[seq]
+            req.inflight -= 1
+            link.client.send(proto.encode("pull_done", req.rid, req.inc, chunk=done["chunk"], part=done["part"],
+                                          ok=err is None and not req.status.terminal, reason=(err or "")[:proto.MAX_TEXT]))
+            if req.status.terminal or self._requests.get(req.rid) is not req:
+                continue
+            if err is not None:
+                self._end(req, TransferStatus.FAILED, f"read failed: {err}", "failed")
+            else:
+                self._part_landed(req, link, {"rid": req.rid, "inc": req.inc, **done})
+        return busy
+
+    def _maybe_done(self, req: RecvRequest) -> None:
+        if not req.status.terminal and req.complete():
+            if req.finish(TransferStatus.SUCCESS):
+                self._counts["succeeded"] += 1

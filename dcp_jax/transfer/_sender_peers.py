@@ -1,0 +1,184 @@
+"""The sender's side of its connections: handshakes, announcements, heartbeats, lost peers.
+
+Half of the worker-thread machinery of `dcp_jax.transfer.KVSender` (a mixin: the state it works
+on is created in ``KVSender.__init__``; `SenderUnits` is the other half). Every method runs on
+the worker thread under the sender's lock.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import numpy as np
+
+from bridge import PeerInfo
+from dcp_jax.layout import local_len_np
+from dcp_jax.transfer import protocol as proto
+from dcp_jax.transfer._worker import check_page_table
+from dcp_jax.transfer.requests import RankTarget, SendRequest, check_request_id
+from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
+from dcp_jax.transfer.status import TransferStatus
+
+__all__ = ["SenderPeers", "Conn"]
+
+logger = logging.getLogger("dcp_jax.transfer.sender")
+
+
+@dataclasses.dataclass(eq=False)
+class Conn:
+    """One connected decode rank (its control identity, engine peer and cache geometry)."""
+
+    ident: bytes
+    name: str
+    peer: str
+    spec: KVCacheSpec
+    group: str
+    direction: str
+    layer_bases: np.ndarray
+    last_seen: float
+
+
+class SenderPeers:
+    """Handshakes, announcements, aborts from decode ranks, heartbeats and lost peers."""
+
+    def _on_message(self, ident: bytes, msg: dict) -> None:
+        kind = msg["k"]
+        if kind == "hello":
+            return self._on_hello(ident, msg)
+        conn = self._conns.get(ident)
+        if conn is None:
+            if kind == "_bad_version":
+                return self._nack(ident, HandshakeError("version", proto.PROTOCOL_VERSION, msg["v"]))
+            self._counts["dropped_messages"] += 1
+            return
+        conn.last_seen = time.monotonic()
+        if kind == "expect":
+            return self._on_expect(conn, msg)
+        if kind == "pull_done":
+            return self._on_pull_done(conn, msg)
+        if kind in ("abort", "failed"):
+            req = self._requests.get(msg["rid"])
+            t = req.targets.get(conn.spec.dcp_rank) if req is not None else None
+            if t is None or t.inc != msg["inc"] or t.conn is not conn:
+                # Nothing of ours is in flight for that incarnation: the rank may reuse its pages.
+                self._ctl.send(conn.ident, proto.encode("drained", msg["rid"], msg["inc"]))
+                self._counts["dropped_messages"] += 1
+                return
+            if req.status.terminal:
+                self._counts["dropped_messages"] += 1
+                self._maybe_drained(req, t)
+                return
+            status = TransferStatus.ABORTED if kind == "abort" else TransferStatus.FAILED
+            self._end(req, status, f"decode rank {conn.spec.dcp_rank}: {msg['reason']}", notify=kind)
+        elif kind != "ping":
+            self._counts["dropped_messages"] += 1
+
+    def _on_hello(self, ident: bytes, msg: dict) -> None:
+        try:
+            spec = KVCacheSpec.from_dict(msg["spec"])
+            check_compatible(self.spec, spec, side="prefill")
+            if msg["direction"] not in ("push", "pull"):
+                raise HandshakeError("direction", "push|pull", msg["direction"])
+            group = [c for c in self._conns.values() if c.group == msg["group"] and c.ident != ident]
+            for c in group:
+                for field in ("dcp_size", "interleave_size"):
+                    if getattr(c.spec, field) != getattr(spec, field):
+                        raise HandshakeError(field, getattr(c.spec, field), getattr(spec, field),
+                                             f"decode group {msg['group']!r} already has rank {c.spec.dcp_rank} with it")
+            bases = proto.unpack_i64(msg["layer_bases"], "layer_bases", max_items=self.spec.num_layers)
+            if len(bases) != self.spec.num_layers:
+                raise HandshakeError("layer_bases", self.spec.num_layers, len(bases))
+            info = PeerInfo.from_dict(msg["peer"])
+        except HandshakeError as exc:
+            return self._nack(ident, exc)
+        except (TypeError, ValueError, proto.ProtocolError) as exc:
+            return self._nack(ident, HandshakeError("spec", "a valid hello", "refused", str(exc)))
+        for old in [c for c in group if c.spec.dcp_rank == spec.dcp_rank]:
+            self._drop_conn(old, f"decode rank {spec.dcp_rank} reconnected")
+        try:
+            peer = self.engine.add_peer(info)
+        except Exception as exc:  # noqa: BLE001 - refused metadata: tell the receiver why
+            return self._nack(ident, HandshakeError("peer", "engine metadata", "refused", str(exc)))
+        self._conns[ident] = Conn(ident, msg["name"], peer, spec, msg["group"], msg["direction"],
+                                   bases, time.monotonic())
+        self._counts["handshakes"] += 1
+        self._ctl.send(ident, proto.encode(
+            "hello_ack", spec=self.spec.to_dict(), peer=self.engine.peer_info().to_dict(),
+            layer_bases=proto.pack_i64(self._layers.bases), name=self.engine.name))
+
+    def _nack(self, ident: bytes, exc: HandshakeError) -> None:
+        self._counts["handshakes_refused"] += 1
+        def plain(v):  # msgpack-able as is: scalars and lists of them; anything else as text
+            if isinstance(v, (tuple, list)) and all(isinstance(x, (int, str)) for x in v):
+                return list(v)
+            return v if isinstance(v, (int, str, float, bool, type(None))) else repr(v)
+
+        self._ctl.send(ident, proto.encode("hello_nack", field=exc.field, ours=plain(exc.ours),
+                                           theirs=plain(exc.theirs), message=str(exc)[:proto.MAX_TEXT]))
+
+    def _on_expect(self, conn: Conn, msg: dict) -> None:
+        rid, rank = msg["rid"], conn.spec.dcp_rank
+        try:
+            check_request_id(rid)
+            if msg["dcp_rank"] != rank or msg["prefix_tokens"] > msg["num_tokens"]:
+                raise proto.ProtocolError("expect: rank or token range inconsistent")
+            table = proto.unpack_i64(msg["page_table"], "page_table")
+            s = conn.spec  # once per announcement, so planning each chunk need not check it again
+            rows = int(local_len_np(msg["num_tokens"], s.dcp_size, s.dcp_rank, s.interleave_size))
+            table = check_page_table(table, rows, s.page_size, np.iinfo(np.int64).max // s.page_size)
+        except (TypeError, ValueError) as exc:
+            logger.debug("dropping expect: %s", exc)
+            self._counts["dropped_messages"] += 1
+            return
+        req = self._requests.get(rid)
+        if req is not None and req.status.terminal:
+            if rank in req.targets or req.status is TransferStatus.SUCCESS:
+                # This rank already had this id: the decode side released and reused it.
+                self._early.setdefault(rid, []).append((conn, msg))
+            else:  # a late announcement of the request that ended: tell the rank how it ended
+                kind = "abort" if req.status is TransferStatus.ABORTED else "failed"
+                self._ctl.send(conn.ident, proto.encode(kind, rid, msg["inc"], reason=req.state.reason))
+            return
+        if req is None:
+            req = self._new_request(rid)
+        old = req.targets.get(rank)
+        if old is not None or (req.group is not None and req.group != conn.group):
+            self._counts["dropped_messages"] += 1  # a duplicate or a second group: not ours
+            return
+        req.group, req.group_size = conn.group, conn.spec.dcp_size
+        req.targets[rank] = RankTarget(conn, msg["inc"], msg["num_tokens"], msg["prefix_tokens"], table)
+        req.state.touch()
+        self._maybe_done(req)
+
+    def _new_request(self, rid: str) -> SendRequest:
+        req = self._requests[rid] = SendRequest(rid)
+        self._counts["requests"] += 1
+        return req
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        for conn in list(self._conns.values()):
+            if now - conn.last_seen > self.peer_timeout_s:
+                self._drop_conn(conn, f"decode rank {conn.spec.dcp_rank} silent for {self.peer_timeout_s:g} s")
+        if now - self._last_ping >= self.heartbeat_s:
+            self._last_ping = now
+            ping = proto.encode("ping")
+            for conn in list(self._conns.values()):
+                self._ctl.send(conn.ident, ping)
+
+    def _drop_conn(self, conn: Conn, reason: str) -> None:
+        """A receiver is gone: fail its requests, forget its engine peer (its handles then end)."""
+        self._conns.pop(conn.ident, None)
+        for req in list(self._requests.values()):
+            t = req.targets.get(conn.spec.dcp_rank)
+            if t is not None and t.conn is conn:
+                self._end(req, TransferStatus.FAILED, reason, notify="failed")
+        for key, u in list(self._pulls.items()):
+            if u.target.conn is conn:  # a dead reader reads no more: its regions are free
+                del self._pulls[key]
+                self._unit_finished(u, reason)
+        try:
+            self.engine.remove_peer(conn.peer)
+        except Exception:  # noqa: BLE001 - already gone
+            pass

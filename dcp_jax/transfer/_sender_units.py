@@ -1,0 +1,236 @@
+"""The sender's send algorithm: plan units, hold pack regions, submit, poll, end requests.
+
+Half of the worker-thread machinery of `dcp_jax.transfer.KVSender` (a mixin: the state it works
+on is created in ``KVSender.__init__``; `SenderPeers` is the other half). Every method runs on
+the worker thread under the sender's lock. A (request, chunk, rank) is planned once by
+`dcp_jax.transfer.schedule.plan_rank_chunk`; each of its windows is one `Unit`: one engine batch
+(push) or one ``pull_ready`` (pull), with its own pack region from the `PackArena`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from bridge import TransferError
+from dcp_jax.transfer import protocol as proto
+from dcp_jax.transfer.requests import RankTarget, SendRequest
+from dcp_jax.transfer.schedule import SideLayout, batch_engine_calls, plan_rank_chunk
+from dcp_jax.transfer.spec import KVCacheSpec
+from dcp_jax.transfer.status import TransferStatus
+
+__all__ = ["SenderUnits", "Unit"]
+
+
+@dataclasses.dataclass(eq=False)
+class Unit:
+    """One window of one (request, chunk, rank): one engine batch or one pull."""
+
+    req: SendRequest
+    target: RankTarget
+    rc: Any          # schedule.RankChunk
+    w: int           # window index
+    region: Any = None
+    handle: Any = None
+
+
+class SenderUnits:
+    """Planning, pack regions, submission, completion and the endings of requests."""
+
+    def _plan_units(self) -> None:
+        for req in self._requests.values():
+            if req.status.terminal or req.page_table is None:
+                continue
+            for rank, t in req.targets.items():
+                while t.next_chunk < len(req.chunks):
+                    ci = t.next_chunk
+                    t.next_chunk += 1
+                    start, stop = req.chunks[ci]
+                    if stop > t.num_tokens:
+                        self._end(req, TransferStatus.FAILED, f"tokens [{start}, {stop}) pass decode rank "
+                                  f"{rank}'s num_tokens={t.num_tokens}", notify="failed")
+                        break
+                    tp = time.perf_counter()
+                    try:
+                        rc = plan_rank_chunk(
+                            ci, max(start, t.prefix_tokens), max(stop, t.prefix_tokens), src=self._layout,
+                            dst=SideLayout.of(t.conn.spec), src_page_table=req.page_table,
+                            dst_page_table=t.page_table, mode=self._mode_for(t.conn.spec),
+                            max_batch_indices=self.max_batch_indices, max_region_rows=self._max_region_rows,
+                            check_tables=False)  # both tables were checked once, at send / expect
+                    except ValueError as exc:
+                        self._end(req, TransferStatus.FAILED, f"plan for decode rank {rank}: {exc}", notify="failed")
+                        break
+                    req.plan_seconds += time.perf_counter() - tp
+                    t.parts_left[ci] = (len(rc.windows), start, stop)
+                    t.counters.rows += len(rc.src_rows)
+                    if rc.strategy != "empty":
+                        t.counters.strategies.add(rc.strategy)
+                    self._queue.extend(Unit(req, t, rc, w) for w in range(len(rc.windows)))
+                if req.status.terminal:
+                    break
+
+    def _mode_for(self, dst: KVCacheSpec) -> str:
+        if self.mode != "auto":
+            return self.mode
+        return "direct" if dst.interleave_size % self.spec.page_size == 0 else "packed"
+
+    def _submit_units(self) -> bool:
+        busy = False
+        while self._queue:
+            u = self._queue[0]
+            if u.req.status.terminal:
+                self._queue.popleft()
+                continue
+            lo, hi = u.rc.windows[u.w]
+            if u.rc.strategy == "packed" and hi > lo:
+                u.region = self._arena.acquire((u.req.rid, u.rc.chunk, u.target.conn.spec.dcp_rank, u.w),
+                                               u.rc.window_bytes(u.w, self._layers.item_lens))
+                if u.region is None:
+                    break  # the arena is full: wait for a transfer to finish (FIFO keeps order)
+            self._queue.popleft()
+            busy = True
+            try:
+                self._submit(u, lo, hi)
+            except Exception as exc:  # noqa: BLE001 - the request fails, the sender lives on
+                if u.region is not None:
+                    self._arena.release(u.region)
+                self._end(u.req, TransferStatus.FAILED, f"decode rank {u.target.conn.spec.dcp_rank}, chunk "
+                          f"{u.rc.chunk}: {type(exc).__name__}: {exc}", notify="failed")
+        return busy
+
+    def _submit(self, u: Unit, lo: int, hi: int) -> None:
+        req, t, rc = u.req, u.target, u.rc
+        rank, n = t.conn.spec.dcp_rank, hi - lo
+        region_addr = None
+        if u.region is not None:
+            from pallas_kernels import pack_rows
+
+            tk = time.perf_counter()
+            pack_rows(self._layers.rows, rc.src_rows[lo:hi], self._pack.array, offset=u.region.offset)
+            req.pack_seconds += time.perf_counter() - tk
+            region_addr = self._pack.addr + u.region.offset
+        head = dict(chunk=rc.chunk, part=u.w, nparts=len(rc.windows), start=rc.start, stop=rc.stop, nrows=n)
+        if req.t_first_submit is None:
+            req.t_first_submit = time.perf_counter()
+        req.state.advance(TransferStatus.TRANSFERRING)
+        if t.conn.direction == "pull":
+            src_rows = b"" if region_addr is not None else proto.pack_i64(rc.src_rows[lo:hi])
+            self._pulls[(req.rid, t.inc, rank, rc.chunk, u.w)] = u
+            req.inflight += 1
+            t.inflight += 1
+            # The reader builds these very descriptors (same rows, same runs): count them here.
+            ndesc = rc.descriptors_per_window(self.spec.num_layers)[u.w] if n else 0
+            self._count(t, ndesc, rc.window_bytes(u.w, self._layers.item_lens) if n else 0,
+                        batch_engine_calls(ndesc, getattr(self.engine, "window", None)) if n else 0)
+            self._ctl.send(t.conn.ident, proto.encode("pull_ready", req.rid, t.inc, lo=lo, src_addr=region_addr or 0,
+                                                      src_rows=src_rows, **head))
+            return
+        descs = rc.window_descriptors(u.w, src_bases=self._layers.bases, dst_bases=t.conn.layer_bases,
+                                      item_lens=self._layers.item_lens, region_addr=region_addr)
+        notif = proto.encode("done", req.rid, t.inc, **head)
+        u.handle = self.engine.transfer_batch(t.conn.peer, descs, notif=notif, dcp_rank=rank, chunk=rc.chunk)
+        req.inflight += 1
+        t.inflight += 1
+        self._inflight.append(u)
+        self._count(t, len(descs), int(descs[:, 2].sum()) if len(descs) else 0,
+                    batch_engine_calls(len(descs), getattr(self.engine, "window", None)))
+
+    def _count(self, t: RankTarget, descriptors: int, nbytes: int, calls: int) -> None:
+        """Adds one batch to the rank's and the sender's counters (a notification-only batch
+        moves no descriptor and counts no batch)."""
+        batches = 1 if descriptors else 0
+        c = t.counters
+        c.descriptors += descriptors
+        c.bytes += nbytes
+        c.batches += batches
+        c.engine_calls += calls
+        for k, v in (("descriptors", descriptors), ("bytes", nbytes), ("batches", batches), ("engine_calls", calls)):
+            self._counts[k] += v
+
+    def _poll_inflight(self) -> bool:
+        busy, keep = False, []
+        for u in self._inflight:
+            err = None
+            try:
+                done = self.engine.check(u.handle)
+            except TransferError as exc:
+                done, err = True, exc
+            if not done:
+                keep.append(u)
+                continue
+            busy = True
+            self._unit_finished(u, None if err is None else f"engine: {err}")
+        self._inflight = keep
+        return busy
+
+    def _unit_finished(self, u: Unit, error: str | None) -> None:
+        """The engine (or the reader) is done with a window: free its region, credit or fail."""
+        if u.region is not None:
+            if u.region.state == "quarantined":
+                self._arena.release_quarantined(u.region)
+            else:
+                self._arena.release(u.region)
+            u.region = None
+        req, t = u.req, u.target
+        req.inflight -= 1
+        t.inflight -= 1
+        if req.status.terminal or self._requests.get(req.rid) is not req:
+            self._maybe_drained(req, t)
+            return
+        if error is not None:
+            self._end(req, TransferStatus.FAILED, f"decode rank {t.conn.spec.dcp_rank}, chunk {u.rc.chunk}: {error}",
+                      notify="failed")
+            return
+        left, start, stop = t.parts_left[u.rc.chunk]
+        if left > 1:
+            t.parts_left[u.rc.chunk] = (left - 1, start, stop)
+        else:
+            del t.parts_left[u.rc.chunk]
+            t.coverage.add(start, stop)
+        req.state.touch()
+        self._maybe_done(req)
+
+    def _maybe_done(self, req: SendRequest) -> None:
+        if not req.status.terminal and req.complete() and req.inflight == 0:
+            if req.finish(TransferStatus.SUCCESS):
+                self._counts["succeeded"] += 1
+
+    def _on_pull_done(self, conn: Any, msg: dict) -> None:
+        u = self._pulls.pop((msg["rid"], msg["inc"], conn.spec.dcp_rank, msg["chunk"], msg["part"]), None)
+        if u is None or u.target.conn is not conn:
+            self._counts["dropped_messages"] += 1
+            return
+        self._unit_finished(u, None if msg["ok"] else f"reader: {msg['reason']}")
+
+    def _end(self, req: SendRequest, status: TransferStatus, reason: str, *, notify: str | None) -> bool:
+        """Moves a live request to FAILED/ABORTED, tells its decode ranks, quarantines its regions."""
+        if not req.finish(status, reason):
+            return False
+        self._counts["failed" if status is TransferStatus.FAILED else "aborted"] += 1
+        for u in self._inflight + list(self._pulls.values()):
+            if u.req is req and u.region is not None and u.region.state != "quarantined":
+                self._arena.quarantine(u.region)
+                if u.handle is not None:
+                    self.engine.cancel(u.handle)
+        if notify:
+            for t in req.targets.values():
+                if t.conn.ident in self._conns:
+                    self._ctl.send(t.conn.ident, proto.encode(notify, req.rid, t.inc, reason=reason[:proto.MAX_TEXT]))
+        for t in req.targets.values():
+            self._maybe_drained(req, t)
+        return True
+
+    def _maybe_drained(self, req: SendRequest, t: RankTarget) -> None:
+        """Tells a rank of an ended (not successful) request once no write of ours into its
+        pages is in flight: the decode side may then reuse them (`KVReceiver.is_drained`)."""
+        if (req.status.terminal and req.status is not TransferStatus.SUCCESS and not t.drained
+                and t.inflight == 0 and t.conn.ident in self._conns):
+            t.drained = True
+            self._ctl.send(t.conn.ident, proto.encode("drained", req.rid, t.inc))
+
+    def _check_timeouts(self) -> None:
+        now = time.monotonic()
+        for req in list(self._requests.values()):
+            if not req.status.terminal and req.state.stalled_for(now) > self.timeout_s:
+                self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s", notify="failed")
