@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from bridge import TransferError
+from pallas_kernels import pack_rows
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer.requests import RankTarget, SendRequest
 from dcp_jax.transfer.schedule import SideLayout, batch_engine_calls, plan_rank_chunk
@@ -104,10 +105,9 @@ class SenderUnits:
         rank, n = t.conn.spec.dcp_rank, hi - lo
         region_addr = None
         if u.region is not None:
-            from pallas_kernels import pack_rows
 
             tk = time.perf_counter()
-            pack_rows(self._layers.rows, rc.src_rows[lo:hi], self._pack.array, offset=u.region.offset)
+            pack_rows(self._source, rc.src_rows[lo:hi], self._pack.array, offset=u.region.offset)
             req.pack_seconds += time.perf_counter() - tk
             region_addr = self._pack.addr + u.region.offset
         head = dict(chunk=rc.chunk, part=u.w, nparts=len(rc.windows), start=rc.start, stop=rc.stop, nrows=n)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from bridge import make_engine
+from pallas_kernels import PackSource, compile_count
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, Worker, check_page_table, check_seconds
 from dcp_jax.transfer.arena import PackArena
@@ -97,6 +98,7 @@ class KVSender(SenderPeers, SenderUnits):
         self.heartbeat_s = check_seconds("heartbeat_s", heartbeat_s)
         self.max_batch_indices = max_batch_indices
         self._layers = CacheLayers(spec, kv_layers)
+        self._source = PackSource(self._layers.rows)  # checked (and imported) once for every pack
         self._layout = SideLayout.of(spec)
         self._pack = _alloc_pack(pack_bytes, self._layers)
         self._arena = PackArena(pack_bytes, align=64)
@@ -119,8 +121,6 @@ class KVSender(SenderPeers, SenderUnits):
         self._counts = dict(dropped_messages=0, handshakes=0, handshakes_refused=0, requests=0,
                             succeeded=0, failed=0, aborted=0, bytes=0, descriptors=0, batches=0,
                             engine_calls=0)
-        from pallas_kernels import compile_count
-
         self._compile_count = compile_count
         self._worker = Worker(f"dcp-sender-{spec.dcp_rank}", self._round, self._ctl.sock)
         self._last_ping = 0.0
@@ -260,6 +260,7 @@ class KVSender(SenderPeers, SenderUnits):
                 self._end(req, TransferStatus.FAILED, "sender closed", notify="failed")
             self._ctl.close()
         self.engine.close(timeout_s=max(0.1, deadline - time.monotonic()))
+        self._source = None
         self._layers.close()
 
     def __enter__(self) -> "KVSender":
