@@ -1,6 +1,6 @@
 """Engine benchmark: the main job's transfer, direct vs packed vs block round-robin, on NIXL and Mooncake.
 
-For each engine it runs ``dcp_jax.transfer_job.run_job`` (real prefill and decode-rank processes,
+For each engine it runs ``dcp_jax.job.run_job`` (real prefill and decode-rank processes,
 host memory, loopback, every byte verified by the decode ranks) in three ways:
 
 - ``direct``: token round-robin (I = 1), descriptors straight from the KV buffers (one per token
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from dcp_jax.transfer_job import JobConfig, run_job  # noqa: E402
+from dcp_jax.job import JobConfig, run_job  # noqa: E402
 
 def run(args: argparse.Namespace) -> dict:
     rows = []

@@ -9,7 +9,8 @@ Modules (import what you need; the package import itself stays light):
 - ``dcp_jax.merge``: exact LSE merge of partial attention (and the ``ag_rs`` / ``ag_ar`` / ``a2a`` forms).
 - ``dcp_jax.attention``: DCP decode attention (MLA absorbed form, GQA).
 - ``dcp_jax.crosscheck``: compare the merge against a PyTorch reference.
-- ``dcp_jax.transfer_job``: the main job behind ``dcp-jax transfer``.
+- ``dcp_jax.transfer``: the KV transfer connector (``KVSender``, ``KVReceiver``).
+- ``dcp_jax.job``: the main job behind ``dcp-jax transfer``, built on the connector.
 """
 
 __version__ = "0.1.0"

@@ -43,7 +43,7 @@ def _check_out_path(path: Optional[Path], option: str) -> None:
 
 def _job_config(mode: str, **kwargs):
     """The main job's JobConfig for these options: the one validation ``transfer`` and ``plan`` share."""
-    from dcp_jax.transfer_job import JobConfig
+    from dcp_jax.job import JobConfig
 
     if mode not in _MODES:
         _fail(f"--mode={mode!r} must be one of {', '.join(_MODES)}")
@@ -97,7 +97,7 @@ def transfer(
     Prints one table per mode: descriptors, bytes, engine calls, seconds, GB/s, verified per rank.
     Then the packed/direct ratios. Exit status 1 if any byte is wrong, 2 for bad options.
     """
-    from dcp_jax.transfer_job import DEVICES, check_device, check_host_memory, run_job
+    from dcp_jax.job import DEVICES, check_device, check_host_memory, run_job
 
     if mode not in _MODES:
         _fail(f"--mode={mode!r} must be one of {', '.join(_MODES)}")

@@ -1,53 +1,61 @@
-"""The main job with real processes and real engines (host memory, loopback), on small geometries.
+"""The main job (dcp_jax.job) with real processes, real connectors and real engines (host memory,
+loopback), on small geometries.
 
 Every run is checked by the decode ranks byte for byte (received rows hold their token's pattern,
-every other row of the pool its sentinel); descriptor counts are recomputed here from the planner
-and the same allocator-drawn page tables.
+every other row of the pool, prefix pages included, its sentinel); descriptor counts are
+recomputed here from dcp_jax.plan (not the connector's schedule) on the same allocator-drawn
+page tables.
 """
 import dataclasses
-import os
-import signal
 import time
+import uuid
 
 import numpy as np
 import pytest
 
 from dcp_jax import plan as planmod
-from dcp_jax.transfer_job import (
-    DecodeTarget,
-    JobConfig,
-    PrefillServer,
-    RequestFailed,
-    _prefill_page_table,
-    decode_owned_tokens,
+from dcp_jax.job import JobConfig, run_job
+from dcp_jax.job.kv import (
+    PACK_ALIGN,
     decode_page_table,
     decode_pool_pages,
-    run_job,
-    start_decode_processes,
+    decode_pools,
+    owned_tokens,
+    pack_bytes,
+    prefill_page_table,
+    request_page_tables,
 )
+from dcp_jax.job.processes import start_processes, stop_all
+from dcp_jax.job.run import run_mode
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(180)
 
 SMALL = dict(model="tiny-mixed", prompt_tokens=700, page_size=16, dcp_size=3, timeout_s=20.0)
 
 
 def _expected_descriptors(cfg: JobConfig) -> dict[str, int]:
-    """Direct and packed descriptor totals from dcp_jax.plan on the job's own page tables (M = 1)."""
-    _, _, src_pages, _ = _prefill_page_table(cfg, 0)
-    pool = decode_pool_pages(cfg)
-    layers = cfg.geometry.num_layers
+    """Direct and packed descriptor totals from dcp_jax.plan on the job's own page tables (M = 1).
+
+    Both tables map local rows from token 0 (spec section 10): the chunk's prefill pages start at
+    page ``start // P``, the decode rank's send-range pages after its prefix pages.
+    """
+    _, _, src_table, _ = prefill_page_table(cfg, 0)
+    send_pool = decode_pools(cfg)[0]
+    p, n = cfg.page_size, cfg.dcp_size
     out = {"direct": 0, "packed": 0}
-    for r in range(cfg.dcp_size):
-        dst_pages = decode_page_table(cfg, r, cfg.dcp_size, pool)
+    for r in range(n):
+        dst_table = decode_page_table(cfg, r, n, send_pool)
+        prefix_pages = len(owned_tokens(0, cfg.prefix_tokens, n, r, cfg.interleave_size)[0]) // p
         for start, length in cfg.chunks():
-            off = (start - cfg.prefix_tokens) // cfg.page_size
             tp = planmod.build_token_transfer_plan(
-                src_pages[off: off + -(-length // cfg.page_size)], dst_pages, page_size=cfg.page_size,
-                dcp_size=cfg.dcp_size, dcp_rank=r, interleave_size=cfg.interleave_size, src_page_offset=off,
-                decode_prefix_len=cfg.prefix_tokens, num_kv_tokens=length)
+                src_table[start // p: start // p + -(-length // p)], dst_table[prefix_pages:], page_size=p,
+                dcp_size=n, dcp_rank=r, interleave_size=cfg.interleave_size,
+                src_page_offset=(start - cfg.prefix_tokens) // p, decode_prefix_len=cfg.prefix_tokens,
+                num_kv_tokens=length)
+            layers = cfg.geometry.num_layers
             out["direct"] += layers * len(planmod.group_runs(tp.src_token_indices, tp.dst_token_indices))
-            n = len(tp.src_token_indices)
-            out["packed"] += layers * len(planmod.group_runs(np.arange(n), tp.dst_token_indices))
+            rows = len(tp.src_token_indices)
+            out["packed"] += layers * len(planmod.group_runs(np.arange(rows), tp.dst_token_indices))
     return out
 
 
@@ -57,23 +65,25 @@ def _check_run(run: dict, cfg: JobConfig) -> None:
     assert sum(r["bytes"] for r in run["ranks"]) == run["bytes"]
     for r in run["ranks"]:
         assert r["bytes_exact"] and r["bad_rows"] == 0 and r["bad_sentinel_rows"] == 0
-        assert r["rows"] == len(decode_owned_tokens(cfg.prefix_tokens, cfg.prompt_tokens, cfg.dcp_size,
-                                                    r["dcp_rank"], cfg.interleave_size)[0])
+        assert r["status"] == "success" and not r["errors"]
+        assert r["rows"] == len(owned_tokens(cfg.prefix_tokens, cfg.prompt_tokens, cfg.dcp_size,
+                                             r["dcp_rank"], cfg.interleave_size)[0])
 
 
 def test_small_job_both_modes_nixl_matches_plan():
     cfg = JobConfig(**SMALL, engine="nixl")
     res = run_job(cfg)
     assert res["verified"] and [r["mode"] for r in res["runs"]] == ["direct", "packed"]
-    assert res["warmup_seconds"] > 0  # untimed warm-up ran before the timed modes (and is not counted)
+    assert res["warmup_seconds"] > 0  # untimed warm-up ran before the timed requests (and is not counted)
     want = _expected_descriptors(cfg)
     for run in res["runs"]:
         _check_run(run, cfg)
-        assert run["engine"] == "nixl"
+        assert run["engine"] == "nixl" and run["warmup_seconds"] > 0
         assert run["descriptors"] == want[run["mode"]]
         # One engine call per (chunk, rank): all layer entries in one batch.
         assert run["batches"] == run["engine_calls"] == cfg.dcp_size
         assert all(r["batches"] == r["engine_calls"] == 1 for r in run["ranks"])
+        assert all(r["strategy"] == run["mode"] for r in run["ranks"])
     d, p = res["runs"]
     assert p["descriptors"] < d["descriptors"]
     assert res["comparison"]["descriptor_ratio"] == pytest.approx(d["descriptors"] / p["descriptors"])
@@ -89,20 +99,20 @@ def test_chunked_prefix_verify_mooncake_matches_plan():
         _check_run(run, cfg)
         assert run["engine"] == "mooncake" and run["descriptors"] == want[run["mode"]]
         assert run["batches"] == chunks * cfg.dcp_size
-        # Per-rank engine calls (Mooncake: one per 1024-descriptor window) add up to the engine's counter.
-        assert sum(r["engine_calls"] for r in run["ranks"]) == run["engine_calls"] >= run["batches"]
+        # Per-rank engine calls (Mooncake: one per 1024-descriptor window plus the notification).
+        assert sum(r["engine_calls"] for r in run["ranks"]) == run["engine_calls"] == 2 * run["batches"]
         assert all(r["checksum_ok"] is True and r["chunks"] == chunks for r in run["ranks"])
 
 
 def test_mooncake_engine_calls_per_rank_count_1024_descriptor_windows():
     # 4096 rows x 3 layer entries of token round-robin = 12,288 descriptors per rank in ONE batch,
-    # which Mooncake submits as 12 windows of 1024: batches 1, engine calls 12 per rank.
+    # which Mooncake submits as 12 windows of 1024, then its completion notification: 13 calls.
     cfg = JobConfig(model="tiny", prompt_tokens=8192, page_size=16, dcp_size=2, engine="mooncake",
                     modes=("direct",), timeout_s=20.0)
     run = run_job(cfg)["runs"][0]
     _check_run(run, cfg)
-    assert [(r["batches"], r["engine_calls"]) for r in run["ranks"]] == [(1, 12), (1, 12)]
-    assert run["batches"] == 2 and run["engine_calls"] == 24
+    assert [(r["descriptors"], r["batches"], r["engine_calls"]) for r in run["ranks"]] == [(12288, 1, 13)] * 2
+    assert run["batches"] == 2 and run["engine_calls"] == 26
 
 
 @pytest.mark.parametrize("m, n, ip, i", [(2, 4, 1, 1), (4, 2, 8, 16)], ids=lambda v: str(v))
@@ -114,7 +124,7 @@ def test_prefill_dcp_m_to_decode_dcp_n(m, n, ip, i):
     # (chunk, source, destination) triples with rows, brute force from the ownership formulas.
     pairs = set()
     for k in range(m):
-        toks, _ = decode_owned_tokens(cfg.prefix_tokens, cfg.prompt_tokens, m, k, ip)
+        toks, _ = owned_tokens(cfg.prefix_tokens, cfg.prompt_tokens, m, k, ip)
         for ci, (start, length) in enumerate(cfg.chunks()):
             t = toks[(toks >= start) & (toks < start + length)]
             pairs.update((ci, k, int(d)) for d in np.unique((t // i) % n))
@@ -133,7 +143,7 @@ def test_prefill_dcp_m_to_decode_dcp_n(m, n, ip, i):
 @pytest.mark.parametrize("m, n", [(2, 4), (4, 2)])
 def test_mxn_default_pack_never_slices_and_pack_tokens_still_slices(m, n):
     # Whole-request send: one decode rank gets all of a prefill rank's rows for some pairs, more
-    # than shard / N; the pack region must still hold them.
+    # than shard / N; the pack buffer must still hold them.
     cfg = JobConfig(model="tiny", prompt_tokens=2048, page_size=16, dcp_size=n, prefill_dcp_size=m,
                     modes=("packed",), timeout_s=20.0)
     run = run_job(cfg)["runs"][0]
@@ -145,7 +155,8 @@ def test_mxn_default_pack_never_slices_and_pack_tokens_still_slices(m, n):
     run = run_job(forced)["runs"][0]
     _check_run(run, forced)
     assert all(r["strategy"] == "sliced" for r in run["ranks"])
-    assert run["batches"] > with_rows
+    # Each (source, destination) pair of 512 rows goes in slices of the 256-row buffer.
+    assert run["batches"] == with_rows * 2
 
 
 def test_block_round_robin_sliced_pack_and_windows():
@@ -155,15 +166,15 @@ def test_block_round_robin_sliced_pack_and_windows():
     blk = run_job(JobConfig(**base, interleave_size=16))["runs"][0]
     assert tok["verified"] and blk["verified"]
     assert blk["descriptors"] * 16 <= tok["descriptors"]
-    # A pack buffer for 120 tokens (40 rows per rank region) forces gather/send/wait slices, and
-    # windows of 25 rows split every batch; both still byte-exact.
+    # A pack buffer for 120 tokens (120 rows) forces sliced packing, and windows of 25 rows split
+    # every slice; both still byte-exact.
     cfg = JobConfig(**dict(SMALL, modes=("packed",)), pack_tokens=120, max_batch_indices=25)
     run = run_job(cfg)["runs"][0]
     _check_run(run, cfg)
     assert all(r["strategy"] == "sliced" for r in run["ranks"])
-    # Slices of 40 rows (the region), each split into windows of at most 25 rows.
-    assert run["batches"] == sum(-(-min(40, r["rows"] - s) // 25)
-                                 for r in run["ranks"] for s in range(0, r["rows"], 40))
+    region = pack_bytes(cfg, 0) // cfg.geometry.row_bytes
+    assert region == 120
+    assert run["batches"] == sum(-(-r["rows"] // min(25, region)) for r in run["ranks"])
 
 
 def test_corrupted_byte_is_caught_by_checksum_and_full_verification():
@@ -172,64 +183,43 @@ def test_corrupted_byte_is_caught_by_checksum_and_full_verification():
     assert not res["verified"]
     ranks = res["runs"][0]["ranks"]
     assert [r["verified"] for r in ranks] == [True, False, True]
+    assert ranks[1]["status"] == "success"  # the connector delivered; the damage came after
     assert ranks[1]["checksum_ok"] is False and ranks[1]["bad_rows"] == 1
-    assert ranks[1]["bad_checksums"] == [[0, cfg.geometry.num_layers - 1]] or \
-        ranks[1]["bad_checksums"] == [(0, cfg.geometry.num_layers - 1)]
+    assert [tuple(x) for x in ranks[1]["bad_checksums"]] == [(0, cfg.geometry.num_layers - 1)]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("engine", ["nixl", "mooncake"])
 def test_decode_killed_mid_request_then_next_request_to_survivors(engine):
-    """A decode rank SIGKILLed after its first chunk: the prefill fails fast, cleans up, serves the rest."""
+    """Decode process 1 SIGKILLs itself after its first chunk landed: the mode fails within the
+    grace period (the others abort through the connector, nobody waits out timeout_s), and the same
+    prefill process then serves the two survivors as a DCP-2 group, byte-exact."""
     cfg = JobConfig(model="tiny", prompt_tokens=2048, page_size=16, dcp_size=3, chunk_tokens=256,
-                    engine=engine, timeout_s=8.0, modes=("packed",))
-    decodes = start_decode_processes(cfg, min_dcp_size=2)
-    server = PrefillServer(cfg, 0)
+                    engine=engine, timeout_s=60.0, modes=("packed",), die_rank=1, die_after_chunks=1)
+    tag = uuid.uuid4().hex[:8]
+    prefills, decodes, _ = start_processes(cfg, tag=tag, min_dcp_size=2)
     try:
-        peers = [server.connect(d.peer_info) for d in decodes]
-
-        def start(group, seq):
-            for r, d in enumerate(group):
-                d.ctrl.send(("request", dict(dcp_rank=r, dcp_size=len(group), seq=seq)))
-            ready = [d.recv(10, "ready") for d in group]
-            return [DecodeTarget(r, peers[decodes.index(d)], np.asarray(rd["layer_bases"]),
-                                 np.asarray(rd["dst_pages"]), d.src_conns[0])
-                    for r, (d, rd) in enumerate(zip(group, ready))]
-
-        victim = decodes[1]
-        targets = start(decodes, 0)
-
-        def kill_after_first(_):
-            if victim.process.is_alive():
-                os.kill(victim.process.pid, signal.SIGKILL)
-                victim.process.join(5)
-
         t0 = time.monotonic()
-        with pytest.raises(RequestFailed) as err:
-            server.send_request("packed", targets, dcp_size=3, progress=kill_after_first)
-        elapsed = time.monotonic() - t0
-        assert elapsed < cfg.timeout_s + 5, elapsed
-        assert err.value.dcp_rank == 1 and err.value.chunk is not None and err.value.chunk >= 0
-        assert "dcp_rank=1" in str(err.value)
-        # Nothing left in flight, no pack region held.
-        assert server.engine.outstanding == 0 and server.busy_regions == 0
-        # The survivors learn the request failed (no hang), and report it as not verified.
-        for d in (decodes[0], decodes[2]):
-            res = d.recv(cfg.timeout_s + 5, "result")
-            assert not res["verified"] and res["errors"]
-        # Next request: the two survivors as a DCP-2 group, byte-exact.
-        server.disconnect(peers[1])
+        run = run_mode(cfg, "packed", f"{tag}-a", prefills, decodes)
+        assert time.monotonic() - t0 < 30
+        assert not run["verified"] and run["failures"]
+        assert any(f.startswith("decode process 1 exited") for f in run["failures"]), run["failures"]
+        assert not decodes[1].alive
+        # The survivors were told to abort: the connector ended the request there (no timeout), or
+        # it had already delivered every byte of theirs.
+        for r in (0, 2):
+            rank = run["ranks"][r]
+            if rank["status"] == "success":
+                assert rank["verified"] and rank["bytes_exact"], rank
+            else:
+                assert not rank["verified"] and rank["status"] in ("aborted", "failed") and rank["errors"], rank
         survivors = [decodes[0], decodes[2]]
-        targets = start(survivors, 1)
-        stats = server.send_request("packed", targets, dcp_size=2)
-        results = [d.recv(cfg.timeout_s + 5, "result") for d in survivors]
-        assert all(r["verified"] for r in results), results
-        assert stats["bytes"] == cfg.geometry.request_bytes(cfg.send_tokens)
-        assert server.engine.outstanding == 0 and server.busy_regions == 0
+        group = dataclasses.replace(cfg, dcp_size=2, die_rank=None)
+        run = run_mode(cfg, "packed", f"{tag}-b", prefills, survivors)
+        _check_run(run, group)
+        assert [r["dcp_rank"] for r in run["ranks"]] == [0, 1]
     finally:
-        server.close()
-        for d in decodes:
-            d.stop(5)
+        stop_all(prefills + decodes)
 
 
 def test_job_level_death_reports_failure_without_hanging():
@@ -237,25 +227,24 @@ def test_job_level_death_reports_failure_without_hanging():
                     die_after_chunks=2)
     t0 = time.monotonic()
     res = run_job(cfg)
-    assert time.monotonic() - t0 < 60
+    assert time.monotonic() - t0 < 90
     run = res["runs"][0]
     assert not res["verified"] and not run["verified"] and run["failures"]
     assert run["ranks"][2]["verified"] is False
 
 
 def test_death_in_first_mode_fails_the_next_mode_with_a_message():
-    # Decode rank 2 dies in the direct mode; the packed mode must not crash on the dead pipe
-    # (it used to raise BrokenPipeError, which the CLI turned into a silent exit 1).
-    # The survivors must not wait out timeout_s for messages that will never come.
+    # Decode rank 2 dies in the direct mode; the packed mode must not start on the dead process
+    # and says why. The survivors must not wait out timeout_s for a request that cannot finish.
     cfg = JobConfig(**dict(SMALL, modes=("direct", "packed"), timeout_s=120.0), chunk_tokens=64,
                     die_rank=2, die_after_chunks=2)
     t0 = time.monotonic()
     res = run_job(cfg)
-    assert time.monotonic() - t0 < 60
+    assert time.monotonic() - t0 < 90
     direct, packed = res["runs"]
     assert not direct["verified"] and direct["failures"]
     assert not packed["verified"] and packed["failures"][0].startswith("mode not started")
-    assert "decode process 2" in packed["failures"][0] or "exited" in packed["failures"][0]
+    assert "decode process 2" in packed["failures"][0] and "exited" in packed["failures"][0]
     assert "comparison" not in res and not res["verified"]
 
 
@@ -279,6 +268,7 @@ def test_death_in_first_mode_fails_the_next_mode_with_a_message():
         (dict(dcp_size=65), "dcp_size=65 must be <= 64"),
         (dict(prefill_dcp_size=65), "prefill_dcp_size=65 must be <= 64"),
         (dict(corrupt_rank=8), "corrupt_rank"),
+        (dict(die_after_chunks=0), "die_after_chunks"),
     ],
 )
 def test_bad_config_names_the_argument(kwargs, arg):
@@ -287,7 +277,7 @@ def test_bad_config_names_the_argument(kwargs, arg):
 
 
 def test_host_memory_estimate_covers_the_buffers_and_refuses_the_impossible():
-    from dcp_jax.transfer_job import check_host_memory, decode_pool_pages, estimate_host_bytes
+    from dcp_jax.job.kv import check_host_memory, estimate_host_bytes
 
     cfg = JobConfig(**SMALL)
     row = cfg.geometry.row_bytes
@@ -300,34 +290,80 @@ def test_host_memory_estimate_covers_the_buffers_and_refuses_the_impossible():
         check_host_memory(JobConfig(**dict(SMALL, page_size=2**31, prompt_tokens=512)))
 
 
-def test_decode_owned_tokens_matches_layout_reference():
-    from dcp_jax.layout import local_index_np, local_len_np, owner_np
+def test_owned_tokens_matches_layout_reference():
+    from dcp_jax.layout import local_index_np, owner_np
 
     for n, i, start in [(3, 1, 0), (4, 16, 128), (2, 5, 20)]:
         for r in range(n):
-            t, j = decode_owned_tokens(start, 300, n, r, i)
+            t, j = owned_tokens(start, 300, n, r, i)
             ref = np.arange(start, 300)
             ref = ref[owner_np(ref, n, i) == r]
             np.testing.assert_array_equal(t, ref)
-            np.testing.assert_array_equal(j, local_index_np(ref, n, i) - local_len_np(start, n, r, i))
+            np.testing.assert_array_equal(j, local_index_np(ref, n, i))  # from token 0 (spec section 10)
 
 
-def test_send_request_rejects_mismatched_targets_before_sending():
-    cfg = JobConfig(model="tiny", prompt_tokens=64, page_size=16, dcp_size=2, timeout_s=5.0)
-    server = PrefillServer(cfg, 0)
-    try:
-        pages = np.arange(2)
-        with pytest.raises(ValueError, match="layer_bases has 2 layer entries"):
-            server.send_request("packed", [DecodeTarget(0, "x", np.zeros(2, np.int64), pages, None)], dcp_size=2)
-        with pytest.raises(ValueError, match="not connected"):
-            server.send_request("direct", [DecodeTarget(0, "nobody", np.zeros(3, np.int64), pages, None)],
-                                dcp_size=2)
-        with pytest.raises(ValueError, match="dcp_rank"):
-            server.send_request("direct", [DecodeTarget(2, "x", np.zeros(3, np.int64), pages, None)], dcp_size=2)
-        with pytest.raises(ValueError, match="mode"):
-            server.send_request("sideways", [], dcp_size=2)
-        with pytest.raises(ValueError, match="dcp_rank=0: peer 'nobody' not connected"):
-            server.warm_up([(0, "nobody", np.zeros(3, np.int64))], dcp_size=2)
-        assert server.engine.counters.batches == 0
-    finally:
-        server.close()
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_page_tables_cover_the_prefix_from_token_0(m):
+    # Prefix 96 on DCP3 decode ranks: 32 rows each, two whole pages. On the prefill side M = 1 and
+    # M = 3 hold whole prefix pages too; M = 2 holds 48 rows of it (three pages: whole as well).
+    cfg = JobConfig(**dict(SMALL, prefill_dcp_size=m), prefix_tokens=96, chunk_tokens=96)
+    p = cfg.page_size
+    for k in range(m):
+        tokens, local, table, pool = prefill_page_table(cfg, k)
+        rows = len(owned_tokens(0, cfg.prompt_tokens, m, k, 1)[0])
+        assert len(table) == -(-rows // p) and len(set(table.tolist())) == len(table) and table.max() < pool
+        assert tokens.min() >= cfg.prefix_tokens and local.max() < len(table) * p
+    send_pool, pool = decode_pools(cfg)
+    assert pool == decode_pool_pages(cfg) == send_pool + 2
+    for r in range(cfg.dcp_size):
+        table = decode_page_table(cfg, r, cfg.dcp_size, send_pool)
+        rows = len(owned_tokens(0, cfg.prompt_tokens, cfg.dcp_size, r, 1)[0])
+        assert len(table) == -(-rows // p) and len(set(table.tolist())) == len(table) and table.max() < pool
+        # The prefix's pages come first and are never drawn: [send_pool, send_pool + 2).
+        assert table[:2].tolist() == [send_pool, send_pool + 1] and table[2:].max() < send_pool
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(prefix_tokens=96, chunk_tokens=96),
+    dict(prefill_dcp_size=2, prefix_tokens=48, chunk_tokens=64, seed=5),  # 24 prefix rows: not whole pages
+    dict(prefill_dcp_size=3, prefill_interleave_size=2, interleave_size=4, prefix_tokens=192),
+])
+def test_plan_counts_on_the_job_page_tables(kw):
+    """`dcp-jax plan` (dcp_jax.cost) draws the job's page tables itself: its counts on the tables
+    the job hands the connector equal its counts on its own."""
+    from dcp_jax.cost import CostConfig, cost_report
+
+    cfg = JobConfig(**{**SMALL, **kw})
+    geo = cfg.geometry
+    cc = CostConfig(num_layers=geo.num_layers, item_lens=tuple(geo.kv_item_lens), prompt_tokens=cfg.prompt_tokens,
+                    decode_prefix_len=cfg.prefix_tokens, chunk_tokens=cfg.chunk_tokens, page_size=cfg.page_size,
+                    prefill_dcp_size=cfg.prefill_dcp_size, prefill_interleave_size=cfg.prefill_interleave_size,
+                    dcp_size=cfg.dcp_size, interleave_size=cfg.interleave_size, seed=cfg.seed,
+                    pool_slack=cfg.pool_slack)
+    src, dst = request_page_tables(cfg)
+    ours = cost_report(cc, src_page_tables=src, dst_page_tables=dst)
+    assert ours == cost_report(cc)
+    assert sum(r["bytes"] for r in ours) == 2 * geo.request_bytes(cfg.send_tokens)  # both modes
+
+
+@pytest.mark.parametrize("kw", [
+    dict(model="tiny", prompt_tokens=512, page_size=16, dcp_size=2, chunk_tokens=256),
+    dict(model="tiny", prompt_tokens=1024, page_size=16, dcp_size=4, interleave_size=16),
+    dict(model="tiny-mixed", prompt_tokens=2048, page_size=8, dcp_size=8, prefill_dcp_size=2, chunk_tokens=256),
+])
+def test_default_pack_holds_every_unit_at_once(kw):
+    """The default pack buffer holds every (chunk, decode rank) unit of the request at once, each
+    rounded up to the arena's alignment, so nothing waits for room and nothing is sliced."""
+    cfg = JobConfig(**kw)
+    row = cfg.geometry.row_bytes
+    for k in range(cfg.prefill_dcp_size):
+        toks = owned_tokens(cfg.prefix_tokens, cfg.prompt_tokens, cfg.prefill_dcp_size, k, 1)[0]
+        owner = (toks // cfg.interleave_size) % cfg.dcp_size
+        units = [int(np.count_nonzero((owner == r) & (toks >= s) & (toks < s + n)))
+                 for s, n in cfg.chunks() for r in range(cfg.dcp_size)]
+        need = sum(-(-u * row // PACK_ALIGN) * PACK_ALIGN for u in units)
+        assert need <= pack_bytes(cfg, k)
+        assert max(units) <= pack_bytes(cfg, k) // row
+    forced = dataclasses.replace(cfg, pack_tokens=100)
+    assert pack_bytes(forced, 0) == cfg.dcp_size * -(-100 // cfg.dcp_size) * row  # spec section 6

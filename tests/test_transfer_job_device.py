@@ -1,7 +1,8 @@
 """CPU side of ``--device``: option checks, clear errors without a GPU, and the host buffer selection.
 
 The device (CuPy) branch itself runs in ``tests/gpu/test_transfer_job_gpu.py``; here the same helpers
-are exercised with host buffers and the CPU job is run with ``device="cpu"`` explicitly.
+of ``dcp_jax.job.kv`` are exercised with host buffers and the CPU job is run with ``device="cpu"``
+explicitly.
 """
 
 import importlib.util
@@ -13,17 +14,8 @@ from typer.testing import CliRunner
 
 from dcp_jax.cli import app
 from dcp_jax.kv_data import rows_checksum
-from dcp_jax.transfer_job import (
-    DEVICES,
-    JobConfig,
-    _alloc_buffer,
-    _buffer_addr,
-    _checksum,
-    _flip_first_byte,
-    _to_host,
-    check_device,
-    run_job,
-)
+from dcp_jax.job import DEVICES, JobConfig, check_device, run_job
+from dcp_jax.job.kv import alloc_buffer, buffer_addr, checksum, flip_first_byte, layer_views, to_host
 
 HAS_CUPY = importlib.util.find_spec("cupy") is not None
 no_cupy = pytest.mark.skipif(HAS_CUPY, reason="this machine has CuPy: the no-GPU error cannot be shown")
@@ -95,38 +87,38 @@ def test_cli_help_documents_device():
 
 @pytest.mark.parametrize("nbytes", [1, 4097, 3 * mmap.PAGESIZE + 5])
 def test_host_buffer_selection(nbytes):
-    buf, region = _alloc_buffer(nbytes, "cpu")
+    buf, region = alloc_buffer(nbytes, "cpu")
     assert isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.shape == (nbytes,)
     assert region is buf  # host arrays are registered as themselves (DRAM)
-    assert _buffer_addr(buf) == buf.ctypes.data and _buffer_addr(buf) % mmap.PAGESIZE == 0
+    assert buffer_addr(buf) == buf.ctypes.data and buffer_addr(buf) % mmap.PAGESIZE == 0
     assert not buf.any()
-    assert _to_host(buf) is buf
+    assert to_host(buf) is buf
     rng = np.random.default_rng(nbytes)
     like = rng.integers(0, 256, nbytes, dtype=np.uint8)
-    buf2, region2 = _alloc_buffer(nbytes, "cpu", like=like)
+    buf2, region2 = alloc_buffer(nbytes, "cpu", like=like)
     assert buf2 is like and region2 is like  # the host copy is the buffer: no second allocation
 
 
 def test_host_buffer_selection_bad_input():
     with pytest.raises(ValueError, match="device="):
-        _alloc_buffer(16, "tpu")
+        alloc_buffer(16, "tpu")
     with pytest.raises(ValueError, match="nbytes=16"):
-        _alloc_buffer(16, "cpu", like=np.zeros(8, np.uint8))
+        alloc_buffer(16, "cpu", like=np.zeros(8, np.uint8))
 
 
 def test_checksum_and_flip_on_host_rows():
     rng = np.random.default_rng(7)
     layer = rng.integers(0, 256, (50, 24), dtype=np.uint8)
     rows = rng.permutation(50)[:17]
-    assert _checksum(layer, rows) == rows_checksum(layer, rows)
+    assert checksum(layer, rows) == rows_checksum(layer, rows)
     # The device branch checksums gathered rows with slice(None): the same CRC as the gather itself.
     assert rows_checksum(np.ascontiguousarray(layer[rows]), slice(None)) == rows_checksum(layer, rows)
     before = layer.copy()
-    _flip_first_byte(layer, rows[3])
+    flip_first_byte(layer, rows[3])
     diff = np.argwhere(layer != before)
     assert diff.tolist() == [[int(rows[3]), 0]]
     assert layer[rows[3], 0] == before[rows[3], 0] ^ 0xFF
-    assert _checksum(layer, rows) != rows_checksum(before, rows)
+    assert checksum(layer, rows) != rows_checksum(before, rows)
 
 
 def test_job_with_device_cpu_verifies_and_reports_device():
@@ -140,23 +132,19 @@ def test_job_with_device_cpu_verifies_and_reports_device():
         assert all(r["bytes_exact"] and r["checksum_ok"] for r in run["ranks"])
 
 
-@pytest.mark.parametrize("kw", [
-    dict(model="tiny", prompt_tokens=512, page_size=16, dcp_size=2, chunk_tokens=256),
-    dict(model="tiny", prompt_tokens=1024, page_size=16, dcp_size=4, interleave_size=16, pack_tokens=128),
-    dict(model="tiny-mixed", prompt_tokens=2048, page_size=8, dcp_size=8, chunk_tokens=256),
-])
-def test_pack_warm_up_stays_inside_the_pack_and_leaves_it_zero(kw):
-    """The GPU path packs every (rank, slot) offset once at setup; with host buffers the same code runs
-    through the numpy gather, so its offsets and row counts are checked here."""
-    from dcp_jax.transfer_job import PrefillServer
-
-    server = PrefillServer(JobConfig(**kw, engine="nixl"), name="warmup-test")
-    try:
-        server.pack[:] = 0x5A
-        region_size, row_bytes, region_rows, nslots, slot_rows = server._region_layout(server.cfg.dcp_size)
-        assert region_rows >= 1 and 1 <= nslots and slot_rows * nslots <= region_rows
-        assert region_size * server.cfg.dcp_size <= server.pack_size
-        server._warm_up_pack(server.cfg.send_tokens)  # raises if any pack would leave the buffer
-        assert not server.pack.any()
-    finally:
-        server.close()
+@pytest.mark.parametrize("item_lens", [(48, 16, 96, 8), (1152,) * 3])
+def test_layer_views_are_the_connectors_page_layout_without_copies(item_lens):
+    """One layer-major buffer, one ``[num_pages, page_size, item]`` view per layer entry: what the
+    connector registers (KVSender / KVReceiver ``kv_layers``), at the buffer's own addresses."""
+    pages, p = 5, 4
+    buf, _ = alloc_buffer(pages * p * sum(item_lens), "cpu")
+    views = layer_views(buf, pages, p, item_lens)
+    off = 0
+    for v, il in zip(views, item_lens):
+        assert v.shape == (pages, p, il) and v.dtype == np.uint8 and v.flags.c_contiguous
+        assert buffer_addr(v) == buffer_addr(buf) + off
+        off += pages * p * il
+    views[-1][pages - 1, p - 1, il - 1] = 7
+    assert buf[-1] == 7  # a view, not a copy
+    with pytest.raises(ValueError, match="cannot hold"):
+        layer_views(buf, pages + 1, p, item_lens)

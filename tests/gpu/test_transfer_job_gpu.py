@@ -19,7 +19,7 @@ cp = pytest.importorskip("cupy")
 
 from bridge.nixl import nixl_available  # noqa: E402
 from dcp_jax.geometry import get_geometry  # noqa: E402
-from dcp_jax.transfer_job import JobConfig, check_device, run_job  # noqa: E402
+from dcp_jax.job import JobConfig, check_device, run_job  # noqa: E402
 
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="needs the CUDA NIXL wheel (nixl-cu13): "
                                                              "scripts/gpu_suite.sh installs .whl/nixl_cu13-*.whl")

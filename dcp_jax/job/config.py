@@ -1,0 +1,206 @@
+"""Configuration of the main job (``dcp-jax transfer``), its test hooks and up-front checks.
+
+`JobConfig` holds every knob of one run, validated on construction (the message names the
+argument). Three fields are failure-injection hooks used by the tests: ``corrupt_rank`` (a decode
+rank damages one received byte before it verifies), ``die_rank`` / ``die_after_chunks`` (a decode
+rank SIGKILLs itself once its first chunks have landed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from dcp_jax.geometry import ModelGeometry, get_geometry
+
+__all__ = ["MODES", "ENGINES", "DEVICES", "MAX_RANKS", "MAX_TIMEOUT_S", "JobConfig", "check_device",
+           "engine_env"]
+
+MODES = ("direct", "packed")
+ENGINES = ("nixl", "mooncake", "auto")
+DEVICES = ("cpu", "gpu")
+MAX_RANKS = 64  # dcp_size / prefill_dcp_size: one process per rank
+MAX_TIMEOUT_S = 86400.0  # a day: the connector's waits take at most that
+
+# Engines log to stderr on their own; keep loopback traffic and quiet logs unless the user set them.
+_ENGINE_ENV = {
+    "UCX_NET_DEVICES": "lo",
+    "UCX_LOG_LEVEL": "fatal",
+    "NIXL_LOG_LEVEL": "WARN",
+    "MC_LOG_LEVEL": "ERROR",
+}
+
+
+def engine_env(device: str = "cpu") -> None:
+    """Sets the engines' quiet loopback defaults (and, on the GPU, no JAX preallocation: several
+    processes share the device) unless the user set them."""
+    for k, v in _ENGINE_ENV.items():
+        os.environ.setdefault(k, v)
+    if device == "gpu":
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+    """Knobs of one ``dcp-jax transfer`` run (all sizes in tokens unless stated).
+
+    Attributes:
+        model: geometry name (``dcp_jax.geometry``), e.g. ``"deepseek-v3"``.
+        prompt_tokens: request length L (prefix included).
+        page_size: tokens per KV page P, both sides.
+        dcp_size: decode ranks N (processes, one `KVReceiver` each).
+        prefill_dcp_size: prefill ranks M (processes, one `KVSender` each, each holding its shard).
+        interleave_size: decode-side interleave I (1 = token round-robin).
+        prefill_interleave_size: prefill-side interleave when ``prefill_dcp_size > 1``.
+        chunk_tokens: chunked prefill: one ``send`` per chunk of this many tokens (a multiple of
+            ``page_size``); None sends the request as one chunk.
+        prefix_tokens: tokens the decode side already holds (not sent); a multiple of
+            ``lcm(P*N, I*N)``. Both sides' page tables still cover them (spec section 10).
+        modes: subset of :data:`MODES`, run in this order (``KVSender(mode=...)``).
+        engine: ``"nixl"``, ``"mooncake"`` or ``"auto"``.
+        max_batch_indices: at most this many rows per engine batch.
+        pack_tokens: the pack buffer holds ``N * ceil(pack_tokens / N)`` tokens (spec section 6);
+            default: as many as the prefill rank sends (nothing is sliced). Smaller values force
+            sliced packing.
+        verify: also compare a CRC-32 per (chunk, rank, layer) of what the prefill sent with what
+            arrived (the full byte verification runs regardless).
+        seed: seeds the KV pattern and the page allocators.
+        timeout_s: a request with no progress for this long fails (seconds); also the deadline of
+            the job's control messages.
+        pool_slack: each side's page pool is this many times the pages the request needs.
+        corrupt_rank: test hook: this decode rank flips one received byte (of its first chunk)
+            before it verifies (checks that verification catches it).
+        die_rank: test hook: the decode process started as this rank SIGKILLs itself once the
+            rows of its first ``die_after_chunks`` chunks have landed (or the request completed).
+        die_after_chunks: see ``die_rank``.
+        device: ``"cpu"`` (host memory, numpy gather) or ``"gpu"`` (CuPy device memory of GPU 0
+            registered as VRAM, the Pallas gather); ``"gpu"`` needs NIXL (``"auto"`` then means
+            NIXL). :func:`check_device` checks CuPy and a CUDA device.
+
+    Raises:
+        ValueError: any value out of range; the message names the argument.
+    """
+
+    model: str = "deepseek-v3"
+    prompt_tokens: int = 32768
+    page_size: int = 64
+    dcp_size: int = 8
+    prefill_dcp_size: int = 1
+    interleave_size: int = 1
+    prefill_interleave_size: int = 1
+    chunk_tokens: int | None = None
+    prefix_tokens: int = 0
+    modes: tuple[str, ...] = MODES
+    engine: str = "nixl"
+    max_batch_indices: int | None = None
+    pack_tokens: int | None = None
+    verify: bool = False
+    seed: int = 0
+    timeout_s: float = 300.0
+    pool_slack: float = 1.25
+    corrupt_rank: int | None = None
+    die_rank: int | None = None
+    die_after_chunks: int = 1
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "modes", tuple(self.modes))
+        get_geometry(self.model)  # raises ValueError listing the valid names
+        for name in ("prompt_tokens", "page_size", "dcp_size", "prefill_dcp_size",
+                     "interleave_size", "prefill_interleave_size", "die_after_chunks"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an int >= 1")
+        for name in ("dcp_size", "prefill_dcp_size"):  # one process per rank
+            if getattr(self, name) > MAX_RANKS:
+                raise ValueError(f"{name}={getattr(self, name)} must be <= {MAX_RANKS} "
+                                 "(the job starts one process per rank)")
+        if not _is_int(self.prefix_tokens) or self.prefix_tokens < 0:
+            raise ValueError(f"prefix_tokens={self.prefix_tokens!r} must be an int >= 0")
+        if self.prefix_tokens >= self.prompt_tokens:
+            raise ValueError(f"prefix_tokens={self.prefix_tokens} must be < prompt_tokens={self.prompt_tokens}")
+        n, p, i = self.dcp_size, self.page_size, self.interleave_size
+        align = math.lcm(p * n, i * n)
+        if self.prefix_tokens % align:
+            raise ValueError(
+                f"prefix_tokens={self.prefix_tokens} must be a multiple of {align} "
+                f"(lcm(page_size*dcp_size, interleave_size*dcp_size))")
+        if self.chunk_tokens is not None:
+            if not _is_int(self.chunk_tokens) or self.chunk_tokens < 1:
+                raise ValueError(f"chunk_tokens={self.chunk_tokens!r} must be an int >= 1 (or None)")
+            if self.chunk_tokens % p:
+                raise ValueError(f"chunk_tokens={self.chunk_tokens} must be a multiple of page_size={p}")
+        if not self.modes or any(md not in MODES for md in self.modes):
+            raise ValueError(f"modes={self.modes!r} must be a non-empty subset of {MODES}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine={self.engine!r} must be one of {ENGINES}")
+        for name in ("max_batch_indices", "pack_tokens"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or v < 1):
+                raise ValueError(f"{name}={v!r} must be an int >= 1 (or None)")
+        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"timeout_s={self.timeout_s!r} must be in (0, {MAX_TIMEOUT_S}] seconds")
+        if not self.pool_slack >= 1.0:
+            raise ValueError(f"pool_slack={self.pool_slack!r} must be >= 1.0")
+        for name in ("corrupt_rank", "die_rank"):
+            v = getattr(self, name)
+            if v is not None and not (_is_int(v) and 0 <= v < self.dcp_size):
+                raise ValueError(f"{name}={v!r} must be in [0, dcp_size={self.dcp_size})")
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r} (--device) must be one of {DEVICES}")
+        if self.device == "gpu" and self.engine == "mooncake":
+            raise ValueError("device='gpu' (--device gpu) needs engine='nixl' (--engine nixl or auto): the "
+                             "Mooncake build used here registers host memory only, not VRAM")
+
+    @property
+    def geometry(self) -> ModelGeometry:
+        return get_geometry(self.model)
+
+    @property
+    def engine_kind(self) -> str:
+        """The engine kind the processes create: ``engine``, except that ``"auto"`` on the GPU is NIXL."""
+        return "nixl" if self.device == "gpu" and self.engine == "auto" else self.engine
+
+    @property
+    def send_tokens(self) -> int:
+        """Tokens actually sent: ``prompt_tokens - prefix_tokens``."""
+        return self.prompt_tokens - self.prefix_tokens
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """``(start, length)`` of every chunk in absolute token positions, in order."""
+        c = self.chunk_tokens or self.send_tokens
+        return [(s, min(c, self.prompt_tokens - s)) for s in range(self.prefix_tokens, self.prompt_tokens, c)]
+
+    def to_dict(self) -> dict:
+        """Plain fields (what crosses the process boundary; ``JobConfig(**d)`` rebuilds it)."""
+        return dataclasses.asdict(self)
+
+
+def check_device(device: str) -> None:
+    """Checks that ``device`` can run here.
+
+    Raises:
+        ValueError: unknown device, or ``"gpu"`` without CuPy or without a CUDA device; the
+            message names the ``--device`` option.
+    """
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r} (--device) must be one of {DEVICES}")
+    if device == "cpu":
+        return
+    try:
+        import cupy as cp
+    except Exception as exc:  # noqa: BLE001 - ImportError, or CuPy failing to load its CUDA libraries
+        raise ValueError(f"device='gpu' (--device gpu) needs CuPy and a CUDA GPU, but CuPy does not import here "
+                         f"({type(exc).__name__}: {exc}); install the gpu extra or use --device cpu") from None
+    try:
+        count = int(cp.cuda.runtime.getDeviceCount())
+        why = f"{count} CUDA devices"
+    except Exception as exc:  # noqa: BLE001 - no driver: CUDARuntimeError
+        count, why = 0, f"{type(exc).__name__}: {exc}"
+    if count < 1:
+        raise ValueError(f"device='gpu' (--device gpu) needs a CUDA GPU, found none ({why}); use --device cpu")

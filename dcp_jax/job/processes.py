@@ -1,0 +1,374 @@
+"""The job's processes: prefill ranks holding a `KVSender`, decode ranks holding a `KVReceiver`.
+
+Each process is started once (forked from a fork server that imported the connector, and JAX
+under it, once) and keeps its KV buffers for the whole job; the connector objects are opened per
+mode (``KVSender(mode=...)``) and closed after it. The orchestrator
+(:mod:`dcp_jax.job.run`) drives them over one control pipe each, with ``(kind, arg)`` messages:
+
+- prefill: ``open {mode}`` -> ``opened {address, engine, checks}``; ``send {rid, chunks}`` ->
+  ``sent {status, reason, seconds, ranks}`` (after the sender reported a terminal status);
+  ``release rid``; ``close`` -> ``closed``; ``abort reason`` while sending; ``shutdown``.
+- decode: ``open {dcp_rank, dcp_size, addresses}`` -> ``opened``; ``request {rid, num_tokens, ...}``
+  -> ``ready`` (after the sentinel fill and ``expect``), ``progress bytes``..., then ``result``
+  (after the receiver reported a terminal status and the rank verified its pool); ``release``,
+  ``close``, ``abort``, ``shutdown`` as above.
+
+Completion of the KV itself is the connector's word only (``poll``); the pipes carry set-up,
+hooks and results. The CRC-32s of ``--verify`` come from the prefill side's own rows.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+from dcp_jax.job import kv, verify
+from dcp_jax.job.config import JobConfig, engine_env
+from dcp_jax.kv_data import SENTINEL_BYTE, fill_rows, page_rows
+
+__all__ = ["Proc", "start_processes", "stop_all", "prefill_main", "decode_main", "PEER_TIMEOUT_S"]
+
+PEER_TIMEOUT_S = 30.0  # a silent peer is dropped after this (the orchestrator reports deaths sooner)
+POLL_S = 0.001         # how often the prefill polls its sender and its pipe while a request is live (timing)
+DECODE_POLL_S = 0.005  # how often a decode rank polls its receiver and its pipe
+PROGRESS_S = 0.25      # how often a decode rank reports the bytes landed so far
+
+
+class Proc:
+    """A spawned job process and the orchestrator's end of its control pipe."""
+
+    def __init__(self, who: str, process, conn: Connection):
+        self.who, self.process, self.conn = who, process, conn
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    def exit_code(self) -> Any:
+        if self.process.exitcode is None:
+            self.process.join(1.0)
+        return self.process.exitcode
+
+    def send(self, kind: str, arg: Any = None) -> None:
+        """Sends one message; a dead process or a closed pipe is RuntimeError naming it."""
+        if not self.alive:
+            raise RuntimeError(f"{self.who} exited (code {self.exit_code()})")
+        try:
+            self.conn.send((kind, arg))
+        except (OSError, EOFError, ValueError) as exc:
+            raise RuntimeError(f"{self.who} exited (code {self.exit_code()}): {type(exc).__name__}") from None
+
+    def recv(self, timeout_s: float, expect: str) -> Any:
+        """Receives one message of kind ``expect`` (RuntimeError otherwise, naming the process)."""
+        if not self.conn.poll(timeout_s):
+            raise RuntimeError(f"{self.who}: no {expect!r} within {timeout_s:g} s")
+        try:
+            kind, arg = self.conn.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(f"{self.who} exited (code {self.exit_code()})") from None
+        if kind != expect:
+            raise RuntimeError(f"{self.who}: expected {expect!r}, got {kind!r}:\n{arg}")
+        return arg
+
+
+def start_processes(cfg: JobConfig, *, tag: str, min_dcp_size: int | None = None,
+                    start_timeout_s: float = 180.0) -> tuple[list[Proc], list[Proc], list[dict]]:
+    """Spawns ``prefill_dcp_size`` prefill and ``dcp_size`` decode processes, waits for their hello.
+
+    The prefill side starts first: filling its multi-GB KV is the longest part of start-up and
+    should not compete with the decode processes' start.
+
+    Returns:
+        ``(prefills, decodes, prefill_setup)`` (``prefill_setup``: each prefill's set-up seconds).
+
+    Raises:
+        RuntimeError: a process failed to start (its traceback is in the message); every
+            process started is killed first.
+    """
+    ctx = _context()
+    procs: list[Proc] = []
+    send_pool, pool_pages = kv.decode_pools(cfg, min_dcp_size)
+
+    def spawn(target, who, *args) -> Proc:
+        a, b = ctx.Pipe()
+        pr = ctx.Process(target=target, name=f"dcp-{who.replace(' ', '-')}", args=(cfg.to_dict(), *args, b),
+                         daemon=True)
+        pr.start()
+        b.close()
+        procs.append(Proc(who, pr, a))
+        return procs[-1]
+
+    try:
+        prefills = [spawn(prefill_main, f"prefill {k}", k) for k in range(cfg.prefill_dcp_size)]
+        setup = [p.recv(max(cfg.timeout_s, start_timeout_s), "hello") for p in prefills]
+        decodes = [spawn(decode_main, f"decode process {r}", r, (send_pool, pool_pages), tag)
+                   for r in range(cfg.dcp_size)]
+        for d in decodes:
+            d.recv(max(cfg.timeout_s, start_timeout_s), "hello")
+    except BaseException:
+        for p in procs:
+            p.process.kill()
+        raise
+    return prefills, decodes, setup
+
+
+#: What the fork server imports once, so each child starts without importing the connector (and
+#: JAX under it) again: seconds per process on a small machine, paid once per job (once per test
+#: session under pytest) instead.
+PRELOAD = ["dcp_jax.job.processes", "dcp_jax.transfer", "pallas_kernels", "bridge.nixl"]
+
+
+def _context():
+    """Children come from a fork server that preloaded :data:`PRELOAD` (no CUDA, no engine, no
+    thread in it: forking it is safe); where there is none (not POSIX), from spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def stop_all(procs: list[Proc], timeout_s: float = 10.0) -> None:
+    """Asks every process to shut down, waits for all under one deadline, kills the rest."""
+    for p in procs:
+        try:
+            p.conn.send(("shutdown", None))
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.process.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.process.is_alive():
+            p.process.kill()
+            p.process.join(5)
+
+
+def _child_start(cfg_dict: dict) -> JobConfig:
+    # Ctrl-C reaches the whole process group; the parent stops its children itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cfg = JobConfig(**cfg_dict)
+    engine_env(cfg.device)
+    return cfg
+
+
+class _Inbox:
+    """A child's end of its control pipe: commands in order, and a non-blocking look for an abort
+    while a request is live (a command that comes then is kept for later and ends the request)."""
+
+    def __init__(self, conn: Connection):
+        self.conn, self._later = conn, []
+
+    def get(self) -> tuple[str, Any]:
+        return self._later.pop(0) if self._later else self.conn.recv()
+
+    def abort_reason(self) -> str | None:
+        """Why the orchestrator wants the live request ended, or None (never blocks)."""
+        reason = None
+        while self.conn.poll(0):
+            kind, arg = self.conn.recv()
+            if kind != "abort":
+                self._later.append((kind, arg))  # release / close / shutdown: served after the request
+            reason = reason or (str(arg) if kind == "abort" else f"the job sent {kind!r}")
+        return reason
+
+
+def _serve(inbox: _Inbox, handlers: dict, closer) -> None:
+    """The command loop of a child: ``handlers[kind](arg)`` until shutdown; errors go back as text."""
+    try:
+        while True:
+            try:
+                kind, arg = inbox.get()
+            except (EOFError, OSError):
+                break
+            if kind == "shutdown":
+                break
+            fn = handlers.get(kind)
+            if fn is None:
+                continue  # e.g. an abort that came after the request ended
+            try:
+                fn(arg)
+            except Exception:  # noqa: BLE001 - the orchestrator reports it
+                inbox.conn.send(("error", traceback.format_exc()))
+    finally:
+        closer()
+
+
+# ------------------------------------------------------------------------------------------------
+# Prefill
+# ------------------------------------------------------------------------------------------------
+def prefill_main(cfg_dict: dict, rank: int, conn: Connection) -> None:
+    """Prefill rank process: its shard of the request in its own paged KV; one `KVSender` per mode."""
+    try:
+        cfg = _child_start(cfg_dict)
+        t0 = time.perf_counter()
+        geo, p = cfg.geometry, cfg.page_size
+        tokens, local, table, pool = kv.prefill_page_table(cfg, rank)
+        host = kv.alloc_buffer(kv.kv_bytes(pool, p, geo.kv_item_lens), "cpu")[0]
+        rows = page_rows(table, local, p)
+        for li, view in enumerate(kv.layer_views(host, pool, p, geo.kv_item_lens)):
+            fill_rows(view.reshape(pool * p, -1), rows, tokens, li, cfg.seed)  # only the request's rows
+        fill_s = time.perf_counter() - t0
+        buf, owner = kv.alloc_buffer(host.nbytes, cfg.device, like=host)
+        del host
+        layers = kv.layer_views(buf, pool, p, geo.kv_item_lens)
+        t1 = time.perf_counter()
+        from dcp_jax.transfer import KVCacheSpec, KVSender, TransferStatus
+
+        import_s = time.perf_counter() - t1
+        spec = KVCacheSpec(geo.num_layers, tuple(geo.kv_item_lens), p, cfg.prefill_dcp_size, rank,
+                           cfg.prefill_interleave_size)
+        conn.send(("hello", dict(fill_kv=fill_s, imports=import_s, total=time.perf_counter() - t0)))
+    except BaseException:  # noqa: BLE001 - report, then exit non-zero
+        _quiet_send(conn, ("error", traceback.format_exc()))
+        raise SystemExit(1)
+    state: dict[str, Any] = dict(sender=None, checks={})
+    inbox = _Inbox(conn)
+
+    def open_(arg: dict) -> None:
+        n = arg["dcp_size"]
+        if cfg.verify and n not in state["checks"]:
+            state["checks"][n] = verify.send_checksums(cfg, rank, n, table, layers)
+        # Direct sends never pack: a token's worth of pack buffer is all the sender needs then.
+        pack = kv.pack_bytes(cfg, rank) if arg["mode"] == "packed" else geo.row_bytes
+        state["sender"] = KVSender(spec, layers, engine=cfg.engine_kind, mode=arg["mode"], pack_bytes=pack,
+                                   max_batch_indices=cfg.max_batch_indices, timeout_s=cfg.timeout_s,
+                                   peer_timeout_s=min(cfg.timeout_s, PEER_TIMEOUT_S))
+        conn.send(("opened", dict(address=state["sender"].address, engine=state["sender"].engine.kind,
+                                  checks=state["checks"].get(n))))
+
+    def send(arg: dict) -> None:
+        sender, rid = state["sender"], arg["rid"]
+        t0 = time.perf_counter()
+        for start, stop in arg["chunks"]:  # one send per chunk; each returns at once
+            try:
+                sender.send(rid, table, start, stop)
+            except ValueError:
+                if not sender.poll(rid).terminal:
+                    raise
+                break  # the request already failed (a decode rank died): no more chunks
+        while not (status := sender.poll(rid)).terminal:
+            reason = inbox.abort_reason()
+            if reason is not None:
+                sender.abort(rid, f"aborted by the job: {reason}")
+            time.sleep(POLL_S)
+        total = time.perf_counter() - t0
+        st = sender.request_stats(rid)
+        conn.send(("sent", dict(status=status.value, ok=status is TransferStatus.SUCCESS,
+                                reason=sender.failure_reason(rid), total_seconds=total,
+                                plan_seconds=st["plan_seconds"], pack_seconds=st["pack_seconds"],
+                                transfer_seconds=st["transfer_seconds"], ranks=st["ranks"],
+                                unit_rows=verify.unit_rows(cfg, rank, arg["dcp_size"], arg["chunks"]))))
+
+    def release(rid: str) -> None:
+        try:
+            state["sender"].release(rid)
+        except KeyError:
+            pass
+
+    def drop() -> None:
+        if state["sender"] is not None:
+            state["sender"].close()
+            state["sender"] = None
+
+    def close(_) -> None:
+        drop()
+        conn.send(("closed", None))
+
+    _serve(inbox, dict(open=open_, send=send, release=release, close=close), drop)
+    del owner
+
+
+def _quiet_send(conn: Connection, msg: Any) -> None:
+    try:
+        conn.send(msg)
+    except Exception:  # noqa: BLE001 - best effort on the failure path
+        pass
+
+
+# ------------------------------------------------------------------------------------------------
+# Decode
+# ------------------------------------------------------------------------------------------------
+def decode_main(cfg_dict: dict, index: int, pools: tuple[int, int], tag: str, conn: Connection) -> None:
+    """Decode rank process: one registered pool of ``pools = (send_pool, pool_pages)`` pages
+    (:func:`dcp_jax.job.kv.decode_pools`); one `KVReceiver` per mode; verifies every byte."""
+    send_pool, pool_pages = pools
+    try:
+        cfg = _child_start(cfg_dict)
+        geo, p = cfg.geometry, cfg.page_size
+        buf, owner = kv.alloc_buffer(kv.kv_bytes(pool_pages, p, geo.kv_item_lens), cfg.device)
+        layers = kv.layer_views(buf, pool_pages, p, geo.kv_item_lens)
+        from dcp_jax.transfer import KVCacheSpec, KVReceiver, TransferStatus
+
+        conn.send(("hello", dict(index=index, pool_pages=pool_pages)))
+    except BaseException:  # noqa: BLE001
+        _quiet_send(conn, ("error", traceback.format_exc()))
+        raise SystemExit(1)
+    state: dict[str, Any] = dict(recv=None, rank=index, size=cfg.dcp_size)
+    inbox = _Inbox(conn)
+
+    def open_(arg: dict) -> None:
+        r, n = arg["dcp_rank"], arg["dcp_size"]
+        spec = KVCacheSpec(geo.num_layers, tuple(geo.kv_item_lens), p, n, r, cfg.interleave_size)
+        recv = KVReceiver(spec, layers, engine=cfg.engine_kind, group=f"{tag}-{arg['mode']}",
+                          timeout_s=cfg.timeout_s, peer_timeout_s=min(cfg.timeout_s, PEER_TIMEOUT_S))
+        state.update(recv=recv, rank=r, size=n)
+        for address in arg["addresses"]:
+            recv.connect(address, timeout_s=min(cfg.timeout_s, 60.0))
+        conn.send(("opened", None))
+
+    def request(arg: dict) -> None:
+        recv, r, n, rid = state["recv"], state["rank"], state["size"], arg["rid"]
+        table = kv.decode_page_table(cfg, r, n, send_pool, seq=arg.get("seq", 0))
+        if arg["fill"]:
+            buf[:] = SENTINEL_BYTE
+            kv.sync(buf)  # the sentinel must be in place before any peer may write
+        base = recv.stats["bytes"]
+        recv.expect(rid, table, arg["num_tokens"], cfg.prefix_tokens)
+        conn.send(("ready", None))
+        die_at = verify.die_bytes(cfg, r, n) if arg["hooks"] and cfg.die_rank == index else None
+        t0 = last = time.perf_counter()
+        while not (status := recv.poll(rid)).terminal:
+            reason = inbox.abort_reason()
+            if reason is not None:
+                recv.abort(rid, f"aborted by the job: {reason}")
+            now = time.perf_counter()
+            if die_at is not None or (arg["progress"] and now - last >= PROGRESS_S):
+                landed = recv.stats["bytes"] - base
+                if die_at is not None and landed >= die_at:
+                    os.kill(os.getpid(), signal.SIGKILL)  # test hook: die in the middle of a request
+                if arg["progress"] and now - last >= PROGRESS_S:
+                    conn.send(("progress", landed))
+                    last = now
+            time.sleep(DECODE_POLL_S)
+        wait_s = time.perf_counter() - t0
+        if die_at is not None:
+            os.kill(os.getpid(), signal.SIGKILL)  # completed before the hook fired: die before reporting
+        out = dict(dcp_rank=r, status=status.value, errors=[] if status is TransferStatus.SUCCESS
+                   else [f"{status.value}: {recv.failure_reason(rid)}"], wait_seconds=wait_s)
+        if arg["check"]:
+            out.update(verify.verify_pool(cfg, r, n, table, buf, layers, arg, status is TransferStatus.SUCCESS))
+        conn.send(("result", out))
+
+    def release(rid: str) -> None:
+        try:
+            state["recv"].release(rid)
+        except KeyError:
+            pass
+
+    def drop() -> None:
+        if state["recv"] is not None:
+            state["recv"].close()
+            state["recv"] = None
+
+    def close(_) -> None:
+        drop()
+        conn.send(("closed", None))
+
+    _serve(inbox, dict(open=open_, request=request, release=release, close=close), drop)
+    del owner

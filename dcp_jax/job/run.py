@@ -1,0 +1,340 @@
+"""The main job's orchestrator: processes, one request per mode through the connector, the report.
+
+``dcp-jax transfer`` (``dcp_jax.cli``) calls :func:`run_job`. It spawns ``prefill_dcp_size``
+prefill processes and ``dcp_size`` decode processes (:mod:`dcp_jax.job.processes`); per mode:
+
+1. every prefill rank opens a ``KVSender(mode=mode)`` over its KV; every decode rank opens a
+   ``KVReceiver`` over its pool and connects to all M senders (versioned handshake);
+2. warm-up, untimed: one request of the first chunk (packed) or of one page per rank (direct)
+   through the same connectors, so the timed request does not pay first-use costs alone
+   (engine connections, page faults of the pack buffer, kernel compiles);
+3. the request: each decode rank fills its pool with the sentinel, ``expect``s the request with its
+   page table, the prefill ranks ``send`` it chunk by chunk, and both sides ``poll`` until
+   terminal; then every decode rank verifies every byte it owns and every other row's sentinel;
+4. the connectors are released and closed.
+
+Counts per (prefill rank, decode rank) come from ``KVSender.request_stats``; seconds are the
+prefill's, from its first ``send`` to the sender's SUCCESS (plan and pack seconds as the sender
+measured them). A process that dies fails the mode with a message: the others are told to abort
+the request, which the connector ends at once, and the next mode is not started.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import Callable
+from multiprocessing.connection import wait as conn_wait
+
+from dcp_jax.job import kv
+from dcp_jax.job.config import JobConfig, check_device
+from dcp_jax.job.processes import Proc, start_processes, stop_all
+
+__all__ = ["run_job", "run_mode", "FAILURE_GRACE_S"]
+
+FAILURE_GRACE_S = 30.0  # after a failure, how long the live processes get to abort, verify and report
+
+
+def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """Runs the main job: starts the processes, ships the request once per mode, verifies, reports.
+
+    Args:
+        cfg: the configuration.
+        on_progress: called as ``on_progress(mode, done, total)`` in (chunk, prefill rank,
+            decode rank) units, from the bytes the decode ranks' receivers report landed.
+
+    Returns:
+        ``{"config", "setup_seconds", "warmup_seconds", "prefill_setup", "runs": [{"mode",
+        "engine", "descriptors", "bytes", "batches", "engine_calls", "plan_seconds",
+        "pack_seconds", "transfer_seconds", "total_seconds", "gbps", "verified", "failures",
+        "ranks": [...]}, ...], "comparison": {...}, "verified"}``. Counts are totals over all
+        ranks; seconds are the slowest prefill rank's. Each rank row has ``strategy`` (the union
+        over the prefill ranks that sent it rows) and ``sources`` (per such prefill rank: rows,
+        descriptors, batches, strategy).
+
+    Raises:
+        ValueError: ``cfg.device="gpu"`` without CuPy or a CUDA device, or buffers larger than the
+            machine's memory.
+        RuntimeError: a process failed to start (with its traceback).
+    """
+    check_device(cfg.device)
+    kv.check_host_memory(cfg)
+    tag = uuid.uuid4().hex[:8]
+    t_start = time.perf_counter()
+    prefills, decodes = [], []
+    try:
+        prefills, decodes, prefill_setup = start_processes(cfg, tag=tag)
+        setup_s = time.perf_counter() - t_start
+        runs = [run_mode(cfg, mode, f"{tag}-{seq}-{mode}", prefills, decodes, on_progress)
+                for seq, mode in enumerate(cfg.modes)]
+    finally:
+        stop_all(prefills + decodes)
+    out = dict(config=_config_json(cfg), setup_seconds=setup_s, prefill_setup=prefill_setup,
+               warmup_seconds=sum(r.get("warmup_seconds", 0.0) for r in runs), runs=runs)
+    by = {r["mode"]: r for r in runs}
+    # Ratios only between two complete, verified runs: a failed mode's times mean nothing.
+    if "direct" in by and "packed" in by and by["direct"]["verified"] and by["packed"]["verified"]:
+        d, p = by["direct"], by["packed"]
+        out["comparison"] = dict(
+            descriptor_ratio=d["descriptors"] / max(p["descriptors"], 1),
+            total_seconds_ratio=d["total_seconds"] / max(p["total_seconds"], 1e-9),
+        )
+    out["verified"] = all(r["verified"] for r in runs)
+    return out
+
+
+def _config_json(cfg: JobConfig) -> dict:
+    d = cfg.to_dict()
+    d["modes"] = list(cfg.modes)
+    g = cfg.geometry
+    d.update(num_layers=g.num_layers, kv_item_lens=sorted(set(g.kv_item_lens)), row_bytes=g.row_bytes,
+             request_bytes=g.request_bytes(cfg.send_tokens), chunks=len(cfg.chunks()),
+             engine_kind=cfg.engine_kind)
+    return d
+
+
+def _failed_run(mode: str, engine: str | None, n: int, failure: str) -> dict:
+    """The result of a mode that could not run: nothing sent, nothing verified."""
+    nan = float("nan")
+    ranks = [dict(dcp_rank=r, descriptors=0, bytes=0, batches=0, engine_calls=0, strategy="",
+                  sources=[], verified=False, errors=[failure]) for r in range(n)]
+    return dict(mode=mode, engine=engine, descriptors=0, bytes=0, engine_calls=0, batches=0,
+                plan_seconds=nan, pack_seconds=nan, transfer_seconds=nan, total_seconds=nan,
+                gbps=0.0, verified=False, failures=[failure], ranks=ranks)
+
+
+def run_mode(cfg: JobConfig, mode: str, rid: str, prefills: list[Proc], decodes: list[Proc],
+             on_progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """One mode on these processes: open the connectors, warm up, the timed request, close.
+
+    ``decodes`` form the decode group in list order (``dcp_size = len(decodes)``), so a test can
+    serve the next request to the ranks left after a failure.
+
+    Returns:
+        The run's report (see :func:`run_job`); a process found dead before the request makes
+        a failed run whose first failure starts with ``"mode not started"``.
+    """
+    n, engine = len(decodes), None
+    t0 = time.perf_counter()
+    try:
+        opened = []
+        for p in prefills:
+            p.send("open", dict(mode=mode, dcp_size=n))
+        opened = [p.recv(cfg.timeout_s, "opened") for p in prefills]
+        engine = opened[0]["engine"]
+        for r, d in enumerate(decodes):
+            d.send("open", dict(mode=mode, dcp_rank=r, dcp_size=n, addresses=[o["address"] for o in opened]))
+        for d in decodes:
+            d.recv(cfg.timeout_s, "opened")
+    except RuntimeError as exc:
+        # A process died earlier (e.g. in the previous mode): this mode cannot start.
+        _close_all(decodes, prefills)
+        return _failed_run(mode, engine, n, f"mode not started: {exc}")
+    connect_s = time.perf_counter() - t0
+    try:
+        tw = time.perf_counter()
+        first = cfg.chunks()[0]
+        warm = first[1] if mode == "packed" else min(first[1], n * cfg.page_size)
+        stats, results, failures = _request(cfg, f"{rid}-warm-up", [(first[0], first[0] + warm)], prefills,
+                                            decodes, opened, timed=False)
+        warmup_s = time.perf_counter() - tw
+        if failures or not all(s and s["ok"] for s in stats.values()):
+            failures = [f"warm-up failed: {f}" for f in failures] or \
+                [f"warm-up failed: prefill {k}: {s and s['reason']}" for k, s in stats.items()]
+            return dict(_failed_run(mode, engine, n, failures[0]), failures=failures)
+        chunks = [(s, s + length) for s, length in cfg.chunks()]
+        progress = _Progress(mode, len(chunks) * n * len(prefills), cfg, on_progress)
+        stats, results, failures = _request(cfg, rid, chunks, prefills, decodes, opened, timed=True,
+                                            progress=progress)
+    finally:
+        _close_all(decodes, prefills)
+    run = _report(cfg, mode, engine, n, stats, results, failures)
+    run.update(connect_seconds=connect_s, warmup_seconds=warmup_s)
+    return run
+
+
+class _Progress:
+    """Turns the decode ranks' landed bytes into (chunk, prefill rank, decode rank) units."""
+
+    def __init__(self, mode: str, total: int, cfg: JobConfig, fn):
+        self.mode, self.total, self.fn = mode, total, fn
+        self.bytes = max(cfg.geometry.request_bytes(cfg.send_tokens), 1)
+        self.landed: dict[int, int] = {}
+        if fn:
+            fn(mode, 0, total)
+
+    def update(self, rank: int, landed: int | None) -> None:
+        self.landed[rank] = landed
+        if self.fn:
+            done = min(self.total, int(self.total * sum(self.landed.values()) / self.bytes))
+            self.fn(self.mode, done, self.total)
+
+
+def _request(cfg: JobConfig, rid: str, chunks: list[tuple[int, int]], prefills: list[Proc], decodes: list[Proc],
+             opened: list[dict], *, timed: bool, progress: _Progress | None = None):
+    """One request through the connectors; returns ``(sender stats, decode results, failures)``."""
+    stats: dict[int, dict | None] = {}
+    results: dict[int, dict | None] = {}
+    failures: list[str] = []
+    waiting: dict[int, tuple[str, int, Proc]] = {}  # processes holding the request, until they report
+    try:
+        for r, d in enumerate(decodes):
+            checks = {k: o["checks"][r] for k, o in enumerate(opened) if o["checks"] is not None} if timed else None
+            d.send("request", dict(rid=rid, num_tokens=chunks[-1][1], fill=timed, check=timed, hooks=timed,
+                                   progress=timed and progress is not None and progress.fn is not None,
+                                   checks=checks))
+            waiting[id(d.conn)] = ("decode", r, d)
+        for d in decodes:
+            d.recv(cfg.timeout_s, "ready")
+        for k, p in enumerate(prefills):
+            p.send("send", dict(rid=rid, chunks=chunks, dcp_size=len(decodes)))
+            waiting[id(p.conn)] = ("prefill", k, p)
+    except RuntimeError as exc:
+        failures.append(str(exc))
+        waiting = {key: v for key, v in waiting.items() if v[2].alive}
+    give_up_at, last = None, time.monotonic()
+    while waiting:
+        if failures and give_up_at is None:
+            give_up_at = time.monotonic() + min(FAILURE_GRACE_S, cfg.timeout_s)
+            for _, _, p in waiting.values():  # the connector ends the request at once everywhere
+                _quiet(p, "abort", failures[0])
+        if give_up_at is not None and time.monotonic() > give_up_at:
+            failures.append("stopped waiting for " + ", ".join(p.who for _, _, p in waiting.values())
+                            + f": no result within {min(FAILURE_GRACE_S, cfg.timeout_s):g} s of the first failure")
+            break
+        ready = conn_wait([p.conn for _, _, p in waiting.values()], timeout=1.0)
+        if not ready:
+            dead = [p for _, _, p in waiting.values() if not p.alive]
+            for p in dead:
+                failures.append(f"{p.who} exited (code {p.exit_code()})")
+                waiting.pop(id(p.conn))
+            if not dead and time.monotonic() - last > 2 * cfg.timeout_s + 30:
+                failures.append(f"no message from any process for {2 * cfg.timeout_s + 30:g} s")
+                break
+            continue
+        last = time.monotonic()
+        for c in ready:
+            side, idx, p = waiting[id(c)]
+            try:
+                kind, arg = c.recv()
+            except (EOFError, OSError):
+                failures.append(f"{p.who} exited (code {p.exit_code()})")
+                waiting.pop(id(c))
+                continue
+            if kind in ("progress", "ready"):  # "ready": a rank that was not waited for above
+                if progress is not None and kind == "progress":
+                    progress.update(idx, arg)
+                continue
+            waiting.pop(id(c))
+            if kind == "sent":
+                stats[idx] = arg
+                if not arg["ok"]:
+                    failures.append(f"{p.who}: request {arg['status']}: {arg['reason']}")
+            elif kind == "result":
+                results[idx] = arg
+                if progress is not None and arg["status"] == "success":
+                    progress.update(idx, arg.get("bytes_verified", 0))
+            else:
+                failures.append(f"{p.who} error:\n{arg}")
+                (stats if side == "prefill" else results)[idx] = None
+    for p in prefills + decodes:
+        _quiet(p, "release", rid)
+    return stats, results, failures
+
+
+def _quiet(p: Proc, kind: str, arg) -> None:
+    try:
+        p.send(kind, arg)
+    except RuntimeError:
+        pass
+
+
+def _close_all(decodes: list[Proc], prefills: list[Proc]) -> None:
+    """Closes the receivers, then the senders (a receiver still connecting needs its sender)."""
+    _close(decodes)
+    _close(prefills)
+
+
+def _close(procs: list[Proc], timeout_s: float = 20.0) -> None:
+    """Closes every live process's connector; a process that does not answer is killed."""
+    asked = []
+    for p in procs:
+        try:
+            p.send("close")
+            asked.append(p)
+        except RuntimeError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    for p in asked:
+        try:
+            while True:  # skip late messages of the request (progress, results after an abort)
+                if not p.conn.poll(max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError(f"{p.who}: no answer to close")
+                if p.conn.recv()[0] == "closed":
+                    break
+        except (TimeoutError, EOFError, OSError):
+            if p.alive:
+                p.process.kill()
+                p.process.join(5)
+
+
+def _report(cfg: JobConfig, mode: str, engine: str | None, n: int, stats: dict, results: dict,
+            failures: list[str]) -> dict:
+    good = {k: s for k, s in stats.items() if s}
+    row_bytes = cfg.geometry.row_bytes
+    rank_rows = []
+    for r in range(n):
+        res = results.get(r) or dict(dcp_rank=r, verified=False, errors=["no result"])
+        sent = dict(descriptors=0, bytes=0, batches=0, engine_calls=0, strategy="", sources=[])
+        strategies: set[str] = set()
+        for k, s in sorted(good.items()):
+            c = s["ranks"].get(r)
+            if not c:
+                continue
+            for key in ("descriptors", "bytes", "batches", "engine_calls"):
+                sent[key] += c[key]
+            if c["rows"]:  # only prefill ranks that sent this rank rows say how it was sent
+                strat = _strategy(cfg, mode, c, s["unit_rows"][r], kv.pack_bytes(cfg, k) // row_bytes)
+                strategies.add(strat)
+                sent["sources"].append(dict(prefill_rank=k, rows=c["rows"], descriptors=c["descriptors"],
+                                            batches=c["batches"], strategy=strat))
+        sent["strategy"] = ",".join(sorted(strategies))
+        rank_rows.append({**sent, **res})
+    total_bytes = sum(x["bytes"] for x in rank_rows)
+    nan = float("nan")
+
+    def slowest(key: str) -> float:
+        vals = [s[key] for s in good.values() if s[key] is not None]
+        return max(vals) if vals else nan
+
+    total_s = slowest("total_seconds")
+    return dict(
+        mode=mode, engine=engine,
+        descriptors=sum(x["descriptors"] for x in rank_rows), bytes=total_bytes,
+        engine_calls=sum(x["engine_calls"] for x in rank_rows), batches=sum(x["batches"] for x in rank_rows),
+        plan_seconds=slowest("plan_seconds"), pack_seconds=slowest("pack_seconds"),
+        transfer_seconds=slowest("transfer_seconds"), total_seconds=total_s,
+        gbps=total_bytes / total_s / 1e9 if good and math.isfinite(total_s) and total_s > 0 else 0.0,
+        verified=not failures and len(good) == len(stats) == cfg.prefill_dcp_size
+        and all(s["ok"] for s in good.values()) and all(x.get("verified") for x in rank_rows),
+        failures=failures, ranks=rank_rows,
+    )
+
+
+def _strategy(cfg: JobConfig, mode: str, counts: dict, unit_rows: list[int], region_rows: int) -> str:
+    """How one prefill rank sent one decode rank, in the job's words.
+
+    ``sliced``: the sender made more batches than ``max_batch_indices`` alone asks for (a unit
+    larger than the pack buffer went in pieces); ``per_row``: packing was asked for, descriptors
+    came from the KV (the buffer held no row).
+    """
+    names = {x for x in counts["strategy"].split(",") if x and x != "empty"}
+    if mode == "packed" and "direct" in names:
+        names = (names - {"direct"}) | {"per_row"}
+    if "packed" in names:
+        w = cfg.max_batch_indices
+        plain = sum(-(-rows // w) if w else 1 for rows in unit_rows if rows)
+        if counts["batches"] > plain or any(rows > region_rows for rows in unit_rows):
+            names = (names - {"packed"}) | {"sliced"}
+    return ",".join(sorted(names))
