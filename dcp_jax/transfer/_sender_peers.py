@@ -139,6 +139,7 @@ class SenderPeers:
             else:  # a late announcement of the request that ended: tell the rank how it ended
                 kind = "abort" if req.status is TransferStatus.ABORTED else "failed"
                 self._ctl.send(conn.ident, proto.encode(kind, rid, msg["inc"], reason=req.state.reason))
+                self._ctl.send(conn.ident, proto.encode("drained", rid, msg["inc"]))  # nothing was sent
             return
         if req is None:
             req = self._new_request(rid)
