@@ -257,5 +257,43 @@ def plan(
         json_path.write_text(json.dumps(rows, indent=2, default=_json_default))
 
 
+# ---- dcp-jax load (dcp_jax/loadgen) --------------------------------------------------------------
+@app.command()
+def load(
+    engine: str = typer.Option("nixl", help="Transfer engine of every side: nixl or mooncake."),
+    requests: int = typer.Option(1000, help="Requests in the run (warm-up included)."),
+    concurrency: int = typer.Option(64, help="At most this many requests in flight."),
+    abort_fraction: float = typer.Option(0.05, help="Fraction of requests aborted on purpose (sender or a "
+                                                    "decode rank, before the last chunk is sent), in [0, 1]."),
+    direction: str = typer.Option("push", help="push (the sender WRITEs) or pull (decode ranks READ)."),
+    dcp_size: int = typer.Option(2, help="Decode ranks (one receiver process each)."),
+    model: str = typer.Option("tiny", help=f"KV geometry: {', '.join(geometry_names())}."),
+    max_tokens: int = typer.Option(512, help="Longest request; lengths are uniform in [1, max]."),
+    page_size: int = typer.Option(16, help="Tokens per KV page (both sides)."),
+    interleave_size: int = typer.Option(1, help="Decode-side interleave I (tokens)."),
+    mode: str = typer.Option("auto", help="Sender mode: auto, packed or direct."),
+    seed: int = typer.Option(0, help="Seeds request lengths, chunking, aborts, page tables and KV bytes."),
+    timeout_s: float = typer.Option(30.0, help="Connector no-progress timeout per request (seconds)."),
+    warmup: int = typer.Option(16, help="Requests run before the measured phase (compiles and RSS are "
+                                        "read after them)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON to this path."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar (on a terminal)."),
+) -> None:
+    """Load generator for the KV connector: one KVSender and --dcp-size KVReceiver processes move
+    random requests, every byte and every free page's sentinel checked; exit 1 if anything failed."""
+    from dcp_jax.loadgen import LoadConfig, load_command
+    from dcp_jax.loadgen.command import check_json_path
+
+    try:
+        cfg = LoadConfig(engine=engine, requests=requests, concurrency=concurrency, abort_fraction=abort_fraction,
+                         direction=direction, dcp_size=dcp_size, model=model, max_tokens=max_tokens,
+                         page_size=page_size, interleave_size=interleave_size, mode=mode, seed=seed,
+                         timeout_s=timeout_s, warmup=warmup)
+        check_json_path(json_path)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    raise typer.Exit(load_command(cfg, json_path, progress=progress))
+
+
 if __name__ == "__main__":  # python -m dcp_jax.cli
     app()
