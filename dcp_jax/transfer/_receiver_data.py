@@ -38,6 +38,7 @@ class ReceiverData:
             return
         req = self._live(link, msg)
         if req is not None:
+            req.due = max(0, req.due - 1)
             self._part_landed(req, link, msg)
 
     def _rows_of(self, req: RecvRequest, link: Any, start: int, stop: int) -> np.ndarray:

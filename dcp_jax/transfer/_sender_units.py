@@ -130,6 +130,9 @@ class SenderUnits:
                                       item_lens=self._layers.item_lens, region_addr=region_addr)
         notif = proto.encode("done", req.rid, t.inc, **head)
         u.handle = self.engine.transfer_batch(t.conn.peer, descs, notif=notif, dcp_rank=rank, chunk=rc.chunk)
+        # Engine notifications wake no socket: this tells the rank one is due, so it polls its
+        # engine only while completions are on their way.
+        self._ctl.send(t.conn.ident, proto.encode("sent", req.rid, t.inc, chunk=rc.chunk, part=u.w))
         req.inflight += 1
         t.inflight += 1
         self._inflight.append(u)

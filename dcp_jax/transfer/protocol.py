@@ -10,7 +10,8 @@ against the registrations before any byte moves.
 
 Kinds (receiver -> sender): ``hello``, ``expect``, ``abort``, ``failed``, ``pull_done``, ``ping``.
 Kinds (sender -> receiver): ``hello_ack``, ``hello_nack``, ``abort``, ``failed``, ``pull_ready``,
-``drained`` (after a request ended without success, no WRITE of the sender's into that rank's
+``sent`` (a batch with a ``done`` notification was just submitted: the receiver polls its engine
+while such batches are due, and idles otherwise), ``drained`` (after a request ended without success, no WRITE of the sender's into that rank's
 pages is in flight any more), ``ping``. Engine notification (sender -> receiver, delivered by the engine after the batch's
 bytes landed): ``done``.
 """
@@ -60,6 +61,7 @@ KINDS: dict[str, dict[str, tuple]] = {
     "pull_done": {"chunk": (_INT, 0), "part": (_INT, 0), "ok": (_BOOL, 0), "reason": (_STR, MAX_TEXT)},
     "done": dict(_CHUNK),
     "drained": {},
+    "sent": {"chunk": (_INT, 0), "part": (_INT, 0)},
     "ping": {},
 }
 

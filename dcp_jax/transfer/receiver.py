@@ -305,8 +305,11 @@ class KVReceiver(ReceiverData):
                     busy = True
                     link.last_seen = time.monotonic()
                     self._on_message(link, msg)
-            pending = any(not r.status.terminal for r in self._requests.values())
-            if pending or self._reads:
+            # Rounds follow the busy backoff only while a notification is due (a "sent" hint came)
+            # or a read is in flight; otherwise the worker idles until a control message wakes it.
+            live = [r for r in self._requests.values() if not r.status.terminal]
+            pending = any(r.due > 0 for r in live)
+            if live or self._reads:  # idle rounds still come every IDLE_POLL_MS: no note is missed
                 for peer, notes in self.engine.notifications().items():
                     for note in notes:
                         busy = True
@@ -340,6 +343,11 @@ class KVReceiver(ReceiverData):
                                               part=msg["part"], ok=False, reason="request not live here"))
                 return
             return self._start_read(req, link, msg)
+        if kind == "sent":
+            req = self._requests.get(msg["rid"])
+            if req is not None and req.inc == msg["inc"] and not req.status.terminal:
+                req.due += 1
+            return
         if kind == "drained":
             req = self._requests.get(msg["rid"])
             if req is not None and req.inc == msg["inc"] and link in req.senders:

@@ -154,6 +154,7 @@ class RecvRequest:
         self.rows_landed: dict[tuple[int, int], int] = {}
         self.inflight = 0                                # pull reads submitted, not yet done
         self.drained: set[int] = set()                   # id(sender link) that said "drained"
+        self.due = 0                                     # "sent" hints not yet matched by a "done"
         self.bytes = 0
         self.created = time.perf_counter()
 

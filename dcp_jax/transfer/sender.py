@@ -301,5 +301,6 @@ def _alloc_pack(nbytes: int, layers: CacheLayers):
     from bridge.buffers import DeviceBuffer, HostBuffer
 
     if layers.mem_type == "DRAM":
-        return HostBuffer(nbytes)
+        # Written once now, so the first packs do not pay a page fault per 4 KiB of the buffer.
+        return HostBuffer(nbytes, fill=0)
     return DeviceBuffer(nbytes, device_id=layers.device_id)

@@ -94,6 +94,10 @@ class Cluster:
             time.sleep(0.002)
         return [s.poll(rid) for s in sides]
 
+    def reasons(self, rid):
+        """Every side's status and failure reason (for assertion messages)."""
+        return [(s.poll(rid).name, s.failure_reason(rid)) for s in [self.sender] + self.receivers]
+
     def check_bytes(self, src_table, dst_tables, num_tokens, prefix_tokens=0):
         """Every owned token of [prefix, L) byte-exact at its rank; returns rows checked."""
         p, n, i = self.page_size, self.dcp_size, self.interleave

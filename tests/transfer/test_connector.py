@@ -21,7 +21,7 @@ def test_chunked_request_lands_byte_exact(engine, direction, mode):
         c.expect("r0", dst, L)
         for a, b in [(0, 10), (10, 11), (11, L)]:  # chunked prefill, one call per chunk
             c.sender.send("r0", src, a, b)
-        assert c.wait("r0") == [S.SUCCESS] * 4
+        assert c.wait("r0") == [S.SUCCESS] * 4, c.reasons("r0")
         assert c.check_bytes(src, dst, L) == L
         for r in range(3):
             assert c.sentinel_pages(r, dst[r])
