@@ -181,3 +181,41 @@ def test_bad_arguments_name_themselves(engine):
                 lonely.close()
     finally:
         c.close()
+
+
+def test_failing_registration_closes_the_engine(engine):
+    # The same buffer twice: the engine refuses the overlapping registration. Nothing may stay
+    # registered or open (the engine created before the failing register is closed).
+    from bridge import RegistrationError
+    from dcp_jax.transfer import KVCacheSpec, KVSender
+
+    before = bridge.registered_bytes()
+    layer = np.zeros((4, 4, 16), np.uint8)
+    with pytest.raises(RegistrationError, match="overlap"):
+        KVSender(KVCacheSpec(2, (16, 16), 4), [layer, layer], engine=engine)
+    with pytest.raises(RegistrationError, match="overlap"):
+        KVReceiver(KVCacheSpec(2, (16, 16), 4), [layer, layer], engine=engine)
+    assert bridge.registered_bytes() == before
+
+
+def test_bad_caller_kv_is_refused_by_name():
+    from dcp_jax.transfer import KVCacheSpec, KVSender
+
+    spec = KVCacheSpec(2, (16, 16), 4)
+    ok = np.zeros((4, 4, 16), np.uint8)
+    with pytest.raises(ValueError, match="kv_layers has 1 layers"):
+        KVSender(spec, [ok])
+    with pytest.raises(ValueError, match=r"kv_layers\[1\].*page_size=4"):
+        KVSender(spec, [ok, np.zeros((4, 8, 8), np.uint8)])
+    with pytest.raises(ValueError, match=r"kv_layers\[1\] holds 32 bytes per token"):
+        KVSender(spec, [ok, np.zeros((4, 4, 16), np.uint16)])
+    with pytest.raises(ValueError, match=r"kv_layers\[0\] must be C-contiguous"):
+        KVSender(spec, [np.zeros((4, 4, 32), np.uint8)[:, :, ::2], ok])
+    with pytest.raises(TypeError, match="kv_layers must be a list"):
+        KVSender(spec, ok)
+    with pytest.raises(TypeError, match="numpy, CuPy or JAX"):
+        KVSender(spec, [ok, "not an array"])
+    with pytest.raises(ValueError, match="mode"):
+        KVSender(spec, [ok, ok.copy()], mode="fast")
+    with pytest.raises(ValueError, match="pack_bytes"):
+        KVSender(spec, [ok, ok.copy()], pack_bytes=8)
