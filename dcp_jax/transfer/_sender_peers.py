@@ -80,6 +80,9 @@ class SenderPeers:
             check_compatible(self.spec, spec, side="prefill")
             if msg["direction"] not in ("push", "pull"):
                 raise HandshakeError("direction", "push|pull", msg["direction"])
+            if any(c.name == msg["name"] and c.ident != ident for c in self._conns.values()):
+                raise HandshakeError("connection", "one per receiver", "a second one",
+                                     f"receiver {msg['name']!r} is already connected (another address spelling?)")
             group = [c for c in self._conns.values() if c.group == msg["group"] and c.ident != ident]
             for c in group:
                 for field in ("dcp_size", "interleave_size"):
@@ -115,7 +118,7 @@ class SenderPeers:
             return v if isinstance(v, (int, str, float, bool, type(None))) else repr(v)
 
         self._ctl.send(ident, proto.encode("hello_nack", field=exc.field, ours=plain(exc.ours),
-                                           theirs=plain(exc.theirs), message=str(exc)[:proto.MAX_TEXT]))
+                                           theirs=plain(exc.theirs), message=exc.detail[:proto.MAX_TEXT]))
 
     def _on_expect(self, conn: Conn, msg: dict) -> None:
         rid, rank = msg["rid"], conn.spec.dcp_rank

@@ -46,7 +46,7 @@ class SenderUnits:
                 while t.next_chunk < len(req.chunks):
                     ci = t.next_chunk
                     t.next_chunk += 1
-                    start, stop = req.chunks[ci]
+                    start, stop, src_table = req.chunks[ci]
                     if stop > t.num_tokens:
                         self._end(req, TransferStatus.FAILED, f"tokens [{start}, {stop}) pass decode rank "
                                   f"{rank}'s num_tokens={t.num_tokens}", notify="failed")
@@ -55,7 +55,7 @@ class SenderUnits:
                     try:
                         rc = plan_rank_chunk(
                             ci, max(start, t.prefix_tokens), max(stop, t.prefix_tokens), src=self._layout,
-                            dst=SideLayout.of(t.conn.spec), src_page_table=req.page_table,
+                            dst=SideLayout.of(t.conn.spec), src_page_table=src_table,
                             dst_page_table=t.page_table, mode=self._mode_for(t.conn.spec),
                             max_batch_indices=self.max_batch_indices, max_region_rows=self._max_region_rows,
                             check_tables=False)  # both tables were checked once, at send / expect
@@ -195,7 +195,9 @@ class SenderUnits:
         self._maybe_done(req)
 
     def _maybe_done(self, req: SendRequest) -> None:
-        if not req.status.terminal and req.complete() and req.inflight == 0:
+        # Not before a send(), unless no rank needs a token (a full prefix hit on every rank).
+        nothing = all(t.num_tokens == t.prefix_tokens for t in req.targets.values())
+        if not req.status.terminal and req.complete() and req.inflight == 0 and (req.chunks or nothing):
             if req.finish(TransferStatus.SUCCESS):
                 self._counts["succeeded"] += 1
 

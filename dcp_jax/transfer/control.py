@@ -57,10 +57,14 @@ class ControlServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
         self.sock = _socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises, not drops
-        if port == 0:
-            port = self.sock.bind_to_random_port(f"tcp://{host}")
-        else:
-            self.sock.bind(f"tcp://{host}:{port}")
+        try:
+            if port == 0:
+                port = self.sock.bind_to_random_port(f"tcp://{host}")
+            else:
+                self.sock.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as exc:
+            self.sock.close(0)
+            raise ValueError(f"cannot listen on host={host!r}, port={port}: {exc}") from None
         self.address = f"tcp://{host}:{port}"
         self.rejected = 0
         self.last_error = ""

@@ -77,6 +77,7 @@ class CacheLayers:
             trailing dims hold ``spec.item_lens[l]`` bytes per token, C-contiguous, all of one
             kind (numpy, CuPy, or JAX on one device). The caller owns them; this object keeps a
             reference until `close`.
+        writable: refuse read-only numpy layers (a receiver's layers are written into).
 
     Attributes:
         kind: `array_kind` of the layers.
@@ -92,7 +93,7 @@ class CacheLayers:
             (the message names ``kv_layers[l]``).
     """
 
-    def __init__(self, spec: KVCacheSpec, kv_layers: Sequence[Any]):
+    def __init__(self, spec: KVCacheSpec, kv_layers: Sequence[Any], *, writable: bool = False):
         if not isinstance(kv_layers, (list, tuple)):
             raise TypeError(f"kv_layers must be a list or tuple of arrays, got {type(kv_layers).__name__}")
         if len(kv_layers) != spec.num_layers:
@@ -119,6 +120,10 @@ class CacheLayers:
                                  f"spec.item_lens[{l}]={spec.item_lens[l]}")
             if self.kind in ("numpy", "cupy") and not a.flags.c_contiguous:
                 raise ValueError(f"kv_layers[{l}] must be C-contiguous")
+            if writable and self.kind == "numpy" and not a.flags.writeable:
+                raise ValueError(f"kv_layers[{l}] is read-only; a receiver's layers are written into")
+            if np.dtype(a.dtype).hasobject:
+                raise TypeError(f"kv_layers[{l}] has dtype {a.dtype}; KV layers hold plain numbers")
             if self.kind == "cupy":
                 self.device_id = int(a.device.id)
             elif self.kind == "jax-gpu":

@@ -90,7 +90,7 @@ class KVReceiver(ReceiverData):
         self.timeout_s = check_seconds("timeout_s", timeout_s)
         self.peer_timeout_s = check_seconds("peer_timeout_s", peer_timeout_s)
         self.heartbeat_s = check_seconds("heartbeat_s", heartbeat_s)
-        self._layers = CacheLayers(spec, kv_layers)
+        self._layers = CacheLayers(spec, kv_layers, writable=True)
         self._layout = SideLayout.of(spec)
         name = f"dcp-recv-{spec.dcp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.engine = make_engine(engine, name, **(engine_options or {}))
@@ -100,6 +100,7 @@ class KVReceiver(ReceiverData):
             self.engine.close()
             raise
         self._lock = threading.RLock()
+        self._closed = False
         self._links: list[_Link] = []
         self._by_peer: dict[str, _Link] = {}
         self._outbox: deque[tuple[_Link, bytes]] = deque()
@@ -130,6 +131,7 @@ class KVReceiver(ReceiverData):
             TimeoutError: no answer within ``timeout_s``.
             ValueError: malformed address, unknown direction, or already connected there.
         """
+        self._check_open()
         direction = self.direction if direction is None else direction
         if direction not in DIRECTIONS:
             raise ValueError(f"direction={direction!r} must be one of {DIRECTIONS}")
@@ -147,6 +149,10 @@ class KVReceiver(ReceiverData):
                 raise HandshakeError(reply["field"], reply["theirs"], reply["ours"], reply["message"])
             sender_spec = KVCacheSpec.from_dict(reply["spec"])
             check_compatible(sender_spec, self.spec, side="decode")
+            with self._lock:
+                if any(link.peer == reply["name"] for link in self._links):
+                    raise ValueError(f"address={address!r} reaches a sender this receiver is already "
+                                     f"connected to ({reply['name']!r})")
             bases = proto.unpack_i64(reply["layer_bases"], "layer_bases", max_items=self.spec.num_layers)
             peer = self.engine.add_peer(PeerInfo.from_dict(reply["peer"]))
         except BaseException:
@@ -187,6 +193,7 @@ class KVReceiver(ReceiverData):
             TypeError, ValueError: bad id, token counts or page table, or an id still held
                 (release it first).
         """
+        self._check_open()
         rid = check_request_id(request_id)
         for name, v in (("num_tokens", num_tokens), ("prefix_tokens", prefix_tokens)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
@@ -210,7 +217,13 @@ class KVReceiver(ReceiverData):
                                  prefix_tokens=int(prefix_tokens), page_table=proto.pack_i64(table),
                                  dcp_rank=s.dcp_rank)
             self._outbox.extend((link, frame) for link in req.senders)
+            if prefix_tokens == num_tokens and req.finish(TransferStatus.SUCCESS):
+                self._counts["succeeded"] += 1  # all of it is here already: nothing will come
         self._worker.wake()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this KVReceiver is closed")
 
     def poll(self, request_id: str) -> TransferStatus:
         """The request's `TransferStatus` on this rank. Raises KeyError if unknown."""
@@ -275,6 +288,7 @@ class KVReceiver(ReceiverData):
         """Stops the worker, fails live requests, closes the engine and sockets, releases the
         registrations; returns within ``timeout_s`` (+ a small margin). Idempotent."""
         deadline = time.monotonic() + check_seconds("timeout_s", timeout_s)
+        self._closed = True
         self._worker.stop(max(0.1, deadline - time.monotonic() - 1.0))
         with self._lock:
             for req in list(self._requests.values()):

@@ -112,6 +112,7 @@ class KVSender(SenderPeers, SenderUnits):
             self.engine.close()
             raise
         self._lock = threading.RLock()
+        self._closed = False
         self._requests: dict[str, SendRequest] = {}
         self._early: dict[str, list] = {}     # expects for an id still held in a terminal state
         self._conns: dict[bytes, Any] = {}     # control identity -> _sender_peers.Conn
@@ -143,13 +144,17 @@ class KVSender(SenderPeers, SenderUnits):
             page_table: int[pages]: ``page_table[k]`` is the physical page holding this prefill
                 rank's local tokens ``[k*page_size, (k+1)*page_size)`` (spec section 10); it must
                 cover local rows up to ``stop`` and may grow between chunks.
-            start, stop: token positions, ``0 <= start < stop``.
+            start, stop: token positions, ``0 <= start < stop``. A request every decode rank
+                already holds in full (``prefix_tokens == num_tokens``) is SUCCESS as soon as they
+                announced it; a `send` for it then does nothing.
 
         Raises:
+            RuntimeError: the sender is closed.
             TypeError, ValueError: bad id, range or page table (page ids outside the cache, too
                 few pages), a range overlapping one already sent, or a finished request id that
                 was not released yet.
         """
+        self._check_open()
         rid = check_request_id(request_id)
         if isinstance(start, bool) or isinstance(stop, bool) or not isinstance(start, (int, np.integer)) \
                 or not isinstance(stop, (int, np.integer)) or not 0 <= start < stop:
@@ -162,15 +167,21 @@ class KVSender(SenderPeers, SenderUnits):
             req = self._requests.get(rid)
             if req is None:
                 req = self._new_request(rid)
+            if req.status is TransferStatus.SUCCESS and req.page_table is None:
+                return  # every rank already held all of it (a full prefix hit): nothing to send
             if req.status.terminal:
                 raise ValueError(f"request_id={rid!r} is {req.status.name}; release() it before reusing the id")
             if req.sent.overlaps(start, stop):
                 raise ValueError(f"tokens [{start}, {stop}) of request_id={rid!r} overlap a range already sent")
             req.sent.add(start, stop)
-            req.chunks.append((start, stop))
+            req.chunks.append((start, stop, table))  # each chunk is planned on its own table
             req.page_table = table
             req.state.touch()
         self._worker.wake()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this KVSender is closed")
 
     def poll(self, request_id: str) -> TransferStatus:
         """The request's `TransferStatus` on this side.
@@ -253,6 +264,7 @@ class KVSender(SenderPeers, SenderUnits):
         registration. Returns within ``timeout_s`` (+ a small margin) whatever the engine does.
         Idempotent."""
         deadline = time.monotonic() + check_seconds("timeout_s", timeout_s)
+        self._closed = True
         if not self._worker.stop(max(0.1, deadline - time.monotonic() - 1.0)):
             logger.warning("sender worker did not stop in time; closing under it")
         with self._lock:

@@ -30,10 +30,11 @@ class HandshakeError(ValueError):
         field: the field that decided it (``"num_layers"``, ``"item_lens"``, ``"version"``, ...).
         ours: this side's value.
         theirs: the peer's value.
+        detail: why, beyond the two values ("" when they say it all).
     """
 
     def __init__(self, field: str, ours: Any, theirs: Any, detail: str = ""):
-        self.field, self.ours, self.theirs = field, ours, theirs
+        self.field, self.ours, self.theirs, self.detail = field, ours, theirs, detail
         msg = f"handshake refused: {field} differs (this side {ours!r}, peer {theirs!r})"
         super().__init__(msg + (f": {detail}" if detail else ""))
 

@@ -219,3 +219,55 @@ def test_bad_caller_kv_is_refused_by_name():
         KVSender(spec, [ok, ok.copy()], mode="fast")
     with pytest.raises(ValueError, match="pack_bytes"):
         KVSender(spec, [ok, ok.copy()], pack_bytes=8)
+
+
+def test_full_prefix_hit_and_empty_request_succeed_at_once(engine):
+    c = Cluster(engine, dcp_size=2)
+    try:
+        src, dst = c.tables(8)
+        c.expect("hit", dst, 8, prefix_tokens=8)  # every rank already holds all 8 tokens
+        assert [r.poll("hit") for r in c.receivers] == [S.SUCCESS, S.SUCCESS]
+        c.sender.send("hit", src, 0, 8)  # the prefill still sends: nothing to do, no error
+        assert c.wait("hit") == [S.SUCCESS] * 3
+        for r in c.receivers:
+            r.expect("none", [], 0)
+        assert [r.poll("none") for r in c.receivers] == [S.SUCCESS, S.SUCCESS]
+    finally:
+        c.close()
+
+
+def test_each_chunk_keeps_the_page_table_it_was_sent_with(engine):
+    c = Cluster(engine, dcp_size=1)
+    try:
+        src, dst = c.tables(16)
+        c.expect("t", dst, 16)
+        c.sender.send("t", src, 0, 8)  # tokens 0..7 on src[0], src[1]
+        other = np.array([c._free_src.pop(), c._free_src.pop(), src[2], src[3]])  # differs in front
+        c.sender.send("t", other, 8, 16)
+        assert c.wait("t") == [S.SUCCESS] * 2
+        c.check_bytes(np.array([src[0], src[1], src[2], src[3]]), dst, 16)
+    finally:
+        c.close()
+
+
+def test_closed_sides_refuse_calls_and_duplicate_links_are_refused(engine):
+    from dcp_jax.transfer import HandshakeError
+
+    c = Cluster(engine, dcp_size=1)
+    try:
+        alias = c.sender.address.replace("127.0.0.1", "localhost")
+        with pytest.raises(HandshakeError, match="already connected"):
+            c.receivers[0].connect(alias)  # the same sender under another spelling
+        with pytest.raises(ValueError, match="read-only"):
+            ro = np.frombuffer(bytes(4 * 4 * 48), np.uint8).reshape(4, 4, 48)
+            KVReceiver(c.receivers[0].spec, [ro, np.zeros((4, 4, 16), np.uint8)], engine=engine)
+        src, dst = c.tables(4)
+        c.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            c.sender.send("late", src, 0, 4)
+        with pytest.raises(RuntimeError, match="closed"):
+            c.receivers[0].expect("late", dst[0], 4)
+        with pytest.raises(RuntimeError, match="closed"):
+            c.receivers[0].connect(c.sender.address)
+    finally:
+        c.close()
