@@ -152,6 +152,7 @@ class SenderPeers:
             return
         req.group, req.group_size = conn.group, conn.spec.dcp_size
         req.targets[rank] = RankTarget(conn, msg["inc"], msg["num_tokens"], msg["prefix_tokens"], table)
+        self._to_plan[req] = None
         req.state.touch()
         self._maybe_done(req)
 

@@ -15,6 +15,7 @@ from typing import Any
 from bridge import TransferError
 from pallas_kernels import pack_rows
 from dcp_jax.transfer import protocol as proto
+from dcp_jax.transfer._worker import TIMEOUT_CHECK_S
 from dcp_jax.transfer.requests import RankTarget, SendRequest
 from dcp_jax.transfer.schedule import SideLayout, batch_engine_calls, plan_rank_chunk
 from dcp_jax.transfer.spec import KVCacheSpec
@@ -39,8 +40,10 @@ class SenderUnits:
     """Planning, pack regions, submission, completion and the endings of requests."""
 
     def _plan_units(self) -> None:
-        for req in self._requests.values():
-            if req.status.terminal or req.page_table is None:
+        # Only requests that got a chunk or an announcement since the last round (`_to_plan`).
+        todo, self._to_plan = self._to_plan, {}  # in arrival order: FIFO across requests
+        for req in todo:
+            if req.status.terminal or req.page_table is None or self._requests.get(req.rid) is not req:
                 continue
             for rank, t in req.targets.items():
                 while t.next_chunk < len(req.chunks):
@@ -236,6 +239,9 @@ class SenderUnits:
 
     def _check_timeouts(self) -> None:
         now = time.monotonic()
+        if now < self._next_timeout_check:
+            return
+        self._next_timeout_check = now + TIMEOUT_CHECK_S
         for req in list(self._requests.values()):
             if not req.status.terminal and req.state.stalled_for(now) > self.timeout_s:
                 self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s", notify="failed")

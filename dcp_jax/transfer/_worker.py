@@ -13,7 +13,7 @@ import zmq
 
 from dcp_jax.transfer.control import zmq_context
 
-__all__ = ["Worker", "IDLE", "PENDING", "ACTIVE", "check_page_table", "check_seconds"]
+__all__ = ["Worker", "IDLE", "PENDING", "ACTIVE", "TIMEOUT_CHECK_S", "check_page_table", "check_seconds"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 MIN_BACKOFF_S = 20e-6
 MAX_BACKOFF_S = 2e-3
 IDLE_POLL_MS = 20
+
+#: Requests are scanned for no-progress timeouts at most this often (seconds), not every round.
+TIMEOUT_CHECK_S = 0.05
 
 #: What a round returns.
 IDLE, PENDING, ACTIVE = 0, 1, 2

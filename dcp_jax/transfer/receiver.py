@@ -26,7 +26,7 @@ import numpy as np
 from bridge import PeerInfo, make_engine
 from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
-from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, Worker, check_page_table, check_seconds
+from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, TIMEOUT_CHECK_S, Worker, check_page_table, check_seconds
 from dcp_jax.transfer._receiver_data import ReceiverData
 from dcp_jax.transfer.control import ControlClient
 from dcp_jax.transfer.memory import CacheLayers
@@ -109,7 +109,7 @@ class KVReceiver(ReceiverData):
         self._chunk_rows: dict[tuple, np.ndarray] = {}
         self._counts = dict(dropped_messages=0, rejected_notifications=0, inconsistent_messages=0,
                             requests=0, succeeded=0, failed=0, aborted=0, bytes=0, reads=0)
-        self._last_ping = 0.0
+        self._last_ping = self._next_timeout_check = 0.0
         self._worker = Worker(f"dcp-receiver-{spec.dcp_rank}", self._round, None)
         self._worker.start()
 
@@ -391,6 +391,9 @@ class KVReceiver(ReceiverData):
 
     def _check_timeouts(self) -> None:
         now = time.monotonic()
+        if now < self._next_timeout_check:
+            return
+        self._next_timeout_check = now + TIMEOUT_CHECK_S
         for req in list(self._requests.values()):
             if not req.status.terminal and req.state.stalled_for(now) > self.timeout_s:
                 self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s", "failed")

@@ -114,6 +114,8 @@ class KVSender(SenderPeers, SenderUnits):
         self._lock = threading.RLock()
         self._closed = False
         self._requests: dict[str, SendRequest] = {}
+        self._to_plan: dict[SendRequest, None] = {}  # ordered set: chunks or ranks not planned yet
+        self._next_timeout_check = 0.0
         self._early: dict[str, list] = {}     # expects for an id still held in a terminal state
         self._conns: dict[bytes, Any] = {}     # control identity -> _sender_peers.Conn
         self._queue: deque = deque()         # _sender_units.Unit, FIFO
@@ -174,6 +176,7 @@ class KVSender(SenderPeers, SenderUnits):
             if req.sent.overlaps(start, stop):
                 raise ValueError(f"tokens [{start}, {stop}) of request_id={rid!r} overlap a range already sent")
             req.sent.add(start, stop)
+            self._to_plan[req] = None
             req.chunks.append((start, stop, table))  # each chunk is planned on its own table
             req.page_table = table
             req.state.touch()
