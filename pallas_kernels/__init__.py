@@ -17,6 +17,7 @@ from pallas_kernels.gather import (
     word_dtype,
 )
 from pallas_kernels.pack import PackSource, clear_import_cache, pack_rows
+from pallas_kernels.unpack import SCATTER_BACKENDS, copy_rows, synchronize, unpack_rows
 
 __all__ = [
     "BACKENDS",
@@ -29,6 +30,10 @@ __all__ = [
     "gather_rows",
     "gather_rows_reference",
     "pack_rows",
+    "SCATTER_BACKENDS",
+    "copy_rows",
+    "synchronize",
+    "unpack_rows",
     "pow2_chunks",
     "select_backend",
     "word_dtype",

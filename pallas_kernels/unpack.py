@@ -1,0 +1,409 @@
+"""Host contract of the scatter side: `unpack_rows` out of a receive region, `copy_rows` between
+two sets of KV layers (spec section 6, the inverse of `pack_rows`).
+
+- `unpack_rows(pack, layers, indices, offset=...)` reads the layer-major region `pack_rows` writes
+  (entry l's n rows at bytes `[offset + n * sum_{k<l} item_len_k, ... + n * item_len_l)`) and
+  writes its row j into row `indices[j]` of `layers[l]`, in place.
+- `copy_rows(src_layers, src_indices, dst_layers, dst_indices)` is the fused gather-scatter:
+  `dst_layers[l][dst_indices[j]] = src_layers[l][src_indices[j]]` for every layer entry, with no
+  pack in between (on the GPU one kernel for all layers; `dst_layers` may be CuPy arrays over
+  IPC-mapped memory of another process).
+
+Conventions shared by both (checked, `ValueError`/`TypeError` naming the argument):
+
+- Layers are u8[num_rows_l, kv_item_len_l] (rows viewed as bytes), destinations writeable.
+- Source indices may repeat and come in any order; **destination indices must be unique**
+  (a duplicate would leave the row holding one of the candidates, unspecified which, on a
+  parallel device): host (numpy) indices are checked and a duplicate raises; device (CuPy)
+  indices are checked with the other index checks (one synchronisation) unless the caller
+  vouches for them (`checked=True`).
+- Sources and destinations must not share memory (the result would depend on the order of
+  the row copies).
+
+Completion: host forms return when the bytes are there. Device forms return once the kernel is
+enqueued on the JAX stream of the destination's device; `synchronize(dst)` (or the JAX arrays'
+`block_until_ready`) waits until the bytes are in the destination memory. A consumer on another
+stream or in another process (IPC) must wait for that before it reads.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from pallas_kernels.pack import (
+    HOST_MAX_THREADS,
+    HOST_MAX_THREADS_ARG,
+    HOST_THREADS_MIN_BYTES,
+    _host_pool,
+    _is_cupy,
+)
+
+#: Backends of `unpack_rows` / `copy_rows`.
+SCATTER_BACKENDS = ("auto", "numpy", "cupy")
+
+
+def _is_jax(a) -> bool:
+    return type(a).__module__.split(".")[0] in ("jax", "jaxlib")
+
+
+def _kind(a) -> str | None:
+    if isinstance(a, np.ndarray):
+        return "numpy"
+    if _is_cupy(a):
+        return "cupy"
+    if _is_jax(a):
+        return "jax"
+    return None
+
+
+def _check_layer_list(layers, name: str, *, writeable: bool) -> tuple[str, tuple[int, ...], int]:
+    """(kind, item_lens, min rows) of a list of u8 2-D layers of one kind (numpy or CuPy)."""
+    if not isinstance(layers, (list, tuple)) or not layers:
+        raise ValueError(f"{name} must be a non-empty list of 2-D uint8 arrays")
+    kinds = set()
+    for l, a in enumerate(layers):
+        kind = _kind(a)
+        if kind is None or (kind == "jax" and writeable):
+            what = "JAX arrays are immutable" if kind == "jax" else f"got {type(a).__name__}"
+            raise TypeError(f"{name}[{l}] must be a numpy or CuPy uint8 array ({what})")
+        if a.ndim != 2:
+            raise ValueError(f"{name}[{l}] must be 2-D [num_rows, kv_item_len], got shape {a.shape}")
+        if a.dtype != np.uint8:
+            raise TypeError(f"{name}[{l}] dtype {a.dtype} must be uint8 (view rows as bytes)")
+        if writeable and kind == "numpy" and not a.flags.writeable:
+            raise ValueError(f"{name}[{l}] is read-only: the destination must be writeable")
+        kinds.add("device" if kind in ("cupy", "jax") else "host")
+    if len(kinds) != 1:
+        raise TypeError(f"{name} must be all numpy (host) or all CuPy (device) arrays")
+    return kinds.pop(), tuple(int(a.shape[1]) for a in layers), min(int(a.shape[0]) for a in layers)
+
+
+def _indices(indices, name: str, *, device_ok: bool):
+    """1-D integer indices (numpy int64 view, or the CuPy array itself when `device_ok`)."""
+    if device_ok and _is_cupy(indices):
+        idx = indices
+    else:
+        if _is_cupy(indices):
+            raise TypeError(f"{name} is a CuPy array but the layers are numpy (host) arrays")
+        idx = np.asarray(indices)
+        if idx.size == 0:
+            idx = idx.astype(np.int64)
+    if idx.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {idx.shape}")
+    if not np.issubdtype(idx.dtype, np.integer):
+        raise TypeError(f"{name} dtype {idx.dtype} must be an integer type")
+    return idx
+
+
+def _check_range(idx, name: str, num_rows: int, layers_name: str, *, unique: bool) -> None:
+    """Every index in [0, num_rows), and (`unique`) no index twice. CuPy: one sync."""
+    if idx.shape[0] == 0:
+        return
+    if _is_cupy(idx):
+        import cupy as cp
+
+        parts = [idx.min(), idx.max()]
+        if unique:
+            s = cp.sort(idx)
+            parts.append((s[1:] == s[:-1]).any().astype(idx.dtype) if s.size > 1
+                         else cp.zeros((), idx.dtype))
+        vals = [int(v) for v in cp.stack(parts).get()]  # one sync
+        lo, hi, dup = vals[0], vals[1], (vals[2] if unique else 0)
+    else:
+        lo, hi = int(idx.min()), int(idx.max())
+        dup = 0
+        if unique and idx.shape[0] > 1:
+            s = np.sort(idx)
+            dup = int(np.any(s[1:] == s[:-1]))
+    if lo < 0:
+        raise ValueError(f"{name} must be >= 0, got min {lo}")
+    if hi >= num_rows:
+        raise ValueError(f"{name} must be < num_rows={num_rows} of every layer of {layers_name}, "
+                         f"got max {hi}")
+    if dup:
+        raise ValueError(f"{name} must be unique (destination rows): a row written twice would "
+                         "hold one of the candidates, unspecified which")
+
+
+def _extent(a) -> tuple[int, int]:
+    """[start, end) byte addresses an array's elements may touch (numpy or CuPy)."""
+    if _is_cupy(a):
+        ptr = int(a.data.ptr)
+    else:
+        ptr = int(a.__array_interface__["data"][0])
+    lo = hi = ptr
+    for n, s in zip(a.shape, a.strides):
+        if n == 0:
+            return ptr, ptr
+        if s >= 0:
+            hi += (n - 1) * s
+        else:
+            lo += (n - 1) * s
+    return lo, hi + a.itemsize
+
+
+def _check_disjoint(srcs, src_name: str, dsts, dst_name: str) -> None:
+    """No destination layer may share memory with a source (layer or pack)."""
+    spans = sorted((*_extent(a), l) for l, a in enumerate(srcs) if a.size)
+    for k, d in enumerate(dsts):
+        if not d.size:
+            continue
+        d0, d1 = _extent(d)
+        for s0, s1, l in spans:
+            if s0 < d1 and d0 < s1:
+                if isinstance(d, np.ndarray) and not np.shares_memory(d, srcs[l],
+                                                                      max_work=1000):
+                    continue  # interleaved but disjoint strided views
+                raise ValueError(f"{dst_name}[{k}] shares memory with {src_name}"
+                                 f"{'' if len(srcs) == 1 and src_name == 'pack' else f'[{l}]'}: "
+                                 "sources and destinations must be disjoint")
+
+
+def _host_threads(threads, total: int) -> int:
+    if threads is None:
+        return min(HOST_MAX_THREADS, os.cpu_count() or 1) if total >= HOST_THREADS_MIN_BYTES else 1
+    return threads
+
+
+def _check_threads(threads) -> None:
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, (int, np.integer))
+                                or not 1 <= threads <= HOST_MAX_THREADS_ARG):
+        raise ValueError(f"{threads=} must be None or an int in [1, {HOST_MAX_THREADS_ARG}]")
+
+
+def _run_units(units, work, threads: int) -> None:
+    """Run `work(batch)` over `units` dealt to `threads` workers (one batch inline if 1)."""
+    threads = min(threads, len(units))
+    if threads <= 1:
+        work(units)
+        return
+    list(_host_pool(threads).map(work, [units[k::threads] for k in range(threads)]))
+
+
+def _row_bounds(n: int, threads: int, num_layers: int) -> list[int]:
+    chunks = max(1, min(n, -(-2 * threads // num_layers))) if threads > 1 else 1
+    return [n * k // chunks for k in range(chunks + 1)]
+
+
+def _unpack_host(pack, layers, idx, offset, item_lens, threads) -> None:
+    """numpy scatter: (layer, row range) units, each writing its own destination rows."""
+    n = int(idx.shape[0])
+    threads = _host_threads(threads, n * sum(item_lens))
+    bounds = _row_bounds(n, threads, len(layers))
+    units, pos = [], offset
+    for a, w in zip(layers, item_lens):
+        for r0, r1 in zip(bounds[:-1], bounds[1:]):
+            if r1 > r0:
+                units.append((a, r0, r1, w, pos + r0 * w))
+        pos += n * w
+
+    def put(batch):
+        for a, r0, r1, w, start in batch:
+            a[idx[r0:r1]] = pack[start:start + (r1 - r0) * w].reshape(r1 - r0, w)
+
+    _run_units(units, put, threads)
+
+
+def _copy_host(srcs, sidx, dsts, didx, item_lens, threads) -> None:
+    n = int(sidx.shape[0])
+    threads = _host_threads(threads, n * sum(item_lens))
+    bounds = _row_bounds(n, threads, len(srcs))
+    units = [(s, d, r0, r1) for s, d in zip(srcs, dsts)
+             for r0, r1 in zip(bounds[:-1], bounds[1:]) if r1 > r0]
+
+    def copy(batch):
+        for s, d, r0, r1 in batch:
+            d[didx[r0:r1]] = np.take(s, sidx[r0:r1], axis=0, mode="clip")
+
+    _run_units(units, copy, threads)
+
+
+def _resolve(backend: str, on_device: bool) -> str:
+    if backend not in SCATTER_BACKENDS:
+        raise ValueError(f"{backend=} must be one of {SCATTER_BACKENDS}")
+    if backend == "auto":
+        return "cupy" if on_device else "numpy"
+    if (backend == "numpy") == on_device:
+        need = "numpy (host)" if backend == "numpy" else "CuPy (device)"
+        raise ValueError(f"backend={backend!r} needs {need} buffers")
+    return backend
+
+
+def unpack_rows(pack, layers, indices, *, offset: int = 0, backend: str = "auto",
+                threads: int | None = None, checked: bool = False) -> None:
+    """Write the rows of a layer-major pack region into rows `indices` of every layer, in place.
+
+    The exact inverse of `pack_rows(layers, indices, pack, offset=offset)`: for entry l and
+    j < n, `layers[l][indices[j]] = pack[offset + off_l + j * w_l : ... + w_l]`,
+    `off_l = n * sum_{k<l} w_k`, `w_l = kv_item_len_l`. No other byte of `layers` changes;
+    `pack` is read only.
+
+    Args:
+        pack: u8[size], 1-D, C-contiguous: the receive region's buffer (numpy for host layers;
+            CuPy or a JAX GPU array for CuPy layers).
+        layers: sequence of u8[num_rows_l, kv_item_len_l] arrays, writeable, all numpy or all
+            CuPy, sharing one row index space.
+        indices: int[n] destination rows (numpy, CuPy or a Python sequence), unique.
+        offset: byte offset of the region inside `pack` (>= 0).
+        backend: "auto" (numpy layers: "numpy"; CuPy: the device kernel), "numpy", "cupy".
+        threads: host form only: worker threads (as `pack_rows`).
+        checked: skip the index range and uniqueness checks (the caller has done them once,
+            e.g. for a page table it validated); the device form then never synchronises.
+
+    Returns:
+        None. Host: the bytes are in `layers` on return. Device: the copy is enqueued; call
+        `synchronize(layers)` before another stream or process reads them.
+
+    Raises:
+        ValueError: empty or non-2-D `layers`, a read-only layer, non-1-D `indices` or `pack`,
+            an index < 0 or >= num_rows, a duplicate index, a negative `offset`, a region past
+            the end of `pack`, `pack` sharing memory with a layer, a bad `threads`/`backend`.
+        TypeError: non-uint8 arrays, mixed numpy/CuPy, a JAX array as a layer (immutable),
+            non-integer `indices`.
+    """
+    kind, item_lens, num_rows = _check_layer_list(layers, "layers", writeable=True)
+    on_device = kind == "device"
+    pk = _kind(pack)
+    if pk is None or (pk == "numpy") == on_device:
+        want = "CuPy or JAX GPU" if on_device else "numpy"
+        raise TypeError(f"pack must be a {want} uint8 array like the layers, got {type(pack).__name__}")
+    if pack.ndim != 1 or pack.dtype != np.uint8:
+        raise ValueError(f"pack must be a 1-D uint8 array, got {pack.dtype}{list(pack.shape)}")
+    if pk != "jax" and not pack.flags.c_contiguous:
+        raise ValueError("pack must be C-contiguous")
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
+        raise ValueError(f"{offset=} must be a non-negative int (bytes)")
+    offset = int(offset)
+    _check_threads(threads)
+    backend = _resolve(backend, on_device)
+    idx = _indices(indices, "indices", device_ok=on_device)
+    n = int(idx.shape[0])
+    total = n * sum(item_lens)
+    size = int(pack.size)
+    if offset + total > size:
+        raise ValueError(f"pack region overflow: {offset=} + {n} rows x {sum(item_lens)} B = "
+                         f"{offset + total} B > pack of {size} B")
+    if pk != "jax":
+        _check_disjoint([pack], "pack", layers, "layers")
+    if n == 0:
+        return
+    if not checked:
+        _check_range(idx, "indices", num_rows, "layers", unique=True)
+    if backend == "numpy":
+        _unpack_host(pack, layers, idx, offset, item_lens, threads)
+        return
+    _unpack_cupy(pack, layers, idx, offset, item_lens)
+
+
+def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str = "auto",
+              threads: int | None = None, checked: bool = False) -> None:
+    """Copy rows between two sets of KV layers: `dst_layers[l][dst_indices[j]] =
+    src_layers[l][src_indices[j]]` for every layer entry l and j < n, in place.
+
+    Args:
+        src_layers: sequence of u8[num_rows_src_l, kv_item_len_l] arrays (numpy or CuPy).
+        src_indices: int[n] source rows, any order, repeats allowed.
+        dst_layers: sequence of u8[num_rows_dst_l, kv_item_len_l] arrays of the same kind and
+            item lengths as `src_layers`, writeable; on the GPU possibly CuPy arrays over
+            foreign memory (`cupy.cuda.UnownedMemory`, e.g. IPC-mapped pages of another
+            process), written in place.
+        dst_indices: int[n] destination rows, unique.
+        backend: "auto" (numpy: "numpy"; CuPy: the device kernel), "numpy", "cupy".
+        threads: host form only: worker threads (as `pack_rows`).
+        checked: skip the index range/uniqueness checks (the device form never synchronises).
+
+    Returns:
+        None. Host: the bytes are in `dst_layers` on return. Device: the copy is enqueued;
+        `synchronize(dst_layers)` waits until they are there (do so before telling another
+        process the rows have landed).
+
+    Raises:
+        ValueError: empty or non-2-D layer lists, a layer count or item_len mismatch between
+            `src_layers` and `dst_layers`, a read-only destination, index lists of different
+            lengths or not 1-D, an index out of range, a duplicate destination index, a
+            destination sharing memory with a source, a bad `threads`/`backend`.
+        TypeError: non-uint8 arrays, numpy mixed with CuPy, a JAX array as a destination,
+            non-integer indices.
+    """
+    skind, s_lens, s_rows = _check_layer_list(src_layers, "src_layers", writeable=False)
+    dkind, d_lens, d_rows = _check_layer_list(dst_layers, "dst_layers", writeable=True)
+    if skind != dkind:
+        raise TypeError("src_layers and dst_layers must both be numpy (host) or both CuPy (device)")
+    on_device = skind == "device"
+    if any(_is_jax(a) for a in src_layers):
+        raise TypeError("src_layers must be numpy or CuPy arrays (got a JAX array)")
+    if len(s_lens) != len(d_lens):
+        raise ValueError(f"dst_layers has {len(d_lens)} layer entries, src_layers {len(s_lens)}")
+    for l, (a, b) in enumerate(zip(s_lens, d_lens)):
+        if a != b:
+            raise ValueError(f"item_len mismatch at layer {l}: src_layers[{l}] rows are {a} B, "
+                             f"dst_layers[{l}] rows {b} B")
+    _check_threads(threads)
+    backend = _resolve(backend, on_device)
+    sidx = _indices(src_indices, "src_indices", device_ok=on_device)
+    didx = _indices(dst_indices, "dst_indices", device_ok=on_device)
+    if sidx.shape[0] != didx.shape[0]:
+        raise ValueError(f"src_indices ({sidx.shape[0]}) and dst_indices ({didx.shape[0]}) must "
+                         "have the same length")
+    _check_disjoint(list(src_layers), "src_layers", dst_layers, "dst_layers")
+    if sidx.shape[0] == 0:
+        return
+    if not checked:
+        _check_range(sidx, "src_indices", s_rows, "src_layers", unique=False)
+        _check_range(didx, "dst_indices", d_rows, "dst_layers", unique=True)
+    if backend == "numpy":
+        _copy_host(list(src_layers), sidx, list(dst_layers), didx, s_lens, threads)
+        return
+    _copy_cupy(src_layers, sidx, dst_layers, didx)
+
+
+def _unpack_cupy(pack, layers, idx, offset, item_lens) -> None:
+    """CuPy fancy-index form (one scatter kernel per layer), on CuPy's current stream."""
+    import cupy as cp
+
+    if _is_jax(pack):
+        pack = cp.from_dlpack(pack)
+    idx = cp.asarray(idx)
+    n, pos = int(idx.shape[0]), offset
+    for a, w in zip(layers, item_lens):
+        a[idx] = pack[pos:pos + n * w].reshape(n, w)
+        pos += n * w
+
+
+def _copy_cupy(srcs, sidx, dsts, didx) -> None:
+    import cupy as cp
+
+    sidx, didx = cp.asarray(sidx), cp.asarray(didx)
+    for s, d in zip(srcs, dsts):
+        d[didx] = s[sidx]
+
+
+def synchronize(arrays=None) -> None:
+    """Wait until every copy enqueued by this module on these arrays' devices has finished.
+
+    Args:
+        arrays: a sequence of arrays (or one array) the copies wrote: numpy (no-op), CuPy or
+            JAX. None: every device of this process.
+
+    Returns:
+        None, once the bytes are in device memory (visible to other streams and processes).
+    """
+    if arrays is not None and not isinstance(arrays, (list, tuple)):
+        arrays = [arrays]
+    kinds = {_kind(a) for a in arrays} if arrays is not None else {"cupy"}
+    if kinds <= {"numpy"}:
+        return
+    import cupy as cp
+
+    devices = {a.device.id for a in arrays if _is_cupy(a)} if arrays is not None else None
+    for dev in devices if devices is not None else range(cp.cuda.runtime.getDeviceCount()):
+        with cp.cuda.Device(dev):
+            cp.cuda.runtime.deviceSynchronize()
+    for a in arrays or ():
+        if _is_jax(a):
+            a.block_until_ready()
+
+
+__all__ = ["SCATTER_BACKENDS", "copy_rows", "synchronize", "unpack_rows"]

@@ -1,0 +1,235 @@
+"""CPU: `unpack_rows` / `copy_rows` against brute-force per-row references, and their refusals."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import copy_rows, pack_rows, synchronize, unpack_rows
+
+SENTINEL = 0x5A
+
+
+def _layers(rng, rows, item_lens, fill=None):
+    if fill is not None:
+        return [np.full((rows, w), fill, np.uint8) for w in item_lens]
+    return [rng.integers(0, 256, (rows, w), dtype=np.uint8) for w in item_lens]
+
+
+def _unpack_brute(pack, layers, idx, offset):
+    """Byte by byte: row j of entry l's block goes to layers[l][idx[j]]."""
+    out = [a.copy() for a in layers]
+    pos = offset
+    for a in out:
+        w = a.shape[1]
+        for r in idx:
+            for b in range(w):
+                a[r, b] = pack[pos]
+                pos += 1
+    return out
+
+
+def _copy_brute(srcs, sidx, dsts, didx):
+    out = [d.copy() for d in dsts]
+    for s, d in zip(srcs, out):
+        for i, j in zip(sidx, didx):
+            for b in range(s.shape[1]):
+                d[j, b] = s[i, b]
+    return out
+
+
+def test_unpack_hand_case():
+    # Two layer entries of 2 and 3 bytes, rows 3 and 0 written, offset 1.
+    pack = np.arange(20, dtype=np.uint8)
+    layers = [np.zeros((4, 2), np.uint8), np.zeros((4, 3), np.uint8)]
+    unpack_rows(pack, layers, [3, 0], offset=1)
+    np.testing.assert_array_equal(layers[0], [[3, 4], [0, 0], [0, 0], [1, 2]])
+    np.testing.assert_array_equal(layers[1], [[8, 9, 10], [0, 0, 0], [0, 0, 0], [5, 6, 7]])
+
+
+def test_copy_hand_case():
+    src = [np.arange(12, dtype=np.uint8).reshape(4, 3)]
+    dst = [np.zeros((3, 3), np.uint8)]
+    copy_rows(src, [3, 3, 1], dst, [0, 2, 1])  # a repeated source row is fine
+    np.testing.assert_array_equal(dst[0], [[9, 10, 11], [3, 4, 5], [9, 10, 11]])
+
+
+@pytest.mark.parametrize("item_lens", [(1152, 576), (3, 2, 5), (656,)], ids=str)
+def test_unpack_inverts_pack(item_lens):
+    rng = np.random.default_rng(len(item_lens))
+    src = _layers(rng, 50, item_lens)
+    idx = rng.permutation(50)[:17]  # unique, unsorted
+    offset = 64 + 3
+    pack = np.full(offset + 17 * sum(item_lens) + 9, SENTINEL, np.uint8)
+    pack_rows(src, idx, pack, offset=offset)
+    dst = _layers(rng, 50, item_lens, fill=SENTINEL)
+    unpack_rows(pack, dst, idx, offset=offset)
+    for s, d in zip(src, dst):
+        np.testing.assert_array_equal(d[idx], s[idx])
+        rest = np.setdiff1d(np.arange(50), idx)
+        assert (d[rest] == SENTINEL).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(item_lens=st.lists(st.integers(1, 24), min_size=1, max_size=4),
+       rows=st.integers(1, 30), data=st.data(), offset=st.integers(0, 40),
+       slack=st.integers(0, 10), threads=st.sampled_from([None, 1, 2, 3]),
+       seed=st.integers(0, 2**16))
+def test_unpack_property(item_lens, rows, data, offset, slack, threads, seed):
+    rng = np.random.default_rng(seed)
+    idx = np.array(data.draw(st.lists(st.integers(0, rows - 1), unique=True, max_size=rows)),
+                   np.int64)
+    pack = rng.integers(0, 256, offset + len(idx) * sum(item_lens) + slack, dtype=np.uint8)
+    layers = _layers(rng, rows, item_lens)
+    want = _unpack_brute(pack, layers, idx, offset)
+    before = pack.copy()
+    unpack_rows(pack, layers, idx, offset=offset, threads=threads)
+    for a, b in zip(layers, want):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(pack, before)  # the region is only read
+
+
+@settings(max_examples=25, deadline=None)
+@given(item_lens=st.lists(st.integers(1, 24), min_size=1, max_size=4),
+       src_rows=st.integers(1, 30), dst_rows=st.integers(1, 30), data=st.data(),
+       threads=st.sampled_from([None, 1, 2, 5]), seed=st.integers(0, 2**16))
+def test_copy_property(item_lens, src_rows, dst_rows, data, threads, seed):
+    rng = np.random.default_rng(seed)
+    didx = np.array(data.draw(st.lists(st.integers(0, dst_rows - 1), unique=True,
+                                       max_size=dst_rows)), np.int64)
+    # Sources: repeats and any order.
+    sidx = rng.integers(0, src_rows, len(didx))
+    srcs = _layers(rng, src_rows, item_lens)
+    dsts = _layers(rng, dst_rows, item_lens)
+    want = _copy_brute(srcs, sidx, dsts, didx)
+    copy_rows(srcs, sidx, dsts, didx, threads=threads)
+    for a, b in zip(dsts, want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_threaded_large_matches_fancy_indexing():
+    # Past HOST_THREADS_MIN_BYTES, so threads=None splits the work.
+    rng = np.random.default_rng(7)
+    srcs = _layers(rng, 4096, (1152, 576, 1152))
+    dsts = _layers(rng, 8192, (1152, 576, 1152), fill=SENTINEL)
+    sidx = rng.integers(0, 4096, 3001)
+    didx = rng.permutation(8192)[:3001]
+    copy_rows(srcs, sidx, dsts, didx)
+    for s, d in zip(srcs, dsts):
+        np.testing.assert_array_equal(d[didx], s[sidx])
+    pack = np.empty(3001 * (1152 * 2 + 576), np.uint8)
+    pack_rows(srcs, sidx, pack)
+    back = _layers(rng, 8192, (1152, 576, 1152), fill=0)
+    unpack_rows(pack, back, didx)
+    for d, b in zip(dsts, back):
+        np.testing.assert_array_equal(d[didx], b[didx])
+
+
+def test_empty_is_a_no_op():
+    layers = [np.full((4, 3), SENTINEL, np.uint8)]
+    unpack_rows(np.zeros(0, np.uint8), layers, [])
+    copy_rows([np.zeros((2, 3), np.uint8)], [], layers, np.array([], np.int32))
+    assert (layers[0] == SENTINEL).all()
+
+
+def test_strided_destination_written_in_place():
+    base = np.zeros((6, 8), np.uint8)
+    dst = base[:, 2:6]  # not C-contiguous: rows of 4 bytes inside rows of 8
+    src = [np.arange(16, dtype=np.uint8).reshape(4, 4)]
+    copy_rows(src, [1, 2], [dst], [5, 0])
+    np.testing.assert_array_equal(base[5, 2:6], [4, 5, 6, 7])
+    np.testing.assert_array_equal(base[0, 2:6], [8, 9, 10, 11])
+    assert base[:, :2].sum() == 0 and base[:, 6:].sum() == 0
+
+
+def test_synchronize_host_is_a_no_op():
+    synchronize([np.zeros(3, np.uint8)])
+    synchronize(np.zeros(3, np.uint8))
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def _ok():
+    return np.zeros(64, np.uint8), [np.zeros((8, 4), np.uint8), np.zeros((8, 2), np.uint8)]
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(indices=[0, 8]), ValueError, r"indices must be < num_rows=8"),
+    (dict(indices=[-1]), ValueError, r"indices must be >= 0"),
+    (dict(indices=[1, 1]), ValueError, r"indices must be unique"),
+    (dict(indices=[[1]]), ValueError, r"indices must be 1-D"),
+    (dict(indices=[0.5]), TypeError, r"indices dtype float64"),
+    (dict(offset=-1), ValueError, r"offset=-1"),
+    (dict(offset=True), ValueError, r"offset=True"),
+    (dict(offset=60), ValueError, r"pack region overflow: offset=60 \+ 2 rows x 6 B"),
+    (dict(backend="triton?"), ValueError, r"backend='triton\?' must be one of"),
+    (dict(backend="cupy"), ValueError, r"needs CuPy"),
+    (dict(threads=0), ValueError, r"threads=0"),
+])
+def test_unpack_refusals(kwargs, exc, match):
+    pack, layers = _ok()
+    args = dict(indices=[0, 1]) | kwargs
+    idx = args.pop("indices")
+    with pytest.raises(exc, match=match):
+        unpack_rows(pack, layers, idx, **args)
+    assert all((a == 0).all() for a in layers)  # nothing written before the refusal
+
+
+def test_unpack_refuses_bad_buffers():
+    pack, layers = _ok()
+    ro = np.zeros((8, 4), np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match=r"layers\[0\] is read-only"):
+        unpack_rows(pack, [ro], [0])
+    with pytest.raises(TypeError, match=r"layers\[1\] dtype float32"):
+        unpack_rows(pack, [layers[0], np.zeros((8, 2), np.float32)], [0])
+    with pytest.raises(ValueError, match=r"layers\[0\] must be 2-D"):
+        unpack_rows(pack, [np.zeros(8, np.uint8)], [0])
+    with pytest.raises(ValueError, match=r"layers must be a non-empty list"):
+        unpack_rows(pack, [], [0])
+    with pytest.raises(ValueError, match=r"pack must be a 1-D uint8"):
+        unpack_rows(pack.reshape(8, 8), layers, [0])
+    with pytest.raises(TypeError, match=r"pack must be a numpy"):
+        unpack_rows(b"\0" * 64, layers, [0])
+    with pytest.raises(ValueError, match=r"pack must be C-contiguous"):
+        unpack_rows(np.zeros(128, np.uint8)[::2], layers, [0])
+    with pytest.raises(ValueError, match=r"layers\[0\] shares memory with pack"):
+        unpack_rows(pack, [pack[:32].reshape(8, 4)], [0])
+
+
+def test_copy_refusals():
+    src = [np.zeros((8, 4), np.uint8), np.zeros((8, 2), np.uint8)]
+    dst = [np.ones((5, 4), np.uint8), np.ones((5, 2), np.uint8)]
+    cases = [
+        (dict(src_indices=[8]), ValueError, r"src_indices must be < num_rows=8 .* src_layers"),
+        (dict(dst_indices=[5]), ValueError, r"dst_indices must be < num_rows=5 .* dst_layers"),
+        (dict(dst_indices=[-2]), ValueError, r"dst_indices must be >= 0"),
+        (dict(src_indices=[0, 1], dst_indices=[2, 2]), ValueError, r"dst_indices must be unique"),
+        (dict(src_indices=[0, 1]), ValueError, r"same length"),
+        (dict(dst_layers=[dst[0]]), ValueError, r"dst_layers has 1 layer entries, src_layers 2"),
+        (dict(dst_layers=[dst[0], np.ones((5, 3), np.uint8)]), ValueError,
+         r"item_len mismatch at layer 1: src_layers\[1\] rows are 2 B, dst_layers\[1\] rows 3 B"),
+        (dict(dst_layers=[dst[0], src[1]]), ValueError,
+         r"dst_layers\[1\] shares memory with src_layers\[1\]"),
+        (dict(src_layers=[]), ValueError, r"src_layers must be a non-empty list"),
+        (dict(backend="cupy"), ValueError, r"needs CuPy"),
+    ]
+    for kwargs, exc, match in cases:
+        args = dict(src_layers=src, src_indices=[3], dst_layers=dst, dst_indices=[4]) | kwargs
+        with pytest.raises(exc, match=match):
+            copy_rows(args.pop("src_layers"), args.pop("src_indices"), args.pop("dst_layers"),
+                      args.pop("dst_indices"), **args)
+        assert all((a == 1).all() for a in dst), kwargs
+    ro = np.ones((5, 4), np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match=r"dst_layers\[0\] is read-only"):
+        copy_rows(src[:1], [0], [ro], [0])
+
+
+def test_interleaved_views_are_disjoint():
+    # Even and odd rows of one buffer: overlapping extents, no shared byte.
+    buf = np.zeros((8, 4), np.uint8)
+    buf[::2] = 7
+    copy_rows([buf[::2]], [0, 1], [buf[1::2]], [2, 3])
+    assert (buf[5] == 7).all() and (buf[7] == 7).all() and (buf[1] == 0).all()
