@@ -295,5 +295,10 @@ def load(
     raise typer.Exit(load_command(cfg, json_path, progress=progress))
 
 
+# ---- dcp-jax generate (dcp_jax/generate) ----------------------------------------------------------
+from dcp_jax.generate.cli import generate as _generate  # noqa: E402
+app.command(name="generate")(_generate)
+
+
 if __name__ == "__main__":  # python -m dcp_jax.cli
     app()

@@ -1,0 +1,83 @@
+"""Knobs of one ``dcp-jax generate`` run, checked once (ValueError naming the option)."""
+from __future__ import annotations
+
+import dataclasses
+
+from dcp_jax.merge import MERGE_FORMS
+
+__all__ = ["GenerateConfig", "ENGINES", "TOLERANCES"]
+
+ENGINES = ("nixl", "mooncake")
+# dtype -> (relative logit tolerance, leading tokens that must equal the reference; None = all)
+TOLERANCES = {"fp32": (1e-5, None), "bf16": (2e-2, 8)}
+
+
+def _pos(name: str, v, low: int = 1) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"--{name.replace('_', '-')}={v!r} must be an int >= {low}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateConfig:
+    """One disaggregated generation: prefill DCP-M processes -> decode DCP-N processes.
+
+    Positions: the prompt has ``prompt_tokens`` tokens; the prefill computes and ships the KV of
+    the first ``prompt_tokens - 1``; the first decode step consumes the last prompt token
+    (appending its KV on its owner rank) and emits the first new token, so the time to first
+    token is prefill + transfer + first decode step.
+    """
+
+    dcp_size: int = 2
+    prompt_tokens: int = 3001
+    new_tokens: int = 32
+    engine: str = "nixl"
+    dtype: str = "fp32"
+    model: str = "mla"
+    interleave_size: int = 1
+    page_size: int = 16
+    prefill_dcp_size: int = 1
+    prefill_interleave_size: int = 1
+    merge: str = "ag_rs"
+    seed: int = 0
+    timeout_s: float = 600.0
+    corrupt_rank: int | None = None  # test hook: that decode rank changes one received row
+
+    def __post_init__(self):
+        for name in ("dcp_size", "new_tokens", "interleave_size", "page_size", "prefill_dcp_size",
+                     "prefill_interleave_size"):
+            _pos(name, getattr(self, name))
+        _pos("prompt_tokens", self.prompt_tokens, 2)
+        _pos("seed", self.seed, 0)
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine={self.engine!r} must be one of {ENGINES}")
+        if self.dtype not in TOLERANCES:
+            raise ValueError(f"--dtype={self.dtype!r} must be one of {tuple(TOLERANCES)}")
+        if self.model not in ("mla", "gqa"):
+            raise ValueError(f"--model={self.model!r} must be mla or gqa")
+        if self.merge not in MERGE_FORMS:
+            raise ValueError(f"--merge={self.merge!r} must be one of {MERGE_FORMS}")
+        if self.model_config().num_heads % self.dcp_size:
+            raise ValueError(f"--dcp-size={self.dcp_size} must divide the model's "
+                             f"{self.model_config().num_heads} heads")
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ValueError(f"--timeout-s={self.timeout_s!r} must be positive")
+        if self.corrupt_rank is not None and not 0 <= self.corrupt_rank < self.dcp_size:
+            raise ValueError(f"--corrupt-rank={self.corrupt_rank} must lie in [0, {self.dcp_size})")
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the prefill ships (all prompt tokens but the last)."""
+        return self.prompt_tokens - 1
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens the decode side holds at the end (pages are drawn for all of them)."""
+        return self.prompt_tokens + self.new_tokens
+
+    def model_config(self):
+        from dcp_jax.model.config import ModelConfig
+
+        return ModelConfig(kind=self.model, dtype=self.dtype, seed=self.seed)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
