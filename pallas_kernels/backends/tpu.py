@@ -34,8 +34,9 @@ ROW_WINDOW = 8  # row DMAs in flight per layer loop (semaphore slots)
 MIN_ROW_BUCKET = 8
 
 
-def _row_kernel(idx_ref, meta_ref, *refs, widths, window, wait):
-    """Per-row HBM->HBM DMAs into the flat pack; `wait=False` is the broken test variant."""
+def _row_kernel(idx_ref, meta_ref, *refs, widths, window, wait, drain):
+    """Per-row HBM->HBM DMAs into the flat pack. `wait=False` (no slot waits) and
+    `drain=False` (no final drain) are the broken variants the tests must catch."""
     from jax.experimental.pallas import tpu as pltpu
 
     num_layers = len(widths)
@@ -60,16 +61,17 @@ def _row_kernel(idx_ref, meta_ref, *refs, widths, window, wait):
 
         jax.lax.fori_loop(0, n, step, 0)
 
-        def drain(j, carry):
+        def drain_slot(j, carry, wait_slot=wait_slot):
             wait_slot(j % window)
             return carry
 
-        jax.lax.fori_loop(jnp.maximum(n - window, 0), n, drain, 0)
+        if drain:
+            jax.lax.fori_loop(jnp.maximum(n - window, 0), n, drain_slot, 0)
         base = base + n * w
 
 
 def gather_rows_tpu(srcs, idx, pack, n, offset, *, interpret=False, window: int = ROW_WINDOW,
-                    _wait: bool = True):
+                    _wait: bool = True, _drain: bool = True):
     """Row path: `pack[offset + n*off_l + j*W_l ...] = srcs[l][idx[j]]` for j < n, in words.
 
     Args:
@@ -80,6 +82,7 @@ def gather_rows_tpu(srcs, idx, pack, n, offset, *, interpret=False, window: int 
         n, offset: rows and word offset (ints or i32 scalars; traced).
         interpret: False (TPU), True, or a `pltpu.InterpretParams`.
         window: DMAs in flight.
+        _wait, _drain: False only in tests (the broken variants race detection must catch).
 
     Returns:
         The pack with the region written (a new array unless donated by a caller's jit).
@@ -90,7 +93,8 @@ def gather_rows_tpu(srcs, idx, pack, n, offset, *, interpret=False, window: int 
     num_layers = len(widths)
     meta = jnp.stack([jnp.asarray(n, jnp.int32), jnp.asarray(offset, jnp.int32)])
     call = pl.pallas_call(
-        functools.partial(_row_kernel, widths=widths, window=window, wait=_wait),
+        functools.partial(_row_kernel, widths=widths, window=window, wait=_wait,
+                          drain=_drain),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(1,),
             in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * (num_layers + 1),
@@ -249,8 +253,10 @@ def export_for_tpu(fn, *args, device_kind: str = "TPU v5e"):
     """
     from jax._src.mesh import AbstractDevice
 
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-        device_kind=device_kind, num_cores=1, platform="tpu"))
+    # Auto axes: one chip, nothing sharded (Explicit axes would type the kernel's outputs).
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                                     abstract_device=AbstractDevice(
+                                         device_kind=device_kind, num_cores=1, platform="tpu"))
     with jax.sharding.use_abstract_mesh(mesh):
         return jax.export.export(jax.jit(fn), platforms=("tpu",))(*args)
 
