@@ -1,4 +1,5 @@
-"""Mooncake adapter (``mooncake.engine.TransferEngine``, TCP, peer-to-peer handshake).
+"""Mooncake adapter (``mooncake.engine.TransferEngine``: TCP, or NVLink/CUDA IPC within one host;
+peer-to-peer handshake).
 
 A batch goes to a per-peer worker thread (`bridge.handles.Worker`) that submits it with
 ``batch_transfer_async_write`` (op "WRITE") or ``batch_transfer_async_read`` (op "READ") in
@@ -13,6 +14,17 @@ transfer; after the last window lands the worker sends a zero-length WRITE carry
 the target reads it with ``get_notifies`` (verified over TCP on loopback). A READ's notification
 goes the same way, to the peer it read from, after its last window.
 
+Device memory (the CUDA build, ``mooncake-transfer-engine-cuda13``): with ``protocol="auto"`` (the
+default) the transport is picked at the first registration (or `peer_info`): ``nvlink_intra`` when
+it holds VRAM and the build has CUDA, else ``tcp``. ``nvlink_intra`` (``MC_INTRANODE_NVLINK=1``)
+moves VRAM between processes of one host by ``cudaMemcpy`` through legacy CUDA IPC handles of the
+registered ranges: 1.9 TB/s with one descriptor per target on an H200 (platform.md). It handles
+device memory only. Its handle is taken at the registered address and opened at the allocation's
+base on the peer, so a range that starts inside a CuPy pool block or XLA buffer would be written
+at the wrong offset: this adapter registers each VRAM region's whole allocation
+(``cuMemGetAddressRange``, once per allocation, refcounted) while descriptors are still checked
+against the caller's exact regions.
+
 Engine traps handled here (measured on mooncake-transfer-engine-non-cuda 0.3.13.post1):
 - the TCP transport never checks local source addresses: the shared validation in
   `bridge.base` rejects any range outside our registrations before submission;
@@ -23,6 +35,7 @@ Engine traps handled here (measured on mooncake-transfer-engine-non-cuda 0.3.13.
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 
@@ -38,7 +51,8 @@ from bridge.base import (
 )
 from bridge.handles import Job, Worker
 
-__all__ = ["MooncakeEngine", "MOONCAKE_MAX_BATCH_ENTRIES", "mooncake_available"]
+__all__ = ["MooncakeEngine", "MOONCAKE_MAX_BATCH_ENTRIES", "MOONCAKE_PROTOCOLS", "mooncake_available",
+           "mooncake_supports_cuda"]
 
 try:
     from mooncake import engine as _mc
@@ -54,25 +68,38 @@ except ImportError:  # pragma: no cover - depends on the environment (needs libi
 MOONCAKE_MAX_BATCH_ENTRIES = 1024
 
 
+#: Values of ``MooncakeEngine(protocol=...)``: "auto" picks at the first registration.
+MOONCAKE_PROTOCOLS = ("auto", "tcp", "rdma", "nvlink_intra")
+
+
 def mooncake_available() -> bool:
     """True when ``mooncake.engine`` imports in this environment."""
     return _mc is not None
 
 
+def mooncake_supports_cuda() -> bool:
+    """True when the installed Mooncake is a CUDA build (it can register and move VRAM)."""
+    return _mc is not None and bool(getattr(_mc, "SUPPORT_CUDA", False))
+
+
 class MooncakeEngine(TransferEngine):
-    """`TransferEngine` over Mooncake's transfer engine (host memory over TCP on this build).
+    """`TransferEngine` over Mooncake's transfer engine: host memory over TCP, device memory of one
+    host over ``nvlink_intra`` (CUDA build).
 
     Args:
         name: engine name, used as the sender name of notifications.
         hostname: local address peers connect to (default loopback).
         metadata_server: "P2PHANDSHAKE" (no metadata service) or a service URL.
-        protocol: Mooncake transport ("tcp"; "rdma" where RDMA devices exist).
+        protocol: Mooncake transport, one of `MOONCAKE_PROTOCOLS`: "auto" (default: "nvlink_intra"
+            if the first registration holds VRAM and the build has CUDA, else "tcp"; the engine
+            starts then), "tcp", "rdma" (where RDMA devices exist) or "nvlink_intra" (VRAM only).
         device_name: RDMA device filter ("" for all).
         window: entries per async submission, 1 .. `MOONCAKE_MAX_BATCH_ENTRIES`.
 
     Raises:
-        BridgeError: Mooncake is not installed or ``initialize`` failed.
-        ValueError: window out of range.
+        BridgeError: Mooncake is not installed, "nvlink_intra" without a CUDA build, or
+            ``initialize`` failed (with "auto": at the first `register` or `peer_info`).
+        ValueError: window or protocol out of range.
     """
 
     kind = "mooncake"
@@ -93,33 +120,105 @@ class MooncakeEngine(TransferEngine):
                               "mooncake-transfer-engine-non-cuda; apt-get install libibverbs1)")
         if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= MOONCAKE_MAX_BATCH_ENTRIES:
             raise ValueError(f"{window=} must be an int in 1..{MOONCAKE_MAX_BATCH_ENTRIES}")
+        if protocol not in MOONCAKE_PROTOCOLS:
+            raise ValueError(f"{protocol=} must be one of {MOONCAKE_PROTOCOLS}")
+        if protocol == "nvlink_intra" and not mooncake_supports_cuda():
+            raise BridgeError("protocol='nvlink_intra' needs Mooncake's CUDA build "
+                              "(pip install --no-deps mooncake-transfer-engine-cuda13)")
         self.window = window
-        self._te = _mc.TransferEngine()
-        rc = self._te.initialize(hostname, metadata_server, protocol, device_name)
-        if rc != 0:
-            raise BridgeError(f"Mooncake initialize({hostname=}, {metadata_server=}, {protocol=}) returned {rc}")
-        # The port in the hostname is ignored under P2PHANDSHAKE: peers must use the bound one.
-        self.session = f"{hostname}:{self._te.get_rpc_port()}"
+        self.protocol: str | None = None  # set when the engine starts
+        self._init_args = (hostname, metadata_server, device_name)
+        self._te = None
+        self._session = ""
+        self._allocs: dict[tuple[int, int], list[int]] = {}  # nvlink_intra: (base, device) -> [size, refs]
+        self._reg_allocs: dict[tuple[int, int], tuple[int, int]] = {}  # region (addr, nbytes) -> alloc key
         self._workers: dict[str, Worker] = {}  # one per peer
         self._retired: list[Worker] = []  # of removed peers, joined at close
         self._jobs: dict[int, Job] = {}  # handle.seq -> its job
+        if protocol != "auto":
+            self._start(protocol)
+
+    # ---- start ----------------------------------------------------------------------------
+    def _start(self, protocol: str) -> None:
+        hostname, metadata_server, device_name = self._init_args
+        if protocol == "nvlink_intra":
+            # Read by the engine when it starts: intra-node NVLink (CUDA IPC) instead of TCP staging.
+            os.environ["MC_INTRANODE_NVLINK"] = "1"
+        te = _mc.TransferEngine()
+        rc = te.initialize(hostname, metadata_server, protocol, device_name)
+        if rc != 0:
+            raise BridgeError(f"Mooncake initialize({hostname=}, {metadata_server=}, {protocol=}) returned {rc}")
+        self._te, self.protocol = te, protocol
+        # The port in the hostname is ignored under P2PHANDSHAKE: peers must use the bound one.
+        self._session = f"{hostname}:{te.get_rpc_port()}"
+
+    def _ensure_started(self, regions: Sequence[MemoryRegion] = ()) -> None:
+        if self._te is None:
+            vram = any(r.mem_type != "DRAM" for r in regions)
+            self._start("nvlink_intra" if vram and mooncake_supports_cuda() else "tcp")
+
+    @property
+    def session(self) -> str:
+        """``"host:rpc_port"`` peers reach this engine at (starts a "tcp" engine if none yet)."""
+        self._ensure_started()
+        return self._session
 
     # ---- registration ---------------------------------------------------------------------
     def _engine_register(self, regions: Sequence[MemoryRegion]) -> None:
+        self._ensure_started(regions)
         done = []
         for r in regions:
-            if r.mem_type != "DRAM" and not getattr(_mc, "SUPPORT_CUDA", False):
+            try:
+                self._register_one(r)
+            except RegistrationError:
                 self._engine_deregister(done)
-                raise RegistrationError(f"regions: {r.mem_type} region {r} needs a CUDA build of Mooncake")
+                raise
+            done.append(r)
+
+    def _register_one(self, r: MemoryRegion) -> None:
+        if r.mem_type != "DRAM" and not mooncake_supports_cuda():
+            raise RegistrationError(f"regions: {r.mem_type} region {r} needs a CUDA build of Mooncake "
+                                    f"(mooncake-transfer-engine-cuda13)")
+        if self.protocol != "nvlink_intra":
             rc = self._te.register_memory(r.addr, r.nbytes)
             if rc != 0:
-                self._engine_deregister(done)
                 raise RegistrationError(f"regions: Mooncake register_memory refused {r} (rc={rc})")
-            done.append(r)
+            return
+        if r.mem_type == "DRAM":
+            raise RegistrationError(f"regions: host region {r} on a Mooncake nvlink_intra engine, which moves "
+                                    f"device memory only (make a protocol='tcp' engine for host memory)")
+        from bridge.cuda_ipc import IpcError, allocation_range
+
+        try:
+            base, size = allocation_range(r.addr, r.device_id)
+        except IpcError as e:
+            raise RegistrationError(f"regions: {r} is not CUDA device memory: {e}") from e
+        key = (base, r.device_id)
+        entry = self._allocs.get(key)
+        if entry is None:
+            rc = self._te.register_memory(base, size)
+            if rc != 0:
+                raise RegistrationError(f"regions: Mooncake register_memory refused the allocation "
+                                        f"{base:#x}+{size} holding {r} (rc={rc})")
+            entry = self._allocs[key] = [size, 0]
+        entry[1] += 1
+        self._reg_allocs[(r.addr, r.nbytes)] = key
 
     def _engine_deregister(self, regions: Sequence[MemoryRegion]) -> None:
         for r in regions:
-            rc = self._te.unregister_memory(r.addr)
+            key = self._reg_allocs.pop((r.addr, r.nbytes), None) if self.protocol == "nvlink_intra" else None
+            if key is not None:
+                entry = self._allocs[key]
+                entry[1] -= 1
+                if entry[1] > 0:
+                    continue
+                del self._allocs[key]
+                addr = key[0]
+            elif self.protocol == "nvlink_intra":
+                continue  # never reached the engine
+            else:
+                addr = r.addr
+            rc = self._te.unregister_memory(addr)
             if rc != 0:
                 raise RegistrationError(f"regions: Mooncake unregister_memory refused {r} (rc={rc})")
 
@@ -132,6 +231,10 @@ class MooncakeEngine(TransferEngine):
         host, _, port = info.session.rpartition(":")
         if not host or not port.isdigit():
             raise PeerError(f"info: peer {info.name!r} has session={info.session!r}, expected 'host:port'")
+        self._ensure_started()
+        if self.protocol == "nvlink_intra" and any(r.mem_type == "DRAM" for r in info.regions):
+            raise PeerError(f"info: peer {info.name!r} registered host memory; this nvlink_intra engine "
+                            f"moves device memory only")
         if info.name not in self._workers:
             self._workers[info.name] = Worker(f"mooncake-{self.name}-{info.name}")
 
@@ -149,7 +252,7 @@ class MooncakeEngine(TransferEngine):
     # ---- transfers ------------------------------------------------------------------------
     def _engine_submit(self, handle, descs, local_mem, remote_mem, info) -> None:
         if local_mem[0] != "DRAM" or remote_mem[0] != "DRAM":
-            if not getattr(_mc, "SUPPORT_CUDA", False):
+            if not mooncake_supports_cuda():
                 raise handle.error(TransferError, "this Mooncake build moves host memory only")
         notif_addrs = None
         if handle.notif is not None:
@@ -235,6 +338,8 @@ class MooncakeEngine(TransferEngine):
 
     def _engine_poll_notifs(self) -> dict[str, list[bytes]]:
         out: dict[str, list[bytes]] = {}
+        if self._te is None:  # not started: nobody can have notified us
+            return out
         for note in self._te.get_notifies():
             out.setdefault(note.name, []).append(note.msg.encode("latin-1"))
         return out
@@ -253,9 +358,14 @@ class MooncakeEngine(TransferEngine):
             worker.join()
         self._workers.clear()
         self._retired.clear()
-        for r in regions:
+        if self._te is None:
+            return
+        addrs = [k[0] for k in self._allocs] if self.protocol == "nvlink_intra" else [r.addr for r in regions]
+        self._allocs.clear()
+        self._reg_allocs.clear()
+        for addr in addrs:
             try:
-                self._te.unregister_memory(r.addr)
+                self._te.unregister_memory(addr)
             except Exception:  # noqa: BLE001 - closing: best effort
                 pass
         self._te = None  # the destructor tears the engine down (~1 s), on this thread
