@@ -1,7 +1,8 @@
 """Pallas kernels of dcp-jax: the strided row gather into a pack buffer (spec section 6).
 
 `gather_rows` (kernel, jitted; traced row count and offset) and its oracle live in
-`pallas_kernels.gather`; the host contract `pack_rows` / `PackSource` in `pallas_kernels.pack`.
+`pallas_kernels.gather`; the host contract `pack_rows` / `PackSource` in `pallas_kernels.pack`;
+`pack_region`, one pack API over the TPU, GPU, XLA and host backends, in `pallas_kernels.registry`.
 """
 
 from pallas_kernels.gather import (
@@ -17,6 +18,16 @@ from pallas_kernels.gather import (
     word_dtype,
 )
 from pallas_kernels.pack import PackSource, clear_import_cache, pack_rows
+from pallas_kernels.registry import (
+    PackBackend,
+    available_backends,
+    backend_names,
+    get_backend,
+    pack_region,
+    reference_region,
+    register_backend,
+    select_pack_backend,
+)
 from pallas_kernels.unpack import SCATTER_BACKENDS, copy_rows, synchronize, unpack_rows
 
 __all__ = [
@@ -37,4 +48,13 @@ __all__ = [
     "pow2_chunks",
     "select_backend",
     "word_dtype",
+    # One pack API over every accelerator (pallas_kernels.registry, pallas_kernels.backends).
+    "PackBackend",
+    "available_backends",
+    "backend_names",
+    "get_backend",
+    "pack_region",
+    "reference_region",
+    "register_backend",
+    "select_pack_backend",
 ]

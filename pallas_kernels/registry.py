@@ -180,7 +180,7 @@ def select_pack_backend(layers, pack, backend: str = "auto", *, offset: int = 0)
 def _auto_order(platform: str) -> tuple[str, ...]:
     if platform != "cuda":
         return AUTO_ORDER.get(platform, ("xla",))
-    from pallas_kernels.gather import select_backend
+    from pallas_kernels import select_backend
 
     try:
         first = {"triton": "gpu-triton", "mosaic": "gpu-mosaic"}[select_backend("auto")]

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import GatherConfig, bucket_rows, gather_rows, pack_rows, word_dtype
 from pallas_kernels.backends.tpu import _as_bytes, _as_words
-from pallas_kernels.gather import GatherConfig, bucket_rows, gather_rows, word_dtype
-from pallas_kernels.pack import _offset_align, pack_rows
+from pallas_kernels.pack import _offset_align
 from pallas_kernels.registry import PackBackend, register_backend
 
 MOSAIC_ROW_QUANTUM = 128  # bytes: a bulk copy moves a multiple of the warpgroup size

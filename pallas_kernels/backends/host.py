@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pallas_kernels.pack import pack_rows
+from pallas_kernels import pack_rows
 from pallas_kernels.registry import PackBackend, register_backend
 
 

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gather import bucket_rows, word_dtype
+from pallas_kernels import bucket_rows, word_dtype
 from pallas_kernels.registry import PackBackend, register_backend
 
 ROW_WINDOW = 8  # row DMAs in flight per layer loop (semaphore slots)

@@ -144,7 +144,7 @@ def _sds(shape, dtype=jnp.uint8):
 @pytest.mark.parametrize("name,item_lens,page_size", GEOMETRIES, ids=[g[0] for g in GEOMETRIES])
 @pytest.mark.parametrize("path", ["rows", "pages"])
 def test_exports_for_tpu(name, item_lens, page_size, path):
-    from pallas_kernels.gather import word_dtype
+    from pallas_kernels import word_dtype
 
     word = word_dtype(item_lens)
     num_rows, m = 1024 * page_size, 512  # KV of 1,024 pages; 512 rows (a bucket) gathered
