@@ -74,7 +74,7 @@ def transfer(
     device: str = typer.Option("cpu", help="Where the KV, the pack buffer and the decode pools live: cpu (host "
                                            "memory) or gpu (CuPy device memory of GPU 0 registered as VRAM, "
                                            "the Pallas gather packing in place; needs CuPy, a CUDA GPU and "
-                                           "--engine nixl)."),
+                                           "--engine nixl, or mooncake with its CUDA build)."),
     max_batch_indices: Optional[int] = typer.Option(None, help="Split each (chunk, rank) batch into windows "
                                                                "of at most this many rows."),
     pack_tokens: Optional[int] = typer.Option(None, help="Size the pack buffer for this many tokens "
