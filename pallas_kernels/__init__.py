@@ -7,8 +7,10 @@
 
 from pallas_kernels.gather import (
     BACKENDS,
+    MAX_PACK_WORDS,
     MAX_WORD_OFFSET,
     GatherConfig,
+    addressable_words,
     bucket_rows,
     compile_count,
     gather_rows,
@@ -32,8 +34,10 @@ from pallas_kernels.unpack import SCATTER_BACKENDS, copy_rows, synchronize, unpa
 
 __all__ = [
     "BACKENDS",
+    "MAX_PACK_WORDS",
     "MAX_WORD_OFFSET",
     "GatherConfig",
+    "addressable_words",
     "PackSource",
     "bucket_rows",
     "clear_import_cache",

@@ -112,7 +112,7 @@ def gather_rows_mosaic(src, idx, pack, n, *, offset, widths, config, interpret=F
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from pallas_kernels.gather import _count_kernel_trace
+    from pallas_kernels.row_copy import count_kernel_trace as _count_kernel_trace
 
     stacked = not isinstance(src, (list, tuple))
     itemsize = np.dtype(pack.dtype).itemsize

@@ -16,7 +16,9 @@ Rules for a long-running caller (a KV connector serving many requests):
   61-layer list form on an H200). `compile_count()` counts kernel traces.
 - Alignment (Pallas paths: interpret, triton, mosaic): `offset` must be a multiple of the word
   size (`word_dtype(item_lens).itemsize`: 4 bytes for 1152 B or 576 B rows), and the region's
-  end must stay within `MAX_WORD_OFFSET` words; mosaic needs 16 bytes. The connector's arena
+  end must stay within `addressable_words(pack words)` (2**32 - 1 words of a pack over 4 GiB:
+  addresses are uint32, so packs past 2**31 words are written exactly); mosaic needs 16 bytes
+  and ends within 2**31 - 1 words. The connector's arena
   aligns regions to 64 bytes. The numpy host path takes any byte offset.
 - Memory: nothing here keeps a caller's KV arrays alive. The per-call checks and DLPack imports
   of a layer list are cached under weak references to its arrays, evicted when any of them
@@ -26,25 +28,31 @@ Rules for a long-running caller (a KV connector serving many requests):
 from __future__ import annotations
 
 import operator
-import os
-import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.gather import (
+from pallas_kernels import device
+from pallas_kernels.config import (
     BACKENDS,
-    MAX_WORD_OFFSET,
     GatherConfig,
+    addressable_words,
     bucket_rows,
-    gather_rows,
     select_backend,
     word_dtype,
 )
+from pallas_kernels.gather import gather_rows
+from pallas_kernels.host import (  # noqa: F401  (re-exported: tests and callers use these names)
+    _HOST_POOL,
+    HOST_MAX_THREADS,
+    HOST_MAX_THREADS_ARG,
+    HOST_THREADS_MIN_BYTES,
+    check_threads,
+    pack_host as _pack_rows_host,
+)
+from pallas_kernels.host import host_pool as _host_pool  # noqa: F401
 
 # A region offset that is a multiple of this many bytes runs the kernel compiled for that
 # alignment (`gather_rows(offset_align=ALIGN_HINT_BYTES // word size)`), which keeps 16-byte
@@ -211,7 +219,8 @@ def _cached_device_views(layers, key, entry) -> list:
 
 
 def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
-              config: GatherConfig | None = None, threads: int | None = None) -> int:
+              config: GatherConfig | None = None, threads: int | None = None,
+              sync: bool = True) -> int:
     """Gather rows of every KV layer buffer into the registered pack buffer, in place.
 
     Layer-major (spec section 6): entry l goes to bytes
@@ -223,8 +232,17 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
     and every thread writes its own disjoint slice of the region. CuPy (device memory): each
     layer is viewed as words and imported by DLPack (zero-copy, cached), the pack is imported
     afresh (the donated handle is consumed) and the jitted Pallas kernel writes into the CuPy
-    memory; the call returns once the bytes are there. The offset and row count are traced:
-    after one call per row bucket (`bucket_rows(n, config.block_rows)`) nothing recompiles.
+    memory; with `sync` (the default) the call returns once the bytes are there, without it
+    once the kernel is enqueued (then `pallas_kernels.synchronize(pack)` before an engine reads
+    the pack: back-to-back packs of several ranks then overlap their host work with the
+    kernels). The offset and row count are traced: after one call per row bucket
+    (`bucket_rows(n, config.block_rows)`) nothing recompiles.
+
+    Fixed cost per device call (no synchronisation but the final one): host indices are checked
+    on the host and padded there (one host-to-device copy inside the jitted call); the layers'
+    views and the pack's JAX handle are made once per registration (`pallas_kernels.device`:
+    the pack's handle is threaded from each call's aliased output to the next). CuPy indices
+    are checked on the device, with one synchronisation.
 
     Args:
         layers: a `PackSource`, or a sequence of u8[num_rows_l, kv_item_len_l] arrays (numpy
@@ -235,13 +253,15 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
         pack: u8[size] (numpy or CuPy), C-contiguous: the registered pack buffer.
         offset: byte offset of this rank's region inside `pack`. Pallas backends: a multiple
             of the word size (`word_dtype(item_lens).itemsize`; 16 bytes for "mosaic"), with
-            the region ending within `MAX_WORD_OFFSET` words. "numpy": any byte offset.
+            the region ending within `addressable_words(len(pack) // word size)` words
+            (2**32 - 1 for a pack over 4 GiB; mosaic 2**31 - 1). "numpy": any byte offset.
         backend: "auto" (numpy: "numpy"; CuPy: see `select_backend`), "numpy", "interpret",
             "triton" or "mosaic".
         config: kernel tuning (`GatherConfig.default()` when None).
         threads: host gather only: worker threads, 1..`HOST_MAX_THREADS_ARG`. None: one per
             core, at most `HOST_MAX_THREADS`, for regions of at least `HOST_THREADS_MIN_BYTES`;
             else one. The process keeps one pool, grown to the largest count asked for.
+        sync: CuPy buffers only: wait until the kernel has finished before returning.
 
     Returns:
         Bytes written, `n * sum(kv_item_len)`.
@@ -279,9 +299,7 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
     if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
         raise ValueError(f"{offset=} must be a non-negative int (bytes)")
     offset = int(offset)
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, (int, np.integer))
-                                or not 1 <= threads <= HOST_MAX_THREADS_ARG):
-        raise ValueError(f"{threads=} must be None or an int in [1, {HOST_MAX_THREADS_ARG}]")
+    check_threads(threads)
     if on_device and _is_cupy(indices):
         idx = indices
     else:
@@ -303,7 +321,8 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
     if backend == "auto":
         backend = "numpy" if not on_device else select_backend("auto")
     if backend != "numpy":
-        _check_word_offset(offset, total, entry.word, item_lens, pack if on_device else None)
+        _check_word_offset(offset, total, entry.word, item_lens, pack if on_device else None,
+                           pack.nbytes, backend)
     if n == 0:
         return 0
     if _is_cupy(idx):
@@ -325,22 +344,25 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
     if on_device:
         views = source.device_views() if source is not None else \
             _cached_device_views(layers, key, entry)
-        _pack_rows_device(layers, views, idx, pack, offset, entry.word, backend, config)
+        _pack_rows_device(layers, views, idx, pack, offset, entry.word, backend, config, sync)
     else:
         _pack_rows_host_pallas(layers, idx, pack, offset, entry.word, backend, config)
     return total
 
 
-def _check_word_offset(offset: int, total: int, word: np.dtype, item_lens, device_pack) -> None:
-    """The Pallas paths' rules: word-aligned offset and address, region end within int32."""
+def _check_word_offset(offset: int, total: int, word: np.dtype, item_lens, device_pack,
+                       pack_bytes: int, backend: str) -> None:
+    """The Pallas paths' rules: word-aligned offset and address, region end addressable."""
     ws = word.itemsize
     if offset % ws:
         raise ValueError(f"{offset=} must be a multiple of {ws} bytes on the Pallas paths: the "
                          f"word ({word.name}) of rows of {list(item_lens)} B "
                          "(backend='numpy' takes any offset)")
-    if (offset + total) // ws > MAX_WORD_OFFSET:
-        raise ValueError(f"{offset=} + {total} B ends past word {MAX_WORD_OFFSET} of {word.name} "
-                         "(the kernel's word indices are int32)")
+    limit = addressable_words(pack_bytes // ws, ws, backend)
+    if (offset + total) // ws > limit:
+        raise ValueError(f"{offset=} + {total} B ends past word {limit} of {word.name}, the last "
+                         f"one the kernel addresses in a pack of {pack_bytes} B (uint32 word "
+                         "indices; int32 offsets below 4 GiB and for mosaic)")
     if device_pack is not None and device_pack.data.ptr % ws:
         raise ValueError(f"pack address {device_pack.data.ptr:#x} must be a multiple of {ws} "
                          f"bytes (the {word.name} word)")
@@ -351,58 +373,6 @@ def _offset_align(offset: int, word: np.dtype) -> int:
     if offset % ALIGN_HINT_BYTES == 0:
         return max(1, ALIGN_HINT_BYTES // word.itemsize)
     return 1
-
-
-HOST_MAX_THREADS = 8  # past this the gather is bound by memory bandwidth, not cores
-HOST_THREADS_MIN_BYTES = 8 << 20  # smaller regions: thread hand-off costs more than it saves
-HOST_MAX_THREADS_ARG = 64  # the most `threads=` may ask for (one shared pool of at most this)
-_HOST_POOL: dict[str, Any] = {}  # {"pid", "workers", "pool"}: this process's one pool
-_HOST_POOL_LOCK = threading.Lock()
-
-
-def _host_pool(workers: int) -> ThreadPoolExecutor:
-    """This process's worker pool, at least `workers` threads (one pool, grown when asked for
-    more; made again after a fork, since a child inherits no threads)."""
-    with _HOST_POOL_LOCK:
-        pool = _HOST_POOL.get("pool")
-        if pool is None or _HOST_POOL["pid"] != os.getpid() or _HOST_POOL["workers"] < workers:
-            if pool is not None and _HOST_POOL["pid"] == os.getpid():
-                pool.shutdown(wait=False)  # its threads exit once idle
-            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pack_rows")
-            _HOST_POOL.update(pid=os.getpid(), workers=workers, pool=pool)
-        return pool
-
-
-def _pack_rows_host(layers, idx, pack, offset, item_lens, threads):
-    """numpy gather into the pack: (layer, row range) units, dealt to `threads` workers."""
-    n = int(idx.shape[0])
-    total = n * sum(item_lens)
-    if threads is None:
-        threads = (min(HOST_MAX_THREADS, os.cpu_count() or 1)
-                   if total >= HOST_THREADS_MIN_BYTES else 1)
-    # About two units per worker, each a whole row range of one layer entry.
-    chunks = max(1, min(n, -(-2 * threads // len(layers)))) if threads > 1 else 1
-    bounds = [n * k // chunks for k in range(chunks + 1)]
-    units, pos = [], offset
-    for a, w in zip(layers, item_lens):
-        for r0, r1 in zip(bounds[:-1], bounds[1:]):
-            if r1 > r0:
-                units.append((a, r0, r1, w, pos + r0 * w))
-        pos += n * w
-
-    def take(batch):
-        for a, r0, r1, w, start in batch:
-            # mode="clip" (indices are checked by the caller) skips np.take's buffered "raise" path.
-            np.take(a, idx[r0:r1], axis=0,
-                    out=pack[start:start + (r1 - r0) * w].reshape(r1 - r0, w), mode="clip")
-
-    threads = min(threads, len(units))
-    if threads <= 1:
-        take(units)
-        return
-    # Exactly `threads` tasks, so no more run at once whatever the pool's size; list() waits
-    # for all of them and re-raises the first worker's exception here.
-    list(_host_pool(threads).map(take, [units[k::threads] for k in range(threads)]))
 
 
 def _pack_rows_host_pallas(layers, idx, pack, offset, word, backend, config):
@@ -425,36 +395,51 @@ def _pack_rows_host_pallas(layers, idx, pack, offset, word, backend, config):
     pack[offset:offset + total] = np.asarray(out).view(np.uint8)[offset:offset + total]
 
 
-def _pack_rows_device(layers, views, idx, pack, offset, word, backend, config):
+def _pack_rows_device(layers, views, idx, pack, offset, word, backend, config, sync):
     """CuPy buffers through the jitted kernel, written into the CuPy pack in place."""
-    import cupy as cp
-
     ws = word.itemsize
     # Layers without a cached zero-copy view (not C-contiguous) are copied on every call, so
     # the kernel always reads the KV cache as it is now.
-    srcs = [v if v is not None else jax.dlpack.from_dlpack(cp.ascontiguousarray(a).view(word))
-            for v, a in zip(views, layers)]
+    srcs = [v if v is not None else _copy_view(a, word) for v, a in zip(views, layers)]
     n = int(idx.shape[0])
     m = bucket_rows(n, config.block_rows)
-    idx_pad = cp.zeros(m, cp.int32)
-    idx_pad[:n] = cp.asarray(idx).astype(cp.int32)
-    # The donated pack handle is consumed by the call: import afresh on every pack.
-    pack_j = jax.dlpack.from_dlpack(pack[:pack.nbytes // ws * ws].view(word))
-    out = gather_rows(srcs, jax.dlpack.from_dlpack(idx_pad), pack_j, n, offset=offset // ws,
-                      config=config, backend=backend, offset_align=_offset_align(offset, word))
-    out.block_until_ready()
-    in_place = out.unsafe_buffer_pointer() == pack.data.ptr
-    del out
-    if not in_place:
-        raise RuntimeError("the Pallas call did not write into the CuPy pack (XLA copied it); "
-                           "is the pack still referenced elsewhere in JAX?")
+    if isinstance(idx, np.ndarray):
+        idx_pad = np.zeros(m, np.int32)  # a new array: the copy to the device may be pending
+        idx_pad[:n] = idx
+    else:
+        import cupy as cp
+
+        idx_cp = cp.zeros(m, cp.int32)
+        idx_cp[:n] = idx
+        idx_pad = jax.dlpack.from_dlpack(idx_cp)
+    nbytes = pack.nbytes // ws * ws
+    dests = device.destinations([pack], word, [nbytes])
+    with dests.lock:
+        try:
+            out = gather_rows(srcs, idx_pad, dests.handles[0], n, offset=offset // ws,
+                              config=config, backend=backend,
+                              offset_align=_offset_align(offset, word))
+            dests.keep([out])
+        except Exception:
+            device.forget([pack], word, [nbytes])  # the donated handle may be gone
+            raise
+    if sync:
+        out.block_until_ready()
+
+
+def _copy_view(a, word):
+    import cupy as cp
+
+    return jax.dlpack.from_dlpack(cp.ascontiguousarray(a).view(word))
 
 
 def clear_import_cache() -> None:
     """Forget the cached layer checks and DLPack views of layer lists (`PackSource`s keep
-    theirs). The caches hold no layer alive; this only drops the bookkeeping early."""
+    theirs), and the JAX handles kept over destination buffers. The caches hold no buffer
+    alive; this only drops the bookkeeping early."""
     _IMPORTED_LAYERS.clear()
     _CHECKED_LAYERS.clear()
+    device.clear()
 
 
 __all__ = [

@@ -28,20 +28,26 @@ stream or in another process (IPC) must wait for that before it reads.
 
 from __future__ import annotations
 
-import os
+import bisect
 
+import jax
 import numpy as np
 
-from pallas_kernels.pack import (
-    HOST_MAX_THREADS,
-    HOST_MAX_THREADS_ARG,
-    HOST_THREADS_MIN_BYTES,
-    _host_pool,
-    _is_cupy,
+from pallas_kernels import device
+from pallas_kernels.config import (
+    GatherConfig,
+    addressable_words,
+    bucket_rows,
+    select_backend,
+    word_dtype,
 )
+from pallas_kernels.host import check_threads, copy_host, unpack_host
+from pallas_kernels.pack import _is_cupy, _offset_align
 
-#: Backends of `unpack_rows` / `copy_rows`.
-SCATTER_BACKENDS = ("auto", "numpy", "cupy")
+#: Backends of `unpack_rows` / `copy_rows`: "triton" is the Pallas kernel on a GPU,
+#: "interpret" the same kernel body on the CPU (tests), "cupy" CuPy fancy indexing (one
+#: kernel per layer: a reference form), "numpy" the threaded host form.
+SCATTER_BACKENDS = ("auto", "numpy", "cupy", "interpret", "triton")
 
 
 def _is_jax(a) -> bool:
@@ -145,94 +151,52 @@ def _extent(a) -> tuple[int, int]:
 
 
 def _check_disjoint(srcs, src_name: str, dsts, dst_name: str) -> None:
-    """No destination layer may share memory with a source (layer or pack)."""
+    """No destination layer may share memory with a source (layer or pack): sorted extents and
+    a bisection per destination, O(L log L); strided numpy views whose extents interleave are
+    resolved exactly by `np.shares_memory`."""
     spans = sorted((*_extent(a), l) for l, a in enumerate(srcs) if a.size)
+    starts = [s[0] for s in spans]
+    reach = []  # reach[k]: the largest end among spans[:k + 1]
+    for s0, s1, _ in spans:
+        reach.append(max(s1, reach[-1]) if reach else s1)
     for k, d in enumerate(dsts):
         if not d.size:
             continue
         d0, d1 = _extent(d)
-        for s0, s1, l in spans:
-            if s0 < d1 and d0 < s1:
-                if isinstance(d, np.ndarray) and not np.shares_memory(d, srcs[l],
-                                                                      max_work=1000):
-                    continue  # interleaved but disjoint strided views
-                raise ValueError(f"{dst_name}[{k}] shares memory with {src_name}"
-                                 f"{'' if len(srcs) == 1 and src_name == 'pack' else f'[{l}]'}: "
+        hi = bisect.bisect_left(starts, d1)  # spans starting before d1
+        j = hi - 1
+        while j >= 0 and reach[j] > d0:
+            s0, s1, l = spans[j]
+            if s1 > d0 and not (isinstance(d, np.ndarray) and
+                                not np.shares_memory(d, srcs[l], max_work=1000)):
+                where = "" if src_name == "pack" else f"[{l}]"
+                raise ValueError(f"{dst_name}[{k}] shares memory with {src_name}{where}: "
                                  "sources and destinations must be disjoint")
-
-
-def _host_threads(threads, total: int) -> int:
-    if threads is None:
-        return min(HOST_MAX_THREADS, os.cpu_count() or 1) if total >= HOST_THREADS_MIN_BYTES else 1
-    return threads
-
-
-def _check_threads(threads) -> None:
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, (int, np.integer))
-                                or not 1 <= threads <= HOST_MAX_THREADS_ARG):
-        raise ValueError(f"{threads=} must be None or an int in [1, {HOST_MAX_THREADS_ARG}]")
-
-
-def _run_units(units, work, threads: int) -> None:
-    """Run `work(batch)` over `units` dealt to `threads` workers (one batch inline if 1)."""
-    threads = min(threads, len(units))
-    if threads <= 1:
-        work(units)
-        return
-    list(_host_pool(threads).map(work, [units[k::threads] for k in range(threads)]))
-
-
-def _row_bounds(n: int, threads: int, num_layers: int) -> list[int]:
-    chunks = max(1, min(n, -(-2 * threads // num_layers))) if threads > 1 else 1
-    return [n * k // chunks for k in range(chunks + 1)]
-
-
-def _unpack_host(pack, layers, idx, offset, item_lens, threads) -> None:
-    """numpy scatter: (layer, row range) units, each writing its own destination rows."""
-    n = int(idx.shape[0])
-    threads = _host_threads(threads, n * sum(item_lens))
-    bounds = _row_bounds(n, threads, len(layers))
-    units, pos = [], offset
-    for a, w in zip(layers, item_lens):
-        for r0, r1 in zip(bounds[:-1], bounds[1:]):
-            if r1 > r0:
-                units.append((a, r0, r1, w, pos + r0 * w))
-        pos += n * w
-
-    def put(batch):
-        for a, r0, r1, w, start in batch:
-            a[idx[r0:r1]] = pack[start:start + (r1 - r0) * w].reshape(r1 - r0, w)
-
-    _run_units(units, put, threads)
-
-
-def _copy_host(srcs, sidx, dsts, didx, item_lens, threads) -> None:
-    n = int(sidx.shape[0])
-    threads = _host_threads(threads, n * sum(item_lens))
-    bounds = _row_bounds(n, threads, len(srcs))
-    units = [(s, d, r0, r1) for s, d in zip(srcs, dsts)
-             for r0, r1 in zip(bounds[:-1], bounds[1:]) if r1 > r0]
-
-    def copy(batch):
-        for s, d, r0, r1 in batch:
-            d[didx[r0:r1]] = np.take(s, sidx[r0:r1], axis=0, mode="clip")
-
-    _run_units(units, copy, threads)
+            j -= 1
 
 
 def _resolve(backend: str, on_device: bool) -> str:
     if backend not in SCATTER_BACKENDS:
         raise ValueError(f"{backend=} must be one of {SCATTER_BACKENDS}")
     if backend == "auto":
-        return "cupy" if on_device else "numpy"
-    if (backend == "numpy") == on_device:
-        need = "numpy (host)" if backend == "numpy" else "CuPy (device)"
-        raise ValueError(f"backend={backend!r} needs {need} buffers")
+        if not on_device:
+            return "numpy"
+        # The Pallas scatter has a Triton form only (no Mosaic one): CuPy on JAX >= 0.12.
+        return "triton" if select_backend("auto") == "triton" else "cupy"
+    if backend == "numpy" and on_device:
+        raise ValueError("backend='numpy' needs numpy (host) buffers")
+    if backend in ("cupy", "triton") and not on_device:
+        raise ValueError(f"backend={backend!r} needs CuPy (device) buffers")
+    if backend == "interpret" and on_device:
+        raise ValueError("backend='interpret' needs numpy (host) buffers")
+    if backend == "triton":
+        select_backend("triton")  # ValueError without a GPU
     return backend
 
 
 def unpack_rows(pack, layers, indices, *, offset: int = 0, backend: str = "auto",
-                threads: int | None = None, checked: bool = False) -> None:
+                threads: int | None = None, checked: bool = False,
+                config: GatherConfig | None = None) -> None:
     """Write the rows of a layer-major pack region into rows `indices` of every layer, in place.
 
     The exact inverse of `pack_rows(layers, indices, pack, offset=offset)`: for entry l and
@@ -246,11 +210,17 @@ def unpack_rows(pack, layers, indices, *, offset: int = 0, backend: str = "auto"
         layers: sequence of u8[num_rows_l, kv_item_len_l] arrays, writeable, all numpy or all
             CuPy, sharing one row index space.
         indices: int[n] destination rows (numpy, CuPy or a Python sequence), unique.
-        offset: byte offset of the region inside `pack` (>= 0).
-        backend: "auto" (numpy layers: "numpy"; CuPy: the device kernel), "numpy", "cupy".
+        offset: byte offset of the region inside `pack` (>= 0). Pallas backends ("triton",
+            "interpret"): a multiple of the word size (`word_dtype(item_lens).itemsize`), the
+            region ending within `addressable_words` (2**32 - 1 words of a pack over 4 GiB).
+        backend: "auto" (numpy layers: "numpy"; CuPy: "triton", or "cupy" on a JAX without the
+            Triton lowering), or one of `SCATTER_BACKENDS`. "triton" needs C-contiguous layers
+            (written in place).
         threads: host form only: worker threads (as `pack_rows`).
         checked: skip the index range and uniqueness checks (the caller has done them once,
             e.g. for a page table it validated); the device form then never synchronises.
+            Unchecked indices are clamped in range by the kernel (never out of bounds).
+        config: Pallas tuning knobs (`GatherConfig.default()` when None).
 
     Returns:
         None. Host: the bytes are in `layers` on return. Device: the copy is enqueued; call
@@ -259,7 +229,9 @@ def unpack_rows(pack, layers, indices, *, offset: int = 0, backend: str = "auto"
     Raises:
         ValueError: empty or non-2-D `layers`, a read-only layer, non-1-D `indices` or `pack`,
             an index < 0 or >= num_rows, a duplicate index, a negative `offset`, a region past
-            the end of `pack`, `pack` sharing memory with a layer, a bad `threads`/`backend`.
+            the end of `pack`, `pack` sharing memory with a layer, a bad `threads`/`backend`,
+            a Pallas-path offset off the word size or past the addressable words, a
+            "triton" layer that is not C-contiguous.
         TypeError: non-uint8 arrays, mixed numpy/CuPy, a JAX array as a layer (immutable),
             non-integer `indices`.
     """
@@ -276,7 +248,7 @@ def unpack_rows(pack, layers, indices, *, offset: int = 0, backend: str = "auto"
     if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
         raise ValueError(f"{offset=} must be a non-negative int (bytes)")
     offset = int(offset)
-    _check_threads(threads)
+    check_threads(threads)
     backend = _resolve(backend, on_device)
     idx = _indices(indices, "indices", device_ok=on_device)
     n = int(idx.shape[0])
@@ -285,6 +257,8 @@ def unpack_rows(pack, layers, indices, *, offset: int = 0, backend: str = "auto"
     if offset + total > size:
         raise ValueError(f"pack region overflow: {offset=} + {n} rows x {sum(item_lens)} B = "
                          f"{offset + total} B > pack of {size} B")
+    if backend in ("triton", "interpret"):
+        _check_pallas_region(offset, total, item_lens, size, backend, pack)
     if pk != "jax":
         _check_disjoint([pack], "pack", layers, "layers")
     if n == 0:
@@ -292,13 +266,16 @@ def unpack_rows(pack, layers, indices, *, offset: int = 0, backend: str = "auto"
     if not checked:
         _check_range(idx, "indices", num_rows, "layers", unique=True)
     if backend == "numpy":
-        _unpack_host(pack, layers, idx, offset, item_lens, threads)
-        return
-    _unpack_cupy(pack, layers, idx, offset, item_lens)
+        unpack_host(pack, layers, idx, offset, item_lens, threads)
+    elif backend == "cupy":
+        _unpack_cupy(pack, layers, idx, offset, item_lens)
+    else:
+        _unpack_pallas(pack, layers, idx, offset, item_lens, backend, config)
 
 
 def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str = "auto",
-              threads: int | None = None, checked: bool = False) -> None:
+              threads: int | None = None, checked: bool = False,
+              config: GatherConfig | None = None) -> None:
     """Copy rows between two sets of KV layers: `dst_layers[l][dst_indices[j]] =
     src_layers[l][src_indices[j]]` for every layer entry l and j < n, in place.
 
@@ -310,9 +287,10 @@ def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str 
             foreign memory (`cupy.cuda.UnownedMemory`, e.g. IPC-mapped pages of another
             process), written in place.
         dst_indices: int[n] destination rows, unique.
-        backend: "auto" (numpy: "numpy"; CuPy: the device kernel), "numpy", "cupy".
+        backend: as `unpack_rows` ("triton": one kernel for all layer entries).
         threads: host form only: worker threads (as `pack_rows`).
         checked: skip the index range/uniqueness checks (the device form never synchronises).
+        config: Pallas tuning knobs (`GatherConfig.default()` when None).
 
     Returns:
         None. Host: the bytes are in `dst_layers` on return. Device: the copy is enqueued;
@@ -323,7 +301,8 @@ def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str 
         ValueError: empty or non-2-D layer lists, a layer count or item_len mismatch between
             `src_layers` and `dst_layers`, a read-only destination, index lists of different
             lengths or not 1-D, an index out of range, a duplicate destination index, a
-            destination sharing memory with a source, a bad `threads`/`backend`.
+            destination sharing memory with a source, a bad `threads`/`backend`, a "triton"
+            destination that is not C-contiguous.
         TypeError: non-uint8 arrays, numpy mixed with CuPy, a JAX array as a destination,
             non-integer indices.
     """
@@ -340,7 +319,7 @@ def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str 
         if a != b:
             raise ValueError(f"item_len mismatch at layer {l}: src_layers[{l}] rows are {a} B, "
                              f"dst_layers[{l}] rows {b} B")
-    _check_threads(threads)
+    check_threads(threads)
     backend = _resolve(backend, on_device)
     sidx = _indices(src_indices, "src_indices", device_ok=on_device)
     didx = _indices(dst_indices, "dst_indices", device_ok=on_device)
@@ -354,9 +333,115 @@ def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str 
         _check_range(sidx, "src_indices", s_rows, "src_layers", unique=False)
         _check_range(didx, "dst_indices", d_rows, "dst_layers", unique=True)
     if backend == "numpy":
-        _copy_host(list(src_layers), sidx, list(dst_layers), didx, s_lens, threads)
+        copy_host(list(src_layers), sidx, list(dst_layers), didx, s_lens, threads)
+    elif backend == "cupy":
+        _copy_cupy(src_layers, sidx, dst_layers, didx)
+    else:
+        _copy_pallas(list(src_layers), sidx, list(dst_layers), didx, s_lens, backend, config)
+
+
+def _check_pallas_region(offset, total, item_lens, size, backend, pack) -> None:
+    word = word_dtype(item_lens)
+    ws = word.itemsize
+    if offset % ws:
+        raise ValueError(f"{offset=} must be a multiple of {ws} bytes on the Pallas paths: the "
+                         f"word ({word.name}) of rows of {list(item_lens)} B")
+    limit = addressable_words(size // ws, ws)
+    if (offset + total) // ws > limit:
+        raise ValueError(f"{offset=} + {total} B ends past word {limit} of {word.name}, the last "
+                         f"one the kernel addresses in a pack of {size} B")
+    if _is_cupy(pack) and pack.data.ptr % ws:
+        raise ValueError(f"pack address {pack.data.ptr:#x} must be a multiple of {ws} bytes")
+
+
+def _contiguous(layers, name) -> None:
+    for l, a in enumerate(layers):
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{name}[{l}] must be C-contiguous for the device kernel (it writes "
+                             "the rows in place); use backend='cupy' for strided layers")
+
+
+def _padded(idx, m):
+    """int32[m] indices padded with zeros: numpy stays numpy (copied to the device inside the
+    jitted call), CuPy becomes a JAX view."""
+    n = int(idx.shape[0])
+    if isinstance(idx, np.ndarray):
+        out = np.zeros(m, np.int32)  # a new array: its copy to the device may still be pending
+        out[:n] = idx
+        return out
+    import cupy as cp
+
+    out = cp.zeros(m, cp.int32)
+    out[:n] = idx
+    return jax.dlpack.from_dlpack(out)
+
+
+def _unpack_pallas(pack, layers, idx, offset, item_lens, backend, config) -> None:
+    """The scatter kernel: in place into CuPy layers ("triton"), or on numpy copies whose
+    rows are written back ("interpret")."""
+    from pallas_kernels.scatter import unpack_kernel
+
+    config = GatherConfig.default() if config is None else config
+    word = word_dtype(item_lens)
+    ws = word.itemsize
+    n = int(idx.shape[0])
+    m = bucket_rows(n, config.block_rows)
+    kw = dict(offset=offset // ws, config=config, backend=backend,
+              offset_align=_offset_align(offset, word))
+    if backend == "interpret":
+        words = np.ascontiguousarray(pack[:pack.size // ws * ws]).view(word)
+        dst = [np.ascontiguousarray(a).view(word) for a in layers]
+        outs = unpack_kernel(words, _padded(idx, m), dst, n, **kw)
+        for a, o in zip(layers, outs):
+            a[idx] = np.asarray(o).view(np.uint8)[idx]
         return
-    _copy_cupy(src_layers, sidx, dst_layers, didx)
+    import cupy as cp
+
+    _contiguous(layers, "layers")
+    if _is_jax(pack):
+        pack = cp.from_dlpack(pack)
+    src = device.source_views([pack], word)[0]
+    if src is None:
+        src = jax.dlpack.from_dlpack(cp.ascontiguousarray(pack[:pack.size // ws * ws]).view(word))
+    dests = device.destinations(layers, word)
+    with dests.lock:
+        try:
+            dests.keep(unpack_kernel(src, _padded(idx, m), dests.handles, n, **kw))
+        except Exception:
+            device.forget(layers, word)
+            raise
+
+
+def _copy_pallas(srcs, sidx, dsts, didx, item_lens, backend, config) -> None:
+    """The copy kernel, one `pallas_call` for all layer entries (as `_unpack_pallas`)."""
+    from pallas_kernels.scatter import copy_kernel
+
+    config = GatherConfig.default() if config is None else config
+    word = word_dtype(item_lens)
+    n = int(sidx.shape[0])
+    m = bucket_rows(n, config.block_rows)
+    si, di = _padded(sidx, m), _padded(didx, m)
+    if backend == "interpret":
+        src = [np.ascontiguousarray(a).view(word) for a in srcs]
+        dst = [np.ascontiguousarray(a).view(word) for a in dsts]
+        outs = copy_kernel(src, si, dst, di, n, config=config, backend=backend)
+        for a, o in zip(dsts, outs):
+            a[didx] = np.asarray(o).view(np.uint8)[didx]
+        return
+    import cupy as cp
+
+    _contiguous(dsts, "dst_layers")
+    views = device.source_views(srcs, word)
+    src = [v if v is not None else jax.dlpack.from_dlpack(cp.ascontiguousarray(a).view(word))
+           for v, a in zip(views, srcs)]
+    dests = device.destinations(dsts, word)
+    with dests.lock:
+        try:
+            dests.keep(copy_kernel(src, si, dests.handles, di, n, config=config,
+                                   backend=backend))
+        except Exception:
+            device.forget(dsts, word)
+            raise
 
 
 def _unpack_cupy(pack, layers, idx, offset, item_lens) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import (
-    MAX_WORD_OFFSET,
+    MAX_PACK_WORDS,
     GatherConfig,
     PackSource,
     bucket_rows,
@@ -124,8 +124,8 @@ def test_traced_offset_off_its_promised_alignment_writes_nothing():
 
 @pytest.mark.parametrize("offset, match", [
     (-1, "offset=-1 must be a non-negative int"),
-    (MAX_WORD_OFFSET + 1, "offset=2147483648 words must be <= 2147483647"),
-    (2**40, "offset=1099511627776 words must be <= 2147483647"),
+    (MAX_PACK_WORDS + 1, "offset=4294967296 words must be <= 4294967295"),
+    (2**40, "offset=1099511627776 words must be <= 4294967295"),
     (True, "offset=True must be a non-negative int"),
     (1.0, "offset=1.0 must be a non-negative int"),
     (6, "offset=6 words must be a multiple of offset_align=4"),

@@ -233,3 +233,50 @@ def test_interleaved_views_are_disjoint():
     buf[::2] = 7
     copy_rows([buf[::2]], [0, 1], [buf[1::2]], [2, 3])
     assert (buf[5] == 7).all() and (buf[7] == 7).all() and (buf[1] == 0).all()
+
+
+# --------------------------------------------------------------------------- Pallas (interpret)
+
+
+@pytest.mark.parametrize("item_lens, offset", [((1152, 576), 64), ((12, 20, 8), 4),
+                                               ((3, 5), 7), ((2, 6), 2)], ids=str)
+def test_unpack_interpret_matches_brute_force(item_lens, offset):
+    from pallas_kernels import GatherConfig
+
+    rng = np.random.default_rng(sum(item_lens))
+    idx = rng.permutation(40)[:21]  # unique, unsorted; 21 rows: a ragged last block of 16
+    pack = rng.integers(0, 256, offset + 21 * sum(item_lens) + 13, dtype=np.uint8)
+    layers = _layers(rng, 40, item_lens)
+    want = _unpack_brute(pack, layers, idx, offset)
+    unpack_rows(pack, layers, idx, offset=offset, backend="interpret",
+                config=GatherConfig(block_rows=16))
+    for a, b in zip(layers, want):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+def test_copy_interpret_matches_brute_force(interleave):
+    from pallas_kernels import GatherConfig
+
+    rng = np.random.default_rng(3)
+    item_lens = (288, 64, 12)
+    srcs = _layers(rng, 50, item_lens)
+    dsts = _layers(rng, 30, item_lens)
+    sidx = np.r_[rng.integers(0, 50, 18), 7, 7]  # repeats
+    didx = rng.permutation(30)[:20]
+    want = _copy_brute(srcs, sidx, dsts, didx)
+    copy_rows(srcs, sidx, dsts, didx, backend="interpret",
+              config=GatherConfig(block_rows=8, interleave=interleave))
+    for a, b in zip(dsts, want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_interpret_refusals():
+    pack, layers = _ok()
+    with pytest.raises(ValueError, match=r"offset=2 must be a multiple of 4 bytes on the Pallas"):
+        unpack_rows(pack, [np.zeros((8, 4), np.uint8)], [0], offset=2, backend="interpret")
+    with pytest.raises(ValueError, match=r"backend='triton' needs CuPy"):
+        unpack_rows(pack, layers, [0], backend="triton")
+    with pytest.raises(ValueError, match=r"backend='cupy' needs CuPy"):
+        copy_rows(layers, [0], [np.zeros((8, 4), np.uint8), np.zeros((8, 2), np.uint8)], [0],
+                  backend="cupy")
