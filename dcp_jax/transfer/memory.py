@@ -85,7 +85,8 @@ class CacheLayers:
         num_rows: i64[L] rows (``num_pages * page_size``) of each layer.
         bases: i64[L] address of row 0 of each layer (bytes).
         rows: per-layer u8[num_rows, item_len] views (numpy on the host, CuPy on a GPU).
-        regions: one `bridge.MemoryRegion` per layer (what the engine registers).
+        regions: the `bridge.MemoryRegion`s the engine registers: the union of the layers'
+            memory (one per layer when they do not overlap; entries that view one buffer share one).
 
     Raises:
         TypeError: not a sequence, mixed kinds, unknown array type.
@@ -137,11 +138,11 @@ class CacheLayers:
         self.num_rows = np.asarray(rows, np.int64)
         self.item_lens = np.asarray(spec.item_lens, np.int64)
         self.rows = views
-        self.regions = tuple(regions)
+        self.regions = _union(regions)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every layer together."""
+        """Bytes of the registered memory (every layer, shared bytes counted once)."""
         return sum(r.nbytes for r in self.regions)
 
     @property
@@ -155,5 +156,20 @@ class CacheLayers:
         self.rows = []
 
     def __repr__(self) -> str:
-        return (f"CacheLayers(kind={self.kind!r}, layers={len(self.regions)}, "
+        return (f"CacheLayers(kind={self.kind!r}, layers={len(self.bases)}, "
                 f"bytes={self.nbytes:,}, mem_type={self.mem_type!r})")
+
+
+def _union(regions: list[MemoryRegion]) -> tuple[MemoryRegion, ...]:
+    """The layers' memory as disjoint regions (overlapping ranges merged), in address
+    order. Layer entries may be views into one buffer: vLLM's CPU cache holds K and V of every
+    head inside one tensor per layer, each (layer, K/V, head) entry a shifted view of it. An
+    engine refuses overlapping registrations, so the union is what it registers."""
+    out: list[MemoryRegion] = []
+    for r in sorted(regions, key=lambda r: r.addr):
+        if out and r.addr < out[-1].end:
+            last = out[-1]
+            out[-1] = MemoryRegion(last.addr, max(last.end, r.end) - last.addr, last.mem_type, last.device_id)
+        else:
+            out.append(r)
+    return tuple(out)
