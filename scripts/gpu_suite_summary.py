@@ -1,0 +1,211 @@
+"""The GPU suite's versions and results summary (called by scripts/gpu_suite.sh).
+
+    python scripts/gpu_suite_summary.py --versions           # prints versions (and saves them with --out)
+    python scripts/gpu_suite_summary.py --out out/gpu        # writes gpu_suite_summary.md / .json
+
+The summary collects what the suite's steps left in the output folder: the step table
+(steps.tsv: name, exit status, seconds), the GPU test counts (pytest_gpu.log), the device-to-device
+ceiling (d2d_ceiling.json), the pack benchmark's per-rank `pack_rows` kernel and wall time
+(pack.json), and every main-job run (job_*.json): engine, tokens, path, descriptors per rank,
+transfer and whole-request GB/s, each beside the ceiling for the same bytes, verified or not.
+Exit status 1 when a step failed or a run was not byte-exact.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import re
+import sys
+
+
+def versions() -> dict:
+    """Versions of everything the suite uses, read in this process."""
+    import platform
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for m in ("jax", "jaxlib", "cupy", "torch", "triton", "numpy", "zmq", "msgpack"):
+        try:
+            mod = importlib.import_module(m)
+            v = getattr(mod, "__version__", None) or ".".join(map(str, getattr(mod, "version", ())))
+            out[m] = str(v)
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            out[m] = f"unavailable ({type(e).__name__})"
+    for dist in ("nixl-cu13", "mooncake-transfer-engine-cuda13"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "no metadata"
+    try:
+        from bridge.nixl import nixl_agent, nixl_available
+
+        out["nixl"] = f"available={nixl_available()} ({getattr(nixl_agent, '__module__', None)})"
+    except Exception as e:  # noqa: BLE001
+        out["nixl"] = f"unavailable ({type(e).__name__}: {e})"
+    try:
+        from bridge.mooncake import mooncake_available, mooncake_supports_cuda
+
+        out["mooncake"] = f"available={mooncake_available()} cuda={mooncake_supports_cuda()}"
+    except Exception as e:  # noqa: BLE001
+        out["mooncake"] = f"unavailable ({type(e).__name__}: {e})"
+    try:
+        import jax
+
+        out["jax_devices"] = [str(d) for d in jax.devices()]
+        out["device"] = next((d.device_kind for d in jax.devices() if d.platform == "gpu"), "no GPU")
+    except Exception as e:  # noqa: BLE001
+        out["device"] = f"unavailable ({type(e).__name__})"
+    out["commit"] = os.environ.get("GIT_COMMIT", "unknown")
+    return out
+
+
+def _load(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _steps(out: str) -> list[dict]:
+    rows = []
+    try:
+        with open(os.path.join(out, "steps.tsv")) as f:
+            for line in f:
+                name, rc, secs = line.rstrip("\n").split("\t")
+                status = "ok" if rc == "0" else ("FAILED (time limit)" if rc in ("124", "137") else "FAILED")
+                rows.append({"step": name, "rc": int(rc), "seconds": int(secs), "status": status})
+    except OSError:
+        pass
+    return rows
+
+
+def _pytest_line(out: str) -> str:
+    try:
+        with open(os.path.join(out, "pytest_gpu.log")) as f:
+            lines = [ln.strip() for ln in f if re.search(r"\d+ (passed|failed|error)", ln)]
+        return lines[-1].strip("= ") if lines else ""
+    except OSError:
+        return ""
+
+
+def _ceilings(d2d) -> dict[int, float]:
+    """prompt tokens -> one-stream device copy GB/s."""
+    if not d2d:
+        return {}
+    return {r["prompt_tokens"]: r["gbps"] for r in d2d["rows"] if "1 stream" in r["what"]}
+
+
+def _runs(out: str, ceilings: dict[int, float]) -> list[dict]:
+    rows = []
+    for name in sorted(os.listdir(out)):
+        if not (name.startswith("job_") and name.endswith(".json")):
+            continue
+        r = _load(os.path.join(out, name))
+        if not r:
+            continue
+        cfg = r.get("config", {})
+        tokens, dcp = cfg.get("prompt_tokens"), cfg.get("dcp_size") or 1
+        total_bytes = cfg.get("request_bytes")
+        for run in r.get("runs", []):
+            nbytes = run.get("bytes") or total_bytes or 0
+            desc = run.get("descriptors")
+            per_rank = run.get("descriptors_per_rank")
+            if per_rank is None and desc is not None:
+                per_rank = desc / dcp
+            ts, tot = run.get("transfer_seconds"), run.get("total_seconds")
+            ceiling = ceilings.get(tokens)
+            row = {"step": name[:-5], "engine": run.get("engine", cfg.get("engine_kind")), "tokens": tokens,
+                   "path": run.get("path") or run.get("mode"), "descriptors_per_rank": per_rank,
+                   "bytes": nbytes, "transfer_seconds": ts, "total_seconds": tot,
+                   "transfer_gbps": nbytes / ts / 1e9 if ts else None,
+                   "total_gbps": nbytes / tot / 1e9 if tot else None, "verified": run.get("verified")}
+            row["total_pct_of_ceiling"] = 100 * row["total_gbps"] / ceiling if ceiling and row["total_gbps"] else None
+            rows.append(row)
+    return rows
+
+
+def _pack_rows(pack) -> list[dict]:
+    """Per geometry, `pack_rows` end to end: kernel ms, wall ms, wall / kernel."""
+    out = []
+    for g in (pack or {}).get("geometries", []):
+        for v in g.get("rows_out", []):
+            if "pack_rows" in v.get("variant", ""):
+                k = v.get("ms") or v.get("kernel_ms")
+                w = v.get("wall_ms")
+                out.append({"geometry": g.get("geometry"), "variant": v["variant"], "kernel_ms": k, "wall_ms": w,
+                            "wall_over_kernel": w / k if k and w else None})
+    return out
+
+
+def _f(x, fmt):
+    return "-" if x is None else format(x, fmt)
+
+
+def summarize(out: str) -> int:
+    meta = _load(os.path.join(out, "versions.json")) or {}
+    steps = _steps(out)
+    d2d = _load(os.path.join(out, "d2d_ceiling.json"))
+    ceilings = _ceilings(d2d)
+    runs = _runs(out, ceilings)
+    pack = _pack_rows(_load(os.path.join(out, "pack.json")))
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    device = meta.get("device", "unknown device")
+    vers = ", ".join(f"{k} {v}" for k, v in meta.items() if k not in ("jax_devices", "device", "commit"))
+    md = [f"# GPU suite ({date}, {device}, commit {meta.get('commit', 'unknown')})", "", f"Versions: {vers}", "",
+          "| step | rc | seconds | status |", "|---|---:|---:|---|"]
+    md += [f"| {s['step']} | {s['rc']} | {s['seconds']} | {s['status']} |" for s in steps]
+    md += ["", f"GPU tests: {_pytest_line(out) or 'no result'}", ""]
+    if d2d:
+        md += ["## Device-to-device ceiling (one process)", "", "| what | tokens | GB | GB/s |", "|---|---:|---:|---:|"]
+        md += [f"| {r['what']} | {r['prompt_tokens']:,} | {r['bytes'] / 1e9:.2f} | {r['gbps']:,.0f} |" for r in d2d["rows"]]
+        md.append("")
+    md += ["## dcp-jax transfer --device gpu (every rank byte-exact?)", "",
+           "| step | engine | tokens | path | descriptors/rank | GB | transfer s | transfer GB/s | whole s | "
+           "whole GB/s | whole % of ceiling | verified |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in runs:
+        md.append(f"| {r['step']} | {r['engine']} | {_f(r['tokens'], ',')} | {r['path']} | "
+                  f"{_f(r['descriptors_per_rank'], ',.0f')} | {r['bytes'] / 1e9:.2f} | {_f(r['transfer_seconds'], '.4f')} | "
+                  f"{_f(r['transfer_gbps'], ',.1f')} | {_f(r['total_seconds'], '.4f')} | {_f(r['total_gbps'], ',.1f')} | "
+                  f"{_f(r['total_pct_of_ceiling'], '.1f')} | {r['verified']} |")
+    if pack:
+        md += ["", "## pack_rows on CuPy buffers (benchmarks/pack.py)", "",
+               "| geometry | variant | kernel ms | wall ms | wall / kernel |", "|---|---|---:|---:|---:|"]
+        md += [f"| {p['geometry']} | {p['variant']} | {_f(p['kernel_ms'], '.4f')} | {_f(p['wall_ms'], '.4f')} | "
+               f"{_f(p['wall_over_kernel'], '.2f')} |" for p in pack]
+    failed = [s["step"] for s in steps if s["rc"] != 0] + [f"{r['step']}/{r['path']}" for r in runs if not r["verified"]]
+    md += ["", f"GPU suite: {'FAILED: ' + ', '.join(failed) if failed else 'all steps passed'}"]
+    text = "\n".join(md) + "\n"
+    print(text)
+    with open(os.path.join(out, "gpu_suite_summary.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out, "gpu_suite_summary.json"), "w") as f:
+        json.dump({"date": date, "device": device, "versions": meta, "steps": steps,
+                   "pytest": _pytest_line(out), "d2d_ceiling": d2d, "runs": runs, "pack_rows": pack,
+                   "failed": failed}, f, indent=1)
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--versions", action="store_true", help="print versions (saved to OUT/versions.json with --out)")
+    ap.add_argument("--out", default=None, help="the suite's output folder")
+    args = ap.parse_args(argv)
+    if args.versions:
+        v = versions()
+        for k, x in v.items():
+            print(k, x)
+        if args.out or os.environ.get("DCP_GPU_OUT"):
+            with open(os.path.join(args.out or os.environ["DCP_GPU_OUT"], "versions.json"), "w") as f:
+                json.dump(v, f, indent=1)
+        return 0
+    if not args.out:
+        ap.error("--out or --versions is needed")
+    return summarize(args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
