@@ -1,0 +1,154 @@
+"""Device and Pallas forms of `unpack_rows` / `copy_rows` (the host contract, with its checks,
+is `pallas_kernels.unpack`; these run after them).
+
+- "triton": the Pallas scatter kernels of `pallas_kernels.scatter`, in place into C-contiguous
+  CuPy layers (also over IPC-mapped memory): sources by cached non-owning DLPack views,
+  destinations by handles threaded through donation (`pallas_kernels.device`); returns once
+  the kernel is enqueued on JAX's stream.
+- "interpret": the same kernel bodies on numpy copies (CPU tests); the written rows are copied
+  back.
+- "cupy": CuPy fancy indexing, one gather/scatter per layer on CuPy's current stream (a
+  reference form, and the fallback on a JAX without the Triton lowering).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from pallas_kernels import device
+from pallas_kernels.config import GatherConfig, addressable_words, bucket_rows, word_dtype
+from pallas_kernels.pack import _is_cupy, _offset_align
+
+
+def _is_jax(a) -> bool:
+    return type(a).__module__.split(".")[0] in ("jax", "jaxlib")
+
+
+def check_pallas_region(offset, total, item_lens, size, backend, pack) -> None:
+    """The Pallas paths' rules: word-aligned offset and address, region end addressable."""
+    word = word_dtype(item_lens)
+    ws = word.itemsize
+    if offset % ws:
+        raise ValueError(f"{offset=} must be a multiple of {ws} bytes on the Pallas paths: the "
+                         f"word ({word.name}) of rows of {list(item_lens)} B")
+    limit = addressable_words(size // ws, ws)
+    if (offset + total) // ws > limit:
+        raise ValueError(f"{offset=} + {total} B ends past word {limit} of {word.name}, the last "
+                         f"one the kernel addresses in a pack of {size} B")
+    if _is_cupy(pack) and pack.data.ptr % ws:
+        raise ValueError(f"pack address {pack.data.ptr:#x} must be a multiple of {ws} bytes")
+
+
+def _contiguous(layers, name) -> None:
+    for l, a in enumerate(layers):
+        if not a.flags.c_contiguous:
+            raise ValueError(f"{name}[{l}] must be C-contiguous for the device kernel (it writes "
+                             "the rows in place); use backend='cupy' for strided layers")
+
+
+def _padded(idx, m):
+    """int32[m] indices padded with zeros: numpy stays numpy (copied to the device inside the
+    jitted call), CuPy becomes a JAX view."""
+    n = int(idx.shape[0])
+    if isinstance(idx, np.ndarray):
+        out = np.zeros(m, np.int32)  # a new array: its copy to the device may still be pending
+        out[:n] = idx
+        return out
+    import cupy as cp
+
+    out = cp.zeros(m, cp.int32)
+    out[:n] = idx
+    return jax.dlpack.from_dlpack(out)
+
+
+def unpack_pallas(pack, layers, idx, offset, item_lens, backend, config) -> None:
+    """The scatter kernel: in place into CuPy layers ("triton"), or on numpy copies whose
+    rows are written back ("interpret")."""
+    from pallas_kernels.scatter import unpack_kernel
+
+    config = GatherConfig.default() if config is None else config
+    word = word_dtype(item_lens)
+    ws = word.itemsize
+    n = int(idx.shape[0])
+    m = bucket_rows(n, config.block_rows)
+    kw = dict(offset=offset // ws, config=config, backend=backend,
+              offset_align=_offset_align(offset, word))
+    if backend == "interpret":
+        words = np.ascontiguousarray(pack[:pack.size // ws * ws]).view(word)
+        dst = [np.ascontiguousarray(a).view(word) for a in layers]
+        outs = unpack_kernel(words, _padded(idx, m), dst, n, **kw)
+        for a, o in zip(layers, outs):
+            a[idx] = np.asarray(o).view(np.uint8)[idx]
+        return
+    import cupy as cp
+
+    _contiguous(layers, "layers")
+    if _is_jax(pack):
+        pack = cp.from_dlpack(pack)
+    src = device.source_views([pack], word)[0]
+    if src is None:
+        src = jax.dlpack.from_dlpack(cp.ascontiguousarray(pack[:pack.size // ws * ws]).view(word))
+    dests = device.destinations(layers, word)
+    with dests.lock:
+        try:
+            dests.keep(unpack_kernel(src, _padded(idx, m), dests.handles, n, **kw))
+        except Exception:
+            device.forget(layers, word)
+            raise
+
+
+def copy_pallas(srcs, sidx, dsts, didx, item_lens, backend, config) -> None:
+    """The copy kernel, one `pallas_call` for all layer entries (as `_unpack_pallas`)."""
+    from pallas_kernels.scatter import copy_kernel
+
+    config = GatherConfig.default() if config is None else config
+    word = word_dtype(item_lens)
+    n = int(sidx.shape[0])
+    m = bucket_rows(n, config.block_rows)
+    si, di = _padded(sidx, m), _padded(didx, m)
+    if backend == "interpret":
+        src = [np.ascontiguousarray(a).view(word) for a in srcs]
+        dst = [np.ascontiguousarray(a).view(word) for a in dsts]
+        outs = copy_kernel(src, si, dst, di, n, config=config, backend=backend)
+        for a, o in zip(dsts, outs):
+            a[didx] = np.asarray(o).view(np.uint8)[didx]
+        return
+    import cupy as cp
+
+    _contiguous(dsts, "dst_layers")
+    views = device.source_views(srcs, word)
+    src = [v if v is not None else jax.dlpack.from_dlpack(cp.ascontiguousarray(a).view(word))
+           for v, a in zip(views, srcs)]
+    dests = device.destinations(dsts, word)
+    with dests.lock:
+        try:
+            dests.keep(copy_kernel(src, si, dests.handles, di, n, config=config,
+                                   backend=backend))
+        except Exception:
+            device.forget(dsts, word)
+            raise
+
+
+def unpack_cupy(pack, layers, idx, offset, item_lens) -> None:
+    """CuPy fancy-index form (one scatter kernel per layer), on CuPy's current stream."""
+    import cupy as cp
+
+    if _is_jax(pack):
+        pack = cp.from_dlpack(pack)
+    idx = cp.asarray(idx)
+    n, pos = int(idx.shape[0]), offset
+    for a, w in zip(layers, item_lens):
+        a[idx] = pack[pos:pos + n * w].reshape(n, w)
+        pos += n * w
+
+
+def copy_cupy(srcs, sidx, dsts, didx) -> None:
+    import cupy as cp
+
+    sidx, didx = cp.asarray(sidx), cp.asarray(didx)
+    for s, d in zip(srcs, dsts):
+        d[didx] = s[sidx]
+
+
+__all__ = ["check_pallas_region", "copy_cupy", "copy_pallas", "unpack_cupy", "unpack_pallas"]
