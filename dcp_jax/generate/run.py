@@ -102,35 +102,14 @@ def _processes(cfg: GenerateConfig, prompt: np.ndarray) -> dict:
 
 
 def reference_generate(cfg: GenerateConfig, prompt: np.ndarray) -> tuple[list[int], np.ndarray]:
-    """Single-process generation of the same model and prompt: prefill, then a one-device decode.
+    """Single-process generation of the same model and prompt: prefill, then a one-device decode
+    (no connector, no DCP). Returns ``(tokens, logits f32[new_tokens, vocab])``."""
+    import dataclasses
 
-    Returns ``(tokens, logits f32[new_tokens, vocab])``.
-    """
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from dcp_jax.generate.inprocess import generate_in_process
 
-    from dcp_jax.merge import make_dcp_mesh
-    from dcp_jax.model import (PREFILL_CHUNK, DecodeGeometry, global_caches, greedy_decode, init_params,
-                               make_decode_step, prefill, replicated)
-    from dcp_jax.model.paging import place_rows, request_pages
-
-    mcfg = cfg.model_config()
-    params = init_params(mcfg)
-    pad = -(-cfg.prompt_tokens // PREFILL_CHUNK) * PREFILL_CHUNK
-    tokens = np.pad(prompt[: cfg.kv_tokens], (0, pad - cfg.kv_tokens))
-    entries = [np.asarray(e) for e in prefill(mcfg, params, jnp.asarray(tokens))]
-    mesh = make_dcp_mesh(1)
-    pages = request_pages(cfg.total_tokens, dcp_size=1, page_size=cfg.page_size, seed=cfg.seed)
-    geo = DecodeGeometry(cfg.page_size, pages.num_pages, pages.max_pages, 1, cfg.merge)
-    dev = mesh.devices.flat[0]
-    caches = global_caches(mesh, [[jax.device_put(place_rows(e, cfg.kv_tokens, pages)[0], dev) for e in entries]])
-    pt = jax.device_put(pages.tables, NamedSharding(mesh, P("dcp")))
-    out, logits, _ = greedy_decode(make_decode_step(mcfg, mesh, geo), jax.tree.map(lambda a: replicated(mesh, a), params),
-                                   caches, pt, replicated(mesh, np.int32(prompt[cfg.kv_tokens])),
-                                   replicated(mesh, np.int32(cfg.kv_tokens)), cfg.new_tokens)
-    return out, logits
+    one = dataclasses.replace(cfg, dcp_size=1, interleave_size=1, prefill_dcp_size=1, corrupt_rank=None)
+    return generate_in_process(one, prompt)
 
 
 def compare_logits(dtype: str, tokens, ref_tokens, logits, ref_logits) -> dict:

@@ -23,6 +23,9 @@ __all__ = ["prefill_main", "decode_main", "RID"]
 
 RID = "generate-0"
 POLL_S = 0.0005
+# Compiling the decode step on 2 busy cores can starve a connector's heartbeat thread for
+# seconds; the connector's default (5 s) then drops a live peer.
+PEER_TIMEOUT_S = 120.0
 
 
 def _child_env(device: str) -> None:
@@ -64,7 +67,7 @@ def prefill_main(conn, cfg, rank: int, prompt) -> None:
         cache = [np.zeros((num_pages, cfg.page_size) + s, np.dtype(mcfg.jdtype)) for s in mcfg.entry_shapes]
         spec = KVCacheSpec(len(cache), mcfg.item_lens, cfg.page_size, cfg.prefill_dcp_size, rank,
                            cfg.prefill_interleave_size)
-        sender = KVSender(spec, cache, engine=cfg.engine, timeout_s=cfg.timeout_s)
+        sender = KVSender(spec, cache, engine=cfg.engine, timeout_s=cfg.timeout_s, peer_timeout_s=PEER_TIMEOUT_S)
         conn.send(("address", sender.address))
         pad = -(-len(prompt) // PREFILL_CHUNK) * PREFILL_CHUNK
         tokens = np.pad(np.asarray(prompt[: cfg.kv_tokens], np.int32), (0, pad - cfg.kv_tokens))
@@ -82,6 +85,8 @@ def prefill_main(conn, cfg, rank: int, prompt) -> None:
         for e, rows in enumerate(entries):  # the model's rows into this rank's pages
             cache[e][dst_pages, dst_slots] = np.asarray(rows)[mine]
         t_sent = time.monotonic()
+        if sender.poll(RID).terminal:  # (a decode rank gave up before the KV was ready)
+            raise RuntimeError(f"request {sender.poll(RID).name} before send: {sender.failure_reason(RID)}")
         sender.send(RID, table, 0, cfg.kv_tokens)
         while not (status := sender.poll(RID)).terminal:
             time.sleep(POLL_S)
@@ -141,7 +146,7 @@ def decode_main(conn, cfg, rank: int, coordinator: str, prompt) -> None:
         # Free rows hold NaN: the decode attention must never read a row this rank does not own.
         local = [jax.device_put(jnp.full(s, jnp.nan, mcfg.jdtype), dev) for s in shapes]
         spec = KVCacheSpec(len(local), mcfg.item_lens, cfg.page_size, n, rank, cfg.interleave_size)
-        recv = KVReceiver(spec, local, engine=cfg.engine, timeout_s=cfg.timeout_s)
+        recv = KVReceiver(spec, local, engine=cfg.engine, timeout_s=cfg.timeout_s, peer_timeout_s=PEER_TIMEOUT_S)
         kind, arg = conn.recv()
         for address in arg["addresses"]:
             recv.connect(address)
