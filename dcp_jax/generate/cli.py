@@ -28,6 +28,8 @@ def generate(
     merge: str = typer.Option("ag_rs", help="Partial-attention merge: ag_rs, ag_ar or a2a."),
     seed: int = typer.Option(0, help="Seeds the weights, the prompt and the page tables."),
     timeout_s: float = typer.Option(600.0, help="Deadline of any wait (seconds)."),
+    device: str = typer.Option("cpu", help="cpu, or gpu: decode rank r on GPU r (needs --dcp-size GPUs; NCCL), "
+                                           "prefill (CuPy pages) and reference on GPU 0."),
     reference: bool = typer.Option(True, "--reference/--no-reference", help="Compare against a "
                                                                             "single-process run."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON to this path."),
@@ -47,15 +49,19 @@ def generate(
         cfg = GenerateConfig(dcp_size=dcp_size, prompt_tokens=prompt_tokens, new_tokens=new_tokens, engine=engine,
                              dtype=dtype, model=model, interleave_size=interleave_size, page_size=page_size,
                              prefill_dcp_size=prefill_dcp_size, prefill_interleave_size=prefill_interleave_size,
-                             merge=merge, seed=seed, timeout_s=timeout_s, corrupt_rank=corrupt_rank)
+                             merge=merge, seed=seed, timeout_s=timeout_s, device=device,
+                             corrupt_rank=corrupt_rank)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     if json_path is not None and not json_path.parent.is_dir():
         raise typer.BadParameter(f"--json {str(json_path)!r}: folder {str(json_path.parent)!r} does not exist")
+    from dcp_jax.job.config import engine_env
+
+    engine_env(device)  # (no JAX preallocation on a GPU: several processes share GPU 0)
     console = Console()
     console.print(f"[bold]dcp-jax generate[/]: {model} {dtype}, prompt {prompt_tokens:,} tokens, prefill "
                   f"DCP{prefill_dcp_size} -> decode DCP{dcp_size} (I={interleave_size}, page {page_size}, "
-                  f"{merge}), engine {engine}, {new_tokens} new tokens")
+                  f"{merge}), engine {engine}, device {device}, {new_tokens} new tokens")
     rep = run_generate(cfg, with_reference=reference)
     console.print(f"tokens:    {rep['tokens']}")
     if reference:

@@ -40,6 +40,7 @@ class GenerateConfig:
     merge: str = "ag_rs"
     seed: int = 0
     timeout_s: float = 600.0
+    device: str = "cpu"  # gpu: decode rank r on GPU r (N GPUs), prefill and reference on GPU 0
     corrupt_rank: int | None = None  # test hook: that decode rank changes one received row
 
     def __post_init__(self):
@@ -61,6 +62,8 @@ class GenerateConfig:
                              f"{self.model_config().num_heads} heads")
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
             raise ValueError(f"--timeout-s={self.timeout_s!r} must be positive")
+        if self.device not in ("cpu", "gpu"):
+            raise ValueError(f"--device={self.device!r} must be cpu or gpu")
         if self.corrupt_rank is not None and not 0 <= self.corrupt_rank < self.dcp_size:
             raise ValueError(f"--corrupt-rank={self.corrupt_rank} must lie in [0, {self.dcp_size})")
 

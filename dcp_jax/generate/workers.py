@@ -28,12 +28,14 @@ POLL_S = 0.0005
 PEER_TIMEOUT_S = 120.0
 
 
-def _child_env(device: str) -> None:
+def _child_env(device: str, gpu: int = 0) -> None:
     # One device per process: drop a forced host device count inherited from a test process.
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
     os.environ["XLA_FLAGS"] = flags.strip()
     if device == "cpu":
         os.environ["JAX_PLATFORMS"] = "cpu"
+    else:  # this process's GPU only (NCCL wants one GPU per rank)
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     from dcp_jax.job.config import engine_env
 
     engine_env(device)
@@ -52,7 +54,7 @@ def _prefill_pages(cfg, rank: int):
 
 def prefill_main(conn, cfg, rank: int, prompt) -> None:
     try:
-        _child_env("cpu")
+        _child_env(cfg.device, 0)
         import jax
         import jax.numpy as jnp
         import numpy as np
@@ -64,7 +66,12 @@ def prefill_main(conn, cfg, rank: int, prompt) -> None:
         mcfg = cfg.model_config()
         params = init_params(mcfg)
         table, num_pages = _prefill_pages(cfg, rank)
-        cache = [np.zeros((num_pages, cfg.page_size) + s, np.dtype(mcfg.jdtype)) for s in mcfg.entry_shapes]
+        # The sender's pages: host numpy on CPU, CuPy device memory on a GPU (written in place;
+        # a JAX array would be replaced, not updated, by the prefill: docs/connector.md).
+        xp = np
+        if cfg.device == "gpu":
+            import cupy as xp
+        cache = [xp.zeros((num_pages, cfg.page_size) + s, np.dtype(mcfg.jdtype)) for s in mcfg.entry_shapes]
         spec = KVCacheSpec(len(cache), mcfg.item_lens, cfg.page_size, cfg.prefill_dcp_size, rank,
                            cfg.prefill_interleave_size)
         sender = KVSender(spec, cache, engine=cfg.engine, timeout_s=cfg.timeout_s, peer_timeout_s=PEER_TIMEOUT_S)
@@ -75,7 +82,7 @@ def prefill_main(conn, cfg, rank: int, prompt) -> None:
         t = np.arange(cfg.kv_tokens)
         mine = t[layout.owner_np(t, cfg.prefill_dcp_size, cfg.prefill_interleave_size) == rank]
         j = layout.local_index_np(mine, cfg.prefill_dcp_size, cfg.prefill_interleave_size)
-        dst_pages, dst_slots = table[j // cfg.page_size], j % cfg.page_size
+        dst_pages, dst_slots, mine = (xp.asarray(a) for a in (table[j // cfg.page_size], j % cfg.page_size, mine))
         conn.send(("ready", None))
         kind, _ = conn.recv()
         if kind != "go":
@@ -83,7 +90,9 @@ def prefill_main(conn, cfg, rank: int, prompt) -> None:
         t_start = time.monotonic()
         entries = compiled(params, jnp.asarray(tokens))
         for e, rows in enumerate(entries):  # the model's rows into this rank's pages
-            cache[e][dst_pages, dst_slots] = np.asarray(rows)[mine]
+            cache[e][dst_pages, dst_slots] = (np.asarray(rows) if xp is np else xp.from_dlpack(rows))[mine]
+        if xp is not np:
+            xp.cuda.runtime.deviceSynchronize()
         t_sent = time.monotonic()
         if sender.poll(RID).terminal:  # (a decode rank gave up before the KV was ready)
             raise RuntimeError(f"request {sender.poll(RID).name} before send: {sender.failure_reason(RID)}")
@@ -116,7 +125,7 @@ def _plain(d):
 
 def decode_main(conn, cfg, rank: int, coordinator: str, prompt) -> None:
     try:
-        _child_env("cpu")
+        _child_env(cfg.device, rank)
         import gc
 
         import jax
