@@ -110,7 +110,7 @@ class MooncakeEngine(TransferEngine):
         *,
         hostname: str = "127.0.0.1",
         metadata_server: str = "P2PHANDSHAKE",
-        protocol: str = "tcp",
+        protocol: str = "auto",
         device_name: str = "",
         window: int = MOONCAKE_MAX_BATCH_ENTRIES,
     ):

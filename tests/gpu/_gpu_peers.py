@@ -22,8 +22,9 @@ IPC_ARRAYS = (
     ("tail", (1000,), np.uint8),        # CuPy: bytes [200000, 201000) of the same allocation
     ("u16", (64, 576), np.uint16),      # CuPy: its own allocation
     ("dbuf", (3 << 20,), np.uint8),     # bridge.buffers.DeviceBuffer
-    ("jax", (128, 1152), np.uint8),     # a JAX array on the GPU
 )
+#: The JAX array, exported on its own: XLA's buffers are VMM memory, refused by legacy IPC.
+JAX_ARRAY = ("jax", (128, 1152), np.uint8)
 BIG_BYTES = 1 << 20
 VIEW_AT, TAIL_AT = 4096, 200_000
 
@@ -32,22 +33,28 @@ def initial_arrays(seed: int = 5) -> dict[str, np.ndarray]:
     """The host bytes the exporter starts from (the big allocation and every exported array)."""
     rng = np.random.default_rng(seed)
     out = {"big": rng.integers(0, 256, BIG_BYTES, dtype=np.uint8)}
-    for name, shape, dt in IPC_ARRAYS[2:]:
+    for name, shape, dt in IPC_ARRAYS[2:] + (JAX_ARRAY,):
         out[name] = rng.integers(0, np.iinfo(dt).max + 1, shape, dtype=dt)
     out["view"] = out["big"][VIEW_AT:VIEW_AT + 65536].copy()
     out["tail"] = out["big"][TAIL_AT:TAIL_AT + 1000].copy()
     return out
 
 
-def ipc_exporter(conn) -> None:
+def ipc_exporter(conn, env: dict | None = None) -> None:
     """Commands over `conn`: ("dump",) -> ("dump", {name: host bytes}) read back from the device;
-    ("exit",). First sends ("handles", [IpcHandle dicts]) or ("error", traceback)."""
+    ("exit",). First sends ("handles", [IpcHandle dicts of IPC_ARRAYS], JAX array's dict or the
+    IpcError text) or ("error", traceback). `env` is applied before JAX loads."""
+    for k, v in (env or {}).items():  # "" removes the variable
+        if v:
+            os.environ[k] = v
+        else:
+            os.environ.pop(k, None)
     try:
         import cupy as cp
         import jax
 
         from bridge.buffers import DeviceBuffer
-        from bridge.cuda_ipc import export_ipc_handles
+        from bridge.cuda_ipc import IpcError, export_ipc_handles
 
         init = initial_arrays()
         big = cp.asarray(init["big"])
@@ -59,8 +66,12 @@ def ipc_exporter(conn) -> None:
         jx = jax.device_put(init["jax"], gpu)
         jx.block_until_ready()
         cp.cuda.runtime.deviceSynchronize()
-        handles = export_ipc_handles([view, tail, u16, dbuf, jx])
-        conn.send(("handles", [h.to_dict() for h in handles]))
+        handles = export_ipc_handles([view, tail, u16, dbuf])
+        try:
+            jax_handle = export_ipc_handles([jx])[0].to_dict()
+        except IpcError as e:
+            jax_handle = f"IpcError: {e}"
+        conn.send(("handles", [h.to_dict() for h in handles], jax_handle))
     except Exception:  # noqa: BLE001 - reported to the test
         conn.send(("error", traceback.format_exc()))
         return
