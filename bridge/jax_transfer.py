@@ -44,7 +44,8 @@ _POLL_MAX_S = 5e-3
 
 
 def _check_uuid(uuid) -> int:
-    if isinstance(uuid, bool) or not isinstance(uuid, (int, np.integer)) or not 0 <= uuid <= MAX_UUID:
+    if (isinstance(uuid, bool) or not isinstance(uuid, (int, np.integer))
+            or not 0 <= uuid <= MAX_UUID):
         raise ValueError(f"{uuid=} must be an int in [0, 2**63 - 1]")
     return int(uuid)
 

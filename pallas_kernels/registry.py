@@ -15,7 +15,7 @@ Backends (registered by `pallas_kernels.backends`), by name:
 | ``gpu-mosaic-interpret`` | CPU (Mosaic GPU interpret mode; slow) | numpy, JAX |
 | ``gpu-triton`` | NVIDIA, ROCm (`pack_rows(backend="triton")`) | CuPy, JAX |
 | ``gpu-triton-interpret`` | CPU (`pack_rows(backend="interpret")`) | numpy, JAX |
-| ``xla`` | any JAX platform: CPU, TPU, CUDA, ROCm (`jnp.take` + `dynamic_update_slice`) | numpy, JAX |
+| ``xla`` | any JAX platform: CPU, TPU, CUDA, ROCm (`jnp.take`, `dynamic_update_slice`) | numpy, JAX |
 | ``host`` | the host (`pack_rows(backend="numpy")`, threaded `np.take`) | numpy |
 
 ``backend="auto"`` picks by the platform of `pack` (`array_platform`) and by capability (row

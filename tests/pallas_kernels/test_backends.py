@@ -8,6 +8,8 @@ ValueError saying why (checked too). Slow-ish: gpu-mosaic-interpret (about 1 s p
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pallas_kernels import registry
 from pallas_kernels.registry import pack_region, reference_region
@@ -141,3 +143,34 @@ def test_bad_inputs_name_the_argument():
         pack_region(layers, idx, pack, page_size=0)
     with pytest.raises(TypeError, match="numpy, CuPy or JAX array"):
         pack_region(layers, idx, bytearray(10))
+
+
+@settings(max_examples=12, deadline=None)
+@given(item_lens=st.lists(st.sampled_from([4, 8, 12, 64, 1152]), min_size=1, max_size=3),
+       rows=st.integers(1, 24), n=st.integers(0, 20), offset_words=st.integers(0, 9),
+       slack=st.integers(0, 9), seed=st.integers(0, 2**16),
+       backend=st.sampled_from(["host", "xla", "tpu-interpret"]))
+def test_property_backends_match_reference(item_lens, rows, n, offset_words, slack, seed, backend):
+    rng = np.random.default_rng(seed)
+    layers = [rng.integers(0, 256, (rows, w), dtype=np.uint8) for w in item_lens]
+    idx = rng.integers(0, rows, n)
+    offset = 4 * offset_words  # every row here is whole uint32 words
+    pack = np.full(offset + n * sum(item_lens) + slack, SENTINEL, np.uint8)
+    want = reference_region(layers, idx, pack, offset=offset)
+    np.testing.assert_array_equal(pack_region(layers, idx, pack, offset=offset, backend=backend),
+                                  want)
+
+
+def test_tpu_rows_compile_once_per_bucket():
+    from pallas_kernels.backends import tpu
+
+    layers, _, _, _, _ = _case("mla-1152")
+    pack = np.full(64 + 16 * 3456, SENTINEL, np.uint8)
+    pack_region(layers, np.arange(9), pack, offset=0, backend="tpu-interpret")
+    before = tpu._pack_rows_jit._cache_size()
+    for n, offset in ((10, 4), (16, 64), (12, 32)):  # one bucket (16 rows), new offsets and n
+        idx = np.arange(n)[::-1]
+        want = reference_region(layers, idx, pack, offset=offset)
+        np.testing.assert_array_equal(
+            pack_region(layers, idx, pack, offset=offset, backend="tpu-interpret"), want)
+    assert tpu._pack_rows_jit._cache_size() == before
