@@ -1,6 +1,7 @@
 """The full multi-process matrix of ``dcp-jax generate`` (and the 32k-token TTFT run), to JSON.
 
-    python -m dcp_jax.generate.matrix OUT.json [--only 32k|matrix]
+    python -m dcp_jax.generate.matrix OUT.json [--only 32k|matrix|CASE_JSON]
+    python -m dcp_jax.generate.matrix --markdown RESULTS.json...     # the table of benchmarks/results/generate_cpu.md
 
 Each case is one `run_generate` (real processes, real engine, single-process reference); the file
 gets one row per case (config, tokens_match, max_logit_rel_err, ttft parts, tpot, passed) plus the
@@ -40,11 +41,43 @@ _KEEP = ("tokens", "reference_tokens", "tokens_match", "matching_prefix", "max_l
          "receiver_close_s", "decode_compile_s", "processes_s", "date", "machine")
 
 
+def markdown(paths: list[str]) -> str:
+    """One table row per case of the given result files (what benchmarks/results/generate_cpu.md holds)."""
+    lines = ["| engine | dtype | model | prefill DCP (I) | decode DCP (I) | merge | prompt | page | tokens equal | "
+             "max logit rel err | passed | TTFT ms (prefill / transfer / first step) | TPOT ms |",
+             "|---|---|---|---|---|---|---:|---:|---:|---:|---|---|---:|"]
+    for path in paths:
+        with open(path) as f:
+            rows = json.load(f)["cases"]
+        for r in rows:
+            c = dict(dict(engine="nixl", dtype="fp32", model="mla", prefill_dcp_size=1, prefill_interleave_size=1,
+                          interleave_size=1, merge="ag_rs"), **r["case"])
+            if "error" in r:
+                lines.append(f"| {c['engine']} | {c['dtype']} | {c['model']} | | {c['dcp_size']} | | "
+                             f"{c['prompt_tokens']:,} | {c['page_size']} | error | | no | | |")
+                continue
+            p = r["ttft_parts_s"]
+            lines.append(
+                f"| {c['engine']} | {c['dtype']} | {c['model']} | {c['prefill_dcp_size']} ({c['prefill_interleave_size']}) "
+                f"| {c['dcp_size']} ({c['interleave_size']}) | {c['merge']} | {c['prompt_tokens']:,} | {c['page_size']} "
+                f"| {r['matching_prefix']}/{len(r['reference_tokens'])} | {r['max_logit_rel_err']:.1e} "
+                f"| {'yes' if r['passed'] else 'NO'} | {r['ttft_s'] * 1e3:,.0f} ({p['prefill_s'] * 1e3:,.0f} / "
+                f"{p['transfer_s'] * 1e3:,.0f} / {p['first_decode_s'] * 1e3:,.0f}) | {r['tpot_s'] * 1e3:,.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--markdown":
+        print(markdown(argv[1:]), end="")
+        return 0
     out = argv[0]
     only = argv[2] if len(argv) > 2 and argv[1] == "--only" else "matrix"
-    cases = matrix_cases() if only == "matrix" else [dict(dcp_size=8, prompt_tokens=32768, new_tokens=32,
-                                                         page_size=64, interleave_size=1)]
+    if only == "matrix":
+        cases = matrix_cases()
+    elif only == "32k":
+        cases = [dict(dcp_size=8, prompt_tokens=32768, new_tokens=32, page_size=64, interleave_size=1)]
+    else:  # --only '{"dcp_size": 2, ...}': one case
+        cases = [dict(dict(page_size=PAGE, new_tokens=32), **json.loads(only))]
     rows = []
     for c in cases:
         t0 = time.monotonic()
