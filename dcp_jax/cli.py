@@ -278,6 +278,16 @@ def load(
                                         "read after them)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON to this path."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar (on a terminal)."),
+    netns: bool = typer.Option(False, "--netns", help="Sender and receivers on two hosts: network namespaces "
+                                                      "joined by a veth link (needs root)."),
+    duration_s: float = typer.Option(0.0, help="Stop issuing after this many seconds of the measured phase "
+                                               "(0: run all --requests)."),
+    faults: str = typer.Option("", help="With --netns: faults injected at random, comma-separated: "
+                                        "link_flap, pause."),
+    fault_every_s: float = typer.Option(10.0, help="Mean seconds between injected faults."),
+    peer_timeout_s: float = typer.Option(5.0, help="Connector peer timeout (seconds); faults last less."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write RSS and registered bytes over time (PNG; "
+                                                             "with --netns or --duration-s)."),
 ) -> None:
     """Load generator for the KV connector: one KVSender and --dcp-size KVReceiver processes move
     random requests, every byte and every free page's sentinel checked; exit 1 if anything failed."""
@@ -288,11 +298,18 @@ def load(
         cfg = LoadConfig(engine=engine, requests=requests, concurrency=concurrency, abort_fraction=abort_fraction,
                          direction=direction, dcp_size=dcp_size, model=model, max_tokens=max_tokens,
                          page_size=page_size, interleave_size=interleave_size, mode=mode, seed=seed,
-                         timeout_s=timeout_s, warmup=warmup)
+                         timeout_s=timeout_s, warmup=warmup, netns=netns, duration_s=duration_s, faults=faults,
+                         fault_every_s=fault_every_s, peer_timeout_s=peer_timeout_s)
         check_json_path(json_path)
+        check_json_path(plot)
+        if netns:
+            from dcp_jax.netns import needs_root_reason
+
+            if needs_root_reason():
+                raise ValueError(f"--netns: {needs_root_reason()}")
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    raise typer.Exit(load_command(cfg, json_path, progress=progress))
+    raise typer.Exit(load_command(cfg, json_path, progress=progress, plot_path=plot))
 
 
 # ---- dcp-jax generate (dcp_jax/generate) ----------------------------------------------------------

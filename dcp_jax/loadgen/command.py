@@ -46,9 +46,10 @@ class _Bar:
 
 
 def load_command(cfg: LoadConfig, json_path: Path | None = None, *, progress: bool = True,
-                 console=None) -> int:
-    """Runs ``cfg``, prints the table, writes ``json_path``; returns the exit code (0: every
-    check passed, 1: a request or a check failed).
+                 console=None, plot_path: Path | None = None) -> int:
+    """Runs ``cfg``, prints the table, writes ``json_path`` (and ``plot_path``: RSS and
+    registered bytes over time, a PNG); returns the exit code (0: every check passed, 1: a
+    request or a check failed).
 
     Raises:
         ValueError: ``json_path`` cannot be written (checked before the run).
@@ -56,6 +57,7 @@ def load_command(cfg: LoadConfig, json_path: Path | None = None, *, progress: bo
     from rich.console import Console
 
     check_json_path(json_path)
+    check_json_path(plot_path)
     console = console or Console()
     show = progress and sys.stdout.isatty() and console.is_terminal
     if show:
@@ -64,14 +66,27 @@ def load_command(cfg: LoadConfig, json_path: Path | None = None, *, progress: bo
         cols = (TextColumn("[bold]load[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("ok {task.fields[ok]} aborted {task.fields[ab]}"), TimeElapsedColumn())
         with Progress(*cols, console=console, transient=True) as p:
-            task = p.add_task(f"{cfg.engine} {cfg.direction}", total=cfg.requests, ok=0, ab=0)
+            task = p.add_task(f"{cfg.engine} {cfg.direction}", total=None if cfg.duration_s else cfg.requests,
+                              ok=0, ab=0)
             rep = run_load(cfg, progress=_Bar(p, task))
     else:
         rep = run_load(cfg)
     render(rep, console)
+    if rep.get("faults") or cfg.netns:
+        console.print(f"faults injected: {len(rep['faults'])} ({', '.join(sorted(set(f['kind'] for f in rep['faults']))) or '-'}); "
+                      f"issued {rep['issued']}, lost {rep['lost']}, reconnects {sum(rep['reconnects'].values())}")
     if json_path is not None:
         json_path.write_text(json.dumps(rep, indent=2, default=_default))
         console.print(f"wrote {json_path}")
+    if plot_path is not None and rep.get("samples"):
+        from dcp_jax.loadgen.soak import plot_samples
+
+        c = rep["config"]
+        plot_samples(rep["samples"], rep["faults"], 0.0, str(plot_path),
+                     f"dcp-jax load{' --netns' if c['netns'] else ''}: {c['engine']} {c['direction']}, "
+                     f"{rep['finished']} requests ({rep['succeeded']} ok, {rep['failed']} failed, {rep['aborted']} aborted), "
+                     f"{len(rep['faults'])} faults")
+        console.print(f"wrote {plot_path}")
     return 0 if rep["ok"] else 1
 
 

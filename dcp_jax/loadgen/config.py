@@ -31,6 +31,7 @@ MAX_REQUESTS = 10_000_000
 #:   after_first_chunk: the first of >= 2 chunks was sent (its bytes may be in flight), the rest never.
 ABORT_POINTS = ("before_send", "after_first_chunk")
 INJECTIONS = ("stray_write", "corrupt_row")
+FAULTS = ("link_flap", "pause")  # dcp_jax.loadgen.soak.FAULTS
 
 
 def _int(name: str, v: Any, lo: int, hi: int | None = None) -> int:
@@ -70,6 +71,16 @@ class LoadConfig:
         inject: test hook, comma-separated faults decode rank 0 plays so the checks can be seen
             to fire: ``stray_write`` (one byte written into a free page after its 8th request),
             ``corrupt_row`` (one byte of its 4th succeeded request flipped before the check).
+        netns: run the sender and the receivers on two hosts (network namespaces joined by a
+            veth link, `dcp_jax.netns`; needs root) instead of loopback.
+        duration_s: stop issuing requests after this many seconds of the measured phase (0: run
+            all ``requests``); the run then counts the requests it issued.
+        faults: comma-separated faults injected at random while the run goes (``--netns`` only):
+            ``link_flap`` (the link down, then up), ``pause`` (a receiver SIGSTOPped, then
+            SIGCONTed); each lasts less than ``peer_timeout_s``, so requests may FAIL (then
+            allowed and counted) but connections stay.
+        fault_every_s: mean gap between faults (seconds, exponential).
+        peer_timeout_s: the connector's peer timeout (seconds) on every side.
     """
 
     engine: str = "nixl"
@@ -88,6 +99,11 @@ class LoadConfig:
     warmup: int = 16
     max_rss_growth_mb: float = 100.0
     inject: str = ""
+    netns: bool = False
+    duration_s: float = 0.0
+    faults: str = ""
+    fault_every_s: float = 10.0
+    peer_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -113,6 +129,17 @@ class LoadConfig:
         bad = set(filter(None, str(self.inject).split(","))) - set(INJECTIONS)
         if bad:
             raise ValueError(f"inject={self.inject!r}: unknown faults {sorted(bad)}; known: {', '.join(INJECTIONS)}")
+        bad = set(filter(None, str(self.faults).split(","))) - set(FAULTS)
+        if bad:
+            raise ValueError(f"--faults={self.faults!r}: unknown faults {sorted(bad)}; known: {', '.join(FAULTS)}")
+        if self.faults and not self.netns:
+            raise ValueError("--faults needs --netns (faults are played on the two-host network)")
+        for name, v in (("--duration-s", self.duration_s),):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= float(v) < math.inf:
+                raise ValueError(f"{name}={v!r} must be a number of seconds >= 0")
+        for name, v in (("--fault-every-s", self.fault_every_s), ("--peer-timeout-s", self.peer_timeout_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < float(v) < math.inf:
+                raise ValueError(f"{name}={v!r} must be a positive number of seconds")
         if self.model.strip().lower().replace("_", "-") not in geometry_names():
             raise ValueError(f"--model={self.model!r} must be one of {', '.join(geometry_names())}")
         if self.geometry.request_bytes(self.max_tokens) * self.concurrency * 2 > (8 << 30):
@@ -126,6 +153,10 @@ class LoadConfig:
     @property
     def warmup_requests(self) -> int:
         return min(self.warmup, self.requests)
+
+    @property
+    def fault_list(self) -> list[str]:
+        return [f for f in str(self.faults).split(",") if f]
 
     def pool_pages(self, rows_per_request: int) -> int:
         """Pages of one side's pool: twice what ``concurrency`` requests of the longest length

@@ -50,11 +50,22 @@ class _Procs:
     def __init__(self, cfg: LoadConfig):
         ctx = mp.get_context("spawn")
         self.names, self.conns, self.procs = [], [], []
-        targets = [("sender", sender_main, ())] + [(f"receiver{r}", receiver_main, (r,)) for r in range(cfg.dcp_size)]
-        for name, fn, extra in targets:
+        self.place = None
+        if cfg.netns:  # two hosts: the sender on one namespace, the receivers on the other
+            from dcp_jax.loadgen.soak import NetnsPlace
+
+            self.place = NetnsPlace()
+        hs, hr = (self.place.sender_host(), self.place.receiver_host()) if self.place else ("127.0.0.1", None)
+        targets = [("sender", sender_main, (hs,))] + [(f"receiver{r}", receiver_main, (r, hr))
+                                                      for r in range(cfg.dcp_size)]
+        for k, (name, fn, extra) in enumerate(targets):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=fn, args=(child, cfg.to_dict(), *extra), name=f"dcp-load-{name}", daemon=True)
-            p.start()
+            args = (child, cfg.to_dict(), *extra)
+            if self.place is not None:
+                p = self.place.spawn(k, fn, args, name=f"dcp-load-{name}")
+            else:
+                p = ctx.Process(target=fn, args=args, name=f"dcp-load-{name}", daemon=True)
+                p.start()
             child.close()
             self.names.append(name)
             self.conns.append(parent)
@@ -75,6 +86,8 @@ class _Procs:
                 p.join(timeout=5)
         for c in self.conns:
             c.close()
+        if self.place is not None:
+            self.place.close()
 
 
 class _Orchestrator:
@@ -90,6 +103,7 @@ class _Orchestrator:
         self.next = 0
         self.closed: set[int] = set()
         self.last_event = time.monotonic()
+        self.sampler = self.faults = None
 
     # ---- pipes ---------------------------------------------------------------------------------
     def _events(self, timeout: float, only=None):
@@ -139,6 +153,9 @@ class _Orchestrator:
         self.last_event = time.monotonic()
         if kind == "error":
             self.errors.append(f"{msg[1]} raised:\n{msg[2]}")
+        elif kind == "sample":
+            if self.sampler is not None:
+                self.sampler.add(self.p.names[k], msg[1])
         elif kind == "armed":
             t = self.tracks[msg[1]]
             self.p.send(1 + t.plan.abort.by, ("abort", msg[1]))
@@ -159,8 +176,12 @@ class _Orchestrator:
     def _phase(self, name: str, stop: int) -> None:
         t0 = time.monotonic()
         self.last_event = t0
-        limit = self.cfg.timeout_s + 10.0
+        limit = self.cfg.timeout_s + 10.0 + (self.cfg.peer_timeout_s if self.cfg.faults else 0.0)
+        bound = self.cfg.duration_s if name == "main" and self.cfg.duration_s else None
         while not self.errors and (self.next < stop or self.tracks):
+            if bound is not None and time.monotonic() - t0 > bound:
+                stop = min(stop, self.next)  # time is up: finish what is in flight
+            self._tick()
             while self.next < stop and len(self.tracks) < self.cfg.concurrency:
                 self._issue(self.plans[self.next], name)
                 self.next += 1
@@ -175,6 +196,17 @@ class _Orchestrator:
                                    f"receivers={[self.tracks[i].recv for i in stuck[:2]]})")
         self.phase_times[name] = [t0, time.monotonic()]
 
+    def _tick(self) -> None:
+        """The soak's periodic work: memory samples and faults (no-ops on a plain run)."""
+        now = time.monotonic()
+        if self.sampler is not None and self.sampler.due(now):
+            self.sampler.add("orchestrator", dict(t=now, rss=rss_bytes(), registered=0))
+            for k in range(len(self.p.conns)):
+                if k not in self.closed:
+                    self.p.send(k, ("sample",))
+        if self.faults is not None:
+            self.faults.step(now)
+
     def run(self) -> dict:
         cfg = self.cfg
         rss0 = rss_bytes()
@@ -187,6 +219,10 @@ class _Orchestrator:
                     self.p.send(1 + r, ("connect", ready[0]["address"]))
                 self._collect("connected", START_TIMEOUT_S, first=1)
             t_ready = time.monotonic()
+            if cfg.netns or cfg.duration_s:
+                from dcp_jax.loadgen.soak import Sampler
+
+                self.sampler = Sampler(t_start)
             if not self.errors:
                 self._phase("warmup", cfg.warmup_requests)
             if not self.errors:
@@ -195,8 +231,15 @@ class _Orchestrator:
                 snaps = self._collect("snapshot", 60.0)
                 self.snapshots = {self.p.names[k]: v for k, v in snaps.items()}
                 self.rss_orch_warm = rss_bytes()
+            if not self.errors and cfg.faults:
+                from dcp_jax.loadgen.soak import FaultInjector
+
+                self.faults = FaultInjector(cfg.fault_list, cfg.fault_every_s, 0.6 * cfg.peer_timeout_s, self.p.place,
+                                            [p.pid for p in self.p.procs[1:]], cfg.seed)
             if not self.errors:
                 self._phase("main", cfg.requests)
+            if self.faults is not None:
+                self.faults.stop()
             self.rss_orch_end = rss_bytes()
             for k in range(len(self.p.conns)):
                 if self.p.procs[k].is_alive():
@@ -225,5 +268,6 @@ def run_load(cfg: LoadConfig, *, progress=None) -> dict:
     if not isinstance(cfg, LoadConfig):
         raise TypeError(f"cfg must be a LoadConfig, got {type(cfg).__name__}")
     for k, v in _ENGINE_ENV.items():
-        os.environ.setdefault(k, v)
+        if not (cfg.netns and k == "UCX_NET_DEVICES"):  # on two hosts each host sets its own
+            os.environ.setdefault(k, v)
     return _Orchestrator(cfg, progress).run()

@@ -95,6 +95,9 @@ class _Side:
         kind = msg[0]
         if kind == "snapshot":
             self.conn.send(("snapshot", self.snapshot()))
+        elif kind == "sample":  # the soak's memory record over time
+            self.conn.send(("sample", dict(t=time.monotonic(), rss=rss_bytes(),
+                                           registered=self.bridge.registered_bytes())))
         elif kind == "finish":
             self.finish()
             return False
@@ -117,6 +120,7 @@ class _Side:
                         registered_after_close=self.bridge.registered_bytes())
         self.conn.send(("final", dict(side=self.name, stats=stats, pool=self.pool.counters(), mem=self.mem,
                                       end_violations=violations, unfinished=live, close_s=close_s,
+                                      reconnects=getattr(self, "reconnects", 0),
                                       pages_leaked=self.pool.num_pages - len(self.pool.free))))
 
 
@@ -133,14 +137,14 @@ class _SReq:
 class _Sender(_Side):
     name = "sender"
 
-    def __init__(self, conn, cfg: LoadConfig):
+    def __init__(self, conn, cfg: LoadConfig, host: str = "127.0.0.1"):
         super().__init__(conn, cfg, -1)
         from dcp_jax.transfer import KVSender, TransferStatus
 
         self.S = TransferStatus
         self.make_pool(cfg.max_tokens)
-        self.conn_obj = self.s = KVSender(_spec(cfg, 1, 0, 1), self.pool.layers, engine=cfg.engine,
-                                          mode=cfg.mode, timeout_s=cfg.timeout_s)
+        self.conn_obj = self.s = KVSender(_spec(cfg, 1, 0, 1), self.pool.layers, engine=cfg.engine, host=host,
+                                          mode=cfg.mode, timeout_s=cfg.timeout_s, peer_timeout_s=cfg.peer_timeout_s)
         self.created()
         conn.send(("ready", dict(address=self.s.address, pid=_pid())))
 
@@ -219,7 +223,7 @@ class _RReq:
 
 
 class _Receiver(_Side):
-    def __init__(self, conn, cfg: LoadConfig, rank: int):
+    def __init__(self, conn, cfg: LoadConfig, rank: int, host: str | None = None):
         super().__init__(conn, cfg, rank)
         from dcp_jax.transfer import KVReceiver, TransferStatus
 
@@ -228,16 +232,22 @@ class _Receiver(_Side):
         self.given_back = self.succeeded = 0
         self.make_pool(len(owned_tokens(cfg.max_tokens, cfg.dcp_size, 0, cfg.interleave_size)))
         self.conn_obj = self.r = KVReceiver(_spec(cfg, cfg.dcp_size, rank, cfg.interleave_size), self.pool.layers,
-                                            engine=cfg.engine, direction=cfg.direction, timeout_s=cfg.timeout_s)
+                                            engine=cfg.engine, direction=cfg.direction, timeout_s=cfg.timeout_s,
+                                            peer_timeout_s=cfg.peer_timeout_s, host=host)
+        self.address, self.reconnects = None, 0
         self.created()
         conn.send(("ready", dict(pid=_pid())))
 
     def command(self, kind: str, msg: tuple) -> None:
         if kind == "connect":
+            self.address = msg[1]
             self.r.connect(msg[1])
             self.conn.send(("connected", self.rank))
         elif kind == "expect":
             plan = RequestPlan.from_msg(msg[1])
+            if self.r.stats["connections"] == 0:  # a fault outlived the peer timeout: connect again
+                self.reconnects += 1
+                self.r.connect(self.address, timeout_s=30.0)
             tokens = owned_tokens(plan.num_tokens, self.cfg.dcp_size, self.rank, self.cfg.interleave_size)
             table = self.pool.allocate(len(tokens))
             self.r.expect(plan.rid, table, plan.num_tokens)
@@ -303,11 +313,11 @@ def _run(make, conn, *args) -> None:
         raise SystemExit(1)
 
 
-def sender_main(conn, cfg_dict: dict) -> None:
-    """Process main of the prefill side: one `KVSender` over its `PagePool`."""
-    _run(_Sender, conn, LoadConfig(**cfg_dict))
+def sender_main(conn, cfg_dict: dict, host: str = "127.0.0.1") -> None:
+    """Process main of the prefill side: one `KVSender` over its `PagePool`, listening on ``host``."""
+    _run(_Sender, conn, LoadConfig(**cfg_dict), host)
 
 
-def receiver_main(conn, cfg_dict: dict, rank: int) -> None:
-    """Process main of decode rank ``rank``: one `KVReceiver` over its `PagePool`."""
-    _run(_Receiver, conn, LoadConfig(**cfg_dict), rank)
+def receiver_main(conn, cfg_dict: dict, rank: int, host: str | None = None) -> None:
+    """Process main of decode rank ``rank``: one `KVReceiver` over its `PagePool` (on ``host``)."""
+    _run(_Receiver, conn, LoadConfig(**cfg_dict), rank, host)

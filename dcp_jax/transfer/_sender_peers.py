@@ -23,6 +23,35 @@ from dcp_jax.transfer.status import TransferStatus
 __all__ = ["SenderPeers", "Conn"]
 
 logger = logging.getLogger("dcp_jax.transfer.sender")
+#: Refusals logged per process before the log goes quiet (each is still counted).
+MAX_LOGGED_REFUSALS = 1000
+_logged = [0]
+
+
+def _warn(fmt: str, *args) -> None:
+    """A refused or dropped peer message, logged with its reason (the first
+    `MAX_LOGGED_REFUSALS` of them: a flood of garbage must not flood the log)."""
+    _logged[0] += 1
+    if _logged[0] <= MAX_LOGGED_REFUSALS:
+        logger.warning(fmt, *args)
+
+
+def _cache_pages(info: PeerInfo, bases: np.ndarray, spec: KVCacheSpec) -> int:
+    """Pages of a decode rank's cache that lie inside the regions its engine registered
+    (every layer's base must be inside one): the bound its announced page ids must respect.
+
+    Raises:
+        HandshakeError: a layer base outside every advertised region.
+    """
+    pages = None
+    for layer, (base, item_len) in enumerate(zip(bases.tolist(), spec.item_lens)):
+        reg = next((r for r in info.regions if r.addr <= base < r.addr + r.nbytes), None)
+        if reg is None:
+            raise HandshakeError("layer_bases", "inside the registered regions", hex(base),
+                                 f"layer {layer}'s base is in no region the peer's engine registered")
+        n = (reg.addr + reg.nbytes - base) // (spec.page_size * item_len)
+        pages = n if pages is None else min(pages, n)
+    return int(pages or 0)
 
 
 @dataclasses.dataclass(eq=False)
@@ -37,6 +66,7 @@ class Conn:
     direction: str
     layer_bases: np.ndarray
     last_seen: float
+    cache_pages: int = 0        # pages of the rank's cache inside its registered regions
 
 
 class SenderPeers:
@@ -51,6 +81,13 @@ class SenderPeers:
             if kind == "_bad_version":
                 return self._nack(ident, HandshakeError("version", proto.PROTOCOL_VERSION, msg["v"]))
             self._counts["dropped_messages"] += 1
+            _warn("dropped a %r for request %r from %s: it did not complete the handshake (not handshaked)",
+                  kind, msg.get("rid", ""), ident.hex())
+            # A receiver this side dropped (silent too long) or never knew (it restarted) learns
+            # it at once, instead of announcing requests nobody serves until its peer timeout.
+            self._ctl.send(ident, proto.encode("hello_nack", field="connection", ours="handshaked",
+                                               theirs="unknown", message="this sender holds no connection "
+                                               "from you (dropped or restarted): connect again"))
             return
         conn.last_seen = time.monotonic()
         if kind == "expect":
@@ -64,6 +101,8 @@ class SenderPeers:
                 # Nothing of ours is in flight for that incarnation: the rank may reuse its pages.
                 self._ctl.send(conn.ident, proto.encode("drained", msg["rid"], msg["inc"]))
                 self._counts["dropped_messages"] += 1
+                _warn("dropped a %r for request %r from decode rank %d (%s): not its request", kind,
+                      msg["rid"], conn.spec.dcp_rank, conn.name)
                 return
             if req.status.terminal:
                 self._counts["dropped_messages"] += 1
@@ -93,6 +132,7 @@ class SenderPeers:
             if len(bases) != self.spec.num_layers:
                 raise HandshakeError("layer_bases", self.spec.num_layers, len(bases))
             info = PeerInfo.from_dict(msg["peer"])
+            cache_pages = _cache_pages(info, bases, spec)
         except HandshakeError as exc:
             return self._nack(ident, exc)
         except (TypeError, ValueError, proto.ProtocolError) as exc:
@@ -105,6 +145,7 @@ class SenderPeers:
             return self._nack(ident, HandshakeError("peer", "engine metadata", "refused", str(exc)))
         self._conns[ident] = Conn(ident, msg["name"], peer, spec, msg["group"], msg["direction"],
                                    bases, time.monotonic())
+        self._conns[ident].cache_pages = cache_pages
         self._counts["handshakes"] += 1
         self._ctl.send(ident, proto.encode(
             "hello_ack", spec=self.spec.to_dict(), peer=self.engine.peer_info().to_dict(),
@@ -112,6 +153,8 @@ class SenderPeers:
 
     def _nack(self, ident: bytes, exc: HandshakeError) -> None:
         self._counts["handshakes_refused"] += 1
+        _warn("refused a handshake from %s: field %s, ours %r, theirs %r %s", ident.hex(), exc.field,
+              exc.ours, exc.theirs, exc.detail[:200])
         def plain(v):  # msgpack-able as is: scalars and lists of them; anything else as text
             if isinstance(v, (tuple, list)) and all(isinstance(x, (int, str)) for x in v):
                 return list(v)
@@ -129,9 +172,14 @@ class SenderPeers:
             table = proto.unpack_i64(msg["page_table"], "page_table")
             s = conn.spec  # once per announcement, so planning each chunk need not check it again
             rows = int(local_len_np(msg["num_tokens"], s.dcp_size, s.dcp_rank, s.interleave_size))
-            table = check_page_table(table, rows, s.page_size, np.iinfo(np.int64).max // s.page_size)
+            table = check_page_table(table, rows, s.page_size, conn.cache_pages)
+            need = -(-rows // s.page_size)
+            if len(table) > need:
+                raise ValueError(f"page_table has {len(table)} pages; {need} are needed for {rows} local rows "
+                                 "(longer than the request)")
         except (TypeError, ValueError) as exc:
-            logger.debug("dropping expect: %s", exc)
+            _warn("refused an announcement of request %r from decode rank %d (%s): %s", rid, rank, conn.name,
+                  str(exc)[:300])
             self._counts["dropped_messages"] += 1
             return
         req = self._requests.get(rid)
@@ -150,6 +198,8 @@ class SenderPeers:
         if old is not None or (req.group is not None and req.group != conn.group):
             self._counts["dropped_messages"] += 1  # a duplicate or a second group: not ours
             return
+            _warn("dropped an announcement of request %r from decode rank %d (%s): a duplicate or "
+                  "another group's", rid, rank, conn.name)
         req.group, req.group_size = conn.group, conn.spec.dcp_size
         req.targets[rank] = RankTarget(conn, msg["inc"], msg["num_tokens"], msg["prefix_tokens"], table)
         self._to_plan[req] = None
@@ -174,6 +224,7 @@ class SenderPeers:
 
     def _drop_conn(self, conn: Conn, reason: str) -> None:
         """A receiver is gone: fail its requests, forget its engine peer (its handles then end)."""
+        logger.warning("dropping the connection of decode rank %d (%s): %s", conn.spec.dcp_rank, conn.name, reason)
         self._conns.pop(conn.ident, None)
         for req in list(self._requests.values()):
             t = req.targets.get(conn.spec.dcp_rank)

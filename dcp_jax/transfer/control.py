@@ -7,6 +7,7 @@ closing never waits for a peer.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -14,7 +15,32 @@ import zmq
 
 from dcp_jax.transfer import protocol
 
-__all__ = ["ControlServer", "ControlClient", "zmq_context"]
+__all__ = ["ControlServer", "ControlClient", "zmq_context", "engine_options_for"]
+
+logger = logging.getLogger(__name__)
+#: Refused frames logged per socket before the log goes quiet (a flood of garbage must not
+#: flood the log; every refusal is still counted in ``rejected``).
+MAX_LOGGED_REJECTIONS = 100
+
+
+def engine_options_for(engine: str, host: str | None, options: dict | None) -> dict:
+    """The engine options of a connector side bound to ``host``: Mooncake listens where the
+    control plane is (its ``hostname`` defaults to ``host``); NIXL/UCX picks its interfaces from
+    ``UCX_NET_DEVICES``. An explicit ``options["hostname"]`` wins."""
+    out = dict(options or {})
+    if host is not None and "hostname" not in out:
+        from bridge import available_engines
+
+        kind = engine if engine != "auto" else (available_engines() or ["nixl"])[0]
+        if kind == "mooncake":
+            out["hostname"] = host
+    return out
+
+
+def _log_rejection(sock_owner: Any, peer: str, why: str) -> None:
+    if sock_owner.rejected <= MAX_LOGGED_REJECTIONS:
+        logger.warning("control plane: refused a frame from %s: %s%s", peer, why,
+                       " (further refusals are counted, not logged)" if sock_owner.rejected == MAX_LOGGED_REJECTIONS else "")
 
 _CTX_LOCK = threading.Lock()
 _CTX: dict[int, zmq.Context] = {}
@@ -79,12 +105,14 @@ class ControlServer:
                 return out
             if len(frames) != 2:
                 self.rejected += 1
+                _log_rejection(self, frames[0].hex(), f"{len(frames) - 1} frames in one message, 1 expected")
                 continue
             try:
                 out.append((frames[0], protocol.decode(frames[1])))
             except protocol.ProtocolError as exc:
                 self.rejected += 1
                 self.last_error = str(exc)
+                _log_rejection(self, frames[0].hex(), str(exc)[:300])
                 bad = _hello_of_another_version(frames[1])
                 if bad is not None:  # answered with a refusal naming the version, not silence
                     out.append((frames[0], {"k": "_bad_version", "v": bad}))
@@ -120,17 +148,19 @@ class ControlClient:
 
     Args:
         address: the sender's ``"tcp://host:port"``.
+        source: local address to connect from (an address of this machine; None: any).
 
     Raises:
         ValueError: ``address`` is not a ``tcp://host:port`` string.
     """
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, source: str | None = None):
         if not isinstance(address, str) or not address.startswith("tcp://") or ":" not in address[6:]:
             raise ValueError(f"address={address!r} must be 'tcp://host:port' (KVSender.address)")
         self.address = address
         self.sock = _socket(zmq.DEALER)
-        self.sock.connect(address)
+        # zmq's "tcp://source:0;host:port" binds the connection's local end to ``source``.
+        self.sock.connect(address if source is None else f"tcp://{source}:0;{address[6:]}")
         self.rejected = 0
         self.last_error = ""
 
@@ -156,6 +186,7 @@ class ControlClient:
             except protocol.ProtocolError as exc:
                 self.rejected += 1
                 self.last_error = str(exc)
+                _log_rejection(self, self.address, str(exc)[:300])
 
     def close(self) -> None:
         self.sock.close(0)

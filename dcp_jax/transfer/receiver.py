@@ -28,7 +28,7 @@ from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, TIMEOUT_CHECK_S, Worker, check_page_table, check_seconds
 from dcp_jax.transfer._receiver_data import ReceiverData
-from dcp_jax.transfer.control import ControlClient
+from dcp_jax.transfer.control import ControlClient, engine_options_for
 from dcp_jax.transfer.memory import CacheLayers
 from dcp_jax.transfer.requests import RecvRequest, check_request_id
 from dcp_jax.transfer.schedule import SideLayout
@@ -71,6 +71,9 @@ class KVReceiver(ReceiverData):
         peer_timeout_s: a sender silent for this long is dropped and its requests FAIL.
         heartbeat_s: ping interval (seconds).
         engine_options: keyword arguments for `bridge.make_engine`.
+        host: this machine's address to use (an interface's IP): control connections are made
+            from it and Mooncake listens on it (NIXL: set ``UCX_NET_DEVICES``). None: any
+            interface for the control plane, loopback for Mooncake.
 
     Raises:
         TypeError, ValueError: bad spec, layers or options.
@@ -79,21 +82,24 @@ class KVReceiver(ReceiverData):
 
     def __init__(self, spec: KVCacheSpec, kv_layers: Sequence[Any], *, engine: str = "nixl",
                  direction: str = "push", group: str = "default", timeout_s: float = 30.0,
-                 peer_timeout_s: float = 5.0, heartbeat_s: float = 0.5, engine_options: dict | None = None):
+                 peer_timeout_s: float = 5.0, heartbeat_s: float = 0.5, engine_options: dict | None = None,
+                 host: str | None = None):
         if not isinstance(spec, KVCacheSpec):
             raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
         if direction not in DIRECTIONS:
             raise ValueError(f"direction={direction!r} must be one of {DIRECTIONS}")
         if not isinstance(group, str) or not 0 < len(group) <= 256:
             raise ValueError(f"group={group!r} must be a non-empty str of at most 256 characters")
-        self.spec, self.direction, self.group = spec, direction, group
+        if host is not None and (not isinstance(host, str) or not 0 < len(host) <= 255 or any(c in host for c in ":;/ ")):
+            raise ValueError(f"host={host!r} must be None or an IPv4 address / host name of this machine")
+        self.spec, self.direction, self.group, self.host = spec, direction, group, host
         self.timeout_s = check_seconds("timeout_s", timeout_s)
         self.peer_timeout_s = check_seconds("peer_timeout_s", peer_timeout_s)
         self.heartbeat_s = check_seconds("heartbeat_s", heartbeat_s)
         self._layers = CacheLayers(spec, kv_layers, writable=True)
         self._layout = SideLayout.of(spec)
         name = f"dcp-recv-{spec.dcp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.engine = make_engine(engine, name, **(engine_options or {}))
+        self.engine = make_engine(engine, name, **engine_options_for(engine, host, engine_options))
         try:
             self.engine.register(self._layers.regions)
         except BaseException:
@@ -139,7 +145,7 @@ class KVReceiver(ReceiverData):
         with self._lock:
             if any(link.client.address == address for link in self._links):
                 raise ValueError(f"address={address!r} is already connected")
-        client = ControlClient(address)
+        client = ControlClient(address, source=self.host)
         try:
             client.send(proto.encode("hello", spec=self.spec.to_dict(), peer=self.engine.peer_info().to_dict(),
                                      group=self.group, direction=direction, name=self.engine.name,
@@ -214,7 +220,8 @@ class KVReceiver(ReceiverData):
             self._requests[rid] = req
             self._counts["requests"] += 1
             frame = proto.encode("expect", rid, req.inc, num_tokens=int(num_tokens),
-                                 prefix_tokens=int(prefix_tokens), page_table=proto.pack_i64(table),
+                                 prefix_tokens=int(prefix_tokens),
+                                 page_table=proto.pack_i64(table[:-(-rows // s.page_size)]),
                                  dcp_rank=s.dcp_rank)
             self._outbox.extend((link, frame) for link in req.senders)
             if prefix_tokens == num_tokens and req.finish(TransferStatus.SUCCESS):
@@ -374,6 +381,9 @@ class KVReceiver(ReceiverData):
             if req is not None:
                 status = TransferStatus.ABORTED if kind == "abort" else TransferStatus.FAILED
                 self._end(req, status, f"prefill rank {link.spec.dcp_rank}: {msg['reason']}", None)
+        elif kind == "hello_nack":  # the sender no longer knows this connection (dropped, restarted)
+            if link in self._links:
+                self._drop_link(link, f"prefill sender {link.client.address} refused the connection: {msg['message']}")
         elif kind != "ping":
             self._counts["dropped_messages"] += 1
 

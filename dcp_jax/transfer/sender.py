@@ -35,7 +35,7 @@ from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, Worker, check_page_t
 from dcp_jax.transfer.arena import PackArena
 from dcp_jax.transfer._sender_peers import SenderPeers
 from dcp_jax.transfer._sender_units import SenderUnits
-from dcp_jax.transfer.control import ControlServer
+from dcp_jax.transfer.control import ControlServer, engine_options_for
 from dcp_jax.transfer.memory import CacheLayers
 from dcp_jax.transfer.requests import SendRequest, check_request_id
 from dcp_jax.transfer.schedule import SideLayout
@@ -59,7 +59,9 @@ class KVSender(SenderPeers, SenderUnits):
         kv_layers: ``spec.num_layers`` arrays ``[num_pages, page_size, ...]`` (numpy, JAX or
             CuPy, one kind), registered once and held until `close`; never copied.
         engine: ``"nixl"``, ``"mooncake"`` or ``"auto"``.
-        host, port: where the control plane listens (port 0: any free port).
+        host, port: where the control plane listens (port 0: any free port); Mooncake listens
+            on ``host`` too unless ``engine_options`` names a ``hostname`` (NIXL: UCX's
+            interfaces come from ``UCX_NET_DEVICES``).
         mode: ``"packed"`` (gather each rank's rows into the pack buffer, then one descriptor
             per destination page run), ``"direct"`` (descriptors straight from the KV pages), or
             ``"auto"`` (direct when the decode interleave is a multiple of this page size, i.e.
@@ -104,7 +106,7 @@ class KVSender(SenderPeers, SenderUnits):
         self._arena = PackArena(pack_bytes, align=64)
         self._max_region_rows = pack_bytes // spec.row_bytes
         name = f"dcp-send-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.engine = make_engine(engine, name, **(engine_options or {}))
+        self.engine = make_engine(engine, name, **engine_options_for(engine, host, engine_options))
         try:
             self.engine.register(list(self._layers.regions) + [self._pack])
             self._ctl = ControlServer(host, port)

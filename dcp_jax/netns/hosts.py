@@ -1,0 +1,243 @@
+"""Two or three "hosts" on one machine: Linux network namespaces joined by veth links.
+
+Host 0 (the prefill host) has one point-to-point veth link to every other host (decode hosts,
+or a hostile peer); every host reaches all of host 0's addresses, and only those. Link ``i`` (host 0 <-> host ``i``) is the subnet ``198.19.{200+i}.0/24`` of
+the benchmark range (RFC 2544, 198.18.0.0/15, never routed on the Internet): host 0 is ``.1``,
+host ``i`` is ``.2``. The addresses exist only inside the namespaces this object created, so
+they cannot collide with anything of the machine; no traffic leaves it.
+
+Ownership: a `Hosts` owns its namespaces (and with them the veth devices inside) and the
+processes it started; `close` (also at interpreter exit, ``atexit``) kills those processes
+by pid and deletes the namespaces. Names carry the creating pid (``dcpn-<pid>-<hex>-h<i>``), so a
+later `Hosts` deletes namespaces left by a run whose process is gone (a crash, SIGKILL).
+
+Needs root (``ip netns``). `needs_root_reason` says why it cannot run here, or None.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import threading
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["Hosts", "needs_root_reason", "remove_stale", "enter_netns", "run_in", "PREFIX", "ENGINE_ENV"]
+
+PREFIX = "dcpn"
+#: Engine settings every process of a host gets (UCX_NET_DEVICES is set per host).
+ENGINE_ENV = {"UCX_LOG_LEVEL": "fatal", "NIXL_LOG_LEVEL": "WARN", "MC_LOG_LEVEL": "ERROR"}
+_NETNS_DIR = "/run/netns"
+_IP_TIMEOUT_S = 10.0
+
+
+def needs_root_reason() -> str | None:
+    """None when namespaces can be made here, else why not (for ``pytest.skip``)."""
+    if os.geteuid() != 0:
+        return "needs root (ip netns / veth); CI runs as root"
+    if shutil.which("ip") is None:
+        return "the 'ip' command (iproute2) is not installed"
+    if not hasattr(os, "setns"):
+        return "os.setns needs Python >= 3.12"
+    return None
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=_IP_TIMEOUT_S)
+    if check and p.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)} failed ({p.returncode}): {p.stderr.strip()}")
+    return p
+
+
+def _list_netns() -> list[str]:
+    out = _ip("netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale(prefix: str = PREFIX) -> list[str]:
+    """Deletes namespaces named ``<prefix>-<pid>-...`` whose creating process is gone; returns
+    their names. Namespaces of live runs (another test session) are left alone."""
+    gone = []
+    for name in _list_netns():
+        parts = name.split("-")
+        if len(parts) >= 3 and parts[0] == prefix and parts[1].isdigit() and not _pid_alive(int(parts[1])):
+            _ip("netns", "delete", name, check=False)
+            gone.append(name)
+    return gone
+
+
+_libc = None
+
+
+def _mount_fresh_sys() -> None:
+    """Gives this process its own mount namespace with a /sys of its network namespace, as
+    ``ip netns exec`` does (UCX reads interface facts from /sys/class/net)."""
+    global _libc
+    _libc = _libc or ctypes.CDLL(None, use_errno=True)
+    ms_rec, ms_slave, mnt_detach = 0x4000, 0x80000, 2
+    os.unshare(os.CLONE_NEWNS)
+    if _libc.mount(b"none", b"/", None, ms_rec | ms_slave, None) != 0:
+        raise OSError(ctypes.get_errno(), "mount --make-rslave /")
+    _libc.umount2(b"/sys", mnt_detach)
+    if _libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None) != 0:
+        raise OSError(ctypes.get_errno(), "mount sysfs /sys")
+
+
+def enter_netns(name: str) -> None:
+    """Moves the calling process (call it before any thread starts) into namespace ``name``."""
+    fd = os.open(os.path.join(_NETNS_DIR, name), os.O_RDONLY)
+    try:
+        os.setns(fd, os.CLONE_NEWNET)
+    finally:
+        os.close(fd)
+    _mount_fresh_sys()
+
+
+def _child_main(ns: str, env: dict[str, str], target: Callable, args: tuple) -> None:
+    enter_netns(ns)
+    os.environ.update(env)
+    target(*args)
+
+
+class Hosts:
+    """``n`` network namespaces (2 or 3): host 0 linked to each other host by its own veth.
+
+    Args:
+        n: hosts, 2 or 3.
+        prefix: namespace name prefix (stale ones of dead runs with it are removed first).
+
+    Raises:
+        RuntimeError: not root, or an ``ip`` command failed (what was made is removed again).
+        ValueError: ``n`` not 2 or 3.
+    """
+
+    def __init__(self, n: int = 2, *, prefix: str = PREFIX):
+        if n not in (2, 3):
+            raise ValueError(f"n={n!r} must be 2 or 3 hosts")
+        why = needs_root_reason()
+        if why:
+            raise RuntimeError(why)
+        self.n, self.prefix = n, prefix
+        self.stale_removed = remove_stale(prefix)
+        tag = f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.names = [f"{tag}-h{i}" for i in range(n)]
+        self._procs: list[mp.Process] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        atexit.register(self.close)
+        try:
+            for name in self.names:
+                _ip("netns", "add", name)
+                _ip("-n", name, "link", "set", "lo", "up")
+            for i in range(1, n):
+                _ip("link", "add", self.device(0, i), "netns", self.names[0], "type", "veth",
+                    "peer", "name", self.device(i), "netns", self.names[i])
+                _ip("-n", self.names[0], "addr", "add", f"{self.addr(0, i)}/24", "dev", self.device(0, i))
+                _ip("-n", self.names[i], "addr", "add", f"{self.addr(i)}/24", "dev", self.device(i))
+            for i in range(1, n):
+                self.link_up(i)
+                # Host i reaches every address of host 0 (not the other hosts: no forwarding).
+                _ip("-n", self.names[i], "route", "add", "198.19.0.0/16", "via", self.addr(0, i))
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- where things are ------------------------------------------------------------------
+    @staticmethod
+    def device(host: int, link: int | None = None) -> str:
+        """The veth device of ``host`` on link ``link`` (host 0 has one per other host; the
+        others have one, toward host 0)."""
+        return f"veth{link}" if host == 0 else "veth0"
+
+    @staticmethod
+    def addr(host: int, link: int | None = None) -> str:
+        """``host``'s IPv4 address on link ``link`` (default: its only link; host 0 needs it)."""
+        if host == 0:
+            if link is None:
+                raise ValueError("host 0 has one address per link: give link=")
+            return f"198.19.{200 + link}.1"
+        return f"198.19.{200 + host}.2"
+
+    def env(self, host: int) -> dict[str, str]:
+        """Environment for a process on ``host``: UCX on its veth devices only, quiet logs."""
+        devs = [self.device(0, i) for i in range(1, self.n)] if host == 0 else [self.device(host)]
+        return {**ENGINE_ENV, "UCX_NET_DEVICES": ",".join(devs)}
+
+    def exec_argv(self, host: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside ``host``'s namespace (``ip netns exec``)."""
+        return ["ip", "netns", "exec", self.names[host], *argv]
+
+    # ---- faults ------------------------------------------------------------------------------
+    def link_down(self, link: int) -> None:
+        """Takes link ``link`` (host 0 <-> host ``link``) down on both ends."""
+        _ip("-n", self.names[0], "link", "set", self.device(0, link), "down")
+        _ip("-n", self.names[link], "link", "set", self.device(link), "down")
+
+    def link_up(self, link: int) -> None:
+        _ip("-n", self.names[link], "link", "set", self.device(link), "up")
+        _ip("-n", self.names[0], "link", "set", self.device(0, link), "up")
+
+    # ---- processes ---------------------------------------------------------------------------
+    def spawn(self, host: int, target: Callable, args: tuple = (), *, name: str | None = None,
+              env: dict[str, str] | None = None) -> mp.Process:
+        """Starts ``target(*args)`` in a fresh (spawned) process inside ``host``'s namespace.
+
+        ``target`` must be importable (module level). Pipes from ``multiprocessing`` work across
+        namespaces (they are file descriptors, not network). The process is killed at `close`.
+        """
+        self._check_open()
+        ctx = mp.get_context("spawn")
+        p = ctx.Process(target=_child_main, args=(self.names[host], {**self.env(host), **(env or {})}, target, args),
+                        name=name or f"netns-h{host}", daemon=True)
+        p.start()
+        with self._lock:
+            self._procs = [q for q in self._procs if q.is_alive()] + [p]
+        return p
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("these Hosts are closed")
+
+    def close(self) -> None:
+        """Kills the processes it started (by pid), deletes its namespaces. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            procs, self._procs = self._procs, []
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+        for name in self.names:
+            if name in _list_netns():
+                _ip("netns", "delete", name, check=False)
+        atexit.unregister(self.close)
+
+    def __enter__(self) -> "Hosts":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Hosts({self.names}, closed={self._closed})"
+
+
+def run_in(hosts: Hosts, host: int, argv: Sequence[str], timeout_s: float = 30.0, **kw: Any) -> subprocess.CompletedProcess:
+    """Runs a command inside a host's namespace (``ip netns exec``) and waits for it."""
+    return subprocess.run(hosts.exec_argv(host, argv), capture_output=True, text=True, timeout=timeout_s, **kw)
