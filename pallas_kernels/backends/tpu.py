@@ -13,6 +13,12 @@ Two paths, both on words (`pallas_kernels.word_dtype`: uint32 for 1152 B or 576 
   map reads the page id from scalar prefetch (Pallas pipelines the HBM->VMEM->HBM copies).
   It yields one [k, page_size, W] array per layer; XLA places them in the pack.
 
+Not yet measured on a TPU. A known cost there: `pack_region` takes uint8 layers, and the
+uint8 -> word view (`_as_words`, a reshape to [..., W, 4] plus a bitcast) is likely to be
+materialised by XLA on TPU, whose uint8 tiles pad that minor dim of 4 to 128 lanes: a serving
+cache should reach the kernel in its word dtype (`gather_rows_tpu` takes words), which the
+byte-typed registry API does not offer yet.
+
 Checked on a CPU (no TPU is lent): `interpret=True` for values, `pltpu.InterpretParams()` for
 missing DMA waits (wrong bytes) and out-of-bounds reads (IndexError), `jax.export(...,
 platforms=("tpu",))` under an abstract TPU mesh for the Mosaic lowering (`export_for_tpu`).
