@@ -10,7 +10,10 @@ pool block or an XLA buffer lives inside a larger ``cudaMalloc``/``cuMemAlloc`` 
 base ``cuMemGetAddressRange`` finds; the handle then carries the array's offset inside it. Legacy
 handles open in about 0.2 ms and cost nothing to export (platform.md, "GPU transfer between
 processes on one H200"); ``cuMemCreate`` (VMM) and ``cudaMallocAsync`` pool memory cannot be
-exported this way and is refused by CUDA (an `IpcError`).
+exported this way and is refused by CUDA (an `IpcError`). That includes JAX arrays on jax 0.11.2:
+XLA's GPU buffers are VMM memory under every ``XLA_PYTHON_CLIENT_ALLOCATOR`` (default, platform,
+bfc, cuda_async; measured on the H200, 2026-12-01), so IPC-shared KV must be CuPy (or other
+``cudaMalloc``) memory, viewed from JAX by DLPack if needed.
 
 Safety: a handle dict is a peer's message. `IpcHandle.from_dict` (`bridge.ipc_handle`) checks every field's type and
 range before anything uses it, `IpcMapping` refuses handles of another host and checks each
@@ -143,8 +146,8 @@ def export_ipc_handles(arrays: Sequence[Any]) -> list[IpcHandle]:
     Raises:
         TypeError: an entry is host memory or no device array.
         ValueError: an entry is empty or not contiguous; arrays is empty.
-        IpcError: CUDA refused (memory from ``cuMemCreate`` or a ``cudaMallocAsync`` pool, managed
-            memory), or CuPy / the driver is missing.
+        IpcError: CUDA refused (memory from ``cuMemCreate`` or a ``cudaMallocAsync`` pool, e.g.
+            any JAX array on jax 0.11.2; managed memory), or CuPy / the driver is missing.
     """
     if isinstance(arrays, (str, bytes)) or not isinstance(arrays, Sequence) or not arrays:
         raise ValueError("arrays must be a non-empty sequence of device arrays")

@@ -12,7 +12,9 @@ limit counts. `cancel` stops a batch between windows.
 Completion notification: Mooncake delivers a ``TransferNotify(name, msg)`` with a synchronous
 transfer; after the last window lands the worker sends a zero-length WRITE carrying the tag, and
 the target reads it with ``get_notifies`` (verified over TCP on loopback). A READ's notification
-goes the same way, to the peer it read from, after its last window.
+goes the same way, to the peer it read from, after its last window. nvlink_intra refuses
+zero-length copies (measured on the H200), so there the carrier is a one-byte READ of the peer's
+first region into a private registered VRAM scratch of this engine.
 
 Device memory (the CUDA build, ``mooncake-transfer-engine-cuda13``): with ``protocol="auto"`` (the
 default) the transport is picked at the first registration (or `peer_info`): ``nvlink_intra`` when
@@ -66,6 +68,8 @@ except ImportError:  # pragma: no cover - depends on the environment (needs libi
 #: peer fails too. Windows of 1,024, each completed before the next, never reach the limit
 #: whatever the environment says.
 MOONCAKE_MAX_BATCH_ENTRIES = 1024
+#: Bytes of the private VRAM scratch an nvlink_intra engine reads a notification's byte into.
+NOTIFY_SCRATCH_BYTES = 256
 
 
 #: Values of ``MooncakeEngine(protocol=...)``: "auto" picks at the first registration.
@@ -129,6 +133,7 @@ class MooncakeEngine(TransferEngine):
         self.protocol: str | None = None  # set when the engine starts
         self._init_args = (hostname, metadata_server, device_name)
         self._te = None
+        self._scratch = 0  # nvlink_intra: device address of the notification scratch
         self._session = ""
         self._allocs: dict[tuple[int, int], list[int]] = {}  # nvlink_intra: (base, device) -> [size, refs]
         self._reg_allocs: dict[tuple[int, int], tuple[int, int]] = {}  # region (addr, nbytes) -> alloc key
@@ -148,9 +153,23 @@ class MooncakeEngine(TransferEngine):
         rc = te.initialize(hostname, metadata_server, protocol, device_name)
         if rc != 0:
             raise BridgeError(f"Mooncake initialize({hostname=}, {metadata_server=}, {protocol=}) returned {rc}")
+        if protocol == "nvlink_intra":
+            self._scratch = self._make_scratch(te)
         self._te, self.protocol = te, protocol
         # The port in the hostname is ignored under P2PHANDSHAKE: peers must use the bound one.
         self._session = f"{hostname}:{te.get_rpc_port()}"
+
+    @staticmethod
+    def _make_scratch(te) -> int:
+        """A private registered VRAM word for nvlink_intra notifications (see `_run`)."""
+        import cupy
+
+        ptr = int(cupy.cuda.runtime.malloc(NOTIFY_SCRATCH_BYTES))  # its own allocation: base = ptr
+        rc = te.register_memory(ptr, NOTIFY_SCRATCH_BYTES)
+        if rc != 0:
+            cupy.cuda.runtime.free(ptr)
+            raise BridgeError(f"Mooncake nvlink_intra: register_memory of the notification scratch returned {rc}")
+        return ptr
 
     def _ensure_started(self, regions: Sequence[MemoryRegion] = ()) -> None:
         if self._te is None:
@@ -298,7 +317,13 @@ class MooncakeEngine(TransferEngine):
                                    f"{job.cancel_reason}; all {n} entries had moved")
             # latin-1 maps bytes 1:1 onto str, so any tag survives pybind's str round trip.
             note = _mc.TransferNotify(self.name, handle.notif.decode("latin-1"))
-            rc = te.transfer_sync(session, notif_addrs[0], notif_addrs[1], 0, _mc.TransferOpcode.Write, note)
+            if self._scratch:
+                # nvlink_intra refuses a zero-length copy (cudaMemcpyBatchAsync: invalid argument), and
+                # Mooncake sends a notification only with a transfer: read one byte of the peer's
+                # first region into our private scratch, which changes nothing the caller owns.
+                rc = te.transfer_sync(session, self._scratch, notif_addrs[1], 1, _mc.TransferOpcode.Read, note)
+            else:
+                rc = te.transfer_sync(session, notif_addrs[0], notif_addrs[1], 0, _mc.TransferOpcode.Write, note)
             self._count_engine_call()
             if rc != 0:
                 raise handle.error(TransferError, "Mooncake could not deliver the notification",
@@ -368,4 +393,14 @@ class MooncakeEngine(TransferEngine):
                 self._te.unregister_memory(addr)
             except Exception:  # noqa: BLE001 - closing: best effort
                 pass
+        if self._scratch:
+            try:
+                self._te.unregister_memory(self._scratch)
+            except Exception:  # noqa: BLE001 - closing: best effort
+                pass
         self._te = None  # the destructor tears the engine down (~1 s), on this thread
+        if self._scratch:  # after the engine: nothing can copy into it any more
+            import cupy
+
+            cupy.cuda.runtime.free(self._scratch)
+            self._scratch = 0
