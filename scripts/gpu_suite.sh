@@ -31,6 +31,7 @@ SITE=${NIXL_SITE:-/tmp/site}
 T0=$(date +%s)
 ONLY=("$@")
 : > "$OUT/steps.tsv"
+rm -f "$OUT"/job_*.json "$OUT"/d2d_ceiling.json "$OUT"/pack.json  # a failed step must not show old figures
 
 record() {  # name rc seconds
     printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$OUT/steps.tsv"
