@@ -78,6 +78,28 @@ def main(argv=None):
     def comp_call():
         st["p"] = comp(srcs, idx_d, st["p"], meta_d)
     out["compiled, device idx+meta"] = per_call(comp_call)
+    # The pack as pack_rows holds it: CuPy memory imported once, its handle threaded.
+    from pallas_kernels import device
+
+    dests = device.destinations([pack], np.dtype(np.uint32), [pack.nbytes])
+
+    def cupy_pack_call(i, mt):
+        dests.keep([_gather_rows_jit(srcs, i, dests.handles[0], mt, **kw)])
+    out["jit entry, CuPy pack handle, device idx"] = per_call(lambda: cupy_pack_call(idx_d, meta_d))
+    out["jit entry, CuPy pack handle, host idx"] = per_call(lambda: cupy_pack_call(idx_pad, meta))
+    views = pack_mod._cached_device_views(layers, *pack_mod._checked(layers, True))
+
+    def cupy_views_call(i, mt):
+        dests.keep([_gather_rows_jit(views, i, dests.handles[0], mt, **kw)])
+    out["jit entry, unowned views + CuPy pack, device idx"] = per_call(
+        lambda: cupy_views_call(idx_d, meta_d))
+
+    def idx_by_cupy():
+        i = jax.dlpack.from_dlpack(cp.asarray(idx_pad))
+        cupy_views_call(i, meta_d)
+    out["  + idx by cp.asarray + dlpack per call"] = per_call(idx_by_cupy)
+    out["  + idx by jnp.asarray per call"] = per_call(lambda: cupy_views_call(
+        jnp.asarray(idx_pad), meta_d))
     empty = jax.jit(lambda s, i, p, mt: p, donate_argnums=(2,))
 
     def empty_call():

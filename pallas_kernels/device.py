@@ -112,6 +112,9 @@ class Destinations:
         self.handles = handles
         self.verified = False
         self.lock = threading.Lock()
+        self.calls = 0  # kernels enqueued on these destinations through an IndexRing
+        self.done = 0  # of which known to have finished
+        self.rings: dict = {}
 
     def keep(self, outs) -> None:
         """Take the call's outputs as the next handles; on the first call, check that they are
@@ -152,4 +155,75 @@ def clear() -> None:
         _DESTS.clear()
 
 
-__all__ = ["Destinations", "clear", "destinations", "forget", "source_views"]
+
+
+class IndexRing:
+    """Device slots for a call's row indices and metadata, imported into JAX once.
+
+    A host (numpy) index array passed to a jitted call is copied to the device by PJRT, which
+    waits for the kernel in flight before it returns (measured on an H200: about 170 us per
+    call, more than the per-rank kernel). Here each call writes its indices into the next of
+    `slots` device buffers with one asynchronous copy from pinned memory on a CuPy stream of its
+    own (waited for on the host: a few microseconds), and passes the slot's persistent JAX
+    views. A slot is rewritten only after the kernel that last read it has finished: the
+    destination's handle (every call on it runs in order on JAX's stream) is waited for once
+    every `slots` calls, not per call.
+
+    Layout of a slot: `k` index vectors of `m` int32 (m a power of 2, a multiple of 64 words,
+    so every view is 256-byte aligned), then the int32 metadata (`meta_len` words).
+    """
+
+    def __init__(self, m: int, k: int, meta_len: int = 3, slots: int = 16):
+        import cupy as cp
+
+        self.m, self.k, self.slots = m, k, slots
+        stride = -(-m // 64) * 64
+        size = k * stride + 64
+        self.bufs = [cp.zeros(size, cp.int32) for _ in range(slots)]
+        self.views = []
+        for b in self.bufs:
+            idx = [jax.dlpack.from_dlpack(b[j * stride:j * stride + m]) for j in range(k)]
+            meta = jax.dlpack.from_dlpack(b[k * stride:k * stride + meta_len])
+            self.views.append((idx, meta))
+        mem = cp.cuda.alloc_pinned_memory(size * 4)
+        self.host = np.frombuffer(mem, np.int32, size)
+        self._pinned = mem
+        self.stride, self.meta_len = stride, meta_len
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.last_use = [-1] * slots
+        self.next = 0
+
+    def stage(self, vectors, meta, dests: "Destinations"):
+        """Write `vectors` (k numpy int arrays, each <= m long, zero-padded) and `meta` into the
+        next slot; returns its JAX views (list of k i32[m], i32[meta_len])."""
+        s = self.next
+        self.next = (s + 1) % self.slots
+        if self.last_use[s] > dests.done:
+            # The kernel that read this slot may still be queued: wait for everything so far
+            # (in order on one stream), once per `slots` calls at most.
+            dests.handles[0].block_until_ready()
+            dests.done = dests.calls
+        h = self.host
+        for j, v in enumerate(vectors):
+            seg = h[j * self.stride:j * self.stride + self.m]
+            seg[:len(v)] = v
+            seg[len(v):] = 0
+        h[self.k * self.stride:self.k * self.stride + self.meta_len] = meta
+        self.bufs[s].set(h, stream=self.stream)  # async from pinned memory
+        self.stream.synchronize()
+        dests.calls += 1
+        self.last_use[s] = dests.calls
+        return self.views[s]
+
+
+def index_ring(dests: "Destinations", m: int, k: int) -> IndexRing:
+    """The `IndexRing` of a destination set for `k` index vectors of bucket `m` (made once)."""
+    rings = dests.rings
+    ring = rings.get((m, k))
+    if ring is None:
+        ring = rings[(m, k)] = IndexRing(m, k)
+    return ring
+
+
+__all__ = ["Destinations", "IndexRing", "clear", "destinations", "forget", "index_ring",
+           "source_views"]

@@ -43,7 +43,9 @@ from pallas_kernels.config import (
     select_backend,
     word_dtype,
 )
-from pallas_kernels.gather import gather_rows
+from pallas_kernels._args import offset_arg
+from pallas_kernels.gather import _gather_rows_jit, gather_rows
+from pallas_kernels.row_copy import preload_lowering
 from pallas_kernels.host import (  # noqa: F401  (re-exported: tests and callers use these names)
     _HOST_POOL,
     HOST_MAX_THREADS,
@@ -239,10 +241,11 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
     (`bucket_rows(n, config.block_rows)`) nothing recompiles.
 
     Fixed cost per device call (no synchronisation but the final one): host indices are checked
-    on the host and padded there (one host-to-device copy inside the jitted call); the layers'
-    views and the pack's JAX handle are made once per registration (`pallas_kernels.device`:
-    the pack's handle is threaded from each call's aliased output to the next). CuPy indices
-    are checked on the device, with one synchronisation.
+    on the host and staged into a device slot of `pallas_kernels.device.IndexRing` (one async
+    copy from pinned memory: PJRT's own transfer of a numpy argument waits for the kernel in
+    flight); the layers' views and the pack's JAX handle are made once per registration (the
+    pack's handle is threaded from each call's aliased output to the next). CuPy indices are
+    checked on the device, with one synchronisation.
 
     Args:
         layers: a `PackSource`, or a sequence of u8[num_rows_l, kv_item_len_l] arrays (numpy
@@ -403,22 +406,28 @@ def _pack_rows_device(layers, views, idx, pack, offset, word, backend, config, s
     srcs = [v if v is not None else _copy_view(a, word) for v, a in zip(views, layers)]
     n = int(idx.shape[0])
     m = bucket_rows(n, config.block_rows)
-    if isinstance(idx, np.ndarray):
-        idx_pad = np.zeros(m, np.int32)  # a new array: the copy to the device may be pending
-        idx_pad[:n] = idx
-    else:
-        import cupy as cp
-
-        idx_cp = cp.zeros(m, cp.int32)
-        idx_cp[:n] = idx
-        idx_pad = jax.dlpack.from_dlpack(idx_cp)
     nbytes = pack.nbytes // ws * ws
     dests = device.destinations([pack], word, [nbytes])
+    align = _offset_align(offset, word)
     with dests.lock:
         try:
-            out = gather_rows(srcs, idx_pad, dests.handles[0], n, offset=offset // ws,
-                              config=config, backend=backend,
-                              offset_align=_offset_align(offset, word))
+            if isinstance(idx, np.ndarray):
+                # Host indices: staged in a device slot (no PJRT transfer, no wait on the
+                # kernel in flight), the jitted kernel called with its persistent views.
+                units, ok = offset_arg(offset // ws, align, backend, ws)
+                (idx_v,), meta_v = device.index_ring(dests, m, 1).stage(
+                    [idx], (n, int(units), int(ok)), dests)
+                preload_lowering(backend)
+                out = _gather_rows_jit(srcs, idx_v, dests.handles[0], meta_v, config=config,
+                                       backend=backend, offset_align=align)
+            else:
+                import cupy as cp
+
+                idx_cp = cp.zeros(m, cp.int32)
+                idx_cp[:n] = idx
+                out = gather_rows(srcs, jax.dlpack.from_dlpack(idx_cp), dests.handles[0], n,
+                                  offset=offset // ws, config=config, backend=backend,
+                                  offset_align=align)
             dests.keep([out])
         except Exception:
             device.forget([pack], word, [nbytes])  # the donated handle may be gone

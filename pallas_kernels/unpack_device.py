@@ -92,7 +92,19 @@ def unpack_pallas(pack, layers, idx, offset, item_lens, backend, config) -> None
     dests = device.destinations(layers, word)
     with dests.lock:
         try:
-            dests.keep(unpack_kernel(src, _padded(idx, m), dests.handles, n, **kw))
+            if isinstance(idx, np.ndarray):  # staged in a device slot (see pack_rows)
+                from pallas_kernels._args import offset_arg
+                from pallas_kernels.row_copy import preload_lowering
+                from pallas_kernels.scatter import _unpack_jit
+
+                units, ok = offset_arg(kw["offset"], kw["offset_align"], backend, ws)
+                (iv,), mv = device.index_ring(dests, m, 1).stage([idx], (n, int(units), int(ok)),
+                                                                 dests)
+                preload_lowering(backend)
+                dests.keep(_unpack_jit(src, iv, tuple(dests.handles), mv, config=config,
+                                       backend=backend, offset_align=kw["offset_align"]))
+            else:
+                dests.keep(unpack_kernel(src, _padded(idx, m), dests.handles, n, **kw))
         except Exception:
             device.forget(layers, word)
             raise
@@ -106,8 +118,8 @@ def copy_pallas(srcs, sidx, dsts, didx, item_lens, backend, config) -> None:
     word = word_dtype(item_lens)
     n = int(sidx.shape[0])
     m = bucket_rows(n, config.block_rows)
-    si, di = _padded(sidx, m), _padded(didx, m)
     if backend == "interpret":
+        si, di = _padded(sidx, m), _padded(didx, m)
         src = [np.ascontiguousarray(a).view(word) for a in srcs]
         dst = [np.ascontiguousarray(a).view(word) for a in dsts]
         outs = copy_kernel(src, si, dst, di, n, config=config, backend=backend)
@@ -123,8 +135,17 @@ def copy_pallas(srcs, sidx, dsts, didx, item_lens, backend, config) -> None:
     dests = device.destinations(dsts, word)
     with dests.lock:
         try:
-            dests.keep(copy_kernel(src, si, dests.handles, di, n, config=config,
-                                   backend=backend))
+            if isinstance(sidx, np.ndarray) and isinstance(didx, np.ndarray):
+                from pallas_kernels.row_copy import preload_lowering
+                from pallas_kernels.scatter import _copy_jit
+
+                (sv, dv), mv = device.index_ring(dests, m, 2).stage([sidx, didx], (n, 0, 1), dests)
+                preload_lowering(backend)
+                dests.keep(_copy_jit(tuple(src), sv, tuple(dests.handles), dv, mv, config=config,
+                                     backend=backend))
+            else:
+                dests.keep(copy_kernel(src, _padded(sidx, m), dests.handles, _padded(didx, m), n,
+                                       config=config, backend=backend))
         except Exception:
             device.forget(dsts, word)
             raise
