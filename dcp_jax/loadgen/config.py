@@ -79,7 +79,7 @@ class LoadConfig:
             ``link_flap`` (the link down, then up), ``pause`` (a receiver SIGSTOPped, then
             SIGCONTed); each lasts less than ``peer_timeout_s``, so requests may FAIL (then
             allowed and counted) but connections stay.
-        fault_every_s: mean gap between faults (seconds, exponential).
+        fault_every_s: mean gap between faults (seconds; each gap uniform in [0.5, 1.5] x it).
         peer_timeout_s: the connector's peer timeout (seconds) on every side.
     """
 

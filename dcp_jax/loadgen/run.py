@@ -179,8 +179,11 @@ class _Orchestrator:
         limit = self.cfg.timeout_s + 10.0 + (self.cfg.peer_timeout_s if self.cfg.faults else 0.0)
         bound = self.cfg.duration_s if name == "main" and self.cfg.duration_s else None
         while not self.errors and (self.next < stop or self.tracks):
-            if bound is not None and time.monotonic() - t0 > bound:
-                stop = min(stop, self.next)  # time is up: finish what is in flight
+            if bound is not None and time.monotonic() - t0 > bound and stop > self.next:
+                stop = self.next  # time is up: finish what is in flight, with no new faults
+                if self.faults is not None:
+                    self.faults.stop()
+                    self.faults.faults = []
             self._tick()
             while self.next < stop and len(self.tracks) < self.cfg.concurrency:
                 self._issue(self.plans[self.next], name)

@@ -4,7 +4,7 @@ while it runs, and the memory record over time.
 `NetnsPlace` puts the sender on host 0 and the receivers on host 1 of a `dcp_jax.netns.Hosts`
 pair (the sender's control plane and Mooncake bound to host 0's veth address, the receivers'
 to host 1's; UCX on the veth devices only). `FaultInjector` plays ``--faults`` at random
-times (mean gap ``--fault-every-s``), each for a random outage shorter than the connector's
+times (gaps uniform in [0.5, 1.5] x ``--fault-every-s``), each for a random outage shorter than the connector's
 peer timeout, so requests in flight may FAIL but connections survive:
 
 * ``link_flap``: the veth link down, then up again;
@@ -66,7 +66,7 @@ class FaultInjector:
         self._next = time.monotonic() + self._gap()
 
     def _gap(self) -> float:
-        return float(self.rng.exponential(self.every_s))
+        return float(self.rng.uniform(0.5, 1.5) * self.every_s)
 
     def step(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now

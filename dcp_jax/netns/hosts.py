@@ -20,6 +20,7 @@ import ctypes
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import uuid
@@ -113,6 +114,13 @@ def _child_main(ns: str, env: dict[str, str], target: Callable, args: tuple) -> 
     target(*args)
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM runs ``atexit`` (and ``with`` exits) instead of killing the process outright, so
+    a terminated run still removes its namespaces; left alone if someone installed a handler."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))
+
+
 class Hosts:
     """``n`` network namespaces (2 or 3): host 0 linked to each other host by its own veth.
 
@@ -139,6 +147,7 @@ class Hosts:
         self._lock = threading.Lock()
         self._closed = False
         atexit.register(self.close)
+        _exit_on_sigterm()
         try:
             for name in self.names:
                 _ip("netns", "add", name)

@@ -101,8 +101,9 @@ class SenderPeers:
                 # Nothing of ours is in flight for that incarnation: the rank may reuse its pages.
                 self._ctl.send(conn.ident, proto.encode("drained", msg["rid"], msg["inc"]))
                 self._counts["dropped_messages"] += 1
-                _warn("dropped a %r for request %r from decode rank %d (%s): not its request", kind,
-                      msg["rid"], conn.spec.dcp_rank, conn.name)
+                if t is not None and t.conn is not conn:  # another connection's request
+                    _warn("dropped a %r for request %r from decode rank %d (%s): not its request", kind,
+                          msg["rid"], conn.spec.dcp_rank, conn.name)
                 return
             if req.status.terminal:
                 self._counts["dropped_messages"] += 1

@@ -143,7 +143,9 @@ def test_unhandshaked_peer_is_ignored(net):
     rid = _fresh(net, "anon")
     frame = proto.encode("expect", rid, 3, num_tokens=8, prefix_tokens=0, page_table=proto.pack_i64([0, 1]),
                          dcp_rank=0)
-    assert net["evil"].call("raw", [frame, proto.encode("abort", rid, 3, reason="x")], 0.5) == []
+    replies = net["evil"].call("raw", [frame, proto.encode("abort", rid, 3, reason="x")], 0.5)
+    # Answered, not served: "you have no connection here, connect again".
+    assert [m["k"] for m in replies] == ["hello_nack"] * 2 and replies[0]["field"] == "connection", replies
     assert _logged(net, "not handshaked", "expect")
     with pytest.raises(Exception, match="not known"):
         net["sender"].call("poll", rid)
