@@ -4,4 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+rc=0
+.venv/bin/python -m pytest "$@" || rc=$?
+# The vLLM suite (its own Python 3.11 venv) with the whole suite: no arguments, or DCP_JAX_VLLM=1;
+# DCP_JAX_VLLM=0 leaves it out.
+if [ "${DCP_JAX_VLLM:-$([ $# = 0 ] && echo 1 || echo 0)}" = 1 ]; then
+    ./scripts/vllm_suite.sh || rc=$?
+fi
+exit $rc
