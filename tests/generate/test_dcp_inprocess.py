@@ -1,6 +1,6 @@
 """DCP decode of the tiny model over a mesh of 8 CPU devices in one process (no connector):
-the issue's matrix against the single-device reference. fp32: DCP 1, 2, 4, 8 x interleave 1 and
-the page size at 1,000 tokens, two of them at 3,001 (the full matrix runs multi-process in
+the issue's matrix against the single-device reference (= DCP 1). fp32: DCP 2, 4, 8 x interleave 1
+and the page size at 1,000 tokens, two of them at 3,001 (the full matrix runs multi-process in
 `dcp_jax.generate.matrix`, results in benchmarks/results/generate_matrix_cpu.json): 32 new tokens
 equal and logits within 1e-5 relative at every step; bf16: the first 8 tokens and 2e-2. Slow
 (about 1.5 CPU-minutes on 2 cores): one compile per configuration."""
@@ -36,7 +36,7 @@ def _check(dcp_size, prompt_tokens, dtype="fp32", model="mla", **kw):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dcp_size,interleave_size,prompt_tokens",
-                         [(n, i, 1000) for n in (1, 2, 4, 8) for i in (1, PAGE)] + [(8, 1, 3001), (4, PAGE, 3001)])
+                         [(n, i, 1000) for n in (2, 4, 8) for i in (1, PAGE)] + [(8, 1, 3001), (4, PAGE, 3001)])
 def test_fp32_tokens_and_logits_equal_single_device(dcp_size, interleave_size, prompt_tokens):
     rep = _check(dcp_size, prompt_tokens, interleave_size=interleave_size)
     assert rep["tokens_match"] and rep["steps_compared"] == 32
