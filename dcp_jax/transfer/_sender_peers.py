@@ -120,7 +120,10 @@ class SenderPeers:
             check_compatible(self.spec, spec, side="prefill")
             if msg["direction"] not in ("push", "pull"):
                 raise HandshakeError("direction", "push|pull", msg["direction"])
-            if any(c.name == msg["name"] and c.ident != ident for c in self._conns.values()):
+            # The same receiver on a second live connection is refused; one whose old connection
+            # went quiet (it dropped us as silent and connects again) replaces it below.
+            fresh = time.monotonic() - max(2 * self.heartbeat_s, 1.0)
+            if any(c.name == msg["name"] and c.ident != ident and c.last_seen > fresh for c in self._conns.values()):
                 raise HandshakeError("connection", "one per receiver", "a second one",
                                      f"receiver {msg['name']!r} is already connected (another address spelling?)")
             group = [c for c in self._conns.values() if c.group == msg["group"] and c.ident != ident]
