@@ -32,6 +32,7 @@ import bisect
 
 import numpy as np
 
+from pallas_kernels import device
 from pallas_kernels.config import GatherConfig, select_backend
 from pallas_kernels.host import check_threads, copy_host, unpack_host
 from pallas_kernels.pack import _is_cupy
@@ -61,6 +62,24 @@ def _kind(a) -> str | None:
     if _is_jax(a):
         return "jax"
     return None
+
+
+_CHECKS: dict = {}  # (what, ids) -> (weak refs, result): checks of CuPy buffer lists
+
+
+def _once(what: str, arrays, fn):
+    """`fn()` once per list of CuPy arrays (a registration), cached under weak references
+    (evicted when any of them dies); numpy lists are checked on every call (their flags can
+    change). A failing check raises and caches nothing."""
+    if not all(_is_cupy(a) for a in arrays):
+        return fn()
+    key = (what,) + tuple(map(id, arrays))
+    hit = device._lookup(_CHECKS, key, arrays)
+    if hit is not None:
+        return hit[0]
+    result = fn()
+    device._remember(_CHECKS, key, arrays, (result,))
+    return result
 
 
 def _check_layer_list(layers, name: str, *, writeable: bool) -> tuple[str, tuple[int, ...], int]:
@@ -234,7 +253,10 @@ def unpack_rows(pack, layers, indices, *, offset: int = 0, backend: str = "auto"
         TypeError: non-uint8 arrays, mixed numpy/CuPy, a JAX array as a layer (immutable),
             non-integer `indices`.
     """
-    kind, item_lens, num_rows = _check_layer_list(layers, "layers", writeable=True)
+    if not isinstance(layers, (list, tuple)) or not layers:
+        raise ValueError("layers must be a non-empty list of 2-D uint8 arrays")
+    kind, item_lens, num_rows = _once("layers", layers, lambda: _check_layer_list(
+        layers, "layers", writeable=True))
     on_device = kind == "device"
     pk = _kind(pack)
     if pk is None or (pk == "numpy") == on_device:
@@ -259,7 +281,8 @@ def unpack_rows(pack, layers, indices, *, offset: int = 0, backend: str = "auto"
     if backend in ("triton", "interpret"):
         check_pallas_region(offset, total, item_lens, size, backend, pack)
     if pk != "jax":
-        _check_disjoint([pack], "pack", layers, "layers")
+        _once("unpack-disjoint", [pack, *layers],
+              lambda: _check_disjoint([pack], "pack", layers, "layers"))
     if n == 0:
         return
     if not checked:
@@ -305,8 +328,13 @@ def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str 
         TypeError: non-uint8 arrays, numpy mixed with CuPy, a JAX array as a destination,
             non-integer indices.
     """
-    skind, s_lens, s_rows = _check_layer_list(src_layers, "src_layers", writeable=False)
-    dkind, d_lens, d_rows = _check_layer_list(dst_layers, "dst_layers", writeable=True)
+    for name, lst in (("src_layers", src_layers), ("dst_layers", dst_layers)):
+        if not isinstance(lst, (list, tuple)) or not lst:
+            raise ValueError(f"{name} must be a non-empty list of 2-D uint8 arrays")
+    skind, s_lens, s_rows = _once("src_layers", src_layers, lambda: _check_layer_list(
+        src_layers, "src_layers", writeable=False))
+    dkind, d_lens, d_rows = _once("dst_layers", dst_layers, lambda: _check_layer_list(
+        dst_layers, "dst_layers", writeable=True))
     if skind != dkind:
         raise TypeError("src_layers and dst_layers must both be numpy (host) or both CuPy (device)")
     on_device = skind == "device"
@@ -325,7 +353,8 @@ def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str 
     if sidx.shape[0] != didx.shape[0]:
         raise ValueError(f"src_indices ({sidx.shape[0]}) and dst_indices ({didx.shape[0]}) must "
                          "have the same length")
-    _check_disjoint(list(src_layers), "src_layers", dst_layers, "dst_layers")
+    _once("copy-disjoint", [*src_layers, *dst_layers],
+          lambda: _check_disjoint(list(src_layers), "src_layers", dst_layers, "dst_layers"))
     if sidx.shape[0] == 0:
         return
     if not checked:
