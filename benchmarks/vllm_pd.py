@@ -29,9 +29,9 @@ def run(connector, model, args, tmp):
     env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
     extra = {"engine": "nixl", "port": 5990} if connector == "dcp_jax" else {}
     p = Engine(model, "kv_producer", connector, extra, env=dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT="5690"),
-               log=os.path.join(tmp, f"{connector}-p.log"))
+               log=os.path.join(tmp, f"{connector}-p.log"), core=0)
     d = Engine(model, "kv_consumer", connector, extra, env=dict(env, VLLM_NIXL_SIDE_CHANNEL_PORT="5691"),
-               log=os.path.join(tmp, f"{connector}-d.log"))
+               log=os.path.join(tmp, f"{connector}-d.log"), core=1)
     rows = []
     try:
         p.wait_ready()

@@ -41,11 +41,19 @@ def prompts(lengths, vocab=1024, seed=0):
 
 
 class Engine:
-    """One engine_proc.py process; `call` sends a command and waits for its answer (bounded)."""
+    """One engine_proc.py process; `call` sends a command and waits for its answer (bounded).
+
+    ``core``: the CPU its OpenMP threads are bound to (``VLLM_CPU_OMP_THREADS_BIND``). Two
+    engines bound to the same cores by vLLM's "auto" spin against each other for minutes on a
+    2-core machine; a prefill on core 0 and a decode on core 1 do not.
+    """
 
     def __init__(self, model: str, role: str, connector: str = "dcp_jax", extra: dict | None = None,
-                 env: dict | None = None, log: str | None = None, start_timeout: float = 400.0):
+                 env: dict | None = None, log: str | None = None, start_timeout: float = 400.0,
+                 core: int | None = None):
         e = dict(os.environ)
+        if core is not None:
+            e["VLLM_CPU_OMP_THREADS_BIND"] = str(core % (os.cpu_count() or 1))
         e.update(env or {})
         self.log = open(log or os.devnull, "w")
         self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "engine_proc.py"), model, role,

@@ -41,7 +41,7 @@ def test_completion_through_toy_proxy(tmp_path):
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     procs = []
 
-    def server(port, role, kv_port):
+    def server(port, role, kv_port, core):
         kt = {"kv_connector": "DcpJaxConnector", "kv_connector_module_path": "dcp_jax.adapters.vllm",
               "kv_role": role, "kv_connector_extra_config": {"engine": "nixl", "port": kv_port}}
         log = open(tmp_path / f"server-{port}.log", "w")
@@ -49,11 +49,12 @@ def test_completion_through_toy_proxy(tmp_path):
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
              "--host", "127.0.0.1", "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager",
              "--dtype", "bfloat16", "--max-model-len", "2048", "--no-enable-prefix-caching", "--seed", "0",
-             "--kv-transfer-config", json.dumps(kt)], stdout=log, stderr=subprocess.STDOUT, env=env))
+             "--kv-transfer-config", json.dumps(kt)], stdout=log, stderr=subprocess.STDOUT,
+            env=dict(env, VLLM_CPU_OMP_THREADS_BIND=str(core % (os.cpu_count() or 1)))))  # see _engines.Engine
 
     try:
-        server(8150, "kv_producer", 5960)
-        server(8250, "kv_consumer", 5960)
+        server(8150, "kv_producer", 5960, 0)
+        server(8250, "kv_consumer", 5960, 1)
         log = open(tmp_path / "proxy.log", "w")
         procs.append(subprocess.Popen([sys.executable, PROXY, "--port", "8050", "--prefiller-hosts", "127.0.0.1",
                                        "--prefiller-ports", "8150", "--decoder-hosts", "127.0.0.1",

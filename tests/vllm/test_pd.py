@@ -30,8 +30,8 @@ def models(tmp_path_factory):
 def _pair(model, engine, tmp_path, **extra):
     port = next(_ports)
     cfg = dict(engine=engine, port=port, connect_timeout_s=3.0, **extra)
-    p = Engine(model, "kv_producer", extra=cfg, log=str(tmp_path / "prefill.log"))
-    d = Engine(model, "kv_consumer", extra=cfg, log=str(tmp_path / "decode.log"))
+    p = Engine(model, "kv_producer", extra=cfg, log=str(tmp_path / "prefill.log"), core=0)
+    d = Engine(model, "kv_consumer", extra=cfg, log=str(tmp_path / "decode.log"), core=1)
     p.wait_ready()
     d.wait_ready()
     return p, d
