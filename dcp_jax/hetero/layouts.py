@@ -85,6 +85,7 @@ class CacheGeometry:
 
     def __post_init__(self) -> None:
         kind = layout_kind(self.layout)
+        dtype_itemsize(self.dtype)
         for name in ("num_pages", "page_size", "num_heads", "head_dim"):
             check_int(name, getattr(self, name), minimum=1)
         if kind == "mla" and self.num_heads != 1:
@@ -236,8 +237,9 @@ def run_descriptors(geom: CacheGeometry, run_len, num_heads) -> np.ndarray:
 
     A run is ``run_len`` tokens at consecutive slots of one page, heads ``num_heads`` of the
     ``geom.num_heads`` held; a descriptor covers bytes contiguous both in the wire block and in
-    the cache, within one plane. ``tpu_gqa`` (and ``tpu_mla`` when ``head_dim`` is padded) need
-    one per token and head: those layouts are better served by a scatter of the whole wire block.
+    the cache, within one plane. ``tpu_gqa``, ``hnd`` with more than one head (the wire is
+    token-major, the cache head-major) and ``tpu_mla`` when ``head_dim`` is padded need one per
+    token (and head): those layouts are better served by a scatter of the whole wire block.
 
     Args:
         run_len: int ``[k]`` tokens per run (>= 1); num_heads: int ``[k]`` or scalar heads per run.
@@ -253,6 +255,6 @@ def run_descriptors(geom: CacheGeometry, run_len, num_heads) -> np.ndarray:
         return np.ones_like(run_len) if geom.lanes == geom.head_dim else run_len.copy()
     if geom.layout == "nhd":                 # token rows of all heads are contiguous, of a subset not
         return np.where(num_heads == geom.num_heads, 2, 2 * run_len)
-    if geom.layout == "hnd":                 # a full page of consecutive heads is one block
-        return np.where(run_len == geom.page_size, 2, 2 * num_heads)
+    if geom.layout == "hnd":                 # the wire is token-major, the cache head-major:
+        return np.where((num_heads == 1) | (geom.page_size == 1), 2, 2 * num_heads * run_len)
     return 2 * num_heads * run_len           # tpu_gqa: K and V of each head alternate in a token row
