@@ -77,6 +77,7 @@ class HeteroSide:
             check_int(name, getattr(self, name), minimum=1)
         dtype_itemsize(self.dtype)
         tp_head_range(self.num_kv_heads, self.tp_size, 0, self.kind)
+        self.geometry(0, 1)  # the layout's own limits (tpu_mla: page_size a multiple of its packing)
 
     @property
     def kind(self) -> str:

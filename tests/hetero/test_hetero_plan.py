@@ -35,6 +35,24 @@ def test_runs_split_at_the_smaller_page_boundary():
     assert descriptor_counts(plan, 61, cross_layer=True) == {(0, 0): 4}
 
 
+def test_descriptor_counts_gqa_tp2_to_dcp2_tp4_hnd():
+    # The package docstring's example: Llama-3.1-8B-like (8 KV heads), 256 tokens, prefill TP 2
+    # page 16 -> decode DCP 2 (token round-robin) x TP 4, page 64, HND, 32 layers.
+    p = HeteroSide(page_size=16, tp_size=2, layout="nhd", num_kv_heads=8, head_dim=128)
+    d = HeteroSide(page_size=64, dcp_size=2, tp_size=4, layout="hnd", num_kv_heads=8, head_dim=128)
+    plan = build_hetero_plan(p, d, 0, 256, [range(16)], [range(2), range(2)])
+    # Each decode rank: 128 tokens in 2 pages, 2 heads: HND with 2 heads lands one (token, head,
+    # K/V) per descriptor: 2 * 2 * 128 per layer; cross-layer pages: one per full page.
+    assert descriptor_counts(plan, 32) == {(r, t): 2 * 2 * 128 * 32 for r in range(2) for t in range(4)}
+    assert descriptor_counts(plan, 32, cross_layer=True) == {(r, t): 2 for r in range(2) for t in range(4)}
+    # Per prefill rank: each sends to 2 decode TP ranks x 2 DCP ranks.
+    assert descriptor_counts(plan, 32, by="src") == {(0, 0): 4 * 16384, (0, 1): 4 * 16384}
+    # NHD on the decode side: all heads of a token row are adjacent, 2 descriptors per page run.
+    d_nhd = HeteroSide(page_size=64, dcp_size=2, tp_size=4, layout="nhd", num_kv_heads=8, head_dim=128)
+    plan = build_hetero_plan(p, d_nhd, 0, 256, [range(16)], [range(2), range(2)])
+    assert descriptor_counts(plan, 32) == {(r, t): 2 * 2 * 32 for r in range(2) for t in range(4)}
+
+
 def test_spec_example_dcp1_to_dcp2():
     # spec section 4: P=4, N=2, I=1, src pages [10, 11], dst [30]: rank 0 gets tokens 0, 2, 4, 6.
     plan = build_hetero_plan(HeteroSide(4), HeteroSide(4, dcp_size=2), 0, 8, [[10, 11]], [[30], [30]])
@@ -88,6 +106,8 @@ def test_bad_inputs_named():
         HeteroSide(16, dtype="float64")
     with pytest.raises(ValueError, match="dcp_size"):
         HeteroSide(16, dcp_size=0)
+    with pytest.raises(ValueError, match="page_size=1 must be a multiple of 2"):
+        HeteroSide(1, layout="tpu_mla")
     with pytest.raises(ValueError, match=r"dst_page_tables\[1\] has 0 pages, 1 required"):
         build_hetero_plan(HeteroSide(4), HeteroSide(4, dcp_size=2), 0, 8, [[0, 1]], [[0], []])
     with pytest.raises(ValueError, match="src_page_tables must hold one page table per DCP rank"):
