@@ -7,7 +7,6 @@ equal and logits within 1e-5 relative at every step; bf16: the first 8 tokens an
 import dataclasses
 import functools
 
-import numpy as np
 import pytest
 
 from dcp_jax.generate.config import GenerateConfig
