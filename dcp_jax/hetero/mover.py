@@ -6,7 +6,6 @@ side's layout (`dcp_jax.hetero.layouts.cache_shape`).
 """
 from __future__ import annotations
 
-import numpy as np
 
 from dcp_jax.hetero.layouts import gather_to_wire, place_from_wire
 from dcp_jax.hetero.plan import HeteroPlan
@@ -14,7 +13,7 @@ from dcp_jax.hetero.plan import HeteroPlan
 __all__ = ["execute_plan"]
 
 
-def _pages_of(caches, key, name: str, num_layers: int):
+def _layers_of(caches, key, name: str, num_layers: int):
     if key not in caches:
         raise ValueError(f"{name} has no caches for rank (dcp_rank, tp_rank)={key}")
     layers = caches[key]
@@ -38,8 +37,8 @@ def execute_plan(plan: HeteroPlan, src_caches: dict, dst_caches: dict, num_layer
     """
     moved = 0
     for (sd, st, dd, dt, sh, dh, nh), rows in plan.groups():
-        src = _pages_of(src_caches, (sd, st), "src_caches", num_layers)
-        dst = _pages_of(dst_caches, (dd, dt), "dst_caches", num_layers)
+        src = _layers_of(src_caches, (sd, st), "src_caches", num_layers)
+        dst = _layers_of(dst_caches, (dd, dt), "dst_caches", num_layers)
         # The page count is the one dimension a geometry takes from the cache itself.
         sg = plan.prefill.geometry(st, src[0].shape[1 if plan.prefill.layout in ("nhd", "hnd") else 0])
         dg = plan.decode.geometry(dt, dst[0].shape[1 if plan.decode.layout in ("nhd", "hnd") else 0])

@@ -63,16 +63,18 @@ def reference_rows(p, d, start, stop, src_tables, dst_tables, mla_source_tp_rank
     """Per (token, head, decode TP rank): ``(token, src_dcp, src_tp, src_page, src_slot, src_head,
     dst_dcp, dst_tp, dst_page, dst_slot, dst_head)``, heads local to each rank, sorted."""
     mla = p.layout in ("sglang_mla", "tpu_mla")
+    moves = []  # (src_tp, src_head, dst_tp, dst_head), the same for every token
+    for dt in range(d.tp_size):
+        for dh, h in enumerate(heads_held(d.num_kv_heads, d.tp_size, dt, mla)):
+            if mla:
+                st, sh = mla_source_tp_rank, 0
+            else:
+                st = min(r for r in range(p.tp_size) if h in heads_held(p.num_kv_heads, p.tp_size, r, False))
+                sh = heads_held(p.num_kv_heads, p.tp_size, st, False).index(h)
+            moves.append((st, sh, dt, dh))
     out = []
     for t in range(start, stop):
         sd, sp, ss = locate(t, p.dcp_size, p.interleave_size, p.page_size, src_tables)
         dd, dp, ds = locate(t, d.dcp_size, d.interleave_size, d.page_size, dst_tables)
-        for dt in range(d.tp_size):
-            for dh, h in enumerate(heads_held(d.num_kv_heads, d.tp_size, dt, mla)):
-                if mla:
-                    st, sh = mla_source_tp_rank, 0
-                else:
-                    st = min(r for r in range(p.tp_size) if h in heads_held(p.num_kv_heads, p.tp_size, r, False))
-                    sh = heads_held(p.num_kv_heads, p.tp_size, st, False).index(h)
-                out.append((t, sd, st, sp, ss, sh, dd, dt, dp, ds, dh))
+        out.extend((t, sd, st, sp, ss, sh, dd, dt, dp, ds, dh) for st, sh, dt, dh in moves)
     return sorted(out)
