@@ -40,7 +40,7 @@ if [ "$(cat $V/.dcp-jax-stamp 2>/dev/null)" != "$STAMP" ]; then
     $pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | quiet
     $pip install -q --no-deps nixl-cu12==1.5.1 mooncake-transfer-engine-non-cuda==0.3.13.post1 2>&1 | quiet
     $pip install -q jax==0.10.2 jaxlib==0.10.2 pyzmq msgpack typer rich 2>&1 | quiet
-    $pip install -q --no-deps --no-build-isolation -e . 2>&1 | quiet
+    $pip install -q --no-deps -e . 2>    $pip install -q --no-deps --no-build-isolation -e . 2>&1 | quiet1 | quiet
     # vLLM's NixlConnector (the control) imports `nixl._api`; the CUDA 12 wheel ships `nixl_cu12`.
     site=$($V/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
     mkdir -p "$site/nixl"
