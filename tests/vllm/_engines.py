@@ -1,9 +1,10 @@
 """Engine processes for the P/D tests: tiny model configs and a JSON-lines client of engine_proc.py."""
 import json
 import os
-import select
+import queue
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -43,9 +44,9 @@ def prompts(lengths, vocab=1024, seed=0):
 class Engine:
     """One engine_proc.py process; `call` sends a command and waits for its answer (bounded).
 
-    ``core``: the CPU its OpenMP threads are bound to (``VLLM_CPU_OMP_THREADS_BIND``). Two
-    engines bound to the same cores by vLLM's "auto" spin against each other for minutes on a
-    2-core machine; a prefill on core 0 and a decode on core 1 do not.
+    ``core``: the CPU its OpenMP threads are bound to (``VLLM_CPU_OMP_THREADS_BIND``): vLLM's
+    "auto" binds every engine to the same cores; a prefill on core 0 and a decode on core 1
+    do not compete for one.
     """
 
     def __init__(self, model: str, role: str, connector: str = "dcp_jax", extra: dict | None = None,
@@ -60,6 +61,16 @@ class Engine:
                                       connector, json.dumps(extra or {})], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, env=e, text=True, bufsize=1)
         self.start_timeout, self.ready = start_timeout, None
+        # A reader thread, not select() on the pipe: vLLM logs to stdout, and lines already in
+        # the text wrapper's buffer would never wake a select().
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("@@"):
+                self._lines.put(line)
+        self._lines.put(None)
 
     def wait_ready(self) -> dict:
         if self.ready is None:
@@ -67,19 +78,13 @@ class Engine:
         return self.ready
 
     def _answer(self, timeout: float) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"engine gave no answer within {timeout:g} s (log: {self.log.name})")
-            r, _, _ = select.select([self.proc.stdout], [], [], left)
-            if not r:
-                continue
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"engine exited with {self.proc.wait()} (log: {self.log.name})")
-            if line.startswith("@@"):
-                return json.loads(line[2:])
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"engine gave no answer within {timeout:g} s (log: {self.log.name})") from None
+        if line is None:
+            raise RuntimeError(f"engine exited with {self.proc.wait()} (log: {self.log.name})")
+        return json.loads(line[2:])
 
     def call(self, timeout: float = 120.0, **cmd) -> dict:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
