@@ -150,7 +150,8 @@ class _Orchestrator:
 
     def _on(self, k: int, msg: tuple) -> None:
         kind = msg[0]
-        self.last_event = time.monotonic()
+        if kind != "sample":  # memory samples are not progress: a stalled run must still show
+            self.last_event = time.monotonic()
         if kind == "error":
             self.errors.append(f"{msg[1]} raised:\n{msg[2]}")
         elif kind == "sample":
