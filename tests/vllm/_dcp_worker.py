@@ -62,12 +62,19 @@ def caches(fill_seed=None):
     return out
 
 
+_SEEN = {"finished_sending": set(), "finished_recving": set(), "failed_recving": set()}
+
+
 def wait(conn, rid, key, timeout=60.0):
+    """Polls until ``rid`` was reported under ``key``; results are "since the last call", so
+    every set is accumulated (one poll may report several requests)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         res = conn.get_transfer_results(set())
-        if rid in getattr(res, key):
-            return res
+        for k, seen in _SEEN.items():
+            seen |= getattr(res, k)
+        if rid in _SEEN[key]:
+            return types.SimpleNamespace(**_SEEN)
         time.sleep(0.01)
     raise TimeoutError(f"{rid} not in {key} after {timeout} s")
 
