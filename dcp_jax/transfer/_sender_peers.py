@@ -9,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import Any
 
 import numpy as np
 
 from bridge import PeerInfo
 from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
+from dcp_jax.transfer._region import PeerOffer, choose_path, ipc_open
 from dcp_jax.transfer._worker import check_page_table
 from dcp_jax.transfer.requests import RankTarget, SendRequest, check_request_id
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
@@ -66,7 +68,20 @@ class Conn:
     direction: str
     layer_bases: np.ndarray
     last_seen: float
+    path: str = "direct"        # the transfer path chosen at the handshake (`_region.choose_path`)
+    region_addr: int = 0        # region path: the rank's receive region (bytes)
+    region_bytes: int = 0
+    mapping: Any = None         # fused path: the rank's KV layers mapped here (`bridge.cuda_ipc.IpcMapping`)
     cache_pages: int = 0        # pages of the rank's cache inside its registered regions
+
+    def close_mapping(self) -> None:
+        """Closes the IPC mapping (once; at close or when the connection is dropped)."""
+        m, self.mapping = self.mapping, None
+        if m is not None:
+            try:
+                m.close()
+            except Exception:  # noqa: BLE001 - the peer's memory may already be gone
+                logger.debug("closing an IPC mapping failed", exc_info=True)
 
 
 class SenderPeers:
@@ -94,6 +109,8 @@ class SenderPeers:
             return self._on_expect(conn, msg)
         if kind == "pull_done":
             return self._on_pull_done(conn, msg)
+        if kind == "region_grant":
+            return self._on_region_grant(conn, msg)
         if kind in ("abort", "failed"):
             req = self._requests.get(msg["rid"])
             t = req.targets.get(conn.spec.dcp_rank) if req is not None else None
@@ -137,23 +154,36 @@ class SenderPeers:
                 raise HandshakeError("layer_bases", self.spec.num_layers, len(bases))
             info = PeerInfo.from_dict(msg["peer"])
             cache_pages = _cache_pages(info, bases, spec)
+            offer = PeerOffer.of_hello(msg)
+            path = choose_path(self.mode, sender_mem=self._layers.mem_type, offer=offer,
+                               dst_interleave=spec.interleave_size, page_size=self.spec.page_size,
+                               row_bytes=self.spec.row_bytes)
         except HandshakeError as exc:
             return self._nack(ident, exc)
         except (TypeError, ValueError, proto.ProtocolError) as exc:
             return self._nack(ident, HandshakeError("spec", "a valid hello", "refused", str(exc)))
         for old in [c for c in group if c.spec.dcp_rank == spec.dcp_rank]:
             self._drop_conn(old, f"decode rank {spec.dcp_rank} reconnected")
+        mapping = None
+        if path == "fused":  # opened once per connection, closed when it is dropped or at close
+            try:
+                mapping = ipc_open(list(offer.ipc), self._layers.item_lens)
+            except Exception as exc:  # noqa: BLE001 - bad or unopenable handles: refuse, name why
+                return self._nack(ident, HandshakeError("ipc", "openable CUDA IPC handles", "refused",
+                                                        f"{type(exc).__name__}: {exc}"))
         try:
             peer = self.engine.add_peer(info)
         except Exception as exc:  # noqa: BLE001 - refused metadata: tell the receiver why
+            if mapping is not None:
+                mapping.close()
             return self._nack(ident, HandshakeError("peer", "engine metadata", "refused", str(exc)))
         self._conns[ident] = Conn(ident, msg["name"], peer, spec, msg["group"], msg["direction"],
-                                   bases, time.monotonic())
+                                   bases, time.monotonic(), path, offer.region_addr, offer.region_bytes, mapping)
         self._conns[ident].cache_pages = cache_pages
         self._counts["handshakes"] += 1
         self._ctl.send(ident, proto.encode(
             "hello_ack", spec=self.spec.to_dict(), peer=self.engine.peer_info().to_dict(),
-            layer_bases=proto.pack_i64(self._layers.bases), name=self.engine.name))
+            layer_bases=proto.pack_i64(self._layers.bases), name=self.engine.name, path=path))
 
     def _nack(self, ident: bytes, exc: HandshakeError) -> None:
         self._counts["handshakes_refused"] += 1
@@ -238,6 +268,8 @@ class SenderPeers:
             if u.target.conn is conn:  # a dead reader reads no more: its regions are free
                 del self._pulls[key]
                 self._unit_finished(u, reason)
+        self._drop_asks(lambda u: u.target.conn is conn)
+        conn.close_mapping()
         try:
             self.engine.remove_peer(conn.peer)
         except Exception:  # noqa: BLE001 - already gone

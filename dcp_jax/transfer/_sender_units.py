@@ -18,7 +18,6 @@ from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import TIMEOUT_CHECK_S
 from dcp_jax.transfer.requests import RankTarget, SendRequest
 from dcp_jax.transfer.schedule import SideLayout, batch_engine_calls, plan_rank_chunk
-from dcp_jax.transfer.spec import KVCacheSpec
 from dcp_jax.transfer.status import TransferStatus
 
 __all__ = ["SenderUnits", "Unit"]
@@ -59,8 +58,8 @@ class SenderUnits:
                         rc = plan_rank_chunk(
                             ci, max(start, t.prefix_tokens), max(stop, t.prefix_tokens), src=self._layout,
                             dst=SideLayout.of(t.conn.spec), src_page_table=src_table,
-                            dst_page_table=t.page_table, mode=self._mode_for(t.conn.spec),
-                            max_batch_indices=self.max_batch_indices, max_region_rows=self._max_region_rows,
+                            dst_page_table=t.page_table, mode=t.conn.path,
+                            max_batch_indices=self.max_batch_indices, max_region_rows=self._region_rows(t.conn),
                             check_tables=False)  # both tables were checked once, at send / expect
                     except ValueError as exc:
                         self._end(req, TransferStatus.FAILED, f"plan for decode rank {rank}: {exc}", notify="failed")
@@ -74,10 +73,15 @@ class SenderUnits:
                 if req.status.terminal:
                     break
 
-    def _mode_for(self, dst: KVCacheSpec) -> str:
-        if self.mode != "auto":
-            return self.mode
-        return "direct" if dst.interleave_size % self.spec.page_size == 0 else "packed"
+    def _region_rows(self, conn: Any) -> int:
+        """Rows one window may hold: the pack buffer's, and for the region path also the
+        receiver's receive region's (a window must fit both)."""
+        if conn.path == "region":
+            return min(self._max_region_rows, conn.region_bytes // self.spec.row_bytes)
+        return self._max_region_rows
+
+    def _batch_calls(self, descriptors: int) -> int:
+        return batch_engine_calls(descriptors, getattr(self.engine, "window", None))
 
     def _submit_units(self) -> bool:
         busy = False
@@ -87,7 +91,7 @@ class SenderUnits:
                 self._queue.popleft()
                 continue
             lo, hi = u.rc.windows[u.w]
-            if u.rc.strategy == "packed" and hi > lo:
+            if u.rc.strategy in ("packed", "region") and hi > lo:
                 u.region = self._arena.acquire((u.req.rid, u.rc.chunk, u.target.conn.spec.dcp_rank, u.w),
                                                u.rc.window_bytes(u.w, self._layers.item_lens))
                 if u.region is None:
@@ -107,8 +111,9 @@ class SenderUnits:
         req, t, rc = u.req, u.target, u.rc
         rank, n = t.conn.spec.dcp_rank, hi - lo
         region_addr = None
+        if req.first_byte_at is None:  # the request's first byte packed (or sent, unpacked paths)
+            req.first_byte_at = time.monotonic()
         if u.region is not None:
-
             tk = time.perf_counter()
             pack_rows(self._source, rc.src_rows[lo:hi], self._pack.array, offset=u.region.offset)
             req.pack_seconds += time.perf_counter() - tk
@@ -117,6 +122,8 @@ class SenderUnits:
         if req.t_first_submit is None:
             req.t_first_submit = time.perf_counter()
         req.state.advance(TransferStatus.TRANSFERRING)
+        if rc.strategy == "fused":
+            return self._submit_fused(u, head)
         if t.conn.direction == "pull":
             src_rows = b"" if region_addr is not None else proto.pack_i64(rc.src_rows[lo:hi])
             self._pulls[(req.rid, t.inc, rank, rc.chunk, u.w)] = u
@@ -125,10 +132,12 @@ class SenderUnits:
             # The reader builds these very descriptors (same rows, same runs): count them here.
             ndesc = rc.descriptors_per_window(self.spec.num_layers)[u.w] if n else 0
             self._count(t, ndesc, rc.window_bytes(u.w, self._layers.item_lens) if n else 0,
-                        batch_engine_calls(ndesc, getattr(self.engine, "window", None)) if n else 0)
+                        self._batch_calls(ndesc) if n else 0)
             self._ctl.send(t.conn.ident, proto.encode("pull_ready", req.rid, t.inc, lo=lo, src_addr=region_addr or 0,
                                                       src_rows=src_rows, **head))
             return
+        if rc.strategy == "region":
+            return self._submit_region_push(u, head, rc.window_bytes(u.w, self._layers.item_lens))
         descs = rc.window_descriptors(u.w, src_bases=self._layers.bases, dst_bases=t.conn.layer_bases,
                                       item_lens=self._layers.item_lens, region_addr=region_addr)
         notif = proto.encode("done", req.rid, t.inc, **head)
@@ -139,8 +148,7 @@ class SenderUnits:
         req.inflight += 1
         t.inflight += 1
         self._inflight.append(u)
-        self._count(t, len(descs), int(descs[:, 2].sum()) if len(descs) else 0,
-                    batch_engine_calls(len(descs), getattr(self.engine, "window", None)))
+        self._count(t, len(descs), int(descs[:, 2].sum()) if len(descs) else 0, self._batch_calls(len(descs)))
 
     def _count(self, t: RankTarget, descriptors: int, nbytes: int, calls: int) -> None:
         """Adds one batch to the rank's and the sender's counters (a notification-only batch
@@ -225,6 +233,7 @@ class SenderUnits:
             for t in req.targets.values():
                 if t.conn.ident in self._conns:
                     self._ctl.send(t.conn.ident, proto.encode(notify, req.rid, t.inc, reason=reason[:proto.MAX_TEXT]))
+        self._drop_asks(lambda u: u.req is req)  # waiting for a grant: no engine reads their regions
         for t in req.targets.values():
             self._maybe_drained(req, t)
         return True

@@ -8,10 +8,14 @@ with the right field types and bounds; the caller drops it and counts it. Nothin
 is trusted before it passed here, and addresses in it are validated again by the engine adapter
 against the registrations before any byte moves.
 
-Kinds (receiver -> sender): ``hello``, ``expect``, ``abort``, ``failed``, ``pull_done``, ``ping``.
+Kinds (receiver -> sender): ``hello``, ``expect``, ``abort``, ``failed``, ``pull_done``,
+``region_grant`` (region path: where in this rank's registered receive region a window goes),
+``ping``.
 Kinds (sender -> receiver): ``hello_ack``, ``hello_nack``, ``abort``, ``failed``, ``pull_ready``,
 ``sent`` (a batch with a ``done`` notification was just submitted: the receiver polls its engine
-while such batches are due, and idles otherwise), ``drained`` (after a request ended without success, no WRITE of the sender's into that rank's
+while such batches are due, and idles otherwise), ``region_ask`` (region path: a packed window
+wants room in the receive region), ``fused_done`` (fused path: the sender's copy kernel into this
+rank's IPC-mapped pages has finished), ``drained`` (after a request ended without success, no WRITE of the sender's into that rank's
 pages is in flight any more), ``ping``. Engine notification (sender -> receiver, delivered by the engine after the batch's
 bytes landed): ``done``.
 """
@@ -24,11 +28,14 @@ import numpy as np
 
 __all__ = [
     "PROTOCOL_VERSION", "MAX_CONTROL_BYTES", "MAX_NOTIF_BYTES", "ProtocolError", "encode",
-    "decode", "pack_i64", "unpack_i64", "KINDS",
+    "decode", "pack_i64", "unpack_i64", "KINDS", "PATHS",
 ]
 
 #: Bumped on any change of a message's meaning; peers of another version are refused at hello.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+#: Path names a sender may answer a hello with (`dcp_jax.transfer._region.choose_path`).
+PATHS = ("direct", "packed", "region", "fused")
+MAX_IPC_HANDLES = 4096     # one CUDA IPC handle per KV layer entry at most (spec.MAX_LAYERS)
 #: Largest control message accepted (bytes). A direct pull of 262,144 rows is 2 MiB of rows.
 MAX_CONTROL_BYTES = 16 << 20
 #: Largest engine notification accepted (bytes).
@@ -43,15 +50,20 @@ class ProtocolError(ValueError):
 
 
 # field -> (type(s), lower bound for ints or max length for str/bytes)
-_INT, _STR, _BYTES, _BOOL, _DICT, _ANY = int, str, bytes, bool, dict, object
+_INT, _STR, _BYTES, _BOOL, _DICT, _LIST, _ANY = int, str, bytes, bool, dict, list, object
 _COMMON = {"v": (_INT, 0), "k": (_STR, 32), "rid": (_STR, MAX_REQUEST_ID), "inc": (_INT, 0)}
 _CHUNK = {"chunk": (_INT, 0), "part": (_INT, 0), "nparts": (_INT, 1), "start": (_INT, 0),
           "stop": (_INT, 0), "nrows": (_INT, 0)}
 KINDS: dict[str, dict[str, tuple]] = {
+    # region_addr/region_bytes: the receive region (bytes; 0 = none offered); mem: "DRAM"/"VRAM"
+    # of the KV layers; ipc: CUDA IPC handle dicts of the layers (bridge.cuda_ipc, checked by
+    # IpcHandle.from_dict before use), [] when not offered; host: where the receiver runs.
     "hello": {"spec": (_DICT, 0), "peer": (_DICT, 0), "group": (_STR, 256), "direction": (_STR, 8),
-              "name": (_STR, 256), "layer_bases": (_BYTES, 8 * 4096)},
+              "name": (_STR, 256), "layer_bases": (_BYTES, 8 * 4096), "region_addr": (_INT, 0),
+              "region_bytes": (_INT, 0), "mem": (_STR, 8), "ipc": (_LIST, MAX_IPC_HANDLES),
+              "host": (_DICT, 0)},
     "hello_ack": {"spec": (_DICT, 0), "peer": (_DICT, 0), "layer_bases": (_BYTES, 8 * 4096),
-                  "name": (_STR, 256)},
+                  "name": (_STR, 256), "path": (_STR, 16)},
     "hello_nack": {"field": (_STR, 64), "ours": (_ANY, 0), "theirs": (_ANY, 0), "message": (_STR, MAX_TEXT)},
     "expect": {"num_tokens": (_INT, 0), "prefix_tokens": (_INT, 0), "page_table": (_BYTES, MAX_CONTROL_BYTES),
                "dcp_rank": (_INT, 0)},
@@ -60,6 +72,9 @@ KINDS: dict[str, dict[str, tuple]] = {
     "pull_ready": {**_CHUNK, "lo": (_INT, 0), "src_addr": (_INT, 0), "src_rows": (_BYTES, MAX_CONTROL_BYTES)},
     "pull_done": {"chunk": (_INT, 0), "part": (_INT, 0), "ok": (_BOOL, 0), "reason": (_STR, MAX_TEXT)},
     "done": dict(_CHUNK),
+    "region_ask": {**_CHUNK, "lo": (_INT, 0), "nbytes": (_INT, 1)},
+    "region_grant": {"chunk": (_INT, 0), "part": (_INT, 0), "offset": (_INT, 0), "nbytes": (_INT, 1)},
+    "fused_done": dict(_CHUNK),
     "drained": {},
     "sent": {"chunk": (_INT, 0), "part": (_INT, 0)},
     "ping": {},
@@ -136,6 +151,12 @@ def _check(msg: Any) -> None:
         raise ProtocolError(f"{kind}: stop={msg['stop']} < start={msg['start']}")
     if "part" in schema and "nparts" in schema and msg["part"] >= msg["nparts"]:
         raise ProtocolError(f"{kind}: part={msg['part']} must be < nparts={msg['nparts']}")
+    if kind == "hello_ack" and msg["path"] not in PATHS:
+        raise ProtocolError(f"hello_ack.path={msg['path']!r} must be one of {PATHS}")
+    if kind == "hello" and msg["mem"] not in ("DRAM", "VRAM"):
+        raise ProtocolError(f"hello.mem={msg['mem']!r} must be 'DRAM' or 'VRAM'")
+    if kind == "hello" and (msg["region_bytes"] == 0) != (msg["region_addr"] == 0):
+        raise ProtocolError("hello: region_addr and region_bytes must both be 0 (no receive region) or both set")
 
 
 def pack_i64(a: Any) -> bytes:

@@ -28,6 +28,7 @@ from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, TIMEOUT_CHECK_S, Worker, check_page_table, check_seconds
 from dcp_jax.transfer._receiver_data import ReceiverData
+from dcp_jax.transfer._region import host_info
 from dcp_jax.transfer.control import ControlClient, engine_options_for
 from dcp_jax.transfer.memory import CacheLayers
 from dcp_jax.transfer.requests import RecvRequest, check_request_id
@@ -53,6 +54,7 @@ class _Link:
     direction: str
     last_seen: float
     registered: bool = False
+    path: str = "direct"       # the transfer path the sender chose at the handshake
 
 
 class KVReceiver(ReceiverData):
@@ -149,7 +151,8 @@ class KVReceiver(ReceiverData):
         try:
             client.send(proto.encode("hello", spec=self.spec.to_dict(), peer=self.engine.peer_info().to_dict(),
                                      group=self.group, direction=direction, name=self.engine.name,
-                                     layer_bases=proto.pack_i64(self._layers.bases)))
+                                     layer_bases=proto.pack_i64(self._layers.bases), region_addr=0,
+                                     region_bytes=0, mem=self._layers.mem_type, ipc=[], host=host_info()))
             reply = self._await_reply(client, timeout_s)
             if reply["k"] == "hello_nack":  # the sender's ours/theirs are the other way round
                 raise HandshakeError(reply["field"], reply["theirs"], reply["ours"], reply["message"])
@@ -164,7 +167,7 @@ class KVReceiver(ReceiverData):
         except BaseException:
             client.close()
             raise
-        link = _Link(client, sender_spec, peer, bases, direction, time.monotonic())
+        link = _Link(client, sender_spec, peer, bases, direction, time.monotonic(), path=reply["path"])
         with self._lock:
             self._links.append(link)
             self._by_peer[peer] = link

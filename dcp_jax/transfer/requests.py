@@ -118,7 +118,9 @@ class SendRequest:
         self.inflight = 0          # units submitted and not yet reported done by the engine
         self.plan_seconds = 0.0
         self.pack_seconds = 0.0
+        self.copy_seconds = 0.0           # fused path: copy kernels, waited for
         self.t_first_submit: float | None = None
+        self.first_byte_at: float | None = None  # time.monotonic() of the first pack or submit
 
     @property
     def status(self) -> TransferStatus:

@@ -28,10 +28,13 @@ from dcp_jax.layout import check_layout_args, local_index_np, local_len_np, owne
 from dcp_jax.packing import choose_pack_strategy_for_rows, pack_bytes
 from dcp_jax.plan import build_descriptors, group_runs, packed_src_bases, rows_from_page_table
 
-__all__ = ["SideLayout", "owned_tokens", "token_rows", "chunk_rows", "RankChunk", "plan_rank_chunk", "batch_engine_calls",
+__all__ = ["PLAN_MODES", "SideLayout", "owned_tokens", "token_rows", "chunk_rows", "RankChunk", "plan_rank_chunk", "batch_engine_calls",
            "ScheduleCounts", "TransferSchedule"]
 
-Strategy = Literal["empty", "direct", "packed"]
+Strategy = Literal["empty", "direct", "packed", "region", "fused"]
+#: Modes `plan_rank_chunk` plans (the connector's transfer paths; ``"auto"`` is resolved per peer
+#: by `dcp_jax.transfer._region.choose_path` before planning).
+PLAN_MODES = ("direct", "packed", "region", "fused")
 _EMPTY = np.zeros(0, np.int64)
 
 
@@ -196,8 +199,12 @@ class RankChunk:
         dst_rank: the destination (decode) rank.
         src_rows, dst_rows: i64[n] rows of the sender's / receiver's cache, token order.
         strategy: ``"empty"`` (no rows: one empty window, only the completion goes out),
-            ``"direct"`` (descriptors from the KV buffers) or ``"packed"`` (each window gathered
-            into a pack region first).
+            ``"direct"`` (descriptors from the KV buffers), ``"packed"`` (each window gathered
+            into a pack region first, one descriptor per destination page run per layer),
+            ``"region"`` (gathered likewise, then ONE descriptor per window into the receiver's
+            receive region, which the receiver unpacks into its pages) or ``"fused"`` (one
+            gather-scatter kernel from the sender's pages into the receiver's IPC-mapped pages:
+            no descriptor, no engine batch).
         windows: ``(lo, hi)`` row ranges into ``src_rows``/``dst_rows``, one engine batch each.
         fallback: packing was asked for but the region holds no row: sent direct.
     """
@@ -213,20 +220,28 @@ class RankChunk:
     fallback: bool = False
 
     num_rows = property(lambda self: int(self.src_rows.shape[0]), doc="Rows (tokens) per layer entry.")
-    num_batches = property(lambda self: 0 if self.strategy == "empty" else len(self.windows),
-                           doc="Engine batches of descriptors: one per window, 0 for an empty unit.")
+    num_batches = property(lambda self: 0 if self.strategy in ("empty", "fused") else len(self.windows),
+                           doc="Engine batches of descriptors: one per window, 0 for an empty or fused unit.")
 
     @functools.cached_property
     def _runs(self) -> tuple[np.ndarray, ...]:
         out = []
+        if self.strategy in ("region", "fused"):  # no page runs: one or no descriptor per window
+            return tuple(np.zeros((0, 3), np.int64) for _ in self.windows)
         for lo, hi in self.windows:
             src = np.arange(hi - lo, dtype=np.int64) if self.strategy == "packed" else self.src_rows[lo:hi]
             out.append(group_runs(src, self.dst_rows[lo:hi]))
         return tuple(out)
 
     def descriptors_per_window(self, num_layers: int) -> list[int]:
-        """Descriptors of each window: runs x ``num_layers``."""
+        """Descriptors of each window: runs x ``num_layers`` (direct, packed); 1 (region: the
+        whole window is one contiguous pack region written or read into one contiguous receive
+        region); 0 (fused, empty)."""
         num_layers = check_int("num_layers", num_layers, minimum=1)
+        if self.strategy == "region":
+            return [1 if hi > lo else 0 for lo, hi in self.windows]
+        if self.strategy == "fused":
+            return [0] * len(self.windows)
         return [int(r.shape[0]) * num_layers for r in self._runs]
 
     def num_descriptors(self, num_layers: int) -> int:
@@ -257,12 +272,28 @@ class RankChunk:
                 :func:`dcp_jax.plan.build_descriptors`).
         """
         runs = self._runs[w]
+        if self.strategy in ("region", "fused"):
+            raise ValueError(f"a {self.strategy} unit has no page-run descriptors (region_descriptor)")
         if self.strategy == "packed":
             if region_addr is None:
                 raise ValueError("region_addr is required for the windows of a packed unit")
             lo, hi = self.windows[w]
             src_bases = packed_src_bases(region_addr, hi - lo, item_lens)
         return build_descriptors(runs, src_bases, dst_bases, item_lens)
+
+    def region_descriptor(self, w: int, *, src_addr: int, dst_addr: int, item_lens) -> np.ndarray:
+        """i64[1, 3] ``(src_addr, dst_addr, nbytes)``: window ``w`` of a region unit, the whole
+        layer-major pack (``window_bytes(w)``) from the sender's pack region at ``src_addr`` to
+        the receiver's receive region at ``dst_addr`` (bytes).
+
+        Raises:
+            ValueError: not a region unit, or negative addresses.
+        """
+        if self.strategy != "region":
+            raise ValueError(f"region_descriptor is for region units, this one is {self.strategy!r}")
+        src_addr = check_int("src_addr", src_addr, minimum=0)
+        dst_addr = check_int("dst_addr", dst_addr, minimum=0)
+        return np.array([[src_addr, dst_addr, self.window_bytes(w, item_lens)]], np.int64)
 
     def engine_calls(self, num_layers: int, engine_window: int | None = None) -> int:
         """Engine calls of this unit.
@@ -276,6 +307,8 @@ class RankChunk:
             check_int("engine_window", engine_window, minimum=1)
         if self.strategy == "empty":
             return batch_engine_calls(0, engine_window)
+        if self.strategy == "fused":
+            return 0  # the kernel is the transfer; completion rides on the control plane
         return sum(batch_engine_calls(d, engine_window) for d in self.descriptors_per_window(num_layers))
 
     def __repr__(self) -> str:
@@ -311,11 +344,13 @@ def plan_rank_chunk(chunk: int, start: int, stop: int, *, src: SideLayout, dst: 
         start, stop: the chunk's tokens ``[start, stop)``.
         src, dst: sender's and receiver's layouts.
         src_page_table, dst_page_table: their page tables (section 10 conventions).
-        mode: ``"direct"`` or ``"packed"``.
+        mode: one of :data:`PLAN_MODES`: ``"direct"``, ``"packed"``, ``"region"`` or ``"fused"``.
         max_batch_indices: rows per batch (window), None = no limit.
-        max_region_rows: rows the pack region holds (packed), None = no limit. Fewer rows than
-            the unit has: sliced sending (one pack per window); 0: direct, with a logged
-            warning (:func:`dcp_jax.packing.choose_pack_strategy_for_rows`).
+        max_region_rows: rows the pack region holds (packed; for region: the rows both the
+            sender's pack region and the receiver's receive region hold), None = no limit.
+            Fewer rows than the unit has: sliced sending (one pack per window); 0: direct, with
+            a logged warning (:func:`dcp_jax.packing.choose_pack_strategy_for_rows`); region
+            needs >= 1.
         check_tables: validate both whole page tables (negative or repeated ids). A caller that
             validated them once per request (the sender, at ``send``/``expect``) passes False:
             the lengths of the pages actually used are still checked.
@@ -332,8 +367,8 @@ def plan_rank_chunk(chunk: int, start: int, stop: int, *, src: SideLayout, dst: 
 
 def _plan(chunk, start, stop, src, dst, src_page_table, dst_page_table, mode, max_batch_indices,
           max_region_rows, check: bool, names=("src_page_table", "dst_page_table")) -> RankChunk:
-    if mode not in ("direct", "packed"):
-        raise ValueError(f"mode must be 'direct' or 'packed', got {mode=}")
+    if mode not in PLAN_MODES:
+        raise ValueError(f"mode must be one of {PLAN_MODES}, got {mode=}")
     chunk = check_int("chunk", chunk, minimum=0)
     step = _positive_or_none("max_batch_indices", max_batch_indices)
     region = _positive_or_none("max_region_rows", max_region_rows, minimum=0)
@@ -341,6 +376,11 @@ def _plan(chunk, start, stop, src, dst, src_page_table, dst_page_table, mode, ma
     n, strategy, fallback = src_rows.size, mode, False
     if n == 0:
         strategy = "empty"
+    elif mode == "region" and region is not None:
+        if region < 1:
+            raise ValueError(f"max_region_rows={region} must be >= 1 for the region path (a receive "
+                             f"region that holds no row)")
+        step = region if step is None else min(step, region)
     elif mode == "packed" and region is not None:
         if choose_pack_strategy_for_rows(n, region) == "per_row":
             strategy, fallback = "direct", True

@@ -50,7 +50,7 @@ class TransferSchedule:
         units: the :class:`RankChunk` of every (chunk, destination rank).
         num_layers: layer entries.
         item_lens: bytes per row of each entry.
-        mode: ``"direct"`` or ``"packed"``.
+        mode: one of ``schedule.PLAN_MODES`` (``"direct"``, ``"packed"``, ``"region"``, ``"fused"``).
         engine_window: None for NIXL's engine-call rule, W for Mooncake's (see
             :meth:`RankChunk.engine_calls`).
     """
@@ -80,8 +80,10 @@ class TransferSchedule:
         Raises:
             TypeError, ValueError: mismatched lengths, overlapping chunks, bad values (named).
         """
-        if mode not in ("direct", "packed"):
-            raise ValueError(f"mode must be 'direct' or 'packed', got {mode=}")
+        from dcp_jax.transfer.schedule import PLAN_MODES
+
+        if mode not in PLAN_MODES:
+            raise ValueError(f"mode must be one of {PLAN_MODES}, got {mode=}")
         _positive_or_none("max_batch_indices", max_batch_indices)
         _positive_or_none("max_region_rows", max_region_rows, minimum=0)
         num_layers = check_int("num_layers", num_layers, minimum=1)
@@ -120,7 +122,7 @@ class TransferSchedule:
         return ScheduleCounts(
             rows=n, bytes=pack_bytes(n, self.item_lens), descriptors=u.num_descriptors(self.num_layers), batches=b,
             notifications=b or 1, engine_calls=u.engine_calls(self.num_layers, self.engine_window),
-            packs=b if u.strategy == "packed" else 0, fallbacks=b if u.fallback else 0,
+            packs=b if u.strategy in ("packed", "region") else 0, fallbacks=b if u.fallback else 0,
             empty_units=int(u.strategy == "empty"))
 
     @functools.cached_property

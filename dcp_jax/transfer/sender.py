@@ -34,6 +34,8 @@ from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, Worker, check_page_table, check_seconds
 from dcp_jax.transfer.arena import PackArena
 from dcp_jax.transfer._sender_peers import SenderPeers
+from dcp_jax.transfer._region import SEND_MODES
+from dcp_jax.transfer._sender_region import SenderRegion
 from dcp_jax.transfer._sender_units import SenderUnits
 from dcp_jax.transfer.control import ControlServer, engine_options_for
 from dcp_jax.transfer.memory import CacheLayers
@@ -47,11 +49,10 @@ __all__ = ["KVSender", "SEND_MODES", "DEFAULT_PACK_BYTES"]
 
 logger = logging.getLogger(__name__)
 
-SEND_MODES = ("auto", "packed", "direct")
 DEFAULT_PACK_BYTES = 64 << 20
 
 
-class KVSender(SenderPeers, SenderUnits):
+class KVSender(SenderPeers, SenderUnits, SenderRegion):
     """Prefill-side connector over the caller's KV layers.
 
     Args:
@@ -62,10 +63,14 @@ class KVSender(SenderPeers, SenderUnits):
         host, port: where the control plane listens (port 0: any free port); Mooncake listens
             on ``host`` too unless ``engine_options`` names a ``hostname`` (NIXL: UCX's
             interfaces come from ``UCX_NET_DEVICES``).
-        mode: ``"packed"`` (gather each rank's rows into the pack buffer, then one descriptor
-            per destination page run), ``"direct"`` (descriptors straight from the KV pages), or
-            ``"auto"`` (direct when the decode interleave is a multiple of this page size, i.e.
-            block round-robin keeps whole pages together; packed otherwise).
+        mode: the transfer path for every decode rank: ``"packed"`` (gather each rank's rows
+            into the pack buffer, then one descriptor per destination page run per layer),
+            ``"direct"`` (descriptors straight from the KV pages), ``"region"`` (gather, then ONE
+            descriptor per window into the rank's receive region, unpacked there), ``"fused"``
+            (same host, GPU caches: one copy kernel into the rank's IPC-mapped pages), or
+            ``"auto"`` (per peer, `dcp_jax.transfer._region.choose_path`: fused, else direct on
+            hosts when pages stay whole, else region when the rank offers one, else packed). A
+            path a rank cannot take refuses its handshake (`HandshakeError` field ``"path"``).
         pack_bytes: size of the registered pack buffer (bytes); windows larger than it are
             sliced; default `DEFAULT_PACK_BYTES`.
         max_batch_indices: at most this many rows per engine batch (None: no limit).
@@ -123,6 +128,7 @@ class KVSender(SenderPeers, SenderUnits):
         self._queue: deque = deque()         # _sender_units.Unit, FIFO
         self._inflight: list = []      # push windows the engine has not reported yet
         self._pulls: dict[tuple, Any] = {}  # pull windows the reader has not reported yet
+        self._asks: dict[tuple, Any] = {}   # region windows packed, waiting for the rank's grant
         self._counts = dict(dropped_messages=0, handshakes=0, handshakes_refused=0, requests=0,
                             succeeded=0, failed=0, aborted=0, bytes=0, descriptors=0, batches=0,
                             engine_calls=0)
@@ -242,15 +248,20 @@ class KVSender(SenderPeers, SenderUnits):
             return req.status.terminal and req.inflight == 0
 
     def request_stats(self, request_id: str) -> dict[str, Any]:
-        """Per-request figures: status, per-rank rows/descriptors/bytes/batches/engine calls and
-        strategies, plan/pack seconds, seconds from first submit to completion."""
+        """Per-request figures: status, per-rank ``path`` (the connection's transfer path),
+        rows/descriptors/bytes/batches/engine calls and strategies, plan/pack/copy (fused kernel)
+        seconds, ``transfer_seconds`` (first submit to this side's completion) and
+        ``first_byte_at`` (`time.monotonic()` when the first byte was packed, or sent on the
+        unpacked paths: a clock every process of the host shares, for whole-request timings)."""
         with self._lock:
             req = self._get(request_id)
             t0, t1 = req.t_first_submit, req.t_done
             return dict(status=req.status.value, reason=req.state.reason, inflight=req.inflight,
                         plan_seconds=req.plan_seconds, pack_seconds=req.pack_seconds,
+                        copy_seconds=req.copy_seconds, first_byte_at=req.first_byte_at,
                         transfer_seconds=(t1 - t0) if t0 is not None and t1 is not None else None,
-                        ranks={r: t.counters.as_dict() for r, t in sorted(req.targets.items())})
+                        ranks={r: dict(t.counters.as_dict(), path=t.conn.path)
+                               for r, t in sorted(req.targets.items())})
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -276,6 +287,8 @@ class KVSender(SenderPeers, SenderUnits):
             for req in list(self._requests.values()):
                 self._end(req, TransferStatus.FAILED, "sender closed", notify="failed")
             self._ctl.close()
+            for conn in self._conns.values():
+                conn.close_mapping()
         self.engine.close(timeout_s=max(0.1, deadline - time.monotonic()))
         self._source = None
         self._layers.close()
@@ -301,7 +314,7 @@ class KVSender(SenderPeers, SenderUnits):
             self._heartbeat()
             if busy:
                 return ACTIVE
-            return PENDING if self._inflight else IDLE
+            return PENDING if self._inflight else IDLE  # grants arrive on the control socket
 
     def _get(self, request_id: str) -> SendRequest:
         req = self._requests.get(request_id)

@@ -158,7 +158,7 @@ def test_protocol_refuses_bad_messages():
     with pytest.raises(proto.ProtocolError, match="nrows"):
         proto.decode(msgpack.packb({**proto.decode(good), "nrows": -1}))
     with pytest.raises(proto.ProtocolError, match="version"):
-        proto.decode(msgpack.packb({**proto.decode(good), "v": 2}))
+        proto.decode(msgpack.packb({**proto.decode(good), "v": proto.PROTOCOL_VERSION + 1}))
     with pytest.raises(proto.ProtocolError, match="unexpected"):
         proto.decode(msgpack.packb({**proto.decode(good), "extra": 1}))
     with pytest.raises(proto.ProtocolError, match="exceeds"):

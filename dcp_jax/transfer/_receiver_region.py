@@ -1,0 +1,214 @@
+"""The receiver's region and fused paths (a mixin of `dcp_jax.transfer.KVReceiver`, worker thread, lock held).
+
+Region: every window of a (request, sender, chunk) lands in its own range of this rank's
+registered receive region (`dcp_jax.transfer._region.ReceiveRegion`) and is placed into the
+pages by `pallas_kernels.unpack_rows` before it counts as landed. Push: the sender's
+``region_ask`` is checked (a live request, a window of rows this rank owns in that chunk, the
+size those rows make) before a range is granted (``region_grant``, FIFO while the region is
+full); the engine's ``done`` notification for it triggers the unpack. Pull: ``pull_ready`` gets a
+range, the rank READs the window with one descriptor and unpacks when the read finished.
+
+A range is given back after its unpack, or, when the request ended first, once nothing can write
+it any more: push, when the sender said ``drained`` (or is gone); pull, when the read finished.
+
+Fused: the sender's ``fused_done`` (after its copy kernel into this rank's pages finished) is
+checked like a ``done`` notification and credits the part.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from dcp_jax.transfer import protocol as proto
+from dcp_jax.transfer.requests import RecvRequest
+from dcp_jax.transfer.status import TransferStatus
+
+__all__ = ["ReceiverRegion", "Grant"]
+
+
+@dataclasses.dataclass(eq=False)
+class Grant:
+    """One window's range of the receive region and where its rows go."""
+
+    region: Any            # arena.PackRegion of the ReceiveRegion
+    req: RecvRequest
+    link: Any
+    done: dict             # chunk, part, nparts, start, stop, nrows (what lands)
+    rows: np.ndarray       # i64[nrows] this rank's buffer rows of the window
+
+
+def _synchronize(arrays) -> None:
+    """Waits for the kernels queued on device arrays (no-op for numpy): the rows are in the
+    pages before the part counts."""
+    import pallas_kernels
+
+    sync = getattr(pallas_kernels, "synchronize", None)
+    if sync is not None:
+        sync(arrays)
+    elif arrays and not isinstance(arrays[0], np.ndarray):
+        import cupy as cp
+
+        cp.cuda.runtime.deviceSynchronize()
+
+
+class ReceiverRegion:
+    """Grants, unpacks and the ranges' life cycle; ``fused_done``."""
+
+    def _init_region_state(self) -> None:
+        self._grants: dict[tuple, Grant] = {}       # (id(link), rid, inc, chunk, part) -> push grant
+        self._read_grants: dict[int, Grant] = {}   # read handle seq -> pull grant
+        self._waiting: deque = deque()             # (kind, link, req, msg): asks / pulls waiting for room
+
+    def _window_rows(self, req: RecvRequest, link: Any, msg: dict) -> np.ndarray | None:
+        """The rows of a window a sender announces, or None (the request is failed) when the
+        window is not rows this rank owns in that chunk or its size disagrees."""
+        rows = self._rows_of(req, link, msg["start"], msg["stop"])
+        lo, n = msg["lo"], msg["nrows"]
+        nbytes = msg.get("nbytes", n * self.spec.row_bytes)
+        if msg["stop"] > req.num_tokens or n == 0 or lo + n > len(rows) or nbytes != n * self.spec.row_bytes \
+                or nbytes > self._region.nbytes:
+            self._inconsistent(req, f"window of rows [{lo}, {lo + n}) ({nbytes} bytes) of a chunk this rank holds "
+                                    f"{len(rows)} rows of, into a {self._region.nbytes}-byte receive region")
+            return None
+        return rows[lo:lo + n]
+
+    def _on_region_ask(self, link: Any, msg: dict) -> None:
+        req = self._live(link, msg)
+        if req is None:
+            return  # the request ended here: the sender hears it (abort / failed) and drops the window
+        if link.path != "region":
+            return self._inconsistent(req, f"region_ask on a {link.path} connection")
+        if self._window_rows(req, link, msg) is None:
+            return
+        self._waiting.append(("ask", link, req, msg))
+        self._grant_waiting()
+
+    def _grant_waiting(self) -> bool:
+        """Grants ranges to waiting windows in arrival order while the region has room."""
+        busy = False
+        while self._waiting:
+            kind, link, req, msg = self._waiting[0]
+            if req.status.terminal or link not in self._links or self._requests.get(req.rid) is not req:
+                self._waiting.popleft()
+                if kind == "pull":  # the sender holds its pack region for this: let it go
+                    link.client.send(proto.encode("pull_done", msg["rid"], msg["inc"], chunk=msg["chunk"],
+                                                  part=msg["part"], ok=False, reason="request not live here"))
+                continue
+            nbytes = msg["nrows"] * self.spec.row_bytes
+            key = (id(link), req.rid, req.inc, msg["chunk"], msg["part"])
+            region = self._region.acquire(key, nbytes)
+            if region is None:
+                break  # full: the next unpack frees room
+            self._waiting.popleft()
+            busy = True
+            lo, n = msg["lo"], msg["nrows"]
+            done = dict(chunk=msg["chunk"], part=msg["part"], nparts=msg["nparts"], start=msg["start"],
+                        stop=msg["stop"], nrows=n)
+            g = Grant(region, req, link, done, self._rows_of(req, link, msg["start"], msg["stop"])[lo:lo + n])
+            if kind == "ask":
+                if key in self._grants:  # a duplicate ask: one range per window
+                    self._region.free(region)
+                    self._counts["dropped_messages"] += 1
+                    continue
+                self._grants[key] = g
+                link.client.send(proto.encode("region_grant", req.rid, req.inc, chunk=msg["chunk"], part=msg["part"],
+                                              offset=region.offset, nbytes=nbytes))
+            else:
+                self._read_region(g, msg)
+        return busy
+
+    def _read_region(self, g: Grant, msg: dict) -> None:
+        """Pull: one READ of the sender's packed window into the granted range."""
+        req, link, n = g.req, g.link, g.done["nrows"]
+        descs = np.array([[self._region.addr + g.region.offset, msg["src_addr"], n * self.spec.row_bytes]], np.int64)
+        try:
+            h = self.engine.transfer_batch(link.peer, descs, op="READ", dcp_rank=self.spec.dcp_rank,
+                                           chunk=msg["chunk"])
+        except Exception as exc:  # noqa: BLE001 - refused before a byte moved
+            self._region.free(g.region)
+            link.client.send(proto.encode("pull_done", req.rid, req.inc, chunk=msg["chunk"], part=msg["part"],
+                                          ok=False, reason=str(exc)[:proto.MAX_TEXT]))
+            self._end(req, TransferStatus.FAILED, f"pull refused: {exc}", "failed")
+            return
+        self._reads[h.seq] = (req, link, g.done, h)
+        self._read_grants[h.seq] = g
+        req.inflight += 1
+        self._counts["reads"] += 1
+        req.state.advance(TransferStatus.TRANSFERRING)
+
+    def _queue_region_pull(self, req: RecvRequest, link: Any, msg: dict) -> None:
+        if msg["nrows"] and self._window_rows(req, link, {**msg, "nbytes": msg["nrows"] * self.spec.row_bytes}) is None:
+            return
+        self._waiting.append(("pull", link, req, msg))
+        self._grant_waiting()
+
+    def _unpack(self, g: Grant) -> str | None:
+        """Places a landed window's rows into the pages; the error text, or None."""
+        from pallas_kernels import unpack_rows
+
+        try:
+            tk = time.perf_counter()
+            unpack_rows(self._region.array, self._layers.rows, g.rows, offset=g.region.offset)
+            _synchronize(self._layers.rows)
+            g.req.unpack_seconds += time.perf_counter() - tk
+            self._counts["unpacks"] += 1
+            return None
+        except Exception as exc:  # noqa: BLE001 - the request fails, the receiver lives on
+            return f"unpack: {type(exc).__name__}: {exc}"
+
+    def _region_landed(self, link: Any, msg: dict) -> None:
+        """A ``done`` for a region window: unpack (if the request is still live), give the range back."""
+        g = self._grants.pop((id(link), msg["rid"], msg["inc"], msg["chunk"], msg["part"]), None)
+        req = self._live(link, msg)
+        if g is None:
+            if req is not None:
+                self._inconsistent(req, f"done for chunk {msg['chunk']} part {msg['part']}, which was never granted")
+            return
+        err = self._unpack(g) if req is not None and g.done["nrows"] == msg["nrows"] else None
+        self._region.free(g.region)
+        self._grant_waiting()
+        if req is None:
+            return
+        req.due = max(0, req.due - 1)
+        if g.done != {k: msg[k] for k in g.done}:
+            return self._inconsistent(req, f"done {msg} does not match the grant {g.done}")
+        if err is not None:
+            return self._end(req, TransferStatus.FAILED, err, "failed")
+        self._part_landed(req, link, msg)
+
+    def _read_landed(self, seq: int, ok: bool) -> str | None:
+        """A region READ finished: unpack when it succeeded and the request lives; the range is
+        given back either way. Returns the unpack's error, or None."""
+        g = self._read_grants.pop(seq, None)
+        if g is None:
+            return None
+        err = self._unpack(g) if ok and not g.req.status.terminal else None
+        self._region.free(g.region)
+        return err
+
+    def _free_grants(self, pred) -> None:
+        """Gives back the push ranges no write can reach any more (sender drained or gone)."""
+        for key, g in list(self._grants.items()):
+            if pred(key, g):
+                del self._grants[key]
+                self._region.free(g.region)
+        self._grant_waiting()
+
+    def _quarantine_grants(self, req: RecvRequest) -> None:
+        """The request ended: its push ranges may still be written by an engine; hold them apart
+        until the sender says ``drained``."""
+        for g in self._grants.values():
+            if g.req is req and g.region.state == "in_use":
+                self._region.arena.quarantine(g.region)
+
+    def _on_fused_done(self, link: Any, msg: dict) -> None:
+        req = self._live(link, msg)
+        if req is None:
+            return
+        if link.path != "fused":
+            return self._inconsistent(req, f"fused_done on a {link.path} connection")
+        self._part_landed(req, link, msg)

@@ -1,0 +1,108 @@
+"""The sender's region and fused paths (a mixin of `dcp_jax.transfer.KVSender`, worker thread, lock held).
+
+Region, push: a window is packed into the sender's pack region (as the packed path), then
+``region_ask`` asks the decode rank for room in its receive region; its ``region_grant`` (offset,
+size: checked against the region the rank declared at the handshake before any byte moves)
+lets ONE descriptor write the whole window, with the usual ``done`` notification. Region, pull:
+as the packed path's ``pull_ready``; the receiver READs the window with one descriptor.
+
+Fused: one `pallas_kernels.copy_rows` kernel per window writes the rows from this sender's pages
+into the decode rank's pages through the connection's `bridge.cuda_ipc.IpcMapping`; once the
+kernel finished (``pallas_kernels.synchronize``), ``fused_done`` tells the rank.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from dcp_jax.transfer import protocol as proto
+
+__all__ = ["SenderRegion"]
+
+
+def _synchronize(arrays) -> None:
+    """Waits until every kernel queued on these device arrays finished (no-op for numpy)."""
+    import pallas_kernels
+
+    sync = getattr(pallas_kernels, "synchronize", None)
+    if sync is not None:
+        sync(arrays)
+        return
+    if arrays and not isinstance(arrays[0], np.ndarray):
+        import cupy as cp
+
+        cp.cuda.runtime.deviceSynchronize()
+
+
+class SenderRegion:
+    """Region asks and grants, the fused copy, and their clean-up."""
+
+    def _ask_key(self, u: Any) -> tuple:
+        return (u.req.rid, u.target.inc, u.target.conn.spec.dcp_rank, u.rc.chunk, u.w)
+
+    def _submit_region_push(self, u: Any, head: dict, nbytes: int) -> None:
+        """Asks the rank for room; the write follows its grant (`_on_region_grant`)."""
+        t = u.target
+        self._asks[self._ask_key(u)] = u
+        u.req.inflight += 1
+        t.inflight += 1
+        lo, _ = u.rc.windows[u.w]
+        self._ctl.send(t.conn.ident, proto.encode("region_ask", u.req.rid, t.inc, lo=lo, nbytes=nbytes, **head))
+
+    def _on_region_grant(self, conn: Any, msg: dict) -> None:
+        u = self._asks.pop((msg["rid"], msg["inc"], conn.spec.dcp_rank, msg["chunk"], msg["part"]), None)
+        if u is None or u.target.conn is not conn:
+            self._counts["dropped_messages"] += 1  # a grant for a window that ended meanwhile
+            return
+        req, t = u.req, u.target
+        want = u.rc.window_bytes(u.w, self._layers.item_lens)
+        if msg["nbytes"] != want or msg["offset"] + want > conn.region_bytes:
+            # Never write outside the region the rank declared: its grant is refused whole.
+            return self._unit_finished(u, f"region_grant offset={msg['offset']} nbytes={msg['nbytes']} is not "
+                                          f"{want} bytes inside the {conn.region_bytes}-byte receive region")
+        lo, hi = u.rc.windows[u.w]
+        head = dict(chunk=u.rc.chunk, part=u.w, nparts=len(u.rc.windows), start=u.rc.start, stop=u.rc.stop,
+                    nrows=hi - lo)
+        descs = u.rc.region_descriptor(u.w, src_addr=self._pack.addr + u.region.offset,
+                                       dst_addr=conn.region_addr + msg["offset"], item_lens=self._layers.item_lens)
+        try:
+            u.handle = self.engine.transfer_batch(conn.peer, descs, notif=proto.encode("done", req.rid, t.inc, **head),
+                                                  dcp_rank=conn.spec.dcp_rank, chunk=u.rc.chunk)
+        except Exception as exc:  # noqa: BLE001 - refused before a byte moved: the request fails
+            return self._unit_finished(u, f"{type(exc).__name__}: {exc}")
+        self._ctl.send(conn.ident, proto.encode("sent", req.rid, t.inc, chunk=u.rc.chunk, part=u.w))
+        self._inflight.append(u)  # inflight counts were taken at the ask
+        self._count(t, 1, want, self._batch_calls(1))
+
+    def _submit_fused(self, u: Any, head: dict) -> None:
+        """One copy kernel into the rank's mapped pages, waited for, then ``fused_done``."""
+        from pallas_kernels import copy_rows
+
+        t = u.target
+        lo, hi = u.rc.windows[u.w]
+        mapping = t.conn.mapping
+        if hi > lo:
+            dst = u.rc.dst_rows[lo:hi]
+            rows = min(int(a.shape[0]) for a in mapping.arrays)
+            if int(dst.max()) >= rows:  # no engine checks these addresses: this does
+                raise ValueError(f"decode rank {t.conn.spec.dcp_rank}'s page table maps row {int(dst.max())}, "
+                                 f"its mapped layers hold {rows} rows")
+            tk = time.perf_counter()
+            copy_rows(self._layers.rows, u.rc.src_rows[lo:hi], mapping.arrays, dst)
+            _synchronize(mapping.arrays)  # the bytes are in the decode pages before we say so
+            u.req.copy_seconds += time.perf_counter() - tk
+        self._count(t, 0, u.rc.window_bytes(u.w, self._layers.item_lens) if hi > lo else 0, 0)
+        self._ctl.send(t.conn.ident, proto.encode("fused_done", u.req.rid, t.inc, **head))
+        u.req.inflight += 1
+        t.inflight += 1
+        self._unit_finished(u, None)
+
+    def _drop_asks(self, pred) -> None:
+        """Windows waiting for a grant that will never be used: their pack regions are free (no
+        engine reads them) and they are no longer in flight."""
+        for key, u in list(self._asks.items()):
+            if pred(u):
+                del self._asks[key]
+                self._unit_finished(u, None)
