@@ -89,7 +89,7 @@ def make_engine(kind: str, name: str, **kw: Any) -> TransferEngine:
         BridgeError: the engine's package is missing or it failed to start.
     """
     if kind not in ENGINE_KINDS:
-        raise ValueError(f"{kind=} must be one of {ENGINE_KINDS}")
+        raise ValueError(f"engine={kind!r} must be one of {ENGINE_KINDS}")
     if kind == "auto":
         avail = available_engines()
         if not avail:
