@@ -38,15 +38,7 @@ def host_pool(workers: int) -> ThreadPoolExecutor:
 def pack_host(layers, idx, pack, offset, item_lens, threads):
     """numpy gather into the pack: (layer, row range) units, dealt to `threads` workers."""
     n = int(idx.shape[0])
-    total = n * sum(item_lens)
-    threads = host_threads(threads, total)
-    bounds = _row_bounds(n, threads, len(layers))
-    units, pos = [], offset
-    for a, w in zip(layers, item_lens):
-        for r0, r1 in zip(bounds[:-1], bounds[1:]):
-            if r1 > r0:
-                units.append((a, r0, r1, w, pos + r0 * w))
-        pos += n * w
+    threads, units = _region_units(layers, item_lens, n, threads, offset)
 
     def take(batch):
         for a, r0, r1, w, start in batch:
@@ -94,14 +86,7 @@ def _row_bounds(n: int, threads: int, num_layers: int) -> list[int]:
 def unpack_host(pack, layers, idx, offset, item_lens, threads) -> None:
     """numpy scatter: (layer, row range) units, each writing its own destination rows."""
     n = int(idx.shape[0])
-    threads = host_threads(threads, n * sum(item_lens))
-    bounds = _row_bounds(n, threads, len(layers))
-    units, pos = [], offset
-    for a, w in zip(layers, item_lens):
-        for r0, r1 in zip(bounds[:-1], bounds[1:]):
-            if r1 > r0:
-                units.append((a, r0, r1, w, pos + r0 * w))
-        pos += n * w
+    threads, units = _region_units(layers, item_lens, n, threads, offset)
 
     def put(batch):
         for a, r0, r1, w, start in batch:
@@ -126,3 +111,17 @@ def copy_host(srcs, sidx, dsts, didx, item_lens, threads) -> None:
 
 __all__ = ["HOST_MAX_THREADS", "HOST_MAX_THREADS_ARG", "HOST_THREADS_MIN_BYTES", "check_threads",
            "copy_host", "host_pool", "pack_host", "unpack_host"]
+
+
+def _region_units(layers, item_lens, n: int, threads, offset: int):
+    """Split a layer-major region of n rows per layer into per-thread work units
+    ``(layer, r0, r1, item_len, region byte start)``; shared by the host pack and unpack."""
+    threads = host_threads(threads, n * sum(item_lens))
+    bounds = _row_bounds(n, threads, len(layers))
+    units, pos = [], offset
+    for a, w in zip(layers, item_lens):
+        for r0, r1 in zip(bounds[:-1], bounds[1:]):
+            if r1 > r0:
+                units.append((a, r0, r1, w, pos + r0 * w))
+        pos += n * w
+    return threads, units
