@@ -124,7 +124,7 @@ class SenderPeers:
                 return
             if req.status.terminal:
                 self._counts["dropped_messages"] += 1
-                self._maybe_drained(req, t)
+                self._maybe_drained(req, t, asked=True)
                 return
             status = TransferStatus.ABORTED if kind == "abort" else TransferStatus.FAILED
             self._end(req, status, f"decode rank {conn.spec.dcp_rank}: {msg['reason']}", notify=kind)

@@ -238,10 +238,12 @@ class SenderUnits:
             self._maybe_drained(req, t)
         return True
 
-    def _maybe_drained(self, req: SendRequest, t: RankTarget) -> None:
+    def _maybe_drained(self, req: SendRequest, t: RankTarget, asked: bool = False) -> None:
         """Tells a rank of an ended (not successful) request once no write of ours into its
-        pages is in flight: the decode side may then reuse them (`KVReceiver.is_drained`)."""
-        if (req.status.terminal and req.status is not TransferStatus.SUCCESS and not t.drained
+        pages is in flight: the decode side may then reuse them (`KVReceiver.is_drained`).
+        ``asked``: the rank failed the request itself (its timeout, or it lost our ``done``),
+        so it waits for this word even when our side ended in SUCCESS, and again if it asks again."""
+        if (req.status.terminal and (asked or (req.status is not TransferStatus.SUCCESS and not t.drained))
                 and t.inflight == 0 and t.conn.ident in self._conns):
             t.drained = True
             self._ctl.send(t.conn.ident, proto.encode("drained", req.rid, t.inc))

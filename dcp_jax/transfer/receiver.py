@@ -408,8 +408,21 @@ class KVReceiver(ReceiverData):
             return
         self._next_timeout_check = now + TIMEOUT_CHECK_S
         for req in list(self._requests.values()):
-            if not req.status.terminal and req.state.stalled_for(now) > self.timeout_s:
-                self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s", "failed")
+            if not req.status.terminal:
+                if req.state.stalled_for(now) > self.timeout_s:
+                    self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s", "failed")
+            elif req.status is not TransferStatus.SUCCESS and req.state.stalled_for(now) > self.timeout_s:
+                self._ask_drained(req)
+
+    def _ask_drained(self, req: RecvRequest) -> None:
+        """Asks again, once per ``timeout_s``, the push senders that have not said ``drained`` for
+        an ended request: a ``failed`` or its answer can be lost with a connection that broke
+        and came back, and the pages stay held until the word comes (or the sender is dropped)."""
+        req.state.touch()
+        kind = "abort" if req.status is TransferStatus.ABORTED else "failed"
+        frame = proto.encode(kind, req.rid, req.inc, reason="still waiting for drained")
+        self._outbox.extend((link, frame) for link in req.senders if link in self._links
+                            and link.direction != "pull" and id(link) not in req.drained)
 
     def _heartbeat(self) -> None:
         now = time.monotonic()

@@ -118,7 +118,7 @@ def test_peer_info_and_errors_pickle():
 
 
 def test_make_engine_rejects_unknown_kind():
-    with pytest.raises(ValueError, match="kind"):
+    with pytest.raises(ValueError, match="engine="):
         make_engine("rdma-pigeon", "x")
 
 

@@ -189,3 +189,42 @@ def test_is_drained_after_abort_on_both_sides(engine):
         assert not c.receivers[0].is_drained("live")  # a live request is never drained
     finally:
         c.close()
+
+
+def test_rank_that_failed_after_the_sender_succeeded_is_told_drained(engine):
+    # The soak's lost request: a decode rank's timeout fired (its "done" was still queued, or was
+    # lost with a broken connection) after the sender had finished. Its pages stay held until the
+    # sender says "drained"; a sender that ended in SUCCESS must still answer, and answer again.
+    c = Cluster(engine, dcp_size=1, mode="packed")
+    try:
+        recv = c.receivers[0]
+        src, dst = c.tables(12)
+        recv.expect("late", dst[0], 12)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # the announcement reached the sender
+            try:
+                if c.sender.request_stats("late")["ranks"]:
+                    break
+            except KeyError:
+                pass
+            time.sleep(0.005)
+        with recv._lock:  # the rank's worker is held: the sender's "done" waits unread
+            c.sender.send("late", src, 0, 12)
+            while c.sender.poll("late") is not S.SUCCESS and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert c.sender.poll("late") is S.SUCCESS
+            req = recv._requests["late"]
+            recv._end(req, S.FAILED, "no progress (the rank's own timeout)", "failed")
+        deadline = time.monotonic() + 10
+        while not recv.is_drained("late") and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert recv.poll("late") is S.FAILED and recv.is_drained("late")
+        # A lost answer is asked for again: forget it, age the request past timeout_s.
+        req.drained.clear()
+        req.state.last_progress -= 2 * recv.timeout_s
+        deadline = time.monotonic() + 10
+        while not recv.is_drained("late") and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert recv.is_drained("late")
+    finally:
+        c.close()
