@@ -36,6 +36,8 @@ class ReceiverData:
         except proto.ProtocolError:
             self._counts["rejected_notifications"] += 1
             return
+        if link.path == "region" and msg["nrows"]:  # a window into the receive region: unpack it
+            return self._region_landed(link, msg)
         req = self._live(link, msg)
         if req is not None:
             req.due = max(0, req.due - 1)
@@ -140,8 +142,13 @@ class ReceiverData:
             req.inflight -= 1
             link.client.send(proto.encode("pull_done", req.rid, req.inc, chunk=done["chunk"], part=done["part"],
                                           ok=err is None and not req.status.terminal, reason=(err or "")[:proto.MAX_TEXT]))
-            if req.status.terminal or self._requests.get(req.rid) is not req:
+            live = not req.status.terminal and self._requests.get(req.rid) is req
+            # A region read: unpack into the pages (when it landed for a live request); the
+            # range is given back either way, the engine being done with it.
+            unpack_err = self._read_landed(seq, err is None and live)
+            if not live:
                 continue
+            err = err if err is not None else unpack_err
             if err is not None:
                 self._end(req, TransferStatus.FAILED, f"read failed: {err}", "failed")
             else:

@@ -8,6 +8,7 @@ so the memory an engine has registered cannot be freed under it.
 """
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,9 +47,11 @@ def _pointer(a: Any, kind: str) -> int:
     return int(a.unsafe_buffer_pointer())
 
 
-def _row_view(a: Any, kind: str, rows: int, item: int) -> Any:
+def _row_view(a: Any, kind: str, rows: int, item: int, writable: bool = False) -> Any:
     """u8[rows, item] view of one layer's memory (no copy) for the pack: numpy on the host,
-    CuPy on a GPU (JAX GPU arrays are viewed through DLPack; the pack reads them in place)."""
+    CuPy on a GPU (JAX GPU arrays are viewed through DLPack; the pack reads them in place).
+    ``writable``: a receiver's unpack writes into the view; JAX's CPU DLPack export is
+    read-only, so the view is then made over the buffer's address (as the engines write it)."""
     if kind == "numpy":
         return a.reshape(rows, -1).view(np.uint8).reshape(rows, item)
     if kind == "cupy":
@@ -59,6 +62,9 @@ def _row_view(a: Any, kind: str, rows: int, item: int) -> Any:
         host = np.from_dlpack(a)  # zero-copy, read-only: the pack only reads, engines write raw
         if int(host.ctypes.data) != _pointer(a, kind):
             raise RuntimeError("DLPack import of a JAX CPU layer copied it")
+        if writable:  # kept alive by CacheLayers holding ``a``
+            raw = (ctypes.c_uint8 * (rows * item)).from_address(int(host.ctypes.data))
+            return np.frombuffer(raw, np.uint8).reshape(rows, item)
         return host.reshape(rows, -1).view(np.uint8).reshape(rows, item)
     import cupy as cp  # JAX on a GPU: a CuPy view of the same device memory (DLPack, no copy)
 
@@ -77,7 +83,8 @@ class CacheLayers:
             trailing dims hold ``spec.item_lens[l]`` bytes per token, C-contiguous, all of one
             kind (numpy, CuPy, or JAX on one device). The caller owns them; this object keeps a
             reference until `close`.
-        writable: refuse read-only numpy layers (a receiver's layers are written into).
+        writable: refuse read-only numpy layers (a receiver's layers are written into) and give
+            writable ``rows`` views (JAX CPU layers too: the region path unpacks into them).
 
     Attributes:
         kind: `array_kind` of the layers.
@@ -133,7 +140,7 @@ class CacheLayers:
             bases.append(ptr)
             rows.append(n)
             regions.append(MemoryRegion(ptr, nbytes, self.mem_type, self.device_id))
-            views.append(_row_view(a, self.kind, n, spec.item_lens[l]))
+            views.append(_row_view(a, self.kind, n, spec.item_lens[l], writable))
         self.bases = np.asarray(bases, np.int64)
         self.num_rows = np.asarray(rows, np.int64)
         self.item_lens = np.asarray(spec.item_lens, np.int64)

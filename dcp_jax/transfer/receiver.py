@@ -28,7 +28,8 @@ from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, TIMEOUT_CHECK_S, Worker, check_page_table, check_seconds
 from dcp_jax.transfer._receiver_data import ReceiverData
-from dcp_jax.transfer._region import host_info
+from dcp_jax.transfer._receiver_region import ReceiverRegion
+from dcp_jax.transfer._region import DEFAULT_REGION_BYTES, ReceiveRegion, host_info, ipc_export
 from dcp_jax.transfer.control import ControlClient, engine_options_for
 from dcp_jax.transfer.memory import CacheLayers
 from dcp_jax.transfer.requests import RecvRequest, check_request_id
@@ -57,7 +58,7 @@ class _Link:
     path: str = "direct"       # the transfer path the sender chose at the handshake
 
 
-class KVReceiver(ReceiverData):
+class KVReceiver(ReceiverData, ReceiverRegion):
     """Decode-rank connector over the caller's KV layers.
 
     Args:
@@ -76,6 +77,12 @@ class KVReceiver(ReceiverData):
         host: this machine's address to use (an interface's IP): control connections are made
             from it and Mooncake listens on it (NIXL: set ``UCX_NET_DEVICES``). None: any
             interface for the control plane, loopback for Mooncake.
+        region_bytes: size of the receive region this rank offers senders for the ``region``
+            path (bytes; allocated once in the layers' memory, registered beside them, windows
+            unpacked from it into the pages). None: `DEFAULT_REGION_BYTES` (64 MiB) for GPU
+            layers (where every descriptor costs 4-7 us), none for host layers (give a size to
+            offer one); 0: none (senders then take another path; ``mode="region"`` is refused
+            at the handshake). GPU layers also offer CUDA IPC handles of themselves (``fused``).
 
     Raises:
         TypeError, ValueError: bad spec, layers or options.
@@ -85,7 +92,7 @@ class KVReceiver(ReceiverData):
     def __init__(self, spec: KVCacheSpec, kv_layers: Sequence[Any], *, engine: str = "nixl",
                  direction: str = "push", group: str = "default", timeout_s: float = 30.0,
                  peer_timeout_s: float = 5.0, heartbeat_s: float = 0.5, engine_options: dict | None = None,
-                 host: str | None = None):
+                 host: str | None = None, region_bytes: int | None = None):
         if not isinstance(spec, KVCacheSpec):
             raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
         if direction not in DIRECTIONS:
@@ -98,12 +105,22 @@ class KVReceiver(ReceiverData):
         self.timeout_s = check_seconds("timeout_s", timeout_s)
         self.peer_timeout_s = check_seconds("peer_timeout_s", peer_timeout_s)
         self.heartbeat_s = check_seconds("heartbeat_s", heartbeat_s)
+        if region_bytes is not None and (isinstance(region_bytes, bool) or not isinstance(region_bytes, (int, np.integer))
+                                         or region_bytes < 0):
+            raise ValueError(f"region_bytes={region_bytes!r} must be None or an int >= 0 (bytes)")
         self._layers = CacheLayers(spec, kv_layers, writable=True)
+        if region_bytes is None:
+            region_bytes = DEFAULT_REGION_BYTES if self._layers.mem_type == "VRAM" else 0
         self._layout = SideLayout.of(spec)
+        # A region smaller than one token could hold no window: offered as none.
+        self._region = ReceiveRegion(int(region_bytes) if region_bytes >= spec.row_bytes else 0,
+                                     self._layers.mem_type, self._layers.device_id)
+        self._ipc = _exported_handles(self._layers)  # once: every connection offers the same
         name = f"dcp-recv-{spec.dcp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.engine = make_engine(engine, name, **engine_options_for(engine, host, engine_options))
         try:
-            self.engine.register(self._layers.regions)
+            extra = [self._region.memory_region()] if self._region.nbytes else []
+            self.engine.register(list(self._layers.regions) + extra)
         except BaseException:
             self.engine.close()
             raise
@@ -116,7 +133,8 @@ class KVReceiver(ReceiverData):
         self._reads: dict[int, tuple] = {}  # handle seq -> (request, link, msg, handle)
         self._chunk_rows: dict[tuple, np.ndarray] = {}
         self._counts = dict(dropped_messages=0, rejected_notifications=0, inconsistent_messages=0,
-                            requests=0, succeeded=0, failed=0, aborted=0, bytes=0, reads=0)
+                            requests=0, succeeded=0, failed=0, aborted=0, bytes=0, reads=0, unpacks=0)
+        self._init_region_state()
         self._last_ping = self._next_timeout_check = 0.0
         self._worker = Worker(f"dcp-receiver-{spec.dcp_rank}", self._round, None)
         self._worker.start()
@@ -151,8 +169,9 @@ class KVReceiver(ReceiverData):
         try:
             client.send(proto.encode("hello", spec=self.spec.to_dict(), peer=self.engine.peer_info().to_dict(),
                                      group=self.group, direction=direction, name=self.engine.name,
-                                     layer_bases=proto.pack_i64(self._layers.bases), region_addr=0,
-                                     region_bytes=0, mem=self._layers.mem_type, ipc=[], host=host_info()))
+                                     layer_bases=proto.pack_i64(self._layers.bases),
+                                     region_addr=self._region.addr, region_bytes=self._region.nbytes,
+                                     mem=self._layers.mem_type, ipc=self._ipc, host=host_info()))
             reply = self._await_reply(client, timeout_s)
             if reply["k"] == "hello_nack":  # the sender's ours/theirs are the other way round
                 raise HandshakeError(reply["field"], reply["theirs"], reply["ours"], reply["message"])
@@ -163,6 +182,9 @@ class KVReceiver(ReceiverData):
                     raise ValueError(f"address={address!r} reaches a sender this receiver is already "
                                      f"connected to ({reply['name']!r})")
             bases = proto.unpack_i64(reply["layer_bases"], "layer_bases", max_items=self.spec.num_layers)
+            if reply["path"] == "region" and not self._region.nbytes:
+                raise HandshakeError("path", "no receive region", "region",
+                                     "the sender chose the region path, this receiver offers no region")
             peer = self.engine.add_peer(PeerInfo.from_dict(reply["peer"]))
         except BaseException:
             client.close()
@@ -286,8 +308,26 @@ class KVReceiver(ReceiverData):
             out = dict(self._counts)
             out.update(rejected_messages=sum(link.client.rejected for link in self._links),
                        live_requests=len(self._requests), inflight_reads=len(self._reads),
-                       connections=len(self._links), worker_errors=self._worker.errors)
+                       connections=len(self._links), worker_errors=self._worker.errors,
+                       region=dict(self._region.arena.stats), region_grants=len(self._grants) + len(self._read_grants),
+                       region_waiting=len(self._waiting))
         return out
+
+    def request_stats(self, request_id: str) -> dict[str, Any]:
+        """Per-request figures on this rank: ``status``, ``reason``, ``bytes`` landed,
+        ``paths`` (the transfer path of each sender it was announced to, in connection order),
+        ``unpacks`` and ``unpack_seconds`` (region path: windows placed from the receive region
+        into the pages, kernels waited for), ``latency_seconds`` (`expect` to the end, None
+        while live) and ``done_at`` (`time.monotonic()` of the end, None while live: a clock
+        every process of the host shares, for whole-request timings). Raises KeyError if unknown."""
+        with self._lock:
+            req = self._get(request_id)
+            end = req.t_done
+            return dict(status=req.status.value, reason=req.state.reason, bytes=req.bytes,
+                        paths=[link.path for link in req.senders], unpacks=req.unpacks,
+                        unpack_seconds=req.unpack_seconds,
+                        latency_seconds=None if end is None else end - req.created,
+                        done_at=None if end is None else time.monotonic() - (time.perf_counter() - end))
 
     def request_latency(self, request_id: str) -> float | None:
         """Seconds from `expect` to SUCCESS/FAILED/ABORTED (None while live)."""
@@ -307,6 +347,7 @@ class KVReceiver(ReceiverData):
             for link in self._links:
                 link.client.close()
         self.engine.close(timeout_s=max(0.1, deadline - time.monotonic()))
+        self._region.close()
         self._layers.close()
 
     def __enter__(self) -> "KVReceiver":
@@ -339,6 +380,8 @@ class KVReceiver(ReceiverData):
                         busy = True
                         self._on_notification(peer, note)
             busy |= self._poll_reads()
+            if self._waiting:  # room freed, or a waiting window's request ended
+                busy |= self._grant_waiting()
             self._check_timeouts()
             self._heartbeat()
             self._flush()
@@ -360,12 +403,16 @@ class KVReceiver(ReceiverData):
 
     def _on_message(self, link: _Link, msg: dict) -> None:
         kind = msg["k"]
+        if kind in ("region_ask", "fused_done"):
+            return self._on_region_ask(link, msg) if kind == "region_ask" else self._on_fused_done(link, msg)
         if kind == "pull_ready":
             req = self._live(link, msg)
             if req is None:  # the sender holds a region for it: let it go at once
                 link.client.send(proto.encode("pull_done", msg["rid"], msg["inc"], chunk=msg["chunk"],
                                               part=msg["part"], ok=False, reason="request not live here"))
                 return
+            if link.path == "region" and msg["nrows"]:
+                return self._queue_region_pull(req, link, msg)
             return self._start_read(req, link, msg)
         if kind == "sent":
             req = self._requests.get(msg["rid"])
@@ -374,6 +421,8 @@ class KVReceiver(ReceiverData):
             return
         if kind == "drained":
             req = self._requests.get(msg["rid"])
+            # Its writes into this request's ranges are over too (even if it was released here).
+            self._free_grants(lambda key, g: key[:3] == (id(link), msg["rid"], msg["inc"]))
             if req is not None and req.inc == msg["inc"] and link in req.senders:
                 req.drained.add(id(link))
             else:
@@ -397,6 +446,7 @@ class KVReceiver(ReceiverData):
         for _, (r, _, _, h) in self._reads.items():
             if r is req:
                 self.engine.cancel(h)
+        self._quarantine_grants(req)  # held until the sender says drained (or is gone)
         if notify:
             frame = proto.encode(notify, req.rid, req.inc, reason=reason[:proto.MAX_TEXT])
             self._outbox.extend((link, frame) for link in req.senders if link in self._links)
@@ -440,6 +490,7 @@ class KVReceiver(ReceiverData):
         for req in list(self._requests.values()):
             if link in req.senders:
                 self._end(req, TransferStatus.FAILED, reason, "failed")
+        self._free_grants(lambda key, g: g.link is link)  # a sender that is gone writes no more
         self._worker.remove_socket(link.client.sock)
         link.client.close()
         try:
@@ -457,3 +508,13 @@ class KVReceiver(ReceiverData):
         return (f"KVReceiver(dcp_rank={self.spec.dcp_rank}, engine={self.engine.kind!r}, "
                 f"requests={len(self._requests)}, connections={len(self._links)})")
 
+
+
+def _exported_handles(layers: CacheLayers) -> list[dict]:
+    """The layers' CUDA IPC handles for the fused path ([] on the host, or when this build or
+    this memory cannot export them: senders then take another path)."""
+    try:
+        return ipc_export(layers)
+    except Exception:  # noqa: BLE001 - not exportable (e.g. VMM memory): offer no fused path
+        logger.warning("KV layers cannot be exported as CUDA IPC handles; no fused path offered", exc_info=True)
+        return []

@@ -158,6 +158,8 @@ class RecvRequest:
         self.drained: set[int] = set()                   # id(sender link) that said "drained"
         self.due = 0                                     # "sent" hints not yet matched by a "done"
         self.bytes = 0
+        self.unpack_seconds = 0.0                        # region path: unpacks into the pages, waited for
+        self.unpacks = 0
         self.created = time.perf_counter()
 
     @property

@@ -1,0 +1,177 @@
+"""The region path end to end with real engines (NIXL over UCX, Mooncake over TCP) on the host:
+one descriptor per window into the decode rank's receive region, unpacked into its pages.
+
+Every test checks the bytes against the sender's source rows (the Cluster's own oracle), the
+sentinel pages around them, and that no receive-region range stays held afterwards.
+"""
+import functools
+import time
+
+import numpy as np
+import pytest
+
+import conftest
+from conftest import Cluster, TransferStatus
+from dcp_jax.transfer import KVReceiver
+
+S = TransferStatus
+
+
+def cluster(engine, *, region_bytes=64 << 20, **kw):
+    """A `Cluster` whose receivers offer a receive region of ``region_bytes`` (host receivers offer none by default)."""
+    orig = conftest.KVReceiver
+    conftest.KVReceiver = functools.partial(KVReceiver, region_bytes=region_bytes)
+    try:
+        return Cluster(engine, **kw)
+    finally:
+        conftest.KVReceiver = orig
+
+
+def region_free(recv):
+    """True when the receiver holds no range of its receive region (in use or quarantined)."""
+    st = recv.stats
+    return (st["region"]["in_use_bytes"] == 0 and st["region"]["quarantined_bytes"] == 0
+            and st["region_grants"] == 0 and st["region_waiting"] == 0)
+
+
+def wait_for(pred, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not pred() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return pred()
+
+
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_region_path_lands_byte_exact(engine, direction):
+    c = cluster(engine, dcp_size=3, direction=direction, mode="region")
+    try:
+        L = 37  # partial last page, token round-robin: pages never stay whole (no direct path)
+        src, dst = c.tables(L)
+        c.expect("r0", dst, L)
+        for a, b in [(0, 10), (10, 11), (11, L)]:  # chunked prefill; rank 0 owns nothing of [10, 11)
+            c.sender.send("r0", src, a, b)
+        assert c.wait("r0") == [S.SUCCESS] * 4, c.reasons("r0")
+        assert c.check_bytes(src, dst, L) == L
+        for r in range(3):
+            assert c.sentinel_pages(r, dst[r])
+        st = c.sender.request_stats("r0")
+        assert {v["path"] for v in st["ranks"].values()} == {"region"}
+        assert {v["strategy"] for v in st["ranks"].values()} == {"region"}
+        for r, recv in enumerate(c.receivers):
+            rs = recv.request_stats("r0")
+            nonempty = sum(1 for a, b in [(0, 10), (10, 11), (11, L)] if any(t % 3 == r for t in range(a, b)))
+            # ONE descriptor per (non-empty) window, each window unpacked once.
+            assert st["ranks"][r]["descriptors"] == nonempty == rs["unpacks"]
+            assert rs["paths"] == ["region"] and rs["unpack_seconds"] > 0
+            assert rs["bytes"] == sum(1 for t in range(L) if t % 3 == r) * sum(c.item_lens)
+            assert wait_for(lambda: region_free(recv))
+    finally:
+        c.close()
+
+
+def test_region_path_into_jax_cpu_layers(engine):
+    # JAX CPU arrays are immutable to JAX, but the unpack writes them in place like an engine.
+    c = cluster(engine, dcp_size=2, mode="region", kind="jax")
+    try:
+        src, dst = c.tables(21)
+        c.expect("j", dst, 21)
+        c.sender.send("j", src, 0, 21)
+        assert c.wait("j") == [S.SUCCESS] * 3, c.reasons("j")
+        assert c.check_bytes(src, dst, 21) == 21
+        assert all(c.sentinel_pages(r, dst[r]) for r in range(2))
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_region_smaller_than_the_request_reuses_its_windows(engine, direction):
+    # The region holds 3 rows; rank 0 gets 40 rows in one chunk: 14 windows through one region.
+    row = 48 + 16
+    c = cluster(engine, dcp_size=2, direction=direction, mode="region", region_bytes=3 * row, pages=64)
+    try:
+        L = 80
+        src, dst = c.tables(L)
+        c.expect("big", dst, L)
+        c.sender.send("big", src, 0, L)
+        assert c.wait("big") == [S.SUCCESS] * 3, c.reasons("big")
+        assert c.check_bytes(src, dst, L) == L
+        assert all(c.sentinel_pages(r, dst[r]) for r in range(2))
+        for r, recv in enumerate(c.receivers):
+            region = recv.stats["region"]
+            assert region["capacity"] == 3 * row and region["high_water_bytes"] <= 3 * row
+            assert recv.request_stats("big")["unpacks"] == -(-40 // 3) == region["acquires"]
+            assert c.sender.request_stats("big")["ranks"][r]["descriptors"] == 14
+            assert wait_for(lambda: region_free(recv))
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("who", ["receiver", "sender"])
+def test_abort_during_a_region_transfer_leaves_no_range_held(engine, who):
+    # Many small windows through a 2-row region: the abort lands while windows are granted,
+    # waiting for room or being written. Afterwards nothing of the region may stay held.
+    row = 48 + 16
+    c = cluster(engine, dcp_size=2, mode="region", region_bytes=2 * row, pages=128)
+    try:
+        L = 400
+        src, dst = c.tables(L)
+        c.expect("a", dst, L)
+        c.sender.send("a", src, 0, L)
+        assert wait_for(lambda: c.receivers[0].stats["unpacks"] >= 2, 10)
+        (c.receivers[0] if who == "receiver" else c.sender).abort("a")
+        sides = [c.sender] + c.receivers
+        assert wait_for(lambda: all(s.is_drained("a") for s in sides), 10), c.reasons("a")
+        assert {s.poll("a") for s in sides} == {S.ABORTED}
+        for recv in c.receivers:
+            assert wait_for(lambda: region_free(recv)), recv.stats
+        assert c.sender.stats["arena"]["in_use_bytes"] == 0
+        # The receivers still work through the same region afterwards.
+        src2, dst2 = c.tables(9)
+        c.expect("b", dst2, 9)
+        c.sender.send("b", src2, 0, 9)
+        assert c.wait("b") == [S.SUCCESS] * 3, c.reasons("b")
+        c.check_bytes(src2, dst2, 9)
+    finally:
+        c.close()
+
+
+def test_timeout_during_a_region_transfer_leaves_no_range_held(engine):
+    row = 48 + 16
+    c = cluster(engine, dcp_size=1, mode="region", region_bytes=4 * row, timeout_s=1.0)
+    try:
+        src, dst = c.tables(16)
+        c.expect("t", dst, 16)
+        c.sender.send("t", src, 0, 10)  # [10, 16) never comes
+        assert c.wait("t", timeout_s=5) == [S.FAILED, S.FAILED]
+        assert "no progress" in c.receivers[0].failure_reason("t")
+        assert wait_for(lambda: c.receivers[0].is_drained("t"))
+        assert wait_for(lambda: region_free(c.receivers[0])), c.receivers[0].stats
+        assert c.receivers[0].request_stats("t")["unpacks"] == 3  # 10 rows in windows of 4
+    finally:
+        c.close()
+
+
+def test_released_request_still_gives_its_ranges_back(engine):
+    # release() right after an abort: the sender's "drained" then finds no request, and must
+    # still free the ranges its writes could have reached.
+    row = 48 + 16
+    c = cluster(engine, dcp_size=1, mode="region", region_bytes=2 * row, pages=128)
+    try:
+        src, dst = c.tables(300)
+        c.expect("x", dst, 300)
+        c.sender.send("x", src, 0, 300)
+        assert wait_for(lambda: c.receivers[0].stats["unpacks"] >= 1)
+        c.receivers[0].release("x")
+        assert wait_for(lambda: region_free(c.receivers[0])), c.receivers[0].stats
+    finally:
+        c.close()
+
+
+def test_region_bytes_is_checked():
+    from dcp_jax.transfer import KVCacheSpec
+
+    spec = KVCacheSpec(1, [16], 4)
+    layers = [np.zeros((2, 4, 16), np.uint8)]
+    for bad in (-1, 1.5, True, "64"):
+        with pytest.raises(ValueError, match="region_bytes"):
+            KVReceiver(spec, layers, region_bytes=bad)
