@@ -54,8 +54,9 @@ __all__ = [
     "validate_descriptors",
 ]
 
-#: Values accepted by `make_engine(kind=...)`.
-ENGINE_KINDS = ("nixl", "mooncake", "auto")
+#: Values accepted by `make_engine(kind=...)`. "auto" picks among the descriptor engines (NIXL,
+#: Mooncake) only; "jax-transfer" (`bridge.jax_engine`) is chosen by name.
+ENGINE_KINDS = ("nixl", "mooncake", "jax-transfer", "auto")
 
 
 def available_engines() -> tuple[str, ...]:
@@ -76,13 +77,15 @@ def make_engine(kind: str, name: str, **kw: Any) -> TransferEngine:
     """Creates a transfer engine of the given kind.
 
     Args:
-        kind: "nixl", "mooncake", or "auto" (NIXL if it imports, else Mooncake).
+        kind: "nixl", "mooncake", "jax-transfer" (jax.experimental.transfer, every batch a pull,
+            host memory), or "auto" (NIXL if it imports, else Mooncake).
         name: engine / agent name, unique among communicating engines.
         **kw: passed to the adapter (`NixlEngine(backends=...)`,
-            `MooncakeEngine(hostname=..., protocol=...)`).
+            `MooncakeEngine(hostname=..., protocol=...)`, `JaxTransferEngine(hostname=..., staging=...)`).
 
     Returns:
-        A `NixlEngine` or `MooncakeEngine` (close it, or use it as a context manager).
+        A `NixlEngine`, `MooncakeEngine` or `JaxTransferEngine` (close it, or use it as a context
+        manager).
 
     Raises:
         ValueError: unknown kind.
@@ -95,6 +98,10 @@ def make_engine(kind: str, name: str, **kw: Any) -> TransferEngine:
         if not avail:
             raise BridgeError("kind='auto': neither NIXL nor Mooncake imports in this environment")
         kind = avail[0]
+    if kind == "jax-transfer":
+        from bridge.jax_engine import JaxTransferEngine
+
+        return JaxTransferEngine(name, **kw)
     if kind == "nixl":
         from bridge.nixl import NixlEngine
 

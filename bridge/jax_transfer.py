@@ -1,9 +1,10 @@
-"""A pull engine over `jax.experimental.transfer` (what tpu-inference and sglang-jax use for P/D).
+"""A transfer server over `jax.experimental.transfer` (what tpu-inference and sglang-jax use for P/D).
 
-Unlike the NIXL and Mooncake engines (`bridge.base.TransferEngine`: registered memory, address
-descriptors, pushes), this engine moves whole JAX arrays and only by pull:
+`JaxTransferServer` is the raw engine: whole JAX arrays, moved only by pull. The bridge engine
+`bridge.jax_engine.JaxTransferEngine` (``make_engine("jax-transfer", ...)``) puts registered
+memory and descriptor batches on top of it; this module is what it calls:
 
-1. each process starts one transfer server (`JaxTransferEngine`);
+1. each process starts one transfer server (`JaxTransferServer`);
 2. the prefill side stages a rank's pack (`offer`): the arrays are copied into `staging`
    memory (`pinned_host` by default) and scheduled with `await_pull(uuid, arrays)`;
 3. the decode rank learns (uuid, shapes, the owner's address) over the connector's control
@@ -29,7 +30,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -41,6 +42,10 @@ STAGINGS = ("pinned_host", "unpinned_host", "device")
 MAX_UUID = 2**63 - 1
 _POLL_FIRST_S = 1e-4  # a pull's arrays are polled with this backoff (seconds), capped below
 _POLL_MAX_S = 5e-3
+
+
+class _Stopped(Exception):
+    """`pull`'s should_stop asked to stop waiting."""
 
 
 def _check_uuid(uuid) -> int:
@@ -56,7 +61,7 @@ def _deadline(timeout_s: float) -> datetime.datetime:
     return datetime.datetime.now() + datetime.timedelta(seconds=float(timeout_s))
 
 
-class JaxTransferEngine:
+class JaxTransferServer:
     """One process's `jax.experimental.transfer` server: offers arrays and pulls peers' offers.
 
     Args:
@@ -121,7 +126,7 @@ class JaxTransferEngine:
         return addr
 
     # ---- the owner's side ---------------------------------------------------------------
-    def offer(self, uuid: int, arrays: Sequence) -> list[jax.ShapeDtypeStruct]:
+    def offer(self, uuid: int, arrays: Sequence, *, copy: bool = True) -> list[jax.ShapeDtypeStruct]:
         """Stage `arrays` and schedule them to be pulled once under `uuid`.
 
         Args:
@@ -130,6 +135,8 @@ class JaxTransferEngine:
             arrays: non-empty sequence of JAX or numpy arrays (numpy ones are put on the
                 device first). Copied into `staging` memory; the caller may reuse its buffers
                 as soon as this returns.
+            copy: False when the caller hands over fresh numpy arrays it never touches again
+                (the engine's own gather buffers): they are staged without a defensive copy.
 
         Returns:
             The specs (shape, dtype) the puller passes to `pull`.
@@ -151,7 +158,7 @@ class JaxTransferEngine:
             # device_put of an aligned numpy array aliases it even with may_alias=False
             # (caught by the tests), so numpy is copied first; a JAX array put into its own
             # memory kind may come back as the same buffer, and is copied then.
-            if isinstance(a, np.ndarray):
+            if isinstance(a, np.ndarray) and copy:
                 a = np.array(a, copy=True)
             s = jax.device_put(a, sharding)
             if isinstance(a, jax.Array) and s.unsafe_buffer_pointer() == a.unsafe_buffer_pointer():
@@ -178,7 +185,7 @@ class JaxTransferEngine:
 
     # ---- the puller's side --------------------------------------------------------------
     def pull(self, address: str, uuid: int, specs: Sequence, *, timeout_s: float = 30.0,
-             peer: str = "") -> list[jax.Array]:
+             peer: str = "", should_stop: Callable[[], str | None] | None = None) -> list[jax.Array]:
         """Pull offer `uuid` of the engine at `address` into this device's memory.
 
         Args:
@@ -188,6 +195,8 @@ class JaxTransferEngine:
                 or pairs); must match the offer.
             timeout_s: bound on the whole pull (connect included), seconds.
             peer: the owner's name, copied into errors.
+            should_stop: polled while waiting; a non-None answer (the reason) ends the wait
+                with `TransferError` (the pull itself stays pending inside JAX, as on timeout).
 
         Returns:
             The arrays, on `device` (memory kind "device").
@@ -223,9 +232,15 @@ class JaxTransferEngine:
             while not all(a.is_ready() for a in out):
                 if datetime.datetime.now() >= deadline:
                     raise TimeoutError("DEADLINE: arrays not ready")
+                reason = should_stop() if should_stop is not None else None
+                if reason is not None:
+                    raise _Stopped(reason)
                 time.sleep(pause)
                 pause = min(2 * pause, _POLL_MAX_S)
             jax.block_until_ready(out)  # ready: raises the pull's error, if any
+        except _Stopped as e:
+            raise TransferError(f"pull of offer {uuid} stopped", peer=peer or address,
+                                num_descriptors=len(avals), engine_message=str(e)) from None
         except Exception as e:
             msg = str(e)
             if datetime.datetime.now() >= deadline or "DEADLINE" in msg.upper():
@@ -257,7 +272,7 @@ class JaxTransferEngine:
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.live_offers} offers"
-        return f"JaxTransferEngine({self.name!r}, staging={self.staging!r}, {state})"
+        return f"JaxTransferServer({self.name!r}, staging={self.staging!r}, {state})"
 
 
-__all__ = ["KIND", "STAGINGS", "JaxTransferEngine"]
+__all__ = ["KIND", "STAGINGS", "JaxTransferServer"]

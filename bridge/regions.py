@@ -105,7 +105,7 @@ class PeerInfo:
     `to_dict` / `from_dict` for a msgpack or JSON control plane).
 
     Attributes:
-        engine: "nixl" or "mooncake"; a peer of another kind is refused by `add_peer`.
+        engine: "nixl", "mooncake" or "jax-transfer"; a peer of another kind is refused by `add_peer`.
         name: the peer's engine name (NIXL agent name; Mooncake: the name used in notifications).
         session: how to reach it: "" for NIXL (the metadata carries it), "host:rpc_port" for
             Mooncake.
@@ -183,7 +183,7 @@ class PeerInfo:
 
 
 #: Engine kinds `PeerInfo.from_dict` accepts.
-PEER_ENGINES = ("nixl", "mooncake")
+PEER_ENGINES = ("nixl", "mooncake", "jax-transfer")
 #: Limits `PeerInfo.from_dict` applies to what a peer sends: name and session length (chars),
 #: metadata size (bytes), number of regions.
 MAX_PEER_NAME = 256

@@ -70,7 +70,9 @@ def transfer(
                                               "lcm(P*N, I*N)."),
     mode: str = typer.Option("both", help="direct (descriptors straight from the KV buffers), packed (gather "
                                           "each rank's rows into its pack region first) or both."),
-    engine: str = typer.Option("nixl", help="Transfer engine: nixl, mooncake or auto."),
+    engine: str = typer.Option("nixl", help="Transfer engine: nixl, mooncake, jax-transfer "
+                                             "(jax.experimental.transfer, every batch a pull, host "
+                                             "memory) or auto (NIXL, else Mooncake)."),
     device: str = typer.Option("cpu", help="Where the KV, the pack buffer and the decode pools live: cpu (host "
                                            "memory) or gpu (CuPy device memory of GPU 0 registered as VRAM, "
                                            "the Pallas gather packing in place; needs CuPy, a CUDA GPU and "

@@ -18,7 +18,7 @@ __all__ = ["MODES", "ENGINES", "DEVICES", "MAX_RANKS", "MAX_TIMEOUT_S", "JobConf
            "engine_env"]
 
 MODES = ("direct", "packed")
-ENGINES = ("nixl", "mooncake", "auto")
+ENGINES = ("nixl", "mooncake", "jax-transfer", "auto")
 DEVICES = ("cpu", "gpu")
 MAX_RANKS = 64  # dcp_size / prefill_dcp_size: one process per rank
 MAX_TIMEOUT_S = 86400.0  # a day: the connector's waits take at most that
@@ -62,7 +62,8 @@ class JobConfig:
         prefix_tokens: tokens the decode side already holds (not sent); a multiple of
             ``lcm(P*N, I*N)``. Both sides' page tables still cover them (spec section 10).
         modes: subset of :data:`MODES`, run in this order (``KVSender(mode=...)``).
-        engine: ``"nixl"``, ``"mooncake"`` or ``"auto"``.
+        engine: ``"nixl"``, ``"mooncake"``, ``"jax-transfer"`` (jax.experimental.transfer through
+            `bridge.jax_engine`: every batch a pull, host memory only) or ``"auto"``.
         max_batch_indices: at most this many rows per engine batch.
         pack_tokens: the pack buffer holds ``N * ceil(pack_tokens / N)`` tokens (spec section 6);
             default: as many as the prefill rank sends (nothing is sliced). Smaller values force
@@ -153,6 +154,9 @@ class JobConfig:
                 raise ValueError(f"{name}={v!r} must be in [0, dcp_size={self.dcp_size})")
         if self.device not in DEVICES:
             raise ValueError(f"device={self.device!r} (--device) must be one of {DEVICES}")
+        if self.device == "gpu" and self.engine == "jax-transfer":
+            raise ValueError("engine='jax-transfer' (--engine) moves host memory only; use --device cpu "
+                             "(or --engine nixl / mooncake on the GPU)")
         # engine="mooncake" with device="gpu" needs Mooncake's CUDA build (nvlink_intra); the
         # engine itself refuses VRAM with a clear RegistrationError on a host-only build.
 

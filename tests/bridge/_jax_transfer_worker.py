@@ -34,9 +34,9 @@ def case_arrays(case: str) -> list:
 
 
 def owner_main(conn) -> None:
-    from bridge.jax_transfer import JaxTransferEngine
+    from bridge.jax_transfer import JaxTransferServer
 
-    engines: dict[str, JaxTransferEngine] = {}
+    engines: dict[str, JaxTransferServer] = {}
     while True:
         cmd = conn.recv()
         try:
@@ -48,7 +48,7 @@ def owner_main(conn) -> None:
             if cmd[0] == "offer":
                 _, uuid, staging, case = cmd
                 if staging not in engines:
-                    engines[staging] = JaxTransferEngine(f"owner-{staging}", staging=staging)
+                    engines[staging] = JaxTransferServer(f"owner-{staging}", staging=staging)
                 eng = engines[staging]
                 specs = eng.offer(uuid, case_arrays(case))
                 conn.send(("ok", eng.address, [(s.shape, str(s.dtype)) for s in specs]))

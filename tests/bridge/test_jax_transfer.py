@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from bridge.errors import PeerError, TransferTimeout
-from bridge.jax_transfer import JaxTransferEngine
+from bridge.jax_transfer import JaxTransferServer
 
 from ._jax_transfer_worker import case_arrays, owner_main
 
@@ -48,7 +48,7 @@ def owner():
 
 @pytest.fixture(scope="module")
 def puller():
-    with JaxTransferEngine("puller") as eng:
+    with JaxTransferServer("puller") as eng:
         yield eng
 
 
@@ -81,7 +81,7 @@ def test_pull_of_a_missing_offer_times_out(owner, puller):
 
 
 def test_offer_rules_in_process():
-    with JaxTransferEngine("local") as eng:
+    with JaxTransferServer("local") as eng:
         specs = eng.offer(5, [np.arange(10, dtype=np.uint8)])
         assert specs[0].shape == (10,) and eng.live_offers == 1
         with pytest.raises(ValueError, match="uuid=5 is already offered"):
@@ -98,19 +98,19 @@ def test_offer_rules_in_process():
         with pytest.raises(ValueError, match="specs must be a non-empty list"):
             eng.pull(eng.address, 6, [])
         info = eng.peer_info()
-        assert JaxTransferEngine.peer_address(info) == eng.address
+        assert JaxTransferServer.peer_address(info) == eng.address
         with pytest.raises(PeerError, match="not a 'jax-transfer' peer_info"):
-            JaxTransferEngine.peer_address({"engine": "nixl", "address": "x:1"})
+            JaxTransferServer.peer_address({"engine": "nixl", "address": "x:1"})
         with pytest.raises(PeerError, match="must be a 'host:port' str"):
-            JaxTransferEngine.peer_address({"engine": "jax-transfer", "address": 5})
+            JaxTransferServer.peer_address({"engine": "jax-transfer", "address": 5})
     with pytest.raises(ValueError, match="staging='hbm' must be one of"):
-        JaxTransferEngine("x", staging="hbm")
+        JaxTransferServer("x", staging="hbm")
     with pytest.raises(RuntimeError, match="is closed"):
         eng.offer(1, [np.zeros(1, np.uint8)])
 
 
 def test_offer_copies_so_the_caller_may_reuse_its_buffer():
-    with JaxTransferEngine("copy", staging="pinned_host") as eng:
+    with JaxTransferServer("copy", staging="pinned_host") as eng:
         src = np.arange(64, dtype=np.uint8)
         eng.offer(1, [src])
         staged = eng._offers[1][0]
@@ -118,7 +118,7 @@ def test_offer_copies_so_the_caller_may_reuse_its_buffer():
         src[:] = 0  # the pack buffer is reused for the next request
         np.testing.assert_array_equal(np.asarray(staged), np.arange(64, dtype=np.uint8))
         assert jax.device_get(staged).sum() == sum(range(64))
-    with JaxTransferEngine("copy-device", staging="device") as eng:
+    with JaxTransferServer("copy-device", staging="device") as eng:
         pack = jnp.arange(64, dtype=jnp.uint8)
         eng.offer(2, [pack])
         assert eng._offers[2][0].unsafe_buffer_pointer() != pack.unsafe_buffer_pointer()

@@ -1,0 +1,549 @@
+"""`jax.experimental.transfer` behind the bridge engine interface (``make_engine("jax-transfer")``).
+
+`JaxTransferEngine` is a `bridge.base.TransferEngine` like the NIXL and Mooncake adapters, so the
+connector (`KVSender` / `KVReceiver`) and the main job use it unchanged: registered host memory,
+``i64[n, 3]`` descriptor batches, READ and WRITE, notifications, cancel, `remove_peer`, bounded
+`close`. JAX's engine only moves whole arrays, by pull, so every batch is a pull:
+
+- READ (what tpu-inference and sglang-jax do): the initiator asks the owner, over this engine's
+  side channel, to stage the requested remote ranges; the owner checks them against its own
+  registrations, gathers them into one uint8 array, copies it into ``staging`` memory
+  (``pinned_host`` by default), schedules it with ``await_pull`` under a uuid it draws, and
+  answers the uuid; the initiator pulls it, scatters it into its local ranges, and tells the
+  owner ("read_done", with the batch's notification), which drops the staged copy.
+- WRITE: the initiator gathers its local ranges and offers them; the target pulls them, checks
+  and scatters them into its ranges, queues the notification, then answers "written". The
+  handle completes on that answer, so SUCCESS still means landed.
+
+The side channel is one ZeroMQ ROUTER per engine (its address is the `PeerInfo.session`; the
+transfer server's address travels in `PeerInfo.metadata`); requests come from one DEALER per
+peer, owned by that peer's worker thread. Every message is a msgpack map checked field by field
+(`_check`), never pickle; a request naming a range outside this engine's registrations (any
+engine may ask, as any NIXL agent holding our metadata may write) is refused with an "error"
+answer and counted (`rejected_messages`) before any memory is touched.
+
+Staging: sglang-jax documents that unpinned host staging corrupts bf16 strides in this engine.
+Bytes move here as flat uint8 arrays, whatever the caches' dtype, staged in ``pinned_host``;
+tests/bridge/test_jax_transfer_engine.py checks bf16 caches byte for byte.
+
+Limits: host memory ("DRAM") only (a device cache is copied to the host by the caller); one
+batch at a time per peer (one worker each, like Mooncake); a WRITE's cancel stops the target
+before it writes if the pull has not finished, otherwise the batch completes; a staged offer
+nobody pulls is dropped after ``offer_ttl_s``.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+
+import msgpack
+import numpy as np
+import zmq
+
+from bridge.base import (
+    BridgeError, DescriptorError, MemoryRegion, PeerError, PeerInfo, RegistrationError,
+    TransferEngine, TransferError, TransferHandle, TransferTimeout)
+from bridge.handles import Job, Worker, check_timeout
+from bridge.jax_transfer import KIND, MAX_UUID, STAGINGS, JaxTransferServer
+
+__all__ = ["JaxTransferEngine", "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MAX_RANGES"]
+
+_log = logging.getLogger("bridge")
+
+PROTOCOL_VERSION = 1
+#: Largest side-channel message accepted (bytes); a batch's ranges travel as i64 pairs in it.
+MAX_MESSAGE_BYTES = 64 << 20
+MAX_RANGES = (MAX_MESSAGE_BYTES - 4096) // 16
+_MAX_NOTIF = 1 << 16
+_REQUESTS = {  # op -> extra fields and their types (all requests carry v, op, from, seq)
+    "read": {"ranges": bytes},
+    "read_done": {"uuid": int, "ok": bool, "notif": (bytes, type(None))},
+    "write": {"uuid": int, "ranges": bytes, "notif": (bytes, type(None)), "address": str},
+    "notify": {"notif": bytes},
+    "cancel": {},
+}
+_REPLIES = {"offered": {"uuid": int, "nbytes": int}, "written": {}, "error": {"msg": str}}
+_WAIT_SLICE_MS = 50  # a worker waiting for an answer looks at cancel / deadline this often
+
+
+class _Refused(Exception):
+    """A side-channel message failed its checks (the text says which field)."""
+
+
+def _encode(op: str, **fields) -> bytes:
+    return msgpack.packb({"v": PROTOCOL_VERSION, "op": op, **fields}, use_bin_type=True)
+
+
+def _check(data: bytes, schema: dict[str, dict]) -> dict:
+    """One side-channel message, decoded and checked against `schema` (op -> fields)."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise _Refused(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_MESSAGE_BYTES,
+                              max_str_len=4096, max_array_len=0, max_map_len=16)
+    except Exception as exc:  # noqa: BLE001 - msgpack raises several types for garbage
+        raise _Refused(f"not a msgpack map: {type(exc).__name__}: {exc}") from None
+    if not isinstance(msg, dict) or msg.get("v") != PROTOCOL_VERSION:
+        raise _Refused(f"not a version-{PROTOCOL_VERSION} message map")
+    fields = schema.get(msg.get("op"))
+    if fields is None:
+        raise _Refused(f"op={msg.get('op')!r:.40} must be one of {sorted(schema)}")
+    need = {"v": int, "op": str, "seq": int, **fields, **({"from": str} if schema is _REQUESTS else {})}
+    if set(msg) != set(need):
+        raise _Refused(f"{msg['op']}: fields {sorted(msg)} must be exactly {sorted(need)}")
+    for key, types in need.items():
+        v = msg[key]
+        if not isinstance(v, types) or (types is int and isinstance(v, bool)):
+            raise _Refused(f"{msg['op']}.{key}: {type(v).__name__} is not {types}")
+        if types is int and not 0 <= v <= MAX_UUID:
+            raise _Refused(f"{msg['op']}.{key}={v} must be in [0, 2**63 - 1]")
+    if isinstance(msg.get("notif"), bytes) and not 0 < len(msg["notif"]) <= _MAX_NOTIF:
+        raise _Refused(f"{msg['op']}.notif must be 1..{_MAX_NOTIF} bytes")
+    return msg
+
+
+def _is_address(addr) -> bool:
+    """A 'host:port' str of sane length (a peer's transfer server)."""
+    if not isinstance(addr, str) or len(addr) > 300:
+        return False
+    host, _, port = addr.rpartition(":")
+    return bool(host) and port.isdigit()
+
+
+def _ranges(data: bytes) -> np.ndarray:
+    """i64[n, 2] (addr, nbytes) from a message's ``ranges`` bytes."""
+    if len(data) % 16 or not 0 < len(data) // 16 <= MAX_RANGES:
+        raise _Refused(f"ranges: {len(data)} bytes is not 1..{MAX_RANGES} (addr, nbytes) i64 pairs")
+    return np.frombuffer(data, dtype="<i8").reshape(-1, 2).astype(np.int64)
+
+
+def _coalesce(addrs: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merges ranges that continue each other (a page run becomes one copy)."""
+    if len(addrs) < 2:
+        return addrs, lens
+    start = np.ones(len(addrs), dtype=bool)
+    start[1:] = addrs[1:] != addrs[:-1] + lens[:-1]
+    idx = np.flatnonzero(start)
+    return addrs[idx], np.add.reduceat(lens, idx)
+
+
+class JaxTransferEngine(TransferEngine):
+    """`TransferEngine` over `jax.experimental.transfer`: host memory, every batch a pull.
+
+    Args:
+        name: engine name (the sender name of its notifications).
+        hostname: address the side channel and the transfer server listen on (default loopback).
+        staging: memory kind staged copies live in, one of `bridge.jax_transfer.STAGINGS`
+            (default "pinned_host": sglang-jax's bf16 warning).
+        timeout_s: bound on each exchange with a peer (an answer, a pull), seconds (> 0).
+        offer_ttl_s: a staged READ offer not pulled within this is dropped, seconds (> 0).
+        device: the JAX device whose client serves transfers (default the first).
+
+    Raises:
+        ValueError: bad staging, timeout_s or offer_ttl_s.
+        TransferError: the transfer server did not start.
+    """
+
+    kind = KIND
+
+    def __init__(self, name: str, *, hostname: str = "127.0.0.1", staging: str = "pinned_host",
+                 timeout_s: float = 60.0, offer_ttl_s: float = 300.0, device=None):
+        super().__init__(name)
+        if staging not in STAGINGS:
+            raise ValueError(f"{staging=} must be one of {STAGINGS}")
+        self.timeout_s = check_timeout(timeout_s)
+        self.offer_ttl_s = check_timeout(offer_ttl_s)
+        self._xfer = JaxTransferServer(name, device=device, address=f"{hostname}:0",
+                                       transport_addresses=(f"{hostname}:0",), staging=staging)
+        self.staging = staging
+        ctx = zmq.Context.instance()
+        self._router = ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_MESSAGE_BYTES)
+        port = self._router.bind_to_random_port(f"tcp://{hostname}")
+        self._session = f"{hostname}:{port}"
+        self._wake_addr = f"inproc://jax-engine-{id(self)}-{secrets.token_hex(4)}"
+        self._wake_rx = ctx.socket(zmq.PULL)
+        self._wake_rx.bind(self._wake_addr)
+        self._wake_tx = ctx.socket(zmq.PUSH)
+        self._wake_tx.setsockopt(zmq.LINGER, 0)
+        self._wake_tx.connect(self._wake_addr)
+        self._wake_lock = threading.Lock()  # the PUSH socket is shared by the serving workers
+        self._replies: list[tuple[bytes, bytes]] = []
+        self._serving = True
+        self.rejected_messages = 0
+        self._new_notifs: dict[str, list[bytes]] = {}
+        self._peer_xfer: dict[str, str] = {}  # peer -> its transfer server's address
+        self._workers: dict[str, Worker] = {}  # initiator side, one per peer
+        self._servers: dict[str, Worker] = {}  # serving side, one per requesting peer
+        self._retired: list[Worker] = []
+        self._dealers: dict[str, tuple[str, zmq.Socket]] = {}  # peer -> (session, socket)
+        self._jobs: dict[int, Job] = {}
+        self._offers: dict[int, tuple[str, float]] = {}  # READ offers: uuid -> (peer, staged at)
+        self._writing: set[tuple[str, int]] = set()  # (peer, seq) of WRITEs being served
+        self._cancelled: set[tuple[str, int]] = set()  # ... of those the initiator cancelled
+        self._views: dict[MemoryRegion, np.ndarray] = {}
+        self._loop = threading.Thread(target=self._serve, name=f"jax-engine-{name}", daemon=True)
+        self._loop.start()
+
+    # ---- registrations and peers ------------------------------------------------------------
+    def _engine_register(self, regions: Sequence[MemoryRegion]) -> None:
+        for r in regions:
+            if r.mem_type != "DRAM":
+                raise RegistrationError(f"regions: {r} is {r.mem_type}; the jax-transfer engine moves host "
+                                        f"memory (DRAM) regions only")
+
+    def _engine_deregister(self, regions: Sequence[MemoryRegion]) -> None:
+        for r in regions:
+            self._views.pop(r, None)
+
+    def _engine_peer_info(self) -> PeerInfo:
+        meta = msgpack.packb({"v": PROTOCOL_VERSION, "transfer": self._xfer.address}, use_bin_type=True)
+        return PeerInfo(engine=KIND, name=self.name, session=self._session, metadata=meta,
+                        regions=tuple(self._regions))
+
+    def _engine_add_peer(self, info: PeerInfo, refresh: bool) -> None:
+        host, _, port = info.session.rpartition(":")
+        if not host or not port.isdigit():
+            raise PeerError(f"info: peer {info.name!r} has session={info.session!r}, expected 'host:port'")
+        try:
+            meta = msgpack.unpackb(info.metadata, raw=False, max_str_len=512, max_bin_len=0,
+                                   max_array_len=0, max_map_len=4)
+            addr = meta["transfer"] if isinstance(meta, dict) and meta.get("v") == PROTOCOL_VERSION else None
+        except Exception:  # noqa: BLE001 - garbage metadata: refused below
+            addr = None
+        if not _is_address(addr):
+            raise PeerError(f"info: peer {info.name!r} metadata does not name its transfer server "
+                            f"(a version-{PROTOCOL_VERSION} map with 'transfer': 'host:port')")
+        self._peer_xfer[info.name] = addr
+        if info.name not in self._workers:
+            self._workers[info.name] = Worker(f"jax-engine-{self.name}-{info.name}")
+
+    def _engine_remove_peer(self, info: PeerInfo) -> None:
+        reason = f"peer {info.name!r} removed"
+        for job in list(self._jobs.values()):
+            if job.tag == info.name:
+                job.cancel(reason)
+        for pool in (self._workers, self._servers):
+            worker = pool.pop(info.name, None)
+            if worker is not None:
+                worker.stop(reason)
+                self._retired.append(worker)
+
+    # ---- the initiator's side --------------------------------------------------------------
+    def _engine_submit(self, handle, descs, local_mem, remote_mem, info) -> None:
+        job = Job(self._run, handle, descs.copy(), info.session, tag=handle.peer)
+        worker = self._workers.get(handle.peer)
+        try:
+            if worker is None:
+                raise RuntimeError("no worker")
+            self._jobs[handle.seq] = job
+            worker.submit(job)
+        except RuntimeError as exc:  # stopped by a concurrent remove_peer or close
+            self._jobs.pop(handle.seq, None)
+            raise PeerError(f"peer={handle.peer!r} was removed") from exc
+
+    def _run(self, job: Job, handle: TransferHandle, descs: np.ndarray, session: str) -> None:
+        """Worker thread: one batch, start to end (see the module docstring)."""
+        sock = self._dealer(handle.peer, session)
+        seq, deadline = handle.seq, time.monotonic() + self.timeout_s
+        if len(descs) == 0:
+            if handle.notif is not None:
+                self._send(sock, handle, _encode("notify", seq=seq, notif=handle.notif, **{"from": self.name}))
+                self._answer(sock, job, handle, deadline, "written")
+            return
+        remote = np.ascontiguousarray(descs[:, [1, 2]], dtype="<i8").tobytes()
+        if handle.op == "WRITE":
+            data = self._gather(descs[:, 0], descs[:, 2])
+            uuid = secrets.randbits(63)
+            self._xfer.offer(uuid, [data], copy=False)
+            del data
+            self._count_engine_call()
+            try:
+                self._send(sock, handle, _encode("write", seq=seq, uuid=uuid, ranges=remote, notif=handle.notif,
+                                                 address=self._xfer.address, **{"from": self.name}))
+                self._answer(sock, job, handle, deadline, "written", cancel_msg=True)
+            finally:
+                self._xfer.release(uuid)
+            return
+        self._send(sock, handle, _encode("read", seq=seq, ranges=remote, **{"from": self.name}))
+        msg = self._answer(sock, job, handle, deadline, "offered")
+        ok = False
+        try:
+            if msg["nbytes"] != handle.nbytes:
+                raise handle.error(TransferError, "peer staged the wrong size",
+                                   f"offered {msg['nbytes']} bytes for a {handle.nbytes}-byte READ")
+            out = self._xfer.pull(self._peer_xfer[handle.peer], msg["uuid"], [((handle.nbytes,), np.uint8)],
+                                  timeout_s=max(deadline - time.monotonic(), 1e-3), peer=handle.peer,
+                                  should_stop=lambda: job.cancel_reason)
+            self._count_engine_call()
+            if job.cancel_reason is not None:
+                raise handle.error(TransferError, "READ cancelled", job.cancel_reason)
+            self._scatter(descs[:, 0], descs[:, 2], np.asarray(out[0]))
+            ok = True
+        finally:
+            self._send(sock, handle, _encode("read_done", seq=seq, uuid=msg["uuid"], ok=ok,
+                              notif=handle.notif if ok else None, **{"from": self.name}))
+
+    @staticmethod
+    def _send(sock: zmq.Socket, handle: TransferHandle, data: bytes) -> None:
+        try:
+            sock.send(data, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # queue full: the peer has not taken anything for a long while
+            raise handle.error(TransferError, "side channel to the peer is full", str(exc)) from None
+
+    def _dealer(self, peer: str, session: str) -> zmq.Socket:
+        """This peer's request socket (made in, and used only by, the peer's worker thread)."""
+        old = self._dealers.get(peer)
+        if old is not None and old[0] == session:
+            return old[1]
+        if old is not None:  # the peer's info was refreshed with a new session
+            old[1].close(0)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_MESSAGE_BYTES)
+        sock.connect(f"tcp://{session}")
+        self._dealers[peer] = (session, sock)
+        return sock
+
+    def _answer(self, sock: zmq.Socket, job: Job, handle: TransferHandle, deadline: float, want: str,
+                cancel_msg: bool = False) -> dict:
+        """Waits for the peer's answer to request `handle.seq` (older answers are skipped)."""
+        told = False
+        while True:
+            if job.cancel_reason is not None and not told:
+                if not cancel_msg:
+                    raise handle.error(TransferError, f"{handle.op} cancelled", job.cancel_reason)
+                self._send(sock, handle, _encode("cancel", seq=handle.seq, **{"from": self.name}))
+                told = True  # the peer stops before writing, or finishes: its answer says which
+            if time.monotonic() > deadline:
+                raise handle.error(TransferTimeout, f"no answer from the peer within {self.timeout_s:g} s",
+                                   f"waiting for {want!r}")
+            if not sock.poll(_WAIT_SLICE_MS):
+                continue
+            try:
+                msg = _check(sock.recv(), _REPLIES)
+            except _Refused as exc:
+                self.rejected_messages += 1
+                _log.warning("jax-transfer engine %r: refused an answer from %r: %s", self.name, handle.peer, exc)
+                continue
+            if msg["seq"] != handle.seq:
+                continue  # the answer to a batch that already gave up
+            if msg["op"] == "error":
+                raise handle.error(TransferError, f"peer refused the {handle.op}", msg["msg"])
+            if msg["op"] != want:
+                raise handle.error(TransferError, f"peer answered {msg['op']!r}", f"expected {want!r}")
+            return msg
+
+    def _engine_check(self, handle: TransferHandle) -> bool:
+        job = self._jobs[handle.seq]
+        if not job.done.is_set():
+            return False
+        self._jobs.pop(handle.seq, None)
+        if job.dropped:
+            raise handle.error(TransferError, f"{handle.op} cancelled before it started", job.cancel_reason or "")
+        if job.error is not None:
+            if isinstance(job.error, TransferError):
+                raise job.error
+            raise handle.error(TransferError, f"jax-transfer {handle.op} failed",
+                               f"{type(job.error).__name__}: {job.error}")
+        return True
+
+    def _engine_block(self, handle: TransferHandle, max_s: float) -> None:
+        job = self._jobs.get(handle.seq)
+        if job is not None:
+            job.done.wait(max_s)
+        else:
+            time.sleep(max_s)
+
+    def _engine_cancel(self, handle: TransferHandle) -> None:
+        job = self._jobs.get(handle.seq)
+        if job is not None:
+            job.cancel("cancelled by the caller")
+
+    def _engine_abort(self, handle: TransferHandle) -> None:
+        job = self._jobs.pop(handle.seq, None)
+        if job is not None:
+            job.cancel("abandoned after a timeout")
+
+    # ---- memory -----------------------------------------------------------------------------
+    def _located(self, addrs: np.ndarray, lens: np.ndarray):
+        """(region, view of it, offset, length) per coalesced range, all inside registrations."""
+        addrs, lens = _coalesce(np.asarray(addrs, np.int64), np.asarray(lens, np.int64))
+        table = self._local_table
+        idx = table.locate(addrs, lens)
+        if (idx < 0).any() or (lens <= 0).any() or (addrs < 0).any():
+            i = int(np.argmax((idx < 0) | (lens <= 0) | (addrs < 0)))
+            raise DescriptorError(f"ranges: {int(addrs[i]):#x}+{int(lens[i])} is outside every region registered "
+                                  f"with engine {self.name!r}")
+        for a, n, i in zip(addrs.tolist(), lens.tolist(), idx.tolist()):
+            r = table.regions[i]
+            view = self._views.get(r)
+            if view is None:
+                view = self._views[r] = np.ctypeslib.as_array((ctypes.c_uint8 * r.nbytes).from_address(r.addr))
+            yield view, a - r.addr, n
+
+    def _gather(self, addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        out = np.empty(int(np.sum(lens)), dtype=np.uint8)
+        off = 0
+        for view, start, n in self._located(addrs, lens):
+            out[off:off + n] = view[start:start + n]
+            off += n
+        return out
+
+    def _scatter(self, addrs: np.ndarray, lens: np.ndarray, data: np.ndarray) -> None:
+        data = data.reshape(-1).view(np.uint8)
+        off = 0
+        for view, start, n in self._located(addrs, lens):
+            view[start:start + n] = data[off:off + n]
+            off += n
+
+    # ---- the serving side -------------------------------------------------------------------
+    def _serve(self) -> None:
+        """Side-channel thread: takes requests, hands them to the requesting peer's worker, sends
+        the workers' answers, drops stale offers."""
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        next_sweep = time.monotonic() + 1.0
+        while self._serving:
+            events = dict(poller.poll(1000))
+            if self._wake_rx in events:
+                while self._wake_rx.poll(0):
+                    self._wake_rx.recv()
+            while self._router in events:
+                try:
+                    frames = self._router.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._on_request(frames)
+            with self._wake_lock:
+                replies, self._replies = self._replies, []
+            for ident, data in replies:
+                self._router.send_multipart([ident, data])
+            if time.monotonic() > next_sweep:
+                next_sweep = time.monotonic() + 1.0
+                old = [u for u, (_, t) in list(self._offers.items()) if time.monotonic() - t > self.offer_ttl_s]
+                for u in old:
+                    self._offers.pop(u, None)
+                    self._xfer.release(u)
+        for s in (self._router, self._wake_rx):
+            s.close(0)
+
+    def _reply(self, ident: bytes, data: bytes) -> None:
+        with self._wake_lock:
+            self._replies.append((ident, data))
+            if self._serving:
+                self._wake_tx.send(b"", zmq.NOBLOCK)
+
+    def _on_request(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.rejected_messages += 1
+            return
+        ident, data = frames
+        msg = None
+        try:
+            msg = _check(data, _REQUESTS)
+            peer = msg["from"]
+            if not 0 < len(peer) <= 256 or (msg["op"] == "write" and not _is_address(msg["address"])):
+                raise _Refused(f"{msg['op']}: from={peer!r:.80} / address must be a name and a 'host:port'")
+        except _Refused as exc:
+            self.rejected_messages += 1
+            _log.warning("jax-transfer engine %r: refused a request: %s", self.name, exc)
+            seq = msg["seq"] if msg is not None else 0  # 0 never matches a live batch (seqs start at 1)
+            self._router.send_multipart([ident, _encode("error", seq=seq, msg=f"refused: {exc}")])
+            return
+        key = (peer, msg["seq"])
+        if msg["op"] == "cancel":
+            if key in self._writing:  # a cancel for a batch already answered is dropped
+                self._cancelled.add(key)
+            return
+        if msg["op"] == "write":
+            self._writing.add(key)
+        worker = self._servers.get(peer)
+        if worker is None:
+            worker = self._servers[peer] = Worker(f"jax-engine-{self.name}-serve-{peer}")
+        try:
+            worker.submit(Job(self._serve_one, ident, msg, tag=peer))
+        except RuntimeError:  # the peer is being removed
+            self._router.send_multipart([ident, _encode("error", seq=msg["seq"], msg="peer removed")])
+
+    def _serve_one(self, job: Job, ident: bytes, msg: dict) -> None:
+        """A serving worker: one request of one peer; always answers (except "read_done")."""
+        op, peer, seq = msg["op"], msg["from"], msg["seq"]
+        try:
+            if op == "read_done":
+                if self._offers.get(msg["uuid"], ("",))[0] == peer:
+                    self._offers.pop(msg["uuid"], None)
+                    self._xfer.release(msg["uuid"])
+                    if msg["ok"] and msg["notif"] is not None:
+                        self._notify(peer, msg["notif"])
+                return
+            if op == "notify":
+                self._notify(peer, msg["notif"])
+                self._reply(ident, _encode("written", seq=seq))
+                return
+            ranges = _ranges(msg["ranges"])
+            if op == "read":
+                data = self._gather(ranges[:, 0], ranges[:, 1])
+                uuid = secrets.randbits(63)
+                self._offers[uuid] = (peer, time.monotonic())
+                self._xfer.offer(uuid, [data], copy=False)
+                self._reply(ident, _encode("offered", seq=seq, uuid=uuid, nbytes=int(data.nbytes)))
+                return
+            # write: pull the initiator's offer, then land it (unless it cancelled meanwhile)
+            total = int(ranges[:, 1].sum())
+            list(self._located(ranges[:, 0], ranges[:, 1]))  # checked before anything moves
+            # A peer we know is pulled from where its PeerInfo says; one we do not (NIXL and
+            # Mooncake targets need not add their initiators either) from where it says it is.
+            out = self._xfer.pull(self._peer_xfer.get(peer, msg["address"]), msg["uuid"], [((total,), np.uint8)],
+                                  timeout_s=self.timeout_s, peer=peer)
+            if (peer, seq) in self._cancelled:
+                raise BridgeError("cancelled by the initiator before its bytes were written")
+            self._scatter(ranges[:, 0], ranges[:, 1], np.asarray(out[0]))
+            if msg["notif"] is not None:
+                self._notify(peer, msg["notif"])
+            self._reply(ident, _encode("written", seq=seq))
+        except Exception as exc:  # noqa: BLE001 - the initiator gets the reason
+            if isinstance(exc, (_Refused, DescriptorError)):
+                self.rejected_messages += 1
+            if op != "read_done":
+                self._reply(ident, _encode("error", seq=seq, msg=f"{type(exc).__name__}: {exc}"[:4000]))
+        finally:
+            self._writing.discard((peer, seq))
+            self._cancelled.discard((peer, seq))
+
+    def _notify(self, peer: str, notif: bytes) -> None:
+        with self._lock:
+            self._new_notifs.setdefault(peer, []).append(notif)
+
+    def _engine_poll_notifs(self) -> dict[str, list[bytes]]:
+        with self._lock:
+            out, self._new_notifs = self._new_notifs, {}
+        return out
+
+    # ---- teardown ---------------------------------------------------------------------------
+    def _engine_close(self, regions, peers) -> None:
+        for job in list(self._jobs.values()):
+            job.cancel("engine closed")
+        self._jobs.clear()
+        workers = list(self._workers.values()) + list(self._servers.values()) + self._retired
+        for w in workers:
+            w.stop("engine closed")
+        with self._wake_lock:
+            self._serving = False
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+        for w in workers:  # each is bounded by timeout_s (its answer wait or its pull)
+            w.join()
+        self._loop.join()
+        self._wake_tx.close(0)
+        for _, sock in self._dealers.values():
+            sock.close(0)
+        self._dealers.clear()
+        self._views.clear()
+        self._offers.clear()
+        self._xfer.close()
