@@ -107,6 +107,13 @@ class _ReceiverSide:
         others = [k for k in range(self.full[0].shape[0]) if k not in used]
         return all(bool((a[others] == SENTINEL).all()) for a in self.full)
 
+    def foreign_rows(self, used_pages=()):
+        """(page, row, layer) rows outside ``used_pages`` (guard pages included) that do not
+        hold only the sentinel: how much a stray write changed."""
+        used = set(int(x) for x in used_pages)
+        others = [k for k in range(self.full[0].shape[0]) if k not in used]
+        return sum(int((a[others] != SENTINEL).any(axis=-1).sum()) for a in self.full)
+
     def clear(self, pages):
         for a in self.full:
             a[np.asarray(pages, np.int64)] = SENTINEL

@@ -164,6 +164,8 @@ class SenderPeers:
             return self._nack(ident, HandshakeError("spec", "a valid hello", "refused", str(exc)))
         for old in [c for c in group if c.spec.dcp_rank == spec.dcp_rank]:
             self._drop_conn(old, f"decode rank {spec.dcp_rank} reconnected")
+        if self._hold_hello(ident, msg):
+            return
         mapping = None
         if path == "fused":  # opened once per connection, closed when it is dropped or at close
             try:
@@ -184,6 +186,49 @@ class SenderPeers:
         self._ctl.send(ident, proto.encode(
             "hello_ack", spec=self.spec.to_dict(), peer=self.engine.peer_info().to_dict(),
             layer_bases=proto.pack_i64(self._layers.bases), name=self.engine.name, path=path))
+
+    def _hold_hello(self, ident: bytes, msg: dict) -> bool:
+        """True (the hello waits) while a WRITE of an earlier, dropped connection of the same
+        receiver is still in flight: that receiver counted those requests' pages as given back when
+        it dropped us (or we it), and a write of ours may still land in them. Its new connection is
+        answered only once the engine reported every such write ended, so a receiver whose
+        ``connect`` succeeded knows nothing of the old connection can land any more. Held at most
+        ``timeout_s``, then refused (``hello_nack(field="connection")``)."""
+        name = msg["name"]
+        busy = sum(1 for u in self._inflight if u.target.conn.name == name and u.target.conn.ident not in self._conns)
+        first = self._held_hellos.get(ident, (msg, time.monotonic()))[1]
+        if not busy:
+            self._held_hellos.pop(ident, None)
+            return False
+        if time.monotonic() - first > self.timeout_s:
+            self._held_hellos.pop(ident, None)
+            self._nack(ident, HandshakeError("connection", "no write of your old connection in flight",
+                                             f"{busy} still in flight", f"writes of receiver {name!r}'s previous "
+                                             f"connection did not end within {self.timeout_s:g} s"))
+            return True
+        if ident not in self._held_hellos:
+            self._counts["held_hellos"] += 1
+            logger.warning("holding the handshake of %s: %d write(s) of its previous connection still in flight",
+                           name, busy)
+        self._held_hellos[ident] = (msg, first)
+        return True
+
+    def _retry_held_hellos(self) -> None:
+        for ident, (msg, _) in list(self._held_hellos.items()):
+            self._on_hello(ident, msg)
+
+    def _on_stall(self, gap: float) -> None:
+        """This worker did not run for ``gap`` seconds (the process was stopped or starved): a
+        receiver that heard nothing from us for its ``peer_timeout_s`` dropped us, failed our
+        requests and may have given their pages to new requests, while our queued windows and its
+        stale pings still wait here. Nothing more is posted on any connection: every one is
+        dropped (its requests FAIL); receivers that still hold theirs learn it from the
+        ``failed`` messages or a ``hello_nack`` and connect again."""
+        self._counts["stalls"] += 1
+        reason = (f"this sender was stalled for {gap:.1f} s (> {self._stall_s:g} s): its receivers may have "
+                  "dropped it as silent")
+        for conn in list(self._conns.values()):
+            self._drop_conn(conn, reason)
 
     def _nack(self, ident: bytes, exc: HandshakeError) -> None:
         self._counts["handshakes_refused"] += 1

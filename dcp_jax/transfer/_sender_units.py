@@ -86,6 +86,9 @@ class SenderUnits:
     def _submit_units(self) -> bool:
         busy = False
         while self._queue:
+            stalled = time.monotonic() - self._last_round  # this round began then: a stop inside it
+            if stalled > self._stall_s and self._conns:
+                self._on_stall(stalled)
             u = self._queue[0]
             if u.req.status.terminal:
                 self._queue.popleft()

@@ -131,8 +131,13 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
         self._asks: dict[tuple, Any] = {}   # region windows packed, waiting for the rank's grant
         self._counts = dict(dropped_messages=0, handshakes=0, handshakes_refused=0, requests=0,
                             succeeded=0, failed=0, aborted=0, bytes=0, descriptors=0, batches=0,
-                            engine_calls=0)
+                            engine_calls=0, stalls=0, held_hellos=0)
         self._compile_count = compile_count
+        # A worker stalled this long (SIGSTOP, a pause of the process) may have been dropped as
+        # silent by its receivers, who then reuse the pages: `SenderPeers._on_stall`.
+        self._stall_s = max(self.peer_timeout_s - 1.5 * self.heartbeat_s, self.peer_timeout_s / 2)
+        self._last_round = time.monotonic()
+        self._held_hellos: dict[bytes, tuple] = {}  # ident -> (hello, first seen): `_hold_hello`
         self._worker = Worker(f"dcp-sender-{spec.dcp_rank}", self._round, self._ctl.sock)
         self._last_ping = 0.0
         self._worker.start()
@@ -302,6 +307,11 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
     # ---- the worker's round ---------------------------------------------------------------------
     def _round(self) -> int:
         busy = False
+        now = time.monotonic()
+        gap, self._last_round = now - self._last_round, now
+        if gap > self._stall_s and self._conns:  # before reading or posting anything
+            with self._lock:
+                self._on_stall(gap)
         for ident, msg in self._ctl.recv():
             busy = True
             with self._lock:
@@ -310,11 +320,13 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
             self._plan_units()
             busy |= self._submit_units()
             busy |= self._poll_inflight()
+            self._retry_held_hellos()
             self._check_timeouts()
             self._heartbeat()
             if busy:
                 return ACTIVE
-            return PENDING if self._inflight else IDLE  # grants arrive on the control socket
+            # Grants arrive on the control socket; a held hello waits for the engine's completions.
+            return PENDING if self._inflight or self._held_hellos else IDLE
 
     def _get(self, request_id: str) -> SendRequest:
         req = self._requests.get(request_id)
