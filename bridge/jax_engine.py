@@ -372,35 +372,69 @@ class JaxTransferEngine(TransferEngine):
 
     # ---- memory -----------------------------------------------------------------------------
     def _located(self, addrs: np.ndarray, lens: np.ndarray):
-        """(region, view of it, offset, length) per coalesced range, all inside registrations."""
+        """Coalesced ranges grouped for copying, all checked inside this engine's registrations:
+        yields (region view, starts i64[k], length) for runs of equal length (one numpy fancy
+        index per region: a row gather, not a Python loop), else (view, [start], n) per range."""
         addrs, lens = _coalesce(np.asarray(addrs, np.int64), np.asarray(lens, np.int64))
         table = self._local_table
         idx = table.locate(addrs, lens)
-        if (idx < 0).any() or (lens <= 0).any() or (addrs < 0).any():
-            i = int(np.argmax((idx < 0) | (lens <= 0) | (addrs < 0)))
+        bad = (idx < 0) | (lens <= 0) | (addrs < 0)
+        if bad.any():
+            i = int(np.argmax(bad))
             raise DescriptorError(f"ranges: {int(addrs[i]):#x}+{int(lens[i])} is outside every region registered "
                                   f"with engine {self.name!r}")
+        if len(lens) > 1 and (lens == lens[0]).all():
+            # one length: consecutive ranges of one region go in one fancy-indexed row copy
+            cut = np.flatnonzero(np.diff(idx)) + 1
+            for lo, hi in zip(np.r_[0, cut].tolist(), np.r_[cut, len(idx)].tolist()):
+                r = table.regions[int(idx[lo])]
+                yield self._view(r), addrs[lo:hi] - r.addr, int(lens[0])
+            return
         for a, n, i in zip(addrs.tolist(), lens.tolist(), idx.tolist()):
             r = table.regions[i]
-            view = self._views.get(r)
-            if view is None:
-                view = self._views[r] = np.ctypeslib.as_array((ctypes.c_uint8 * r.nbytes).from_address(r.addr))
-            yield view, a - r.addr, n
+            yield self._view(r), np.array([a - r.addr]), n
+
+    def _view(self, r: MemoryRegion) -> np.ndarray:
+        view = self._views.get(r)
+        if view is None:
+            view = self._views[r] = np.ctypeslib.as_array((ctypes.c_uint8 * r.nbytes).from_address(r.addr))
+        return view
+
+    @staticmethod
+    def _rows(view: np.ndarray, starts: np.ndarray, n: int):
+        """Index into `view` reaching bytes [s, s+n) of every start: a [k, n] row index of a 2-D
+        view when every start is a multiple of n, else None."""
+        if len(starts) == 1 or (starts % n).any():
+            return None
+        return view[: view.size // n * n].reshape(-1, n), starts // n
 
     def _gather(self, addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
         out = np.empty(int(np.sum(lens)), dtype=np.uint8)
         off = 0
-        for view, start, n in self._located(addrs, lens):
-            out[off:off + n] = view[start:start + n]
-            off += n
+        for view, starts, n in self._located(addrs, lens):
+            rows = self._rows(view, starts, n)
+            if rows is not None:
+                out[off:off + len(starts) * n].reshape(-1, n)[:] = rows[0][rows[1]]
+            else:
+                for st in starts.tolist():
+                    out[off:off + n] = view[st:st + n]
+                    off += n
+                continue
+            off += len(starts) * n
         return out
 
     def _scatter(self, addrs: np.ndarray, lens: np.ndarray, data: np.ndarray) -> None:
         data = data.reshape(-1).view(np.uint8)
         off = 0
-        for view, start, n in self._located(addrs, lens):
-            view[start:start + n] = data[off:off + n]
-            off += n
+        for view, starts, n in self._located(addrs, lens):
+            rows = self._rows(view, starts, n)
+            if rows is not None:
+                rows[0][rows[1]] = data[off:off + len(starts) * n].reshape(-1, n)
+                off += len(starts) * n
+                continue
+            for st in starts.tolist():
+                view[st:st + n] = data[off:off + n]
+                off += n
 
     # ---- the serving side -------------------------------------------------------------------
     def _serve(self) -> None:
