@@ -1,5 +1,6 @@
-"""What arrives at a decode rank: engine notifications (push), its own reads (pull), and the
-bookkeeping that turns landed parts into covered token ranges and SUCCESS.
+"""What arrives at a decode rank: engine notifications (push), its own reads (pull), the
+bookkeeping that turns landed parts into covered token ranges and SUCCESS, and the other endings
+(abort, failure, no progress, a sender gone silent).
 
 Half of the worker-thread machinery of `dcp_jax.transfer.KVReceiver` (a mixin over the state
 ``KVReceiver.__init__`` creates). Every method runs on the worker thread under the receiver's
@@ -11,12 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import time
+
 import numpy as np
 
 from bridge import TransferError
 from dcp_jax import plan as planmod
 from dcp_jax.packing import layer_offsets
 from dcp_jax.transfer import protocol as proto
+from dcp_jax.transfer._worker import TIMEOUT_CHECK_S
 from dcp_jax.transfer.requests import RecvRequest
 from dcp_jax.transfer.schedule import SideLayout, owned_tokens, token_rows
 from dcp_jax.transfer.status import TransferStatus
@@ -27,6 +31,53 @@ __all__ = ["ReceiverData"]
 class ReceiverData:
     """Notifications, pull reads, parts and chunks landing, SUCCESS."""
 
+    # ---- control messages from the senders ----------------------------------------------------
+    def _live(self, link: Any, msg: dict) -> RecvRequest | None:
+        req = self._requests.get(msg["rid"])
+        if req is None or req.inc != msg["inc"] or req.status.terminal or link not in req.senders:
+            self._counts["dropped_messages"] += 1
+            return None
+        return req
+
+    def _on_message(self, link: Any, msg: dict) -> None:
+        kind = msg["k"]
+        if kind in ("region_ask", "fused_done"):
+            return self._on_region_ask(link, msg) if kind == "region_ask" else self._on_fused_done(link, msg)
+        if kind == "pull_ready":
+            req = self._live(link, msg)
+            if req is None:  # the sender holds a region for it: let it go at once
+                link.client.send(proto.encode("pull_done", msg["rid"], msg["inc"], chunk=msg["chunk"],
+                                              part=msg["part"], ok=False, reason="request not live here"))
+                return
+            if link.path == "region" and msg["nrows"]:
+                return self._queue_region_pull(req, link, msg)
+            return self._start_read(req, link, msg)
+        if kind == "sent":
+            req = self._requests.get(msg["rid"])
+            if req is not None and req.inc == msg["inc"] and not req.status.terminal:
+                req.due += 1
+            return
+        if kind == "drained":
+            req = self._requests.get(msg["rid"])
+            # Its writes into this request's ranges are over too (even if it was released here).
+            self._free_grants(lambda key, g: key[:3] == (id(link), msg["rid"], msg["inc"]))
+            if req is not None and req.inc == msg["inc"] and link in req.senders:
+                req.drained.add(id(link))
+            else:
+                self._counts["dropped_messages"] += 1
+            return
+        if kind in ("abort", "failed"):
+            req = self._live(link, msg)
+            if req is not None:
+                status = TransferStatus.ABORTED if kind == "abort" else TransferStatus.FAILED
+                self._end(req, status, f"prefill rank {link.spec.dcp_rank}: {msg['reason']}", None)
+        elif kind == "hello_nack":  # the sender no longer knows this connection (dropped, restarted)
+            if link in self._links:
+                self._drop_link(link, f"prefill sender {link.client.address} refused the connection: {msg['message']}")
+        elif kind != "ping":
+            self._counts["dropped_messages"] += 1
+
+    # ---- engine notifications and reads -------------------------------------------------------
     def _on_notification(self, peer: str, note: bytes) -> None:
         link = self._by_peer.get(peer)
         try:
@@ -159,3 +210,63 @@ class ReceiverData:
         if not req.status.terminal and req.complete():
             if req.finish(TransferStatus.SUCCESS):
                 self._counts["succeeded"] += 1
+
+    # ---- endings: aborts, failures, timeouts, dead senders -------------------------------------
+    def _end(self, req: RecvRequest, status: TransferStatus, reason: str, notify: str | None) -> bool:
+        if not req.finish(status, reason):
+            return False
+        self._counts["failed" if status is TransferStatus.FAILED else "aborted"] += 1
+        for _, (r, _, _, h) in self._reads.items():
+            if r is req:
+                self.engine.cancel(h)
+        self._quarantine_grants(req)  # held until the sender says drained (or is gone)
+        if notify:
+            frame = proto.encode(notify, req.rid, req.inc, reason=reason[:proto.MAX_TEXT])
+            self._outbox.extend((link, frame) for link in req.senders if link in self._links)
+        return True
+
+    def _check_timeouts(self) -> None:
+        now = time.monotonic()
+        if now < self._next_timeout_check:
+            return
+        self._next_timeout_check = now + TIMEOUT_CHECK_S
+        for req in list(self._requests.values()):
+            if not req.status.terminal:
+                if req.state.stalled_for(now) > self.timeout_s:
+                    self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s", "failed")
+            elif req.status is not TransferStatus.SUCCESS and req.state.stalled_for(now) > self.timeout_s:
+                self._ask_drained(req)
+
+    def _ask_drained(self, req: RecvRequest) -> None:
+        """Asks again, once per ``timeout_s``, the push senders that have not said ``drained`` for
+        an ended request: a ``failed`` or its answer can be lost with a connection that broke
+        and came back, and the pages stay held until the word comes (or the sender is dropped)."""
+        req.state.touch()
+        kind = "abort" if req.status is TransferStatus.ABORTED else "failed"
+        frame = proto.encode(kind, req.rid, req.inc, reason="still waiting for drained")
+        self._outbox.extend((link, frame) for link in req.senders if link in self._links
+                            and link.direction != "pull" and id(link) not in req.drained)
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        for link in list(self._links):
+            if now - link.last_seen > self.peer_timeout_s:
+                self._drop_link(link, f"prefill sender {link.client.address} silent for {self.peer_timeout_s:g} s")
+        if now - self._last_ping >= self.heartbeat_s:
+            self._last_ping = now
+            ping = proto.encode("ping")
+            self._outbox.extend((link, ping) for link in self._links)
+
+    def _drop_link(self, link: _Link, reason: str) -> None:
+        self._links.remove(link)
+        self._by_peer.pop(link.peer, None)
+        for req in list(self._requests.values()):
+            if link in req.senders:
+                self._end(req, TransferStatus.FAILED, reason, "failed")
+        self._free_grants(lambda key, g: g.link is link)  # a sender that is gone writes no more
+        self._worker.remove_socket(link.client.sock)
+        link.client.close()
+        try:
+            self.engine.remove_peer(link.peer)
+        except Exception:  # noqa: BLE001 - already gone
+            pass

@@ -19,11 +19,14 @@ tells the receiver in ``hello_ack``).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import socket
 from typing import Any
 
 from dcp_jax.transfer.arena import PackArena, PackRegion
 from dcp_jax.transfer.spec import HandshakeError
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["SEND_MODES", "PeerOffer", "choose_path", "ReceiveRegion", "DEFAULT_REGION_BYTES", "REGION_ALIGN",
            "ipc_export", "ipc_open", "host_info", "fused_refusal"]
@@ -233,9 +236,13 @@ def ipc_export(layers: Any) -> list[dict]:
         return []
     try:
         from bridge.cuda_ipc import export_ipc_handles
+
+        return [h.to_dict() for h in export_ipc_handles([v for v in layers.rows])]
     except ImportError:
         return []
-    return [h.to_dict() for h in export_ipc_handles([v for v in layers.rows])]
+    except Exception:  # noqa: BLE001 - not exportable (e.g. VMM memory): peers take another path
+        logger.warning("KV layers cannot be exported as CUDA IPC handles; no fused path offered", exc_info=True)
+        return []
 
 
 def ipc_open(handles: list, item_lens) -> Any:

@@ -26,7 +26,7 @@ import numpy as np
 from bridge import PeerInfo, make_engine
 from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
-from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, TIMEOUT_CHECK_S, Worker, check_page_table, check_seconds
+from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, Worker, check_page_table, check_seconds
 from dcp_jax.transfer._receiver_data import ReceiverData
 from dcp_jax.transfer._receiver_region import ReceiverRegion
 from dcp_jax.transfer._region import DEFAULT_REGION_BYTES, ReceiveRegion, host_info, ipc_export
@@ -115,7 +115,7 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         # A region smaller than one token could hold no window: offered as none.
         self._region = ReceiveRegion(int(region_bytes) if region_bytes >= spec.row_bytes else 0,
                                      self._layers.mem_type, self._layers.device_id)
-        self._ipc = _exported_handles(self._layers)  # once: every connection offers the same
+        self._ipc = ipc_export(self._layers)  # once: every connection offers the same
         name = f"dcp-recv-{spec.dcp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.engine = make_engine(engine, name, **engine_options_for(engine, host, engine_options))
         try:
@@ -394,110 +394,6 @@ class KVReceiver(ReceiverData, ReceiverRegion):
             link, frame = self._outbox.popleft()
             link.client.send(frame)
 
-    def _live(self, link: _Link, msg: dict) -> RecvRequest | None:
-        req = self._requests.get(msg["rid"])
-        if req is None or req.inc != msg["inc"] or req.status.terminal or link not in req.senders:
-            self._counts["dropped_messages"] += 1
-            return None
-        return req
-
-    def _on_message(self, link: _Link, msg: dict) -> None:
-        kind = msg["k"]
-        if kind in ("region_ask", "fused_done"):
-            return self._on_region_ask(link, msg) if kind == "region_ask" else self._on_fused_done(link, msg)
-        if kind == "pull_ready":
-            req = self._live(link, msg)
-            if req is None:  # the sender holds a region for it: let it go at once
-                link.client.send(proto.encode("pull_done", msg["rid"], msg["inc"], chunk=msg["chunk"],
-                                              part=msg["part"], ok=False, reason="request not live here"))
-                return
-            if link.path == "region" and msg["nrows"]:
-                return self._queue_region_pull(req, link, msg)
-            return self._start_read(req, link, msg)
-        if kind == "sent":
-            req = self._requests.get(msg["rid"])
-            if req is not None and req.inc == msg["inc"] and not req.status.terminal:
-                req.due += 1
-            return
-        if kind == "drained":
-            req = self._requests.get(msg["rid"])
-            # Its writes into this request's ranges are over too (even if it was released here).
-            self._free_grants(lambda key, g: key[:3] == (id(link), msg["rid"], msg["inc"]))
-            if req is not None and req.inc == msg["inc"] and link in req.senders:
-                req.drained.add(id(link))
-            else:
-                self._counts["dropped_messages"] += 1
-            return
-        if kind in ("abort", "failed"):
-            req = self._live(link, msg)
-            if req is not None:
-                status = TransferStatus.ABORTED if kind == "abort" else TransferStatus.FAILED
-                self._end(req, status, f"prefill rank {link.spec.dcp_rank}: {msg['reason']}", None)
-        elif kind == "hello_nack":  # the sender no longer knows this connection (dropped, restarted)
-            if link in self._links:
-                self._drop_link(link, f"prefill sender {link.client.address} refused the connection: {msg['message']}")
-        elif kind != "ping":
-            self._counts["dropped_messages"] += 1
-
-    def _end(self, req: RecvRequest, status: TransferStatus, reason: str, notify: str | None) -> bool:
-        if not req.finish(status, reason):
-            return False
-        self._counts["failed" if status is TransferStatus.FAILED else "aborted"] += 1
-        for _, (r, _, _, h) in self._reads.items():
-            if r is req:
-                self.engine.cancel(h)
-        self._quarantine_grants(req)  # held until the sender says drained (or is gone)
-        if notify:
-            frame = proto.encode(notify, req.rid, req.inc, reason=reason[:proto.MAX_TEXT])
-            self._outbox.extend((link, frame) for link in req.senders if link in self._links)
-        return True
-
-    def _check_timeouts(self) -> None:
-        now = time.monotonic()
-        if now < self._next_timeout_check:
-            return
-        self._next_timeout_check = now + TIMEOUT_CHECK_S
-        for req in list(self._requests.values()):
-            if not req.status.terminal:
-                if req.state.stalled_for(now) > self.timeout_s:
-                    self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s", "failed")
-            elif req.status is not TransferStatus.SUCCESS and req.state.stalled_for(now) > self.timeout_s:
-                self._ask_drained(req)
-
-    def _ask_drained(self, req: RecvRequest) -> None:
-        """Asks again, once per ``timeout_s``, the push senders that have not said ``drained`` for
-        an ended request: a ``failed`` or its answer can be lost with a connection that broke
-        and came back, and the pages stay held until the word comes (or the sender is dropped)."""
-        req.state.touch()
-        kind = "abort" if req.status is TransferStatus.ABORTED else "failed"
-        frame = proto.encode(kind, req.rid, req.inc, reason="still waiting for drained")
-        self._outbox.extend((link, frame) for link in req.senders if link in self._links
-                            and link.direction != "pull" and id(link) not in req.drained)
-
-    def _heartbeat(self) -> None:
-        now = time.monotonic()
-        for link in list(self._links):
-            if now - link.last_seen > self.peer_timeout_s:
-                self._drop_link(link, f"prefill sender {link.client.address} silent for {self.peer_timeout_s:g} s")
-        if now - self._last_ping >= self.heartbeat_s:
-            self._last_ping = now
-            ping = proto.encode("ping")
-            self._outbox.extend((link, ping) for link in self._links)
-
-    def _drop_link(self, link: _Link, reason: str) -> None:
-        self._links.remove(link)
-        self._by_peer.pop(link.peer, None)
-        for req in list(self._requests.values()):
-            if link in req.senders:
-                self._end(req, TransferStatus.FAILED, reason, "failed")
-        self._free_grants(lambda key, g: g.link is link)  # a sender that is gone writes no more
-        self._worker.remove_socket(link.client.sock)
-        link.client.close()
-        try:
-            self.engine.remove_peer(link.peer)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-
     def _get(self, request_id: str) -> RecvRequest:
         req = self._requests.get(request_id)
         if req is None:
@@ -507,14 +403,3 @@ class KVReceiver(ReceiverData, ReceiverRegion):
     def __repr__(self) -> str:
         return (f"KVReceiver(dcp_rank={self.spec.dcp_rank}, engine={self.engine.kind!r}, "
                 f"requests={len(self._requests)}, connections={len(self._links)})")
-
-
-
-def _exported_handles(layers: CacheLayers) -> list[dict]:
-    """The layers' CUDA IPC handles for the fused path ([] on the host, or when this build or
-    this memory cannot export them: senders then take another path)."""
-    try:
-        return ipc_export(layers)
-    except Exception:  # noqa: BLE001 - not exportable (e.g. VMM memory): offer no fused path
-        logger.warning("KV layers cannot be exported as CUDA IPC handles; no fused path offered", exc_info=True)
-        return []

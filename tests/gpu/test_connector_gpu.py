@@ -106,3 +106,56 @@ def test_device_pack_compiles_once_for_every_region():
     finally:
         for s in recvs + [sender]:
             s.close()
+
+
+@pytest.mark.parametrize("kind, direction, mode", [
+    ("cupy", "push", "region"), ("cupy", "pull", "region"), ("jax", "push", "region"),
+    ("cupy", "push", "fused"), ("cupy", "pull", "fused"), ("cupy", "push", "auto")])
+def test_region_and_fused_paths_byte_exact(kind, direction, mode):
+    """The few-descriptor paths on device memory: ONE descriptor per window into the rank's
+    receive region (unpacked by the Pallas scatter), or none at all (the fused copy kernel into
+    the rank's IPC-mapped pages); "auto" picks fused for CuPy caches on one host."""
+    from bridge.nixl import nixl_available
+    from dcp_jax.transfer import TransferStatus
+
+    if not nixl_available():
+        pytest.skip("NIXL (CUDA build) not installed")
+    sender, recvs, host_src, dst = _cluster(kind, direction, mode)
+    try:
+        L, P, n = 700, 16, 2
+        rng = np.random.default_rng()
+        src_table = rng.permutation(64)[: -(-L // P)]
+        dst_tables = [rng.permutation(64)[: -(-(L // n + 1) // P)] for _ in range(n)]
+        for r, recv in enumerate(recvs):
+            recv.expect("g", dst_tables[r], L)
+        sender.send("g", src_table, 0, 300)
+        sender.send("g", src_table, 300, L)
+        deadline = time.monotonic() + 60
+        sides = [sender] + recvs
+        while not all(s.poll("g").terminal for s in sides) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert [s.poll("g") for s in sides] == [TransferStatus.SUCCESS] * 3, \
+            [(s.poll("g"), s.failure_reason("g")) for s in sides]
+        want = "fused" if mode == "auto" else mode
+        st = sender.request_stats("g")
+        assert [v["path"] for v in st["ranks"].values()] == [want] * n
+        for r in range(n):
+            rows = (L - r + n - 1) // n
+            assert st["ranks"][r]["descriptors"] == (2 if want == "region" else 0)  # one per chunk
+            assert recvs[r].request_stats("g")["unpacks"] == (2 if want == "region" else 0)
+            got = [np.asarray(a.get() if hasattr(a, "get") else a) for a in dst[r]]
+            used = set(int(p) for p in dst_tables[r][: -(-rows // P)])
+            for t in range(r, L, n):
+                j = t // n
+                for l in range(2):
+                    np.testing.assert_array_equal(got[l][dst_tables[r][j // P], j % P],
+                                                  host_src[l][src_table[t // P], t % P])
+            for l in range(2):  # every other page still holds the sentinel
+                others = [p for p in range(64) if p not in used]
+                assert (got[l][others] == 0xA5).all()
+                last = dst_tables[r][(rows - 1) // P]
+                assert (got[l][last, (rows - 1) % P + 1:] == 0xA5).all()
+            assert recvs[r].stats["region"]["in_use_bytes"] == 0
+    finally:
+        for s in recvs + [sender]:
+            s.close()
