@@ -143,9 +143,12 @@ class ReceiverData:
         self._end(req, TransferStatus.FAILED, f"inconsistent completion: {why}", "failed")
 
     def _start_read(self, req: RecvRequest, link: Any, msg: dict) -> None:
+        if msg["stop"] > req.num_tokens:  # checked before any row is computed from the page table
+            self._inconsistent(req, f"pull of tokens [{msg['start']}, {msg['stop']}) passes num_tokens={req.num_tokens}")
+            return
         rows = self._rows_of(req, link, msg["start"], msg["stop"])
         lo, n = msg["lo"], msg["nrows"]
-        if lo + n > len(rows) or msg["stop"] > req.num_tokens:
+        if lo + n > len(rows):
             self._inconsistent(req, f"pull of rows [{lo}, {lo + n}) of a chunk this rank holds {len(rows)} rows of")
             return
         done = dict(chunk=msg["chunk"], part=msg["part"], nparts=msg["nparts"], start=msg["start"],

@@ -66,10 +66,14 @@ class ReceiverRegion:
     def _window_rows(self, req: RecvRequest, link: Any, msg: dict) -> np.ndarray | None:
         """The rows of a window a sender announces, or None (the request is failed) when the
         window is not rows this rank owns in that chunk or its size disagrees."""
+        if msg["stop"] > req.num_tokens:  # before any row is computed from the page table
+            self._inconsistent(req, f"window of tokens [{msg['start']}, {msg['stop']}) passes "
+                                    f"num_tokens={req.num_tokens}")
+            return None
         rows = self._rows_of(req, link, msg["start"], msg["stop"])
         lo, n = msg["lo"], msg["nrows"]
         nbytes = msg.get("nbytes", n * self.spec.row_bytes)
-        if msg["stop"] > req.num_tokens or n == 0 or lo + n > len(rows) or nbytes != n * self.spec.row_bytes \
+        if n == 0 or lo + n > len(rows) or nbytes != n * self.spec.row_bytes \
                 or nbytes > self._region.nbytes:
             self._inconsistent(req, f"window of rows [{lo}, {lo + n}) ({nbytes} bytes) of a chunk this rank holds "
                                     f"{len(rows)} rows of, into a {self._region.nbytes}-byte receive region")
