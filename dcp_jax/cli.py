@@ -41,14 +41,22 @@ def _check_out_path(path: Optional[Path], option: str) -> None:
         _fail(f"{option} {str(path)!r}: not writable")
 
 
-def _job_config(mode: str, **kwargs):
-    """The main job's JobConfig for these options: the one validation ``transfer`` and ``plan`` share."""
+def _job_config(mode: str, path: Optional[str] = None, **kwargs):
+    """The main job's JobConfig for these options: the one validation ``transfer`` and ``plan`` share.
+    ``path`` (``--path``, a comma list) wins over ``mode``."""
     from dcp_jax.job import JobConfig
+    from dcp_jax.job.config import PATHS
 
     if mode not in _MODES:
         _fail(f"--mode={mode!r} must be one of {', '.join(_MODES)}")
+    modes = _MODES[mode]
+    if path is not None:
+        modes = tuple(x.strip() for x in path.split(","))
+        bad = [x for x in modes if x not in PATHS]
+        if bad or len(set(modes)) != len(modes):
+            _fail(f"--path={path!r} must be a comma list of distinct names of {', '.join(PATHS)}")
     try:
-        return JobConfig(modes=_MODES[mode], **kwargs)
+        return JobConfig(modes=modes, **kwargs)
     except ValueError as exc:
         _fail(str(exc))
 
@@ -70,6 +78,11 @@ def transfer(
                                               "lcm(P*N, I*N)."),
     mode: str = typer.Option("both", help="direct (descriptors straight from the KV buffers), packed (gather "
                                           "each rank's rows into its pack region first) or both."),
+    path: Optional[str] = typer.Option(None, help="Transfer paths to run, a comma list of auto, direct, packed, "
+                                                  "region (one descriptor per window into the decode rank's "
+                                                  "receive region, sized for its share of a chunk) and fused "
+                                                  "(GPU: a kernel writing through CUDA IPC); one run each, in "
+                                                  "order. Wins over --mode."),
     engine: str = typer.Option("nixl", help="Transfer engine: nixl, mooncake, jax-transfer "
                                              "(jax.experimental.transfer, every batch a pull, host "
                                              "memory) or auto (NIXL, else Mooncake)."),
@@ -106,7 +119,7 @@ def transfer(
     if device not in DEVICES:
         _fail(f"--device={device!r} must be one of {', '.join(DEVICES)}")
     cfg = _job_config(
-        mode, model=model, prompt_tokens=prompt_tokens, page_size=page_size, dcp_size=dcp_size,
+        mode, path, model=model, prompt_tokens=prompt_tokens, page_size=page_size, dcp_size=dcp_size,
         prefill_dcp_size=prefill_dcp_size, interleave_size=interleave_size,
         prefill_interleave_size=prefill_interleave_size, chunk_tokens=chunk_tokens,
         prefix_tokens=prefix_tokens, engine=engine, max_batch_indices=max_batch_indices,
@@ -179,7 +192,8 @@ def _json_default(o):
 
 
 def _run_table(run: dict) -> Table:
-    t = Table(title=f"mode {run['mode']} / engine {run['engine']}", show_footer=True)
+    t = Table(title=f"mode {run['mode']} / engine {run['engine']}"
+              + (f" / path {','.join(run['paths'])}" if run.get("paths") else ""), show_footer=True)
     tot_s = run["total_seconds"]
     cols = [
         ("rank", "all"),
@@ -199,6 +213,9 @@ def _run_table(run: dict) -> Table:
     timing = (f"plan {run['plan_seconds']:.3f} s | pack {run['pack_seconds']:.3f} s | "
               f"transfer {run['transfer_seconds']:.3f} s | total {tot_s:.3f} s | {run['gbps']:.2f} GB/s"
               if math.isfinite(tot_s) else "no timing")
+    req_s = run.get("request_seconds", float("nan"))
+    if math.isfinite(tot_s) and math.isfinite(req_s):
+        timing += f" | first byte to last rank's SUCCESS {req_s:.3f} s"
     t.caption = timing
     return t
 

@@ -36,3 +36,23 @@ def test_jax_transfer_engine_job_both_modes_chunked_prefix_verify():
 def test_jax_transfer_refuses_device_memory_by_name():
     with pytest.raises(ValueError, match="engine='jax-transfer' \\(--engine\\)"):
         JobConfig(**SMALL, engine="jax-transfer", device="gpu")
+
+
+def test_path_region_sends_one_descriptor_per_chunk_and_rank():
+    """``--path region``: each decode rank's receive region holds its share of a chunk, so every
+    (chunk, rank) goes as one descriptor; the report names the path per rank."""
+    cfg = JobConfig(**SMALL, engine="nixl", modes=("region", "auto"), chunk_tokens=256)
+    res = run_job(cfg)
+    region, auto = res["runs"]
+    for run in res["runs"]:
+        _check_run(run, cfg)
+    assert region["paths"] == ["region"] and all(r["path"] == "region" for r in region["ranks"])
+    assert region["descriptors"] == len(cfg.chunks()) * cfg.dcp_size
+    assert auto["paths"] == ["packed"]  # host receivers of an auto run offer no region
+    assert region["request_seconds"] > 0
+
+
+@pytest.mark.parametrize("modes, match", [(("fast",), "modes"), (("direct", "direct"), "distinct")])
+def test_bad_path_names_the_option(modes, match):
+    with pytest.raises(ValueError, match=match):
+        JobConfig(**SMALL, modes=modes)

@@ -14,10 +14,14 @@ import os
 
 from dcp_jax.geometry import ModelGeometry, get_geometry
 
-__all__ = ["MODES", "ENGINES", "DEVICES", "MAX_RANKS", "MAX_TIMEOUT_S", "JobConfig", "check_device",
+__all__ = ["MODES", "PATHS", "ENGINES", "DEVICES", "MAX_RANKS", "MAX_TIMEOUT_S", "JobConfig", "check_device",
            "engine_env"]
 
 MODES = ("direct", "packed")
+#: Transfer paths a run may ask the connector for (``KVSender(mode=...)``; ``--path``): the two
+#: modes, "region" (one descriptor per window into the receiver's receive region), "fused" (a
+#: kernel writing through CUDA IPC, GPU only) and "auto" (the connector's rule).
+PATHS = ("auto", "direct", "packed", "region", "fused")
 ENGINES = ("nixl", "mooncake", "jax-transfer", "auto")
 DEVICES = ("cpu", "gpu")
 MAX_RANKS = 64  # dcp_size / prefill_dcp_size: one process per rank
@@ -61,7 +65,8 @@ class JobConfig:
             ``page_size``); None sends the request as one chunk.
         prefix_tokens: tokens the decode side already holds (not sent); a multiple of
             ``lcm(P*N, I*N)``. Both sides' page tables still cover them (spec section 10).
-        modes: subset of :data:`MODES`, run in this order (``KVSender(mode=...)``).
+        modes: paths of :data:`PATHS` (usually :data:`MODES`), run in this order, one run each
+            (``KVSender(mode=...)``; ``--mode`` or ``--path``).
         engine: ``"nixl"``, ``"mooncake"``, ``"jax-transfer"`` (jax.experimental.transfer through
             `bridge.jax_engine`: every batch a pull, host memory only) or ``"auto"``.
         max_batch_indices: at most this many rows per engine batch.
@@ -136,8 +141,8 @@ class JobConfig:
                 raise ValueError(f"chunk_tokens={self.chunk_tokens!r} must be an int >= 1 (or None)")
             if self.chunk_tokens % p:
                 raise ValueError(f"chunk_tokens={self.chunk_tokens} must be a multiple of page_size={p}")
-        if not self.modes or any(md not in MODES for md in self.modes):
-            raise ValueError(f"modes={self.modes!r} must be a non-empty subset of {MODES}")
+        if not self.modes or any(md not in PATHS for md in self.modes) or len(set(self.modes)) != len(self.modes):
+            raise ValueError(f"modes={self.modes!r} (--path) must be distinct names of {PATHS}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine={self.engine!r} must be one of {ENGINES}")
         for name in ("max_batch_indices", "pack_tokens"):

@@ -167,6 +167,23 @@ def pack_bytes(cfg: JobConfig, prefill_rank: int) -> int:
     return rows * row + units * PACK_ALIGN
 
 
+def region_bytes(cfg: JobConfig, path: str, dcp_rank: int, dcp_size: int) -> int | None:
+    """``region_bytes`` of a decode rank's `KVReceiver` for a run of ``path``.
+
+    "region": room for the rank's largest chunk share, rounded up to `PACK_ALIGN` (then each
+    chunk reaches the rank as one window, one descriptor); "auto": the connector's default (a
+    receive region for device layers only); the other paths: 0 (no receive region)."""
+    if path == "auto":
+        return None
+    if path != "region":
+        return 0
+    rows = 0
+    for start, length in cfg.chunks():
+        toks = owned_tokens(start, start + length, dcp_size, dcp_rank, cfg.interleave_size)[0]
+        rows = max(rows, len(toks))
+    return max(-(-rows * cfg.geometry.row_bytes // PACK_ALIGN) * PACK_ALIGN, PACK_ALIGN)
+
+
 def estimate_host_bytes(cfg: JobConfig) -> int:
     """Host memory the job's processes allocate, in bytes (an upper estimate).
 

@@ -234,8 +234,8 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection) -> None:
         n = arg["dcp_size"]
         if cfg.verify and n not in state["checks"]:
             state["checks"][n] = verify.send_checksums(cfg, rank, n, table, layers)
-        # Direct sends never pack: a token's worth of pack buffer is all the sender needs then.
-        pack = kv.pack_bytes(cfg, rank) if arg["mode"] == "packed" else geo.row_bytes
+        # Direct and fused sends never pack: a token's worth of pack buffer is all they need.
+        pack = geo.row_bytes if arg["mode"] in ("direct", "fused") else kv.pack_bytes(cfg, rank)
         state["sender"] = KVSender(spec, layers, engine=cfg.engine_kind, mode=arg["mode"], pack_bytes=pack,
                                    max_batch_indices=cfg.max_batch_indices, timeout_s=cfg.timeout_s,
                                    peer_timeout_s=min(cfg.timeout_s, PEER_TIMEOUT_S))
@@ -263,6 +263,7 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection) -> None:
                                 reason=sender.failure_reason(rid), total_seconds=total,
                                 plan_seconds=st["plan_seconds"], pack_seconds=st["pack_seconds"],
                                 transfer_seconds=st["transfer_seconds"], ranks=st["ranks"],
+                                first_byte_at=st["first_byte_at"], copy_seconds=st["copy_seconds"],
                                 unit_rows=verify.unit_rows(cfg, rank, arg["dcp_size"], arg["chunks"]))))
 
     def release(rid: str) -> None:
@@ -316,7 +317,8 @@ def decode_main(cfg_dict: dict, index: int, pools: tuple[int, int], tag: str, co
         r, n = arg["dcp_rank"], arg["dcp_size"]
         spec = KVCacheSpec(geo.num_layers, tuple(geo.kv_item_lens), p, n, r, cfg.interleave_size)
         recv = KVReceiver(spec, layers, engine=cfg.engine_kind, group=f"{tag}-{arg['mode']}",
-                          timeout_s=cfg.timeout_s, peer_timeout_s=min(cfg.timeout_s, PEER_TIMEOUT_S))
+                          timeout_s=cfg.timeout_s, peer_timeout_s=min(cfg.timeout_s, PEER_TIMEOUT_S),
+                          region_bytes=kv.region_bytes(cfg, arg["mode"], r, n))
         state.update(recv=recv, rank=r, size=n)
         for address in arg["addresses"]:
             recv.connect(address, timeout_s=min(cfg.timeout_s, 60.0))
@@ -349,8 +351,10 @@ def decode_main(cfg_dict: dict, index: int, pools: tuple[int, int], tag: str, co
         wait_s = time.perf_counter() - t0
         if die_at is not None:
             os.kill(os.getpid(), signal.SIGKILL)  # completed before the hook fired: die before reporting
+        rs = recv.request_stats(rid)
         out = dict(dcp_rank=r, status=status.value, errors=[] if status is TransferStatus.SUCCESS
-                   else [f"{status.value}: {recv.failure_reason(rid)}"], wait_seconds=wait_s)
+                   else [f"{status.value}: {recv.failure_reason(rid)}"], wait_seconds=wait_s,
+                   paths=rs["paths"], unpack_seconds=rs["unpack_seconds"], done_at=rs["done_at"])
         if arg["check"]:
             out.update(verify.verify_pool(cfg, r, n, table, buf, layers, arg, status is TransferStatus.SUCCESS))
         conn.send(("result", out))

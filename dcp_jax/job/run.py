@@ -99,8 +99,8 @@ def _failed_run(mode: str, engine: str | None, n: int, failure: str) -> dict:
     nan = float("nan")
     ranks = [dict(dcp_rank=r, descriptors=0, bytes=0, batches=0, engine_calls=0, strategy="",
                   sources=[], verified=False, errors=[failure]) for r in range(n)]
-    return dict(mode=mode, engine=engine, descriptors=0, bytes=0, engine_calls=0, batches=0,
-                plan_seconds=nan, pack_seconds=nan, transfer_seconds=nan, total_seconds=nan,
+    return dict(mode=mode, engine=engine, paths=[], request_seconds=nan, descriptors=0, bytes=0,
+                engine_calls=0, batches=0, plan_seconds=nan, pack_seconds=nan, transfer_seconds=nan, total_seconds=nan,
                 gbps=0.0, verified=False, failures=[failure], ranks=ranks)
 
 
@@ -135,7 +135,7 @@ def run_mode(cfg: JobConfig, mode: str, rid: str, prefills: list[Proc], decodes:
     try:
         tw = time.perf_counter()
         first = cfg.chunks()[0]
-        warm = first[1] if mode == "packed" else min(first[1], n * cfg.page_size)
+        warm = min(first[1], n * cfg.page_size) if mode == "direct" else first[1]
         stats, results, failures = _request(cfg, f"{rid}-warm-up", [(first[0], first[0] + warm)], prefills,
                                             decodes, opened, timed=False)
         warmup_s = time.perf_counter() - tw
@@ -300,6 +300,8 @@ def _report(cfg: JobConfig, mode: str, engine: str | None, n: int, stats: dict, 
                 sent["sources"].append(dict(prefill_rank=k, rows=c["rows"], descriptors=c["descriptors"],
                                             batches=c["batches"], strategy=strat))
         sent["strategy"] = ",".join(sorted(strategies))
+        sent["path"] = ",".join(sorted({s["ranks"][r]["path"] for s in good.values()
+                                        if r in s["ranks"] and s["ranks"][r].get("path")}))
         rank_rows.append({**sent, **res})
     total_bytes = sum(x["bytes"] for x in rank_rows)
     nan = float("nan")
@@ -309,8 +311,15 @@ def _report(cfg: JobConfig, mode: str, engine: str | None, n: int, stats: dict, 
         return max(vals) if vals else nan
 
     total_s = slowest("total_seconds")
+    # Whole request on one clock (time.monotonic(), shared by the host's processes): the first
+    # byte packed or sent by any prefill rank to the last decode rank's SUCCESS.
+    firsts = [s["first_byte_at"] for s in good.values() if s.get("first_byte_at") is not None]
+    dones = [x["done_at"] for x in rank_rows if x.get("done_at") is not None]
+    request_s = max(dones) - min(firsts) if firsts and len(dones) == n else nan
     return dict(
-        mode=mode, engine=engine,
+        mode=mode, engine=engine, paths=sorted({x["path"] for x in rank_rows if x["path"]}),
+        request_seconds=request_s, copy_seconds=slowest("copy_seconds"),
+        unpack_seconds=max((x.get("unpack_seconds") or 0.0 for x in rank_rows), default=0.0),
         descriptors=sum(x["descriptors"] for x in rank_rows), bytes=total_bytes,
         engine_calls=sum(x["engine_calls"] for x in rank_rows), batches=sum(x["batches"] for x in rank_rows),
         plan_seconds=slowest("plan_seconds"), pack_seconds=slowest("pack_seconds"),
@@ -330,7 +339,7 @@ def _strategy(cfg: JobConfig, mode: str, counts: dict, unit_rows: list[int], reg
     came from the KV (the buffer held no row).
     """
     names = {x for x in counts["strategy"].split(",") if x and x != "empty"}
-    if mode == "packed" and "direct" in names:
+    if mode != "direct" and "direct" in names:
         names = (names - {"direct"}) | {"per_row"}
     if "packed" in names:
         w = cfg.max_batch_indices
