@@ -233,6 +233,9 @@ class ReceiverData:
         if now < self._next_timeout_check:
             return
         self._next_timeout_check = now + TIMEOUT_CHECK_S
+        for peer, (since, _) in list(self._doubt.items()):
+            if now - since > self.drain_grace_s:  # it never came back: its writes are long over
+                self._clear_doubt(peer)
         for req in list(self._requests.values()):
             if not req.status.terminal:
                 if req.state.stalled_for(now) > self.timeout_s:
@@ -266,10 +269,25 @@ class ReceiverData:
         for req in list(self._requests.values()):
             if link in req.senders:
                 self._end(req, TransferStatus.FAILED, reason, "failed")
-        self._free_grants(lambda key, g: g.link is link)  # a sender that is gone writes no more
+        if link.direction == "pull":
+            self._free_grants(lambda key, g: g.link is link)  # this rank's own reads: none was granted
+        else:
+            # A push sender dropped as silent may only be stopped (SIGSTOP, a stalled host): the
+            # WRITEs its engine had taken still land when it resumes, whatever remove_peer did.
+            # Its requests' pages and receive-region ranges stay held ("in doubt") until it
+            # reconnects (its hello_ack comes only once none of those writes is in flight) or
+            # `drain_grace_s` passed.
+            self._doubt[link.peer] = (time.monotonic(), link)
         self._worker.remove_socket(link.client.sock)
         link.client.close()
         try:
             self.engine.remove_peer(link.peer)
         except Exception:  # noqa: BLE001 - already gone
             pass
+
+    def _clear_doubt(self, peer: str) -> None:
+        """A dropped push sender can write no more: its ranges are free, its requests drained."""
+        entry = self._doubt.pop(peer, None)
+        if entry is not None:
+            link = entry[1]
+            self._free_grants(lambda key, g: g.link is link)

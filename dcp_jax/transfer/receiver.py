@@ -83,6 +83,9 @@ class KVReceiver(ReceiverData, ReceiverRegion):
             layers (where every descriptor costs 4-7 us), none for host layers (give a size to
             offer one); 0: none (senders then take another path; ``mode="region"`` is refused
             at the handshake). GPU layers also offer CUDA IPC handles of themselves (``fused``).
+        drain_grace_s: a push sender dropped as silent may resume and still write: its requests'
+            pages (`is_drained`) and receive-region ranges stay held until it reconnects or this
+            long passed (seconds; None: ``timeout_s + 2 * peer_timeout_s``).
 
     Raises:
         TypeError, ValueError: bad spec, layers or options.
@@ -92,7 +95,8 @@ class KVReceiver(ReceiverData, ReceiverRegion):
     def __init__(self, spec: KVCacheSpec, kv_layers: Sequence[Any], *, engine: str = "nixl",
                  direction: str = "push", group: str = "default", timeout_s: float = 30.0,
                  peer_timeout_s: float = 5.0, heartbeat_s: float = 0.5, engine_options: dict | None = None,
-                 host: str | None = None, region_bytes: int | None = None):
+                 host: str | None = None, region_bytes: int | None = None,
+                 drain_grace_s: float | None = None):
         if not isinstance(spec, KVCacheSpec):
             raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
         if direction not in DIRECTIONS:
@@ -105,6 +109,8 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         self.timeout_s = check_seconds("timeout_s", timeout_s)
         self.peer_timeout_s = check_seconds("peer_timeout_s", peer_timeout_s)
         self.heartbeat_s = check_seconds("heartbeat_s", heartbeat_s)
+        self.drain_grace_s = self.timeout_s + 2 * self.peer_timeout_s if drain_grace_s is None else \
+            check_seconds("drain_grace_s", drain_grace_s)
         if region_bytes is not None and (isinstance(region_bytes, bool) or not isinstance(region_bytes, (int, np.integer))
                                          or region_bytes < 0):
             raise ValueError(f"region_bytes={region_bytes!r} must be None or an int >= 0 (bytes)")
@@ -132,6 +138,7 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         self._requests: dict[str, RecvRequest] = {}
         self._reads: dict[int, tuple] = {}  # handle seq -> (request, link, msg, handle)
         self._chunk_rows: dict[tuple, np.ndarray] = {}
+        self._doubt: dict[str, tuple] = {}  # dropped push sender's peer -> (when, link): may still write
         self._counts = dict(dropped_messages=0, rejected_notifications=0, inconsistent_messages=0,
                             requests=0, succeeded=0, failed=0, aborted=0, bytes=0, reads=0, unpacks=0)
         self._init_region_state()
@@ -182,6 +189,8 @@ class KVReceiver(ReceiverData, ReceiverRegion):
                     raise ValueError(f"address={address!r} reaches a sender this receiver is already "
                                      f"connected to ({reply['name']!r})")
             bases = proto.unpack_i64(reply["layer_bases"], "layer_bases", max_items=self.spec.num_layers)
+            with self._lock:  # the sender acks a reconnect only once no write of the old link is in flight
+                self._clear_doubt(reply["name"])
             if reply["path"] == "region" and not self._region.nbytes:
                 raise HandshakeError("path", "no receive region", "region",
                                      "the sender chose the region path, this receiver offers no region")
@@ -291,13 +300,14 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         """True when nothing can write into this request's pages any more, so the decode side
         may hand them to another request: after SUCCESS; after FAILED/ABORTED once this rank's
         own reads (pull) finished and every push sender said it has no write in flight (or is
-        gone). Raises KeyError if unknown."""
+        gone: dropped, then reconnected or silent for ``drain_grace_s``). Raises KeyError if unknown."""
         with self._lock:
             req = self._get(request_id)
             if req.status is TransferStatus.SUCCESS:
                 return True
             return req.status.terminal and req.inflight == 0 and all(
-                link.direction == "pull" or id(link) in req.drained or link not in self._links
+                link.direction == "pull" or id(link) in req.drained
+                or (link not in self._links and link.peer not in self._doubt)
                 for link in req.senders)
 
     @property

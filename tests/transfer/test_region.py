@@ -17,10 +17,11 @@ from dcp_jax.transfer import KVReceiver
 S = TransferStatus
 
 
-def cluster(engine, *, region_bytes=64 << 20, **kw):
-    """A `Cluster` whose receivers offer a receive region of ``region_bytes`` (host receivers offer none by default)."""
+def cluster(engine, *, region_bytes=64 << 20, receiver_kw=None, **kw):
+    """A `Cluster` whose receivers offer a receive region of ``region_bytes`` (host receivers
+    offer none by default) and take ``receiver_kw``."""
     orig = conftest.KVReceiver
-    conftest.KVReceiver = functools.partial(KVReceiver, region_bytes=region_bytes)
+    conftest.KVReceiver = functools.partial(KVReceiver, region_bytes=region_bytes, **(receiver_kw or {}))
     try:
         return Cluster(engine, **kw)
     finally:
@@ -163,6 +164,29 @@ def test_released_request_still_gives_its_ranges_back(engine):
         assert wait_for(lambda: c.receivers[0].stats["unpacks"] >= 1)
         c.receivers[0].release("x")
         assert wait_for(lambda: region_free(c.receivers[0])), c.receivers[0].stats
+    finally:
+        c.close()
+
+
+def test_silent_push_sender_keeps_pages_and_ranges_held_until_the_grace(engine):
+    # A sender dropped as silent may only be stopped: its engine's writes could still land. Its
+    # request's pages and receive-region ranges stay held for drain_grace_s, then are given back.
+    row = 48 + 16
+    c = cluster(engine, dcp_size=1, mode="region", region_bytes=2 * row, pages=128, peer_timeout_s=0.5,
+                receiver_kw=dict(drain_grace_s=1.5))
+    try:
+        recv = c.receivers[0]
+        src, dst = c.tables(300)
+        c.expect("s", dst, 300)
+        c.sender.send("s", src, 0, 300)
+        assert wait_for(lambda: recv.stats["unpacks"] >= 1)
+        c.sender._worker.stop(2.0)  # the sender goes silent: no ping, no write, no drained
+        assert wait_for(lambda: recv.poll("s") is S.FAILED, 5)
+        t_fail = time.monotonic()
+        assert "silent" in recv.failure_reason("s")
+        assert not recv.is_drained("s")  # dropped, not known to be done writing
+        assert wait_for(lambda: recv.is_drained("s") and region_free(recv), 5), recv.stats
+        assert time.monotonic() - t_fail > 0.5  # not at once: the grace had to pass
     finally:
         c.close()
 
