@@ -256,6 +256,13 @@ class MooncakeEngine(TransferEngine):
                             f"moves device memory only")
         if info.name not in self._workers:
             self._workers[info.name] = Worker(f"mooncake-{self.name}-{info.name}")
+        if info.regions:
+            # Opens the peer's segment now (a P2P handshake RPC, cached by the engine), while the
+            # peer is answering: done lazily by the first transfer, that handshake holds an
+            # engine-wide lock, so a first batch to a peer that stopped answering (SIGSTOP) blocks
+            # every other peer's submissions until it resumes (measured: tests/netns/test_faults.py
+            # ::test_stopped_receiver_does_not_block_other_receivers[mooncake]).
+            self._te.get_first_buffer_address(info.session)
 
     def _engine_remove_peer(self, info: PeerInfo) -> None:
         # Queued batches are dropped; a running one stops after the window inside the engine.
