@@ -90,6 +90,16 @@ def transfer(
                                            "memory) or gpu (CuPy device memory of GPU 0 registered as VRAM, "
                                            "the Pallas gather packing in place; needs CuPy, a CUDA GPU and "
                                            "--engine nixl, or mooncake with its CUDA build)."),
+    staging: str = typer.Option("auto", help="auto: each side stages through pinned host memory where its "
+                                             "engine cannot register its KV (jax-transfer on the GPU); host: "
+                                             "always (the KV stays in unregistered device memory: pages "
+                                             "gathered on the device, copied to a registered pinned-host "
+                                             "cache; decode copies host -> device KV); none: never."),
+    pack_backend: str = typer.Option("auto", help="Pack backend of the registry forced for the staged "
+                                                  "path's device gather (and the connector's pack where it "
+                                                  "takes one): auto, xla, host, tpu, tpu-interpret, "
+                                                  "gpu-triton, gpu-triton-interpret, gpu-mosaic, "
+                                                  "gpu-mosaic-interpret."),
     max_batch_indices: Optional[int] = typer.Option(None, help="Split each (chunk, rank) batch into windows "
                                                                "of at most this many rows."),
     pack_tokens: Optional[int] = typer.Option(None, help="Size the pack buffer for this many tokens "
@@ -124,7 +134,7 @@ def transfer(
         prefill_interleave_size=prefill_interleave_size, chunk_tokens=chunk_tokens,
         prefix_tokens=prefix_tokens, engine=engine, max_batch_indices=max_batch_indices,
         pack_tokens=pack_tokens, verify=verify, seed=seed, timeout_s=timeout_s, corrupt_rank=corrupt_rank,
-        device=device,
+        device=device, staging=staging, pack_backend=pack_backend,
     )
     try:
         check_device(cfg.device)
@@ -213,6 +223,11 @@ def _run_table(run: dict) -> Table:
     timing = (f"plan {run['plan_seconds']:.3f} s | pack {run['pack_seconds']:.3f} s | "
               f"transfer {run['transfer_seconds']:.3f} s | total {tot_s:.3f} s | {run['gbps']:.2f} GB/s"
               if math.isfinite(tot_s) else "no timing")
+    st = run.get("staging") or {}
+    if "staged" in st.values():
+        timing += (f" | prefill {st['prefill']} (stage {run.get('stage_seconds', 0.0):.3f} s), decode "
+                   f"{st['decode']} (unstage {run.get('unstage_seconds', 0.0):.3f} s), pack backend "
+                   f"{run.get('pack_backend', 'auto')}")
     req_s = run.get("request_seconds", float("nan"))
     if math.isfinite(tot_s) and math.isfinite(req_s):
         timing += f" | first byte to last rank's SUCCESS {req_s:.3f} s"

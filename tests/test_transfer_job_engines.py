@@ -1,12 +1,16 @@
-"""The main job through the third engine and the staged path, real processes, host memory.
+"""The main job through the third engine, other paths and the staged path, real processes.
 
-`--engine jax-transfer` (jax.experimental.transfer behind `bridge.jax_engine`), both modes,
-chunked with a prefix and --verify; every decode rank checks every byte of its pool.
+`--engine jax-transfer` (jax.experimental.transfer behind `bridge.jax_engine`), `--path region`,
+`--staging host` through NIXL, Mooncake and jax-transfer, and `--pack-backend NAME` forcing
+each registry backend that runs on the CPU; every decode rank checks every byte it holds (the
+device KV, copied back, on the staged path).
 """
+import numpy as np
 import pytest
 
 from dcp_jax.job import JobConfig, run_job
-from dcp_jax.job.kv import owned_tokens
+from dcp_jax.job.kv import layer_views, owned_tokens
+from dcp_jax.job.staging import PrefillStager
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -33,9 +37,10 @@ def test_jax_transfer_engine_job_both_modes_chunked_prefix_verify():
         assert all(r["checksum_ok"] is True for r in run["ranks"])
 
 
-def test_jax_transfer_refuses_device_memory_by_name():
+def test_jax_transfer_refuses_device_memory_unless_staged():
     with pytest.raises(ValueError, match="engine='jax-transfer' \\(--engine\\)"):
-        JobConfig(**SMALL, engine="jax-transfer", device="gpu")
+        JobConfig(**SMALL, engine="jax-transfer", device="gpu", staging="none")
+    assert JobConfig(**SMALL, engine="jax-transfer", device="gpu").staged  # auto: staged
 
 
 def test_path_region_sends_one_descriptor_per_chunk_and_rank():
@@ -56,3 +61,62 @@ def test_path_region_sends_one_descriptor_per_chunk_and_rank():
 def test_bad_path_names_the_option(modes, match):
     with pytest.raises(ValueError, match=match):
         JobConfig(**SMALL, modes=modes)
+
+
+@pytest.mark.parametrize("engine", ["nixl", "mooncake"])
+def test_staged_path_both_modes_chunked_prefix_verify(engine):
+    """--staging host: the KV in JAX device memory, pages gathered on the device into a
+    registered pinned-host cache, decode copies host -> device KV; both sides say "staged"."""
+    cfg = JobConfig(**SMALL, engine=engine, staging="host", chunk_tokens=96, prefix_tokens=96, verify=True)
+    res = run_job(cfg)
+    for run in res["runs"]:
+        _check_run(run, cfg)
+        assert run["staging"] == {"prefill": "staged", "decode": "staged"}
+        assert run["stage_seconds"] > 0 and run["unstage_seconds"] > 0
+        assert all(r["checksum_ok"] is True and r["staging"] == "staged" for r in run["ranks"])
+
+
+def test_auto_staging_on_the_cpu_is_direct():
+    cfg = JobConfig(**SMALL, engine="nixl", modes=("packed",))
+    assert not cfg.staged
+    run = run_job(cfg)["runs"][0]
+    _check_run(run, cfg)
+    assert run["staging"] == {"prefill": "direct", "decode": "direct"} and run["stage_seconds"] == 0
+
+
+@pytest.mark.parametrize("backend, engine", [("xla", "nixl"), ("host", "jax-transfer"),
+                                             ("tpu-interpret", "nixl"), ("gpu-triton-interpret", "mooncake")])
+def test_pack_backend_forced_on_the_staged_path_verifies(backend, engine):
+    cfg = JobConfig(**SMALL, engine=engine, staging="host", pack_backend=backend, modes=("packed",))
+    run = run_job(cfg)["runs"][0]
+    _check_run(run, cfg)
+    assert run["pack_backend"] == backend and run["staging"]["prefill"] == "staged"
+
+
+def test_mosaic_interpret_stages_byte_exact():
+    """gpu-mosaic-interpret takes only 128-B multiples (no small job geometry has them, and it
+    needs ~0.6 s per layer here): the prefill stager alone, 2 layers of 128 and 256 B rows."""
+    cfg = JobConfig(**SMALL, staging="host")
+    object.__setattr__(cfg, "pack_backend", "gpu-mosaic-interpret")  # SMALL's rows are not 128 B
+    rng = np.random.default_rng(3)
+    pool, p = 12, 16
+    buf = rng.integers(0, 256, pool * p * (128 + 256), dtype=np.uint8)
+    layers = layer_views(buf, pool, p, [128, 256])
+    table = np.array([5, 0, 9, 3], np.int64)
+    tokens = np.arange(40, 64)  # local rows 40..63: pages 2 and 3 of the table
+    st = PrefillStager(cfg, layers, table, tokens, tokens)
+    st.stage(40, 64)
+    for lv, hv in zip(layers, st.host_layers):
+        np.testing.assert_array_equal(hv[2:4], lv[table[2:4]])
+        assert not hv[:2].any()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(pack_backend="xla"), "applies to the staged path"),
+    (dict(pack_backend="nope", staging="host"), "pack_backend='nope' \\(--pack-backend\\)"),
+    (dict(pack_backend="gpu-mosaic-interpret", staging="host"), "not multiples of 128 B"),
+    (dict(staging="disk"), "staging='disk' \\(--staging\\)"),
+])
+def test_bad_staging_and_pack_backend_name_the_option(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        JobConfig(**SMALL, **kwargs)

@@ -14,7 +14,7 @@ import os
 
 from dcp_jax.geometry import ModelGeometry, get_geometry
 
-__all__ = ["MODES", "PATHS", "ENGINES", "DEVICES", "MAX_RANKS", "MAX_TIMEOUT_S", "JobConfig", "check_device",
+__all__ = ["MODES", "PATHS", "ENGINES", "DEVICES", "STAGINGS", "engine_registers", "MAX_RANKS", "MAX_TIMEOUT_S", "JobConfig", "check_device",
            "engine_env"]
 
 MODES = ("direct", "packed")
@@ -24,6 +24,7 @@ MODES = ("direct", "packed")
 PATHS = ("auto", "direct", "packed", "region", "fused")
 ENGINES = ("nixl", "mooncake", "jax-transfer", "auto")
 DEVICES = ("cpu", "gpu")
+STAGINGS = ("auto", "none", "host")  # --staging: see dcp_jax.job.staging
 MAX_RANKS = 64  # dcp_size / prefill_dcp_size: one process per rank
 MAX_TIMEOUT_S = 86400.0  # a day: the connector's waits take at most that
 
@@ -43,6 +44,28 @@ def engine_env(device: str = "cpu") -> None:
         os.environ.setdefault(k, v)
     if device == "gpu":
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def engine_registers(engine_kind: str, device: str) -> bool:
+    """Whether ``engine_kind`` can register KV memory of ``device`` ("cpu": host memory; "gpu":
+    CUDA device memory) for direct transfers (the ``--staging auto`` rule)."""
+    if device == "cpu":
+        return True
+    if engine_kind == "mooncake":
+        from bridge.mooncake import mooncake_supports_cuda
+
+        return mooncake_supports_cuda()
+    return engine_kind == "nixl"  # jax-transfer moves host memory only
+
+
+def sender_takes_pack_backend() -> bool:
+    """Whether this connector's `KVSender` takes ``pack_backend`` (then ``--pack-backend`` also
+    applies to its own pack, not only to the staged path's gather)."""
+    import inspect
+
+    from dcp_jax.transfer import KVSender
+
+    return "pack_backend" in inspect.signature(KVSender).parameters
 
 
 def _is_int(v) -> bool:
@@ -87,6 +110,11 @@ class JobConfig:
         device: ``"cpu"`` (host memory, numpy gather) or ``"gpu"`` (CuPy device memory of GPU 0
             registered as VRAM, the Pallas gather); ``"gpu"`` needs NIXL (``"auto"`` then means
             NIXL). :func:`check_device` checks CuPy and a CUDA device.
+        staging: ``"auto"`` (each side stages through pinned host memory where its engine cannot
+            register its KV: ``jax-transfer`` on the GPU), ``"none"`` (never) or ``"host"``
+            (always): the KV stays in device memory, unregistered (:mod:`dcp_jax.job.staging`).
+        pack_backend: registry backend (``pallas_kernels.registry``) of the device-side gather of
+            the staged path, and of the connector's pack where ``KVSender`` takes one; ``"auto"``.
 
     Raises:
         ValueError: any value out of range; the message names the argument.
@@ -113,6 +141,8 @@ class JobConfig:
     die_rank: int | None = None
     die_after_chunks: int = 1
     device: str = "cpu"
+    staging: str = "auto"
+    pack_backend: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "modes", tuple(self.modes))
@@ -159,9 +189,26 @@ class JobConfig:
                 raise ValueError(f"{name}={v!r} must be in [0, dcp_size={self.dcp_size})")
         if self.device not in DEVICES:
             raise ValueError(f"device={self.device!r} (--device) must be one of {DEVICES}")
-        if self.device == "gpu" and self.engine == "jax-transfer":
-            raise ValueError("engine='jax-transfer' (--engine) moves host memory only; use --device cpu "
-                             "(or --engine nixl / mooncake on the GPU)")
+        if self.staging not in STAGINGS:
+            raise ValueError(f"staging={self.staging!r} (--staging) must be one of {STAGINGS}")
+        if self.device == "gpu" and self.engine == "jax-transfer" and self.staging == "none":
+            raise ValueError("engine='jax-transfer' (--engine) moves host memory only: with --device gpu "
+                             "use --staging auto or host (or --engine nixl / mooncake)")
+        if self.pack_backend != "auto":
+            from pallas_kernels.registry import get_backend
+
+            try:
+                b = get_backend(self.pack_backend)
+            except ValueError as exc:
+                raise ValueError(f"pack_backend={self.pack_backend!r} (--pack-backend): {exc}") from None
+            # the staged gather packs one layer per call, at offset 0
+            why = b.unavailable() or next(filter(None, (b.unsupported((int(il),), 0)
+                                                        for il in self.geometry.kv_item_lens)), None)
+            if why is not None:
+                raise ValueError(f"pack_backend={self.pack_backend!r} (--pack-backend) cannot run here: {why}")
+            if not self.staged and not sender_takes_pack_backend():
+                raise ValueError(f"pack_backend={self.pack_backend!r} (--pack-backend) applies to the staged "
+                                 "path's gather here (this KVSender takes no pack backend): add --staging host")
         # engine="mooncake" with device="gpu" needs Mooncake's CUDA build (nvlink_intra); the
         # engine itself refuses VRAM with a clear RegistrationError on a host-only build.
 
@@ -173,6 +220,15 @@ class JobConfig:
     def engine_kind(self) -> str:
         """The engine kind the processes create: ``engine``, except that ``"auto"`` on the GPU is NIXL."""
         return "nixl" if self.device == "gpu" and self.engine == "auto" else self.engine
+
+    @property
+    def staged(self) -> bool:
+        """True when the KV stays in (unregistered) device memory and both sides stage through
+        pinned host memory: ``staging="host"``, or ``"auto"`` where the engine cannot register
+        the KV's memory (:func:`engine_registers`)."""
+        if self.staging != "auto":
+            return self.staging == "host"
+        return not engine_registers(self.engine_kind, self.device)
 
     @property
     def send_tokens(self) -> int:

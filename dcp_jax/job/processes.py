@@ -27,7 +27,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from dcp_jax.job import kv, verify
+from dcp_jax.job import kv, staging, verify
 from dcp_jax.job.config import JobConfig, engine_env
 from dcp_jax.kv_data import SENTINEL_BYTE, fill_rows, page_rows
 
@@ -217,6 +217,10 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection) -> None:
         buf, owner = kv.alloc_buffer(host.nbytes, cfg.device, like=host)
         del host
         layers = kv.layer_views(buf, pool, p, geo.kv_item_lens)
+        # Staged: the KV is copied into (unregistered) device memory; the sender gets the pinned
+        # host staging cache and the identity page table (dcp_jax.job.staging).
+        stager = staging.PrefillStager(cfg, layers, table, local, tokens) if cfg.staged else None
+        send_layers, send_table = (stager.host_layers, stager.staged_table) if stager else (layers, table)
         t1 = time.perf_counter()
         from dcp_jax.transfer import KVCacheSpec, KVSender, TransferStatus
 
@@ -236,18 +240,23 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection) -> None:
             state["checks"][n] = verify.send_checksums(cfg, rank, n, table, layers)
         # Direct and fused sends never pack: a token's worth of pack buffer is all they need.
         pack = geo.row_bytes if arg["mode"] in ("direct", "fused") else kv.pack_bytes(cfg, rank)
-        state["sender"] = KVSender(spec, layers, engine=cfg.engine_kind, mode=arg["mode"], pack_bytes=pack,
+        extra = {"pack_backend": cfg.pack_backend} if cfg.pack_backend != "auto" and not stager else {}
+        state["sender"] = KVSender(spec, send_layers, engine=cfg.engine_kind, mode=arg["mode"], pack_bytes=pack,
                                    max_batch_indices=cfg.max_batch_indices, timeout_s=cfg.timeout_s,
-                                   peer_timeout_s=min(cfg.timeout_s, PEER_TIMEOUT_S))
+                                   peer_timeout_s=min(cfg.timeout_s, PEER_TIMEOUT_S), **extra)
         conn.send(("opened", dict(address=state["sender"].address, engine=state["sender"].engine.kind,
                                   checks=state["checks"].get(n))))
 
     def send(arg: dict) -> None:
         sender, rid = state["sender"], arg["rid"]
         t0 = time.perf_counter()
+        if stager:
+            stager.seconds = 0.0
         for start, stop in arg["chunks"]:  # one send per chunk; each returns at once
             try:
-                sender.send(rid, table, start, stop)
+                if stager:
+                    stager.stage(start, stop)  # device gather -> pinned host, before the chunk goes
+                sender.send(rid, send_table, start, stop)
             except ValueError:
                 if not sender.poll(rid).terminal:
                     raise
@@ -264,6 +273,8 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection) -> None:
                                 plan_seconds=st["plan_seconds"], pack_seconds=st["pack_seconds"],
                                 transfer_seconds=st["transfer_seconds"], ranks=st["ranks"],
                                 first_byte_at=st["first_byte_at"], copy_seconds=st["copy_seconds"],
+                                staging="staged" if stager else "direct",
+                                stage_seconds=stager.seconds if stager else 0.0,
                                 unit_rows=verify.unit_rows(cfg, rank, arg["dcp_size"], arg["chunks"]))))
 
     def release(rid: str) -> None:
@@ -302,8 +313,13 @@ def decode_main(cfg_dict: dict, index: int, pools: tuple[int, int], tag: str, co
     try:
         cfg = _child_start(cfg_dict)
         geo, p = cfg.geometry, cfg.page_size
-        buf, owner = kv.alloc_buffer(kv.kv_bytes(pool_pages, p, geo.kv_item_lens), cfg.device)
-        layers = kv.layer_views(buf, pool_pages, p, geo.kv_item_lens)
+        if cfg.staged:  # the receiver lands in pinned host memory; the KV is on the device
+            stager = staging.DecodeStager(cfg, pool_pages)
+            buf, owner, layers = stager.host, stager, stager.host_layers
+        else:
+            stager = None
+            buf, owner = kv.alloc_buffer(kv.kv_bytes(pool_pages, p, geo.kv_item_lens), cfg.device)
+            layers = kv.layer_views(buf, pool_pages, p, geo.kv_item_lens)
         from dcp_jax.transfer import KVCacheSpec, KVReceiver, TransferStatus
 
         conn.send(("hello", dict(index=index, pool_pages=pool_pages)))
@@ -327,7 +343,9 @@ def decode_main(cfg_dict: dict, index: int, pools: tuple[int, int], tag: str, co
     def request(arg: dict) -> None:
         recv, r, n, rid = state["recv"], state["rank"], state["size"], arg["rid"]
         table = kv.decode_page_table(cfg, r, n, send_pool, seq=arg.get("seq", 0))
-        if arg["fill"]:
+        if arg["fill"] and stager:
+            stager.fill(SENTINEL_BYTE)
+        elif arg["fill"]:
             buf[:] = SENTINEL_BYTE
             kv.sync(buf)  # the sentinel must be in place before any peer may write
         base = recv.stats["bytes"]
@@ -355,8 +373,17 @@ def decode_main(cfg_dict: dict, index: int, pools: tuple[int, int], tag: str, co
         out = dict(dcp_rank=r, status=status.value, errors=[] if status is TransferStatus.SUCCESS
                    else [f"{status.value}: {recv.failure_reason(rid)}"], wait_seconds=wait_s,
                    paths=rs["paths"], unpack_seconds=rs["unpack_seconds"], done_at=rs["done_at"])
+        vbuf, vlayers = buf, layers
+        if stager:
+            if status is TransferStatus.SUCCESS:
+                stager.seconds = 0.0
+                stager.unstage(table)  # pinned host -> device KV, the pages of the request
+            out.update(staging="staged", unstage_seconds=stager.seconds)
+            if arg["check"]:  # what is checked is the device KV, copied back
+                vbuf = stager.device_bytes()
+                vlayers = kv.layer_views(vbuf, pool_pages, p, geo.kv_item_lens)
         if arg["check"]:
-            out.update(verify.verify_pool(cfg, r, n, table, buf, layers, arg, status is TransferStatus.SUCCESS))
+            out.update(verify.verify_pool(cfg, r, n, table, vbuf, vlayers, arg, status is TransferStatus.SUCCESS))
         conn.send(("result", out))
 
     def release(rid: str) -> None:
