@@ -107,6 +107,34 @@ def test_region_smaller_than_the_request_reuses_its_windows(engine, direction):
         c.close()
 
 
+def test_region_path_with_a_prefix_hit_and_concurrent_requests(engine):
+    # Three requests at once through 3-row regions (windows of several requests interleave in
+    # one region, FIFO), one with a prefix the decode side already holds.
+    row = 48 + 16
+    c = cluster(engine, dcp_size=2, mode="region", region_bytes=3 * row, pack_bytes=4 * row, pages=96,
+                interleave_size=2)
+    try:
+        reqs = {}
+        for rid, L, prefix in (("a", 41, 0), ("b", 30, 8), ("c", 17, 0)):
+            src, dst = c.tables(L)
+            c.expect(rid, dst, L, prefix_tokens=prefix)
+            reqs[rid] = (src, dst, L, prefix)
+        for rid, (src, _, L, _) in reqs.items():
+            c.sender.send(rid, src, 0, L // 2)
+        for rid, (src, _, L, _) in reqs.items():
+            c.sender.send(rid, src, L // 2, L)
+        for rid, (src, dst, L, prefix) in reqs.items():
+            assert c.wait(rid) == [S.SUCCESS] * 3, c.reasons(rid)
+            assert c.check_bytes(src, dst, L, prefix_tokens=prefix) == L - prefix
+        used = [np.concatenate([reqs[r][1][k] for r in reqs]) for k in range(2)]
+        assert all(c.sentinel_pages(k, used[k]) for k in range(2))
+        # Rank 0 of "b" owns tokens 8..9, 12..13, ...: the prefix's rows [0, 4) were never written.
+        assert (np.asarray(c.dst[0][0])[reqs["b"][1][0][0], :4] == conftest.SENTINEL).all()
+        assert all(wait_for(lambda: region_free(r)) for r in c.receivers)
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize("who", ["receiver", "sender"])
 def test_abort_during_a_region_transfer_leaves_no_range_held(engine, who):
     # Many small windows through a 2-row region: the abort lands while windows are granted,
