@@ -18,7 +18,7 @@ connector (`KVSender` / `KVReceiver`) and the main job use it unchanged: registe
 The side channel is one ZeroMQ ROUTER per engine (its address is the `PeerInfo.session`; the
 transfer server's address travels in `PeerInfo.metadata`); requests come from one DEALER per
 peer, owned by that peer's worker thread. Every message is a msgpack map checked field by field
-(`_check`), never pickle; a request naming a range outside this engine's registrations (any
+(`bridge._jax_parts.check`), never pickle; a request naming a range outside this engine's registrations (any
 engine may ask, as any NIXL agent holding our metadata may write) is refused with an "error"
 answer and counted (`rejected_messages`) before any memory is touched.
 
@@ -33,7 +33,6 @@ nobody pulls is dropped after ``offer_ttl_s``.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import secrets
 import threading
@@ -44,94 +43,22 @@ import msgpack
 import numpy as np
 import zmq
 
+from bridge._jax_parts import (
+    MAX_MESSAGE_BYTES, MAX_RANGES, PROTOCOL_VERSION,  # noqa: F401 - the first two re-exported
+    REPLIES, REQUESTS, HostMemory, Refused, check, encode,
+    is_address, ranges_of)
 from bridge.base import (
-    BridgeError, DescriptorError, MemoryRegion, PeerError, PeerInfo, RegistrationError,
-    TransferEngine, TransferError, TransferHandle, TransferTimeout)
+    BridgeError, DescriptorError, MemoryRegion, PeerError, PeerInfo, RegistrationError, TransferEngine,
+    TransferError, TransferHandle, TransferTimeout)
 from bridge.handles import Job, Worker, check_timeout
-from bridge.jax_transfer import KIND, MAX_UUID, STAGINGS, JaxTransferServer
+from bridge.jax_transfer import KIND, STAGINGS, JaxTransferServer
 
 __all__ = ["JaxTransferEngine", "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MAX_RANGES"]
 
 _log = logging.getLogger("bridge")
-
-PROTOCOL_VERSION = 1
-#: Largest side-channel message accepted (bytes); a batch's ranges travel as i64 pairs in it.
-MAX_MESSAGE_BYTES = 64 << 20
-MAX_RANGES = (MAX_MESSAGE_BYTES - 4096) // 16
-_MAX_NOTIF = 1 << 16
-_REQUESTS = {  # op -> extra fields and their types (all requests carry v, op, from, seq)
-    "read": {"ranges": bytes},
-    "read_done": {"uuid": int, "ok": bool, "notif": (bytes, type(None))},
-    "write": {"uuid": int, "ranges": bytes, "notif": (bytes, type(None)), "address": str},
-    "notify": {"notif": bytes},
-    "cancel": {},
-}
-_REPLIES = {"offered": {"uuid": int, "nbytes": int}, "written": {}, "error": {"msg": str}}
 _WAIT_SLICE_MS = 50  # a worker waiting for an answer looks at cancel / deadline this often
 
-
-class _Refused(Exception):
-    """A side-channel message failed its checks (the text says which field)."""
-
-
-def _encode(op: str, **fields) -> bytes:
-    return msgpack.packb({"v": PROTOCOL_VERSION, "op": op, **fields}, use_bin_type=True)
-
-
-def _check(data: bytes, schema: dict[str, dict]) -> dict:
-    """One side-channel message, decoded and checked against `schema` (op -> fields)."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise _Refused(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    try:
-        msg = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_MESSAGE_BYTES,
-                              max_str_len=4096, max_array_len=0, max_map_len=16)
-    except Exception as exc:  # noqa: BLE001 - msgpack raises several types for garbage
-        raise _Refused(f"not a msgpack map: {type(exc).__name__}: {exc}") from None
-    if not isinstance(msg, dict) or msg.get("v") != PROTOCOL_VERSION:
-        raise _Refused(f"not a version-{PROTOCOL_VERSION} message map")
-    fields = schema.get(msg.get("op"))
-    if fields is None:
-        raise _Refused(f"op={msg.get('op')!r:.40} must be one of {sorted(schema)}")
-    need = {"v": int, "op": str, "seq": int, **fields, **({"from": str} if schema is _REQUESTS else {})}
-    if set(msg) != set(need):
-        raise _Refused(f"{msg['op']}: fields {sorted(msg)} must be exactly {sorted(need)}")
-    for key, types in need.items():
-        v = msg[key]
-        if not isinstance(v, types) or (types is int and isinstance(v, bool)):
-            raise _Refused(f"{msg['op']}.{key}: {type(v).__name__} is not {types}")
-        if types is int and not 0 <= v <= MAX_UUID:
-            raise _Refused(f"{msg['op']}.{key}={v} must be in [0, 2**63 - 1]")
-    if isinstance(msg.get("notif"), bytes) and not 0 < len(msg["notif"]) <= _MAX_NOTIF:
-        raise _Refused(f"{msg['op']}.notif must be 1..{_MAX_NOTIF} bytes")
-    return msg
-
-
-def _is_address(addr) -> bool:
-    """A 'host:port' str of sane length (a peer's transfer server)."""
-    if not isinstance(addr, str) or len(addr) > 300:
-        return False
-    host, _, port = addr.rpartition(":")
-    return bool(host) and port.isdigit()
-
-
-def _ranges(data: bytes) -> np.ndarray:
-    """i64[n, 2] (addr, nbytes) from a message's ``ranges`` bytes."""
-    if len(data) % 16 or not 0 < len(data) // 16 <= MAX_RANGES:
-        raise _Refused(f"ranges: {len(data)} bytes is not 1..{MAX_RANGES} (addr, nbytes) i64 pairs")
-    return np.frombuffer(data, dtype="<i8").reshape(-1, 2).astype(np.int64)
-
-
-def _coalesce(addrs: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Merges ranges that continue each other (a page run becomes one copy)."""
-    if len(addrs) < 2:
-        return addrs, lens
-    start = np.ones(len(addrs), dtype=bool)
-    start[1:] = addrs[1:] != addrs[:-1] + lens[:-1]
-    idx = np.flatnonzero(start)
-    return addrs[idx], np.add.reduceat(lens, idx)
-
-
-class JaxTransferEngine(TransferEngine):
+class JaxTransferEngine(HostMemory, TransferEngine):
     """`TransferEngine` over `jax.experimental.transfer`: host memory, every batch a pull.
 
     Args:
@@ -216,7 +143,7 @@ class JaxTransferEngine(TransferEngine):
             addr = meta["transfer"] if isinstance(meta, dict) and meta.get("v") == PROTOCOL_VERSION else None
         except Exception:  # noqa: BLE001 - garbage metadata: refused below
             addr = None
-        if not _is_address(addr):
+        if not is_address(addr):
             raise PeerError(f"info: peer {info.name!r} metadata does not name its transfer server "
                             f"(a version-{PROTOCOL_VERSION} map with 'transfer': 'host:port')")
         self._peer_xfer[info.name] = addr
@@ -253,7 +180,7 @@ class JaxTransferEngine(TransferEngine):
         seq, deadline = handle.seq, time.monotonic() + self.timeout_s
         if len(descs) == 0:
             if handle.notif is not None:
-                self._send(sock, handle, _encode("notify", seq=seq, notif=handle.notif, **{"from": self.name}))
+                self._send(sock, handle, encode("notify", seq=seq, notif=handle.notif, **{"from": self.name}))
                 self._answer(sock, job, handle, deadline, "written")
             return
         remote = np.ascontiguousarray(descs[:, [1, 2]], dtype="<i8").tobytes()
@@ -264,13 +191,13 @@ class JaxTransferEngine(TransferEngine):
             del data
             self._count_engine_call()
             try:
-                self._send(sock, handle, _encode("write", seq=seq, uuid=uuid, ranges=remote, notif=handle.notif,
+                self._send(sock, handle, encode("write", seq=seq, uuid=uuid, ranges=remote, notif=handle.notif,
                                                  address=self._xfer.address, **{"from": self.name}))
                 self._answer(sock, job, handle, deadline, "written", cancel_msg=True)
             finally:
                 self._xfer.release(uuid)
             return
-        self._send(sock, handle, _encode("read", seq=seq, ranges=remote, **{"from": self.name}))
+        self._send(sock, handle, encode("read", seq=seq, ranges=remote, **{"from": self.name}))
         msg = self._answer(sock, job, handle, deadline, "offered")
         ok = False
         try:
@@ -286,7 +213,7 @@ class JaxTransferEngine(TransferEngine):
             self._scatter(descs[:, 0], descs[:, 2], np.asarray(out[0]))
             ok = True
         finally:
-            self._send(sock, handle, _encode("read_done", seq=seq, uuid=msg["uuid"], ok=ok,
+            self._send(sock, handle, encode("read_done", seq=seq, uuid=msg["uuid"], ok=ok,
                               notif=handle.notif if ok else None, **{"from": self.name}))
 
     @staticmethod
@@ -318,7 +245,7 @@ class JaxTransferEngine(TransferEngine):
             if job.cancel_reason is not None and not told:
                 if not cancel_msg:
                     raise handle.error(TransferError, f"{handle.op} cancelled", job.cancel_reason)
-                self._send(sock, handle, _encode("cancel", seq=handle.seq, **{"from": self.name}))
+                self._send(sock, handle, encode("cancel", seq=handle.seq, **{"from": self.name}))
                 told = True  # the peer stops before writing, or finishes: its answer says which
             if time.monotonic() > deadline:
                 raise handle.error(TransferTimeout, f"no answer from the peer within {self.timeout_s:g} s",
@@ -326,8 +253,8 @@ class JaxTransferEngine(TransferEngine):
             if not sock.poll(_WAIT_SLICE_MS):
                 continue
             try:
-                msg = _check(sock.recv(), _REPLIES)
-            except _Refused as exc:
+                msg = check(sock.recv(), REPLIES)
+            except Refused as exc:
                 self.rejected_messages += 1
                 _log.warning("jax-transfer engine %r: refused an answer from %r: %s", self.name, handle.peer, exc)
                 continue
@@ -369,72 +296,6 @@ class JaxTransferEngine(TransferEngine):
         job = self._jobs.pop(handle.seq, None)
         if job is not None:
             job.cancel("abandoned after a timeout")
-
-    # ---- memory -----------------------------------------------------------------------------
-    def _located(self, addrs: np.ndarray, lens: np.ndarray):
-        """Coalesced ranges grouped for copying, all checked inside this engine's registrations:
-        yields (region view, starts i64[k], length) for runs of equal length (one numpy fancy
-        index per region: a row gather, not a Python loop), else (view, [start], n) per range."""
-        addrs, lens = _coalesce(np.asarray(addrs, np.int64), np.asarray(lens, np.int64))
-        table = self._local_table
-        idx = table.locate(addrs, lens)
-        bad = (idx < 0) | (lens <= 0) | (addrs < 0)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise DescriptorError(f"ranges: {int(addrs[i]):#x}+{int(lens[i])} is outside every region registered "
-                                  f"with engine {self.name!r}")
-        if len(lens) > 1 and (lens == lens[0]).all():
-            # one length: consecutive ranges of one region go in one fancy-indexed row copy
-            cut = np.flatnonzero(np.diff(idx)) + 1
-            for lo, hi in zip(np.r_[0, cut].tolist(), np.r_[cut, len(idx)].tolist()):
-                r = table.regions[int(idx[lo])]
-                yield self._view(r), addrs[lo:hi] - r.addr, int(lens[0])
-            return
-        for a, n, i in zip(addrs.tolist(), lens.tolist(), idx.tolist()):
-            r = table.regions[i]
-            yield self._view(r), np.array([a - r.addr]), n
-
-    def _view(self, r: MemoryRegion) -> np.ndarray:
-        view = self._views.get(r)
-        if view is None:
-            view = self._views[r] = np.ctypeslib.as_array((ctypes.c_uint8 * r.nbytes).from_address(r.addr))
-        return view
-
-    @staticmethod
-    def _rows(view: np.ndarray, starts: np.ndarray, n: int):
-        """Index into `view` reaching bytes [s, s+n) of every start: a [k, n] row index of a 2-D
-        view when every start is a multiple of n, else None."""
-        if len(starts) == 1 or (starts % n).any():
-            return None
-        return view[: view.size // n * n].reshape(-1, n), starts // n
-
-    def _gather(self, addrs: np.ndarray, lens: np.ndarray) -> np.ndarray:
-        out = np.empty(int(np.sum(lens)), dtype=np.uint8)
-        off = 0
-        for view, starts, n in self._located(addrs, lens):
-            rows = self._rows(view, starts, n)
-            if rows is not None:
-                out[off:off + len(starts) * n].reshape(-1, n)[:] = rows[0][rows[1]]
-            else:
-                for st in starts.tolist():
-                    out[off:off + n] = view[st:st + n]
-                    off += n
-                continue
-            off += len(starts) * n
-        return out
-
-    def _scatter(self, addrs: np.ndarray, lens: np.ndarray, data: np.ndarray) -> None:
-        data = data.reshape(-1).view(np.uint8)
-        off = 0
-        for view, starts, n in self._located(addrs, lens):
-            rows = self._rows(view, starts, n)
-            if rows is not None:
-                rows[0][rows[1]] = data[off:off + len(starts) * n].reshape(-1, n)
-                off += len(starts) * n
-                continue
-            for st in starts.tolist():
-                view[st:st + n] = data[off:off + n]
-                off += n
 
     # ---- the serving side -------------------------------------------------------------------
     def _serve(self) -> None:
@@ -481,15 +342,15 @@ class JaxTransferEngine(TransferEngine):
         ident, data = frames
         msg = None
         try:
-            msg = _check(data, _REQUESTS)
+            msg = check(data, REQUESTS)
             peer = msg["from"]
-            if not 0 < len(peer) <= 256 or (msg["op"] == "write" and not _is_address(msg["address"])):
-                raise _Refused(f"{msg['op']}: from={peer!r:.80} / address must be a name and a 'host:port'")
-        except _Refused as exc:
+            if not 0 < len(peer) <= 256 or (msg["op"] == "write" and not is_address(msg["address"])):
+                raise Refused(f"{msg['op']}: from={peer!r:.80} / address must be a name and a 'host:port'")
+        except Refused as exc:
             self.rejected_messages += 1
             _log.warning("jax-transfer engine %r: refused a request: %s", self.name, exc)
             seq = msg["seq"] if msg is not None else 0  # 0 never matches a live batch (seqs start at 1)
-            self._router.send_multipart([ident, _encode("error", seq=seq, msg=f"refused: {exc}")])
+            self._router.send_multipart([ident, encode("error", seq=seq, msg=f"refused: {exc}")])
             return
         key = (peer, msg["seq"])
         if msg["op"] == "cancel":
@@ -504,7 +365,7 @@ class JaxTransferEngine(TransferEngine):
         try:
             worker.submit(Job(self._serve_one, ident, msg, tag=peer))
         except RuntimeError:  # the peer is being removed
-            self._router.send_multipart([ident, _encode("error", seq=msg["seq"], msg="peer removed")])
+            self._router.send_multipart([ident, encode("error", seq=msg["seq"], msg="peer removed")])
 
     def _serve_one(self, job: Job, ident: bytes, msg: dict) -> None:
         """A serving worker: one request of one peer; always answers (except "read_done")."""
@@ -519,15 +380,15 @@ class JaxTransferEngine(TransferEngine):
                 return
             if op == "notify":
                 self._notify(peer, msg["notif"])
-                self._reply(ident, _encode("written", seq=seq))
+                self._reply(ident, encode("written", seq=seq))
                 return
-            ranges = _ranges(msg["ranges"])
+            ranges = ranges_of(msg["ranges"])
             if op == "read":
                 data = self._gather(ranges[:, 0], ranges[:, 1])
                 uuid = secrets.randbits(63)
                 self._offers[uuid] = (peer, time.monotonic())
                 self._xfer.offer(uuid, [data], copy=False)
-                self._reply(ident, _encode("offered", seq=seq, uuid=uuid, nbytes=int(data.nbytes)))
+                self._reply(ident, encode("offered", seq=seq, uuid=uuid, nbytes=int(data.nbytes)))
                 return
             # write: pull the initiator's offer, then land it (unless it cancelled meanwhile)
             total = int(ranges[:, 1].sum())
@@ -541,12 +402,12 @@ class JaxTransferEngine(TransferEngine):
             self._scatter(ranges[:, 0], ranges[:, 1], np.asarray(out[0]))
             if msg["notif"] is not None:
                 self._notify(peer, msg["notif"])
-            self._reply(ident, _encode("written", seq=seq))
+            self._reply(ident, encode("written", seq=seq))
         except Exception as exc:  # noqa: BLE001 - the initiator gets the reason
-            if isinstance(exc, (_Refused, DescriptorError)):
+            if isinstance(exc, (Refused, DescriptorError)):
                 self.rejected_messages += 1
             if op != "read_done":
-                self._reply(ident, _encode("error", seq=seq, msg=f"{type(exc).__name__}: {exc}"[:4000]))
+                self._reply(ident, encode("error", seq=seq, msg=f"{type(exc).__name__}: {exc}"[:4000]))
         finally:
             self._writing.discard((peer, seq))
             self._cancelled.discard((peer, seq))
