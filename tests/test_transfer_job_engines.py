@@ -12,7 +12,7 @@ from dcp_jax.job import JobConfig, run_job
 from dcp_jax.job.kv import layer_views, owned_tokens
 from dcp_jax.job.staging import PrefillStager
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # real processes per test
 
 SMALL = dict(model="tiny-mixed", prompt_tokens=700, page_size=16, dcp_size=3, timeout_s=30.0)
 
