@@ -20,7 +20,10 @@ from dcp_jax.transfer.requests import RankTarget, SendRequest
 from dcp_jax.transfer.schedule import SideLayout, batch_engine_calls, plan_rank_chunk
 from dcp_jax.transfer.status import TransferStatus
 
-__all__ = ["SenderUnits", "Unit"]
+__all__ = ["SenderUnits", "Unit", "ARENA_SHARE"]
+
+#: Most of the pack arena one decode rank may hold while it already holds a region (fraction).
+ARENA_SHARE = 0.5
 
 
 @dataclasses.dataclass(eq=False)
@@ -84,31 +87,62 @@ class SenderUnits:
         return batch_engine_calls(descriptors, getattr(self.engine, "window", None))
 
     def _submit_units(self) -> bool:
-        busy = False
-        while self._queue:
+        """Submits queued windows in order while the arena has room. A rank already holding
+        regions gets more only within `ARENA_SHARE` of the arena: a rank that stopped reading
+        (its windows never complete) keeps at most that share (or one window, if larger) and
+        the other ranks' windows pass it; the skipped rank's later windows wait too, so each
+        rank's order is kept. Otherwise FIFO: a window that does not fit stops the scan."""
+        busy, blocked, i = False, set(), 0
+        share = int(self._arena.capacity * ARENA_SHARE)
+        while i < len(self._queue):
             stalled = time.monotonic() - self._last_round  # this round began then: a stop inside it
             if stalled > self._stall_s and self._conns:
                 self._on_stall(stalled)
-            u = self._queue[0]
+            u = self._queue[i]
             if u.req.status.terminal:
-                self._queue.popleft()
+                del self._queue[i]
+                continue
+            conn = u.target.conn
+            if conn in blocked:
+                i += 1
                 continue
             lo, hi = u.rc.windows[u.w]
             if u.rc.strategy in ("packed", "region") and hi > lo:
-                u.region = self._arena.acquire((u.req.rid, u.rc.chunk, u.target.conn.spec.dcp_rank, u.w),
-                                               u.rc.window_bytes(u.w, self._layers.item_lens))
+                need = u.rc.window_bytes(u.w, self._layers.item_lens)
+                held = self._held.get(conn, 0)
+                if held and held + need > share:
+                    blocked.add(conn)
+                    i += 1
+                    continue
+                u.region = self._arena.acquire((u.req.rid, u.rc.chunk, conn.spec.dcp_rank, u.w), need)
                 if u.region is None:
                     break  # the arena is full: wait for a transfer to finish (FIFO keeps order)
-            self._queue.popleft()
+                self._held[conn] = held + u.region.reserved
+            del self._queue[i]
             busy = True
             try:
                 self._submit(u, lo, hi)
             except Exception as exc:  # noqa: BLE001 - the request fails, the sender lives on
-                if u.region is not None:
-                    self._arena.release(u.region)
+                self._free_region(u)
                 self._end(u.req, TransferStatus.FAILED, f"decode rank {u.target.conn.spec.dcp_rank}, chunk "
                           f"{u.rc.chunk}: {type(exc).__name__}: {exc}", notify="failed")
         return busy
+
+    def _free_region(self, u: Unit) -> None:
+        """Gives a window's pack region back to the arena (nothing reads it any more)."""
+        r, u.region = u.region, None
+        if r is None:
+            return
+        if r.state == "quarantined":
+            self._arena.release_quarantined(r)
+        else:
+            self._arena.release(r)
+        conn = u.target.conn
+        left = self._held.get(conn, 0) - r.reserved
+        if left > 0:
+            self._held[conn] = left
+        else:
+            self._held.pop(conn, None)
 
     def _submit(self, u: Unit, lo: int, hi: int) -> None:
         req, t, rc = u.req, u.target, u.rc
@@ -183,12 +217,7 @@ class SenderUnits:
 
     def _unit_finished(self, u: Unit, error: str | None) -> None:
         """The engine (or the reader) is done with a window: free its region, credit or fail."""
-        if u.region is not None:
-            if u.region.state == "quarantined":
-                self._arena.release_quarantined(u.region)
-            else:
-                self._arena.release(u.region)
-            u.region = None
+        self._free_region(u)
         req, t = u.req, u.target
         req.inflight -= 1
         t.inflight -= 1

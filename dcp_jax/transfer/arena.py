@@ -42,6 +42,11 @@ class PackRegion:
     _arena: Any = dataclasses.field(default=None, repr=False)
 
     @property
+    def reserved(self) -> int:
+        """Bytes the region takes from the arena: ``nbytes`` rounded up to the arena's ``align``."""
+        return self._reserved
+
+    @property
     def end(self) -> int:
         """One past the last byte the caller may write: ``offset + nbytes``."""
         return self.offset + self.nbytes

@@ -125,7 +125,8 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
         self._next_timeout_check = 0.0
         self._early: dict[str, list] = {}     # expects for an id still held in a terminal state
         self._conns: dict[bytes, Any] = {}     # control identity -> _sender_peers.Conn
-        self._queue: deque = deque()         # _sender_units.Unit, FIFO
+        self._queue: deque = deque()         # _sender_units.Unit, FIFO (per rank; see _submit_units)
+        self._held: dict = {}                # Conn -> pack-arena bytes its windows hold
         self._inflight: list = []      # push windows the engine has not reported yet
         self._pulls: dict[tuple, Any] = {}  # pull windows the reader has not reported yet
         self._asks: dict[tuple, Any] = {}   # region windows packed, waiting for the rank's grant
