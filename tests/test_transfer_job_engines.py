@@ -76,6 +76,14 @@ def test_staged_path_both_modes_chunked_prefix_verify(engine):
         assert all(r["checksum_ok"] is True and r["staging"] == "staged" for r in run["ranks"])
 
 
+def test_jax_transfer_region_path_staged():
+    cfg = JobConfig(**SMALL, engine="jax-transfer", staging="host", modes=("region",))
+    run = run_job(cfg)["runs"][0]
+    _check_run(run, cfg)
+    assert run["paths"] == ["region"] and run["descriptors"] == cfg.dcp_size
+    assert run["staging"] == {"prefill": "staged", "decode": "staged"}
+
+
 def test_auto_staging_on_the_cpu_is_direct():
     cfg = JobConfig(**SMALL, engine="nixl", modes=("packed",))
     assert not cfg.staged
