@@ -24,15 +24,16 @@ MAX_LOGGED_REJECTIONS = 100
 
 
 def engine_options_for(engine: str, host: str | None, options: dict | None) -> dict:
-    """The engine options of a connector side bound to ``host``: Mooncake listens where the
-    control plane is (its ``hostname`` defaults to ``host``); NIXL/UCX picks its interfaces from
-    ``UCX_NET_DEVICES``. An explicit ``options["hostname"]`` wins."""
+    """The engine options of a connector side bound to ``host``: Mooncake and jax-transfer (its
+    side channel and transfer server) listen where the control plane is (their ``hostname``
+    defaults to ``host``); NIXL/UCX picks its interfaces from ``UCX_NET_DEVICES``. An explicit
+    ``options["hostname"]`` wins."""
     out = dict(options or {})
     if host is not None and "hostname" not in out:
         from bridge import available_engines
 
         kind = engine if engine != "auto" else (available_engines() or ["nixl"])[0]
-        if kind == "mooncake":
+        if kind in ("mooncake", "jax-transfer"):
             out["hostname"] = host
     return out
 
