@@ -116,7 +116,8 @@ def _runs(out: str, ceilings: dict[int, float]) -> list[dict]:
             per_rank = run.get("descriptors_per_rank")
             if per_rank is None and desc is not None:
                 per_rank = desc / dcp
-            ts, tot = run.get("transfer_seconds"), run.get("total_seconds")
+            ts = run.get("transfer_seconds")
+            tot = run.get("request_seconds") or run.get("total_seconds")  # first byte packed -> last rank holds its rows
             ceiling = ceilings.get(tokens)
             row = {"step": name[:-5], "engine": run.get("engine", cfg.get("engine_kind")), "tokens": tokens,
                    "path": run.get("path") or run.get("mode"), "descriptors_per_rank": per_rank,

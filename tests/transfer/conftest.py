@@ -40,7 +40,7 @@ class Cluster:
 
     def __init__(self, engine, *, dcp_size=2, item_lens=(48, 16), page_size=4, pages=64,
                  interleave_size=1, direction="push", mode="auto", pack_bytes=None, kind="numpy",
-                 timeout_s=20.0, peer_timeout_s=5.0, seed=None, connect=True, **sender_kw):
+                 timeout_s=20.0, peer_timeout_s=5.0, seed=None, connect=True, receiver_kw=None, **sender_kw):
         self.rng = np.random.default_rng(seed)
         self.dcp_size, self.page_size, self.item_lens = dcp_size, page_size, tuple(item_lens)
         self.interleave = interleave_size
@@ -59,7 +59,7 @@ class Cluster:
                 spec = KVCacheSpec(len(item_lens), item_lens, page_size, dcp_size, r, interleave_size)
                 self.receivers.append(KVReceiver(spec, self.dst[r], engine=engine,
                                                  direction=direction, timeout_s=timeout_s,
-                                                 peer_timeout_s=peer_timeout_s))
+                                                 peer_timeout_s=peer_timeout_s, **(receiver_kw or {})))
                 if connect:
                     self.receivers[-1].connect(self.sender.address)
         except BaseException:
