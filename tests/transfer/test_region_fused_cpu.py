@@ -1,0 +1,126 @@
+"""The fused path's control flow on the CPU: everything but the CUDA IPC mapping is the real code.
+
+On a GPU the receiver exports IPC handles of its layers, the sender maps them and one
+`copy_rows` kernel writes the rank's rows into the mapped pages, then ``fused_done`` crosses the
+control plane. Here the only stand-in is the mapping itself: the "handles" name a receiver of
+this process and the "mapping" is that receiver's own writable row views, so `copy_rows` (its
+host form), the ``fused_done`` checks and crediting, the counters and the endings all run as on
+the GPU, through real engines' control planes (the engine moves no byte on this path).
+"""
+import numpy as np
+import pytest
+
+import conftest
+from conftest import TransferStatus
+from dcp_jax.transfer import _sender_peers
+from dcp_jax.transfer import receiver as receiver_mod
+from test_region import cluster, wait_for
+
+S = TransferStatus
+
+
+class _HostMapping:
+    """What `bridge.cuda_ipc.IpcMapping` gives the sender: ``.arrays`` and ``close``."""
+
+    def __init__(self, arrays):
+        self.arrays, self.closed = list(arrays), False
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def fused_on_host(monkeypatch):
+    layers_of = {}
+
+    def export(layers):  # the receiver's "handles": a key naming its row views
+        layers_of[len(layers_of)] = layers.rows
+        return [{"host_mapping": len(layers_of) - 1}]
+
+    def open_(handles, item_lens):
+        (h,) = handles
+        return _HostMapping(layers_of[h["host_mapping"]])
+
+    real = _sender_peers.choose_path
+    monkeypatch.setattr(receiver_mod, "ipc_export", export)
+    monkeypatch.setattr(_sender_peers, "ipc_open", open_)
+    monkeypatch.setattr(_sender_peers, "choose_path",
+                        lambda mode, **kw: "fused" if mode == "fused" else real(mode, **kw))
+    return layers_of
+
+
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_fused_path_lands_byte_exact_with_no_descriptor(engine, fused_on_host, direction):
+    c = cluster(engine, dcp_size=3, mode="fused", direction=direction, region_bytes=0)
+    try:
+        L = 37
+        src, dst = c.tables(L)
+        c.expect("f", dst, L)
+        for a, b in [(0, 10), (10, 11), (11, L)]:
+            c.sender.send("f", src, a, b)
+        assert c.wait("f") == [S.SUCCESS] * 4, c.reasons("f")
+        assert c.check_bytes(src, dst, L) == L
+        assert all(c.sentinel_pages(r, dst[r]) for r in range(3))
+        st = c.sender.request_stats("f")
+        assert [v["path"] for v in st["ranks"].values()] == ["fused"] * 3
+        assert all(v["descriptors"] == 0 and v["batches"] == 0 for v in st["ranks"].values())
+        assert sum(v["bytes"] for v in st["ranks"].values()) == L * sum(c.item_lens)
+        assert st["copy_seconds"] > 0 and c.sender.stats["descriptors"] == 0
+        for recv in c.receivers:
+            rs = recv.request_stats("f")
+            assert rs["paths"] == ["fused"] and rs["unpacks"] == 0
+    finally:
+        c.close()
+
+
+def test_fused_mapping_is_closed_with_the_connection(engine, fused_on_host):
+    c = cluster(engine, dcp_size=1, mode="fused", region_bytes=0)
+    try:
+        (conn,) = c.sender._conns.values()
+        mapping = conn.mapping
+        assert isinstance(mapping, _HostMapping) and not mapping.closed
+    finally:
+        c.close()
+    assert mapping.closed
+
+
+def test_fused_page_table_past_the_mapped_rows_fails_before_any_write(engine, fused_on_host):
+    # The sender checks the rank's rows against what it mapped (no engine checks these addresses).
+    c = cluster(engine, dcp_size=1, mode="fused", region_bytes=0, pages=8)
+    try:
+        (conn,) = c.sender._conns.values()
+        conn.mapping.arrays = [a[:16] for a in conn.mapping.arrays]  # the rank "exported" 4 pages
+        src, dst = c.tables(8)
+        dst[0] = np.array([6, 7], np.int64)  # pages the mapping does not hold
+        c.expect("x", dst, 8)
+        c.sender.send("x", src, 0, 8)
+        assert c.wait("x") == [S.FAILED, S.FAILED]
+        assert "mapped layers hold 16 rows" in c.sender.failure_reason("x")
+        assert all((np.asarray(a) == conftest.SENTINEL).all() for a in c.dst[0])
+        assert wait_for(lambda: c.receivers[0].is_drained("x") and c.sender.is_drained("x"))
+    finally:
+        c.close()
+
+
+def test_duplicate_fused_done_is_credited_once(engine, fused_on_host):
+    c = cluster(engine, dcp_size=1, mode="fused", region_bytes=0)
+    try:
+        orig = c.sender._ctl.send
+
+        def twice(ident, frame):
+            from dcp_jax.transfer import protocol as proto
+
+            if proto.decode(frame)["k"] == "fused_done":
+                orig(ident, frame)
+            return orig(ident, frame)
+
+        c.sender._ctl.send = twice
+        src, dst = c.tables(20)
+        c.expect("d", dst, 20)
+        c.sender.send("d", src, 0, 20)
+        assert c.wait("d") == [S.SUCCESS, S.SUCCESS], c.reasons("d")
+        c.check_bytes(src, dst, 20)
+        assert wait_for(lambda: c.receivers[0].stats["dropped_messages"] >= 1)
+        assert c.receivers[0].request_stats("d")["bytes"] == 20 * sum(c.item_lens)
+    finally:
+        c.close()
