@@ -221,3 +221,28 @@ def test_an_unanswered_batch_times_out_within_the_engine_bound():
             assert 0.9 < time.monotonic() - t0 < 5
     finally:
         dead.close(0)
+
+
+def test_cancelled_write_is_not_written_if_the_target_has_not_pulled_yet(two_connected_engines):
+    """The cancel reaches the target while its pull is still running (held back here): the
+    target drops the bytes instead of writing them, the handle ends "cancelled", dst untouched."""
+    p = two_connected_engines
+    p.fill(seed=82)
+    pull = p.tgt._xfer.pull
+
+    def slow_pull(*args, **kwargs):
+        time.sleep(0.5)
+        return pull(*args, **kwargs)
+
+    p.tgt._xfer.pull = slow_pull  # white box: the target's pull of the initiator's offer
+    try:
+        descs, _, _ = pw.scattered_descs(p.src.ctypes.data, p.dst.ctypes.data, 256, pw.ITEM, seed=6)
+        h = p.ini.transfer_batch(p.peer, descs, notif=b"never")
+        time.sleep(0.1)
+        p.ini.cancel(h)
+        got = test_async._finish(p.ini, h)
+        assert isinstance(got, TransferError) and "cancelled by the initiator" in str(got), got
+        assert not p.dst.any() and p.tgt.notifications() == {}
+    finally:
+        del p.tgt._xfer.pull
+    test_async._assert_follow_up_lands(p)
