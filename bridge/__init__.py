@@ -1,4 +1,5 @@
-"""Transfer-engine adapters (NIXL, Mooncake) behind one small protocol, plus registered buffers.
+"""Transfer-engine adapters (NIXL, Mooncake, jax.experimental.transfer) behind one small protocol,
+plus registered buffers.
 
     from bridge import make_engine, MemoryRegion
     with make_engine("nixl", "prefill") as eng:

@@ -1,4 +1,5 @@
-"""Transfer-engine protocol shared by every adapter (`bridge.nixl`, `bridge.mooncake`).
+"""Transfer-engine protocol shared by every adapter (`bridge.nixl`, `bridge.mooncake`,
+`bridge.jax_engine`).
 
 The main job and the KV connector talk to a transfer engine only through `TransferEngine`. A
 descriptor batch is an integer array ``i64[n, 3]`` of ``(local_addr, remote_addr, nbytes)`` rows,
