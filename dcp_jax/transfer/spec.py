@@ -156,4 +156,12 @@ def check_compatible(prefill: KVCacheSpec, decode: KVCacheSpec, *, side: str = "
     for field in ("num_layers", "item_lens", "dtype", "layout", "page_size", "tp_size"):
         a, b = getattr(ours, field), getattr(theirs, field)
         if a != b:
-            raise HandshakeError(field, a, b)
+            raise HandshakeError(field, a, b, _WHY.get(field, ""))
+
+
+_WHY = {
+    "dtype": "the KV caches hold different element types; the connector moves bytes and never "
+             "converts them (cast one side's cache, or declare the dtype its bytes really are)",
+    "item_lens": "a token's bytes differ per layer entry: the rows would not line up",
+    "layout": "the caches are laid out differently; the connector's rows need one layout on both sides",
+}
