@@ -31,7 +31,7 @@ MAX_REQUESTS = 10_000_000
 #:   after_first_chunk: the first of >= 2 chunks was sent (its bytes may be in flight), the rest never.
 ABORT_POINTS = ("before_send", "after_first_chunk")
 INJECTIONS = ("stray_write", "corrupt_row")
-FAULTS = ("link_flap", "pause")  # dcp_jax.loadgen.soak.FAULTS
+FAULTS = ("link_flap", "pause", "sender_pause")  # dcp_jax.loadgen.soak.FAULTS
 
 
 def _int(name: str, v: Any, lo: int, hi: int | None = None) -> int:
@@ -78,7 +78,8 @@ class LoadConfig:
         faults: comma-separated faults injected at random while the run goes (``--netns`` only):
             ``link_flap`` (the link down, then up), ``pause`` (a receiver SIGSTOPped, then
             SIGCONTed); each lasts less than ``peer_timeout_s``, so requests may FAIL (then
-            allowed and counted) but connections stay.
+            allowed and counted) but connections stay; ``sender_pause`` (the sender SIGSTOPped
+            for 1.2-1.6 x ``peer_timeout_s``: the receivers drop it and connect again).
         fault_every_s: mean gap between faults (seconds; each gap uniform in [0.5, 1.5] x it).
         peer_timeout_s: the connector's peer timeout (seconds) on every side.
     """

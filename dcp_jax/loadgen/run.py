@@ -177,7 +177,7 @@ class _Orchestrator:
     def _phase(self, name: str, stop: int) -> None:
         t0 = time.monotonic()
         self.last_event = t0
-        limit = self.cfg.timeout_s + 10.0 + (self.cfg.peer_timeout_s if self.cfg.faults else 0.0)
+        limit = self.cfg.timeout_s + 10.0 + (2 * self.cfg.peer_timeout_s if self.cfg.faults else 0.0)
         bound = self.cfg.duration_s if name == "main" and self.cfg.duration_s else None
         while not self.errors and (self.next < stop or self.tracks):
             if bound is not None and time.monotonic() - t0 > bound and stop > self.next:
@@ -239,7 +239,8 @@ class _Orchestrator:
                 from dcp_jax.loadgen.soak import FaultInjector
 
                 self.faults = FaultInjector(cfg.fault_list, cfg.fault_every_s, 0.6 * cfg.peer_timeout_s, self.p.place,
-                                            [p.pid for p in self.p.procs[1:]], cfg.seed)
+                                            [p.pid for p in self.p.procs[1:]], cfg.seed, sender_pid=self.p.procs[0].pid,
+                                            peer_timeout_s=cfg.peer_timeout_s)
             if not self.errors:
                 self._phase("main", cfg.requests)
             if self.faults is not None:

@@ -8,7 +8,11 @@ times (gaps uniform in [0.5, 1.5] x ``--fault-every-s``), each for a random outa
 peer timeout, so requests in flight may FAIL but connections survive:
 
 * ``link_flap``: the veth link down, then up again;
-* ``pause``: one receiver process SIGSTOPped, then SIGCONTed (a decode host that stalls).
+* ``pause``: one receiver process SIGSTOPped, then SIGCONTed (a decode host that stalls);
+* ``sender_pause``: the sender process SIGSTOPped for *longer* than the peer timeout (1.2-1.6 x
+  it), then SIGCONTed: the receivers drop it as silent while it still holds queued and in-flight
+  windows (the late-write case: it must post nothing more, and nothing of it may land in pages
+  given back), and connect again.
 
 `Sampler` asks every process for its RSS and ``bridge.registered_bytes()`` every
 ``SAMPLE_EVERY_S``; `plot_samples` draws them (PNG).
@@ -24,7 +28,7 @@ import numpy as np
 
 __all__ = ["NetnsPlace", "FaultInjector", "Sampler", "plot_samples", "FAULTS", "SAMPLE_EVERY_S"]
 
-FAULTS = ("link_flap", "pause")
+FAULTS = ("link_flap", "pause", "sender_pause")
 SAMPLE_EVERY_S = 2.0
 #: Outages last uniformly [MIN_OUTAGE_S, max_outage] with max_outage below the peer timeout.
 MIN_OUTAGE_S = 0.2
@@ -57,9 +61,9 @@ class FaultInjector:
     from the orchestrator's loop and never blocks."""
 
     def __init__(self, faults: list[str], every_s: float, max_outage_s: float, place: NetnsPlace,
-                 receiver_pids: list[int], seed: int):
+                 receiver_pids: list[int], seed: int, sender_pid: int | None = None, peer_timeout_s: float = 5.0):
         self.faults, self.every_s, self.max_outage_s = faults, every_s, max(MIN_OUTAGE_S, max_outage_s)
-        self.place, self.pids = place, receiver_pids
+        self.place, self.pids, self.sender_pid, self.peer_timeout_s = place, receiver_pids, sender_pid, peer_timeout_s
         self.rng = np.random.default_rng([seed, 0xFA17])
         self.log: list[dict[str, Any]] = []
         self._undo = None  # (time, fn, record)
@@ -86,6 +90,13 @@ class FaultInjector:
         if kind == "link_flap":
             self.place.hosts.link_down(1)
             undo = lambda: self.place.hosts.link_up(1)  # noqa: E731
+        elif kind == "sender_pause":
+            if self.sender_pid is None:
+                raise ValueError("sender_pause needs the sender's pid")
+            pid = rec["pid"] = self.sender_pid
+            rec["outage_s"] = outage = float(self.rng.uniform(1.2, 1.6) * self.peer_timeout_s)
+            os.kill(pid, signal.SIGSTOP)
+            undo = lambda: os.kill(pid, signal.SIGCONT)  # noqa: E731
         else:
             pid = self.pids[int(self.rng.integers(0, len(self.pids)))]
             rec["pid"] = pid
@@ -138,11 +149,11 @@ def plot_samples(samples: dict, faults: list[dict], t0: float, path: str, title:
     for f in faults:
         end = f.get("end", f["start"] + f["outage_s"])
         for ax in axes:
-            ax.axvspan(f["start"] - t0, end - t0, color="red" if f["kind"] == "link_flap" else "orange",
-                       alpha=0.15, lw=0)
+            color = dict(link_flap="red", sender_pause="purple").get(f["kind"], "orange")
+            ax.axvspan(f["start"] - t0, end - t0, color=color, alpha=0.15, lw=0)
     axes[0].set_ylabel("RSS (MiB)")
     axes[1].set_ylabel("registered (MiB)")
-    axes[1].set_xlabel("seconds since start (red: link down, orange: receiver stopped)")
+    axes[1].set_xlabel("seconds since start (red: link down, orange: receiver stopped, purple: sender stopped)")
     axes[0].legend(loc="lower right", fontsize=8)
     axes[0].set_title(title, fontsize=10)
     fig.tight_layout()

@@ -234,7 +234,7 @@ class _Receiver(_Side):
         self.conn_obj = self.r = KVReceiver(_spec(cfg, cfg.dcp_size, rank, cfg.interleave_size), self.pool.layers,
                                             engine=cfg.engine, direction=cfg.direction, timeout_s=cfg.timeout_s,
                                             peer_timeout_s=cfg.peer_timeout_s, host=host)
-        self.address, self.reconnects = None, 0
+        self.address, self.reconnects, self.next_reconnect = None, 0, 0.0
         self.created()
         conn.send(("ready", dict(pid=_pid())))
 
@@ -246,8 +246,7 @@ class _Receiver(_Side):
         elif kind == "expect":
             plan = RequestPlan.from_msg(msg[1])
             if self.r.stats["connections"] == 0:  # a fault outlived the peer timeout: connect again
-                self.reconnects += 1
-                self.r.connect(self.address, timeout_s=30.0)
+                self._reconnect(must=True)
             tokens = owned_tokens(plan.num_tokens, self.cfg.dcp_size, self.rank, self.cfg.interleave_size)
             table = self.pool.allocate(len(tokens))
             self.r.expect(plan.rid, table, plan.num_tokens)
@@ -258,6 +257,24 @@ class _Receiver(_Side):
                 self.r.abort(req.plan.rid, f"loadgen: planned abort by decode rank {self.rank}")
         else:
             raise ValueError(f"receiver: unknown order {kind!r}")
+
+    def _reconnect(self, must: bool) -> None:
+        """Connects to the sender again (its answer may wait until its old writes ended). A
+        refusal or timeout is retried ``must`` times more now, else at the next pass."""
+        from dcp_jax.transfer import HandshakeError
+
+        for attempt in range(3 if must else 1):
+            self.reconnects += 1
+            try:
+                self.r.connect(self.address, timeout_s=30.0)
+                return
+            except (HandshakeError, TimeoutError):
+                self.next_reconnect = time.monotonic() + 0.5
+                if attempt == 2 or not must:
+                    if must:
+                        raise
+                    return
+                time.sleep(0.5)
 
     def step(self, q: _RReq) -> bool:
         rid = q.plan.rid
@@ -270,6 +287,10 @@ class _Receiver(_Side):
                 return False
             q.status, q.reason, q.latency, q.t_term = status, self.r.failure_reason(rid), latency, time.monotonic()
         if not self.r.is_drained(rid):  # an aborted request: a write may still be landing
+            if self.r.stats["connections"] == 0 and time.monotonic() >= self.next_reconnect:
+                # A sender dropped as silent stays "in doubt" (its pages held) until we connect
+                # again and it says none of its old writes is in flight: do not wait for an expect.
+                self._reconnect(must=False)
             return False
         self.r.release(rid)
         del self.live[q.plan.index]

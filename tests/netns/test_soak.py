@@ -1,5 +1,6 @@
-"""The CI soak: ``dcp-jax load --netns`` for a bounded time with random link flaps and stopped
-receivers (NIXL; the 10-minute NIXL and Mooncake runs are in benchmarks/results/soak_*)."""
+"""The CI soak: ``dcp-jax load --netns`` for a bounded time with random link flaps, stopped
+receivers and a stopped sender (longer than the peer timeout: the late-write case); NIXL. The
+long NIXL and Mooncake runs are in benchmarks/results/soak_*."""
 import json
 
 import pytest
@@ -11,13 +12,13 @@ from dcp_jax.loadgen import LoadConfig, load_command
 @pytest.mark.timeout(300)
 def test_soak_across_two_hosts_with_faults(tmp_path, nixl_only):
     cfg = LoadConfig(engine=nixl_only, netns=True, requests=3000, duration_s=30.0, concurrency=16,
-                     max_tokens=128, warmup=8, faults="link_flap,pause", fault_every_s=4.0, timeout_s=2.0,
-                     peer_timeout_s=5.0, seed=5)
+                     max_tokens=128, warmup=8, faults="link_flap,pause,sender_pause", fault_every_s=4.0, timeout_s=2.0,
+                     peer_timeout_s=5.0, seed=7)  # seed 7: all three kinds of fault in 30 s
     out, png = tmp_path / "soak.json", tmp_path / "soak.png"
     rc = load_command(cfg, out, progress=False, plot_path=png)
     rep = json.loads(out.read_text())
     assert rc == 0 and rep["ok"], rep["failures"]
-    assert len(rep["faults"]) >= 3 and {f["kind"] for f in rep["faults"]} <= {"link_flap", "pause"}
+    assert len(rep["faults"]) >= 3 and {f["kind"] for f in rep["faults"]} == {"link_flap", "pause", "sender_pause"}
     assert rep["issued"] == rep["finished"] > 50 and rep["lost"] == 0
     assert rep["succeeded"] > 0 and rep["succeeded"] + rep["failed"] + rep["aborted"] == rep["finished"]
     assert rep["misattributed_messages"] == 0 and rep["sentinel_violations"] == 0
