@@ -22,7 +22,6 @@ S = TransferStatus
     ("item_lens", dict(item_lens=(48, 32))),
     ("dtype", dict(dtype="float8_e4m3fn")),
     ("layout", dict(layout="nhd")),
-    ("page_size", dict(page_size=8)),
     ("tp_size", dict(tp_size=2)),
 ])
 def test_handshake_refuses_each_field(engine, field, change):
