@@ -4,7 +4,6 @@ one descriptor per window into the decode rank's receive region, unpacked into i
 Every test checks the bytes against the sender's source rows (the Cluster's own oracle), the
 sentinel pages around them, and that no receive-region range stays held afterwards.
 """
-import functools
 import time
 
 import numpy as np
@@ -20,12 +19,7 @@ S = TransferStatus
 def cluster(engine, *, region_bytes=64 << 20, receiver_kw=None, **kw):
     """A `Cluster` whose receivers offer a receive region of ``region_bytes`` (host receivers
     offer none by default) and take ``receiver_kw``."""
-    orig = conftest.KVReceiver
-    conftest.KVReceiver = functools.partial(KVReceiver, region_bytes=region_bytes, **(receiver_kw or {}))
-    try:
-        return Cluster(engine, **kw)
-    finally:
-        conftest.KVReceiver = orig
+    return Cluster(engine, receiver_kw=dict(region_bytes=region_bytes, **(receiver_kw or {})), **kw)
 
 
 def region_free(recv):
