@@ -86,14 +86,15 @@ def ranges_of(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i8").reshape(-1, 2).astype(np.int64)
 
 
-def _coalesce(addrs: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Merges ranges that continue each other (a page run becomes one copy)."""
+def _coalesce(addrs: np.ndarray, lens: np.ndarray, region: np.ndarray):
+    """Merges ranges that continue each other inside one region (a page run becomes one copy;
+    two registrations that happen to touch are never merged across)."""
     if len(addrs) < 2:
-        return addrs, lens
+        return addrs, lens, region
     start = np.ones(len(addrs), dtype=bool)
-    start[1:] = addrs[1:] != addrs[:-1] + lens[:-1]
+    start[1:] = (addrs[1:] != addrs[:-1] + lens[:-1]) | (region[1:] != region[:-1])
     idx = np.flatnonzero(start)
-    return addrs[idx], np.add.reduceat(lens, idx)
+    return addrs[idx], np.add.reduceat(lens, idx), region[idx]
 
 
 class HostMemory:
@@ -104,7 +105,7 @@ class HostMemory:
         """Coalesced ranges grouped for copying, all checked inside this engine's registrations:
         yields (region view, starts i64[k], length) for runs of equal length (one numpy fancy
         index per region: a row gather, not a Python loop), else (view, [start], n) per range."""
-        addrs, lens = _coalesce(np.asarray(addrs, np.int64), np.asarray(lens, np.int64))
+        addrs, lens = np.asarray(addrs, np.int64), np.asarray(lens, np.int64)
         table = self._local_table
         idx = table.locate(addrs, lens)
         bad = (idx < 0) | (lens <= 0) | (addrs < 0)
@@ -112,6 +113,7 @@ class HostMemory:
             i = int(np.argmax(bad))
             raise DescriptorError(f"ranges: {int(addrs[i]):#x}+{int(lens[i])} is outside every region registered "
                                   f"with engine {self.name!r}")
+        addrs, lens, idx = _coalesce(addrs, lens, idx)
         if len(lens) > 1 and (lens == lens[0]).all():
             # one length: consecutive ranges of one region go in one fancy-indexed row copy
             cut = np.flatnonzero(np.diff(idx)) + 1

@@ -90,6 +90,9 @@ def transfer(
                                            "memory) or gpu (CuPy device memory of GPU 0 registered as VRAM, "
                                            "the Pallas gather packing in place; needs CuPy, a CUDA GPU and "
                                            "--engine nixl, or mooncake with its CUDA build)."),
+    direction: str = typer.Option("push", help="push (the sender WRITEs into the decode ranks) or pull (each "
+                                               "decode rank READs its rows and reports on the control plane; "
+                                               "with --engine jax-transfer: a pull of the rank's pack)."),
     staging: str = typer.Option("auto", help="auto: each side stages through pinned host memory where its "
                                              "engine cannot register its KV (jax-transfer on the GPU); host: "
                                              "always (the KV stays in unregistered device memory: pages "
@@ -134,7 +137,7 @@ def transfer(
         prefill_interleave_size=prefill_interleave_size, chunk_tokens=chunk_tokens,
         prefix_tokens=prefix_tokens, engine=engine, max_batch_indices=max_batch_indices,
         pack_tokens=pack_tokens, verify=verify, seed=seed, timeout_s=timeout_s, corrupt_rank=corrupt_rank,
-        device=device, staging=staging, pack_backend=pack_backend,
+        device=device, staging=staging, pack_backend=pack_backend, direction=direction,
     )
     try:
         check_device(cfg.device)

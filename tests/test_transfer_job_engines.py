@@ -37,6 +37,16 @@ def test_jax_transfer_engine_job_both_modes_chunked_prefix_verify():
         assert all(r["checksum_ok"] is True for r in run["ranks"])
 
 
+def test_jax_transfer_pull_direction_chunked():
+    """--direction pull: each decode rank pulls (READs) its rows from the sender's pack region and
+    reports on the control plane: how tpu-inference and sglang-jax use jax.experimental.transfer."""
+    cfg = JobConfig(**SMALL, engine="jax-transfer", direction="pull", chunk_tokens=96, verify=True)
+    res = run_job(cfg)
+    for run in res["runs"]:
+        _check_run(run, cfg)
+        assert all(r["checksum_ok"] is True for r in run["ranks"])
+
+
 def test_jax_transfer_refuses_device_memory_unless_staged():
     with pytest.raises(ValueError, match="engine='jax-transfer' \\(--engine\\)"):
         JobConfig(**SMALL, engine="jax-transfer", device="gpu", staging="none")
@@ -124,6 +134,7 @@ def test_mosaic_interpret_stages_byte_exact():
     (dict(pack_backend="nope", staging="host"), "pack_backend='nope' \\(--pack-backend\\)"),
     (dict(pack_backend="gpu-mosaic-interpret", staging="host"), "not multiples of 128 B"),
     (dict(staging="disk"), "staging='disk' \\(--staging\\)"),
+    (dict(direction="sideways"), "direction='sideways' \\(--direction\\)"),
 ])
 def test_bad_staging_and_pack_backend_name_the_option(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -25,6 +25,7 @@ PATHS = ("auto", "direct", "packed", "region", "fused")
 ENGINES = ("nixl", "mooncake", "jax-transfer", "auto")
 DEVICES = ("cpu", "gpu")
 STAGINGS = ("auto", "none", "host")  # --staging: see dcp_jax.job.staging
+DIRECTIONS = ("push", "pull")  # --direction: the sender WRITEs, or each decode rank READs (pulls) its rows
 MAX_RANKS = 64  # dcp_size / prefill_dcp_size: one process per rank
 MAX_TIMEOUT_S = 86400.0  # a day: the connector's waits take at most that
 
@@ -113,6 +114,9 @@ class JobConfig:
         staging: ``"auto"`` (each side stages through pinned host memory where its engine cannot
             register its KV: ``jax-transfer`` on the GPU), ``"none"`` (never) or ``"host"``
             (always): the KV stays in device memory, unregistered (:mod:`dcp_jax.job.staging`).
+        direction: ``"push"`` (the sender WRITEs) or ``"pull"`` (each decode rank READs its rows
+            from the sender's pack region or KV and answers on the control plane: how tpu-inference
+            and sglang-jax use jax.experimental.transfer).
         pack_backend: registry backend (``pallas_kernels.registry``) of the device-side gather of
             the staged path, and of the connector's pack where ``KVSender`` takes one; ``"auto"``.
 
@@ -143,6 +147,7 @@ class JobConfig:
     device: str = "cpu"
     staging: str = "auto"
     pack_backend: str = "auto"
+    direction: str = "push"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "modes", tuple(self.modes))
@@ -189,6 +194,8 @@ class JobConfig:
                 raise ValueError(f"{name}={v!r} must be in [0, dcp_size={self.dcp_size})")
         if self.device not in DEVICES:
             raise ValueError(f"device={self.device!r} (--device) must be one of {DEVICES}")
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"direction={self.direction!r} (--direction) must be one of {DIRECTIONS}")
         if self.staging not in STAGINGS:
             raise ValueError(f"staging={self.staging!r} (--staging) must be one of {STAGINGS}")
         if self.device == "gpu" and self.engine == "jax-transfer" and self.staging == "none":

@@ -332,7 +332,7 @@ def decode_main(cfg_dict: dict, index: int, pools: tuple[int, int], tag: str, co
     def open_(arg: dict) -> None:
         r, n = arg["dcp_rank"], arg["dcp_size"]
         spec = KVCacheSpec(geo.num_layers, tuple(geo.kv_item_lens), p, n, r, cfg.interleave_size)
-        recv = KVReceiver(spec, layers, engine=cfg.engine_kind, group=f"{tag}-{arg['mode']}",
+        recv = KVReceiver(spec, layers, engine=cfg.engine_kind, group=f"{tag}-{arg['mode']}", direction=cfg.direction,
                           timeout_s=cfg.timeout_s, peer_timeout_s=min(cfg.timeout_s, PEER_TIMEOUT_S),
                           region_bytes=kv.region_bytes(cfg, arg["mode"], r, n))
         state.update(recv=recv, rank=r, size=n)

@@ -246,3 +246,21 @@ def test_cancelled_write_is_not_written_if_the_target_has_not_pulled_yet(two_con
     finally:
         del p.tgt._xfer.pull
     test_async._assert_follow_up_lands(p)
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_contiguous_ranges_across_two_touching_registrations(op):
+    """Two registrations that touch (halves of one buffer): ranges continuing across the seam are
+    copied region by region, never merged into one range no registration holds."""
+    with make_engine("jax-transfer", f"seam-a-{op}") as a, make_engine("jax-transfer", f"seam-b-{op}") as b:
+        src = np.random.default_rng(9).integers(0, 256, 8192, dtype=np.uint8)
+        dst = np.zeros(8192, np.uint8)
+        for eng, buf in ((a, src if op == "WRITE" else dst), (b, dst if op == "WRITE" else src)):
+            base = buf.ctypes.data
+            eng.register([MemoryRegion(base, 4096), MemoryRegion(base + 4096, 4096)])
+        peer = a.add_peer(b.peer_info())
+        local, remote = (src, dst) if op == "WRITE" else (dst, src)
+        rows = np.arange(0, 8192, 1024)  # 8 rows of 1 KiB, both sides contiguous across the seam
+        descs = np.stack([local.ctypes.data + rows, remote.ctypes.data + rows, np.full(8, 1024)], axis=1)
+        a.wait(a.transfer_batch(peer, descs, op=op), timeout_s=30)
+        np.testing.assert_array_equal(dst, src)
