@@ -141,8 +141,8 @@ def check_compatible(prefill: KVCacheSpec, decode: KVCacheSpec, *, side: str = "
     """Refuses a (prefill, decode) pair the transfer cannot serve.
 
     The rows move as bytes: both sides must hold the same layer entries of the same sizes,
-    dtype, layout and page size. Any DCP sizes and interleaves on either side are served
-    (``dcp_jax.transfer.schedule`` maps every token between them).
+    dtype, layout and TP size. Any page sizes, DCP sizes and interleaves on either side are
+    served (``dcp_jax.transfer.schedule`` maps every token between them).
 
     Args:
         prefill: the sender's spec.
@@ -153,7 +153,9 @@ def check_compatible(prefill: KVCacheSpec, decode: KVCacheSpec, *, side: str = "
         HandshakeError: the first field that differs, with both values.
     """
     ours, theirs = (prefill, decode) if side == "prefill" else (decode, prefill)
-    for field in ("num_layers", "item_lens", "dtype", "layout", "page_size", "tp_size"):
+    # page_size may differ: the schedule maps every token through each side's own page table
+    # and page size (runs split at the smaller page boundary), every path byte-exact.
+    for field in ("num_layers", "item_lens", "dtype", "layout", "tp_size"):
         a, b = getattr(ours, field), getattr(theirs, field)
         if a != b:
             raise HandshakeError(field, a, b, _WHY.get(field, ""))

@@ -1,13 +1,17 @@
-"""Issue 15 at the connector: what two sides may differ in, and what is refused (dtype).
+"""Issue 15 at the connector: what two sides may differ in (page sizes), and what is refused (dtype).
 
 Rows move as bytes, so both sides must agree on what the bytes are: the dtype is checked between
 the sides at the handshake, with both names.
 """
+import time
+
 import numpy as np
 import pytest
 
-from conftest import Cluster
-from dcp_jax.transfer import KVCacheSpec, KVReceiver
+from conftest import SENTINEL, Cluster, TransferStatus
+
+S = TransferStatus
+from dcp_jax.transfer import KVCacheSpec, KVReceiver, KVSender
 from dcp_jax.transfer.spec import HandshakeError, check_compatible
 
 
@@ -30,3 +34,48 @@ def test_dtype_mismatch_is_refused_at_the_handshake(engine):
             assert (e.value.field, e.value.ours, e.value.theirs) == ("dtype", "float8_e4m3fn", "bfloat16")
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("src_page, dst_page, mode, direction", [
+    (4, 16, "packed", "push"), (16, 4, "region", "pull"), (3, 5, "direct", "push"), (8, 2, "region", "push")])
+def test_page_sizes_may_differ_between_the_sides(engine, src_page, dst_page, mode, direction):
+    # The schedule maps every token through each side's own page table and page size: rows land
+    # byte-exact whatever the two page sizes (issue 15), in every path.
+    rng = np.random.default_rng(7)
+    n, inter, L, item_lens = 2, 2, 45, (48, 16)
+    src_pages = -(-L // src_page) + 3
+    src = [rng.integers(0, 256, (src_pages, src_page, il), dtype=np.uint8) for il in item_lens]
+    sender = KVSender(KVCacheSpec(2, item_lens, src_page), src, engine=engine, mode=mode)
+    recvs, dst, tables = [], [], []
+    try:
+        for r in range(n):
+            rows = sum(1 for t in range(L) if (t // inter) % n == r)
+            pages = -(-rows // dst_page) + 3
+            dst.append([np.full((pages, dst_page, il), SENTINEL, np.uint8) for il in item_lens])
+            recvs.append(KVReceiver(KVCacheSpec(2, item_lens, dst_page, n, r, inter), dst[r], engine=engine,
+                                    direction=direction, region_bytes=1 << 20))
+            recvs[-1].connect(sender.address)
+            tables.append(rng.permutation(pages)[: -(-rows // dst_page)])
+        src_table = rng.permutation(src_pages)[: -(-L // src_page)]
+        for r, recv in enumerate(recvs):
+            recv.expect("p", tables[r], L)
+        sender.send("p", src_table, 0, 20)
+        sender.send("p", src_table, 20, L)
+        deadline = time.monotonic() + 10
+        sides = [sender] + recvs
+        while not all(s.poll("p").terminal for s in sides) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert [s.poll("p") for s in sides] == [S.SUCCESS] * 3, [s.failure_reason("p") for s in sides]
+        written = [np.zeros(a.shape[:2], bool) for a in (d[0] for d in dst)]
+        for t in range(L):
+            r, j = (t // inter) % n, (t // (inter * n)) * inter + t % inter
+            page, slot = tables[r][j // dst_page], j % dst_page
+            written[r][page, slot] = True
+            for l in range(2):
+                np.testing.assert_array_equal(dst[r][l][page, slot], src[l][src_table[t // src_page], t % src_page])
+        for r in range(n):  # every other row still holds the sentinel
+            assert all((dst[r][l][~written[r]] == SENTINEL).all() for l in range(2))
+        assert {v["path"] for v in sender.request_stats("p")["ranks"].values()} == {mode}
+    finally:
+        for s in recvs + [sender]:
+            s.close()
