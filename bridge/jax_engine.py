@@ -57,6 +57,8 @@ __all__ = ["JaxTransferEngine", "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MAX_RA
 
 _log = logging.getLogger("bridge")
 _WAIT_SLICE_MS = 50  # a worker waiting for an answer looks at cancel / deadline this often
+#: Most requesting engines served at once (one worker thread each; a "from" name is only a claim).
+MAX_SERVED_PEERS = 256
 
 class JaxTransferEngine(HostMemory, TransferEngine):
     """`TransferEngine` over `jax.experimental.transfer`: host memory, every batch a pull.
@@ -361,6 +363,11 @@ class JaxTransferEngine(HostMemory, TransferEngine):
             self._writing.add(key)
         worker = self._servers.get(peer)
         if worker is None:
+            if len(self._servers) >= MAX_SERVED_PEERS:  # one thread per name: names are claims
+                self.rejected_messages += 1
+                self._router.send_multipart([ident, encode("error", seq=msg["seq"], msg=(
+                    f"refused: engine {self.name!r} already serves {MAX_SERVED_PEERS} peers"))])
+                return
             worker = self._servers[peer] = Worker(f"jax-engine-{self.name}-serve-{peer}")
         try:
             worker.submit(Job(self._serve_one, ident, msg, tag=peer))

@@ -153,6 +153,14 @@ def test_hostile_side_channel_messages_are_refused_before_memory_is_touched():
             assert ans["op"] == "error" and match in ans["msg"], (k, ans)
         assert eng.rejected_messages == len(cases)
         assert (buf == 7).all() and eng.notifications() == {}
+        import bridge.jax_engine as je
+
+        limit, je.MAX_SERVED_PEERS = je.MAX_SERVED_PEERS, len(eng._servers)  # white box: no room left
+        try:
+            ans = _raw_request(session, {**base, "from": "one-more", "op": "notify", "notif": b"x"})
+            assert ans["op"] == "error" and "already serves" in ans["msg"]
+        finally:
+            je.MAX_SERVED_PEERS = limit
         # a legal request still works after all that
         ans = _raw_request(session, {**base, "op": "notify", "notif": b"still-alive"})
         assert ans == {"v": PROTOCOL_VERSION, "op": "written", "seq": 5}
