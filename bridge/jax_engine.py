@@ -110,7 +110,9 @@ class JaxTransferEngine(HostMemory, TransferEngine):
         self._workers: dict[str, Worker] = {}  # initiator side, one per peer
         self._servers: dict[str, Worker] = {}  # serving side, one per requesting peer
         self._retired: list[Worker] = []
-        self._dealers: dict[str, tuple[str, zmq.Socket]] = {}  # peer -> (session, socket)
+        # (peer, worker thread id) -> (session, socket): a removed and re-added peer gets a new
+        # worker while the old one may still finish a batch; each keeps its own socket
+        self._dealers: dict[tuple[str, int], tuple[str, zmq.Socket]] = {}
         self._jobs: dict[int, Job] = {}
         self._offers: dict[int, tuple[str, float]] = {}  # READ offers: uuid -> (peer, staged at)
         self._writing: set[tuple[str, int]] = set()  # (peer, seq) of WRITEs being served
@@ -227,7 +229,8 @@ class JaxTransferEngine(HostMemory, TransferEngine):
 
     def _dealer(self, peer: str, session: str) -> zmq.Socket:
         """This peer's request socket (made in, and used only by, the peer's worker thread)."""
-        old = self._dealers.get(peer)
+        key = (peer, threading.get_ident())
+        old = self._dealers.get(key)
         if old is not None and old[0] == session:
             return old[1]
         if old is not None:  # the peer's info was refreshed with a new session
@@ -236,7 +239,7 @@ class JaxTransferEngine(HostMemory, TransferEngine):
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_MESSAGE_BYTES)
         sock.connect(f"tcp://{session}")
-        self._dealers[peer] = (session, sock)
+        self._dealers[key] = (session, sock)
         return sock
 
     def _answer(self, sock: zmq.Socket, job: Job, handle: TransferHandle, deadline: float, want: str,
