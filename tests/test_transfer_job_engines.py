@@ -94,6 +94,17 @@ def test_jax_transfer_region_path_staged():
     assert run["staging"] == {"prefill": "staged", "decode": "staged"}
 
 
+def test_staged_path_prefill_dcp2_block_interleave():
+    """Two prefill ranks (interleave 16) to three decode ranks, chunked: each prefill rank stages
+    the pages of its own local rows per chunk."""
+    cfg = JobConfig(**dict(SMALL, prompt_tokens=900), engine="nixl", staging="host", prefill_dcp_size=2,
+                    prefill_interleave_size=16, interleave_size=16, chunk_tokens=128, modes=("packed",),
+                    verify=True)
+    run = run_job(cfg)["runs"][0]
+    _check_run(run, cfg)
+    assert run["staging"] == {"prefill": "staged", "decode": "staged"}
+
+
 def test_auto_staging_on_the_cpu_is_direct():
     cfg = JobConfig(**SMALL, engine="nixl", modes=("packed",))
     assert not cfg.staged
