@@ -150,3 +150,11 @@ def test_mosaic_interpret_stages_byte_exact():
 def test_bad_staging_and_pack_backend_name_the_option(kwargs, match):
     with pytest.raises(ValueError, match=match):
         JobConfig(**SMALL, **kwargs)
+
+
+def test_host_memory_estimate_counts_the_staging_copies():
+    from dcp_jax.job.kv import estimate_host_bytes
+
+    direct = estimate_host_bytes(JobConfig(**SMALL, staging="none"))
+    staged = estimate_host_bytes(JobConfig(**SMALL, staging="host"))
+    assert staged > 1.5 * direct

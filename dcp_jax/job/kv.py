@@ -189,16 +189,19 @@ def estimate_host_bytes(cfg: JobConfig) -> int:
 
     Prefill: each rank's KV pool and pack buffer; decode: each rank's pool of
     :func:`decode_pool_pages` pages. On ``device="gpu"`` the buffers live in VRAM and only the
-    prefill's host copy of the KV pattern counts.
+    prefill's host copy of the KV pattern counts. The staged path (``cfg.staged``) adds each
+    side's pinned-host staging copy (and, on the CPU, the "device" KV is host memory too).
     """
     row = cfg.geometry.row_bytes
     m, n, p = cfg.prefill_dcp_size, cfg.dcp_size, cfg.page_size
     share = -(-cfg.prompt_tokens // m) + cfg.prefill_interleave_size  # most tokens one prefill rank holds
     prefill_pool = pool_pages_for(-(-share // p), cfg.pool_slack) * p * row
+    decode_pool = decode_pool_pages(cfg) * p * row
+    staged = cfg.staged
     if cfg.device == "gpu":
-        return m * prefill_pool
+        return m * prefill_pool * (2 if staged else 1) + (n * decode_pool if staged else 0)
     prefill_pack = max(pack_bytes(cfg, k) for k in range(m))
-    return m * (prefill_pool + prefill_pack) + n * decode_pool_pages(cfg) * p * row
+    return m * (prefill_pool * (3 if staged else 1) + prefill_pack) + n * decode_pool * (2 if staged else 1)
 
 
 def check_host_memory(cfg: JobConfig) -> None:
