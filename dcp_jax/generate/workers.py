@@ -73,7 +73,7 @@ def prefill_main(conn, cfg, rank: int, prompt) -> None:
             import cupy as xp
         cache = [xp.zeros((num_pages, cfg.page_size) + s, np.dtype(mcfg.jdtype)) for s in mcfg.entry_shapes]
         spec = KVCacheSpec(len(cache), mcfg.item_lens, cfg.page_size, cfg.prefill_dcp_size, rank,
-                           cfg.prefill_interleave_size)
+                           cfg.prefill_interleave_size, dtype=np.dtype(mcfg.jdtype).name)
         sender = KVSender(spec, cache, engine=cfg.engine, timeout_s=cfg.timeout_s, peer_timeout_s=PEER_TIMEOUT_S)
         conn.send(("address", sender.address))
         pad = -(-len(prompt) // PREFILL_CHUNK) * PREFILL_CHUNK
@@ -154,7 +154,8 @@ def decode_main(conn, cfg, rank: int, coordinator: str, prompt) -> None:
         shapes = [(pages.num_pages, cfg.page_size) + s for s in mcfg.entry_shapes]
         # Free rows hold NaN: the decode attention must never read a row this rank does not own.
         local = [jax.device_put(jnp.full(s, jnp.nan, mcfg.jdtype), dev) for s in shapes]
-        spec = KVCacheSpec(len(local), mcfg.item_lens, cfg.page_size, n, rank, cfg.interleave_size)
+        spec = KVCacheSpec(len(local), mcfg.item_lens, cfg.page_size, n, rank, cfg.interleave_size,
+                           dtype=np.dtype(mcfg.jdtype).name)
         recv = KVReceiver(spec, local, engine=cfg.engine, timeout_s=cfg.timeout_s, peer_timeout_s=PEER_TIMEOUT_S)
         kind, arg = conn.recv()
         for address in arg["addresses"]:
