@@ -22,7 +22,10 @@ def generate(
     model: str = typer.Option("mla", help="mla (DeepSeek MLA: latent 512 + rope 64) or gqa."),
     interleave_size: int = typer.Option(1, help="Decode-side interleave I (1 = token round-robin; the page "
                                                 "size = page round-robin)."),
-    page_size: int = typer.Option(16, help="Tokens per KV page (both sides)."),
+    page_size: int = typer.Option(16, help="Tokens per KV page of the decode ranks (and of the prefill, "
+                                           "unless --prefill-page-size)."),
+    prefill_page_size: Optional[int] = typer.Option(None, help="Tokens per KV page of the prefill ranks "
+                                                               "(default: --page-size)."),
     prefill_dcp_size: int = typer.Option(1, help="Prefill DCP ranks M (each holds its shard of the KV)."),
     prefill_interleave_size: int = typer.Option(1, help="Prefill-side interleave."),
     merge: str = typer.Option("ag_rs", help="Partial-attention merge: ag_rs, ag_ar or a2a."),
@@ -48,7 +51,7 @@ def generate(
     try:
         cfg = GenerateConfig(dcp_size=dcp_size, prompt_tokens=prompt_tokens, new_tokens=new_tokens, engine=engine,
                              dtype=dtype, model=model, interleave_size=interleave_size, page_size=page_size,
-                             prefill_dcp_size=prefill_dcp_size, prefill_interleave_size=prefill_interleave_size,
+                             prefill_page_size=prefill_page_size, prefill_dcp_size=prefill_dcp_size, prefill_interleave_size=prefill_interleave_size,
                              merge=merge, seed=seed, timeout_s=timeout_s, device=device,
                              corrupt_rank=corrupt_rank)
     except ValueError as exc:

@@ -35,6 +35,7 @@ class GenerateConfig:
     model: str = "mla"
     interleave_size: int = 1
     page_size: int = 16
+    prefill_page_size: int | None = None  # None: the decode side's page_size
     prefill_dcp_size: int = 1
     prefill_interleave_size: int = 1
     merge: str = "ag_rs"
@@ -47,6 +48,8 @@ class GenerateConfig:
         for name in ("dcp_size", "new_tokens", "interleave_size", "page_size", "prefill_dcp_size",
                      "prefill_interleave_size"):
             _pos(name, getattr(self, name))
+        if self.prefill_page_size is not None:
+            _pos("prefill_page_size", self.prefill_page_size)
         _pos("prompt_tokens", self.prompt_tokens, 2)
         _pos("seed", self.seed, 0)
         if self.engine not in ENGINES:
@@ -66,6 +69,11 @@ class GenerateConfig:
             raise ValueError(f"--device={self.device!r} must be cpu or gpu")
         if self.corrupt_rank is not None and not 0 <= self.corrupt_rank < self.dcp_size:
             raise ValueError(f"--corrupt-rank={self.corrupt_rank} must lie in [0, {self.dcp_size})")
+
+    @property
+    def prefill_page(self) -> int:
+        """Tokens per page on the prefill side (``prefill_page_size``, else ``page_size``)."""
+        return self.page_size if self.prefill_page_size is None else self.prefill_page_size
 
     @property
     def kv_tokens(self) -> int:

@@ -48,7 +48,7 @@ def _prefill_pages(cfg, rank: int):
     from dcp_jax import layout
 
     rows = int(layout.local_len_np(cfg.kv_tokens, cfg.prefill_dcp_size, rank, cfg.prefill_interleave_size))
-    n = max(1, -(-rows // cfg.page_size))
+    n = max(1, -(-rows // cfg.prefill_page))
     return np.random.default_rng(1000 + rank).permutation(n + 1)[:n].astype(np.int64), n + 1
 
 
@@ -71,8 +71,8 @@ def prefill_main(conn, cfg, rank: int, prompt) -> None:
         xp = np
         if cfg.device == "gpu":
             import cupy as xp
-        cache = [xp.zeros((num_pages, cfg.page_size) + s, np.dtype(mcfg.jdtype)) for s in mcfg.entry_shapes]
-        spec = KVCacheSpec(len(cache), mcfg.item_lens, cfg.page_size, cfg.prefill_dcp_size, rank,
+        cache = [xp.zeros((num_pages, cfg.prefill_page) + s, np.dtype(mcfg.jdtype)) for s in mcfg.entry_shapes]
+        spec = KVCacheSpec(len(cache), mcfg.item_lens, cfg.prefill_page, cfg.prefill_dcp_size, rank,
                            cfg.prefill_interleave_size, dtype=np.dtype(mcfg.jdtype).name)
         sender = KVSender(spec, cache, engine=cfg.engine, timeout_s=cfg.timeout_s, peer_timeout_s=PEER_TIMEOUT_S)
         conn.send(("address", sender.address))
@@ -82,7 +82,7 @@ def prefill_main(conn, cfg, rank: int, prompt) -> None:
         t = np.arange(cfg.kv_tokens)
         mine = t[layout.owner_np(t, cfg.prefill_dcp_size, cfg.prefill_interleave_size) == rank]
         j = layout.local_index_np(mine, cfg.prefill_dcp_size, cfg.prefill_interleave_size)
-        dst_pages, dst_slots, mine = (xp.asarray(a) for a in (table[j // cfg.page_size], j % cfg.page_size, mine))
+        dst_pages, dst_slots, mine = (xp.asarray(a) for a in (table[j // cfg.prefill_page], j % cfg.prefill_page, mine))
         conn.send(("ready", None))
         kind, _ = conn.recv()
         if kind != "go":

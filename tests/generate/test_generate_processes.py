@@ -33,11 +33,13 @@ def test_cli_dcp2_nixl_fp32(tmp_path):
     assert "match" in p.stdout and "transfer" in p.stdout
 
 
-def test_mooncake_bf16_prefill_dcp2_to_decode_dcp4_each_side_its_interleave():
-    # One run for three properties (each such run costs ~45 s on 2 cores): Mooncake, bf16, and
-    # DCP-M -> DCP-N with a token interleave on the prefill side and a page interleave on decode.
+def test_mooncake_bf16_prefill_dcp2_to_decode_dcp4_each_side_its_interleave_and_page_size():
+    # One run for four properties (each such run costs ~45 s on 2 cores): Mooncake, bf16, and
+    # DCP-M -> DCP-N with a token interleave and 64-token pages on the prefill side, a page
+    # interleave and 16-token pages on decode.
     rep = run_generate(GenerateConfig(dcp_size=4, prefill_dcp_size=2, prefill_interleave_size=1,
-                                      interleave_size=16, page_size=16, prompt_tokens=1000, new_tokens=8,
+                                      prefill_page_size=64, interleave_size=16, page_size=16,
+                                      prompt_tokens=1000, new_tokens=8,
                                       engine="mooncake", dtype="bf16"))
     assert rep["passed"] and rep["matching_prefix"] == 8, rep
     assert rep["max_logit_rel_err"] <= 2e-2

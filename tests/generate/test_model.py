@@ -92,6 +92,10 @@ def test_bad_inputs_name_the_option():
         GenerateConfig(dtype="fp8")
     with pytest.raises(ValueError, match="--corrupt-rank"):
         GenerateConfig(dcp_size=2, corrupt_rank=2)
+    with pytest.raises(ValueError, match="--prefill-page-size"):
+        GenerateConfig(prefill_page_size=0)
+    assert GenerateConfig(page_size=16).prefill_page == 16
+    assert GenerateConfig(page_size=16, prefill_page_size=64).prefill_page == 64
     with pytest.raises(ValueError, match="kind"):
         ModelConfig(kind="moe")
     with pytest.raises(ValueError, match="num_kv_heads"):
