@@ -65,7 +65,10 @@ def _job_config(mode: str, path: Optional[str] = None, **kwargs):
 def transfer(
     model: str = typer.Option(DEFAULT_GEOMETRY, help=f"Model KV geometry: {', '.join(geometry_names())}."),
     prompt_tokens: int = typer.Option(32768, help="Request length in tokens (prefix included)."),
-    page_size: int = typer.Option(64, help="Tokens per KV page (both sides)."),
+    page_size: int = typer.Option(64, help="Tokens per KV page (decode side; both sides unless "
+                                           "--prefill-page-size)."),
+    prefill_page_size: Optional[int] = typer.Option(None, help="Tokens per KV page on the prefill side "
+                                                               "(default: --page-size)."),
     dcp_size: int = typer.Option(8, help="Decode DCP ranks N (one process each)."),
     prefill_dcp_size: int = typer.Option(1, help="Prefill DCP ranks M (one process each; each holds its shard)."),
     interleave_size: int = typer.Option(1, help="Decode-side interleave I in tokens (1 = token round-robin, "
@@ -138,6 +141,7 @@ def transfer(
         prefix_tokens=prefix_tokens, engine=engine, max_batch_indices=max_batch_indices,
         pack_tokens=pack_tokens, verify=verify, seed=seed, timeout_s=timeout_s, corrupt_rank=corrupt_rank,
         device=device, staging=staging, pack_backend=pack_backend, direction=direction,
+        prefill_page_size=prefill_page_size,
     )
     try:
         check_device(cfg.device)
@@ -149,7 +153,8 @@ def transfer(
     geo = cfg.geometry
     console.print(
         f"[bold]dcp-jax transfer[/]: {geo.name} ({geo.num_layers} layers, {geo.row_bytes:,} B/token), "
-        f"{cfg.prompt_tokens:,} tokens (prefix {cfg.prefix_tokens:,}), page {cfg.page_size}, "
+        f"{cfg.prompt_tokens:,} tokens (prefix {cfg.prefix_tokens:,}), page {cfg.page_size}"
+        f"{f' (prefill {cfg.src_page_size})' if cfg.src_page_size != cfg.page_size else ''}, "
         f"prefill DCP{cfg.prefill_dcp_size} -> decode DCP{cfg.dcp_size}, I={cfg.interleave_size}, "
         f"{len(cfg.chunks())} chunk(s), engine {cfg.engine_kind}, device {cfg.device}; {geo.request_bytes(cfg.send_tokens) / 1e9:.2f} GB to move"
     )

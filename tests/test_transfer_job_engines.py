@@ -158,3 +158,24 @@ def test_host_memory_estimate_counts_the_staging_copies():
     direct = estimate_host_bytes(JobConfig(**SMALL, staging="none"))
     staged = estimate_host_bytes(JobConfig(**SMALL, staging="host"))
     assert staged > 1.5 * direct
+
+
+@pytest.mark.parametrize("engine, prefill_page, page, extra", [
+    ("nixl", 4, 16, dict(chunk_tokens=96, verify=True)),
+    ("mooncake", 64, 16, dict(chunk_tokens=128, prefix_tokens=96)),
+    ("nixl", 32, 8, dict(staging="host", interleave_size=8)),
+])
+def test_prefill_and_decode_page_sizes_differ(engine, prefill_page, page, extra):
+    """--prefill-page-size: the prefill side's pages are smaller or larger than the decode side's;
+    every decode rank still holds its rows byte for byte (issue 15)."""
+    cfg = JobConfig(**dict(SMALL, page_size=page), engine=engine, prefill_page_size=prefill_page, **extra)
+    assert cfg.src_page_size == prefill_page
+    for run in run_job(cfg)["runs"]:
+        _check_run(run, cfg)
+
+
+def test_bad_prefill_page_size_names_the_option():
+    with pytest.raises(ValueError, match=r"prefill_page_size=0 \(--prefill-page-size\)"):
+        JobConfig(**SMALL, prefill_page_size=0)
+    with pytest.raises(ValueError, match="must be a multiple of prefill_page_size=64"):
+        JobConfig(**SMALL, prefill_page_size=64, chunk_tokens=96)

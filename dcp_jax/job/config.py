@@ -114,6 +114,8 @@ class JobConfig:
         staging: ``"auto"`` (each side stages through pinned host memory where its engine cannot
             register its KV: ``jax-transfer`` on the GPU), ``"none"`` (never) or ``"host"``
             (always): the KV stays in device memory, unregistered (:mod:`dcp_jax.job.staging`).
+        prefill_page_size: tokens per page on the prefill side (``--prefill-page-size``; None: the
+            decode ``page_size``). The connector moves rows between different page sizes.
         direction: ``"push"`` (the sender WRITEs) or ``"pull"`` (each decode rank READs its rows
             from the sender's pack region or KV and answers on the control plane: how tpu-inference
             and sglang-jax use jax.experimental.transfer).
@@ -148,6 +150,7 @@ class JobConfig:
     staging: str = "auto"
     pack_backend: str = "auto"
     direction: str = "push"
+    prefill_page_size: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "modes", tuple(self.modes))
@@ -171,11 +174,16 @@ class JobConfig:
             raise ValueError(
                 f"prefix_tokens={self.prefix_tokens} must be a multiple of {align} "
                 f"(lcm(page_size*dcp_size, interleave_size*dcp_size))")
+        if self.prefill_page_size is not None and (not _is_int(self.prefill_page_size) or self.prefill_page_size < 1):
+            raise ValueError(f"prefill_page_size={self.prefill_page_size!r} (--prefill-page-size) must be an int >= 1")
         if self.chunk_tokens is not None:
             if not _is_int(self.chunk_tokens) or self.chunk_tokens < 1:
                 raise ValueError(f"chunk_tokens={self.chunk_tokens!r} must be an int >= 1 (or None)")
             if self.chunk_tokens % p:
                 raise ValueError(f"chunk_tokens={self.chunk_tokens} must be a multiple of page_size={p}")
+            if self.chunk_tokens % self.src_page_size:
+                raise ValueError(f"chunk_tokens={self.chunk_tokens} must be a multiple of "
+                                 f"prefill_page_size={self.src_page_size}")
         if not self.modes or any(md not in PATHS for md in self.modes) or len(set(self.modes)) != len(self.modes):
             raise ValueError(f"modes={self.modes!r} (--path) must be distinct names of {PATHS}")
         if self.engine not in ENGINES:
@@ -227,6 +235,11 @@ class JobConfig:
     def engine_kind(self) -> str:
         """The engine kind the processes create: ``engine``, except that ``"auto"`` on the GPU is NIXL."""
         return "nixl" if self.device == "gpu" and self.engine == "auto" else self.engine
+
+    @property
+    def src_page_size(self) -> int:
+        """Tokens per page on the prefill side (``prefill_page_size``, else ``page_size``)."""
+        return self.page_size if self.prefill_page_size is None else self.prefill_page_size
 
     @property
     def staged(self) -> bool:

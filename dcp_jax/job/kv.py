@@ -80,7 +80,7 @@ def prefill_page_table(cfg: JobConfig, prefill_rank: int) -> tuple[np.ndarray, n
     m, ip = cfg.prefill_dcp_size, cfg.prefill_interleave_size
     tokens, local = owned_tokens(cfg.prefix_tokens, cfg.prompt_tokens, m, prefill_rank, ip)
     prefix = _rows(cfg.prefix_tokens, m, prefill_rank, ip)
-    table, pool = _table(prefix, len(tokens), cfg.page_size, cfg.pool_slack, cfg.seed, PREFILL_SIDE, prefill_rank)
+    table, pool = _table(prefix, len(tokens), cfg.src_page_size, cfg.pool_slack, cfg.seed, PREFILL_SIDE, prefill_rank)
     return tokens, local, table, pool
 
 
@@ -193,9 +193,9 @@ def estimate_host_bytes(cfg: JobConfig) -> int:
     side's pinned-host staging copy (and, on the CPU, the "device" KV is host memory too).
     """
     row = cfg.geometry.row_bytes
-    m, n, p = cfg.prefill_dcp_size, cfg.dcp_size, cfg.page_size
+    m, n, p, ps = cfg.prefill_dcp_size, cfg.dcp_size, cfg.page_size, cfg.src_page_size
     share = -(-cfg.prompt_tokens // m) + cfg.prefill_interleave_size  # most tokens one prefill rank holds
-    prefill_pool = pool_pages_for(-(-share // p), cfg.pool_slack) * p * row
+    prefill_pool = pool_pages_for(-(-share // ps), cfg.pool_slack) * ps * row
     decode_pool = decode_pool_pages(cfg) * p * row
     staged = cfg.staged
     if cfg.device == "gpu":

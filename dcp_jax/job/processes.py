@@ -207,7 +207,7 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection) -> None:
     try:
         cfg = _child_start(cfg_dict)
         t0 = time.perf_counter()
-        geo, p = cfg.geometry, cfg.page_size
+        geo, p = cfg.geometry, cfg.src_page_size  # the prefill side's own page size
         tokens, local, table, pool = kv.prefill_page_table(cfg, rank)
         host = kv.alloc_buffer(kv.kv_bytes(pool, p, geo.kv_item_lens), "cpu")[0]
         rows = page_rows(table, local, p)

@@ -119,7 +119,7 @@ class PrefillStager:
 
     def __init__(self, cfg: JobConfig, layers: list[np.ndarray], table: np.ndarray, local: np.ndarray,
                  tokens: np.ndarray):
-        self.cfg, self.page_size = cfg, cfg.page_size
+        self.cfg, self.page_size = cfg, cfg.src_page_size
         self.kind = _device_kind(cfg)
         self.table = np.asarray(table, np.int64)
         self.local, self.tokens = np.asarray(local, np.int64), np.asarray(tokens, np.int64)

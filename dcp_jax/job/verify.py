@@ -36,7 +36,7 @@ def send_checksums(cfg: JobConfig, rank: int, n: int, table: np.ndarray, layers)
     group of ``n`` decode ranks."""
     toks, local = kv.owned_tokens(cfg.prefix_tokens, cfg.prompt_tokens, cfg.prefill_dcp_size, rank,
                                   cfg.prefill_interleave_size)
-    rows = page_rows(table, local, cfg.page_size)
+    rows = page_rows(table, local, cfg.src_page_size)
     owner = (toks // cfg.interleave_size) % n
     flat = [v.reshape(v.shape[0] * v.shape[1], -1) for v in layers]
     out: dict[int, list[list[int]]] = {}
