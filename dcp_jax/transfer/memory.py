@@ -96,7 +96,8 @@ class CacheLayers:
             memory (one per layer when they do not overlap; entries that view one buffer share one).
 
     Raises:
-        TypeError: not a sequence, mixed kinds, unknown array type.
+        TypeError: not a sequence, mixed kinds, unknown array type, a floating layer whose dtype
+            is not ``spec.dtype`` (integer layers are byte containers of any dtype).
         ValueError: wrong number of layers, wrong page size or bytes per token, not contiguous
             (the message names ``kv_layers[l]``).
     """
@@ -132,6 +133,7 @@ class CacheLayers:
                 raise ValueError(f"kv_layers[{l}] is read-only; a receiver's layers are written into")
             if np.dtype(a.dtype).hasobject:
                 raise TypeError(f"kv_layers[{l}] has dtype {a.dtype}; KV layers hold plain numbers")
+            _check_dtype(a, l, spec.dtype)
             if self.kind == "cupy":
                 self.device_id = int(a.device.id)
             elif self.kind == "jax-gpu":
@@ -165,6 +167,21 @@ class CacheLayers:
     def __repr__(self) -> str:
         return (f"CacheLayers(kind={self.kind!r}, layers={len(self.bases)}, "
                 f"bytes={self.nbytes:,}, mem_type={self.mem_type!r})")
+
+
+def _check_dtype(a: Any, l: int, want: str) -> None:
+    """A layer typed as numbers must be typed as the spec says: a bfloat16 array under a spec of
+    ``dtype="float8_e4m3fn"`` would be sent and read as something it is not. Integer arrays are
+    byte containers (uint8 rows, the uint16 view CuPy gives of bfloat16) and pass whatever the
+    spec's dtype: their bytes are what the spec names.
+
+    Raises:
+        TypeError: a floating (or other non-integer) layer whose dtype name is not ``want``.
+    """
+    dt = np.dtype(a.dtype)
+    if dt.kind not in "ui" and dt.name != want:
+        raise TypeError(f"kv_layers[{l}] has dtype {dt.name}, spec.dtype={want!r}: declare the dtype the "
+                        "cache holds (KVCacheSpec(dtype=...)) or give the layers as raw integer views")
 
 
 def _union(regions: list[MemoryRegion]) -> tuple[MemoryRegion, ...]:

@@ -1,7 +1,7 @@
 """Issue 15 at the connector: what two sides may differ in (page sizes), and what is refused (dtype).
 
-Rows move as bytes, so both sides must agree on what the bytes are: the dtype is checked between
-the sides at the handshake, with both names.
+Rows move as bytes, so both sides must agree on what the bytes are: the dtype is checked against
+the caller's arrays at construction and between the sides at the handshake, with both names.
 """
 import time
 
@@ -12,7 +12,30 @@ from conftest import SENTINEL, Cluster, TransferStatus
 
 S = TransferStatus
 from dcp_jax.transfer import KVCacheSpec, KVReceiver, KVSender
+from dcp_jax.transfer.memory import CacheLayers
 from dcp_jax.transfer.spec import HandshakeError, check_compatible
+
+
+def test_layer_dtype_must_be_the_spec_dtype():
+    spec = KVCacheSpec(1, [32], 4, dtype="float8_e4m3fn")
+    with pytest.raises(TypeError, match=r"kv_layers\[0\] has dtype float16, spec.dtype='float8_e4m3fn'"):
+        CacheLayers(spec, [np.zeros((2, 4, 16), np.float16)])
+    with pytest.raises(TypeError, match="dtype float32"):
+        CacheLayers(KVCacheSpec(1, [32], 4), [np.zeros((2, 4, 8), np.float32)])  # default bfloat16
+    # Declared right, or given as raw integer views of the bytes: accepted.
+    assert CacheLayers(KVCacheSpec(1, [32], 4, dtype="float16"), [np.zeros((2, 4, 16), np.float16)]).kind == "numpy"
+    for raw in (np.uint8, np.uint16, np.int8):
+        n = 32 // np.dtype(raw).itemsize
+        CacheLayers(spec, [np.zeros((2, 4, n), raw)])
+
+
+def test_jax_bfloat16_layers_match_a_bfloat16_spec():
+    import jax.numpy as jnp
+
+    layers = [jnp.zeros((2, 4, 16), jnp.bfloat16)]
+    assert CacheLayers(KVCacheSpec(1, [32], 4), layers).kind == "jax-cpu"
+    with pytest.raises(TypeError, match="dtype bfloat16, spec.dtype='float16'"):
+        CacheLayers(KVCacheSpec(1, [32], 4, dtype="float16"), layers)
 
 
 def test_dtype_mismatch_names_both_dtypes():
@@ -34,6 +57,12 @@ def test_dtype_mismatch_is_refused_at_the_handshake(engine):
             assert (e.value.field, e.value.ours, e.value.theirs) == ("dtype", "float8_e4m3fn", "bfloat16")
     finally:
         c.close()
+
+
+
+def test_sender_refuses_layers_of_another_dtype(engine):
+    with pytest.raises(TypeError, match="spec.dtype"):
+        KVSender(KVCacheSpec(1, [32], 4), [np.zeros((4, 4, 8), np.float32)], engine=engine)
 
 
 @pytest.mark.parametrize("src_page, dst_page, mode, direction", [
