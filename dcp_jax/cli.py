@@ -269,14 +269,36 @@ def plan(
     plot: Optional[Path] = typer.Option(None, help="Also draw descriptors per rank vs prompt length "
                                                    "(1k-256k tokens, log scale) to this image."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the per-rank rows as JSON to this path."),
+    prefill_page_size: Optional[int] = typer.Option(None, help="Heterogeneous pair: prefill page size "
+                                                               "(default --page-size)."),
+    prefill_tp_size: int = typer.Option(1, help="Heterogeneous pair: prefill TP ranks."),
+    tp_size: int = typer.Option(1, help="Heterogeneous pair: decode TP ranks."),
+    prefill_layout: Optional[str] = typer.Option(None, help="Heterogeneous pair: prefill cache layout "
+                                                            "(sglang_mla, tpu_mla, nhd, hnd, tpu_gqa)."),
+    decode_layout: Optional[str] = typer.Option(None, help="Heterogeneous pair: decode cache layout."),
 ) -> None:
     """Cost report from the real plans: descriptors, engine calls and bytes per destination rank.
+
+    With any heterogeneous option (--prefill-page-size, --prefill-tp-size, --tp-size,
+    --prefill-layout, --decode-layout) or a model only the heterogeneous plan knows
+    (llama-3.1-8b), it prints the heterogeneous plan's descriptors per decode (DCP, TP) rank with
+    per-layer caches beside the cross-layer page layout's.
 
     Same options, validation, page tables (the job's seeded allocators) and pack regions as
     ``transfer``, so for one configuration and --seed it prints the counts ``transfer`` reports.
     """
     from dcp_jax.cost import plan_command
 
+    hetero = (prefill_page_size is not None or prefill_tp_size != 1 or tp_size != 1 or prefill_layout
+              or decode_layout or model not in geometry_names())
+    if hetero:
+        _hetero_plan(model, prompt_tokens, dict(page_size=prefill_page_size or page_size, dcp_size=prefill_dcp_size,
+                                                interleave_size=prefill_interleave_size, tp_size=prefill_tp_size,
+                                                layout=prefill_layout),
+                     dict(page_size=page_size, dcp_size=dcp_size, interleave_size=interleave_size, tp_size=tp_size,
+                          layout=decode_layout), seed, json_path)
+        if model not in geometry_names():
+            return
     _job_config(
         mode, model=model, prompt_tokens=prompt_tokens, page_size=page_size, dcp_size=dcp_size,
         prefill_dcp_size=prefill_dcp_size, interleave_size=interleave_size,
@@ -297,6 +319,33 @@ def plan(
         _fail(str(exc))
     if json_path is not None:
         json_path.write_text(json.dumps(rows, indent=2, default=_json_default))
+
+
+def _hetero_plan(model: str, prompt_tokens: int, prefill: dict, decode: dict, seed: int,
+                 json_path: Optional[Path]) -> None:
+    """The heterogeneous pair's table (`dcp_jax.hetero.cost.hetero_counts`)."""
+    from dcp_jax.hetero.cost import hetero_counts
+
+    _check_out_path(json_path, "--json")
+    try:
+        rows = hetero_counts(model, prompt_tokens, prefill, decode, seed=seed)
+    except (ValueError, TypeError) as exc:
+        _fail(str(exc))
+    t = Table(title=f"heterogeneous plan: {model}, {prompt_tokens:,} tokens; prefill page {prefill['page_size']} "
+                    f"DCP{prefill['dcp_size']} TP{prefill['tp_size']} {prefill['layout'] or 'default layout'} -> "
+                    f"decode page {decode['page_size']} DCP{decode['dcp_size']} TP{decode['tp_size']} "
+                    f"{decode['layout'] or 'default layout'}", show_footer=True)
+    cols = [("dcp rank", "all"), ("tp rank", ""), ("rows (tokens x heads)", f"{sum(r['rows'] for r in rows):,}"),
+            ("descriptors (per-layer caches)", f"{sum(r['descriptors'] for r in rows):,}"),
+            ("descriptors (cross-layer pages)", f"{sum(r['cross_layer'] for r in rows):,}")]
+    for name, footer in cols:
+        t.add_column(name, footer=footer, justify="right")
+    for r in rows:
+        t.add_row(str(r["dcp_rank"]), str(r["tp_rank"]), f"{r['rows']:,}", f"{r['descriptors']:,}",
+                  f"{r['cross_layer']:,}")
+    Console().print(t)
+    if json_path is not None and model not in geometry_names():
+        json_path.write_text(json.dumps(rows, indent=2))
 
 
 # ---- dcp-jax load (dcp_jax/loadgen) --------------------------------------------------------------

@@ -1,6 +1,9 @@
-"""Heterogeneous prefill/decode (issue 15, first step): any page size, DCP size and interleave,
-TP size and KV cache layout on each side, converted byte-exactly. Host-side numpy model; not yet
-wired into the connector (`dcp_jax.transfer`) or the job.
+"""Heterogeneous prefill/decode (issue 15): any page size, DCP size and interleave, TP size and KV
+cache layout on each side, converted byte-exactly. The plan and a numpy mover; the plan over real
+engines (`dcp_jax.hetero.engine_path`: direct cache-to-cache descriptors, NIXL / Mooncake); the
+cost report (`dcp_jax.hetero.cost`, ``dcp-jax plan --decode-layout ...``). The connector moves
+rows between different page sizes (the job's ``--prefill-page-size``); TP and layout pairs are
+not wired into it yet.
 
 Guide:
 
@@ -16,6 +19,10 @@ Guide:
   `place_from_wire`, `run_descriptors`.
 - :mod:`dcp_jax.hetero.mover`: `execute_plan`, the numpy mover that runs a plan over caches
   (the reference for the device path).
+- :mod:`dcp_jax.hetero.engine_path`: `stream_descriptors` (direct descriptors, any layout pair)
+  and `execute_over_engines` (one notified WRITE batch per stream through `bridge`).
+- :mod:`dcp_jax.hetero.cost`: `hetero_counts`, descriptors per decode rank, per-layer and
+  cross-layer, for the models of `HETERO_MODELS` (llama-3.1-8b among them).
 
 Example::
 

@@ -1,0 +1,41 @@
+"""`dcp-jax plan` for heterogeneous pairs: per-rank descriptors, per-layer and cross-layer."""
+import pytest
+from typer.testing import CliRunner
+
+from dcp_jax.cli import app
+from dcp_jax.hetero.cost import hetero_counts
+
+runner = CliRunner()
+
+
+def _side(page, dcp=1, inter=1, tp=1, layout=None):
+    return dict(page_size=page, dcp_size=dcp, interleave_size=inter, tp_size=tp, layout=layout)
+
+
+def test_mla_block_round_robin_counts_by_hand():
+    """DeepSeek-V3 (61 layers), 1,024 tokens, prefill page 128 -> decode page 32, DCP4, I=32: each
+    decode rank gets 8 whole pages; per-layer caches cost 1 descriptor per page run per layer
+    (runs split at the prefill's 128-token pages too), cross-layer pages 1 per page."""
+    rows = hetero_counts("deepseek-v3", 1024, _side(128), _side(32, 4, 32))
+    assert [r["rows"] for r in rows] == [256] * 4
+    assert all(r["cross_layer"] == 8 for r in rows)
+    assert all(r["descriptors"] == 8 * 61 for r in rows)
+
+
+def test_gqa_tp_split_every_decode_rank_gets_its_heads():
+    rows = hetero_counts("llama-3.1-8b", 256, _side(16, tp=2), _side(64, 2, tp=4, layout="hnd"))
+    assert len(rows) == 8 and all(r["rows"] == 128 * 2 for r in rows)  # 128 tokens x 2 of 8 heads
+    assert all(r["cross_layer"] <= r["descriptors"] for r in rows)
+
+
+def test_cli_prints_both_columns_and_refuses_bad_input():
+    res = runner.invoke(app, ["plan", "--model", "llama-3.1-8b", "--prompt-tokens", "512", "--prefill-page-size",
+                              "16", "--page-size", "64", "--prefill-tp-size", "2", "--tp-size", "4", "--dcp-size",
+                              "2", "--decode-layout", "hnd"])
+    assert res.exit_code == 0, res.output
+    assert "cross-layer" in res.output and "per-layer" in res.output
+    for args, text in [(["--model", "gpt-9"], "model='gpt-9'"), (["--decode-layout", "csr"], "csr"),
+                       (["--model", "llama-3.1-8b", "--tp-size", "3"], "num_kv_heads=8 and tp_size=3")]:
+        res = runner.invoke(app, ["plan", "--prompt-tokens", "256", *args])
+        assert res.exit_code == 2, res.output
+        assert text in " ".join(res.output.replace("│", " ").split()), res.output
