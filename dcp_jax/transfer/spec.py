@@ -59,6 +59,9 @@ class KVCacheSpec:
         layout: cache layout name (``"mla"``: one latent row per token; ``"nhd"``/``"hnd"``
             for per-head caches).
         tp_size, tp_rank: tensor-parallel size and rank (recorded; both sides must agree).
+        num_kv_heads: KV heads of the model (MLA: 1, the latent), >= 1; head_dim: elements per
+            head, >= 1, or None (the whole row: MLA's latent). Recorded for the heterogeneous
+            plan (`dcp_jax.hetero.plan.HeteroSide` takes the same names); both sides must agree.
 
     Raises:
         TypeError: a field has the wrong type (the message names it).
@@ -75,6 +78,8 @@ class KVCacheSpec:
     layout: str = "mla"
     tp_size: int = 1
     tp_rank: int = 0
+    num_kv_heads: int = 1
+    head_dim: int | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass
@@ -105,6 +110,9 @@ class KVCacheSpec:
         set_("tp_rank", check_int("tp_rank", self.tp_rank, minimum=0))
         if self.tp_rank >= self.tp_size:
             raise ValueError(f"tp_rank={self.tp_rank} must be < tp_size={self.tp_size}")
+        set_("num_kv_heads", check_int("num_kv_heads", self.num_kv_heads, minimum=1))
+        if self.head_dim is not None:
+            set_("head_dim", check_int("head_dim", self.head_dim, minimum=1))
         for name in ("dtype", "layout"):
             v = getattr(self, name)
             if not isinstance(v, str) or not v or len(v) > 64:
@@ -141,7 +149,7 @@ def check_compatible(prefill: KVCacheSpec, decode: KVCacheSpec, *, side: str = "
     """Refuses a (prefill, decode) pair the transfer cannot serve.
 
     The rows move as bytes: both sides must hold the same layer entries of the same sizes,
-    dtype, layout and TP size. Any page sizes, DCP sizes and interleaves on either side are
+    dtype, layout, TP size and heads. Any page sizes, DCP sizes and interleaves on either side are
     served (``dcp_jax.transfer.schedule`` maps every token between them).
 
     Args:
@@ -155,7 +163,7 @@ def check_compatible(prefill: KVCacheSpec, decode: KVCacheSpec, *, side: str = "
     ours, theirs = (prefill, decode) if side == "prefill" else (decode, prefill)
     # page_size may differ: the schedule maps every token through each side's own page table
     # and page size (runs split at the smaller page boundary), every path byte-exact.
-    for field in ("num_layers", "item_lens", "dtype", "layout", "tp_size"):
+    for field in ("num_layers", "item_lens", "dtype", "layout", "tp_size", "num_kv_heads", "head_dim"):
         a, b = getattr(ours, field), getattr(theirs, field)
         if a != b:
             raise HandshakeError(field, a, b, _WHY.get(field, ""))
@@ -166,4 +174,7 @@ _WHY = {
              "converts them (cast one side's cache, or declare the dtype its bytes really are)",
     "item_lens": "a token's bytes differ per layer entry: the rows would not line up",
     "layout": "the caches are laid out differently; the connector's rows need one layout on both sides",
+    "tp_size": "a TP split on one side only needs the heterogeneous plan (dcp_jax.hetero); the connector's rows are whole",
+    "num_kv_heads": "the two sides describe different models",
+    "head_dim": "the two sides describe different models",
 }

@@ -108,3 +108,21 @@ def test_page_sizes_may_differ_between_the_sides(engine, src_page, dst_page, mod
     finally:
         for s in recvs + [sender]:
             s.close()
+
+
+def test_heads_are_recorded_checked_and_must_agree(engine):
+    s = KVCacheSpec(2, (4096, 4096), 16, num_kv_heads=8, head_dim=128, layout="nhd", tp_size=2, tp_rank=1)
+    assert KVCacheSpec.from_dict(s.to_dict()) == s
+    assert KVCacheSpec(1, [1152], 64).head_dim is None  # MLA: the latent row is the head
+    for bad, err in ((dict(num_kv_heads=0), ValueError), (dict(head_dim=0), ValueError), (dict(head_dim=2.0), TypeError)):
+        with pytest.raises(err, match=next(iter(bad))):
+            KVCacheSpec(1, [16], 4, **bad)
+    c = Cluster(engine, dcp_size=1, connect=False)
+    try:
+        spec = KVCacheSpec(2, (48, 16), 4, num_kv_heads=2)
+        with KVReceiver(spec, [np.zeros((4, 4, il), np.uint8) for il in (48, 16)], engine=engine) as recv:
+            with pytest.raises(HandshakeError, match="different models") as e:
+                recv.connect(c.sender.address)
+            assert (e.value.field, e.value.ours, e.value.theirs) == ("num_kv_heads", 2, 1)
+    finally:
+        c.close()
