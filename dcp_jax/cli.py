@@ -122,6 +122,11 @@ def transfer(
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
     corrupt_rank: Optional[int] = typer.Option(None, hidden=True, help="Test hook: this rank damages one "
                                                                        "received byte."),
+    prefill_tp_size: int = typer.Option(1, help="Heterogeneous run: prefill TP ranks (GQA heads split)."),
+    tp_size: int = typer.Option(1, help="Heterogeneous run: decode TP ranks."),
+    prefill_layout: Optional[str] = typer.Option(None, help="Heterogeneous run: prefill cache layout "
+                                                            "(sglang_mla, tpu_mla, nhd, hnd, tpu_gqa)."),
+    decode_layout: Optional[str] = typer.Option(None, help="Heterogeneous run: decode cache layout."),
 ) -> None:
     """Ship one request's KV from prefill to decode-rank processes through a real engine; verify every byte.
 
@@ -130,6 +135,13 @@ def transfer(
     """
     from dcp_jax.job import DEVICES, check_device, check_host_memory, run_job
 
+    if prefill_tp_size != 1 or tp_size != 1 or prefill_layout or decode_layout or model not in geometry_names():
+        # TP / layout pairs: the heterogeneous plan over the engine (the connector takes neither yet)
+        return _hetero_transfer(model, prompt_tokens, dict(
+            page_size=prefill_page_size or page_size, dcp_size=prefill_dcp_size,
+            interleave_size=prefill_interleave_size, tp_size=prefill_tp_size, layout=prefill_layout), dict(
+            page_size=page_size, dcp_size=dcp_size, interleave_size=interleave_size, tp_size=tp_size,
+            layout=decode_layout), engine, seed, timeout_s, json_path)
     if mode not in _MODES:
         _fail(f"--mode={mode!r} must be one of {', '.join(_MODES)}")
     if device not in DEVICES:
@@ -193,6 +205,36 @@ def transfer(
         console.print("[red bold]NOT VERIFIED[/]: some rank did not receive its bytes exactly")
         raise typer.Exit(1)
     console.print("[green bold]verified[/]: every rank byte-exact in every mode")
+
+
+def _hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeout_s, json_path) -> None:
+    """``transfer`` for a TP / layout pair (`dcp_jax.hetero.job.run_hetero_job`): table, JSON, exit 1 if wrong."""
+    from dcp_jax.hetero.job import run_hetero_job
+
+    if engine not in ("nixl", "mooncake", "jax-transfer"):
+        _fail(f"--engine={engine!r} must be nixl, mooncake or jax-transfer for a heterogeneous run")
+    _check_out_path(json_path, "--json")
+    try:
+        res = run_hetero_job(model, prompt_tokens, prefill, decode, engine=engine, seed=seed, timeout_s=timeout_s)
+    except (ValueError, TypeError) as exc:
+        _fail(str(exc))
+    console = Console()
+    t = Table(title=f"heterogeneous {model}: prefill {res['prefill']} -> decode {res['decode']}, engine {engine}",
+              show_footer=True)
+    for name, footer in (("dcp rank", "all"), ("tp rank", ""), ("descriptors", f"{res['descriptors']:,}"),
+                         ("verified", "yes" if res["verified"] else "NO")):
+        t.add_column(name, footer=footer, justify="right")
+    for r in res["ranks"]:
+        t.add_row(str(r["dcp_rank"]), str(r["tp_rank"]), f"{r['descriptors']:,}", "yes" if r["verified"] else "NO")
+    t.caption = (f"{res['streams']} streams, {res['bytes']:,} bytes, {res['seconds']:.3f} s with engine start and "
+                 f"registration (one process, loopback)")
+    console.print(t)
+    if json_path is not None:
+        json_path.write_text(json.dumps(res, indent=2, default=_json_default))
+    if not res["verified"]:
+        console.print("[red bold]NOT VERIFIED[/]")
+        raise typer.Exit(1)
+    console.print("[green bold]verified[/]: every decode (DCP, TP) rank byte-exact")
 
 
 def _json_default(o):

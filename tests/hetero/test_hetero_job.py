@@ -1,0 +1,55 @@
+"""``dcp-jax transfer`` with TP / layout pairs: the heterogeneous plan over real engines, verified."""
+import os
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_LOG_LEVEL", "fatal")
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+import pytest  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+import dcp_jax.hetero.job as hjob  # noqa: E402
+from bridge import available_engines  # noqa: E402
+from dcp_jax.cli import app  # noqa: E402
+
+
+def _side(page, dcp=1, inter=1, tp=1, layout=None):
+    return dict(page_size=page, dcp_size=dcp, interleave_size=inter, tp_size=tp, layout=layout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", list(available_engines()))
+@pytest.mark.parametrize("tokens, prefill, decode", [
+    (300, _side(16, tp=2), _side(64, 2, tp=4, layout="hnd")),   # the issue's first example
+    (96, _side(128), _side(32, tp=2, layout="tpu_gqa")),        # the second, TPU decode layout: 1 descriptor
+])                                                               # per (token, head, K/V, layer)
+def test_issue_examples_verify(engine, tokens, prefill, decode):
+    res = hjob.run_hetero_job("llama-3.1-8b", tokens, prefill, decode, engine=engine)
+    assert res["verified"] and res["bytes"] == tokens * 8 * 128 * 2 * 2 * 32
+    assert len(res["ranks"]) == decode["dcp_size"] * decode["tp_size"]
+    assert all(r["descriptors"] > 0 for r in res["ranks"])
+
+
+def test_a_missing_stream_is_caught(monkeypatch):
+    real = hjob.execute_over_engines
+
+    def drop_one(plan, src, dst, layers, **kw):
+        out = real(plan, src, dst, layers, **kw)
+        dst[(0, 1)][0][...] = hjob.SENTINEL  # as if rank (0, 1)'s first layer never arrived
+        return out
+
+    monkeypatch.setattr(hjob, "execute_over_engines", drop_one)
+    res = hjob.run_hetero_job("llama-3.1-8b", 64, _side(16), _side(16, tp=2), engine="nixl")
+    assert not res["verified"] and [r["verified"] for r in res["ranks"]] == [True, False]
+
+
+def test_cli_runs_and_names_bad_input():
+    runner = CliRunner()
+    res = runner.invoke(app, ["transfer", "--model", "llama-3.1-8b", "--prompt-tokens", "128", "--prefill-page-size",
+                              "16", "--page-size", "64", "--prefill-tp-size", "2", "--tp-size", "4", "--dcp-size", "2",
+                              "--decode-layout", "hnd", "--no-progress"])
+    assert res.exit_code == 0 and "verified" in res.output, res.output
+    res = runner.invoke(app, ["transfer", "--model", "llama-3.1-8b", "--tp-size", "3", "--no-progress"])
+    assert res.exit_code == 2 and "tp_size=3" in " ".join(res.output.replace("│", " ").split()), res.output
+    res = runner.invoke(app, ["transfer", "--model", "llama-3.1-8b", "--engine", "auto", "--no-progress"])
+    assert res.exit_code == 2 and "--engine='auto'" in " ".join(res.output.replace("│", " ").split()), res.output
