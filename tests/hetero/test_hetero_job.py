@@ -20,7 +20,7 @@ def _side(page, dcp=1, inter=1, tp=1, layout=None):
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", list(available_engines()))
 @pytest.mark.parametrize("tokens, prefill, decode", [
-    (300, _side(16, tp=2), _side(64, 2, tp=4, layout="hnd")),   # the issue's first example
+    (160, _side(16, tp=2), _side(64, 2, tp=4, layout="hnd")),   # the issue's first example
     (96, _side(128), _side(32, tp=2, layout="tpu_gqa")),        # the second, TPU decode layout: 1 descriptor
 ])                                                               # per (token, head, K/V, layer)
 def test_issue_examples_verify(engine, tokens, prefill, decode):
