@@ -79,6 +79,25 @@ class HeteroSide:
         tp_head_range(self.num_kv_heads, self.tp_size, 0, self.kind)
         self.geometry(0, 1)  # the layout's own limits (tpu_mla: page_size a multiple of its packing)
 
+    @classmethod
+    def from_spec(cls, spec) -> "HeteroSide":
+        """The side a connector `dcp_jax.transfer.KVCacheSpec` declares.
+
+        The connector's ``layout="mla"`` (one latent row per token) is ``"sglang_mla"`` here, and a
+        missing ``head_dim`` is the latent width ``item_lens[0] / itemsize`` (MLA only).
+
+        Raises:
+            ValueError: a GQA layout without ``head_dim``, or a field `HeteroSide` refuses (named).
+        """
+        layout = "sglang_mla" if spec.layout == "mla" else spec.layout
+        head_dim = spec.head_dim
+        if head_dim is None:
+            if layout_kind(layout) != "mla":
+                raise ValueError(f"spec.head_dim must be given for the {layout!r} layout")
+            head_dim = int(spec.item_lens[0]) // dtype_itemsize(spec.dtype)
+        return cls(spec.page_size, spec.dcp_size, spec.interleave_size, spec.tp_size, layout, spec.num_kv_heads,
+                   head_dim, spec.dtype)
+
     @property
     def kind(self) -> str:
         return layout_kind(self.layout)

@@ -39,3 +39,15 @@ def test_cli_prints_both_columns_and_refuses_bad_input():
         res = runner.invoke(app, ["plan", "--prompt-tokens", "256", *args])
         assert res.exit_code == 2, res.output
         assert text in " ".join(res.output.replace("│", " ").split()), res.output
+
+
+def test_side_from_a_connector_spec():
+    from dcp_jax.hetero import HeteroSide
+    from dcp_jax.transfer import KVCacheSpec
+
+    mla = HeteroSide.from_spec(KVCacheSpec(61, [1152] * 61, 64, 8, 3, 16))
+    assert (mla.layout, mla.head_dim, mla.page_size, mla.dcp_size, mla.interleave_size) == ("sglang_mla", 576, 64, 8, 16)
+    gqa = HeteroSide.from_spec(KVCacheSpec(32, [4096] * 32, 16, layout="hnd", tp_size=2, num_kv_heads=8, head_dim=128))
+    assert (gqa.layout, gqa.tp_size, gqa.num_kv_heads, gqa.head_dim) == ("hnd", 2, 8, 128)
+    with pytest.raises(ValueError, match="head_dim must be given"):
+        HeteroSide.from_spec(KVCacheSpec(32, [4096] * 32, 16, layout="nhd", num_kv_heads=8))
