@@ -99,6 +99,10 @@ GEOMETRIES: dict[str, ModelGeometry] = {
              "Kimi K2: 61 layers, MLA 512+64 bf16 = 1152 B rows, 64 heads"),
         _mla("deepseek-v3-fp8", 61, 1, "float8_e4m3fn", 128,
              "DeepSeek-V3 with an FP8 MLA cache: 61 layers, 576 B rows"),
+        # Llama 3.1 8B (GQA): 8 KV heads of 128, K and V, bf16 -> 4096 B per token and layer at
+        # TP 1 (the connector moves whole rows; TP head splits are the heterogeneous plan's).
+        ModelGeometry("llama-3.1-8b", 32, (4096,) * 32, "bfloat16",
+                      description="Llama 3.1 8B: 32 layers, GQA 8 KV heads x 128, K and V, bf16 = 4096 B rows (TP1)"),
         # Synthetic geometries for fast tests: few layers, and entries of different item_len so
         # layer-major pack offsets and per-entry descriptors are exercised.
         ModelGeometry("tiny", 3, (64, 64, 64), "uint8", description="test: 3 layers of 64 B rows"),
