@@ -1,13 +1,16 @@
-"""One DcpJaxConnector worker outside vLLM's engine, its hooks driven directly (the DCP test).
+"""DcpJaxConnector workers outside vLLM's engine, their hooks driven directly (the DCP test).
 
-    python _dcp_worker.py producer|consumer DCP_SIZE DCP_RANK PORT ENGINE
+    python _dcp_worker.py DCP_SIZE PORT ENGINE
 
+One producer and DCP_SIZE consumer workers, each its own process: this launcher imports vLLM
+and torch once (~10 s of CPU each time on this machine), then forks the workers before any
+engine, thread or torch kernel exists; each worker builds its own connector and engine.
 The caches are vLLM's CPU layout (``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
 bf16 per layer); the producer's bytes come from a seed, every consumer cache starts as a
 sentinel. A consumer checks, for every token of every request, the rows the CPU backend reads
 for it (``view(nb, H, 2 * bs, D)``: K at row ``slot``, V at row ``bs + slot`` of each head) against
 the producer's, using its own copy of the ownership rule, and that nothing else changed. Prints
-one JSON line.
+one JSON line: the producer's result, then each consumer's (rank order).
 """
 import faulthandler
 import json
@@ -79,9 +82,9 @@ def wait(conn, rid, key, timeout=60.0):
     raise TimeoutError(f"{rid} not in {key} after {timeout} s")
 
 
-def main():
-    faulthandler.dump_traceback_later(float(os.environ.get("DCP_WORKER_STACKS_AFTER_S", "400")), exit=True)
-    role, n, rank, port, engine = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+def run(role, n, rank, port, engine):
+    """One worker (in a forked child): returns its result dict."""
+    torch.set_num_threads(1)  # n + 1 workers share 2 cores; no OpenMP pool inherited across fork
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from dcp_jax.adapters.vllm import DcpJaxConnector
@@ -127,7 +130,52 @@ def main():
             bad += int((t.view(torch.int16) != want.view(t.shape).view(torch.int16)).sum())
         result.update(owned=owned, mismatched_elements=bad, failed=sorted(failed))
     conn.shutdown()
-    print("@@" + json.dumps(result), flush=True)
+    return result
+
+
+def _child(w, *args):
+    faulthandler.dump_traceback_later(float(os.environ.get("DCP_WORKER_STACKS_AFTER_S", "400")), exit=True)
+    code = 0
+    try:
+        out = {"ok": run(*args)}
+    except BaseException as e:  # noqa: BLE001 - the parent reports it with the worker's name
+        import traceback
+
+        out, code = {"error": f"{args[:3]}: {traceback.format_exc()[-3000:]}"}, 1
+    os.write(w, json.dumps(out).encode())
+    os.close(w)
+    os._exit(code)
+
+
+def main():
+    n, port, engine = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    # The heavy imports, once, before the fork (DcpJaxConnector subclasses vLLM's base class).
+    from vllm.config import KVTransferConfig  # noqa: F401
+    from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: F401
+
+    import dcp_jax.adapters.vllm  # noqa: F401
+
+    workers = [("producer", 0)] + [("consumer", r) for r in range(n)]
+    kids = []
+    for role, rank in workers:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            _child(w, role, n, rank, port, engine)
+        os.close(w)
+        kids.append((pid, r))
+    results, errors = [], []
+    for pid, r in kids:
+        with os.fdopen(r, "rb") as f:
+            data = f.read()
+        _, status = os.waitpid(pid, 0)
+        out = json.loads(data) if data else {"error": f"worker {pid} died (wait status {status})"}
+        results.append(out.get("ok"))
+        if "error" in out:
+            errors.append(out["error"])
+    print("@@" + json.dumps({"results": results, "errors": errors}), flush=True)
+    sys.exit(1 if errors else 0)
 
 
 if __name__ == "__main__":

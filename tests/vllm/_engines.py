@@ -25,6 +25,10 @@ MODELS = {
 }
 
 
+# Models whose dummy weights the engine replaces (engine_proc._reinit): the std of the new ones.
+INIT_STD = {"opt": 0.1}
+
+
 def write_model(root: str, name: str) -> str:
     d = os.path.join(root, name)
     os.makedirs(d, exist_ok=True)
@@ -55,6 +59,9 @@ class Engine:
         e = dict(os.environ)
         if core is not None:
             e["VLLM_CPU_OMP_THREADS_BIND"] = str(core % (os.cpu_count() or 1))
+        std = INIT_STD.get(os.path.basename(os.path.normpath(model)))
+        if std is not None:
+            e["DCP_TEST_INIT_STD"] = str(std)
         e.update(env or {})
         self.log = open(log or os.devnull, "w")
         self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "engine_proc.py"), model, role,

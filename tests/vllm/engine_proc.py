@@ -34,6 +34,30 @@ def _corrupt(worker):
     return len(worker.model_runner.kv_caches)
 
 
+def _reinit(worker):
+    """Deterministic random weights (``DCP_TEST_INIT_STD``), the same in every engine.
+
+    vLLM's dummy loader seeds every parameter with the same seed and draws from +-1e-3: for the
+    OPT shape the logits then tie (every greedy token is 0 whatever the KV), so a token check
+    would prove nothing. Norms become identity, biases zero, the rest N(0, std) seeded by name.
+    """
+    import zlib
+
+    import torch
+
+    std = float(os.environ["DCP_TEST_INIT_STD"])
+    with torch.no_grad():
+        for name, p in sorted(worker.model_runner.model.named_parameters()):
+            if "norm" in name:
+                p.fill_(1.0 if name.endswith("weight") else 0.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return 1
+
+
 def main() -> None:
     model, role, connector, extra = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     from vllm import LLM, SamplingParams
@@ -51,6 +75,8 @@ def main() -> None:
     llm = LLM(model=model, load_format="dummy", enforce_eager=True, skip_tokenizer_init=True,
               dtype="bfloat16", max_model_len=4096, max_num_seqs=8, enable_prefix_caching=False,
               kv_transfer_config=kt, seed=0)
+    if os.environ.get("DCP_TEST_INIT_STD"):
+        llm.collective_rpc(_reinit)
     print("@@" + json.dumps({"ready": True, "seconds": time.perf_counter() - t0}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)

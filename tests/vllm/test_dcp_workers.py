@@ -15,28 +15,21 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _spawn(role, n, rank, port, engine):
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "_dcp_worker.py"), role, str(n), str(rank),
-                             str(port), engine], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _result(p, timeout=450):
-    out, err = p.communicate(timeout=timeout)  # a stuck worker prints its stacks (faulthandler) first
-    lines = [l for l in out.splitlines() if l.startswith("@@")]
-    assert p.returncode == 0 and lines, f"worker failed (rc {p.returncode}):\n{err[-3000:]}"
-    return json.loads(lines[-1][2:])
+def _run(n, port, engine, timeout=450):
+    """The launcher: one producer and n consumer processes (`_dcp_worker.py`); their results."""
+    p = subprocess.run([sys.executable, os.path.join(HERE, "_dcp_worker.py"), str(n), str(port), engine],
+                       capture_output=True, text=True, timeout=timeout)
+    lines = [l for l in p.stdout.splitlines() if l.startswith("@@")]
+    assert lines, f"launcher failed (rc {p.returncode}):\n{p.stderr[-3000:]}"
+    out = json.loads(lines[-1][2:])
+    assert p.returncode == 0 and not out["errors"], "\n".join(out["errors"]) or p.stderr[-3000:]
+    return out["results"]
 
 
 @pytest.mark.parametrize("n,engine", [(2, "nixl"), (4, "nixl"), (2, "mooncake")])
 def test_dcp_consumers_byte_exact(n, engine):
     port = 5900 + 10 * n + (5 if engine == "mooncake" else 0)
-    procs = [_spawn("producer", n, 0, port, engine)] + [_spawn("consumer", n, r, port, engine) for r in range(n)]
-    try:
-        results = [_result(p) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    results = _run(n, port, engine)
     prod, cons = results[0], results[1:]
     assert prod["sent"] == ["long", "short"] and prod["stats"]["failed"] == 0
     for r, c in enumerate(cons):

@@ -59,7 +59,10 @@ def test_pd_tokens_equal_single_engine(models, model, engine, tmp_path):
         params = _prefill(p, ps)
         assert p.call(op="corrupt")["corrupted"]
         bad = d.generate(ps, MAX_TOKENS, params=params)["outputs"]
-        assert all(b["tokens"] != r["tokens"] for b, r in zip(bad, ref)), (bad, ref)
+        changed = [b["tokens"] != r["tokens"] for b, r in zip(bad, ref)]
+        # The OPT shape's random weights make its next token lean mostly on the current token:
+        # a corrupted KV changed 1 of its 3 requests when this was measured; the Llama, all 3.
+        assert all(changed) if model == "llama-gqa" else any(changed), (bad, ref)
     finally:
         p.close()
         d.close()

@@ -46,6 +46,22 @@ def _ranks(cfg: AdapterConfig) -> tuple[int, int]:
     return int(tp), int(dcp)
 
 
+def _request_amx() -> None:
+    """Asks Linux for AMX tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``) for this process.
+
+    vLLM 0.32's CPU attention picks its AMX kernel for bf16 caches but never requests the
+    permission; oneDNN does, lazily, on its first large matmul (a prefill). A decode engine whose
+    first forward is a loaded request's one-token step (P/D) has run no such matmul, and the
+    attention kernel dies with SIGILL (measured: exit -4 in ``cpu_attention_with_kv_cache``).
+    """
+    import torch
+
+    cpu = getattr(torch._C, "_cpu", None)
+    if cpu is not None and hasattr(cpu, "_init_amx") and torch.cpu._is_amx_tile_supported():
+        if not cpu._init_amx():
+            logger.warning("dcp-jax: the kernel refused AMX tile state; vLLM's AMX attention may fail")
+
+
 class DcpJaxWorker:
     """Worker-side state of one vLLM worker (see the module docstring)."""
 
@@ -66,6 +82,7 @@ class DcpJaxWorker:
 
     # ---- registration --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any], layer_names: list[str]) -> None:
+        _request_amx()
         missing = [n for n in layer_names if n not in kv_caches]
         if missing:
             raise ValueError(f"kv_caches lacks layers {missing[:3]} of the KV cache config")
