@@ -135,7 +135,10 @@ def transfer(
     """
     from dcp_jax.job import DEVICES, check_device, check_host_memory, run_job
 
-    if prefill_tp_size != 1 or tp_size != 1 or prefill_layout or decode_layout or model not in geometry_names():
+    from dcp_jax.hetero.cost import HETERO_MODELS
+
+    if prefill_tp_size != 1 or tp_size != 1 or prefill_layout or decode_layout or (
+            model in HETERO_MODELS and model not in geometry_names()):
         # TP / layout pairs: the heterogeneous plan over the engine (the connector takes neither yet)
         return _hetero_transfer(model, prompt_tokens, dict(
             page_size=prefill_page_size or page_size, dcp_size=prefill_dcp_size,
@@ -331,8 +334,10 @@ def plan(
     """
     from dcp_jax.cost import plan_command
 
+    from dcp_jax.hetero.cost import HETERO_MODELS
+
     hetero = (prefill_page_size is not None or prefill_tp_size != 1 or tp_size != 1 or prefill_layout
-              or decode_layout or model not in geometry_names())
+              or decode_layout or (model in HETERO_MODELS and model not in geometry_names()))
     if hetero:
         _hetero_plan(model, prompt_tokens, dict(page_size=prefill_page_size or page_size, dcp_size=prefill_dcp_size,
                                                 interleave_size=prefill_interleave_size, tp_size=prefill_tp_size,

@@ -51,5 +51,6 @@ def test_cli_runs_and_names_bad_input():
     assert res.exit_code == 0 and "verified" in res.output, res.output
     res = runner.invoke(app, ["transfer", "--model", "llama-3.1-8b", "--tp-size", "3", "--no-progress"])
     assert res.exit_code == 2 and "tp_size=3" in " ".join(res.output.replace("│", " ").split()), res.output
-    res = runner.invoke(app, ["transfer", "--model", "llama-3.1-8b", "--engine", "auto", "--no-progress"])
+    res = runner.invoke(app, ["transfer", "--model", "llama-3.1-8b", "--tp-size", "2", "--engine", "auto",
+                              "--no-progress"])
     assert res.exit_code == 2 and "--engine='auto'" in " ".join(res.output.replace("│", " ").split()), res.output
