@@ -144,7 +144,8 @@ def test_abort_during_a_region_transfer_leaves_no_range_held(engine, who):
         (c.receivers[0] if who == "receiver" else c.sender).abort("a")
         sides = [c.sender] + c.receivers
         assert wait_for(lambda: all(s.is_drained("a") for s in sides), 10), c.reasons("a")
-        assert {s.poll("a") for s in sides} == {S.ABORTED}
+        assert c.sender.poll("a") is S.ABORTED and c.receivers[0].poll("a") is S.ABORTED
+        assert c.receivers[1].poll("a") in (S.ABORTED, S.SUCCESS)  # it may have had all its rows
         for recv in c.receivers:
             assert wait_for(lambda: region_free(recv)), recv.stats
         assert c.sender.stats["arena"]["in_use_bytes"] == 0
@@ -169,7 +170,9 @@ def test_timeout_during_a_region_transfer_leaves_no_range_held(engine):
         assert "no progress" in c.receivers[0].failure_reason("t")
         assert wait_for(lambda: c.receivers[0].is_drained("t"))
         assert wait_for(lambda: region_free(c.receivers[0])), c.receivers[0].stats
-        assert c.receivers[0].request_stats("t")["unpacks"] == 3  # 10 rows in windows of 4
+        # 10 rows in windows of 4: at most 3 unpacks (fewer when the machine is slow enough for
+        # the timeout to catch the first chunk still in flight: its ranges must be free all the same).
+        assert c.receivers[0].request_stats("t")["unpacks"] <= 3
     finally:
         c.close()
 
@@ -194,7 +197,9 @@ def test_silent_push_sender_keeps_pages_and_ranges_held_until_the_grace(engine):
     # A sender dropped as silent may only be stopped: its engine's writes could still land. Its
     # request's pages and receive-region ranges stay held for drain_grace_s, then are given back.
     row = 48 + 16
-    c = cluster(engine, dcp_size=1, mode="region", region_bytes=2 * row, pages=128, peer_timeout_s=0.5,
+    # peer_timeout_s well above the 0.5 s heartbeat: on a loaded machine a shorter one drops the
+    # link before the first window lands.
+    c = cluster(engine, dcp_size=1, mode="region", region_bytes=2 * row, pages=128, peer_timeout_s=1.5,
                 receiver_kw=dict(drain_grace_s=1.5))
     try:
         recv = c.receivers[0]
@@ -203,11 +208,11 @@ def test_silent_push_sender_keeps_pages_and_ranges_held_until_the_grace(engine):
         c.sender.send("s", src, 0, 300)
         assert wait_for(lambda: recv.stats["unpacks"] >= 1)
         c.sender._worker.stop(2.0)  # the sender goes silent: no ping, no write, no drained
-        assert wait_for(lambda: recv.poll("s") is S.FAILED, 5)
+        assert wait_for(lambda: recv.poll("s") is S.FAILED, 8)
         t_fail = time.monotonic()
         assert "silent" in recv.failure_reason("s")
         assert not recv.is_drained("s")  # dropped, not known to be done writing
-        assert wait_for(lambda: recv.is_drained("s") and region_free(recv), 5), recv.stats
+        assert wait_for(lambda: recv.is_drained("s") and region_free(recv), 8), recv.stats
         assert time.monotonic() - t_fail > 0.5  # not at once: the grace had to pass
     finally:
         c.close()
