@@ -126,12 +126,13 @@ class _Side:
 
 class _SReq:
     __slots__ = ("plan", "table", "tokens", "want", "next", "phase", "status", "reason", "t_term", "transfer_s",
-                 "drain_s")
+                 "drain_s", "t_arm")
 
     def __init__(self, plan: RequestPlan, table, tokens, want):
         self.plan, self.table, self.tokens, self.want = plan, table, tokens, want
         self.next, self.phase = 0, "send"
         self.status, self.reason, self.t_term, self.transfer_s, self.drain_s = None, "", 0.0, None, 0.0
+        self.t_arm = 0.0  # when a before_send abort began waiting for the ranks' announcements
 
 
 class _Sender(_Side):
@@ -185,8 +186,16 @@ class _Sender(_Side):
         if r.phase == "arm":  # abort only once every rank's expect reached the sender
             try:
                 st = s.request_stats(rid)
-            except KeyError:
-                return False  # no expect arrived yet (before_send: nothing was sent)
+            except KeyError:  # no expect arrived yet (before_send: nothing was sent)
+                r.t_arm = r.t_arm or time.monotonic()
+                if time.monotonic() - r.t_arm < self.cfg.timeout_s + 2 * self.cfg.peer_timeout_s:
+                    return False
+                # The expects went over a connection a fault broke (the ranks failed the request
+                # on their side, and their "failed" found no request here): none will come.
+                s.send(rid, r.table, *r.plan.chunks[0])
+                s.abort(rid, "loadgen: planned abort; no decode rank's announcement came")
+                r.phase = "wait"
+                return True
             if not s.poll(rid).terminal and len(st["ranks"]) < self.cfg.dcp_size:
                 return False
             if ab.by < 0:
