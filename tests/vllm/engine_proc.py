@@ -58,6 +58,32 @@ def _reinit(worker):
     return 1
 
 
+def _stats(worker):
+    """Counters of this engine's connector: DcpJaxConnector's sender/receiver `stats`; for the
+    stock NixlConnector, descriptors handed to NIXL's ``make_prepped_xfer`` (counted by a wrapper
+    installed on the first call)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    conn = get_kv_transfer_group()
+    w = conn.connector_worker
+    if hasattr(w, "sender"):
+        keys = ("requests", "succeeded", "failed", "bytes", "descriptors", "batches", "engine_calls", "reads")
+        return {side: {k: v for k, v in getattr(w, side).stats.items() if k in keys}
+                for side in ("sender", "receiver") if getattr(w, side) is not None}
+    nw = w.nixl_wrapper
+    if not hasattr(nw, "_dcp_count"):
+        nw._dcp_count = {"xfers": 0, "descriptors": 0}
+        orig = nw.make_prepped_xfer
+
+        def counted(op, lh, lids, rh, rids, *a, **k):
+            nw._dcp_count["xfers"] += 1
+            nw._dcp_count["descriptors"] += len(lids)
+            return orig(op, lh, lids, rh, rids, *a, **k)
+
+        nw.make_prepped_xfer = counted
+    return dict(nw._dcp_count)
+
+
 def main() -> None:
     model, role, connector, extra = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     from vllm import LLM, SamplingParams
@@ -71,6 +97,13 @@ def main() -> None:
                                   kv_role=role, kv_connector_extra_config=extra)
         else:
             kt = KVTransferConfig(kv_connector="NixlConnector", kv_role=role, kv_buffer_device="cpu")
+    if connector == "nixl":
+        # vLLM 0.32's CPU AMX attention never asks Linux for AMX state; a decode whose first
+        # forward is a loaded request's one-token step dies with SIGILL. DcpJaxConnector asks at
+        # registration (adapters/vllm/worker.py); the stock connector needs it from us.
+        from dcp_jax.adapters.vllm.worker import _request_amx
+
+        _request_amx()
     t0 = time.perf_counter()
     llm = LLM(model=model, load_format="dummy", enforce_eager=True, skip_tokenizer_init=True,
               dtype="bfloat16", max_model_len=4096, max_num_seqs=8, enable_prefix_caching=False,
@@ -86,6 +119,9 @@ def main() -> None:
         if op == "corrupt":
             n = llm.collective_rpc(_corrupt)
             print("@@" + json.dumps({"corrupted": n}), flush=True)
+            continue
+        if op == "stats":
+            print("@@" + json.dumps({"stats": llm.collective_rpc(_stats)[0]}), flush=True)
             continue
         prompts = [TokensPrompt(prompt_token_ids=p) for p in cmd["prompts"]]
         params = cmd.get("params") or [None] * len(prompts)
