@@ -58,8 +58,12 @@ def generate(
         raise typer.BadParameter(str(exc)) from None
     if json_path is not None and not json_path.parent.is_dir():
         raise typer.BadParameter(f"--json {str(json_path)!r}: folder {str(json_path.parent)!r} does not exist")
-    from dcp_jax.job.config import engine_env
+    from dcp_jax.job.config import check_device, engine_env
 
+    try:
+        check_device(device)  # CuPy and a CUDA device, before any process starts
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     engine_env(device)  # (no JAX preallocation on a GPU: several processes share GPU 0)
     console = Console()
     console.print(f"[bold]dcp-jax generate[/]: {model} {dtype}, prompt {prompt_tokens:,} tokens, prefill "

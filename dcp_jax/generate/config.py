@@ -17,6 +17,10 @@ def _pos(name: str, v, low: int = 1) -> None:
         raise ValueError(f"--{name.replace('_', '-')}={v!r} must be an int >= {low}")
 
 
+# The largest prompt a run takes: 4x the 32k-token TTFT run of benchmarks/results/generate_cpu.md.
+MAX_PROMPT_TOKENS = 131_072
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerateConfig:
     """One disaggregated generation: prefill DCP-M processes -> decode DCP-N processes.
@@ -51,6 +55,9 @@ class GenerateConfig:
         if self.prefill_page_size is not None:
             _pos("prefill_page_size", self.prefill_page_size)
         _pos("prompt_tokens", self.prompt_tokens, 2)
+        if self.prompt_tokens > MAX_PROMPT_TOKENS:  # refused before any process allocates its KV
+            raise ValueError(f"--prompt-tokens={self.prompt_tokens} must be <= {MAX_PROMPT_TOKENS:,} (the prefill "
+                             "holds the whole prompt's activations and KV in one process)")
         _pos("seed", self.seed, 0)
         if self.engine not in ENGINES:
             raise ValueError(f"--engine={self.engine!r} must be one of {ENGINES}")

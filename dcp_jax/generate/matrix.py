@@ -66,8 +66,14 @@ def markdown(paths: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+USAGE = "\n\n".join(__doc__.split("\n\n")[:2])
+
+
 def main(argv: list[str]) -> int:
-    if argv and argv[0] == "--markdown":
+    if not argv or argv[0] in ("-h", "--help") or argv[0].startswith("-") and argv[0] != "--markdown":
+        print(USAGE)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv[0] == "--markdown":
         print(markdown(argv[1:]), end="")
         return 0
     out = argv[0]

@@ -113,3 +113,27 @@ def test_model_geometry():
     assert ModelConfig(kind="gqa").entry_shapes == ((2, 64),) * 4
     a, b = init_params(ModelConfig()), init_params(ModelConfig())
     assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_generate_refusals_come_before_any_process(capsys):
+    from dcp_jax.generate import matrix
+
+    with pytest.raises(ValueError, match="--prompt-tokens"):
+        GenerateConfig(prompt_tokens=100_000_000)
+    assert matrix.main(["--help"]) == 0 and "OUT.json" in capsys.readouterr().out
+    assert matrix.main([]) == 2
+
+
+def test_generate_cli_refuses_gpu_without_cupy():
+    pytest.importorskip("typer")
+    from typer.testing import CliRunner
+
+    from dcp_jax.cli import app
+
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("CuPy imports here: the refusal is for machines without it")
+    except Exception:  # noqa: BLE001 - ImportError or CUDA libraries missing
+        pass
+    res = CliRunner().invoke(app, ["generate", "--device", "gpu"])
+    assert res.exit_code == 2 and "--device gpu" in " ".join(res.output.replace("│", " ").split())
