@@ -206,6 +206,10 @@ class JobConfig:
             raise ValueError(f"direction={self.direction!r} (--direction) must be one of {DIRECTIONS}")
         if self.staging not in STAGINGS:
             raise ValueError(f"staging={self.staging!r} (--staging) must be one of {STAGINGS}")
+        if "fused" in self.modes and (self.device != "gpu" or self.staged):
+            # fused = one copy kernel writing through the ranks' CUDA IPC handles: device memory on one host
+            raise ValueError(f"modes={self.modes!r} (--path fused) needs --device gpu without staging: the fused "
+                             "path writes through CUDA IPC handles of the decode ranks' device memory")
         if self.device == "gpu" and self.engine == "jax-transfer" and self.staging == "none":
             raise ValueError("engine='jax-transfer' (--engine) moves host memory only: with --device gpu "
                              "use --staging auto or host (or --engine nixl / mooncake)")
