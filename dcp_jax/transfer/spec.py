@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from dcp_jax._validate import check_int
 
 __all__ = ["KVCacheSpec", "HandshakeError", "check_compatible", "MAX_DCP_SIZE", "MAX_LAYERS"]
@@ -40,6 +42,22 @@ class HandshakeError(ValueError):
 
     def __reduce__(self):
         return (type(self), (self.field, self.ours, self.theirs))
+
+
+# Element types numpy does not name but ml_dtypes (JAX) and torch do, with the same spelling.
+_ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+              "float8_e4m3b11fnuz", "float8_e8m0fnu", "float4_e2m1fn", "int4", "uint4")
+
+
+def _known_dtype(name: str) -> bool:
+    """True for a canonical element type name (``"float32"``, not ``"f4"``)."""
+    if name in _ML_DTYPES:
+        return True
+    try:
+        dt = np.dtype(name)
+    except TypeError:
+        return False
+    return dt.name == name and dt.kind in "biufc"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +135,9 @@ class KVCacheSpec:
             v = getattr(self, name)
             if not isinstance(v, str) or not v or len(v) > 64:
                 raise TypeError(f"{name} must be a non-empty string of at most 64 characters, got {v!r}")
+        if not _known_dtype(self.dtype):
+            raise ValueError(f"dtype={self.dtype!r} is not an element type name numpy, ml_dtypes or torch use "
+                             f"(e.g. {', '.join(map(repr, _ML_DTYPES[:3]))}, 'float16', 'float32', 'uint8')")
 
     @property
     def row_bytes(self) -> int:

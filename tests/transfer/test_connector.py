@@ -278,3 +278,15 @@ def test_closed_sides_refuse_calls_and_duplicate_links_are_refused(engine):
             c.receivers[0].connect(c.sender.address)
     finally:
         c.close()
+
+
+def test_spec_refuses_unknown_dtype_names():
+    from dcp_jax.transfer import KVCacheSpec
+
+    for name in ("bfloat16", "float8_e4m3fn", "float16", "float32", "uint8"):
+        assert KVCacheSpec(1, [8], 4, dtype=name).dtype == name
+    for name in ("float99", "f4", "fp8", "object"):
+        with pytest.raises(ValueError, match=f"dtype='{name}'"):
+            KVCacheSpec(1, [8], 4, dtype=name)
+    with pytest.raises(ValueError, match="dtype='float99'"):  # a peer's spec too, before the handshake
+        KVCacheSpec.from_dict(dict(KVCacheSpec(1, [8], 4).to_dict(), dtype="float99"))
