@@ -143,12 +143,12 @@ def choose_path(mode: str, *, sender_mem: str, offer: PeerOffer, dst_interleave:
     if mode == "fused":
         why = fused_refusal(sender_mem, offer)
         if why:
-            raise HandshakeError("path", "fused", "not possible", why)
+            raise HandshakeError("path", None, None, f"the fused path cannot be served: {why}")
         return "fused"
     if mode == "region":
         if not has_region:
-            raise HandshakeError("path", "region", "not possible",
-                                 f"the receiver offers a receive region of {offer.region_bytes} bytes, less than "
+            raise HandshakeError("path", None, None,
+                                 f"the region path cannot be served: the receiver offers a receive region of {offer.region_bytes} bytes, less than "
                                  f"one token's {row_bytes} (KVReceiver(region_bytes=...))")
         return "region"
     if mode in ("direct", "packed"):

@@ -161,7 +161,7 @@ class SenderPeers:
         except HandshakeError as exc:
             return self._nack(ident, exc)
         except (TypeError, ValueError, proto.ProtocolError) as exc:
-            return self._nack(ident, HandshakeError("spec", "a valid hello", "refused", str(exc)))
+            return self._nack(ident, HandshakeError("spec", None, None, f"not a valid hello: {exc}"))
         for old in [c for c in group if c.spec.dcp_rank == spec.dcp_rank]:
             self._drop_conn(old, f"decode rank {spec.dcp_rank} reconnected")
         if self._hold_hello(ident, msg):
@@ -171,14 +171,14 @@ class SenderPeers:
             try:
                 mapping = ipc_open(list(offer.ipc), self._layers.item_lens)
             except Exception as exc:  # noqa: BLE001 - bad or unopenable handles: refuse, name why
-                return self._nack(ident, HandshakeError("ipc", "openable CUDA IPC handles", "refused",
+                return self._nack(ident, HandshakeError("ipc", None, None, "its CUDA IPC handles cannot be opened: " +
                                                         f"{type(exc).__name__}: {exc}"))
         try:
             peer = self.engine.add_peer(info)
         except Exception as exc:  # noqa: BLE001 - refused metadata: tell the receiver why
             if mapping is not None:
                 mapping.close()
-            return self._nack(ident, HandshakeError("peer", "engine metadata", "refused", str(exc)))
+            return self._nack(ident, HandshakeError("peer", None, None, f"its engine metadata cannot be used: {exc}"))
         self._conns[ident] = Conn(ident, msg["name"], peer, spec, msg["group"], msg["direction"],
                                    bases, time.monotonic(), path, offer.region_addr, offer.region_bytes, mapping)
         self._conns[ident].cache_pages = cache_pages

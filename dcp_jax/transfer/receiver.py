@@ -192,7 +192,7 @@ class KVReceiver(ReceiverData, ReceiverRegion):
             with self._lock:  # the sender acks a reconnect only once no write of the old link is in flight
                 self._clear_doubt(reply["name"])
             if reply["path"] == "region" and not self._region.nbytes:
-                raise HandshakeError("path", "no receive region", "region",
+                raise HandshakeError("path", None, None,
                                      "the sender chose the region path, this receiver offers no region")
             peer = self.engine.add_peer(PeerInfo.from_dict(reply["peer"]))
         except BaseException:

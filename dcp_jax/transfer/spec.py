@@ -30,14 +30,17 @@ class HandshakeError(ValueError):
 
     Attributes:
         field: the field that decided it (``"num_layers"``, ``"item_lens"``, ``"version"``, ...).
-        ours: this side's value.
+        ours: this side's value (None with ``theirs`` None: no two values, ``detail`` says why).
         theirs: the peer's value.
         detail: why, beyond the two values ("" when they say it all).
     """
 
     def __init__(self, field: str, ours: Any, theirs: Any, detail: str = ""):
         self.field, self.ours, self.theirs, self.detail = field, ours, theirs, detail
-        msg = f"handshake refused: {field} differs (this side {ours!r}, peer {theirs!r})"
+        if ours is None and theirs is None:  # not two values that differ: a refusal with its reason
+            msg = f"handshake refused ({field})"
+        else:
+            msg = f"handshake refused: {field} differs (this side {ours!r}, peer {theirs!r})"
         super().__init__(msg + (f": {detail}" if detail else ""))
 
     def __reduce__(self):

@@ -290,3 +290,11 @@ def test_spec_refuses_unknown_dtype_names():
             KVCacheSpec(1, [8], 4, dtype=name)
     with pytest.raises(ValueError, match="dtype='float99'"):  # a peer's spec too, before the handshake
         KVCacheSpec.from_dict(dict(KVCacheSpec(1, [8], 4).to_dict(), dtype="float99"))
+
+
+def test_handshake_refusal_without_two_values_reads_as_a_reason():
+    from dcp_jax.transfer import HandshakeError
+
+    e = HandshakeError("path", None, None, "the fused path cannot be served: no IPC handles")
+    assert str(e) == "handshake refused (path): the fused path cannot be served: no IPC handles"
+    assert "differs (this side 2, peer 3)" in str(HandshakeError("num_layers", 2, 3))
