@@ -30,7 +30,8 @@ def hello_fields(spec_dict: dict, peer: dict, name: str, layer_bases: bytes, gro
     neutral value (0, "", [], {}; ``mem`` "DRAM"), so this peer follows schema changes."""
     from dcp_jax.transfer import protocol as proto
 
-    ours = dict(spec=spec_dict, peer=peer, group=group, direction="push", name=name, layer_bases=layer_bases)
+    ours = dict(spec=spec_dict, peer=peer, group=group, direction="push", name=name, layer_bases=layer_bases,
+                heartbeat_ms=500, peer_timeout_ms=5000)
     out = {}
     for field, (typ, _) in proto.KINDS["hello"].items():
         if field in ours:

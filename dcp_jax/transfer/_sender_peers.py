@@ -137,6 +137,7 @@ class SenderPeers:
             check_compatible(self.spec, spec, side="prefill")
             if msg["direction"] not in ("push", "pull"):
                 raise HandshakeError("direction", "push|pull", msg["direction"])
+            self._check_liveness(msg)
             # The same receiver on a second live connection is refused; one whose old connection
             # went quiet (it dropped us as silent and connects again) replaces it below.
             fresh = time.monotonic() - max(2 * self.heartbeat_s, 1.0)
@@ -186,6 +187,18 @@ class SenderPeers:
         self._ctl.send(ident, proto.encode(
             "hello_ack", spec=self.spec.to_dict(), peer=self.engine.peer_info().to_dict(),
             layer_bases=proto.pack_i64(self._layers.bases), name=self.engine.name, path=path))
+
+    def _check_liveness(self, msg: dict) -> None:
+        """Refuses a receiver whose pings would not reach us inside our ``peer_timeout_s`` twice
+        over, or whose silence limit our pings would not keep: either side would drop a healthy
+        connection as silent (`check_liveness`)."""
+        hb, pt = msg["heartbeat_ms"] / 1000, msg["peer_timeout_ms"] / 1000
+        if 2 * self.heartbeat_s > pt:
+            raise HandshakeError("peer_timeout_s", None, None, f"this sender pings every {self.heartbeat_s:g} s; "
+                                 f"the receiver's peer_timeout_s={pt:g} must be >= 2 x that")
+        if 2 * hb > self.peer_timeout_s:
+            raise HandshakeError("heartbeat_s", None, None, f"the receiver pings every {hb:g} s; this sender's "
+                                 f"peer_timeout_s={self.peer_timeout_s:g} must be >= 2 x that")
 
     def _hold_hello(self, ident: bytes, msg: dict) -> bool:
         """True (the hello waits) while a WRITE of an earlier, dropped connection of the same

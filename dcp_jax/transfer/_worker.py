@@ -140,6 +140,18 @@ def check_seconds(name: str, value: Any) -> float:
     return float(value)
 
 
+def check_liveness(heartbeat_s: float, peer_timeout_s: float) -> None:
+    """One side's ping interval must fit twice into its peer timeout (and, checked at the
+    handshake, into the other side's): else one late ping drops a healthy connection as silent.
+
+    Raises:
+        ValueError: ``2 * heartbeat_s > peer_timeout_s`` (the message names both).
+    """
+    if 2 * heartbeat_s > peer_timeout_s:
+        raise ValueError(f"heartbeat_s={heartbeat_s:g} must be <= peer_timeout_s / 2 (peer_timeout_s="
+                         f"{peer_timeout_s:g}): a connection would be dropped as silent between pings")
+
+
 def check_page_table(page_table: Any, rows: int, page_size: int, num_pages: int,
                      name: str = "page_table") -> np.ndarray:
     """A page table as i64[pages], checked against the rows it must map and the cache's pages.

@@ -26,7 +26,7 @@ import numpy as np
 from bridge import PeerInfo, make_engine
 from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
-from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, Worker, check_page_table, check_seconds
+from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, Worker, check_liveness, check_page_table, check_seconds
 from dcp_jax.transfer._receiver_data import ReceiverData
 from dcp_jax.transfer._receiver_region import ReceiverRegion
 from dcp_jax.transfer._region import DEFAULT_REGION_BYTES, ReceiveRegion, host_info, ipc_export
@@ -109,6 +109,7 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         self.timeout_s = check_seconds("timeout_s", timeout_s)
         self.peer_timeout_s = check_seconds("peer_timeout_s", peer_timeout_s)
         self.heartbeat_s = check_seconds("heartbeat_s", heartbeat_s)
+        check_liveness(self.heartbeat_s, self.peer_timeout_s)
         self.drain_grace_s = self.timeout_s + 2 * self.peer_timeout_s if drain_grace_s is None else \
             check_seconds("drain_grace_s", drain_grace_s)
         if region_bytes is not None and (isinstance(region_bytes, bool) or not isinstance(region_bytes, (int, np.integer))
@@ -178,7 +179,9 @@ class KVReceiver(ReceiverData, ReceiverRegion):
                                      group=self.group, direction=direction, name=self.engine.name,
                                      layer_bases=proto.pack_i64(self._layers.bases),
                                      region_addr=self._region.addr, region_bytes=self._region.nbytes,
-                                     mem=self._layers.mem_type, ipc=self._ipc, host=host_info()))
+                                     mem=self._layers.mem_type, ipc=self._ipc, host=host_info(),
+                                     heartbeat_ms=max(1, round(self.heartbeat_s * 1000)),
+                                     peer_timeout_ms=max(1, round(self.peer_timeout_s * 1000))))
             reply = self._await_reply(client, timeout_s)
             if reply["k"] == "hello_nack":  # the sender's ours/theirs are the other way round
                 raise HandshakeError(reply["field"], reply["theirs"], reply["ours"], reply["message"])

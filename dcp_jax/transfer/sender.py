@@ -31,7 +31,7 @@ import numpy as np
 from bridge import make_engine
 from pallas_kernels import PackSource, compile_count
 from dcp_jax.transfer import protocol as proto
-from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, Worker, check_page_table, check_seconds
+from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, Worker, check_liveness, check_page_table, check_seconds
 from dcp_jax.transfer.arena import PackArena
 from dcp_jax.transfer._sender_peers import SenderPeers
 from dcp_jax.transfer._region import SEND_MODES
@@ -103,6 +103,7 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
         self.timeout_s = check_seconds("timeout_s", timeout_s)
         self.peer_timeout_s = check_seconds("peer_timeout_s", peer_timeout_s)
         self.heartbeat_s = check_seconds("heartbeat_s", heartbeat_s)
+        check_liveness(self.heartbeat_s, self.peer_timeout_s)
         self.max_batch_indices = max_batch_indices
         self._layers = CacheLayers(spec, kv_layers)
         self._source = PackSource(self._layers.rows)  # checked (and imported) once for every pack

@@ -298,3 +298,23 @@ def test_handshake_refusal_without_two_values_reads_as_a_reason():
     e = HandshakeError("path", None, None, "the fused path cannot be served: no IPC handles")
     assert str(e) == "handshake refused (path): the fused path cannot be served: no IPC handles"
     assert "differs (this side 2, peer 3)" in str(HandshakeError("num_layers", 2, 3))
+
+
+def test_pings_must_fit_twice_into_each_sides_peer_timeout(engine):
+    from dcp_jax.transfer import HandshakeError, KVCacheSpec, KVSender
+
+    layers = [np.zeros((4, 4, 16), np.uint8)]
+    with pytest.raises(ValueError, match="heartbeat_s=10 must be <= peer_timeout_s / 2"):
+        KVSender(KVCacheSpec(1, [16], 4), layers, engine=engine, heartbeat_s=10, peer_timeout_s=5)
+    c = Cluster(engine, dcp_size=1, item_lens=(16,), peer_timeout_s=5.0, heartbeat_s=2.0, connect=False)
+    try:  # the sender's 2 s pings would not keep a receiver with a 3 s limit: refused at connect
+        spec = c.receivers[0].spec
+        r = KVReceiver(spec, [np.zeros((8, 4, 16), np.uint8)], engine=engine, peer_timeout_s=3.0)
+        try:
+            with pytest.raises(HandshakeError, match=r"peer_timeout_s=3 must be >= 2 x that"):
+                r.connect(c.sender.address)
+        finally:
+            r.close()
+        c.receivers[0].connect(c.sender.address)  # 5 s: served
+    finally:
+        c.close()
