@@ -82,6 +82,8 @@ class ControlServer:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port={port!r} must be an int in [0, 65535] (0: any free port)")
         self.sock = _socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises, not drops
         try:

@@ -66,7 +66,7 @@ class KVReceiver(ReceiverData, ReceiverRegion):
             the decode DCP layout).
         kv_layers: ``spec.num_layers`` arrays ``[num_pages, page_size, ...]`` (numpy, JAX or
             CuPy), registered once and held until `close`; the engine writes into them in place.
-        engine: ``"nixl"``, ``"mooncake"`` or ``"auto"``; must match the sender's.
+        engine: ``"nixl"``, ``"mooncake"``, ``"jax-transfer"`` or ``"auto"``; must match the sender's.
         direction: default direction of `connect`: ``"push"`` (the sender WRITEs) or ``"pull"``
             (this rank READs).
         group: name of this decode DCP group (every rank of a group gives the same name).

@@ -59,8 +59,8 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
         spec: this prefill rank's `KVCacheSpec` (``dcp_size``/``dcp_rank`` are the prefill DCP).
         kv_layers: ``spec.num_layers`` arrays ``[num_pages, page_size, ...]`` (numpy, JAX or
             CuPy, one kind), registered once and held until `close`; never copied.
-        engine: ``"nixl"``, ``"mooncake"`` or ``"auto"``.
-        host, port: where the control plane listens (port 0: any free port); Mooncake listens
+        engine: ``"nixl"``, ``"mooncake"``, ``"jax-transfer"`` or ``"auto"``.
+        host, port: where the control plane listens (port in [0, 65535]; 0: any free port); Mooncake listens
             on ``host`` too unless ``engine_options`` names a ``hostname`` (NIXL: UCX's
             interfaces come from ``UCX_NET_DEVICES``).
         mode: the transfer path for every decode rank: ``"packed"`` (gather each rank's rows

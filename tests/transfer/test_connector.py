@@ -318,3 +318,11 @@ def test_pings_must_fit_twice_into_each_sides_peer_timeout(engine):
         c.receivers[0].connect(c.sender.address)  # 5 s: served
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("port", [-1, 70000, 1.5, True])
+def test_sender_port_out_of_range_is_refused(port):
+    from dcp_jax.transfer import KVCacheSpec, KVSender
+
+    with pytest.raises(ValueError, match=r"port=.* must be an int in \[0, 65535\]"):
+        KVSender(KVCacheSpec(1, [16], 4), [np.zeros((4, 4, 16), np.uint8)], engine="nixl", port=port)
