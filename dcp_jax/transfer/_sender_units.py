@@ -287,4 +287,18 @@ class SenderUnits:
         self._next_timeout_check = now + TIMEOUT_CHECK_S
         for req in list(self._requests.values()):
             if not req.status.terminal and req.state.stalled_for(now) > self.timeout_s:
-                self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s", notify="failed")
+                self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s{_waiting_for(req)}",
+                          notify="failed")
+
+
+def _waiting_for(req: SendRequest) -> str:
+    """What a stalled request still waits for, for its failure reason: ranks that never
+    announced it (no ``expect`` arrived), or nothing sent yet."""
+    if not req.targets:
+        return ": no decode rank announced this request (no expect arrived: is a receiver connected and expecting it?)"
+    if req.group_size is not None and len(req.targets) < req.group_size:
+        missing = sorted(set(range(req.group_size)) - set(req.targets))
+        return f": decode rank(s) {missing[:8]} of group {req.group!r} never announced it (no expect arrived)"
+    if not req.chunks:
+        return ": every rank announced it, but send() was never called for it"
+    return ""

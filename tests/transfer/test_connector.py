@@ -326,3 +326,21 @@ def test_sender_port_out_of_range_is_refused(port):
 
     with pytest.raises(ValueError, match=r"port=.* must be an int in \[0, 65535\]"):
         KVSender(KVCacheSpec(1, [16], 4), [np.zeros((4, 4, 16), np.uint8)], engine="nixl", port=port)
+
+
+def test_stalled_request_says_which_ranks_never_announced_it(engine):
+    c = Cluster(engine, dcp_size=2, timeout_s=1.0)
+    try:
+        src, dst = c.tables(8)
+        c.sender.send("nobody", src, 0, 8)  # no rank expects it
+        c.receivers[0].expect("half", dst[0], 8)  # rank 1 never does
+        c.sender.send("half", src, 0, 8)
+        deadline = time.monotonic() + 10
+        while not (c.sender.poll("nobody").terminal and c.sender.poll("half").terminal) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert c.sender.poll("nobody") is TransferStatus.FAILED
+        assert "no decode rank announced this request" in c.sender.failure_reason("nobody")
+        assert c.sender.poll("half") is TransferStatus.FAILED
+        assert "decode rank(s) [1]" in c.sender.failure_reason("half")
+    finally:
+        c.close()
