@@ -165,6 +165,48 @@ def _drop_locals(exc: BaseException | None) -> None:
         exc = exc.__cause__ or exc.__context__
 
 
+class JobCompletion:
+    """Completion of batches that run as `Job` s on worker threads (Mooncake, jax-transfer):
+    ``_engine_check`` / ``_engine_block`` / ``_engine_cancel`` / ``_engine_abort`` of a
+    `bridge.base.TransferEngine` over ``self._jobs`` (handle.seq -> Job). ``JOB_LABEL`` names
+    the engine in errors."""
+
+    JOB_LABEL = "engine"
+    _jobs: dict
+
+    def _engine_check(self, handle: TransferHandle) -> bool:
+        job = self._jobs[handle.seq]
+        if not job.done.is_set():
+            return False
+        self._jobs.pop(handle.seq, None)
+        if job.dropped:
+            raise handle.error(TransferError, f"{self.JOB_LABEL} {handle.op} cancelled before it started",
+                               job.cancel_reason or "")
+        if job.error is not None:
+            if isinstance(job.error, TransferError):
+                raise job.error
+            raise handle.error(TransferError, f"{self.JOB_LABEL} {handle.op} failed",
+                               f"{type(job.error).__name__}: {job.error}")
+        return True
+
+    def _engine_block(self, handle: TransferHandle, max_s: float) -> None:
+        job = self._jobs.get(handle.seq)
+        if job is not None:
+            job.done.wait(max_s)
+        else:
+            time.sleep(max_s)
+
+    def _engine_cancel(self, handle: TransferHandle) -> None:
+        job = self._jobs.get(handle.seq)
+        if job is not None:
+            job.cancel("cancelled by the caller")
+
+    def _engine_abort(self, handle: TransferHandle) -> None:
+        job = self._jobs.pop(handle.seq, None)
+        if job is not None:  # stops further windows; the one inside the engine ends on its own
+            job.cancel("abandoned after a timeout")
+
+
 class Worker:
     """A daemon thread running `Job`s in submission order (or inline, in the caller).
 

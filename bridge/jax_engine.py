@@ -50,7 +50,7 @@ from bridge._jax_parts import (
 from bridge.base import (
     BridgeError, DescriptorError, MemoryRegion, PeerError, PeerInfo, RegistrationError, TransferEngine,
     TransferError, TransferHandle, TransferTimeout)
-from bridge.handles import Job, Worker, check_timeout
+from bridge.handles import Job, JobCompletion, Worker, check_timeout
 from bridge.jax_transfer import KIND, STAGINGS, JaxTransferServer
 
 __all__ = ["JaxTransferEngine", "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MAX_RANGES"]
@@ -60,7 +60,7 @@ _WAIT_SLICE_MS = 50  # a worker waiting for an answer looks at cancel / deadline
 #: Most requesting engines served at once (one worker thread each; a "from" name is only a claim).
 MAX_SERVED_PEERS = 256
 
-class JaxTransferEngine(HostMemory, TransferEngine):
+class JaxTransferEngine(JobCompletion, HostMemory, TransferEngine):
     """`TransferEngine` over `jax.experimental.transfer`: host memory, every batch a pull.
 
     Args:
@@ -76,6 +76,8 @@ class JaxTransferEngine(HostMemory, TransferEngine):
         ValueError: bad staging, timeout_s or offer_ttl_s.
         TransferError: the transfer server did not start.
     """
+
+    JOB_LABEL = "jax-transfer"
 
     kind = KIND
 
@@ -271,36 +273,6 @@ class JaxTransferEngine(HostMemory, TransferEngine):
                 raise handle.error(TransferError, f"peer answered {msg['op']!r}", f"expected {want!r}")
             return msg
 
-    def _engine_check(self, handle: TransferHandle) -> bool:
-        job = self._jobs[handle.seq]
-        if not job.done.is_set():
-            return False
-        self._jobs.pop(handle.seq, None)
-        if job.dropped:
-            raise handle.error(TransferError, f"{handle.op} cancelled before it started", job.cancel_reason or "")
-        if job.error is not None:
-            if isinstance(job.error, TransferError):
-                raise job.error
-            raise handle.error(TransferError, f"jax-transfer {handle.op} failed",
-                               f"{type(job.error).__name__}: {job.error}")
-        return True
-
-    def _engine_block(self, handle: TransferHandle, max_s: float) -> None:
-        job = self._jobs.get(handle.seq)
-        if job is not None:
-            job.done.wait(max_s)
-        else:
-            time.sleep(max_s)
-
-    def _engine_cancel(self, handle: TransferHandle) -> None:
-        job = self._jobs.get(handle.seq)
-        if job is not None:
-            job.cancel("cancelled by the caller")
-
-    def _engine_abort(self, handle: TransferHandle) -> None:
-        job = self._jobs.pop(handle.seq, None)
-        if job is not None:
-            job.cancel("abandoned after a timeout")
 
     # ---- the serving side -------------------------------------------------------------------
     def _serve(self) -> None:

@@ -51,7 +51,7 @@ from bridge.base import (
     TransferError,
     TransferHandle,
 )
-from bridge.handles import Job, Worker
+from bridge.handles import Job, JobCompletion, Worker
 
 __all__ = ["MooncakeEngine", "MOONCAKE_MAX_BATCH_ENTRIES", "MOONCAKE_PROTOCOLS", "mooncake_available",
            "mooncake_supports_cuda"]
@@ -86,7 +86,7 @@ def mooncake_supports_cuda() -> bool:
     return _mc is not None and bool(getattr(_mc, "SUPPORT_CUDA", False))
 
 
-class MooncakeEngine(TransferEngine):
+class MooncakeEngine(JobCompletion, TransferEngine):
     """`TransferEngine` over Mooncake's transfer engine: host memory over TCP, device memory of one
     host over ``nvlink_intra`` (CUDA build).
 
@@ -105,6 +105,8 @@ class MooncakeEngine(TransferEngine):
             ``initialize`` failed (with "auto": at the first `register` or `peer_info`).
         ValueError: window or protocol out of range.
     """
+
+    JOB_LABEL = "Mooncake"
 
     kind = "mooncake"
 
@@ -336,37 +338,6 @@ class MooncakeEngine(TransferEngine):
                 raise handle.error(TransferError, "Mooncake could not deliver the notification",
                                    f"transfer_sync returned {rc}")
 
-    def _engine_check(self, handle: TransferHandle) -> bool:
-        job = self._jobs[handle.seq]
-        if not job.done.is_set():
-            return False
-        self._jobs.pop(handle.seq, None)
-        if job.dropped:
-            raise handle.error(TransferError, f"Mooncake {handle.op} cancelled before it started",
-                               job.cancel_reason or "")
-        if job.error is not None:
-            if isinstance(job.error, TransferError):
-                raise job.error
-            raise handle.error(TransferError, f"Mooncake {handle.op} failed",
-                               f"{type(job.error).__name__}: {job.error}")
-        return True
-
-    def _engine_block(self, handle: TransferHandle, max_s: float) -> None:
-        job = self._jobs.get(handle.seq)
-        if job is not None:
-            job.done.wait(max_s)
-        else:
-            time.sleep(max_s)
-
-    def _engine_cancel(self, handle: TransferHandle) -> None:
-        job = self._jobs.get(handle.seq)
-        if job is not None:
-            job.cancel("cancelled by the caller")
-
-    def _engine_abort(self, handle: TransferHandle) -> None:
-        job = self._jobs.pop(handle.seq, None)
-        if job is not None:  # stops further windows; the one inside the engine ends on its own
-            job.cancel("abandoned after a timeout")
 
     def _engine_poll_notifs(self) -> dict[str, list[bytes]]:
         out: dict[str, list[bytes]] = {}
