@@ -137,6 +137,7 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         self._by_peer: dict[str, _Link] = {}
         self._outbox: deque[tuple[_Link, bytes]] = deque()
         self._requests: dict[str, RecvRequest] = {}
+        self._page_owner: dict[int, str] = {}  # page -> id of the held request that writes into it
         self._reads: dict[int, tuple] = {}  # handle seq -> (request, link, msg, handle)
         self._chunk_rows: dict[tuple, np.ndarray] = {}
         self._doubt: dict[str, tuple] = {}  # dropped push sender's peer -> (when, link): may still write
@@ -226,7 +227,8 @@ class KVReceiver(ReceiverData, ReceiverRegion):
             page_table: int[pages]: ``page_table[k]`` is the physical page holding this rank's
                 local rows ``[k*page_size, (k+1)*page_size)``; local row of token t is
                 ``layout.local_index(t)`` counted from token 0 (spec section 10). It must cover
-                ``local_len(num_tokens)`` rows. Requests must use disjoint pages.
+                ``local_len(num_tokens)`` rows. The pages it writes (past the prefix) must belong to no
+                other held request (ValueError); prefix pages may be shared.
             num_tokens: tokens of the request (prompt length), >= 0.
             prefix_tokens: tokens this rank's group already holds (a prefix-cache hit); only
                 ``[prefix_tokens, num_tokens)`` is transferred.
@@ -252,8 +254,18 @@ class KVReceiver(ReceiverData, ReceiverRegion):
             if rid in self._requests:
                 raise ValueError(f"request_id={rid!r} is still held ({self._requests[rid].status.name}); "
                                  "release() it first")
+            # Pages the transfer writes (rows of [prefix_tokens, num_tokens)) must belong to no other
+            # held request; prefix pages may be shared (a prefix cache hands one block to many).
+            lo = int(local_len_np(int(prefix_tokens), s.dcp_size, s.dcp_rank, s.interleave_size))
+            written = [int(p) for p in table[lo // s.page_size: -(-rows // s.page_size)]]
+            clash = next((p for p in written if p in self._page_owner), None)
+            if clash is not None:
+                raise ValueError(f"page_table: page {clash} is written by request {self._page_owner[clash]!r}, "
+                                 "still held (requests must write disjoint pages; release that one first)")
             req = RecvRequest(rid, secrets.randbits(62) + 1, table, int(num_tokens), int(prefix_tokens),
                               self._links)
+            req.written_pages = written
+            self._page_owner.update(dict.fromkeys(written, rid))
             self._requests[rid] = req
             self._counts["requests"] += 1
             frame = proto.encode("expect", rid, req.inc, num_tokens=int(num_tokens),
@@ -296,6 +308,8 @@ class KVReceiver(ReceiverData, ReceiverRegion):
             if not req.status.terminal:
                 self._end(req, TransferStatus.ABORTED, "released before completion", "abort")
             del self._requests[request_id]
+            for page in req.written_pages:
+                self._page_owner.pop(page, None)
             for key in [k for k in self._chunk_rows if k[0] is req]:
                 del self._chunk_rows[key]
 

@@ -156,6 +156,7 @@ class RecvRequest:
         self.rows_landed: dict[tuple[int, int], int] = {}
         self.inflight = 0                                # pull reads submitted, not yet done
         self.drained: set[int] = set()                   # id(sender link) that said "drained"
+        self.written_pages: list[int] = []               # pages the transfer writes (prefix pages excluded)
         self.due = 0                                     # "sent" hints not yet matched by a "done"
         self.bytes = 0
         self.unpack_seconds = 0.0                        # region path: unpacks into the pages, waited for

@@ -344,3 +344,17 @@ def test_stalled_request_says_which_ranks_never_announced_it(engine):
         assert "decode rank(s) [1]" in c.sender.failure_reason("half")
     finally:
         c.close()
+
+
+def test_two_held_requests_may_not_write_one_page(engine):
+    c = Cluster(engine, dcp_size=1)
+    try:
+        r = c.receivers[0]
+        r.expect("p1", [8, 9], 8)  # page size 4: pages 8 and 9 are written
+        with pytest.raises(ValueError, match=r"page_table: page 9 is written by request 'p1'"):
+            r.expect("p2", [9, 10], 8)
+        r.expect("p3", [8, 11], 8, prefix_tokens=4)  # page 8 holds only its prefix: shared, fine
+        r.release("p1")
+        r.expect("p2", [9, 10], 8)  # free again after release
+    finally:
+        c.close()
