@@ -17,7 +17,7 @@ from bridge import PeerInfo
 from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._region import PeerOffer, choose_path, ipc_open
-from dcp_jax.transfer._worker import check_page_table
+from dcp_jax.transfer._worker import check_page_table, pings_fit
 from dcp_jax.transfer.requests import RankTarget, SendRequest, check_request_id
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
 from dcp_jax.transfer.status import TransferStatus
@@ -191,12 +191,12 @@ class SenderPeers:
     def _check_liveness(self, msg: dict) -> None:
         """Refuses a receiver whose pings would not reach us inside our ``peer_timeout_s`` twice
         over, or whose silence limit our pings would not keep: either side would drop a healthy
-        connection as silent (`check_liveness`)."""
+        connection as silent (`pings_fit`)."""
         hb, pt = msg["heartbeat_ms"] / 1000, msg["peer_timeout_ms"] / 1000
-        if 2 * self.heartbeat_s > pt:
+        if not pings_fit(self.heartbeat_s, pt):
             raise HandshakeError("peer_timeout_s", None, None, f"this sender pings every {self.heartbeat_s:g} s; "
                                  f"the receiver's peer_timeout_s={pt:g} must be >= 2 x that")
-        if 2 * hb > self.peer_timeout_s:
+        if not pings_fit(hb, self.peer_timeout_s):
             raise HandshakeError("heartbeat_s", None, None, f"the receiver pings every {hb:g} s; this sender's "
                                  f"peer_timeout_s={self.peer_timeout_s:g} must be >= 2 x that")
 

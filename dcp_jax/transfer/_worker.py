@@ -140,14 +140,20 @@ def check_seconds(name: str, value: Any) -> float:
     return float(value)
 
 
+def pings_fit(heartbeat_s: float, peer_timeout_s: float) -> bool:
+    """True when pings every ``heartbeat_s`` fit twice into a silence limit of ``peer_timeout_s``
+    (seconds): else one late ping drops a healthy connection as silent. The one rule for both a
+    side's own pair (`check_liveness`) and each side's pings against the other's limit (hello)."""
+    return 2 * heartbeat_s <= peer_timeout_s
+
+
 def check_liveness(heartbeat_s: float, peer_timeout_s: float) -> None:
-    """One side's ping interval must fit twice into its peer timeout (and, checked at the
-    handshake, into the other side's): else one late ping drops a healthy connection as silent.
+    """One side's ping interval must fit twice into its own peer timeout (`pings_fit`).
 
     Raises:
         ValueError: ``2 * heartbeat_s > peer_timeout_s`` (the message names both).
     """
-    if 2 * heartbeat_s > peer_timeout_s:
+    if not pings_fit(heartbeat_s, peer_timeout_s):
         raise ValueError(f"heartbeat_s={heartbeat_s:g} must be <= peer_timeout_s / 2 (peer_timeout_s="
                          f"{peer_timeout_s:g}): a connection would be dropped as silent between pings")
 
