@@ -111,8 +111,9 @@ def test_sender_killed_mid_request_then_restarted(nixl_only):
         recv.close(), again.close()
 
 
-def _stopped_setup(h, engine, mode, peer_timeout_s):
-    # Packed mode goes through a 64 KiB arena, which the stopped rank's windows fill.
+def _stopped_setup(h, engine, mode, peer_timeout_s, chunks=1):
+    # Packed mode goes through a 64 KiB arena, which the stopped rank's windows fill. The stopped
+    # rank's 2,048-token request (128 KiB of rows: twice the arena) is sent in ``chunks`` calls.
     sender = Agent(h, 0, "sender", engine=engine, host=h.addr(0, 1), mode=mode, pack_bytes=64 << 10,
                    timeout_s=30.0, peer_timeout_s=peer_timeout_s, pages=512, **GEO)
     slow = Agent(h, 1, "receiver", engine=engine, host=h.addr(1), group="slow", pages=512,
@@ -121,11 +122,13 @@ def _stopped_setup(h, engine, mode, peer_timeout_s):
                  peer_timeout_s=peer_timeout_s, **GEO)
     for r in (slow, fast):
         r.call("connect", sender.hello)
-    n = 2048  # 128 KiB of rows: twice the arena
+    n = 2048
     slow.call("expect", "big", np.arange(pages_for(n)), n)
     assert wait_for(lambda: sender.call("stats")["live_requests"] == 1, 5.0)
     os.kill(slow.proc.pid, signal.SIGSTOP)
-    sender.call("send", "big", np.arange(pages_for(n)), 0, n)
+    step = n // chunks
+    for k in range(chunks):
+        sender.call("send", "big", np.arange(pages_for(n)), k * step, (k + 1) * step)
     return sender, slow, fast
 
 
@@ -160,20 +163,8 @@ def test_stopped_receiver_holds_at_most_its_share_of_the_packed_arena(nixl_only)
     # (`_sender_units.ARENA_SHARE`), so the other rank's request passes while this one is stopped.
     peer_timeout_s = 2.0
     with Hosts(3) as h:
-        sender = Agent(h, 0, "sender", engine=engine, host=h.addr(0, 1), mode="packed", pack_bytes=64 << 10,
-                       timeout_s=30.0, peer_timeout_s=peer_timeout_s, pages=512, **GEO)
-        slow = Agent(h, 1, "receiver", engine=engine, host=h.addr(1), group="slow", pages=512,
-                     peer_timeout_s=peer_timeout_s, **GEO)
-        fast = Agent(h, 2, "receiver", engine=engine, host=h.addr(2), group="fast", pages=512,
-                     peer_timeout_s=peer_timeout_s, **GEO)
-        for r in (slow, fast):
-            r.call("connect", sender.hello)
-        n = 2048  # 128 KiB of rows, twice the arena, in 8 chunks of 16 KiB (one window each)
-        slow.call("expect", "big", np.arange(pages_for(n)), n)
-        assert wait_for(lambda: sender.call("stats")["live_requests"] == 1, 5.0)
-        os.kill(slow.proc.pid, signal.SIGSTOP)
-        for k in range(8):
-            sender.call("send", "big", np.arange(pages_for(n)), k * 256, (k + 1) * 256)
+        # 8 chunks of 16 KiB of rows (one window each)
+        sender, slow, fast = _stopped_setup(h, engine, "packed", peer_timeout_s, chunks=8)
         try:
             assert wait_for(lambda: sender.call("stats")["arena"]["in_use_bytes"] > 0, 5.0)
             held = sender.call("stats")["arena"]
