@@ -57,6 +57,10 @@ EOF
 [ -n "$CUDART_DIR" ] && export LD_LIBRARY_PATH="$CUDART_DIR${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PYTHONPATH="$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false UCX_LOG_LEVEL=fatal MC_LOG_LEVEL=ERROR PYTHONUNBUFFERED=1
+# One persistent compile cache for every step and process of the suite: the main job's nine
+# processes and the pack benchmark compile the same Pallas kernels; later steps load them.
+export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/dcp_jax_jit_cache}"
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 export DCP_GPU_OUT="$OUT"  # tests write their tables here
 export GIT_COMMIT="${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 

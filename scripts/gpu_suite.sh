@@ -69,11 +69,14 @@ source "$ROOT/scripts/gpu_env.sh"
 
 # --- the suite --------------------------------------------------------------------------------------
 # The 32k DCP8 job test is the job_32k_* steps' own run: deselected here to keep the limits.
-step pytest_gpu 190 "$PY" -m pytest -q -m gpu ${PYTEST_TARGETS:-tests/gpu} -p no:cacheprovider --durations=15 \
+# -v names each test as it runs and faulthandler dumps every thread of a test past 40 s: a hang
+# is named in the log even when the step's limit kills pytest.
+step pytest_gpu ${PYTEST_LIMIT_S:-190} "$PY" -m pytest -v -m gpu ${PYTEST_TARGETS:-tests/gpu} -p no:cacheprovider \
+    --durations=15 -o faulthandler_timeout=40 \
     --deselect tests/gpu/test_transfer_job_gpu.py::test_deepseek_32k_dcp8_on_device_memory
 step d2d_ceiling 25 "$PY" benchmarks/d2d_ceiling.py --prompt-tokens 32768 --prompt-tokens 131072 \
     --json "$OUT/d2d_ceiling.json" --md "$OUT/d2d_ceiling.md"
-step pack_bench 60 "$PY" benchmarks/pack.py --no-sweep --only deepseek-v3/rank-4096 --rounds 3 \
+step pack_bench ${PACK_LIMIT_S:-100} "$PY" benchmarks/pack.py --no-sweep --only deepseek-v3/rank-4096 --rounds 3 \
     --json "$OUT/pack.json" --md "$OUT/pack.md"
 job() {  # name limit engine paths tokens
     step "$1" "$2" "$PY" -m dcp_jax.cli transfer --device gpu --no-progress --timeout-s 60 --engine "$3" \

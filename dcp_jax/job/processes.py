@@ -273,6 +273,7 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection) -> None:
                                 plan_seconds=st["plan_seconds"], pack_seconds=st["pack_seconds"],
                                 transfer_seconds=st["transfer_seconds"], ranks=st["ranks"],
                                 first_byte_at=st["first_byte_at"], copy_seconds=st["copy_seconds"],
+                                timeline=st["timeline"],
                                 staging="staged" if stager else "direct",
                                 stage_seconds=stager.seconds if stager else 0.0,
                                 unit_rows=verify.unit_rows(cfg, rank, arg["dcp_size"], arg["chunks"]))))
@@ -372,7 +373,8 @@ def decode_main(cfg_dict: dict, index: int, pools: tuple[int, int], tag: str, co
         rs = recv.request_stats(rid)
         out = dict(dcp_rank=r, status=status.value, errors=[] if status is TransferStatus.SUCCESS
                    else [f"{status.value}: {recv.failure_reason(rid)}"], wait_seconds=wait_s,
-                   paths=rs["paths"], unpack_seconds=rs["unpack_seconds"], done_at=rs["done_at"])
+                   paths=rs["paths"], unpack_seconds=rs["unpack_seconds"], done_at=rs["done_at"],
+                   timeline=rs["timeline"])
         vbuf, vlayers = buf, layers
         if stager:
             if status is TransferStatus.SUCCESS:

@@ -316,6 +316,8 @@ def _report(cfg: JobConfig, mode: str, engine: str | None, n: int, stats: dict, 
     firsts = [s["first_byte_at"] for s in good.values() if s.get("first_byte_at") is not None]
     dones = [x["done_at"] for x in rank_rows if x.get("done_at") is not None]
     request_s = max(dones) - min(firsts) if firsts and len(dones) == n else nan
+    timeline = _timeline_summary([s.get("timeline") or [] for s in good.values()],
+                                 [x.pop("timeline", None) or [] for x in rank_rows], min(firsts) if firsts else None)
     return dict(
         mode=mode, engine=engine, paths=sorted({x["path"] for x in rank_rows if x["path"]}),
         request_seconds=request_s, copy_seconds=slowest("copy_seconds"),
@@ -332,8 +334,24 @@ def _report(cfg: JobConfig, mode: str, engine: str | None, n: int, stats: dict, 
         gbps=total_bytes / total_s / 1e9 if good and math.isfinite(total_s) and total_s > 0 else 0.0,
         verified=not failures and len(good) == len(stats) == cfg.prefill_dcp_size
         and all(s["ok"] for s in good.values()) and all(x.get("verified") for x in rank_rows),
-        failures=failures, ranks=rank_rows,
+        failures=failures, ranks=rank_rows, timeline_ms=timeline,
     )
+
+
+def _timeline_summary(senders: list[list], receivers: list[list], t0: float | None) -> dict:
+    """The connectors' request timelines (`dcp_jax.transfer.requests.Timeline`) folded into
+    ``{"prefill:EVENT" or "decode:EVENT": [first_ms, last_ms, count]}``, milliseconds after the
+    first byte packed or sent (``t0``, `time.monotonic()`); {} without a start."""
+    if t0 is None:
+        return {}
+    out: dict[str, list] = {}
+    for side, lists in (("prefill", senders), ("decode", receivers)):
+        for events in lists:
+            for name, _rank, t in events:
+                ms = round((t - t0) * 1e3, 3)
+                e = out.setdefault(f"{side}:{name}", [ms, ms, 0])
+                e[0], e[1], e[2] = min(e[0], ms), max(e[1], ms), e[2] + 1
+    return dict(sorted(out.items(), key=lambda kv: kv[1][0]))
 
 
 def _strategy(cfg: JobConfig, mode: str, counts: dict, unit_rows: list[int], region_rows: int) -> str:

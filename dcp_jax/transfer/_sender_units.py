@@ -152,8 +152,10 @@ class SenderUnits:
             req.first_byte_at = time.monotonic()
         if u.region is not None:
             tk = time.perf_counter()
+            req.timeline.mark("pack", rank)
             pack_rows(self._source, rc.src_rows[lo:hi], self._pack.array, offset=u.region.offset)
             req.pack_seconds += time.perf_counter() - tk
+            req.timeline.mark("packed", rank)
             region_addr = self._pack.addr + u.region.offset
         head = dict(chunk=rc.chunk, part=u.w, nparts=len(rc.windows), start=rc.start, stop=rc.stop, nrows=n)
         if req.t_first_submit is None:
@@ -179,6 +181,7 @@ class SenderUnits:
                                       item_lens=self._layers.item_lens, region_addr=region_addr)
         notif = proto.encode("done", req.rid, t.inc, **head)
         u.handle = self.engine.transfer_batch(t.conn.peer, descs, notif=notif, dcp_rank=rank, chunk=rc.chunk)
+        req.timeline.mark("post", rank)
         # Engine notifications wake no socket: this tells the rank one is due, so it polls its
         # engine only while completions are on their way.
         self._ctl.send(t.conn.ident, proto.encode("sent", req.rid, t.inc, chunk=rc.chunk, part=u.w))
@@ -211,6 +214,7 @@ class SenderUnits:
                 keep.append(u)
                 continue
             busy = True
+            u.req.timeline.mark("complete", u.target.conn.spec.dcp_rank)
             self._unit_finished(u, None if err is None else f"engine: {err}")
         self._inflight = keep
         return busy

@@ -346,7 +346,8 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         ``unpacks`` and ``unpack_seconds`` (region path: windows placed from the receive region
         into the pages, kernels waited for), ``latency_seconds`` (`expect` to the end, None
         while live) and ``done_at`` (`time.monotonic()` of the end, None while live: a clock
-        every process of the host shares, for whole-request timings). Raises KeyError if unknown."""
+        every process of the host shares, for whole-request timings) and ``timeline``
+        (``[event, dcp_rank, time.monotonic()]`` lists, `requests.Timeline`). Raises KeyError if unknown."""
         with self._lock:
             req = self._get(request_id)
             end = req.t_done
@@ -354,6 +355,7 @@ class KVReceiver(ReceiverData, ReceiverRegion):
                         paths=[link.path for link in req.senders], unpacks=req.unpacks,
                         unpack_seconds=req.unpack_seconds,
                         latency_seconds=None if end is None else end - req.created,
+                        timeline=req.timeline.as_list(),
                         done_at=None if end is None else time.monotonic() - (time.perf_counter() - end))
 
     def request_latency(self, request_id: str) -> float | None:

@@ -103,6 +103,38 @@ class RankTarget:
         return not self.parts_left and self.coverage.covers(self.prefix_tokens, self.num_tokens)
 
 
+#: Timeline events kept per request (`Timeline`): enough for every window of a long request;
+#: later events are counted, not kept, so a request's memory stays bounded.
+MAX_EVENTS = 4096
+
+
+class Timeline:
+    """What happened to a request when: ``(event, dcp_rank, time.monotonic())`` triples, the
+    clock every process of a host shares, so a sender's and its ranks' timelines line up.
+
+    Events (sender): ``pack`` / ``packed`` (a window's pack kernel enqueued / returned), ``ask``
+    (region room asked), ``post`` (engine batch posted), ``complete`` (the engine said done),
+    ``copied`` (fused kernel finished). Receiver: ``landed`` (a region window's ``done`` seen),
+    ``unpacked`` (placed into the pages), ``part`` (a window credited), ``end`` (SUCCESS). At most `MAX_EVENTS` kept; ``dropped`` counts
+    the rest.
+    """
+
+    __slots__ = ("events", "dropped")
+
+    def __init__(self):
+        self.events: list[tuple[str, int, float]] = []
+        self.dropped = 0
+
+    def mark(self, event: str, dcp_rank: int) -> None:
+        if len(self.events) < MAX_EVENTS:
+            self.events.append((event, int(dcp_rank), time.monotonic()))
+        else:
+            self.dropped += 1
+
+    def as_list(self) -> list[list]:
+        return [list(e) for e in self.events]
+
+
 class SendRequest:
     """The sender's record of one request: its chunks, its decode ranks, its state."""
 
@@ -121,6 +153,7 @@ class SendRequest:
         self.copy_seconds = 0.0           # fused path: copy kernels, waited for
         self.t_first_submit: float | None = None
         self.first_byte_at: float | None = None  # time.monotonic() of the first pack or submit
+        self.timeline = Timeline()
 
     @property
     def status(self) -> TransferStatus:
@@ -162,6 +195,7 @@ class RecvRequest:
         self.unpack_seconds = 0.0                        # region path: unpacks into the pages, waited for
         self.unpacks = 0
         self.created = time.perf_counter()
+        self.timeline = Timeline()
 
     @property
     def status(self) -> TransferStatus:

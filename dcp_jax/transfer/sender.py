@@ -259,7 +259,8 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
         rows/descriptors/bytes/batches/engine calls and strategies, plan/pack/copy (fused kernel)
         seconds, ``transfer_seconds`` (first submit to this side's completion) and
         ``first_byte_at`` (`time.monotonic()` when the first byte was packed, or sent on the
-        unpacked paths: a clock every process of the host shares, for whole-request timings)."""
+        unpacked paths: a clock every process of the host shares, for whole-request timings) and
+        ``timeline`` (``[event, dcp_rank, time.monotonic()]`` lists, `requests.Timeline`)."""
         with self._lock:
             req = self._get(request_id)
             t0, t1 = req.t_first_submit, req.t_done
@@ -267,6 +268,7 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
                         plan_seconds=req.plan_seconds, pack_seconds=req.pack_seconds,
                         copy_seconds=req.copy_seconds, first_byte_at=req.first_byte_at,
                         transfer_seconds=(t1 - t0) if t0 is not None and t1 is not None else None,
+                        timeline=req.timeline.as_list(),
                         ranks={r: dict(t.counters.as_dict(), path=t.conn.path)
                                for r, t in sorted(req.targets.items())})
 
