@@ -19,10 +19,10 @@ import numpy as np
 
 from dcp_jax.transfer import protocol as proto
 
-__all__ = ["SenderRegion"]
+__all__ = ["SenderRegion", "sync_arrays"]
 
 
-def _synchronize(arrays) -> None:
+def sync_arrays(arrays) -> None:
     """Waits until every kernel queued on these device arrays finished (no-op for numpy)."""
     import pallas_kernels
 
@@ -91,16 +91,40 @@ class SenderRegion:
             if int(dst.max()) >= rows:  # no engine checks these addresses: this does
                 raise ValueError(f"decode rank {t.conn.spec.dcp_rank}'s page table maps row {int(dst.max())}, "
                                  f"its mapped layers hold {rows} rows")
+            if int(dst.min()) < 0:
+                raise ValueError(f"decode rank {t.conn.spec.dcp_rank}'s page table maps a negative row")
             tk = time.perf_counter()
-            copy_rows(self._layers.rows, u.rc.src_rows[lo:hi], mapping.arrays, dst)
-            _synchronize(mapping.arrays)  # the bytes are in the decode pages before we say so
+            # Bounds were checked just above on the host; the kernel's own checks would each
+            # synchronise. The copy is only enqueued: `_finish_fused` waits once for the round.
+            copy_rows(self._layers.rows, u.rc.src_rows[lo:hi], mapping.arrays, dst, checked=True)
             u.req.copy_seconds += time.perf_counter() - tk
-            u.req.timeline.mark("copied", t.conn.spec.dcp_rank)
-        self._count(t, 0, u.rc.window_bytes(u.w, self._layers.item_lens) if hi > lo else 0, 0)
-        self._ctl.send(t.conn.ident, proto.encode("fused_done", u.req.rid, t.inc, **head))
         u.req.inflight += 1
         t.inflight += 1
-        self._unit_finished(u, None)
+        self._fused.append((u, head, hi > lo))
+
+    def _finish_fused(self) -> None:
+        """The round's fused copies: one wait for all of them (the bytes are in the decode
+        pages before any rank is told), then ``fused_done`` to each rank."""
+        if not self._fused:
+            return
+        done, self._fused = self._fused, []
+        tk = time.perf_counter()
+        err = None
+        try:
+            sync_arrays([a for u, _, moved in done if moved for a in u.target.conn.mapping.arrays[:1]])
+        except Exception as exc:  # noqa: BLE001 - no rank may be told its rows landed
+            err = f"fused copy: {type(exc).__name__}: {exc}"
+        waited = time.perf_counter() - tk
+        for req in {id(u.req): u.req for u, _, moved in done if moved}.values():
+            req.copy_seconds += waited
+        for u, head, moved in done:
+            t = u.target
+            if err is None and not u.req.status.terminal:
+                if moved:
+                    u.req.timeline.mark("copied", t.conn.spec.dcp_rank)
+                self._count(t, 0, u.rc.window_bytes(u.w, self._layers.item_lens) if moved else 0, 0)
+                self._ctl.send(t.conn.ident, proto.encode("fused_done", u.req.rid, t.inc, **head))
+            self._unit_finished(u, err)
 
     def _drop_asks(self, pred) -> None:
         """Windows waiting for a grant that will never be used: their pack regions are free (no

@@ -15,6 +15,7 @@ from typing import Any
 from bridge import TransferError
 from pallas_kernels import pack_rows
 from dcp_jax.transfer import protocol as proto
+from dcp_jax.transfer._sender_region import sync_arrays as _sync_arrays
 from dcp_jax.transfer._worker import TIMEOUT_CHECK_S
 from dcp_jax.transfer.requests import RankTarget, SendRequest
 from dcp_jax.transfer.schedule import SideLayout, batch_engine_calls, plan_rank_chunk
@@ -93,6 +94,7 @@ class SenderUnits:
         the other ranks' windows pass it; the skipped rank's later windows wait too, so each
         rank's order is kept. Otherwise FIFO: a window that does not fit stops the scan."""
         busy, blocked, i = False, set(), 0
+        packed: list[tuple] = []  # (unit, lo, hi, pack address or None): packed, not yet posted
         share = int(self._arena.capacity * ARENA_SHARE)
         while i < len(self._queue):
             stalled = time.monotonic() - self._last_round  # this round began then: a stop inside it
@@ -121,12 +123,41 @@ class SenderUnits:
             del self._queue[i]
             busy = True
             try:
-                self._submit(u, lo, hi)
+                packed.append((u, lo, hi, self._pack_unit(u, lo, hi)))
             except Exception as exc:  # noqa: BLE001 - the request fails, the sender lives on
-                self._free_region(u)
-                self._end(u.req, TransferStatus.FAILED, f"decode rank {u.target.conn.spec.dcp_rank}, chunk "
-                          f"{u.rc.chunk}: {type(exc).__name__}: {exc}", notify="failed")
+                self._submit_failed(u, exc)
+        self._post_packed(packed)
         return busy
+
+    def _submit_failed(self, u: Unit, exc: BaseException) -> None:
+        self._free_region(u)
+        self._end(u.req, TransferStatus.FAILED, f"decode rank {u.target.conn.spec.dcp_rank}, chunk "
+                  f"{u.rc.chunk}: {type(exc).__name__}: {exc}", notify="failed")
+
+    def _post_packed(self, packed: list) -> None:
+        """Second half of a round's submissions: the round's pack kernels were only enqueued
+        (one synchronisation for all of them, not one per window: on a GPU that wait, not the
+        kernel, was most of a window's pack time); once they are done, each window is posted,
+        asked for or announced, and each fused copy is waited for the same way."""
+        if any(addr is not None for _, _, _, addr in packed):
+            tk = time.perf_counter()
+            try:
+                _sync_arrays([self._pack.array])
+            except Exception as exc:  # noqa: BLE001 - no window of this round may go out
+                for u, _, _, _ in packed:
+                    self._submit_failed(u, exc)
+                return
+            for req in {id(u.req): u.req for u, _, _, addr in packed if addr is not None}.values():
+                req.pack_seconds += time.perf_counter() - tk  # the wait is part of each request's pack
+        for u, lo, hi, addr in packed:
+            if u.req.status.terminal:  # ended by an earlier window's failure in this round
+                self._free_region(u)
+                continue
+            try:
+                self._post_unit(u, lo, hi, addr)
+            except Exception as exc:  # noqa: BLE001 - the request fails, the sender lives on
+                self._submit_failed(u, exc)
+        self._finish_fused()
 
     def _free_region(self, u: Unit) -> None:
         """Gives a window's pack region back to the arena (nothing reads it any more)."""
@@ -144,19 +175,25 @@ class SenderUnits:
         else:
             self._held.pop(conn, None)
 
-    def _submit(self, u: Unit, lo: int, hi: int) -> None:
-        req, t, rc = u.req, u.target, u.rc
-        rank, n = t.conn.spec.dcp_rank, hi - lo
-        region_addr = None
+    def _pack_unit(self, u: Unit, lo: int, hi: int) -> int | None:
+        """Enqueues a window's pack kernel (the caller synchronises before any engine reads the
+        region); returns the region's address, or None for windows that do not pack."""
+        req = u.req
         if req.first_byte_at is None:  # the request's first byte packed (or sent, unpacked paths)
             req.first_byte_at = time.monotonic()
-        if u.region is not None:
-            tk = time.perf_counter()
-            req.timeline.mark("pack", rank)
-            pack_rows(self._source, rc.src_rows[lo:hi], self._pack.array, offset=u.region.offset)
-            req.pack_seconds += time.perf_counter() - tk
+        if u.region is None:
+            return None
+        tk = time.perf_counter()
+        req.timeline.mark("pack", u.target.conn.spec.dcp_rank)
+        pack_rows(self._source, u.rc.src_rows[lo:hi], self._pack.array, offset=u.region.offset, sync=False)
+        req.pack_seconds += time.perf_counter() - tk
+        return self._pack.addr + u.region.offset
+
+    def _post_unit(self, u: Unit, lo: int, hi: int, region_addr: int | None) -> None:
+        req, t, rc = u.req, u.target, u.rc
+        rank, n = t.conn.spec.dcp_rank, hi - lo
+        if region_addr is not None:
             req.timeline.mark("packed", rank)
-            region_addr = self._pack.addr + u.region.offset
         head = dict(chunk=rc.chunk, part=u.w, nparts=len(rc.windows), start=rc.start, stop=rc.stop, nrows=n)
         if req.t_first_submit is None:
             req.t_first_submit = time.perf_counter()
