@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["parse_gpu_list", "place", "visible_devices", "gpu_count", "check_gpus", "child_env", "enter_gpu"]
+__all__ = ["parse_gpu_list", "place", "visible_devices", "gpu_count", "check_gpus", "child_env", "enter_gpu",
+           "host_placement"]
 
 _ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
 MAX_GPU = 1023  # far above any host; bounds a typo such as 0-100000
@@ -138,3 +139,18 @@ def enter_gpu(env: dict[str, str]) -> None:
     import jax
 
     jax.config.update("jax_cuda_visible_devices", "0")
+
+
+def host_placement(count: int, dcp_size: int) -> tuple[str, str]:
+    """``(--prefill-gpus, --decode-gpus)`` for a host of ``count`` GPUs (``scripts/multi_gpu.sh``):
+    prefill on GPU 0; decode over ``1..count-1``, or ``0..count-1`` once ``count >= dcp_size`` (one
+    rank per GPU at most), or ``0`` with one GPU.
+
+    Raises:
+        ValueError: ``count`` or ``dcp_size`` < 1.
+    """
+    if count < 1 or dcp_size < 1:
+        raise ValueError(f"count={count} and dcp_size={dcp_size} must be >= 1")
+    if count == 1:
+        return "0", "0"
+    return "0", (f"0-{count - 1}" if count >= dcp_size else f"1-{count - 1}")
