@@ -86,8 +86,8 @@ job job_32k_mooncake 50 mooncake packed,region 32768
 job job_128k_nixl 80 nixl packed,region,fused 131072
 job job_128k_mooncake 70 mooncake packed,region 131072
 # Issue 18's one-GPU rehearsal of scripts/multi_gpu.sh: placement flags, peer-copy ceiling, NIXL job, merge mesh.
-step multi_gpu_rehearsal 60 env OUT="$OUT/multi_gpu" PROMPT_TOKENS=8192 ENGINES=nixl BUDGET_S=55 MERGE_ITERS=5 \
-    MERGE_REPS=3 "$ROOT/scripts/multi_gpu.sh"
+step multi_gpu_rehearsal 60 env OUT="$OUT/multi_gpu" PROMPT_TOKENS=8192 ENGINES=nixl BUDGET_S=57 MERGE_KV_LEN=2048 \
+    MERGE_ITERS=5 MERGE_REPS=3 "$ROOT/scripts/multi_gpu.sh"
 
 # --- summary ----------------------------------------------------------------------------------------
 echo

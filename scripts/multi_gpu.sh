@@ -2,7 +2,8 @@
 # Issue 18: the main job and the DCP decode merge over the G GPUs of one host, in one command.
 #
 #   scripts/multi_gpu.sh                               # G = the GPUs CUDA shows; results in ${OUT:-out/multi_gpu}
-#   PROMPT_TOKENS=8192 ENGINES=nixl BUDGET_S=55 scripts/multi_gpu.sh   # the one-GPU rehearsal (gpu_suite.sh)
+#   PROMPT_TOKENS=8192 ENGINES=nixl BUDGET_S=57 MERGE_KV_LEN=2048 scripts/multi_gpu.sh  # the rehearsal (gpu_suite.sh)
+# Other knobs: DCP_SIZE (8), MERGE_ITERS / MERGE_REPS (10 / 5), PYTHON (python3).
 #
 # Placement: prefill rank on GPU 0; the DCP_SIZE (8) decode ranks round-robin over GPUs 1..G-1, or
 # over 0..G-1 when G >= DCP_SIZE; with G = 1 every process is on GPU 0 (the rehearsal). Steps, each
@@ -96,7 +97,7 @@ for engine in $ENGINES; do
         --engine "$engine" --path "$paths" --prompt-tokens "$TOKENS" --dcp-size "$DCP" \
         --prefill-gpus 0 --decode-gpus "$DECODE" --json "$OUT/mg_job_$engine.json"
 done
-mg_step merge 180 "$PY" benchmarks/multi_gpu_merge.py --kv-len "$TOKENS" --batch 4 --emulate "$DCP" \
+mg_step merge 180 "$PY" benchmarks/multi_gpu_merge.py --kv-len "${MERGE_KV_LEN:-$TOKENS}" --batch 4 --emulate "$DCP" \
     --iters "${MERGE_ITERS:-10}" --reps "${MERGE_REPS:-5}" --json "$OUT/mg_merge.json"
 
 # --- the results file -------------------------------------------------------------------------------
