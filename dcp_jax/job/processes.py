@@ -88,7 +88,9 @@ def start_processes(cfg: JobConfig, *, tag: str, min_dcp_size: int | None = None
     """Spawns ``prefill_dcp_size`` prefill and ``dcp_size`` decode processes, waits for their hello.
 
     The prefill side starts first: filling its multi-GB KV is the longest part of start-up and
-    should not compete with the decode processes' start.
+    should not compete with the decode processes' start. With ``cfg.prefill_gpus`` /
+    ``cfg.decode_gpus`` each process is placed on its GPU (:mod:`dcp_jax.job.gpus`; a side left
+    unplaced goes to GPU 0) and ``Proc.gpu`` / ``Proc.device_info`` say where it runs.
 
     Returns:
         ``(prefills, decodes, prefill_setup)`` (``prefill_setup``: each prefill's set-up seconds).
