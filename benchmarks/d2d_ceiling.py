@@ -12,8 +12,8 @@ The bytes are those of `dcp-jax transfer` (the model's KV for ``--prompt-tokens`
 
 With ``--peer SRC,DST[,DST...]`` (GPU ordinals) it also measures the peer-to-peer ceiling, the
 NVLink figure of a multi-GPU host: ``cudaMemcpyPeerAsync`` of the same bytes from a buffer on GPU
-SRC into one on GPU DST (peer access enabled where ``cudaDeviceCanAccessPeer`` allows; the row
-says whether it was), and with several DSTs the bytes split evenly over them, one stream each,
+SRC into one on the first DST that is not SRC (peer access enabled where
+``cudaDeviceCanAccessPeer`` allows; the row says whether it was), and with several DSTs the bytes split evenly over them, one stream each,
 all at once (the prefill GPU writing to every decode GPU). Each destination is checked word-exact
 against the pattern regenerated on its own GPU. ``--peer 0,0`` on a one-GPU host is the rehearsal
 (a same-device copy through the peer API).
@@ -144,10 +144,12 @@ def _time_peer(cp, n_words: int, src_dev: int, dst_devs: list[int], repeats: int
 
 
 def peer_rows(cp, geo, tokens: int, src: int, dsts: list[int], repeats: int) -> list[dict]:
-    """The --peer rows for one request size: SRC -> DSTS[0] whole, then SRC -> all DSTS split."""
+    """The --peer rows for one request size: SRC -> the first DST other than SRC (the NVLink pair;
+    SRC itself when it is the only one), whole; then SRC -> all DSTS split, if several."""
     n_words = geo.request_bytes(tokens) // 8
+    pair = next((d for d in dsts if d != src), dsts[0])
     rows = []
-    for targets in ([dsts[0]], dsts) if len(dsts) > 1 else ([dsts[0]],):
+    for targets in ([pair], dsts) if len(dsts) > 1 else ([pair],):
         med, all_s, peer = _time_peer(cp, n_words, src, targets, repeats)
         what = (f"cudaMemcpyPeerAsync GPU {src} -> GPU {targets[0]}" if len(targets) == 1 else
                 f"cudaMemcpyPeerAsync GPU {src} -> GPUs {','.join(map(str, targets))}, 1/{len(targets)} each at once")
