@@ -17,7 +17,7 @@ import os
 import re
 
 __all__ = ["parse_gpu_list", "place", "visible_devices", "gpu_count", "check_gpus", "child_env", "enter_gpu",
-           "host_placement"]
+           "device_info", "host_placement"]
 
 _ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
 MAX_GPU = 1023  # far above any host; bounds a typo such as 0-100000
@@ -139,6 +139,16 @@ def enter_gpu(env: dict[str, str]) -> None:
     import jax
 
     jax.config.update("jax_cuda_visible_devices", "0")
+
+
+def device_info(device: str) -> dict:
+    """Where this process's buffers are (its device 0) for the report: ``{"pci_bus_id": str}`` on
+    ``device="gpu"``, ``{}`` on the CPU. Makes the placement visible: each GPU has its own bus id."""
+    if device != "gpu":
+        return {}
+    import cupy as cp
+
+    return {"pci_bus_id": cp.cuda.Device(0).pci_bus_id}
 
 
 def host_placement(count: int, dcp_size: int) -> tuple[str, str]:

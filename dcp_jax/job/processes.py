@@ -247,7 +247,7 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection, gpu_env: dict | No
         spec = KVCacheSpec(geo.num_layers, tuple(geo.kv_item_lens), p, cfg.prefill_dcp_size, rank,
                            cfg.prefill_interleave_size)
         conn.send(("hello", dict(fill_kv=fill_s, imports=import_s, total=time.perf_counter() - t0,
-                                 device=_device_info(cfg))))
+                                 device=gpus.device_info(cfg.device))))
     except BaseException:  # noqa: BLE001 - report, then exit non-zero
         _quiet_send(conn, ("error", traceback.format_exc()))
         raise SystemExit(1)
@@ -316,15 +316,6 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection, gpu_env: dict | No
     del owner
 
 
-def _device_info(cfg: JobConfig) -> dict:
-    """The GPU this process's buffers are on (device 0), for the report: placement made visible."""
-    if cfg.device != "gpu":
-        return {}
-    import cupy as cp
-
-    return {"pci_bus_id": cp.cuda.Device(0).pci_bus_id}
-
-
 def _quiet_send(conn: Connection, msg: Any) -> None:
     try:
         conn.send(msg)
@@ -353,7 +344,7 @@ def decode_main(cfg_dict: dict, index: int, pools: tuple[int, int], tag: str, co
             layers = kv.layer_views(buf, pool_pages, p, geo.kv_item_lens)
         from dcp_jax.transfer import KVCacheSpec, KVReceiver, TransferStatus
 
-        conn.send(("hello", dict(index=index, pool_pages=pool_pages, device=_device_info(cfg))))
+        conn.send(("hello", dict(index=index, pool_pages=pool_pages, device=gpus.device_info(cfg.device))))
     except BaseException:  # noqa: BLE001
         _quiet_send(conn, ("error", traceback.format_exc()))
         raise SystemExit(1)
