@@ -201,7 +201,9 @@ def summarize(out: str) -> int:
                "| geometry | variant | kernel ms | wall ms | wall / kernel |", "|---|---|---:|---:|---:|"]
         md += [f"| {p['geometry']} | {p['variant']} | {_f(p['kernel_ms'], '.4f')} | {_f(p['wall_ms'], '.4f')} | "
                f"{_f(p['wall_over_kernel'], '.2f')} |" for p in pack]
-    mg = _load(os.path.join(out, "multi_gpu", "multi_gpu.json"))
+    # only this run's: a folder left by an earlier suite run must not show its figures
+    mg = _load(os.path.join(out, "multi_gpu", "multi_gpu.json")) if any(
+        s["step"] == "multi_gpu_rehearsal" for s in steps) else None
     md += multi_gpu_lines(mg)
     failed = [s["step"] for s in steps if s["rc"] != 0] + [f"{r['step']}/{r['path']}" for r in runs if not r["verified"]]
     md += ["", f"GPU suite: {'FAILED: ' + ', '.join(failed) if failed else 'all steps passed'}"]

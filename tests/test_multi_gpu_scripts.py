@@ -136,3 +136,7 @@ def test_summaries_on_a_sample(tmp_path, capsys):
     assert "| ag_rs | 2 | 150.0 | 20.0 | True |" in text
     assert "Several GPUs: FAILED: job_nixl, nixl/region" in text
     assert json.load(open(tmp_path / "gpu_suite_summary.json"))["multi_gpu"]["peer_ceiling_gbps"] == 400.0
+    with open(tmp_path / "steps.tsv", "w") as f:  # a suite run without the step: the old folder is not shown
+        f.write("d2d_ceiling\t0\t5\n")
+    assert suite_summary.summarize(str(tmp_path)) == 0
+    assert "Several GPUs" not in open(tmp_path / "gpu_suite_summary.md").read()
