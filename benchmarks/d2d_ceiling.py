@@ -10,6 +10,14 @@ The bytes are those of `dcp-jax transfer` (the model's KV for ``--prompt-tokens`
 - the same bytes as ``--ranks`` equal copies, one per stream (as when each decode rank's share is
   written separately).
 
+With ``--peer SRC,DST[,DST...]`` (GPU ordinals) it also measures the peer-to-peer ceiling, the
+NVLink figure of a multi-GPU host: ``cudaMemcpyPeerAsync`` of the same bytes from a buffer on GPU
+SRC into one on the first DST that is not SRC (peer access enabled where
+``cudaDeviceCanAccessPeer`` allows; the row says whether it was), and with several DSTs the bytes split evenly over them, one stream each,
+all at once (the prefill GPU writing to every decode GPU). Each destination is checked word-exact
+against the pattern regenerated on its own GPU. ``--peer 0,0`` on a one-GPU host is the rehearsal
+(a same-device copy through the peer API).
+
 GB/s is payload bytes / seconds (the bytes moved once, as the transfer paths count them; the
 memory traffic is twice that). Seconds are CUDA-event time of one copy, median of ``--repeats``
 after a warm-up; every repeat's destination is poisoned first and checked word-exact after.
@@ -58,6 +66,100 @@ def _time_copy(cp, dst, src, streams, repeats):
     return float(np.median(times)), times
 
 
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _pattern(cp, lo_word: int, hi_word: int):
+    """Words lo..hi-1 of the source pattern (a golden-ratio hash of the index: distinct everywhere)."""
+    return cp.arange(lo_word, hi_word, dtype=cp.uint64) * cp.uint64(_GOLDEN)
+
+
+def parse_peer(text: str) -> tuple[int, list[int]]:
+    """``"0,1"`` / ``"0,1,2,3"`` -> (source GPU, destination GPUs).
+
+    Raises:
+        ValueError: not at least two non-negative ints, or a destination named twice (names --peer).
+    """
+    try:
+        ids = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--peer={text!r} must be SRC,DST[,DST...] GPU numbers") from None
+    if len(ids) < 2 or min(ids) < 0 or len(set(ids[1:])) != len(ids) - 1:
+        raise ValueError(f"--peer={text!r} must be SRC,DST[,DST...]: GPU numbers >= 0, destinations distinct")
+    return ids[0], ids[1:]
+
+
+def _time_peer(cp, n_words: int, src_dev: int, dst_devs: list[int], repeats: int) -> tuple[float, list, dict]:
+    """Median CUDA-event seconds of copying n_words * 8 bytes from GPU src_dev into dst_devs (split
+    evenly, one stream each, concurrently), every repeat checked word-exact on each destination."""
+    rt = cp.cuda.runtime
+    peer = {}
+    for d in dst_devs:
+        peer[d] = d == src_dev or bool(rt.deviceCanAccessPeer(src_dev, d))
+        if d != src_dev and peer[d]:
+            with cp.cuda.Device(src_dev):
+                try:
+                    rt.deviceEnablePeerAccess(d)
+                except rt.CUDARuntimeError as e:  # already enabled by an earlier row
+                    if "PeerAccessAlreadyEnabled" not in str(e):
+                        raise
+    edges = [n_words * k // len(dst_devs) for k in range(len(dst_devs) + 1)]
+    with cp.cuda.Device(src_dev):
+        src = _pattern(cp, 0, n_words)
+        streams = [cp.cuda.Stream(non_blocking=True) for _ in dst_devs]
+    dsts = []
+    for d, lo, hi in zip(dst_devs, edges, edges[1:]):
+        with cp.cuda.Device(d):
+            dsts.append(cp.empty(hi - lo, cp.uint64))
+    times = []
+    for rep in range(repeats + 1):  # the first one warms up
+        for d, dst in zip(dst_devs, dsts):
+            with cp.cuda.Device(d):
+                dst.view(cp.uint8).fill(0xA5)
+                cp.cuda.Device(d).synchronize()
+        with cp.cuda.Device(src_dev):
+            main = cp.cuda.Stream.null
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            main.synchronize()
+            start.record(main)
+            for s, d, dst, lo, hi in zip(streams, dst_devs, dsts, edges, edges[1:]):
+                s.wait_event(start)
+                rt.memcpyPeerAsync(dst.data.ptr, d, src.data.ptr + 8 * lo, src_dev, 8 * (hi - lo), s.ptr)
+                ev = cp.cuda.Event()
+                ev.record(s)
+                main.wait_event(ev)
+            stop.record(main)
+            stop.synchronize()
+        if rep:
+            times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
+        for d, dst, lo, hi in zip(dst_devs, dsts, edges, edges[1:]):
+            with cp.cuda.Device(d):
+                if not bool(cp.array_equal(dst, _pattern(cp, lo, hi))):
+                    raise AssertionError(f"peer copy GPU {src_dev} -> GPU {d} is not exact")
+    del src, dsts
+    for d in {src_dev, *dst_devs}:
+        with cp.cuda.Device(d):
+            cp.get_default_memory_pool().free_all_blocks()
+    return float(np.median(times)), times, peer
+
+
+def peer_rows(cp, geo, tokens: int, src: int, dsts: list[int], repeats: int) -> list[dict]:
+    """The --peer rows for one request size: SRC -> the first DST other than SRC (the NVLink pair;
+    SRC itself when it is the only one), whole; then SRC -> all DSTS split, if several."""
+    n_words = geo.request_bytes(tokens) // 8
+    pair = next((d for d in dsts if d != src), dsts[0])
+    rows = []
+    for targets in ([pair], dsts) if len(dsts) > 1 else ([pair],):
+        med, all_s, peer = _time_peer(cp, n_words, src, targets, repeats)
+        what = (f"cudaMemcpyPeerAsync GPU {src} -> GPU {targets[0]}" if len(targets) == 1 else
+                f"cudaMemcpyPeerAsync GPU {src} -> GPUs {','.join(map(str, targets))}, 1/{len(targets)} each at once")
+        rows.append({"what": what, "model": geo.name, "prompt_tokens": tokens, "bytes": 8 * n_words,
+                     "seconds_median": med, "seconds": all_s, "gbps": 8 * n_words / med / 1e9, "exact": True,
+                     "peer": {"src": src, "dst": targets, "peer_access": [peer[d] for d in targets],
+                              "same_device": targets == [src]}})
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="deepseek-v3", help="geometry name (dcp_jax.geometry)")
@@ -65,12 +167,21 @@ def main(argv=None) -> int:
                     help="tokens whose KV is copied (repeatable; default 32768)")
     ap.add_argument("--ranks", type=int, default=8, help="streams of the split copy row")
     ap.add_argument("--repeats", type=int, default=5, help="timed copies per row (median)")
+    ap.add_argument("--peer", default=None, help="also the peer-to-peer rows: SRC,DST[,DST...] GPU numbers")
     ap.add_argument("--json", default=None, help="write results JSON here")
     ap.add_argument("--md", default=None, help="write a markdown table here")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.ranks < 1:
         ap.error("--repeats and --ranks must be >= 1")
+    try:
+        peer = parse_peer(args.peer) if args.peer else None
+    except ValueError as e:
+        ap.error(str(e))
     import cupy as cp
+
+    ndev = cp.cuda.runtime.getDeviceCount()
+    if peer and max(peer[0], *peer[1]) >= ndev:
+        ap.error(f"--peer={args.peer}: this host shows {ndev} GPU(s)")
 
     from dcp_jax.geometry import get_geometry
 
@@ -95,6 +206,8 @@ def main(argv=None) -> int:
                              "seconds_median": med, "seconds": all_s, "gbps": n / med / 1e9, "exact": True})
             del src, dst
             cp.get_default_memory_pool().free_all_blocks()
+        if peer:
+            rows += peer_rows(cp, geo, tokens, peer[0], peer[1], args.repeats)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": device, "python": platform.python_version(), "cupy": cp.__version__,
             "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(), "repeats": args.repeats}

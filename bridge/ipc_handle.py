@@ -77,8 +77,12 @@ class IpcHandle:
 
     Attributes:
         handle: the 64-byte legacy CUDA IPC handle of the allocation.
-        device_id: CUDA device ordinal of the memory (in the exporter's numbering; the same GPU
-            set is assumed on one host, as with ``CUDA_VISIBLE_DEVICES`` unset or equal).
+        device_id: CUDA device ordinal of the memory in the exporter's numbering. The importer
+            opens the handle on its own device of that ordinal (CUDA maps the memory into that
+            context, enabling peer access lazily): with ``CUDA_VISIBLE_DEVICES`` unset or equal
+            that is the memory's GPU; in the main job placed on several GPUs
+            (`dcp_jax.job.gpus`) every process's own GPU is ordinal 0, so a handle opens into the
+            writer's own GPU, which then writes to the peer's memory over NVLink.
         base: the allocation's base address in the exporter (bytes; identifies the allocation,
             used directly only by a mapping in the exporting process itself).
         alloc_size: size of the whole allocation (bytes).

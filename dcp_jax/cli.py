@@ -93,6 +93,11 @@ def transfer(
                                            "memory) or gpu (CuPy device memory of GPU 0 registered as VRAM, "
                                            "the Pallas gather packing in place; needs CuPy, a CUDA GPU and "
                                            "--engine nixl, or mooncake with its CUDA build)."),
+    prefill_gpus: Optional[str] = typer.Option(None, help="With --device gpu: GPUs of the prefill ranks, round-robin "
+                                                          "(e.g. 0 or 0,1); default: the visible GPU 0."),
+    decode_gpus: Optional[str] = typer.Option(None, help="With --device gpu: GPUs of the decode ranks, round-robin "
+                                                         "(e.g. 1-7 or 0,2,4). Each process sees its GPU as "
+                                                         "device 0 (CUDA_VISIBLE_DEVICES, its GPU first)."),
     direction: str = typer.Option("push", help="push (the sender WRITEs into the decode ranks) or pull (each "
                                                "decode rank READs its rows and reports on the control plane; "
                                                "with --engine jax-transfer: a pull of the rank's pack)."),
@@ -134,6 +139,7 @@ def transfer(
     Then the packed/direct ratios. Exit status 1 if any byte is wrong, 2 for bad options.
     """
     from dcp_jax.job import DEVICES, check_device, check_host_memory, run_job
+    from dcp_jax.job.gpus import check_gpus, parse_gpu_list
 
     from dcp_jax.hetero.cost import HETERO_MODELS
 
@@ -149,6 +155,11 @@ def transfer(
         _fail(f"--mode={mode!r} must be one of {', '.join(_MODES)}")
     if device not in DEVICES:
         _fail(f"--device={device!r} must be one of {', '.join(DEVICES)}")
+    try:
+        placed = {name: None if text is None else parse_gpu_list(text, f"--{name.replace('_', '-')}")
+                  for name, text in (("prefill_gpus", prefill_gpus), ("decode_gpus", decode_gpus))}
+    except ValueError as exc:
+        _fail(str(exc))
     cfg = _job_config(
         mode, path, model=model, prompt_tokens=prompt_tokens, page_size=page_size, dcp_size=dcp_size,
         prefill_dcp_size=prefill_dcp_size, interleave_size=interleave_size,
@@ -156,10 +167,11 @@ def transfer(
         prefix_tokens=prefix_tokens, engine=engine, max_batch_indices=max_batch_indices,
         pack_tokens=pack_tokens, verify=verify, seed=seed, timeout_s=timeout_s, corrupt_rank=corrupt_rank,
         device=device, staging=staging, pack_backend=pack_backend, direction=direction,
-        prefill_page_size=prefill_page_size,
+        prefill_page_size=prefill_page_size, **placed,
     )
     try:
         check_device(cfg.device)
+        check_gpus(cfg)
         check_host_memory(cfg)
     except ValueError as exc:
         _fail(str(exc))
@@ -172,6 +184,8 @@ def transfer(
         f"{f' (prefill {cfg.src_page_size})' if cfg.src_page_size != cfg.page_size else ''}, "
         f"prefill DCP{cfg.prefill_dcp_size} -> decode DCP{cfg.dcp_size}, I={cfg.interleave_size}, "
         f"{len(cfg.chunks())} chunk(s), engine {cfg.engine_kind}, device {cfg.device}; {geo.request_bytes(cfg.send_tokens) / 1e9:.2f} GB to move"
+        + (f"; prefill on GPU {_gpus(cfg.prefill_gpus)}, decode on GPU {_gpus(cfg.decode_gpus)}"
+           if cfg.prefill_gpus is not None or cfg.decode_gpus is not None else "")
     )
     if progress:
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -208,6 +222,10 @@ def transfer(
         console.print("[red bold]NOT VERIFIED[/]: some rank did not receive its bytes exactly")
         raise typer.Exit(1)
     console.print("[green bold]verified[/]: every rank byte-exact in every mode")
+
+
+def _gpus(g) -> str:
+    return ",".join(map(str, g or (0,)))
 
 
 def _hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeout_s, json_path) -> None:

@@ -86,6 +86,10 @@ job job_32k_nixl 60 nixl packed,region,fused 32768
 job job_32k_mooncake 50 mooncake packed,region 32768
 job job_128k_nixl 80 nixl packed,region,fused 131072
 job job_128k_mooncake 70 mooncake packed,region 131072
+# multi_gpu_rehearsal: issue 18's scripts/multi_gpu.sh on this one GPU (placement options, peer copy, NIXL at 8,192
+# tokens, merge mesh; $OUT/multi_gpu/). +60 s: where the suite must fit one 10-minute call, run it on its own.
+step multi_gpu_rehearsal 60 env OUT="$OUT/multi_gpu" PROMPT_TOKENS=8192 ENGINES=nixl BUDGET_S=57 MERGE_KV_LEN=2048 \
+    MERGE_ITERS=5 MERGE_REPS=3 "$ROOT/scripts/multi_gpu.sh"
 
 # --- summary ----------------------------------------------------------------------------------------
 echo

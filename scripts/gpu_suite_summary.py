@@ -6,7 +6,7 @@
 The summary collects what the suite's steps left in the output folder: the step table
 (steps.tsv: name, exit status, seconds), the GPU test counts (pytest_gpu.log), the device-to-device
 ceiling (d2d_ceiling.json), the pack benchmark's per-rank `pack_rows` kernel and wall time
-(pack.json), and every main-job run (job_*.json): engine, tokens, path, descriptors per rank,
+(pack.json), the multi-GPU rehearsal (multi_gpu/multi_gpu.json, scripts/multi_gpu_summary.py), and every main-job run (job_*.json): engine, tokens, path, descriptors per rank,
 transfer and whole-request GB/s, each beside the ceiling for the same bytes, verified or not.
 Exit status 1 when a step failed or a run was not byte-exact.
 """
@@ -142,6 +142,30 @@ def _pack_rows(pack) -> list[dict]:
     return out
 
 
+def multi_gpu_lines(mg) -> list[str]:
+    """The multi_gpu_rehearsal step's figures (scripts/multi_gpu_summary.py's multi_gpu.json), as markdown."""
+    if not mg:
+        return []
+    pl = mg.get("placement", {})
+    md = ["", f"## Several GPUs: {mg.get('kind')} (scripts/multi_gpu.sh, {_f(mg.get('prompt_tokens'), ',')} tokens)", "",
+          f"Prefill on GPU {pl.get('prefill_gpus')}, decode ranks on GPU(s) {pl.get('decode_gpus')}; "
+          f"peer ceiling: {mg.get('peer_ceiling_what') or 'none'} = {_f(mg.get('peer_ceiling_gbps'), ',.0f')} GB/s.", "",
+          "| engine | path | transfer GB/s | % of peer ceiling | whole GB/s | rank GPUs | verified |",
+          "|---|---|---:|---:|---:|---|---|"]
+    md += [f"| {r['engine']} | {r['path']} | {_f(r['transfer_gbps'], ',.1f')} | {_f(r['transfer_pct_of_peer'], '.1f')} | "
+           f"{_f(r['request_gbps'], ',.1f')} | {','.join(map(str, r['rank_gpus']))} | {r['verified']} |" for r in mg.get("runs", [])]
+    merge = mg.get("merge") or {}
+    if merge.get("rows"):
+        md += ["", "| combine | mesh devices | decode step us | merge only us | equal |", "|---|---:|---:|---:|---|"]
+        md += [f"| {r['combine']} | {r['devices']} | {r['step_us']:,.1f} | {r['merge_us']:,.1f} | "
+               f"{r['step_equal'] and r['merge_equal']} |" for r in merge["rows"]]
+        e = merge.get("emulated")
+        if e:
+            md.append(f"| emulated, {e['ranks']} ranks | 1 | {e['step_us']:,.1f} | - | {e['step_equal']} |")
+    md.append(f"\nSeveral GPUs: {'FAILED: ' + ', '.join(mg['failed']) if mg.get('failed') else 'all passed'}")
+    return md
+
+
 def _f(x, fmt):
     return "-" if x is None else format(x, fmt)
 
@@ -177,6 +201,10 @@ def summarize(out: str) -> int:
                "| geometry | variant | kernel ms | wall ms | wall / kernel |", "|---|---|---:|---:|---:|"]
         md += [f"| {p['geometry']} | {p['variant']} | {_f(p['kernel_ms'], '.4f')} | {_f(p['wall_ms'], '.4f')} | "
                f"{_f(p['wall_over_kernel'], '.2f')} |" for p in pack]
+    # only this run's: a folder left by an earlier suite run must not show its figures
+    mg = _load(os.path.join(out, "multi_gpu", "multi_gpu.json")) if any(
+        s["step"] == "multi_gpu_rehearsal" for s in steps) else None
+    md += multi_gpu_lines(mg)
     failed = [s["step"] for s in steps if s["rc"] != 0] + [f"{r['step']}/{r['path']}" for r in runs if not r["verified"]]
     md += ["", f"GPU suite: {'FAILED: ' + ', '.join(failed) if failed else 'all steps passed'}"]
     text = "\n".join(md) + "\n"
@@ -185,7 +213,7 @@ def summarize(out: str) -> int:
         f.write(text)
     with open(os.path.join(out, "gpu_suite_summary.json"), "w") as f:
         json.dump({"date": date, "device": device, "versions": meta, "steps": steps,
-                   "pytest": _pytest_line(out), "d2d_ceiling": d2d, "runs": runs, "pack_rows": pack,
+                   "pytest": _pytest_line(out), "d2d_ceiling": d2d, "runs": runs, "pack_rows": pack, "multi_gpu": mg,
                    "failed": failed}, f, indent=1)
     return 1 if failed else 0
 

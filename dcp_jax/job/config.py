@@ -121,6 +121,9 @@ class JobConfig:
             and sglang-jax use jax.experimental.transfer).
         pack_backend: registry backend (``pallas_kernels.registry``) of the device-side gather of
             the staged path, and of the connector's pack where ``KVSender`` takes one; ``"auto"``.
+        prefill_gpus: GPU ordinals of the prefill ranks, round-robin (``--prefill-gpus``); None:
+            the inherited device 0. Needs ``device="gpu"``. See :mod:`dcp_jax.job.gpus`.
+        decode_gpus: GPU ordinals of the decode processes, round-robin (``--decode-gpus``).
 
     Raises:
         ValueError: any value out of range; the message names the argument.
@@ -151,9 +154,22 @@ class JobConfig:
     pack_backend: str = "auto"
     direction: str = "push"
     prefill_page_size: int | None = None
+    prefill_gpus: tuple[int, ...] | None = None
+    decode_gpus: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "modes", tuple(self.modes))
+        for name in ("prefill_gpus", "decode_gpus"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            v = tuple(v)
+            if not v or not all(_is_int(g) and g >= 0 for g in v) or len(set(v)) != len(v):
+                raise ValueError(f"{name}={v!r} (--{name.replace('_', '-')}) must be distinct GPU numbers >= 0")
+            if self.device != "gpu":
+                raise ValueError(f"{name}={v!r} (--{name.replace('_', '-')}) places processes on GPUs: "
+                                 "it needs --device gpu")
+            object.__setattr__(self, name, v)
         get_geometry(self.model)  # raises ValueError listing the valid names
         for name in ("prompt_tokens", "page_size", "dcp_size", "prefill_dcp_size",
                      "interleave_size", "prefill_interleave_size", "die_after_chunks"):

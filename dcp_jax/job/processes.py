@@ -27,7 +27,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from dcp_jax.job import kv, staging, verify
+from dcp_jax.job import gpus, kv, staging, verify
 from dcp_jax.job.config import JobConfig, engine_env
 from dcp_jax.kv_data import SENTINEL_BYTE, fill_rows, page_rows
 
@@ -42,8 +42,15 @@ PROGRESS_S = 0.25      # how often a decode rank reports the bytes landed so far
 class Proc:
     """A spawned job process and the orchestrator's end of its control pipe."""
 
-    def __init__(self, who: str, process, conn: Connection):
+    def __init__(self, who: str, process, conn: Connection, gpu: int | None = None, env: dict | None = None):
         self.who, self.process, self.conn = who, process, conn
+        self.gpu, self.env = gpu, env or {}  # placement (dcp_jax.job.gpus): ordinal, the child's CUDA env
+        self.device_info: dict = {}  # what the child found (its GPU's PCI bus id), from its hello
+
+    def placement(self) -> dict:
+        """Where this process runs: ``{"process", "gpu", "cuda_visible_devices", "pci_bus_id"}``."""
+        return {"process": self.who, "gpu": self.gpu, "cuda_visible_devices": self.env.get("CUDA_VISIBLE_DEVICES"),
+                "pci_bus_id": self.device_info.get("pci_bus_id")}
 
     @property
     def alive(self) -> bool:
@@ -81,7 +88,9 @@ def start_processes(cfg: JobConfig, *, tag: str, min_dcp_size: int | None = None
     """Spawns ``prefill_dcp_size`` prefill and ``dcp_size`` decode processes, waits for their hello.
 
     The prefill side starts first: filling its multi-GB KV is the longest part of start-up and
-    should not compete with the decode processes' start.
+    should not compete with the decode processes' start. With ``cfg.prefill_gpus`` /
+    ``cfg.decode_gpus`` each process is placed on its GPU (:mod:`dcp_jax.job.gpus`; a side left
+    unplaced goes to GPU 0) and ``Proc.gpu`` / ``Proc.device_info`` say where it runs.
 
     Returns:
         ``(prefills, decodes, prefill_setup)`` (``prefill_setup``: each prefill's set-up seconds).
@@ -93,23 +102,31 @@ def start_processes(cfg: JobConfig, *, tag: str, min_dcp_size: int | None = None
     ctx = _context()
     procs: list[Proc] = []
     send_pool, pool_pages = kv.decode_pools(cfg, min_dcp_size)
+    placed = cfg.prefill_gpus is not None or cfg.decode_gpus is not None
+    count = gpus.gpu_count() if placed else 0
+    # Placement of one side only: the other side stays on (visible) GPU 0.
+    pre_gpus = gpus.place(cfg.prefill_dcp_size, cfg.prefill_gpus or ((0,) if placed else None))
+    dec_gpus = gpus.place(cfg.dcp_size, cfg.decode_gpus or ((0,) if placed else None))
 
-    def spawn(target, who, *args) -> Proc:
+    def spawn(target, who, gpu, *args) -> Proc:
         a, b = ctx.Pipe()
+        env = gpus.child_env(gpu, count)
         pr = ctx.Process(target=target, name=f"dcp-{who.replace(' ', '-')}", args=(cfg.to_dict(), *args, b),
-                         daemon=True)
+                         kwargs=dict(gpu_env=env), daemon=True)
         pr.start()
         b.close()
-        procs.append(Proc(who, pr, a))
+        procs.append(Proc(who, pr, a, gpu, env))
         return procs[-1]
 
     try:
-        prefills = [spawn(prefill_main, f"prefill {k}", k) for k in range(cfg.prefill_dcp_size)]
+        prefills = [spawn(prefill_main, f"prefill {k}", pre_gpus[k], k) for k in range(cfg.prefill_dcp_size)]
         setup = [p.recv(max(cfg.timeout_s, start_timeout_s), "hello") for p in prefills]
-        decodes = [spawn(decode_main, f"decode process {r}", r, (send_pool, pool_pages), tag)
+        for p, hello in zip(prefills, setup):
+            p.device_info = hello.pop("device", {})
+        decodes = [spawn(decode_main, f"decode process {r}", dec_gpus[r], r, (send_pool, pool_pages), tag)
                    for r in range(cfg.dcp_size)]
         for d in decodes:
-            d.recv(max(cfg.timeout_s, start_timeout_s), "hello")
+            d.device_info = d.recv(max(cfg.timeout_s, start_timeout_s), "hello").get("device", {})
     except BaseException:
         for p in procs:
             p.process.kill()
@@ -149,9 +166,10 @@ def stop_all(procs: list[Proc], timeout_s: float = 10.0) -> None:
             p.process.join(5)
 
 
-def _child_start(cfg_dict: dict) -> JobConfig:
+def _child_start(cfg_dict: dict, gpu_env: dict | None = None) -> JobConfig:
     # Ctrl-C reaches the whole process group; the parent stops its children itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    gpus.enter_gpu(gpu_env or {})  # before anything touches CUDA: this process's GPU is its device 0
     cfg = JobConfig(**cfg_dict)
     engine_env(cfg.device)
     return cfg
@@ -202,10 +220,11 @@ def _serve(inbox: _Inbox, handlers: dict, closer) -> None:
 # ------------------------------------------------------------------------------------------------
 # Prefill
 # ------------------------------------------------------------------------------------------------
-def prefill_main(cfg_dict: dict, rank: int, conn: Connection) -> None:
-    """Prefill rank process: its shard of the request in its own paged KV; one `KVSender` per mode."""
+def prefill_main(cfg_dict: dict, rank: int, conn: Connection, gpu_env: dict | None = None) -> None:
+    """Prefill rank process: its shard of the request in its own paged KV; one `KVSender` per mode.
+    ``gpu_env``: its placement (:func:`dcp_jax.job.gpus.child_env`)."""
     try:
-        cfg = _child_start(cfg_dict)
+        cfg = _child_start(cfg_dict, gpu_env)
         t0 = time.perf_counter()
         geo, p = cfg.geometry, cfg.src_page_size  # the prefill side's own page size
         tokens, local, table, pool = kv.prefill_page_table(cfg, rank)
@@ -227,7 +246,8 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection) -> None:
         import_s = time.perf_counter() - t1
         spec = KVCacheSpec(geo.num_layers, tuple(geo.kv_item_lens), p, cfg.prefill_dcp_size, rank,
                            cfg.prefill_interleave_size)
-        conn.send(("hello", dict(fill_kv=fill_s, imports=import_s, total=time.perf_counter() - t0)))
+        conn.send(("hello", dict(fill_kv=fill_s, imports=import_s, total=time.perf_counter() - t0,
+                                 device=gpus.device_info(cfg.device))))
     except BaseException:  # noqa: BLE001 - report, then exit non-zero
         _quiet_send(conn, ("error", traceback.format_exc()))
         raise SystemExit(1)
@@ -307,12 +327,14 @@ def _quiet_send(conn: Connection, msg: Any) -> None:
 # ------------------------------------------------------------------------------------------------
 # Decode
 # ------------------------------------------------------------------------------------------------
-def decode_main(cfg_dict: dict, index: int, pools: tuple[int, int], tag: str, conn: Connection) -> None:
+def decode_main(cfg_dict: dict, index: int, pools: tuple[int, int], tag: str, conn: Connection,
+                gpu_env: dict | None = None) -> None:
     """Decode rank process: one registered pool of ``pools = (send_pool, pool_pages)`` pages
-    (:func:`dcp_jax.job.kv.decode_pools`); one `KVReceiver` per mode; verifies every byte."""
+    (:func:`dcp_jax.job.kv.decode_pools`); one `KVReceiver` per mode; verifies every byte.
+    ``gpu_env``: its placement (:func:`dcp_jax.job.gpus.child_env`)."""
     send_pool, pool_pages = pools
     try:
-        cfg = _child_start(cfg_dict)
+        cfg = _child_start(cfg_dict, gpu_env)
         geo, p = cfg.geometry, cfg.page_size
         if cfg.staged:  # the receiver lands in pinned host memory; the KV is on the device
             stager = staging.DecodeStager(cfg, pool_pages)
@@ -323,7 +345,7 @@ def decode_main(cfg_dict: dict, index: int, pools: tuple[int, int], tag: str, co
             layers = kv.layer_views(buf, pool_pages, p, geo.kv_item_lens)
         from dcp_jax.transfer import KVCacheSpec, KVReceiver, TransferStatus
 
-        conn.send(("hello", dict(index=index, pool_pages=pool_pages)))
+        conn.send(("hello", dict(index=index, pool_pages=pool_pages, device=gpus.device_info(cfg.device))))
     except BaseException:  # noqa: BLE001
         _quiet_send(conn, ("error", traceback.format_exc()))
         raise SystemExit(1)

@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Callable
 from multiprocessing.connection import wait as conn_wait
 
-from dcp_jax.job import kv
+from dcp_jax.job import gpus, kv
 from dcp_jax.job.config import JobConfig, check_device
 from dcp_jax.job.processes import Proc, start_processes, stop_all
 
@@ -45,20 +45,25 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
             decode rank) units, from the bytes the decode ranks' receivers report landed.
 
     Returns:
-        ``{"config", "setup_seconds", "warmup_seconds", "prefill_setup", "runs": [{"mode",
+        ``{"config", "setup_seconds", "warmup_seconds", "prefill_setup", "placement": [{"process",
+        "gpu", "cuda_visible_devices", "pci_bus_id"}, ...] (prefills, then decodes; gpu None
+        without placement), "runs": [{"mode",
         "engine", "descriptors", "bytes", "batches", "engine_calls", "plan_seconds",
         "pack_seconds", "transfer_seconds", "total_seconds", "gbps", "verified", "failures",
         "ranks": [...]}, ...], "comparison": {...}, "verified"}``. Counts are totals over all
-        ranks; seconds are the slowest prefill rank's. Each rank row has ``strategy`` (the union
+        ranks; seconds are the slowest prefill rank's. Each rank row has ``gpu`` (its placement),
+        ``strategy`` (the union
         over the prefill ranks that sent it rows) and ``sources`` (per such prefill rank: rows,
         descriptors, batches, strategy).
 
     Raises:
-        ValueError: ``cfg.device="gpu"`` without CuPy or a CUDA device, or buffers larger than the
-            machine's memory.
+        ValueError: ``cfg.device="gpu"`` without CuPy or a CUDA device, a placed GPU that does not
+            exist or fused without peer access (:func:`dcp_jax.job.gpus.check_gpus`), or buffers
+            larger than the machine's memory.
         RuntimeError: a process failed to start (with its traceback).
     """
     check_device(cfg.device)
+    gpus.check_gpus(cfg)
     kv.check_host_memory(cfg)
     tag = uuid.uuid4().hex[:8]
     t_start = time.perf_counter()
@@ -70,7 +75,11 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
                 for seq, mode in enumerate(cfg.modes)]
     finally:
         stop_all(prefills + decodes)
+    for run in runs:  # decode process r is dcp_rank r (run_mode's order)
+        for row, d in zip(run["ranks"], decodes):
+            row["gpu"] = d.gpu
     out = dict(config=_config_json(cfg), setup_seconds=setup_s, prefill_setup=prefill_setup,
+               placement=[p.placement() for p in prefills + decodes],
                warmup_seconds=sum(r.get("warmup_seconds", 0.0) for r in runs), runs=runs)
     by = {r["mode"]: r for r in runs}
     # Ratios only between two complete, verified runs: a failed mode's times mean nothing.
