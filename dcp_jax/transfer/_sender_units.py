@@ -13,7 +13,6 @@ import time
 from typing import Any
 
 from bridge import TransferError
-from pallas_kernels import pack_rows
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import TIMEOUT_CHECK_S
 from dcp_jax.transfer.requests import RankTarget, SendRequest
@@ -152,8 +151,10 @@ class SenderUnits:
             req.first_byte_at = time.monotonic()
         if u.region is not None:
             tk = time.perf_counter()
-            pack_rows(self._source, rc.src_rows[lo:hi], self._pack.array, offset=u.region.offset)
+            staged0 = self._packer.stage_seconds
+            self._packer(rc.src_rows[lo:hi], u.region.offset)
             req.pack_seconds += time.perf_counter() - tk
+            req.stage_seconds += self._packer.stage_seconds - staged0
             region_addr = self._pack.addr + u.region.offset
         head = dict(chunk=rc.chunk, part=u.w, nparts=len(rc.windows), start=rc.start, stop=rc.stop, nrows=n)
         if req.t_first_submit is None:
