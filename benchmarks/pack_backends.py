@@ -78,13 +78,21 @@ def bench_backends(names, device: str, rows: int, pool_rows: int, layers: int, i
     want = None
     out = [] if out is None else out
     for name in names:
-        b = get_backend(name)
+        try:
+            b = get_backend(name)
+        except ValueError as exc:  # a name that does not exist: an error row, the others still run
+            out.append(dict(backend=name, kind="-", error=str(exc)[:300]))
+            print(out[-1], flush=True)
+            saved()
+            continue
         kinds = b.kinds
         kind = ("cupy" if "cupy" in kinds else "jax") if device == "gpu" else ("jax" if "jax" in kinds else "numpy")
         row = dict(backend=name, kind=kind)
         why = b.unavailable()
         if why:
             out.append(dict(row, error=why))
+            print(out[-1], flush=True)
+            saved()
             continue
         try:
             src, pack = _arrays(kind, device, layers_np, nbytes)
