@@ -212,7 +212,7 @@ def main() -> None:
                versions=_versions(),
                pack=f"DeepSeek-V3 rank pack: {a.rows} rows of {layers} x {item} B from {a.pool_rows} rows, "
                     f"{a.rows * layers * item / 1e6:.0f} MB",
-               job=f"dcp-jax transfer, deepseek-v3, {a.tokens} tokens, page 64, DCP{a.dcp_size}, packed, "
+               job=f"dcp-jax transfer, deepseek-v3, {a.tokens} tokens, page 64, DCP{a.dcp_size}, region path, "
                    f"device {a.device}")
     def saved() -> None:
         if a.json:

@@ -213,6 +213,9 @@ class Packer:
             self._jax_rows = [jax.dlpack.from_dlpack(r) for r in self.rows]
         n = len(idx) * sum(int(r.shape[1]) for r in self.rows)
         out = pack_region(self._jax_rows, idx, jnp.zeros(n, jnp.uint8), offset=0, backend=self.backend)
+        if isinstance(target, np.ndarray):
+            target[offset:offset + n] = np.asarray(out)
+            return
         import cupy as cp
 
         target[offset:offset + n] = cp.from_dlpack(out)
