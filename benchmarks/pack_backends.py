@@ -3,18 +3,24 @@
     python benchmarks/pack_backends.py --md benchmarks/results/pack_backends_cpu.md \
         --json benchmarks/results/pack_backends_cpu.json
     # on a GPU (source scripts/gpu_env.sh first): --device gpu --backends xla,gpu-triton,gpu-mosaic
+    # scripts/gpu_suite.sh runs part 1 alone (--part backends, step pack_backends)
 
 Part 1, backends: for one DeepSeek-V3 rank pack (61 layers of 1,152-byte rows gathered by a
 shuffled index into one layer-major region), each named backend of `pallas_kernels.registry`
 runs `pack_region` on arrays of its kind on this device; median wall time per call over
 ``--repeats`` calls after one warm-up call (the compile), every result compared byte for byte with
-the `xla` result and the first call with `reference_region` on a small slice. GB/s counts bytes
-read + written (2 x the pack).
+the numpy gather of the whole pack and, first, with `reference_region` on a small slice. Times
+are synchronised wall seconds per call (kernel + dispatch). GB/s counts bytes read + written
+(2 x the pack).
 
 Part 2, paths: the main job (`dcp_jax.job.run_job`, real processes and engines) once with
-``staging="none"`` and once with ``staging="host"`` per engine, packed mode; GB/s as the job
-reports it (bytes / the prefill's total seconds, staging included), with the stage and unstage
-seconds. Every run is verified byte for byte by the decode ranks.
+``staging="none"`` and once with ``staging="host"`` per engine, both on the region path (the one
+path two staged sides take), so the rows differ only by staging; GB/s as the job reports it
+(bytes / the prefill's total seconds, staging included), with the stage and unstage seconds.
+Every run is verified byte for byte by the decode ranks.
+
+The JSON is rewritten after every row (a run stopped at its time limit keeps what it measured);
+exit status 1 when a backend failed, differed from the reference, or a run was not verified.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import datetime
 import json
 import platform
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -58,7 +65,8 @@ def _sync(a) -> None:
         a.block_until_ready()
 
 
-def bench_backends(names, device: str, rows: int, pool_rows: int, layers: int, item: int, repeats: int) -> list[dict]:
+def bench_backends(names, device: str, rows: int, pool_rows: int, layers: int, item: int, repeats: int,
+                   out: list | None = None, saved=lambda: None) -> list[dict]:
     from pallas_kernels import pack_region
     from pallas_kernels.registry import get_backend, reference_region
 
@@ -68,15 +76,23 @@ def bench_backends(names, device: str, rows: int, pool_rows: int, layers: int, i
     nbytes = rows * item * layers
     small = reference_region(layers_np[:2], idx[:64], np.zeros(64 * item * 2, np.uint8))
     want = None
-    out = []
+    out = [] if out is None else out
     for name in names:
-        b = get_backend(name)
+        try:
+            b = get_backend(name)
+        except ValueError as exc:  # a name that does not exist: an error row, the others still run
+            out.append(dict(backend=name, kind="-", error=str(exc)[:300]))
+            print(out[-1], flush=True)
+            saved()
+            continue
         kinds = b.kinds
         kind = ("cupy" if "cupy" in kinds else "jax") if device == "gpu" else ("jax" if "jax" in kinds else "numpy")
         row = dict(backend=name, kind=kind)
         why = b.unavailable()
         if why:
             out.append(dict(row, error=why))
+            print(out[-1], flush=True)
+            saved()
             continue
         try:
             src, pack = _arrays(kind, device, layers_np, nbytes)
@@ -99,23 +115,27 @@ def bench_backends(names, device: str, rows: int, pool_rows: int, layers: int, i
                 _sync(res)
                 times.append(time.perf_counter() - t0)
             med = statistics.median(times)
-            out.append(dict(row, first_call_s=first, median_s=med, gbps=2 * nbytes / med / 1e9, exact=True))
+            out.append(dict(row, first_call_s=first, median_s=med, min_s=min(times), bytes=nbytes,
+                            gbps=2 * nbytes / med / 1e9, exact=True))
         except Exception as exc:  # noqa: BLE001 - one backend failing must not hide the others
             out.append(dict(row, error=f"{type(exc).__name__}: {exc}"[:300]))
         print(out[-1], flush=True)
+        saved()
     return out
 
 
-def bench_paths(engines, device: str, tokens: int, dcp: int) -> list[dict]:
+def bench_paths(engines, device: str, tokens: int, dcp: int, out: list | None = None, saved=lambda: None,
+                timeout_s: float = 120.0) -> list[dict]:
     from dcp_jax.job import JobConfig, run_job
 
-    out = []
+    out = [] if out is None else out
     for engine in engines:
         for staging in ("none", "host"):
             row = dict(engine=engine, staging=staging)
             try:
                 cfg = JobConfig(model="deepseek-v3", prompt_tokens=tokens, page_size=64, dcp_size=dcp,
-                                modes=("packed",), engine=engine, device=device, staging=staging, timeout_s=120)
+                                modes=("region",), engine=engine, device=device, staging=staging,
+                                timeout_s=timeout_s)
                 run = run_job(cfg)["runs"][0]
                 row.update(verified=run["verified"], bytes=run["bytes"], total_s=run["total_seconds"],
                            gbps=run["gbps"], stage_s=run["stage_seconds"], unstage_s=run["unstage_seconds"],
@@ -124,6 +144,7 @@ def bench_paths(engines, device: str, tokens: int, dcp: int) -> list[dict]:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             print(row, flush=True)
             out.append(row)
+            saved()
     return out
 
 
@@ -134,19 +155,31 @@ def _versions() -> dict:
                 machine=platform.machine(), device=str(jax.devices()[0].device_kind))
 
 
+def failures(res: dict) -> list[str]:
+    """Backends that failed or differed, runs not verified (empty: all good)."""
+    bad = [f"backend {r['backend']}: {r['error']}" for r in res.get("backends", []) if "error" in r]
+    bad += [f"job {r['engine']} staging={r['staging']}: {r.get('error', 'not verified')}"
+            for r in res.get("paths", []) if "error" in r or not r.get("verified")]
+    return bad
+
+
 def _md(res: dict) -> str:
     lines = [f"# Pack backends and staged vs direct ({res['date']}, {res['versions']['device']})", "",
-             f"versions: {res['versions']}", "", f"## Backends: {res['pack']}", "",
-             "| backend | arrays | first call s | median s | GB/s (read+write) | exact |", "|---|---|---|---|---|---|"]
-    for r in res["backends"]:
+             f"versions: {res['versions']}", ""]
+    if "backends" in res:
+        lines += [f"## Backends: {res['pack']}", "",
+                  "| backend | arrays | first call s | median s | min s | GB/s (read+write) | exact |",
+                  "|---|---|---|---|---|---|---|"]
+    for r in res.get("backends", []):
         if "error" in r:
-            lines.append(f"| {r['backend']} | {r['kind']} | - | - | - | {r['error']} |")
+            lines.append(f"| {r['backend']} | {r['kind']} | - | - | - | - | {r['error']} |")
         else:
             lines.append(f"| {r['backend']} | {r['kind']} | {r['first_call_s']:.3f} | {r['median_s']:.4f} | "
-                         f"{r['gbps']:.2f} | yes |")
-    lines += ["", f"## Paths: {res['job']}", "", "| engine | staging | path (prefill / decode) | bytes | total s | "
-              "GB/s | stage s | unstage s | verified |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in res["paths"]:
+                         f"{r['min_s']:.4f} | {r['gbps']:.2f} | yes |")
+    if "paths" in res:
+        lines += ["", f"## Paths: {res['job']}", "", "| engine | staging | path (prefill / decode) | bytes | "
+                  "total s | GB/s | stage s | unstage s | verified |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in res.get("paths", []):
         if "error" in r:
             lines.append(f"| {r['engine']} | {r['staging']} | {r['error']} | | | | | | no |")
         else:
@@ -166,6 +199,8 @@ def main() -> None:
     ap.add_argument("--engines", default="nixl,mooncake,jax-transfer")
     ap.add_argument("--tokens", type=int, default=4096, help="prompt tokens of the job runs")
     ap.add_argument("--dcp-size", type=int, default=4)
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="each job run's connector timeout")
+    ap.add_argument("--part", default="all", choices=("all", "backends", "paths"))
     ap.add_argument("--json")
     ap.add_argument("--md")
     a = ap.parse_args()
@@ -177,20 +212,32 @@ def main() -> None:
                versions=_versions(),
                pack=f"DeepSeek-V3 rank pack: {a.rows} rows of {layers} x {item} B from {a.pool_rows} rows, "
                     f"{a.rows * layers * item / 1e6:.0f} MB",
-               job=f"dcp-jax transfer, deepseek-v3, {a.tokens} tokens, page 64, DCP{a.dcp_size}, packed, "
+               job=f"dcp-jax transfer, deepseek-v3, {a.tokens} tokens, page 64, DCP{a.dcp_size}, region path, "
                    f"device {a.device}")
-    res["backends"] = bench_backends([x for x in a.backends.split(",") if x], a.device, a.rows, a.pool_rows,
-                                     layers, item, a.repeats)
-    res["paths"] = bench_paths([x for x in a.engines.split(",") if x], a.device, a.tokens, a.dcp_size)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=2, default=str)
+    def saved() -> None:
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=2, default=str)
+
+    if a.part in ("all", "backends"):
+        res["backends"] = []
+        bench_backends([x for x in a.backends.split(",") if x], a.device, a.rows, a.pool_rows, layers, item,
+                       a.repeats, res["backends"], saved)
+    if a.part in ("all", "paths"):
+        res["paths"] = []
+        bench_paths([x for x in a.engines.split(",") if x], a.device, a.tokens, a.dcp_size, res["paths"], saved,
+                    a.timeout_s)
+    saved()
     text = _md(res)
     if a.md:
         with open(a.md, "w") as f:
             f.write(text)
     print(text)
+    bad = failures(res)
+    if bad:
+        print("FAILED: " + "; ".join(bad), file=sys.stderr)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -101,14 +101,15 @@ def transfer(
     direction: str = typer.Option("push", help="push (the sender WRITEs into the decode ranks) or pull (each "
                                                "decode rank READs its rows and reports on the control plane; "
                                                "with --engine jax-transfer: a pull of the rank's pack)."),
-    staging: str = typer.Option("auto", help="auto: each side stages through pinned host memory where its "
+    staging: str = typer.Option("auto", help="The connector's staging, given to every sender and receiver: "
+                                             "auto: each side stages through pinned host memory where its "
                                              "engine cannot register its KV (jax-transfer on the GPU); host: "
-                                             "always (the KV stays in unregistered device memory: pages "
-                                             "gathered on the device, copied to a registered pinned-host "
-                                             "cache; decode copies host -> device KV); none: never."),
-    pack_backend: str = typer.Option("auto", help="Pack backend of the registry forced for the staged "
-                                                  "path's device gather (and the connector's pack where it "
-                                                  "takes one): auto, xla, host, tpu, tpu-interpret, "
+                                             "always (the KV stays in unregistered device memory: windows "
+                                             "gathered on the device into a registered pinned-host pack, "
+                                             "landed in a pinned-host receive region and copied into the "
+                                             "device KV; path region); none: never."),
+    pack_backend: str = typer.Option("auto", help="The senders' pack backend (KVSender(pack_backend=...)), "
+                                                  "staged or not: auto, xla, host, tpu, tpu-interpret, "
                                                   "gpu-triton, gpu-triton-interpret, gpu-mosaic, "
                                                   "gpu-mosaic-interpret."),
     max_batch_indices: Optional[int] = typer.Option(None, help="Split each (chunk, rank) batch into windows "
@@ -297,8 +298,8 @@ def _run_table(run: dict) -> Table:
     st = run.get("staging") or {}
     if "staged" in st.values():
         timing += (f" | prefill {st['prefill']} (stage {run.get('stage_seconds', 0.0):.3f} s), decode "
-                   f"{st['decode']} (unstage {run.get('unstage_seconds', 0.0):.3f} s), pack backend "
-                   f"{run.get('pack_backend', 'auto')}")
+                   f"{st['decode']} (unstage {run.get('unstage_seconds', 0.0):.3f} s)")
+    timing += f" | pack backend {run.get('pack_backend', 'auto')}"
     req_s = run.get("request_seconds", float("nan"))
     if math.isfinite(tot_s) and math.isfinite(req_s):
         timing += f" | first byte to last rank's SUCCESS {req_s:.3f} s"

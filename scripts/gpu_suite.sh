@@ -17,8 +17,12 @@
 #   job_32k_nixl      dcp-jax transfer --device gpu, 32,768 tokens, NIXL: paths packed, region, fused
 #   job_32k_mooncake  the same through Mooncake nvlink_intra: paths packed, region
 #   job_128k_nixl / job_128k_mooncake   the same at --prompt-tokens 131072
+#   pack_backends     benchmarks/pack_backends.py --part backends: xla, gpu-triton, gpu-mosaic on one
+#                     DeepSeek-V3 rank pack, each checked byte for byte; s per call and GB/s
+#   job_32k_nixl_staged  dcp-jax transfer --staging host --path region, 32,768 tokens, NIXL: the staged
+#                     path's GB/s, beside job_32k_nixl's region run (direct) in the summary
 # A failing step (an unknown --path too) is recorded as failed and the suite goes on. The limits
-# add up to 535 s (under 9.5 minutes with the installs). Exit status 0 only if every step passed.
+# add up to 615 s (535 s before the two issue-14 steps). Exit status 0 only if every step passed.
 # The summary ($OUT/gpu_suite_summary.md and .json: date, device, versions, commit, steps, figures)
 # can be copied to benchmarks/results/.
 set -uo pipefail
@@ -31,7 +35,7 @@ SITE=${NIXL_SITE:-/tmp/site}
 T0=$(date +%s)
 ONLY=("$@")
 : > "$OUT/steps.tsv"
-rm -f "$OUT"/job_*.json "$OUT"/d2d_ceiling.json "$OUT"/pack.json  # a failed step must not show old figures
+rm -f "$OUT"/job_*.json "$OUT"/d2d_ceiling.json "$OUT"/pack.json "$OUT"/pack_backends.json  # a failed step must not show old figures
 
 record() {  # name rc seconds
     printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$OUT/steps.tsv"
@@ -86,6 +90,12 @@ job job_32k_nixl 60 nixl packed,region,fused 32768
 job job_32k_mooncake 50 mooncake packed,region 32768
 job job_128k_nixl 80 nixl packed,region,fused 131072
 job job_128k_mooncake 70 mooncake packed,region 131072
+# Issue 14: the pack backends side by side (JSON rewritten per backend: a step stopped at its limit
+# keeps what it measured; exit 1 when one failed or differed), and the staged path beside the direct one.
+step pack_backends 40 "$PY" benchmarks/pack_backends.py --device gpu --part backends --backends xla,gpu-triton,gpu-mosaic \
+    --rows 4096 --pool-rows 8192 --repeats 5 --json "$OUT/pack_backends.json" --md "$OUT/pack_backends.md"
+step job_32k_nixl_staged 40 "$PY" -m dcp_jax.cli transfer --device gpu --no-progress --timeout-s 30 --engine nixl \
+    --staging host --path region --prompt-tokens 32768 --json "$OUT/job_32k_nixl_staged.json"
 # multi_gpu_rehearsal: issue 18's scripts/multi_gpu.sh on this one GPU (placement options, peer copy, NIXL at 8,192
 # tokens, merge mesh; $OUT/multi_gpu/). +60 s: where the suite must fit one 10-minute call, run it on its own.
 step multi_gpu_rehearsal 60 env OUT="$OUT/multi_gpu" PROMPT_TOKENS=8192 ENGINES=nixl BUDGET_S=57 MERGE_KV_LEN=2048 \

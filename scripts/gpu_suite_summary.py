@@ -6,9 +6,13 @@
 The summary collects what the suite's steps left in the output folder: the step table
 (steps.tsv: name, exit status, seconds), the GPU test counts (pytest_gpu.log), the device-to-device
 ceiling (d2d_ceiling.json), the pack benchmark's per-rank `pack_rows` kernel and wall time
-(pack.json), the multi-GPU rehearsal (multi_gpu/multi_gpu.json, scripts/multi_gpu_summary.py), and every main-job run (job_*.json): engine, tokens, path, descriptors per rank,
-transfer and whole-request GB/s, each beside the ceiling for the same bytes, verified or not.
-Exit status 1 when a step failed or a run was not byte-exact.
+(pack.json), the pack backends side by side (pack_backends.json: s per call, GB/s, exact or the
+error), the multi-GPU rehearsal (multi_gpu/multi_gpu.json, scripts/multi_gpu_summary.py), and every
+main-job run (job_*.json): engine, tokens, path, staging, descriptors per rank, transfer and
+whole-request GB/s, each beside the ceiling for the same bytes, verified or not, with the
+connectors' timelines (ms after the first byte); then each staged run beside the direct run of the
+same engine, tokens and path.
+Exit status 1 when a step failed, a backend failed or differed, or a run was not byte-exact.
 """
 from __future__ import annotations
 
@@ -119,8 +123,11 @@ def _runs(out: str, ceilings: dict[int, float]) -> list[dict]:
             ts = run.get("transfer_seconds")
             tot = run.get("request_seconds") or run.get("total_seconds")  # first byte packed -> last rank holds its rows
             ceiling = ceilings.get(tokens)
+            st = run.get("staging") or {}
             row = {"step": name[:-5], "engine": run.get("engine", cfg.get("engine_kind")), "tokens": tokens,
-                   "path": run.get("path") or run.get("mode"), "descriptors_per_rank": per_rank,
+                   "path": ",".join(run["paths"]) if run.get("paths") else run.get("path") or run.get("mode"),
+                   "staging": "staged" if "staged" in st.values() else "direct",
+                   "pack_backend": run.get("pack_backend"), "descriptors_per_rank": per_rank,
                    "bytes": nbytes, "transfer_seconds": ts, "total_seconds": tot,
                    "transfer_gbps": nbytes / ts / 1e9 if ts else None,
                    "total_gbps": nbytes / tot / 1e9 if tot else None, "verified": run.get("verified")}
@@ -166,6 +173,27 @@ def multi_gpu_lines(mg) -> list[str]:
     return md
 
 
+def _pack_backends(res) -> list[dict]:
+    """Per backend of benchmarks/pack_backends.py: s per call, GB/s, exact (or the error)."""
+    return [dict(r) for r in (res or {}).get("backends", [])]
+
+
+def _staged_vs_direct(runs: list[dict]) -> list[dict]:
+    """Each staged run beside the direct run of the same engine, tokens and path."""
+    out = []
+    for s in runs:
+        if s["staging"] != "staged":
+            continue
+        d = next((r for r in runs if r["staging"] == "direct" and (r["engine"], r["tokens"], r["path"]) ==
+                  (s["engine"], s["tokens"], s["path"])), None)
+        out.append({"engine": s["engine"], "tokens": s["tokens"], "path": s["path"],
+                    "direct_gbps": d and d["total_gbps"], "staged_gbps": s["total_gbps"],
+                    "staged_over_direct": s["total_gbps"] / d["total_gbps"]
+                    if d and d["total_gbps"] and s["total_gbps"] else None,
+                    "verified": bool(s["verified"]) and (d is None or bool(d["verified"]))})
+    return out
+
+
 def _f(x, fmt):
     return "-" if x is None else format(x, fmt)
 
@@ -177,6 +205,9 @@ def summarize(out: str) -> int:
     ceilings = _ceilings(d2d)
     runs = _runs(out, ceilings)
     pack = _pack_rows(_load(os.path.join(out, "pack.json")))
+    backends_json = _load(os.path.join(out, "pack_backends.json"))
+    backends = _pack_backends(backends_json)
+    pairs = _staged_vs_direct(runs)
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     device = meta.get("device", "unknown device")
     vers = ", ".join(f"{k} {v}" for k, v in meta.items() if k not in ("jax_devices", "device", "commit"))
@@ -189,10 +220,10 @@ def summarize(out: str) -> int:
         md += [f"| {r['what']} | {r['prompt_tokens']:,} | {r['bytes'] / 1e9:.2f} | {r['gbps']:,.0f} |" for r in d2d["rows"]]
         md.append("")
     md += ["## dcp-jax transfer --device gpu (every rank byte-exact?)", "",
-           "| step | engine | tokens | path | descriptors/rank | GB | transfer s | transfer GB/s | whole s | "
-           "whole GB/s | whole % of ceiling | verified |", "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "| step | engine | tokens | path | staging | descriptors/rank | GB | transfer s | transfer GB/s | whole s | "
+           "whole GB/s | whole % of ceiling | verified |", "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in runs:
-        md.append(f"| {r['step']} | {r['engine']} | {_f(r['tokens'], ',')} | {r['path']} | "
+        md.append(f"| {r['step']} | {r['engine']} | {_f(r['tokens'], ',')} | {r['path']} | {r['staging']} | "
                   f"{_f(r['descriptors_per_rank'], ',.0f')} | {r['bytes'] / 1e9:.2f} | {_f(r['transfer_seconds'], '.4f')} | "
                   f"{_f(r['transfer_gbps'], ',.1f')} | {_f(r['total_seconds'], '.4f')} | {_f(r['total_gbps'], ',.1f')} | "
                   f"{_f(r['total_pct_of_ceiling'], '.1f')} | {r['verified']} |")
@@ -201,11 +232,29 @@ def summarize(out: str) -> int:
                "| geometry | variant | kernel ms | wall ms | wall / kernel |", "|---|---|---:|---:|---:|"]
         md += [f"| {p['geometry']} | {p['variant']} | {_f(p['kernel_ms'], '.4f')} | {_f(p['wall_ms'], '.4f')} | "
                f"{_f(p['wall_over_kernel'], '.2f')} |" for p in pack]
+    if pairs:
+        md += ["", "## Staged vs direct (dcp-jax transfer, same engine, tokens and path)", "",
+               "| engine | tokens | path | direct whole GB/s | staged whole GB/s | staged / direct | verified |",
+               "|---|---:|---|---:|---:|---:|---|"]
+        md += [f"| {p['engine']} | {_f(p['tokens'], ',')} | {p['path']} | {_f(p['direct_gbps'], ',.1f')} | "
+               f"{_f(p['staged_gbps'], ',.1f')} | {_f(p['staged_over_direct'], '.2f')} | {p['verified']} |" for p in pairs]
+    if backends_json:
+        md += ["", f"## Pack backends (benchmarks/pack_backends.py): {backends_json.get('pack', '')}", "",
+               "| backend | arrays | first call s | median s per call | min s | GB/s (read+write) | byte-exact |",
+               "|---|---|---:|---:|---:|---:|---|"]
+        for b in backends:
+            if "error" in b:
+                md.append(f"| {b['backend']} | {b.get('kind', '-')} | - | - | - | - | FAILED: {b['error']} |")
+            else:
+                md.append(f"| {b['backend']} | {b.get('kind', '-')} | {_f(b.get('first_call_s'), '.3f')} | "
+                          f"{_f(b.get('median_s'), '.5f')} | {_f(b.get('min_s'), '.5f')} | {_f(b.get('gbps'), ',.1f')} | "
+                          f"{'yes' if b.get('exact') else 'NO'} |")
     # only this run's: a folder left by an earlier suite run must not show its figures
     mg = _load(os.path.join(out, "multi_gpu", "multi_gpu.json")) if any(
         s["step"] == "multi_gpu_rehearsal" for s in steps) else None
     md += multi_gpu_lines(mg)
     failed = [s["step"] for s in steps if s["rc"] != 0] + [f"{r['step']}/{r['path']}" for r in runs if not r["verified"]]
+    failed += [f"pack_backends/{b['backend']}" for b in backends if "error" in b or not b.get("exact")]
     md += ["", f"GPU suite: {'FAILED: ' + ', '.join(failed) if failed else 'all steps passed'}"]
     text = "\n".join(md) + "\n"
     print(text)
@@ -214,6 +263,7 @@ def summarize(out: str) -> int:
     with open(os.path.join(out, "gpu_suite_summary.json"), "w") as f:
         json.dump({"date": date, "device": device, "versions": meta, "steps": steps,
                    "pytest": _pytest_line(out), "d2d_ceiling": d2d, "runs": runs, "pack_rows": pack, "multi_gpu": mg,
+                   "pack_backends": backends, "staged_vs_direct": pairs,
                    "failed": failed}, f, indent=1)
     return 1 if failed else 0
 

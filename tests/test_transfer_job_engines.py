@@ -1,16 +1,14 @@
 """The main job through the third engine, other paths and the staged path, real processes.
 
 `--engine jax-transfer` (jax.experimental.transfer behind `bridge.jax_engine`), `--path region`,
-`--staging host` through NIXL, Mooncake and jax-transfer, and `--pack-backend NAME` forcing
-each registry backend that runs on the CPU; every decode rank checks every byte it holds (the
-device KV, copied back, on the staged path).
+`--staging host` through NIXL, Mooncake and jax-transfer (the connector's staging, given to every
+KVSender / KVReceiver), and `--pack-backend NAME` forcing each registry backend that runs on the
+CPU (the KVSender's option); every decode rank checks every byte its KV holds.
 """
-import numpy as np
 import pytest
 
 from dcp_jax.job import JobConfig, run_job
-from dcp_jax.job.kv import layer_views, owned_tokens
-from dcp_jax.job.staging import PrefillStager
+from dcp_jax.job.kv import owned_tokens
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]  # real processes per test
 
@@ -74,15 +72,17 @@ def test_bad_path_names_the_option(modes, match):
 
 
 @pytest.mark.parametrize("engine", ["nixl", "mooncake"])
-def test_staged_path_both_modes_chunked_prefix_verify(engine):
-    """--staging host: the KV in JAX device memory, pages gathered on the device into a
-    registered pinned-host cache, decode copies host -> device KV; both sides say "staged"."""
+def test_staged_path_chunked_prefix_verify(engine):
+    """--staging host: every sender and receiver stages (only its pack buffer / receive region
+    registered), so the connector takes the region path (the default modes become region);
+    both sides say "staged". On the CPU the device memory is host memory: no copy is timed."""
     cfg = JobConfig(**SMALL, engine=engine, staging="host", chunk_tokens=96, prefix_tokens=96, verify=True)
+    assert cfg.modes == ("region",)
     res = run_job(cfg)
     for run in res["runs"]:
         _check_run(run, cfg)
-        assert run["staging"] == {"prefill": "staged", "decode": "staged"}
-        assert run["stage_seconds"] > 0 and run["unstage_seconds"] > 0
+        assert run["staging"] == {"prefill": "staged", "decode": "staged"} and run["paths"] == ["region"]
+        assert run["stage_seconds"] == 0 and run["unstage_seconds"] == 0
         assert all(r["checksum_ok"] is True and r["staging"] == "staged" for r in run["ranks"])
 
 
@@ -98,8 +98,7 @@ def test_staged_path_prefill_dcp2_block_interleave():
     """Two prefill ranks (interleave 16) to three decode ranks, chunked: each prefill rank stages
     the pages of its own local rows per chunk."""
     cfg = JobConfig(**dict(SMALL, prompt_tokens=900), engine="nixl", staging="host", prefill_dcp_size=2,
-                    prefill_interleave_size=16, interleave_size=16, chunk_tokens=128, modes=("packed",),
-                    verify=True)
+                    prefill_interleave_size=16, interleave_size=16, chunk_tokens=128, verify=True)
     run = run_job(cfg)["runs"][0]
     _check_run(run, cfg)
     assert run["staging"] == {"prefill": "staged", "decode": "staged"}
@@ -113,35 +112,31 @@ def test_auto_staging_on_the_cpu_is_direct():
     assert run["staging"] == {"prefill": "direct", "decode": "direct"} and run["stage_seconds"] == 0
 
 
-@pytest.mark.parametrize("backend, engine", [("xla", "nixl"), ("host", "jax-transfer"),
-                                             ("tpu-interpret", "nixl"), ("gpu-triton-interpret", "mooncake")])
-def test_pack_backend_forced_on_the_staged_path_verifies(backend, engine):
-    cfg = JobConfig(**SMALL, engine=engine, staging="host", pack_backend=backend, modes=("packed",))
-    run = run_job(cfg)["runs"][0]
-    _check_run(run, cfg)
-    assert run["pack_backend"] == backend and run["staging"]["prefill"] == "staged"
+# The interpret kernels compile for seconds per job here: staged only; xla and host both ways.
+@pytest.mark.parametrize("backend, engine, stagings", [
+    ("xla", "nixl", ("host", "none")), ("host", "jax-transfer", ("host", "none")),
+    ("tpu-interpret", "nixl", ("host",)), ("gpu-triton-interpret", "mooncake", ("host",))])
+def test_pack_backend_forced_verifies(backend, engine, stagings):
+    """--pack-backend NAME is the KVSender's pack backend, staged (region path) or direct
+    (packed path); the report names it."""
+    for staging in stagings:
+        path = "region" if staging == "host" else "packed"
+        cfg = JobConfig(**SMALL, engine=engine, staging=staging, pack_backend=backend, modes=(path,))
+        run = run_job(cfg)["runs"][0]
+        _check_run(run, cfg)
+        assert run["pack_backend"] == backend and run["paths"] == [path]
+        assert run["staging"]["prefill"] == ("staged" if staging == "host" else "direct")
 
 
-def test_mosaic_interpret_stages_byte_exact():
-    """gpu-mosaic-interpret takes only 128-B multiples (no small job geometry has them, and it
-    needs ~0.6 s per layer here): the prefill stager alone, 2 layers of 128 and 256 B rows."""
-    cfg = JobConfig(**SMALL, staging="host")
-    object.__setattr__(cfg, "pack_backend", "gpu-mosaic-interpret")  # SMALL's rows are not 128 B
-    rng = np.random.default_rng(3)
-    pool, p = 12, 16
-    buf = rng.integers(0, 256, pool * p * (128 + 256), dtype=np.uint8)
-    layers = layer_views(buf, pool, p, [128, 256])
-    table = np.array([5, 0, 9, 3], np.int64)
-    tokens = np.arange(40, 64)  # local rows 40..63: pages 2 and 3 of the table
-    st = PrefillStager(cfg, layers, table, tokens, tokens)
-    st.stage(40, 64)
-    for lv, hv in zip(layers, st.host_layers):
-        np.testing.assert_array_equal(hv[2:4], lv[table[2:4]])
-        assert not hv[:2].any()
+def test_the_job_and_the_connector_name_the_same_stagings():
+    from dcp_jax.job.config import STAGINGS
+    from dcp_jax.transfer.staging import STAGINGS as CONNECTOR
+
+    assert STAGINGS == CONNECTOR
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(pack_backend="xla"), "applies to the staged path"),
+    (dict(staging="host", modes=("packed",)), "only the region path reaches it"),
     (dict(pack_backend="nope", staging="host"), "pack_backend='nope' \\(--pack-backend\\)"),
     (dict(pack_backend="gpu-mosaic-interpret", staging="host"), "not multiples of 128 B"),
     (dict(staging="disk"), "staging='disk' \\(--staging\\)"),

@@ -24,7 +24,9 @@ MODES = ("direct", "packed")
 PATHS = ("auto", "direct", "packed", "region", "fused")
 ENGINES = ("nixl", "mooncake", "jax-transfer", "auto")
 DEVICES = ("cpu", "gpu")
-STAGINGS = ("auto", "none", "host")  # --staging: see dcp_jax.job.staging
+# --staging: the connector's choices (dcp_jax.transfer.staging.STAGINGS; a test checks they agree),
+# not imported from there: dcp_jax.transfer pulls in the engines and JAX (0.8 s) at config time.
+STAGINGS = ("auto", "none", "host")
 DIRECTIONS = ("push", "pull")  # --direction: the sender WRITEs, or each decode rank READs (pulls) its rows
 MAX_RANKS = 64  # dcp_size / prefill_dcp_size: one process per rank
 MAX_TIMEOUT_S = 86400.0  # a day: the connector's waits take at most that
@@ -49,24 +51,10 @@ def engine_env(device: str = "cpu") -> None:
 
 def engine_registers(engine_kind: str, device: str) -> bool:
     """Whether ``engine_kind`` can register KV memory of ``device`` ("cpu": host memory; "gpu":
-    CUDA device memory) for direct transfers (the ``--staging auto`` rule)."""
-    if device == "cpu":
-        return True
-    if engine_kind == "mooncake":
-        from bridge.mooncake import mooncake_supports_cuda
+    CUDA device memory): the connector's rule (`dcp_jax.transfer.staging.engine_registers`)."""
+    from dcp_jax.transfer.staging import engine_registers as registers
 
-        return mooncake_supports_cuda()
-    return engine_kind == "nixl"  # jax-transfer moves host memory only
-
-
-def sender_takes_pack_backend() -> bool:
-    """Whether this connector's `KVSender` takes ``pack_backend`` (then ``--pack-backend`` also
-    applies to its own pack, not only to the staged path's gather)."""
-    import inspect
-
-    from dcp_jax.transfer import KVSender
-
-    return "pack_backend" in inspect.signature(KVSender).parameters
+    return registers(engine_kind, "VRAM" if device == "gpu" else "DRAM")
 
 
 def _is_int(v) -> bool:
@@ -113,14 +101,16 @@ class JobConfig:
             NIXL). :func:`check_device` checks CuPy and a CUDA device.
         staging: ``"auto"`` (each side stages through pinned host memory where its engine cannot
             register its KV: ``jax-transfer`` on the GPU), ``"none"`` (never) or ``"host"``
-            (always): the KV stays in device memory, unregistered (:mod:`dcp_jax.job.staging`).
+            (always): given to every `KVSender` / `KVReceiver` (`dcp_jax.transfer.staging`), whose
+            KV then stays in device memory, unregistered. Both sides staged take the ``region``
+            path (the default ``modes`` become ``("region",)``; others are refused).
         prefill_page_size: tokens per page on the prefill side (``--prefill-page-size``; None: the
             decode ``page_size``). The connector moves rows between different page sizes.
         direction: ``"push"`` (the sender WRITEs) or ``"pull"`` (each decode rank READs its rows
             from the sender's pack region or KV and answers on the control plane: how tpu-inference
             and sglang-jax use jax.experimental.transfer).
-        pack_backend: registry backend (``pallas_kernels.registry``) of the device-side gather of
-            the staged path, and of the connector's pack where ``KVSender`` takes one; ``"auto"``.
+        pack_backend: registry backend (``pallas_kernels.registry``) of the senders' pack
+            (``KVSender(pack_backend=...)``), staged or not; ``"auto"``.
         prefill_gpus: GPU ordinals of the prefill ranks, round-robin (``--prefill-gpus``); None:
             the inherited device 0. Needs ``device="gpu"``. See :mod:`dcp_jax.job.gpus`.
         decode_gpus: GPU ordinals of the decode processes, round-robin (``--decode-gpus``).
@@ -222,6 +212,11 @@ class JobConfig:
             raise ValueError(f"direction={self.direction!r} (--direction) must be one of {DIRECTIONS}")
         if self.staging not in STAGINGS:
             raise ValueError(f"staging={self.staging!r} (--staging) must be one of {STAGINGS}")
+        if self.staged and self.modes == MODES:  # the defaults: the one path two staged sides take
+            object.__setattr__(self, "modes", ("region",))
+        if self.staged and not set(self.modes) <= {"region", "auto"}:
+            raise ValueError(f"modes={self.modes!r} (--path): both sides stage (--staging {self.staging}), so the "
+                             "decode KV is not registered and only the region path reaches it: use --path region")
         if "fused" in self.modes and (self.device != "gpu" or self.staged):
             # fused = one copy kernel writing through the ranks' CUDA IPC handles: device memory on one host
             raise ValueError(f"modes={self.modes!r} (--path fused) needs --device gpu without staging: the fused "
@@ -236,14 +231,10 @@ class JobConfig:
                 b = get_backend(self.pack_backend)
             except ValueError as exc:
                 raise ValueError(f"pack_backend={self.pack_backend!r} (--pack-backend): {exc}") from None
-            # the staged gather packs one layer per call, at offset 0
-            why = b.unavailable() or next(filter(None, (b.unsupported((int(il),), 0)
-                                                        for il in self.geometry.kv_item_lens)), None)
+            # the sender packs every layer per window, at 64-byte aligned offsets (KVSender checks again)
+            why = b.unavailable() or b.unsupported(tuple(int(il) for il in self.geometry.kv_item_lens), 0)
             if why is not None:
                 raise ValueError(f"pack_backend={self.pack_backend!r} (--pack-backend) cannot run here: {why}")
-            if not self.staged and not sender_takes_pack_backend():
-                raise ValueError(f"pack_backend={self.pack_backend!r} (--pack-backend) applies to the staged "
-                                 "path's gather here (this KVSender takes no pack backend): add --staging host")
         # engine="mooncake" with device="gpu" needs Mooncake's CUDA build (nvlink_intra); the
         # engine itself refuses VRAM with a clear RegistrationError on a host-only build.
 

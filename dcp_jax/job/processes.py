@@ -27,7 +27,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from dcp_jax.job import gpus, kv, staging, verify
+from dcp_jax.job import gpus, kv, verify
 from dcp_jax.job.config import JobConfig, engine_env
 from dcp_jax.kv_data import SENTINEL_BYTE, fill_rows, page_rows
 
@@ -236,10 +236,6 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection, gpu_env: dict | No
         buf, owner = kv.alloc_buffer(host.nbytes, cfg.device, like=host)
         del host
         layers = kv.layer_views(buf, pool, p, geo.kv_item_lens)
-        # Staged: the KV is copied into (unregistered) device memory; the sender gets the pinned
-        # host staging cache and the identity page table (dcp_jax.job.staging).
-        stager = staging.PrefillStager(cfg, layers, table, local, tokens) if cfg.staged else None
-        send_layers, send_table = (stager.host_layers, stager.staged_table) if stager else (layers, table)
         t1 = time.perf_counter()
         from dcp_jax.transfer import KVCacheSpec, KVSender, TransferStatus
 
@@ -260,23 +256,21 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection, gpu_env: dict | No
             state["checks"][n] = verify.send_checksums(cfg, rank, n, table, layers)
         # Direct and fused sends never pack: a token's worth of pack buffer is all they need.
         pack = geo.row_bytes if arg["mode"] in ("direct", "fused") else kv.pack_bytes(cfg, rank)
-        extra = {"pack_backend": cfg.pack_backend} if cfg.pack_backend != "auto" and not stager else {}
-        state["sender"] = KVSender(spec, send_layers, engine=cfg.engine_kind, mode=arg["mode"], pack_bytes=pack,
+        # Staging and the pack backend are the connector's (dcp_jax.transfer.staging): the job
+        # passes its flags as the sender's options and reports what the sender did.
+        state["sender"] = KVSender(spec, layers, engine=cfg.engine_kind, mode=arg["mode"], pack_bytes=pack,
                                    max_batch_indices=cfg.max_batch_indices, timeout_s=cfg.timeout_s,
-                                   peer_timeout_s=min(cfg.timeout_s, PEER_TIMEOUT_S), **extra)
+                                   peer_timeout_s=min(cfg.timeout_s, PEER_TIMEOUT_S), staging=cfg.staging,
+                                   pack_backend=cfg.pack_backend)
         conn.send(("opened", dict(address=state["sender"].address, engine=state["sender"].engine.kind,
                                   checks=state["checks"].get(n))))
 
     def send(arg: dict) -> None:
         sender, rid = state["sender"], arg["rid"]
         t0 = time.perf_counter()
-        if stager:
-            stager.seconds = 0.0
         for start, stop in arg["chunks"]:  # one send per chunk; each returns at once
             try:
-                if stager:
-                    stager.stage(start, stop)  # device gather -> pinned host, before the chunk goes
-                sender.send(rid, send_table, start, stop)
+                sender.send(rid, table, start, stop)
             except ValueError:
                 if not sender.poll(rid).terminal:
                     raise
@@ -294,8 +288,8 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection, gpu_env: dict | No
                                 transfer_seconds=st["transfer_seconds"], ranks=st["ranks"],
                                 first_byte_at=st["first_byte_at"], copy_seconds=st["copy_seconds"],
                                 timeline=st["timeline"],
-                                staging="staged" if stager else "direct",
-                                stage_seconds=stager.seconds if stager else 0.0,
+                                staging="staged" if sender.staged else "direct", pack_backend=st["pack_backend"],
+                                stage_seconds=st["stage_seconds"],
                                 unit_rows=verify.unit_rows(cfg, rank, arg["dcp_size"], arg["chunks"]))))
 
     def release(rid: str) -> None:
@@ -336,13 +330,8 @@ def decode_main(cfg_dict: dict, index: int, pools: tuple[int, int], tag: str, co
     try:
         cfg = _child_start(cfg_dict, gpu_env)
         geo, p = cfg.geometry, cfg.page_size
-        if cfg.staged:  # the receiver lands in pinned host memory; the KV is on the device
-            stager = staging.DecodeStager(cfg, pool_pages)
-            buf, owner, layers = stager.host, stager, stager.host_layers
-        else:
-            stager = None
-            buf, owner = kv.alloc_buffer(kv.kv_bytes(pool_pages, p, geo.kv_item_lens), cfg.device)
-            layers = kv.layer_views(buf, pool_pages, p, geo.kv_item_lens)
+        buf, owner = kv.alloc_buffer(kv.kv_bytes(pool_pages, p, geo.kv_item_lens), cfg.device)
+        layers = kv.layer_views(buf, pool_pages, p, geo.kv_item_lens)
         from dcp_jax.transfer import KVCacheSpec, KVReceiver, TransferStatus
 
         conn.send(("hello", dict(index=index, pool_pages=pool_pages, device=gpus.device_info(cfg.device))))
@@ -357,7 +346,7 @@ def decode_main(cfg_dict: dict, index: int, pools: tuple[int, int], tag: str, co
         spec = KVCacheSpec(geo.num_layers, tuple(geo.kv_item_lens), p, n, r, cfg.interleave_size)
         recv = KVReceiver(spec, layers, engine=cfg.engine_kind, group=f"{tag}-{arg['mode']}", direction=cfg.direction,
                           timeout_s=cfg.timeout_s, peer_timeout_s=min(cfg.timeout_s, PEER_TIMEOUT_S),
-                          region_bytes=kv.region_bytes(cfg, arg["mode"], r, n))
+                          region_bytes=kv.region_bytes(cfg, arg["mode"], r, n), staging=cfg.staging)
         state.update(recv=recv, rank=r, size=n)
         for address in arg["addresses"]:
             recv.connect(address, timeout_s=min(cfg.timeout_s, 60.0))
@@ -366,9 +355,7 @@ def decode_main(cfg_dict: dict, index: int, pools: tuple[int, int], tag: str, co
     def request(arg: dict) -> None:
         recv, r, n, rid = state["recv"], state["rank"], state["size"], arg["rid"]
         table = kv.decode_page_table(cfg, r, n, send_pool, seq=arg.get("seq", 0))
-        if arg["fill"] and stager:
-            stager.fill(SENTINEL_BYTE)
-        elif arg["fill"]:
+        if arg["fill"]:
             buf[:] = SENTINEL_BYTE
             kv.sync(buf)  # the sentinel must be in place before any peer may write
         base = recv.stats["bytes"]
@@ -396,18 +383,10 @@ def decode_main(cfg_dict: dict, index: int, pools: tuple[int, int], tag: str, co
         out = dict(dcp_rank=r, status=status.value, errors=[] if status is TransferStatus.SUCCESS
                    else [f"{status.value}: {recv.failure_reason(rid)}"], wait_seconds=wait_s,
                    paths=rs["paths"], unpack_seconds=rs["unpack_seconds"], done_at=rs["done_at"],
-                   timeline=rs["timeline"])
-        vbuf, vlayers = buf, layers
-        if stager:
-            if status is TransferStatus.SUCCESS:
-                stager.seconds = 0.0
-                stager.unstage(table)  # pinned host -> device KV, the pages of the request
-            out.update(staging="staged", unstage_seconds=stager.seconds)
-            if arg["check"]:  # what is checked is the device KV, copied back
-                vbuf = stager.device_bytes()
-                vlayers = kv.layer_views(vbuf, pool_pages, p, geo.kv_item_lens)
-        if arg["check"]:
-            out.update(verify.verify_pool(cfg, r, n, table, vbuf, vlayers, arg, status is TransferStatus.SUCCESS))
+                   timeline=rs["timeline"],
+                   staging="staged" if recv.staged else "direct", unstage_seconds=rs["stage_seconds"])
+        if arg["check"]:  # staged or not, what is checked is the KV itself (device memory on a GPU)
+            out.update(verify.verify_pool(cfg, r, n, table, buf, layers, arg, status is TransferStatus.SUCCESS))
         conn.send(("result", out))
 
     def release(rid: str) -> None:

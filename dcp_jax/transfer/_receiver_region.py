@@ -156,10 +156,15 @@ class ReceiverRegion:
 
         try:
             tk = time.perf_counter()
+            src, off = self._region.array, g.region.offset
+            if self.staged and self._layers.mem_type == "VRAM":  # host region -> device, then unpack there
+                from dcp_jax.transfer.staging import to_device_window
+
+                src, off = to_device_window(src, off, len(g.rows) * self.spec.row_bytes), 0
+                g.req.stage_seconds += time.perf_counter() - tk
             # Device: the rows come from the page table expect() validated, so the kernel skips
             # its index checks (each would synchronise); the host checks are cheap and stay.
-            unpack_rows(self._region.array, self._layers.rows, g.rows, offset=g.region.offset,
-                        checked=self._layers.mem_type == "VRAM")
+            unpack_rows(src, self._layers.rows, g.rows, offset=off, checked=self._layers.mem_type == "VRAM")
             _synchronize(self._layers.rows)
             g.req.unpack_seconds += time.perf_counter() - tk
             g.req.timeline.mark("unpacked", self.spec.dcp_rank)

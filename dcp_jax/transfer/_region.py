@@ -49,6 +49,8 @@ class PeerOffer:
         region_addr, region_bytes: its registered receive region (bytes); 0, 0 = none.
         ipc: CUDA IPC handle dicts of its KV layers (empty: not offered).
         host: the receiver's `host_info` (decides whether IPC can work at all).
+        staged: its KV is not registered (it stages through its receive region in host memory:
+            `dcp_jax.transfer.staging`); only the region path reaches it.
     """
 
     mem: str
@@ -56,10 +58,12 @@ class PeerOffer:
     region_bytes: int = 0
     ipc: tuple = ()
     host: dict = dataclasses.field(default_factory=dict)
+    staged: bool = False
 
     @classmethod
     def of_hello(cls, msg: dict) -> "PeerOffer":
-        return cls(msg["mem"], msg["region_addr"], msg["region_bytes"], tuple(msg["ipc"]), dict(msg["host"]))
+        return cls(msg["mem"], msg["region_addr"], msg["region_bytes"], tuple(msg["ipc"]), dict(msg["host"]),
+                   bool(msg["staged"]))
 
 
 def host_info() -> dict:
@@ -112,11 +116,14 @@ def fused_refusal(sender_mem: str, offer: PeerOffer, sender_host: dict | None = 
 
 
 def choose_path(mode: str, *, sender_mem: str, offer: PeerOffer, dst_interleave: int, page_size: int,
-                row_bytes: int) -> str:
+                row_bytes: int, sender_staged: bool = False) -> str:
     """The path this sender takes to one receiver (the one rule; documented in docs/connector.md).
 
     ``mode`` other than ``"auto"`` is taken as asked, or refused when the peer cannot take it.
-    ``"auto"``:
+    Staging first (`dcp_jax.transfer.staging`): a staged receiver (``offer.staged``: its pages are
+    not registered) takes only ``region``; a staged sender (its pages are not registered) only
+    ``packed`` or ``region``, and under ``"auto"`` ``region`` when offered, else ``packed``.
+    Otherwise ``"auto"``:
 
     1. ``fused`` when `fused_refusal` finds nothing against it (no pack, no region, no descriptor);
     2. on the host (both sides DRAM) ``direct`` when the decode interleave is a multiple of the
@@ -131,6 +138,7 @@ def choose_path(mode: str, *, sender_mem: str, offer: PeerOffer, dst_interleave:
         offer: the receiver's `PeerOffer`.
         dst_interleave: the decode side's interleave (tokens); page_size: tokens per page.
         row_bytes: bytes of one token over every layer entry.
+        sender_staged: the sender's KV is not registered (it stages through its pack buffer).
 
     Raises:
         HandshakeError: field ``"path"``: an explicit mode the peer cannot take (says why).
@@ -140,6 +148,8 @@ def choose_path(mode: str, *, sender_mem: str, offer: PeerOffer, dst_interleave:
         raise ValueError(f"mode={mode!r} must be one of {SEND_MODES}")
     whole_pages = dst_interleave % page_size == 0
     has_region = offer.region_bytes >= row_bytes
+    if offer.staged or sender_staged:
+        return _staged_path(mode, offer.staged, sender_staged, has_region)
     if mode == "fused":
         why = fused_refusal(sender_mem, offer)
         if why:
@@ -162,6 +172,23 @@ def choose_path(mode: str, *, sender_mem: str, offer: PeerOffer, dst_interleave:
     return "direct" if whole_pages else "packed"
 
 
+def _staged_path(mode: str, recv_staged: bool, sender_staged: bool, has_region: bool) -> str:
+    """`choose_path` when either side stages: what the unregistered pages leave."""
+    who = "the receiver" if recv_staged else "the sender"
+    allowed = ("region",) if recv_staged else ("packed", "region")
+    if mode != "auto" and mode not in allowed:
+        raise HandshakeError("path", None, None, f"the {mode} path cannot be served: {who} stages through host "
+                             f"memory (its KV pages are not registered); it takes {' or '.join(allowed)}")
+    if mode == "region" or (mode == "auto" and recv_staged):
+        if not has_region:
+            raise HandshakeError("path", None, None, f"the region path cannot be served: {who} stages and the "
+                                 "receiver offers no receive region (KVReceiver(region_bytes=...))")
+        return "region"
+    if mode == "packed":
+        return "packed"
+    return "region" if has_region else "packed"
+
+
 class ReceiveRegion:
     """A decode rank's registered receive region and its `PackArena` of windows.
 
@@ -174,19 +201,26 @@ class ReceiveRegion:
     Args:
         nbytes: capacity (bytes), >= 0 (0: no region; nothing is allocated).
         mem_type: ``"DRAM"`` or ``"VRAM"``; device_id: the GPU for VRAM.
+        staged: the receiver stages: the region lives in host memory whatever ``mem_type`` (pinned
+            for GPU KV: `dcp_jax.transfer.staging.host_buffer`).
 
     Raises:
         TypeError, ValueError: bad ``nbytes`` (named).
     """
 
-    def __init__(self, nbytes: int, mem_type: str, device_id: int = 0):
+    def __init__(self, nbytes: int, mem_type: str, device_id: int = 0, *, staged: bool = False):
         self.arena = PackArena(nbytes, align=REGION_ALIGN)
         self.buffer = None
         if nbytes:
             from bridge.buffers import DeviceBuffer, HostBuffer
 
+            from dcp_jax.transfer.staging import host_buffer
+
             # Not touched here: the engine's first write faults the pages in (no second pass).
-            self.buffer = HostBuffer(nbytes) if mem_type == "DRAM" else DeviceBuffer(nbytes, device_id=device_id)
+            if staged:
+                self.buffer = host_buffer(nbytes, mem_type)
+            else:
+                self.buffer = HostBuffer(nbytes) if mem_type == "DRAM" else DeviceBuffer(nbytes, device_id=device_id)
 
     @property
     def nbytes(self) -> int:

@@ -38,6 +38,9 @@ def _warn(fmt: str, *args) -> None:
         logger.warning(fmt, *args)
 
 
+_UNBOUNDED_PAGES = 1 << 40  # page-id bound for a staged rank (its own `expect` checks its cache)
+
+
 def _cache_pages(info: PeerInfo, bases: np.ndarray, spec: KVCacheSpec) -> int:
     """Pages of a decode rank's cache that lie inside the regions its engine registered
     (every layer's base must be inside one): the bound its announced page ids must respect.
@@ -73,6 +76,7 @@ class Conn:
     region_bytes: int = 0
     mapping: Any = None         # fused path: the rank's KV layers mapped here (`bridge.cuda_ipc.IpcMapping`)
     cache_pages: int = 0        # pages of the rank's cache inside its registered regions
+    staged: bool = False        # the rank stages: its KV is not registered (`dcp_jax.transfer.staging`)
 
     def close_mapping(self) -> None:
         """Closes the IPC mapping (once; at close or when the connection is dropped)."""
@@ -154,11 +158,13 @@ class SenderPeers:
             if len(bases) != self.spec.num_layers:
                 raise HandshakeError("layer_bases", self.spec.num_layers, len(bases))
             info = PeerInfo.from_dict(msg["peer"])
-            cache_pages = _cache_pages(info, bases, spec)
             offer = PeerOffer.of_hello(msg)
+            # A staged receiver's pages are not registered (only its region is), and no
+            # descriptor of ours addresses them: it checks its page ids against its own cache.
+            cache_pages = _UNBOUNDED_PAGES if offer.staged else _cache_pages(info, bases, spec)
             path = choose_path(self.mode, sender_mem=self._layers.mem_type, offer=offer,
                                dst_interleave=spec.interleave_size, page_size=self.spec.page_size,
-                               row_bytes=self.spec.row_bytes)
+                               row_bytes=self.spec.row_bytes, sender_staged=self.staged)
         except HandshakeError as exc:
             return self._nack(ident, exc)
         except (TypeError, ValueError, proto.ProtocolError) as exc:
@@ -181,12 +187,13 @@ class SenderPeers:
                 mapping.close()
             return self._nack(ident, HandshakeError("peer", None, None, f"its engine metadata cannot be used: {exc}"))
         self._conns[ident] = Conn(ident, msg["name"], peer, spec, msg["group"], msg["direction"],
-                                   bases, time.monotonic(), path, offer.region_addr, offer.region_bytes, mapping)
+                                   bases, time.monotonic(), path, offer.region_addr, offer.region_bytes, mapping,
+                                   staged=offer.staged)
         self._conns[ident].cache_pages = cache_pages
         self._counts["handshakes"] += 1
         self._ctl.send(ident, proto.encode(
             "hello_ack", spec=self.spec.to_dict(), peer=self.engine.peer_info().to_dict(),
-            layer_bases=proto.pack_i64(self._layers.bases), name=self.engine.name, path=path))
+            layer_bases=proto.pack_i64(self._layers.bases), name=self.engine.name, path=path, staged=self.staged))
 
     def _check_liveness(self, msg: dict) -> None:
         """Refuses a receiver whose pings would not reach us inside our ``peer_timeout_s`` twice

@@ -13,7 +13,6 @@ import time
 from typing import Any
 
 from bridge import TransferError
-from pallas_kernels import pack_rows
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._sender_region import sync_arrays as _sync_arrays
 from dcp_jax.transfer._worker import TIMEOUT_CHECK_S
@@ -185,8 +184,10 @@ class SenderUnits:
             return None
         tk = time.perf_counter()
         req.timeline.mark("pack", u.target.conn.spec.dcp_rank)
-        pack_rows(self._source, u.rc.src_rows[lo:hi], self._pack.array, offset=u.region.offset, sync=False)
+        staged0 = self._packer.stage_seconds
+        self._packer(u.rc.src_rows[lo:hi], u.region.offset, sync=False)
         req.pack_seconds += time.perf_counter() - tk
+        req.stage_seconds += self._packer.stage_seconds - staged0
         return self._pack.addr + u.region.offset
 
     def _post_unit(self, u: Unit, lo: int, hi: int, region_addr: int | None) -> None:

@@ -35,6 +35,7 @@ from dcp_jax.transfer.memory import CacheLayers
 from dcp_jax.transfer.requests import RecvRequest, check_request_id
 from dcp_jax.transfer.schedule import SideLayout
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
+from dcp_jax.transfer.staging import side_staged
 from dcp_jax.transfer.status import TransferStatus
 
 __all__ = ["KVReceiver", "DIRECTIONS"]
@@ -56,6 +57,7 @@ class _Link:
     last_seen: float
     registered: bool = False
     path: str = "direct"       # the transfer path the sender chose at the handshake
+    staged: bool = False       # the sender stages (its KV is not registered)
 
 
 class KVReceiver(ReceiverData, ReceiverRegion):
@@ -86,6 +88,14 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         drain_grace_s: a push sender dropped as silent may resume and still write: its requests'
             pages (`is_drained`) and receive-region ranges stay held until it reconnects or this
             long passed (seconds; None: ``timeout_s + 2 * peer_timeout_s``).
+        staging: ``"auto"`` (stage through host memory when the engine cannot register the KV's
+            memory: `dcp_jax.transfer.staging.side_staged`), ``"none"`` or ``"host"`` (always).
+            Staged, only the receive region is registered, in (pinned) host memory: windows land
+            there and are copied into the device pages; senders then take the ``region`` path.
+            ``region_bytes`` None then means `DEFAULT_REGION_BYTES`; 0 is refused.
+
+    Attributes:
+        staged: True when this side stages (its KV is not registered).
 
     Raises:
         TypeError, ValueError: bad spec, layers or options.
@@ -96,7 +106,7 @@ class KVReceiver(ReceiverData, ReceiverRegion):
                  direction: str = "push", group: str = "default", timeout_s: float = 30.0,
                  peer_timeout_s: float = 5.0, heartbeat_s: float = 0.5, engine_options: dict | None = None,
                  host: str | None = None, region_bytes: int | None = None,
-                 drain_grace_s: float | None = None):
+                 drain_grace_s: float | None = None, staging: str = "auto"):
         if not isinstance(spec, KVCacheSpec):
             raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
         if direction not in DIRECTIONS:
@@ -116,18 +126,23 @@ class KVReceiver(ReceiverData, ReceiverRegion):
                                          or region_bytes < 0):
             raise ValueError(f"region_bytes={region_bytes!r} must be None or an int >= 0 (bytes)")
         self._layers = CacheLayers(spec, kv_layers, writable=True)
-        if region_bytes is None:
-            region_bytes = DEFAULT_REGION_BYTES if self._layers.mem_type == "VRAM" else 0
         self._layout = SideLayout.of(spec)
-        # A region smaller than one token could hold no window: offered as none.
-        self._region = ReceiveRegion(int(region_bytes) if region_bytes >= spec.row_bytes else 0,
-                                     self._layers.mem_type, self._layers.device_id)
-        self._ipc = ipc_export(self._layers)  # once: every connection offers the same
         name = f"dcp-recv-{spec.dcp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.engine = make_engine(engine, name, **engine_options_for(engine, host, engine_options))
         try:
+            self.staged = side_staged(staging, self.engine.kind, self._layers.mem_type)
+            if region_bytes is None:
+                region_bytes = DEFAULT_REGION_BYTES if self._layers.mem_type == "VRAM" or self.staged else 0
+            if self.staged and region_bytes < spec.row_bytes:
+                raise ValueError(f"region_bytes={region_bytes} is less than one token's {spec.row_bytes} bytes: a "
+                                 "staged receiver lands every window in its receive region")
+            # A region smaller than one token could hold no window: offered as none.
+            self._region = ReceiveRegion(int(region_bytes) if region_bytes >= spec.row_bytes else 0,
+                                         self._layers.mem_type, self._layers.device_id, staged=self.staged)
+            self._ipc = [] if self.staged else ipc_export(self._layers)  # once: every connection offers the same
             extra = [self._region.memory_region()] if self._region.nbytes else []
-            self.engine.register(list(self._layers.regions) + extra)
+            # Staged: the engine never sees the KV, only the (host) receive region.
+            self.engine.register(([] if self.staged else list(self._layers.regions)) + extra)
         except BaseException:
             self.engine.close()
             raise
@@ -182,7 +197,7 @@ class KVReceiver(ReceiverData, ReceiverRegion):
                                      region_addr=self._region.addr, region_bytes=self._region.nbytes,
                                      mem=self._layers.mem_type, ipc=self._ipc, host=host_info(),
                                      heartbeat_ms=max(1, round(self.heartbeat_s * 1000)),
-                                     peer_timeout_ms=max(1, round(self.peer_timeout_s * 1000))))
+                                     peer_timeout_ms=max(1, round(self.peer_timeout_s * 1000)), staged=self.staged))
             reply = self._await_reply(client, timeout_s)
             if reply["k"] == "hello_nack":  # the sender's ours/theirs are the other way round
                 raise HandshakeError(reply["field"], reply["theirs"], reply["ours"], reply["message"])
@@ -202,7 +217,8 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         except BaseException:
             client.close()
             raise
-        link = _Link(client, sender_spec, peer, bases, direction, time.monotonic(), path=reply["path"])
+        link = _Link(client, sender_spec, peer, bases, direction, time.monotonic(), path=reply["path"],
+                     staged=reply["staged"])
         with self._lock:
             self._links.append(link)
             self._by_peer[peer] = link
@@ -346,14 +362,19 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         ``unpacks`` and ``unpack_seconds`` (region path: windows placed from the receive region
         into the pages, kernels waited for), ``latency_seconds`` (`expect` to the end, None
         while live) and ``done_at`` (`time.monotonic()` of the end, None while live: a clock
-        every process of the host shares, for whole-request timings) and ``timeline``
-        (``[event, dcp_rank, time.monotonic()]`` lists, `requests.Timeline`). Raises KeyError if unknown."""
+        every process of the host shares, for whole-request timings), ``staging`` per sender
+        (``{"prefill": "direct"|"staged", "decode": ...}``, in connection order),
+        ``stage_seconds`` (staged on a GPU: host -> device window copies, part of
+        ``unpack_seconds``) and ``timeline`` (``[event, dcp_rank, time.monotonic()]`` lists,
+        `requests.Timeline`). Raises KeyError if unknown."""
         with self._lock:
             req = self._get(request_id)
             end = req.t_done
             return dict(status=req.status.value, reason=req.state.reason, bytes=req.bytes,
                         paths=[link.path for link in req.senders], unpacks=req.unpacks,
-                        unpack_seconds=req.unpack_seconds,
+                        unpack_seconds=req.unpack_seconds, stage_seconds=req.stage_seconds,
+                        staging=[dict(prefill="staged" if link.staged else "direct",
+                                      decode="staged" if self.staged else "direct") for link in req.senders],
                         latency_seconds=None if end is None else end - req.created,
                         timeline=req.timeline.as_list(),
                         done_at=None if end is None else time.monotonic() - (time.perf_counter() - end))

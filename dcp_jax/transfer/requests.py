@@ -150,6 +150,7 @@ class SendRequest:
         self.inflight = 0          # units submitted and not yet reported done by the engine
         self.plan_seconds = 0.0
         self.pack_seconds = 0.0
+        self.stage_seconds = 0.0  # staged sender: device -> host copies (part of pack_seconds)
         self.copy_seconds = 0.0           # fused path: copy kernels, waited for
         self.t_first_submit: float | None = None
         self.first_byte_at: float | None = None  # time.monotonic() of the first pack or submit
@@ -193,6 +194,7 @@ class RecvRequest:
         self.due = 0                                     # "sent" hints not yet matched by a "done"
         self.bytes = 0
         self.unpack_seconds = 0.0                        # region path: unpacks into the pages, waited for
+        self.stage_seconds = 0.0  # staged on a GPU: host -> device window copies (part of unpack_seconds)
         self.unpacks = 0
         self.created = time.perf_counter()
         self.timeline = Timeline()

@@ -42,6 +42,7 @@ from dcp_jax.transfer.memory import CacheLayers
 from dcp_jax.transfer.requests import SendRequest, check_request_id
 from dcp_jax.transfer.schedule import SideLayout
 from dcp_jax.transfer.spec import KVCacheSpec
+from dcp_jax.transfer.staging import Packer, host_buffer, side_staged
 from dcp_jax.transfer.status import TransferStatus
 from dcp_jax.layout import local_len_np
 
@@ -78,9 +79,21 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
         peer_timeout_s: a receiver silent for this long is dropped and its requests FAIL.
         heartbeat_s: interval of the pings that keep connections alive (seconds).
         engine_options: keyword arguments for the engine adapter (`bridge.make_engine`).
+        staging: ``"auto"`` (stage through host memory when the engine cannot register the KV's
+            memory: `dcp_jax.transfer.staging.side_staged`), ``"none"`` or ``"host"`` (always).
+            Staged, only the pack buffer (pinned host memory) is registered; windows are
+            gathered on the device and copied into it; peers then take ``packed`` or ``region``.
+        pack_backend: ``"auto"`` or a `pallas_kernels.registry` backend name (``"xla"``,
+            ``"host"``, ``"gpu-triton"``, ``"gpu-mosaic"``, ...) that gathers the windows
+            (`dcp_jax.transfer.staging.Packer`); `request_stats` names it.
+
+    Attributes:
+        staged: True when this side stages (its KV is not registered).
+        pack_backend: the registry name of the backend that packs.
 
     Raises:
-        TypeError, ValueError: bad spec, layers or options (the message names the argument).
+        TypeError, ValueError: bad spec, layers or options (the message names the argument;
+            ``mode="direct"``/``"fused"`` with a staged side).
         bridge.BridgeError: the engine could not start or register (nothing is left open).
     """
 
@@ -88,7 +101,7 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
                  host: str = "127.0.0.1", port: int = 0, mode: str = "auto",
                  pack_bytes: int | None = None, max_batch_indices: int | None = None,
                  timeout_s: float = 30.0, peer_timeout_s: float = 5.0, heartbeat_s: float = 0.5,
-                 engine_options: dict | None = None):
+                 engine_options: dict | None = None, staging: str = "auto", pack_backend: str = "auto"):
         if not isinstance(spec, KVCacheSpec):
             raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
         if mode not in SEND_MODES:
@@ -108,13 +121,21 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
         self._layers = CacheLayers(spec, kv_layers)
         self._source = PackSource(self._layers.rows)  # checked (and imported) once for every pack
         self._layout = SideLayout.of(spec)
-        self._pack = _alloc_pack(pack_bytes, self._layers)
         self._arena = PackArena(pack_bytes, align=64)
         self._max_region_rows = pack_bytes // spec.row_bytes
         name = f"dcp-send-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.engine = make_engine(engine, name, **engine_options_for(engine, host, engine_options))
         try:
-            self.engine.register(list(self._layers.regions) + [self._pack])
+            self.staged = side_staged(staging, self.engine.kind, self._layers.mem_type)
+            if self.staged and mode in ("direct", "fused"):
+                raise ValueError(f"mode={mode!r} needs the KV registered, but this sender stages "
+                                 f"(staging={staging!r}, {self.engine.kind} engine, {self._layers.mem_type} KV): "
+                                 "use mode 'packed', 'region' or 'auto'")
+            self._pack = _alloc_pack(pack_bytes, self._layers, self.staged)
+            self._packer = Packer(self._layers.rows, self._source, self._pack.array, pack_backend, staged=self.staged)
+            self.pack_backend = self._packer.name
+            # Staged: the engine never sees the KV, only the (host) pack buffer.
+            self.engine.register(([] if self.staged else list(self._layers.regions)) + [self._pack])
             self._ctl = ControlServer(host, port)
         except BaseException:
             self.engine.close()
@@ -260,17 +281,23 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
         rows/descriptors/bytes/batches/engine calls and strategies, plan/pack/copy (fused kernel)
         seconds, ``transfer_seconds`` (first submit to this side's completion) and
         ``first_byte_at`` (`time.monotonic()` when the first byte was packed, or sent on the
-        unpacked paths: a clock every process of the host shares, for whole-request timings) and
+        unpacked paths: a clock every process of the host shares, for whole-request timings),
+        ``pack_backend`` (registry name), ``stage_seconds`` (device -> host staging copies, part
+        of ``pack_seconds``), per rank ``staging``: ``{"prefill": "direct"|"staged",
+        "decode": "direct"|"staged"}`` (what each side of that connection registers) and
         ``timeline`` (``[event, dcp_rank, time.monotonic()]`` lists, `requests.Timeline`)."""
         with self._lock:
             req = self._get(request_id)
             t0, t1 = req.t_first_submit, req.t_done
+            mine = "staged" if self.staged else "direct"
             return dict(status=req.status.value, reason=req.state.reason, inflight=req.inflight,
                         plan_seconds=req.plan_seconds, pack_seconds=req.pack_seconds,
                         copy_seconds=req.copy_seconds, first_byte_at=req.first_byte_at,
                         transfer_seconds=(t1 - t0) if t0 is not None and t1 is not None else None,
+                        pack_backend=self.pack_backend, stage_seconds=req.stage_seconds,
                         timeline=req.timeline.as_list(),
-                        ranks={r: dict(t.counters.as_dict(), path=t.conn.path)
+                        ranks={r: dict(t.counters.as_dict(), path=t.conn.path,
+                                       staging=dict(prefill=mine, decode="staged" if t.conn.staged else "direct"))
                                for r, t in sorted(req.targets.items())})
 
     @property
@@ -344,9 +371,11 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
                 f"requests={len(self._requests)}, connections={len(self._conns)})")
 
 
-def _alloc_pack(nbytes: int, layers: CacheLayers):
+def _alloc_pack(nbytes: int, layers: CacheLayers, staged: bool):
     from bridge.buffers import DeviceBuffer, HostBuffer
 
+    if staged:  # the only memory the engine sees: pinned host for GPU KV
+        return host_buffer(nbytes, layers.mem_type, fill=0)
     if layers.mem_type == "DRAM":
         # Written once now, so the first packs do not pay a page fault per 4 KiB of the buffer.
         return HostBuffer(nbytes, fill=0)

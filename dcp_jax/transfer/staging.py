@@ -1,0 +1,232 @@
+"""Direct or staged, per side and per peer, and the sender's pack step (issue 14, item 3).
+
+A side is *direct* when its engine registers the memory its KV layers live in, *staged* when it
+cannot (or is told not to, ``staging="host"``): then the KV stays in (unregistered) device
+memory and only host memory meets the engine:
+
+- a staged `KVSender` registers its pack buffer alone, in (pinned) host memory: each window is
+  gathered on the device by the pack backend into a device scratch and copied device -> host into
+  the pack region before the engine moves it (`Packer`);
+- a staged `KVReceiver` registers its receive region alone, in (pinned) host memory: each window
+  lands there and is copied host -> device and unpacked into the KV pages (`to_device_window`).
+
+Each side decides for itself (`side_staged`) and says so at the handshake (``hello.staged``,
+``hello_ack.staged``); `dcp_jax.transfer._region.choose_path` then picks a path this pair can
+take: a staged receiver takes only ``region`` (its pages are not registered), a staged sender
+only ``packed`` or ``region`` (its pages are not registered). Both sides report which, per peer,
+in ``request_stats``.
+
+On the CPU the "device" memory of JAX is host memory: a staged CPU side moves the same bytes as a
+direct one (no copy is needed), only its registrations differ.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+__all__ = ["STAGINGS", "engine_registers", "side_staged", "PinnedHostBuffer", "host_buffer", "Packer",
+           "to_device_window"]
+
+#: What ``KVSender(staging=...)`` / ``KVReceiver(staging=...)`` accept.
+STAGINGS = ("auto", "none", "host")
+
+
+def engine_registers(engine_kind: str, mem_type: str) -> bool:
+    """Whether an engine of ``engine_kind`` can register ``mem_type`` (``"DRAM"`` / ``"VRAM"``) memory.
+
+    Host memory: every engine. CUDA device memory: NIXL; Mooncake's CUDA build
+    (`bridge.mooncake.mooncake_supports_cuda`); not ``jax-transfer`` (host memory only).
+    """
+    if mem_type == "DRAM":
+        return True
+    if engine_kind == "mooncake":
+        from bridge.mooncake import mooncake_supports_cuda
+
+        return mooncake_supports_cuda()
+    return engine_kind == "nixl"
+
+
+def side_staged(staging: str, engine_kind: str, mem_type: str) -> bool:
+    """True when a side with KV in ``mem_type`` memory stages through host memory.
+
+    Args:
+        staging: ``"auto"`` (stage where the engine cannot register the KV), ``"none"`` (never)
+            or ``"host"`` (always).
+        engine_kind: the engine's resolved kind (``engine.kind``).
+        mem_type: ``"DRAM"`` or ``"VRAM"`` (where the KV layers live).
+
+    Raises:
+        ValueError: unknown ``staging``; ``"none"`` with an engine that cannot register the KV.
+    """
+    if staging not in STAGINGS:
+        raise ValueError(f"staging={staging!r} must be one of {STAGINGS}")
+    if staging == "host":
+        return True
+    can = engine_registers(engine_kind, mem_type)
+    if staging == "none" and not can:
+        raise ValueError(f"staging='none': the {engine_kind} engine cannot register {mem_type} memory; "
+                         "use staging='auto' or 'host'")
+    return not can
+
+
+class PinnedHostBuffer:
+    """Page-locked host memory (CUDA ``cudaHostAlloc`` through CuPy), viewed as uint8: the staging
+    memory of a GPU side (device <-> host copies at full PCIe / C2C speed).
+
+    Attributes: ``array`` (u8[nbytes] numpy), ``addr``, ``nbytes``, ``mem_type`` ("DRAM"),
+    ``device_id`` (0).
+    """
+
+    mem_type = "DRAM"
+    device_id = 0
+
+    def __init__(self, nbytes: int):
+        import cupy as cp
+
+        self._mem = cp.cuda.alloc_pinned_memory(max(int(nbytes), 1))
+        self.array = np.frombuffer(self._mem, np.uint8, int(nbytes))
+
+    @property
+    def addr(self) -> int:
+        return int(self.array.ctypes.data)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+
+def host_buffer(nbytes: int, mem_type: str, *, fill: int | None = None) -> Any:
+    """The registered host buffer of a staged side: pinned for GPU KV (``mem_type="VRAM"``),
+    a `bridge.buffers.HostBuffer` for host KV."""
+    if mem_type == "VRAM":
+        buf = PinnedHostBuffer(nbytes)
+        if fill is not None:
+            buf.array.fill(fill)
+        return buf
+    from bridge.buffers import HostBuffer
+
+    return HostBuffer(nbytes, fill=fill)
+
+
+def to_device_window(region: np.ndarray, offset: int, nbytes: int) -> Any:
+    """u8[nbytes] CuPy copy of ``region[offset:offset + nbytes]`` (host -> device, synchronised)."""
+    import cupy as cp
+
+    out = cp.empty(int(nbytes), cp.uint8)
+    out.set(region[offset:offset + nbytes])
+    return out
+
+
+def _registry_name(kind: str) -> str:
+    """The registry name of what ``pack_rows(backend="auto")`` runs for row views of ``kind``."""
+    if kind == "numpy":
+        return "host"
+    from pallas_kernels import select_backend
+
+    return {"triton": "gpu-triton", "mosaic": "gpu-mosaic"}.get(select_backend("auto"), "gpu-triton")
+
+
+class Packer:
+    """The sender's pack step: gathers rows of every layer into bytes
+    ``[offset, offset + n * row_bytes)`` of its registered pack buffer (spec section 6 layout).
+
+    Args:
+        rows: the sender's per-layer u8[num_rows, item_len] views (`CacheLayers.rows`: numpy on
+            the host, CuPy on a GPU).
+        source: their `pallas_kernels.PackSource` (the ``"auto"`` path's cached checks).
+        pack: the registered pack buffer's array (u8[pack_bytes], numpy or CuPy).
+        backend: ``"auto"`` (`pallas_kernels.pack_rows`'s choice: numpy ``np.take`` on the host,
+            the Pallas kernel on a GPU) or a `pallas_kernels.registry` backend name (``"xla"``,
+            ``"host"``, ``"gpu-triton"``, ``"gpu-mosaic"``, ``"tpu-interpret"``, ...).
+        staged: the rows live in device memory the engine does not register and ``pack`` is host
+            memory: device rows are gathered into a device scratch, then copied device -> host.
+
+    Attributes:
+        name: the registry name of the backend that packs (reported per request).
+        stage_seconds: total seconds of device -> host staging copies.
+
+    Raises:
+        ValueError: an unknown backend, or one that cannot run here or take these rows (named
+            ``pack_backend``, with why).
+    """
+
+    def __init__(self, rows: list, source: Any, pack: Any, backend: str = "auto", *, staged: bool = False):
+        from pallas_kernels.registry import array_kind, get_backend
+
+        if not isinstance(backend, str):
+            raise ValueError(f"pack_backend={backend!r} must be 'auto' or a registry backend name")
+        self.rows, self.source, self.pack, self.backend = rows, source, pack, backend
+        self.kind = array_kind(rows[0])
+        self.staged = staged and self.kind != "numpy"  # host rows: the pack buffer is the target
+        self.stage_seconds = 0.0
+        self._scratch = None
+        self._jax_rows = None
+        if backend == "auto":
+            self.name = _registry_name(self.kind)
+            return
+        try:
+            b = get_backend(backend)
+        except ValueError as exc:
+            raise ValueError(f"pack_backend={backend!r}: {exc}") from None
+        item_lens = tuple(int(r.shape[1]) for r in rows)
+        why = b.unavailable()
+        if why is None and self.kind not in b.kinds and "jax" not in b.kinds:
+            why = f"it takes {b.kinds} arrays, the KV rows are {self.kind}"
+        why = why or b.unsupported(item_lens, 0)  # regions start 64-byte aligned (PackArena)
+        if why is not None:
+            raise ValueError(f"pack_backend={backend!r} cannot pack these KV layers here: {why}")
+        self.name = b.name
+        self._through_jax = self.kind not in b.kinds
+
+    def __call__(self, idx: np.ndarray, offset: int, *, sync: bool = True) -> None:
+        """Packs rows ``idx`` (int64[n]) at byte ``offset`` of the pack buffer. With ``sync``
+        False the default device pack is only enqueued (the caller synchronises the pack buffer
+        before an engine reads it, once for several windows); staged and named backends always
+        return with the bytes in place."""
+        n = len(idx) * sum(int(r.shape[1]) for r in self.rows)
+        if not self.staged:
+            self._gather(idx, self.pack, offset, sync=sync)
+            return
+        if self._scratch is None or self._scratch.size < self.pack.size:
+            import cupy as cp
+
+            self._scratch = cp.empty(self.pack.size, cp.uint8)
+        self._gather(idx, self._scratch, offset)  # same offset: the kernels' alignment holds
+        t0 = time.perf_counter()
+        self._scratch[offset:offset + n].get(out=self.pack[offset:offset + n])
+        self.stage_seconds += time.perf_counter() - t0
+
+    def _gather(self, idx: np.ndarray, target: Any, offset: int, sync: bool = True) -> None:
+        from pallas_kernels import pack_region, pack_rows
+
+        if self.backend == "auto":
+            pack_rows(self.source, idx, target, offset=offset, sync=sync)
+            return
+        if not self._through_jax:
+            pack_region(self.rows, idx, target, offset=offset, backend=self.backend)
+            _sync(target)
+            return
+        # A JAX-only backend (xla on a GPU) over CuPy rows: DLPack views in, a new JAX array out.
+        import jax
+        import jax.numpy as jnp
+
+        if self._jax_rows is None:
+            self._jax_rows = [jax.dlpack.from_dlpack(r) for r in self.rows]
+        n = len(idx) * sum(int(r.shape[1]) for r in self.rows)
+        out = pack_region(self._jax_rows, idx, jnp.zeros(n, jnp.uint8), offset=0, backend=self.backend)
+        if isinstance(target, np.ndarray):
+            target[offset:offset + n] = np.asarray(out)
+            return
+        import cupy as cp
+
+        target[offset:offset + n] = cp.from_dlpack(out)
+        _sync(target)
+
+
+def _sync(a: Any) -> None:
+    if type(a).__module__.split(".")[0] == "cupy":
+        import cupy as cp
+
+        cp.cuda.runtime.deviceSynchronize()
