@@ -139,7 +139,7 @@ def transfer(
 
     if prefill_tp_size != 1 or tp_size != 1 or prefill_layout or decode_layout or (
             model in HETERO_MODELS and model not in geometry_names()):
-        # TP / layout pairs: the heterogeneous plan over the engine (the connector takes neither yet)
+        # TP / layout pairs: through the connector, one process per rank (dcp_jax.hetero.connector_job)
         return _hetero_transfer(model, prompt_tokens, dict(
             page_size=prefill_page_size or page_size, dcp_size=prefill_dcp_size,
             interleave_size=prefill_interleave_size, tp_size=prefill_tp_size, layout=prefill_layout), dict(
@@ -211,27 +211,41 @@ def transfer(
 
 
 def _hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeout_s, json_path) -> None:
-    """``transfer`` for a TP / layout pair (`dcp_jax.hetero.job.run_hetero_job`): table, JSON, exit 1 if wrong."""
+    """``transfer`` for a TP / layout pair: table, JSON, exit 1 if wrong. NIXL and Mooncake go through
+    the connector, one process per rank (`dcp_jax.hetero.connector_job`); jax-transfer, whose batches
+    are pulls, through the plan's direct engine path in one process (`dcp_jax.hetero.job`)."""
+    from dcp_jax.hetero.connector_job import run_connector_job
     from dcp_jax.hetero.job import run_hetero_job
 
     if engine not in ("nixl", "mooncake", "jax-transfer"):
         _fail(f"--engine={engine!r} must be nixl, mooncake or jax-transfer for a heterogeneous run")
     _check_out_path(json_path, "--json")
+    run = run_hetero_job if engine == "jax-transfer" else run_connector_job
     try:
-        res = run_hetero_job(model, prompt_tokens, prefill, decode, engine=engine, seed=seed, timeout_s=timeout_s)
+        res = run(model, prompt_tokens, prefill, decode, engine=engine, seed=seed, timeout_s=timeout_s)
     except (ValueError, TypeError) as exc:
         _fail(str(exc))
     console = Console()
-    t = Table(title=f"heterogeneous {model}: prefill {res['prefill']} -> decode {res['decode']}, engine {engine}",
-              show_footer=True)
+    side = lambda x: (f"page {x['page_size']}, DCP{x['dcp_size']} I={x['interleave_size']}, "  # noqa: E731
+                      f"TP{x['tp_size']}, {x['layout']}")
+    t = Table(title=f"heterogeneous {model}, {prompt_tokens:,} tokens: prefill {side(res['prefill'])} -> decode "
+                    f"{side(res['decode'])}; engine {engine}", show_footer=True)
     for name, footer in (("dcp rank", "all"), ("tp rank", ""), ("descriptors", f"{res['descriptors']:,}"),
-                         ("verified", "yes" if res["verified"] else "NO")):
+                         ("bytes", f"{res['bytes']:,}"), ("verified", "yes" if res["verified"] else "NO")):
         t.add_column(name, footer=footer, justify="right")
     for r in res["ranks"]:
-        t.add_row(str(r["dcp_rank"]), str(r["tp_rank"]), f"{r['descriptors']:,}", "yes" if r["verified"] else "NO")
-    t.caption = (f"{res['streams']} streams, {res['bytes']:,} bytes, {res['seconds']:.3f} s with engine start and "
-                 f"registration (one process, loopback)")
+        t.add_row(str(r["dcp_rank"]), str(r["tp_rank"]), f"{r['descriptors']:,}",
+                  f"{r['bytes']:,}" if "bytes" in r else "", "yes" if r["verified"] else "NO")
+    if "processes" in res:
+        t.caption = (f"connector (KVSender per prefill rank, KVReceiver per decode rank), {res['processes']} processes; "
+                     f"{res['seconds']:.3f} s from send to the last decode rank's completion, {res['gbps']:.2f} GB/s")
+    else:
+        t.caption = (f"{res['streams']} streams, {res['seconds']:.3f} s with engine start and registration "
+                     f"(one process, loopback)")
     console.print(t)
+    for r in res["ranks"]:
+        if not r["verified"] and r.get("reason"):
+            console.print(f"[red]decode rank ({r['dcp_rank']}, {r['tp_rank']}):[/] {r['reason']}")
     if json_path is not None:
         json_path.write_text(json.dumps(res, indent=2, default=_json_default))
     if not res["verified"]:

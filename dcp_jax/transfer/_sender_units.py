@@ -175,8 +175,12 @@ class SenderUnits:
             return
         if rc.strategy == "region":
             return self._submit_region_push(u, head, rc.window_bytes(u.w, self._layers.item_lens))
-        descs = rc.window_descriptors(u.w, src_bases=self._layers.bases, dst_bases=t.conn.layer_bases,
-                                      item_lens=self._layers.item_lens, region_addr=region_addr)
+        if t.conn.view is not None:  # TP or layout pair: head pieces through both layouts
+            descs = t.conn.view.descriptors(rc.src_rows[lo:hi], rc.dst_rows[lo:hi], self._layers.bases,
+                                            t.conn.layer_bases)
+        else:
+            descs = rc.window_descriptors(u.w, src_bases=self._layers.bases, dst_bases=t.conn.layer_bases,
+                                          item_lens=self._layers.item_lens, region_addr=region_addr)
         notif = proto.encode("done", req.rid, t.inc, **head)
         u.handle = self.engine.transfer_batch(t.conn.peer, descs, notif=notif, dcp_rank=rank, chunk=rc.chunk)
         # Engine notifications wake no socket: this tells the rank one is due, so it polls its

@@ -36,6 +36,7 @@ from dcp_jax.transfer.requests import RecvRequest, check_request_id
 from dcp_jax.transfer.schedule import SideLayout
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
 from dcp_jax.transfer.status import TransferStatus
+from dcp_jax.transfer.views import stream_view, uses_views
 
 __all__ = ["KVReceiver", "DIRECTIONS"]
 
@@ -56,6 +57,7 @@ class _Link:
     last_seen: float
     registered: bool = False
     path: str = "direct"       # the transfer path the sender chose at the handshake
+    row_bytes: int = 0         # bytes one token row of this link lands (all layers; head pieces only)
 
 
 class KVReceiver(ReceiverData, ReceiverRegion):
@@ -182,7 +184,8 @@ class KVReceiver(ReceiverData, ReceiverRegion):
                                      region_addr=self._region.addr, region_bytes=self._region.nbytes,
                                      mem=self._layers.mem_type, ipc=self._ipc, host=host_info(),
                                      heartbeat_ms=max(1, round(self.heartbeat_s * 1000)),
-                                     peer_timeout_ms=max(1, round(self.peer_timeout_s * 1000))))
+                                     peer_timeout_ms=max(1, round(self.peer_timeout_s * 1000)),
+                                     num_pages=self._layers.min_rows // self.spec.page_size))
             reply = self._await_reply(client, timeout_s)
             if reply["k"] == "hello_nack":  # the sender's ours/theirs are the other way round
                 raise HandshakeError(reply["field"], reply["theirs"], reply["ours"], reply["message"])
@@ -202,7 +205,11 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         except BaseException:
             client.close()
             raise
-        link = _Link(client, sender_spec, peer, bases, direction, time.monotonic(), path=reply["path"])
+        row_bytes = self.spec.row_bytes
+        if uses_views(sender_spec, self.spec):  # only the heads this pair shares land here
+            row_bytes = stream_view(sender_spec, self.spec, 1, 1).row_bytes() * self.spec.num_layers
+        link = _Link(client, sender_spec, peer, bases, direction, time.monotonic(), path=reply["path"],
+                     row_bytes=row_bytes)
         with self._lock:
             self._links.append(link)
             self._by_peer[peer] = link
