@@ -55,7 +55,7 @@ def pair_descriptors(src_geom, dst_geom, src_pages, src_slots, dst_pages, dst_sl
         src_bases, dst_bases: int ``[L]`` address of each layer's cache (bytes).
 
     Returns:
-        int64 ``[k, 3]`` of ``(src_addr, dst_addr, nbytes)``, layer-major.
+        int64 ``[k, 3]`` of ``(src_addr, dst_addr, nbytes)`` in source-address order.
 
     Raises:
         ValueError: layer counts differ, or segment lengths that do not nest (no layout pair
@@ -70,9 +70,14 @@ def pair_descriptors(src_geom, dst_geom, src_pages, src_slots, dst_pages, dst_sl
     if max(sl, dl) % unit:
         raise ValueError(f"segments of {sl} and {dl} bytes do not nest ({src_geom.layout} -> {dst_geom.layout})")
     su, du = _units(so, sl, unit), _units(do, dl, unit)
-    out = [_merge(np.stack([a + su, b + du, np.full(su.size, unit, np.int64)], axis=1))
+    out = [np.stack([a + su, b + du, np.full(su.size, unit, np.int64)], axis=1)
            for a, b in zip(src_bases.tolist(), dst_bases.tolist())]
-    return _merge(np.concatenate(out)) if out else np.zeros((0, 3), np.int64)
+    if not out:
+        return np.zeros((0, 3), np.int64)
+    # Source-address order puts each head's tokens side by side (wire order interleaves the heads
+    # of a token), so runs contiguous on both sides merge; one batch has no order to keep.
+    d = np.concatenate(out)
+    return _merge(d[np.argsort(d[:, 0], kind="stable")])
 
 
 def stream_descriptors(plan: HeteroPlan, src_caches: dict, dst_caches: dict, num_layers: int
