@@ -21,7 +21,7 @@ from dcp_jax.transfer._worker import check_page_table, pings_fit
 from dcp_jax.transfer.requests import RankTarget, SendRequest, check_request_id
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
 from dcp_jax.transfer.status import TransferStatus
-from dcp_jax.transfer.views import stream_view, uses_views
+from dcp_jax.transfer.views import stream_view, uses_views, view_path
 
 __all__ = ["SenderPeers", "Conn"]
 
@@ -159,9 +159,10 @@ class SenderPeers:
             cache_pages = _cache_pages(info, bases, spec)
             offer = PeerOffer.of_hello(msg)
             view = self._view_of(spec, msg) if uses_views(self.spec, spec) else None
-            path = "direct" if view is not None else choose_path(
-                self.mode, sender_mem=self._layers.mem_type, offer=offer, dst_interleave=spec.interleave_size,
-                page_size=self.spec.page_size, row_bytes=self.spec.row_bytes)
+            path = view_path(self.mode, view, spec.num_layers, self._layers.mem_type, offer) if view is not None \
+                else choose_path(self.mode, sender_mem=self._layers.mem_type, offer=offer,
+                                 dst_interleave=spec.interleave_size, page_size=self.spec.page_size,
+                                 row_bytes=self.spec.row_bytes)
         except HandshakeError as exc:
             return self._nack(ident, exc)
         except (TypeError, ValueError, proto.ProtocolError) as exc:
@@ -193,15 +194,11 @@ class SenderPeers:
             layer_bases=proto.pack_i64(self._layers.bases), name=self.engine.name, path=path))
 
     def _view_of(self, spec: KVCacheSpec, msg: dict) -> Any:
-        """The pair's `views.StreamView`: head pieces go direct, cache to cache, pushed (the
-        pack, region and fused paths and pulls move whole rows).
+        """The pair's `views.StreamView` (its path: `views.view_path`); pushed only.
 
         Raises:
-            HandshakeError: a mode other than auto/direct, a pull, or a hello without its pages.
+            HandshakeError: a pull, or a hello without its pages.
         """
-        if self.mode not in ("auto", "direct"):
-            raise HandshakeError("path", None, None, f"mode={self.mode!r}: a TP or layout pair moves head "
-                                 "pieces direct, cache to cache (KVSender(mode='direct' or 'auto'))")
         if msg["direction"] != "push":
             raise HandshakeError("direction", "push", msg["direction"], "a TP or layout pair is pushed by the sender")
         if msg["num_pages"] < 1:

@@ -80,8 +80,16 @@ class SenderUnits:
         """Rows one window may hold: the pack buffer's, and for the region path also the
         receiver's receive region's (a window must fit both)."""
         if conn.path == "region":
-            return min(self._max_region_rows, conn.region_bytes // self.spec.row_bytes)
+            per = self.spec.row_bytes if conn.view is None else conn.view.row_bytes() * self.spec.num_layers
+            return min(self._max_region_rows, conn.region_bytes // per)
         return self._max_region_rows
+
+    def _window_bytes(self, u: Unit) -> int:
+        """Bytes of a unit's window: its rows' pack, or a view pair's wire block."""
+        if u.target.conn.view is None:
+            return u.rc.window_bytes(u.w, self._layers.item_lens)
+        lo, hi = u.rc.windows[u.w]
+        return (hi - lo) * u.target.conn.view.row_bytes() * self.spec.num_layers
 
     def _batch_calls(self, descriptors: int) -> int:
         return batch_engine_calls(descriptors, getattr(self.engine, "window", None))
@@ -108,7 +116,7 @@ class SenderUnits:
                 continue
             lo, hi = u.rc.windows[u.w]
             if u.rc.strategy in ("packed", "region") and hi > lo:
-                need = u.rc.window_bytes(u.w, self._layers.item_lens)
+                need = self._window_bytes(u)
                 held = self._held.get(conn, 0)
                 if held and held + need > share:
                     blocked.add(conn)
@@ -152,7 +160,10 @@ class SenderUnits:
             req.first_byte_at = time.monotonic()
         if u.region is not None:
             tk = time.perf_counter()
-            pack_rows(self._source, rc.src_rows[lo:hi], self._pack.array, offset=u.region.offset)
+            if t.conn.view is not None:  # a TP or layout pair: its head pieces' wire block
+                t.conn.view.pack(self._layers.rows, rc.src_rows[lo:hi], self._pack.array, u.region.offset)
+            else:
+                pack_rows(self._source, rc.src_rows[lo:hi], self._pack.array, offset=u.region.offset)
             req.pack_seconds += time.perf_counter() - tk
             region_addr = self._pack.addr + u.region.offset
         head = dict(chunk=rc.chunk, part=u.w, nparts=len(rc.windows), start=rc.start, stop=rc.stop, nrows=n)
@@ -174,7 +185,7 @@ class SenderUnits:
                                                       src_rows=src_rows, **head))
             return
         if rc.strategy == "region":
-            return self._submit_region_push(u, head, rc.window_bytes(u.w, self._layers.item_lens))
+            return self._submit_region_push(u, head, self._window_bytes(u))
         if t.conn.view is not None:  # TP or layout pair: head pieces through both layouts
             descs = t.conn.view.descriptors(rc.src_rows[lo:hi], rc.dst_rows[lo:hi], self._layers.bases,
                                             t.conn.layer_bases)

@@ -120,7 +120,10 @@ class CacheLayers:
         for l, a in enumerate(kv_layers):
             shape = tuple(a.shape)
             # Per-head layouts put pages and slots elsewhere (nhd: [2, pages, P, H, D]).
-            pages, page_size = cache_pages(spec.layout, shape) if len(shape) >= 2 else (0, 0)
+            try:
+                pages, page_size = cache_pages(spec.layout, shape) if len(shape) >= 2 else (0, 0)
+            except ValueError as exc:
+                raise ValueError(f"kv_layers[{l}]: {exc}") from None
             if page_size != spec.page_size:
                 raise ValueError(f"kv_layers[{l}] has shape {shape}; expected [num_pages, "
                                  f"page_size={spec.page_size}, ...]" + (

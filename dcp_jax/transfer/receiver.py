@@ -58,6 +58,7 @@ class _Link:
     registered: bool = False
     path: str = "direct"       # the transfer path the sender chose at the handshake
     row_bytes: int = 0         # bytes one token row of this link lands (all layers; head pieces only)
+    view: Any = None           # TP or layout pair: its `views.StreamView` (the region path's unpack)
 
 
 class KVReceiver(ReceiverData, ReceiverRegion):
@@ -205,11 +206,13 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         except BaseException:
             client.close()
             raise
-        row_bytes = self.spec.row_bytes
+        row_bytes, view = self.spec.row_bytes, None
         if uses_views(sender_spec, self.spec):  # only the heads this pair shares land here
-            row_bytes = stream_view(sender_spec, self.spec, 1, 1).row_bytes() * self.spec.num_layers
+            # The source geometry is not used here (this side only places what lands).
+            view = stream_view(sender_spec, self.spec, 1, self._layers.min_rows // self.spec.page_size)
+            row_bytes = view.row_bytes() * self.spec.num_layers
         link = _Link(client, sender_spec, peer, bases, direction, time.monotonic(), path=reply["path"],
-                     row_bytes=row_bytes)
+                     row_bytes=row_bytes, view=view)
         with self._lock:
             self._links.append(link)
             self._by_peer[peer] = link

@@ -25,11 +25,11 @@ import dataclasses
 import numpy as np
 
 from dcp_jax.hetero.engine_path import pair_descriptors
-from dcp_jax.hetero.layouts import CacheGeometry, cache_shape
+from dcp_jax.hetero.layouts import CacheGeometry, cache_shape, gather_to_wire, place_from_wire, wire_bytes
 from dcp_jax.hetero.plan import HeteroPlanError, HeteroSide, head_pieces
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec
 
-__all__ = ["uses_views", "check_view_pair", "StreamView", "stream_view"]
+__all__ = ["uses_views", "check_view_pair", "StreamView", "stream_view", "view_path", "VIEW_MODES"]
 
 
 def uses_views(prefill: KVCacheSpec, decode: KVCacheSpec) -> bool:
@@ -98,6 +98,51 @@ class StreamView:
         g = self.dst_geom
         return int(self.pieces[:, 2].sum()) * g.planes * g.head_dim * g.itemsize
 
+    def _blocks(self, rows, geom: CacheGeometry, num_layers: int, head_col: int):
+        """``(layer, pages, slots, head0, num_heads, offset, nbytes)`` of each wire block of
+        ``rows``: layer-major, then piece, each in the adapters' wire order (plane, token, head)."""
+        rows = np.asarray(rows, np.int64)
+        pages, slots = rows // geom.page_size, rows % geom.page_size
+        off = 0
+        for layer in range(num_layers):
+            for piece in self.pieces.tolist():
+                nbytes = wire_bytes(geom, rows.size, piece[2])
+                yield layer, pages, slots, piece[head_col], piece[2], off, nbytes
+                off += nbytes
+
+    def pack(self, layer_bytes, src_rows, out: np.ndarray, offset: int = 0) -> int:
+        """Gathers the pair's wire block of ``src_rows`` into ``out[offset:]`` (the region path);
+        returns its bytes (``len(src_rows) * row_bytes() * layers``).
+
+        Args:
+            layer_bytes: per layer, the prefill cache's bytes as a host uint8 array (`CacheLayers.rows`).
+            src_rows: int ``[n]`` rows of the prefill cache.
+            out: host uint8 ``[>= offset + bytes]``: the pack region.
+
+        Raises:
+            TypeError: device memory (the region path of a view pair runs on the host).
+        """
+        caches = _host_caches(layer_bytes, self.src_geom, "the prefill side's KV layers")
+        end = offset
+        for layer, pages, slots, h0, nh, off, nbytes in self._blocks(src_rows, self.src_geom, len(caches), 0):
+            g, cache = caches[layer]
+            out[offset + off: offset + off + nbytes] = gather_to_wire(g, cache, pages, slots, h0, nh)
+            end = offset + off + nbytes
+        return end - offset
+
+    def unpack(self, region: np.ndarray, offset: int, layer_bytes, dst_rows) -> None:
+        """Places a landed wire block (`pack`'s, at ``region[offset:]``) into the decode cache at
+        ``dst_rows``, in place: the decode-side scatter for layouts descriptors cannot land
+        directly in few pieces (the numpy adapter `dcp_jax.hetero.layouts.place_from_wire`).
+
+        Raises:
+            TypeError: device memory (the region path of a view pair runs on the host).
+        """
+        caches = _host_caches(layer_bytes, self.dst_geom, "the decode side's KV layers")
+        for layer, pages, slots, h0, nh, off, nbytes in self._blocks(dst_rows, self.dst_geom, len(caches), 1):
+            g, cache = caches[layer]
+            place_from_wire(g, cache, region[offset + off: offset + off + nbytes], pages, slots, h0, nh)
+
     def descriptors(self, src_rows, dst_rows, src_bases, dst_bases) -> np.ndarray:
         """Direct descriptors of token rows ``src_rows[i] -> dst_rows[i]`` (each side's rows,
         ``page * page_size + slot``), every piece and layer.
@@ -121,6 +166,19 @@ class StreamView:
         return np.concatenate(out)
 
 
+def _host_caches(layer_bytes, geom: CacheGeometry, what: str) -> list[tuple[CacheGeometry, np.ndarray]]:
+    """Each layer's ``(geometry, cache)``: its bytes seen as its cache (page count from the bytes)."""
+    out = []
+    for a in layer_bytes:
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"{what} are {type(a).__name__}: a TP or layout pair's region path packs on the host")
+        flat = a.reshape(-1).view(np.uint8)
+        per_page = int(np.prod(cache_shape(dataclasses.replace(geom, num_pages=1)))) * geom.itemsize
+        g = dataclasses.replace(geom, num_pages=flat.size // per_page)
+        out.append((g, flat.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[geom.itemsize]).reshape(cache_shape(g))))
+    return out
+
+
 def stream_view(prefill: KVCacheSpec, decode: KVCacheSpec, src_pages: int, dst_pages: int) -> StreamView:
     """The `StreamView` of the pair (``prefill.tp_rank`` -> ``decode.tp_rank``; module rule).
 
@@ -136,3 +194,33 @@ def stream_view(prefill: KVCacheSpec, decode: KVCacheSpec, src_pages: int, dst_p
     rows = head_pieces(p, d, mla_source_tp_rank=t % p.tp_size)
     sel = (rows[:, 0] == s) & (rows[:, 1] == t)
     return StreamView(p.geometry(s, src_pages), d.geometry(t, dst_pages), np.ascontiguousarray(rows[sel, 2:]))
+
+
+#: Sender modes a view pair takes: ``direct`` (cache-to-cache descriptors through both layouts),
+#: ``region`` (the pair's wire block packed on the host, one descriptor per window into the decode
+#: rank's receive region, placed there by `StreamView.unpack`), ``auto`` (region when offered).
+VIEW_MODES = ("auto", "direct", "region")
+
+
+def view_path(mode: str, view: StreamView, num_layers: int, sender_mem: str, offer) -> str:
+    """The path of a view pair: ``mode`` as asked, ``auto`` = region when the decode rank offers a
+    receive region of at least one token's wire bytes and both sides are host memory, else direct.
+    A pair with no piece goes direct (its batches are notifications only).
+
+    Raises:
+        HandshakeError: field ``"path"``: a mode a view pair does not take (packed, fused), or
+            region asked where it cannot be served (says why).
+    """
+    if mode not in VIEW_MODES:
+        raise HandshakeError("path", None, None, f"mode={mode!r}: a TP or layout pair moves head pieces "
+                             f"{' or '.join(VIEW_MODES[1:])} (KVSender(mode=...) one of {VIEW_MODES})")
+    need = view.row_bytes() * num_layers
+    if mode == "direct" or need == 0:
+        return "direct"
+    why = ("the sender's KV is device memory" if sender_mem != "DRAM" else
+           "the receiver's KV is device memory" if offer.mem != "DRAM" else
+           f"the receiver offers a receive region of {offer.region_bytes} bytes, less than one token's {need}"
+           if offer.region_bytes < need else "")
+    if mode == "region" and why:
+        raise HandshakeError("path", None, None, f"the region path of a TP or layout pair cannot be served: {why}")
+    return "direct" if why else "region"

@@ -31,7 +31,7 @@ def _mla(page_size, dcp_size=1, interleave_size=1, tp_size=1, layout="sglang_mla
     return HeteroSide(page_size, dcp_size, interleave_size, tp_size, layout, 1, 24, "bfloat16")
 
 
-def _run_pair(engine, p: HeteroSide, d: HeteroSide, tokens: int, seed: int = 0, **sender_kw):
+def _run_pair(engine, p: HeteroSide, d: HeteroSide, tokens: int, seed: int = 0, receiver_kw=None, **sender_kw):
     rng = np.random.default_rng(seed)
     ptables, ppages = _tables(p, tokens, rng)
     dtables, dpages = _tables(d, tokens, rng)
@@ -45,7 +45,8 @@ def _run_pair(engine, p: HeteroSide, d: HeteroSide, tokens: int, seed: int = 0, 
             for t in range(d.tp_size):
                 kv = [_sentinel(cache_shape(d.geometry(t, dpages[r])), _etype(d)) for _ in range(LAYERS)]
                 caches[(r, t)] = kv
-                recv = KVReceiver(spec_of(d, r, t, LAYERS), kv, engine=engine, group="views", timeout_s=20)
+                recv = KVReceiver(spec_of(d, r, t, LAYERS), kv, engine=engine, group="views", timeout_s=20,
+                                  **(receiver_kw or {}))
                 receivers.append(((r, t), recv))
                 for _, s in senders:
                     recv.connect(s.address)
@@ -100,6 +101,22 @@ def test_views_byte_exact(engine, case):
         for t in range(d.tp_size):
             g = d.geometry(t, 1)
             assert got[t * d.dcp_size + r] == n * g.num_heads * g.planes * g.head_dim * 2 * LAYERS
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_views_region_path_byte_exact(engine):
+    """The region path: each pair's wire block packed on the prefill host, one descriptor per
+    window into the decode rank's receive region (small: several windows), placed there through
+    its layout (`StreamView.unpack`)."""
+    p, d, tokens = _CASES[0][0], _CASES[0][1], 150
+    if engine != "nixl":
+        p, d, tokens = _CASES[1]  # fewest ranks: Mooncake starts each engine in about 0.5 s
+    stats = _run_pair(engine, p, d, tokens, mode="region", receiver_kw=dict(region_bytes=4096))
+    for st in stats:
+        for key, v in st["ranks"].items():
+            assert v["path"] == ("region" if v["bytes"] else "direct")  # a pair sharing no head: direct, empty
+            if v["bytes"]:  # one descriptor per window, a window at most the region's 4,096 bytes
+                assert v["descriptors"] == v["batches"] >= -(-v["bytes"] // 4096)
 
 
 def test_view_pieces_hand_cases():
