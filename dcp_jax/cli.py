@@ -144,7 +144,7 @@ def transfer(
             page_size=prefill_page_size or page_size, dcp_size=prefill_dcp_size,
             interleave_size=prefill_interleave_size, tp_size=prefill_tp_size, layout=prefill_layout), dict(
             page_size=page_size, dcp_size=dcp_size, interleave_size=interleave_size, tp_size=tp_size,
-            layout=decode_layout), engine, seed, timeout_s, json_path)
+            layout=decode_layout), engine, seed, timeout_s, json_path, path)
     if mode not in _MODES:
         _fail(f"--mode={mode!r} must be one of {', '.join(_MODES)}")
     if device not in DEVICES:
@@ -210,26 +210,49 @@ def transfer(
     console.print("[green bold]verified[/]: every rank byte-exact in every mode")
 
 
-def _hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeout_s, json_path) -> None:
-    """``transfer`` for a TP / layout pair: table, JSON, exit 1 if wrong. NIXL and Mooncake go through
-    the connector, one process per rank (`dcp_jax.hetero.connector_job`); jax-transfer, whose batches
-    are pulls, through the plan's direct engine path in one process (`dcp_jax.hetero.job`)."""
+def _hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeout_s, json_path, path=None) -> None:
+    """``transfer`` for a TP / layout pair: one table per path, JSON, exit 1 if wrong. NIXL and
+    Mooncake go through the connector, one process per rank (`dcp_jax.hetero.connector_job`), on
+    the paths of ``--path`` (direct, region; default both); jax-transfer, whose batches are pulls,
+    through the plan's direct engine path in one process (`dcp_jax.hetero.job`)."""
     from dcp_jax.hetero.connector_job import run_connector_job
     from dcp_jax.hetero.job import run_hetero_job
 
     if engine not in ("nixl", "mooncake", "jax-transfer"):
         _fail(f"--engine={engine!r} must be nixl, mooncake or jax-transfer for a heterogeneous run")
+    paths = [x.strip() for x in (path or "direct,region").split(",") if x.strip()]
+    if not paths or any(x not in ("direct", "region") for x in paths):
+        _fail(f"--path={path!r}: a TP or layout run takes direct and/or region")
     _check_out_path(json_path, "--json")
-    run = run_hetero_job if engine == "jax-transfer" else run_connector_job
-    try:
-        res = run(model, prompt_tokens, prefill, decode, engine=engine, seed=seed, timeout_s=timeout_s)
-    except (ValueError, TypeError) as exc:
-        _fail(str(exc))
+    results = []
+    for mode in (["direct"] if engine == "jax-transfer" else paths):
+        try:
+            if engine == "jax-transfer":
+                res = run_hetero_job(model, prompt_tokens, prefill, decode, engine=engine, seed=seed, timeout_s=timeout_s)
+            else:
+                res = run_connector_job(model, prompt_tokens, prefill, decode, engine=engine, mode=mode, seed=seed,
+                                        timeout_s=timeout_s)
+        except (ValueError, TypeError) as exc:
+            _fail(str(exc))
+        results.append(res)
+        _hetero_table(res, model, prompt_tokens, engine)
+    if json_path is not None:
+        json_path.write_text(json.dumps(dict(runs=results, verified=all(r["verified"] for r in results)), indent=2,
+                                        default=_json_default))
+    if not all(r["verified"] for r in results):
+        Console().print("[red bold]NOT VERIFIED[/]")
+        raise typer.Exit(1)
+    Console().print("[green bold]verified[/]: every decode (DCP, TP) rank byte-exact" +
+                    (" on every path" if len(results) > 1 else ""))
+
+
+def _hetero_table(res: dict, model: str, prompt_tokens: int, engine: str) -> None:
+    """Prints one heterogeneous run's table (per decode (DCP, TP) rank) and its failures."""
     console = Console()
     side = lambda x: (f"page {x['page_size']}, DCP{x['dcp_size']} I={x['interleave_size']}, "  # noqa: E731
                       f"TP{x['tp_size']}, {x['layout']}")
     t = Table(title=f"heterogeneous {model}, {prompt_tokens:,} tokens: prefill {side(res['prefill'])} -> decode "
-                    f"{side(res['decode'])}; engine {engine}", show_footer=True)
+                    f"{side(res['decode'])}; engine {engine}, path {res.get('mode', 'direct')}", show_footer=True)
     for name, footer in (("dcp rank", "all"), ("tp rank", ""), ("descriptors", f"{res['descriptors']:,}"),
                          ("bytes", f"{res['bytes']:,}"), ("verified", "yes" if res["verified"] else "NO")):
         t.add_column(name, footer=footer, justify="right")
@@ -238,7 +261,9 @@ def _hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeou
                   f"{r['bytes']:,}" if "bytes" in r else "", "yes" if r["verified"] else "NO")
     if "processes" in res:
         t.caption = (f"connector (KVSender per prefill rank, KVReceiver per decode rank), {res['processes']} processes; "
-                     f"{res['seconds']:.3f} s from send to the last decode rank's completion, {res['gbps']:.2f} GB/s")
+                     f"{res['seconds']:.3f} s from send to the last decode rank's completion, {res['gbps']:.2f} GB/s"
+                     + (f"; pack {res['pack_seconds']:.2f} s, unpack {res['unpack_seconds']:.2f} s (summed over ranks)"
+                        if res.get("mode") == "region" else ""))
     else:
         t.caption = (f"{res['streams']} streams, {res['seconds']:.3f} s with engine start and registration "
                      f"(one process, loopback)")
@@ -246,12 +271,6 @@ def _hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeou
     for r in res["ranks"]:
         if not r["verified"] and r.get("reason"):
             console.print(f"[red]decode rank ({r['dcp_rank']}, {r['tp_rank']}):[/] {r['reason']}")
-    if json_path is not None:
-        json_path.write_text(json.dumps(res, indent=2, default=_json_default))
-    if not res["verified"]:
-        console.print("[red bold]NOT VERIFIED[/]")
-        raise typer.Exit(1)
-    console.print("[green bold]verified[/]: every decode (DCP, TP) rank byte-exact")
 
 
 def _json_default(o):

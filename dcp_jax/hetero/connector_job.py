@@ -125,7 +125,7 @@ def _prefill_main(conn, a: dict) -> None:
         caches = fill_side(side, a["dcp_rank"], a["tp_rank"], a["num_pages"], a["layers"], a["tokens"], a["table"],
                            a["seed"])
         with KVSender(spec_of(side, a["dcp_rank"], a["tp_rank"], a["layers"]), caches, engine=a["engine"],
-                      mode="direct", timeout_s=a["timeout_s"]) as sender:
+                      mode=a["mode"], timeout_s=a["timeout_s"]) as sender:
             conn.send(("address", sender.address))
             conn.recv()  # "send"
             sender.send(RID, a["table"], 0, a["tokens"])
@@ -133,8 +133,8 @@ def _prefill_main(conn, a: dict) -> None:
             while not sender.poll(RID).terminal and time.monotonic() < deadline:
                 time.sleep(0.001)
             st = sender.request_stats(RID)
-            conn.send(("sent", dict(status=st["status"], reason=st["reason"],
-                                    ranks={int(k): dict(descriptors=v["descriptors"], bytes=v["bytes"])
+            conn.send(("sent", dict(status=st["status"], reason=st["reason"], pack_seconds=st["pack_seconds"],
+                                    ranks={int(k): dict(descriptors=v["descriptors"], bytes=v["bytes"], path=v["path"])
                                            for k, v in st["ranks"].items()})))
             conn.recv()  # "close": every decode rank is done with this sender's writes
     except Exception:  # noqa: BLE001 - the parent reports it
@@ -150,7 +150,7 @@ def _decode_main(conn, a: dict) -> None:
         want = expected_cache(side, a["dcp_rank"], a["tp_rank"], a["num_pages"], a["layers"], a["tokens"], a["table"])
         caches = _new_caches(side, a["tp_rank"], a["num_pages"], a["layers"], lambda s: _sentinel(s, _etype(side)))
         with KVReceiver(spec_of(side, a["dcp_rank"], a["tp_rank"], a["layers"]), caches, engine=a["engine"],
-                        group=_GROUP, timeout_s=a["timeout_s"]) as recv:
+                        group=_GROUP, timeout_s=a["timeout_s"], region_bytes=a["region_bytes"]) as recv:
             for address in conn.recv():
                 recv.connect(address, timeout_s=a["timeout_s"])
             recv.expect(RID, a["table"], a["tokens"])
@@ -161,7 +161,9 @@ def _decode_main(conn, a: dict) -> None:
             done_at = time.monotonic()
             status, reason = recv.poll(RID).value, recv.failure_reason(RID)
             bad = sum(int((x.view(np.uint8) != y.view(np.uint8)).sum()) for x, y in zip(caches, want))
+            unpack_seconds = recv.request_stats(RID).get("unpack_seconds", 0.0)
             conn.send(("done", dict(status=status, reason=reason, done_at=done_at, bad_bytes=bad,
+                                    unpack_seconds=unpack_seconds,
                                     bytes=sum(x.nbytes for x in caches))))
             conn.recv()  # "close"
     except Exception:  # noqa: BLE001 - the parent reports it
@@ -178,7 +180,8 @@ def _recv(p, who: str, timeout_s: float, kind: str):
 
 
 def run_connector_job(model: str, prompt_tokens: int, prefill: dict, decode: dict, *, engine: str = "nixl",
-                      seed: int = 0, timeout_s: float = 120.0) -> dict:
+                      mode: str = "direct", region_bytes: int = 64 << 20, seed: int = 0,
+                      timeout_s: float = 120.0) -> dict:
     """Moves one request between a heterogeneous pair through the connector, one process per
     rank, and verifies every decode rank's whole cache against the oracle (module docstring).
 
@@ -187,11 +190,15 @@ def run_connector_job(model: str, prompt_tokens: int, prefill: dict, decode: dic
         prompt_tokens: tokens moved (>= 1).
         prefill, decode: sides as `dcp_jax.hetero.cost.hetero_sides` takes them.
         engine: "nixl" or "mooncake".
+        mode: the senders' mode, ``"direct"`` (cache-to-cache descriptors through both layouts) or
+            ``"region"`` (each pair's wire block into the decode rank's receive region, placed there
+            through its layout; `dcp_jax.transfer.views`).
+        region_bytes: each decode rank's receive region (bytes; the region mode's window bound).
         seed: page tables and prefill noise.
         timeout_s: bound on each step (seconds).
 
     Returns:
-        ``{"model", "engine", "prefill", "decode", "processes", "descriptors", "bytes", "seconds",
+        ``{"model", "engine", "mode", "prefill", "decode", "processes", "descriptors", "bytes", "seconds",
         "gbps", "ranks": [{"dcp_rank", "tp_rank", "descriptors", "bytes", "verified"}], "verified"}``;
         ``seconds`` from the first ``send`` to the last decode rank's completion (the host's
         monotonic clock, shared by the processes).
@@ -204,6 +211,8 @@ def run_connector_job(model: str, prompt_tokens: int, prefill: dict, decode: dic
         raise ValueError(f"prompt_tokens={prompt_tokens!r} must be an int >= 1")
     if engine not in ("nixl", "mooncake"):
         raise ValueError(f"engine={engine!r} must be 'nixl' or 'mooncake' (the connector's pushes)")
+    if mode not in ("direct", "region"):
+        raise ValueError(f"mode={mode!r} must be 'direct' or 'region'")
     p, d, layers = hetero_sides(model, prefill, decode)
     from dcp_jax.job.config import engine_env
     engine_env("cpu")  # before the fork server starts: its children inherit the quiet loopback settings
@@ -213,7 +222,8 @@ def run_connector_job(model: str, prompt_tokens: int, prefill: dict, decode: dic
     ctx = mp.get_context("forkserver") if "forkserver" in mp.get_all_start_methods() else mp.get_context("spawn")
     if ctx.get_start_method() == "forkserver":  # the connector (and JAX) imported once, not per rank
         ctx.set_forkserver_preload(["dcp_jax.transfer", "dcp_jax.hetero.connector_job", "bridge.nixl"])
-    common = dict(layers=layers, tokens=prompt_tokens, engine=engine, timeout_s=timeout_s)
+    common = dict(layers=layers, tokens=prompt_tokens, engine=engine, timeout_s=timeout_s, mode=mode,
+                  region_bytes=region_bytes if mode == "region" else 0)
 
     def start(target, side, r, t, tables, pages):
         a, b = ctx.Pipe()
@@ -253,13 +263,16 @@ def run_connector_job(model: str, prompt_tokens: int, prefill: dict, decode: dic
         key = t * d.dcp_size + r  # KVCacheSpec.group_rank: the key each sender files this rank under
         ranks.append(dict(dcp_rank=r, tp_rank=t, descriptors=sum(s["ranks"].get(key, {}).get("descriptors", 0) for s in sent),
                           bytes=sum(s["ranks"].get(key, {}).get("bytes", 0) for s in sent), status=res["status"],
+                          paths=sorted({s["ranks"][key]["path"] for s in sent if s["ranks"].get(key, {}).get("bytes")}),
+                          unpack_seconds=res["unpack_seconds"],
                           reason=res["reason"], bad_bytes=res["bad_bytes"],
                           verified=res["status"] == "success" and res["bad_bytes"] == 0))
     seconds = max(res["done_at"] for res in done) - t0
     nbytes = sum(r["bytes"] for r in ranks)
     side = lambda s: dict(page_size=s.page_size, dcp_size=s.dcp_size, interleave_size=s.interleave_size,  # noqa: E731
                           tp_size=s.tp_size, layout=s.layout)
-    return dict(model=model, engine=engine, prefill=side(p), decode=side(d), processes=len(procs),
+    return dict(model=model, engine=engine, mode=mode, prefill=side(p), decode=side(d), processes=len(procs),
                 sender_status=sorted({s["status"] for s in sent}), descriptors=sum(r["descriptors"] for r in ranks),
+                pack_seconds=sum(s["pack_seconds"] for s in sent), unpack_seconds=sum(r["unpack_seconds"] for r in ranks),
                 bytes=nbytes, seconds=seconds, gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0, ranks=ranks,
                 verified=all(r["verified"] for r in ranks) and all(s["status"] == "success" for s in sent))
