@@ -188,7 +188,8 @@ def check_compatible(prefill: KVCacheSpec, decode: KVCacheSpec, *, side: str = "
     The rows move as bytes: both sides must hold the same layer entries of the same sizes,
     dtype, layout, TP size and heads. Any page sizes, DCP sizes and interleaves on either side are
     served (``dcp_jax.transfer.schedule`` maps every token between them). A pair whose layouts
-    differ or with ``tp_size > 1`` on a side moves head pieces (`dcp_jax.transfer.views`): there
+    differ, with ``tp_size > 1`` on a side, or in a layout that splits a token's row (``nhd``,
+    ``hnd``) moves head pieces (`dcp_jax.transfer.views.uses_views`): there
     ``item_lens``, ``layout`` and ``tp_size`` may differ, and `views.check_view_pair` decides.
 
     Args:

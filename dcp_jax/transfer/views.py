@@ -1,9 +1,9 @@
 """Head and layout views: what one prefill rank sends one decode rank when the two sides differ
 in TP split or cache layout (the heterogeneous pairs of `dcp_jax.hetero`, in the connector).
 
-A pair uses views (`uses_views`) when the layouts differ or either side has ``tp_size > 1``;
-otherwise rows move whole, as before. With views, each side's `KVCacheSpec` declares its
-``layout`` (a name of `dcp_jax.hetero.layouts.LAYOUTS`; the connector's ``"mla"`` is
+A pair uses views (`uses_views`) when the layouts differ, either side has ``tp_size > 1``, or
+the layout splits a token's row (``nhd``, ``hnd``); otherwise rows move whole, as before. With
+views, each side's `KVCacheSpec` declares its ``layout`` (a name of `dcp_jax.hetero.layouts.LAYOUTS`; the connector's ``"mla"`` is
 ``"sglang_mla"``), ``tp_size``/``tp_rank``, ``num_kv_heads`` and ``head_dim``; every prefill
 (DCP, TP) rank is connected to every decode (DCP, TP) rank, and one pair moves:
 
@@ -32,9 +32,15 @@ from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec
 __all__ = ["uses_views", "check_view_pair", "StreamView", "stream_view", "view_path", "VIEW_MODES"]
 
 
+#: Layouts whose token rows are not contiguous (K and V planes apart; HND: heads apart): any pair
+#: of them moves through views, even with equal layouts and no TP.
+SPLIT_ROW_LAYOUTS = ("nhd", "hnd")
+
+
 def uses_views(prefill: KVCacheSpec, decode: KVCacheSpec) -> bool:
     """True when the pair moves head pieces through both layouts instead of whole rows."""
-    return prefill.layout != decode.layout or prefill.tp_size > 1 or decode.tp_size > 1
+    return (prefill.layout != decode.layout or prefill.tp_size > 1 or decode.tp_size > 1
+            or prefill.layout in SPLIT_ROW_LAYOUTS)
 
 
 def _side(spec: KVCacheSpec, who: str) -> HeteroSide:

@@ -79,8 +79,11 @@ _CASES = [
     (_gqa(8, layout="tpu_gqa", heads=2), _gqa(4, 2, 2, tp_size=4, heads=2), 97),
     # MLA: latent replicated over TP, sglang rows -> TPU two-tokens-per-row, odd token count
     (_mla(4, tp_size=2), _mla(8, 2, 1, tp_size=3, layout="tpu_mla"), 101),
+    # one layout, no TP, but NHD splits a token's row (K and V planes apart): page 16 -> 4, DCP 1 -> 2
+    (_gqa(16), _gqa(4, 2, 1), 77),
 ]
-_IDS = ["tp2-nhd-p16_tp4-hnd-p64-dcp2", "dcp2-hnd-p128_tp2-tpugqa-p32", "tpugqa_tp4-replicated", "mla-tp2_tpumla-tp3"]
+_IDS = ["tp2-nhd-p16_tp4-hnd-p64-dcp2", "dcp2-hnd-p128_tp2-tpugqa-p32", "tpugqa_tp4-replicated", "mla-tp2_tpumla-tp3",
+        "nhd-p16_nhd-p4-dcp2"]
 # Every case over NIXL; over Mooncake (about 0.5 s per engine it starts) marked slow: CI runs
 # Mooncake on the region test below, whose direct batches (empty pairs) and windows cover both.
 _PARAMS = [pytest.param(e, c, id=f"{i}-{e}", marks=() if e == "nixl" else pytest.mark.slow)
