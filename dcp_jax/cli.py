@@ -146,12 +146,12 @@ def transfer(
 
     if prefill_tp_size != 1 or tp_size != 1 or prefill_layout or decode_layout or (
             model in HETERO_MODELS and model not in geometry_names()):
-        # TP / layout pairs: the heterogeneous plan over the engine (the connector takes neither yet)
+        # TP / layout pairs: through the connector, one process per rank (dcp_jax.hetero.connector_job)
         return _hetero_transfer(model, prompt_tokens, dict(
             page_size=prefill_page_size or page_size, dcp_size=prefill_dcp_size,
             interleave_size=prefill_interleave_size, tp_size=prefill_tp_size, layout=prefill_layout), dict(
             page_size=page_size, dcp_size=dcp_size, interleave_size=interleave_size, tp_size=tp_size,
-            layout=decode_layout), engine, seed, timeout_s, json_path)
+            layout=decode_layout), engine, seed, timeout_s, json_path, path)
     if mode not in _MODES:
         _fail(f"--mode={mode!r} must be one of {', '.join(_MODES)}")
     if device not in DEVICES:
@@ -229,34 +229,67 @@ def _gpus(g) -> str:
     return ",".join(map(str, g or (0,)))
 
 
-def _hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeout_s, json_path) -> None:
-    """``transfer`` for a TP / layout pair (`dcp_jax.hetero.job.run_hetero_job`): table, JSON, exit 1 if wrong."""
+def _hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeout_s, json_path, path=None) -> None:
+    """``transfer`` for a TP / layout pair: one table per path, JSON, exit 1 if wrong. NIXL and
+    Mooncake go through the connector, one process per rank (`dcp_jax.hetero.connector_job`), on
+    the paths of ``--path`` (direct, region; default both); jax-transfer, whose batches are pulls,
+    through the plan's direct engine path in one process (`dcp_jax.hetero.job`)."""
+    from dcp_jax.hetero.connector_job import run_connector_job
     from dcp_jax.hetero.job import run_hetero_job
 
     if engine not in ("nixl", "mooncake", "jax-transfer"):
         _fail(f"--engine={engine!r} must be nixl, mooncake or jax-transfer for a heterogeneous run")
+    paths = [x.strip() for x in (path or "direct,region").split(",") if x.strip()]
+    if not paths or any(x not in ("direct", "region") for x in paths):
+        _fail(f"--path={path!r}: a TP or layout run takes direct and/or region")
     _check_out_path(json_path, "--json")
-    try:
-        res = run_hetero_job(model, prompt_tokens, prefill, decode, engine=engine, seed=seed, timeout_s=timeout_s)
-    except (ValueError, TypeError) as exc:
-        _fail(str(exc))
+    results = []
+    for mode in (["direct"] if engine == "jax-transfer" else paths):
+        try:
+            if engine == "jax-transfer":
+                res = run_hetero_job(model, prompt_tokens, prefill, decode, engine=engine, seed=seed, timeout_s=timeout_s)
+            else:
+                res = run_connector_job(model, prompt_tokens, prefill, decode, engine=engine, mode=mode, seed=seed,
+                                        timeout_s=timeout_s)
+        except (ValueError, TypeError) as exc:
+            _fail(str(exc))
+        results.append(res)
+        _hetero_table(res, model, prompt_tokens, engine)
+    if json_path is not None:
+        json_path.write_text(json.dumps(dict(runs=results, verified=all(r["verified"] for r in results)), indent=2,
+                                        default=_json_default))
+    if not all(r["verified"] for r in results):
+        Console().print("[red bold]NOT VERIFIED[/]")
+        raise typer.Exit(1)
+    Console().print("[green bold]verified[/]: every decode (DCP, TP) rank byte-exact" +
+                    (" on every path" if len(results) > 1 else ""))
+
+
+def _hetero_table(res: dict, model: str, prompt_tokens: int, engine: str) -> None:
+    """Prints one heterogeneous run's table (per decode (DCP, TP) rank) and its failures."""
     console = Console()
-    t = Table(title=f"heterogeneous {model}: prefill {res['prefill']} -> decode {res['decode']}, engine {engine}",
-              show_footer=True)
+    side = lambda x: (f"page {x['page_size']}, DCP{x['dcp_size']} I={x['interleave_size']}, "  # noqa: E731
+                      f"TP{x['tp_size']}, {x['layout']}")
+    t = Table(title=f"heterogeneous {model}, {prompt_tokens:,} tokens: prefill {side(res['prefill'])} -> decode "
+                    f"{side(res['decode'])}; engine {engine}, path {res.get('mode', 'direct')}", show_footer=True)
     for name, footer in (("dcp rank", "all"), ("tp rank", ""), ("descriptors", f"{res['descriptors']:,}"),
-                         ("verified", "yes" if res["verified"] else "NO")):
+                         ("bytes", f"{res['bytes']:,}"), ("verified", "yes" if res["verified"] else "NO")):
         t.add_column(name, footer=footer, justify="right")
     for r in res["ranks"]:
-        t.add_row(str(r["dcp_rank"]), str(r["tp_rank"]), f"{r['descriptors']:,}", "yes" if r["verified"] else "NO")
-    t.caption = (f"{res['streams']} streams, {res['bytes']:,} bytes, {res['seconds']:.3f} s with engine start and "
-                 f"registration (one process, loopback)")
+        t.add_row(str(r["dcp_rank"]), str(r["tp_rank"]), f"{r['descriptors']:,}",
+                  f"{r['bytes']:,}" if "bytes" in r else "", "yes" if r["verified"] else "NO")
+    if "processes" in res:
+        t.caption = (f"connector (KVSender per prefill rank, KVReceiver per decode rank), {res['processes']} processes; "
+                     f"{res['seconds']:.3f} s from send to the last decode rank's completion, {res['gbps']:.2f} GB/s"
+                     + (f"; pack {res['pack_seconds']:.2f} s, unpack {res['unpack_seconds']:.2f} s (summed over ranks)"
+                        if res.get("mode") == "region" else ""))
+    else:
+        t.caption = (f"{res['streams']} streams, {res['seconds']:.3f} s with engine start and registration "
+                     f"(one process, loopback)")
     console.print(t)
-    if json_path is not None:
-        json_path.write_text(json.dumps(res, indent=2, default=_json_default))
-    if not res["verified"]:
-        console.print("[red bold]NOT VERIFIED[/]")
-        raise typer.Exit(1)
-    console.print("[green bold]verified[/]: every decode (DCP, TP) rank byte-exact")
+    for r in res["ranks"]:
+        if not r["verified"] and r.get("reason"):
+            console.print(f"[red]decode rank ({r['dcp_rank']}, {r['tp_rank']}):[/] {r['reason']}")
 
 
 def _json_default(o):

@@ -2,8 +2,9 @@
 cache layout on each side, converted byte-exactly. The plan and a numpy mover; the plan over real
 engines (`dcp_jax.hetero.engine_path`: direct cache-to-cache descriptors, NIXL / Mooncake); the
 cost report (`dcp_jax.hetero.cost`, ``dcp-jax plan --decode-layout ...``). The connector moves
-rows between different page sizes (the job's ``--prefill-page-size``); TP and layout pairs are
-not wired into it yet.
+rows between different page sizes (the job's ``--prefill-page-size``) and TP and layout pairs
+(`dcp_jax.transfer.views`: head pieces through both layouts, direct or through the decode rank's
+receive region); `dcp_jax.hetero.connector_job` runs them one process per rank.
 
 Guide:
 

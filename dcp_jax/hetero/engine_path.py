@@ -20,7 +20,7 @@ import numpy as np
 from dcp_jax.hetero.layouts import segments
 from dcp_jax.hetero.plan import HeteroPlan
 
-__all__ = ["stream_descriptors", "execute_over_engines"]
+__all__ = ["pair_descriptors", "stream_descriptors", "execute_over_engines"]
 
 
 def _pages_of(side, layers) -> int:
@@ -41,6 +41,43 @@ def _merge(descs: np.ndarray) -> np.ndarray:
     cont = (descs[1:, 0] == descs[:-1, 0] + descs[:-1, 2]) & (descs[1:, 1] == descs[:-1, 1] + descs[:-1, 2])
     start = np.flatnonzero(np.r_[True, ~cont])
     return np.stack([descs[start, 0], descs[start, 1], np.add.reduceat(descs[:, 2], start)], axis=1)
+
+
+def pair_descriptors(src_geom, dst_geom, src_pages, src_slots, dst_pages, dst_slots, src_head: int, dst_head: int,
+                     num_heads: int, src_bases, dst_bases) -> np.ndarray:
+    """Direct descriptors of one head piece of tokens ``i`` (``(src_pages[i], src_slots[i])`` ->
+    ``(dst_pages[i], dst_slots[i])``), every layer, merged where both sides continue.
+
+    Args:
+        src_geom, dst_geom: `CacheGeometry` of one layer on each side.
+        src_pages, src_slots, dst_pages, dst_slots: int ``[n]`` token locations on each side.
+        src_head, dst_head, num_heads: the head piece (local first heads on each rank, count).
+        src_bases, dst_bases: int ``[L]`` address of each layer's cache (bytes).
+
+    Returns:
+        int64 ``[k, 3]`` of ``(src_addr, dst_addr, nbytes)`` in source-address order.
+
+    Raises:
+        ValueError: layer counts differ, or segment lengths that do not nest (no layout pair
+            produces them).
+    """
+    src_bases, dst_bases = np.asarray(src_bases, np.int64), np.asarray(dst_bases, np.int64)
+    if src_bases.shape != dst_bases.shape:
+        raise ValueError(f"src_bases and dst_bases need one address per layer, got {src_bases.size} and {dst_bases.size}")
+    so, sl = segments(src_geom, src_pages, src_slots, src_head, num_heads)
+    do, dl = segments(dst_geom, dst_pages, dst_slots, dst_head, num_heads)
+    unit = min(sl, dl)
+    if max(sl, dl) % unit:
+        raise ValueError(f"segments of {sl} and {dl} bytes do not nest ({src_geom.layout} -> {dst_geom.layout})")
+    su, du = _units(so, sl, unit), _units(do, dl, unit)
+    out = [np.stack([a + su, b + du, np.full(su.size, unit, np.int64)], axis=1)
+           for a, b in zip(src_bases.tolist(), dst_bases.tolist())]
+    if not out:
+        return np.zeros((0, 3), np.int64)
+    # Source-address order puts each head's tokens side by side (wire order interleaves the heads
+    # of a token), so runs contiguous on both sides merge; one batch has no order to keep.
+    d = np.concatenate(out)
+    return _merge(d[np.argsort(d[:, 0], kind="stable")])
 
 
 def stream_descriptors(plan: HeteroPlan, src_caches: dict, dst_caches: dict, num_layers: int
@@ -70,17 +107,9 @@ def stream_descriptors(plan: HeteroPlan, src_caches: dict, dst_caches: dict, num
                 raise ValueError(f"{name}[{key}] must hold {num_layers} layer caches")
         sg = plan.prefill.geometry(st, _pages_of(plan.prefill, src))
         dg = plan.decode.geometry(dt, _pages_of(plan.decode, dst))
-        so, sl = segments(sg, plan.src_page[rows], plan.src_slot[rows], sh, nh)
-        do, dl = segments(dg, plan.dst_page[rows], plan.dst_slot[rows], dh, nh)
-        unit = min(sl, dl)
-        if max(sl, dl) % unit:
-            raise ValueError(f"segments of {sl} and {dl} bytes do not nest ({plan.prefill.layout} -> "
-                             f"{plan.decode.layout})")
-        su, du = _units(so, sl, unit), _units(do, dl, unit)
-        for layer in range(num_layers):
-            a, b = src[layer], dst[layer]
-            descs = np.stack([a.ctypes.data + su, b.ctypes.data + du, np.full(su.size, unit, np.int64)], axis=1)
-            out.setdefault((sd, st, dd, dt), []).append(_merge(descs))
+        out.setdefault((sd, st, dd, dt), []).append(pair_descriptors(
+            sg, dg, plan.src_page[rows], plan.src_slot[rows], plan.dst_page[rows], plan.dst_slot[rows], sh, dh, nh,
+            [a.ctypes.data for a in src], [b.ctypes.data for b in dst]))
     return {k: _merge(np.concatenate(v)) for k, v in out.items()}
 
 

@@ -1,7 +1,8 @@
-"""``dcp-jax transfer`` for heterogeneous pairs (TP and layout differing between the sides).
+"""The heterogeneous plan over one engine pair in one process (``dcp-jax transfer --engine
+jax-transfer`` with TP or layout options; NIXL and Mooncake runs go through the connector,
+`dcp_jax.hetero.connector_job`).
 
-The connector does not take TP or layout pairs yet, so this run drives the heterogeneous plan
-over a real engine directly (`dcp_jax.hetero.engine_path`): one process, one prefill and one
+This run drives the heterogeneous plan over a real engine directly (`dcp_jax.hetero.engine_path`): one process, one prefill and one
 decode engine over loopback, every prefill (DCP, TP) rank's caches filled with a per-element
 pattern, every decode rank's caches with a sentinel; one notified WRITE batch per stream, then
 every decode cache is compared byte for byte with the numpy mover's result

@@ -34,7 +34,7 @@ import numpy as np
 from dcp_jax._validate import check_int
 
 __all__ = ["LAYOUTS", "MLA_LAYOUTS", "GQA_LAYOUTS", "CacheGeometry", "layout_kind", "dtype_itemsize",
-           "cache_shape", "segments", "gather_to_wire", "place_from_wire", "run_descriptors", "wire_bytes"]
+           "cache_shape", "cache_pages", "segments", "gather_to_wire", "place_from_wire", "run_descriptors", "wire_bytes"]
 
 MLA_LAYOUTS = ("sglang_mla", "tpu_mla")
 GQA_LAYOUTS = ("nhd", "hnd", "tpu_gqa")
@@ -124,6 +124,27 @@ def cache_shape(geom: CacheGeometry) -> tuple[int, ...]:
     n, p, h, d = geom.num_pages, geom.page_size, geom.num_heads, geom.head_dim
     return {"sglang_mla": (n, p, d), "tpu_mla": (n, p // geom.tokens_per_row, geom.tokens_per_row, geom.lanes),
             "nhd": (2, n, p, h, d), "hnd": (2, n, h, p, d), "tpu_gqa": (n, p, 2 * h, d)}[geom.layout]
+
+
+def cache_pages(layout: str, shape) -> tuple[int, int]:
+    """``(num_pages, page_size)`` of a cache of element ``shape`` in ``layout`` (the inverse of
+    `cache_shape` on those two). Any other layout name is ``[num_pages, page_size, ...]`` (the
+    connector's row caches).
+
+    Raises:
+        ValueError: ``shape`` has too few dimensions for ``layout`` (named).
+    """
+    shape = tuple(int(x) for x in shape)
+    need = {"nhd": 5, "hnd": 5, "tpu_gqa": 4, "tpu_mla": 4}.get(layout, 2)
+    if len(shape) < need:
+        raise ValueError(f"a {layout!r} cache needs {need} dimensions, got shape {shape}")
+    if layout == "nhd":
+        return shape[1], shape[2]
+    if layout == "hnd":
+        return shape[1], shape[3]
+    if layout == "tpu_mla":
+        return shape[0], shape[1] * shape[2]
+    return shape[0], shape[1]
 
 
 def _head_range(geom: CacheGeometry, head0, num_heads) -> tuple[int, int]:

@@ -118,8 +118,8 @@ class ReceiverData:
         parts[1].add(msg["part"])
         req.timeline.mark("part", self.spec.dcp_rank)
         req.rows_landed[key] = req.rows_landed.get(key, 0) + msg["nrows"]
-        req.bytes += msg["nrows"] * self.spec.row_bytes
-        self._counts["bytes"] += msg["nrows"] * self.spec.row_bytes
+        req.bytes += msg["nrows"] * link.row_bytes
+        self._counts["bytes"] += msg["nrows"] * link.row_bytes
         req.state.advance(TransferStatus.TRANSFERRING)
         req.state.touch()
         if len(parts[1]) == parts[0]:

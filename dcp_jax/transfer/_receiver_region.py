@@ -72,8 +72,8 @@ class ReceiverRegion:
             return None
         rows = self._rows_of(req, link, msg["start"], msg["stop"])
         lo, n = msg["lo"], msg["nrows"]
-        nbytes = msg.get("nbytes", n * self.spec.row_bytes)
-        if n == 0 or lo + n > len(rows) or nbytes != n * self.spec.row_bytes \
+        nbytes = msg.get("nbytes", n * link.row_bytes)
+        if n == 0 or lo + n > len(rows) or nbytes != n * link.row_bytes \
                 or nbytes > self._region.nbytes:
             self._inconsistent(req, f"window of rows [{lo}, {lo + n}) ({nbytes} bytes) of a chunk this rank holds "
                                     f"{len(rows)} rows of, into a {self._region.nbytes}-byte receive region")
@@ -102,7 +102,7 @@ class ReceiverRegion:
                     link.client.send(proto.encode("pull_done", msg["rid"], msg["inc"], chunk=msg["chunk"],
                                                   part=msg["part"], ok=False, reason="request not live here"))
                 continue
-            nbytes = msg["nrows"] * self.spec.row_bytes
+            nbytes = msg["nrows"] * link.row_bytes
             key = (id(link), req.rid, req.inc, msg["chunk"], msg["part"])
             region = self._region.acquire(key, nbytes)
             if region is None:
@@ -164,7 +164,10 @@ class ReceiverRegion:
                 g.req.stage_seconds += time.perf_counter() - tk
             # Device: the rows come from the page table expect() validated, so the kernel skips
             # its index checks (each would synchronise); the host checks are cheap and stay.
-            unpack_rows(src, self._layers.rows, g.rows, offset=off, checked=self._layers.mem_type == "VRAM")
+            if g.link.view is not None:  # a TP or layout pair: place its wire block through the layout
+                g.link.view.unpack(src, off, self._layers.rows, g.rows)
+            else:
+                unpack_rows(src, self._layers.rows, g.rows, offset=off, checked=self._layers.mem_type == "VRAM")
             _synchronize(self._layers.rows)
             g.req.unpack_seconds += time.perf_counter() - tk
             g.req.timeline.mark("unpacked", self.spec.dcp_rank)

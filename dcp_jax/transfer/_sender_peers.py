@@ -21,6 +21,7 @@ from dcp_jax.transfer._worker import check_page_table, pings_fit
 from dcp_jax.transfer.requests import RankTarget, SendRequest, check_request_id
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
 from dcp_jax.transfer.status import TransferStatus
+from dcp_jax.transfer.views import stream_view, uses_views, view_path
 
 __all__ = ["SenderPeers", "Conn"]
 
@@ -77,6 +78,7 @@ class Conn:
     mapping: Any = None         # fused path: the rank's KV layers mapped here (`bridge.cuda_ipc.IpcMapping`)
     cache_pages: int = 0        # pages of the rank's cache inside its registered regions
     staged: bool = False        # the rank stages: its KV is not registered (`dcp_jax.transfer.staging`)
+    view: Any = None            # TP or layout pair: its `views.StreamView` (head pieces, both layouts)
 
     def close_mapping(self) -> None:
         """Closes the IPC mapping (once; at close or when the connection is dropped)."""
@@ -117,7 +119,7 @@ class SenderPeers:
             return self._on_region_grant(conn, msg)
         if kind in ("abort", "failed"):
             req = self._requests.get(msg["rid"])
-            t = req.targets.get(conn.spec.dcp_rank) if req is not None else None
+            t = req.targets.get(conn.spec.group_rank) if req is not None else None
             if t is None or t.inc != msg["inc"] or t.conn is not conn:
                 # Nothing of ours is in flight for that incarnation: the rank may reuse its pages.
                 self._ctl.send(conn.ident, proto.encode("drained", msg["rid"], msg["inc"]))
@@ -150,7 +152,7 @@ class SenderPeers:
                                      f"receiver {msg['name']!r} is already connected (another address spelling?)")
             group = [c for c in self._conns.values() if c.group == msg["group"] and c.ident != ident]
             for c in group:
-                for field in ("dcp_size", "interleave_size"):
+                for field in ("dcp_size", "interleave_size", "tp_size"):
                     if getattr(c.spec, field) != getattr(spec, field):
                         raise HandshakeError(field, getattr(c.spec, field), getattr(spec, field),
                                              f"decode group {msg['group']!r} already has rank {c.spec.dcp_rank} with it")
@@ -162,14 +164,16 @@ class SenderPeers:
             # A staged receiver's pages are not registered (only its region is), and no
             # descriptor of ours addresses them: it checks its page ids against its own cache.
             cache_pages = _UNBOUNDED_PAGES if offer.staged else _cache_pages(info, bases, spec)
-            path = choose_path(self.mode, sender_mem=self._layers.mem_type, offer=offer,
-                               dst_interleave=spec.interleave_size, page_size=self.spec.page_size,
-                               row_bytes=self.spec.row_bytes, sender_staged=self.staged)
+            view = self._view_of(spec, msg) if uses_views(self.spec, spec) else None
+            path = view_path(self.mode, view, spec.num_layers, self._layers.mem_type, offer) if view is not None \
+                else choose_path(self.mode, sender_mem=self._layers.mem_type, offer=offer,
+                                 dst_interleave=spec.interleave_size, page_size=self.spec.page_size,
+                                 row_bytes=self.spec.row_bytes, sender_staged=self.staged)
         except HandshakeError as exc:
             return self._nack(ident, exc)
         except (TypeError, ValueError, proto.ProtocolError) as exc:
             return self._nack(ident, HandshakeError("spec", None, None, f"not a valid hello: {exc}"))
-        for old in [c for c in group if c.spec.dcp_rank == spec.dcp_rank]:
+        for old in [c for c in group if c.spec.group_rank == spec.group_rank]:
             self._drop_conn(old, f"decode rank {spec.dcp_rank} reconnected")
         if self._hold_hello(ident, msg):
             return
@@ -190,10 +194,23 @@ class SenderPeers:
                                    bases, time.monotonic(), path, offer.region_addr, offer.region_bytes, mapping,
                                    staged=offer.staged)
         self._conns[ident].cache_pages = cache_pages
+        self._conns[ident].view = view
         self._counts["handshakes"] += 1
         self._ctl.send(ident, proto.encode(
             "hello_ack", spec=self.spec.to_dict(), peer=self.engine.peer_info().to_dict(),
             layer_bases=proto.pack_i64(self._layers.bases), name=self.engine.name, path=path, staged=self.staged))
+
+    def _view_of(self, spec: KVCacheSpec, msg: dict) -> Any:
+        """The pair's `views.StreamView` (its path: `views.view_path`); pushed only.
+
+        Raises:
+            HandshakeError: a pull, or a hello without its pages.
+        """
+        if msg["direction"] != "push":
+            raise HandshakeError("direction", "push", msg["direction"], "a TP or layout pair is pushed by the sender")
+        if msg["num_pages"] < 1:
+            raise HandshakeError("num_pages", None, None, "the hello states no cache pages; a per-head layout needs them")
+        return stream_view(self.spec, spec, self._layers.min_rows // self.spec.page_size, msg["num_pages"])
 
     def _check_liveness(self, msg: dict) -> None:
         """Refuses a receiver whose pings would not reach us inside our ``peer_timeout_s`` twice
@@ -263,10 +280,10 @@ class SenderPeers:
                                            theirs=plain(exc.theirs), message=exc.detail[:proto.MAX_TEXT]))
 
     def _on_expect(self, conn: Conn, msg: dict) -> None:
-        rid, rank = msg["rid"], conn.spec.dcp_rank
+        rid, rank = msg["rid"], conn.spec.group_rank  # the (DCP, TP) rank: its key in req.targets
         try:
             check_request_id(rid)
-            if msg["dcp_rank"] != rank or msg["prefix_tokens"] > msg["num_tokens"]:
+            if msg["dcp_rank"] != conn.spec.dcp_rank or msg["prefix_tokens"] > msg["num_tokens"]:
                 raise proto.ProtocolError("expect: rank or token range inconsistent")
             table = proto.unpack_i64(msg["page_table"], "page_table")
             s = conn.spec  # once per announcement, so planning each chunk need not check it again
@@ -299,7 +316,7 @@ class SenderPeers:
             return
             _warn("dropped an announcement of request %r from decode rank %d (%s): a duplicate or "
                   "another group's", rid, rank, conn.name)
-        req.group, req.group_size = conn.group, conn.spec.dcp_size
+        req.group, req.group_size = conn.group, conn.spec.group_size
         req.targets[rank] = RankTarget(conn, msg["inc"], msg["num_tokens"], msg["prefix_tokens"], table)
         self._to_plan[req] = None
         req.state.touch()
@@ -326,7 +343,7 @@ class SenderPeers:
         logger.warning("dropping the connection of decode rank %d (%s): %s", conn.spec.dcp_rank, conn.name, reason)
         self._conns.pop(conn.ident, None)
         for req in list(self._requests.values()):
-            t = req.targets.get(conn.spec.dcp_rank)
+            t = req.targets.get(conn.spec.group_rank)
             if t is not None and t.conn is conn:
                 self._end(req, TransferStatus.FAILED, reason, notify="failed")
         for key, u in list(self._pulls.items()):

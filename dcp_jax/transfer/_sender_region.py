@@ -58,7 +58,7 @@ class SenderRegion:
             self._counts["dropped_messages"] += 1  # a grant for a window that ended meanwhile
             return
         req, t = u.req, u.target
-        want = u.rc.window_bytes(u.w, self._layers.item_lens)
+        want = self._window_bytes(u)
         if msg["nbytes"] != want or msg["offset"] + want > conn.region_bytes:
             # Never write outside the region the rank declared: its grant is refused whole.
             return self._unit_finished(u, f"region_grant offset={msg['offset']} nbytes={msg['nbytes']} is not "
@@ -66,8 +66,7 @@ class SenderRegion:
         lo, hi = u.rc.windows[u.w]
         head = dict(chunk=u.rc.chunk, part=u.w, nparts=len(u.rc.windows), start=u.rc.start, stop=u.rc.stop,
                     nrows=hi - lo)
-        descs = u.rc.region_descriptor(u.w, src_addr=self._pack.addr + u.region.offset,
-                                       dst_addr=conn.region_addr + msg["offset"], item_lens=self._layers.item_lens)
+        descs = np.array([[self._pack.addr + u.region.offset, conn.region_addr + msg["offset"], want]], np.int64)
         try:
             u.handle = self.engine.transfer_batch(conn.peer, descs, notif=proto.encode("done", req.rid, t.inc, **head),
                                                   dcp_rank=conn.spec.dcp_rank, chunk=u.rc.chunk)

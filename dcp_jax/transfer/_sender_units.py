@@ -80,8 +80,16 @@ class SenderUnits:
         """Rows one window may hold: the pack buffer's, and for the region path also the
         receiver's receive region's (a window must fit both)."""
         if conn.path == "region":
-            return min(self._max_region_rows, conn.region_bytes // self.spec.row_bytes)
+            per = self.spec.row_bytes if conn.view is None else conn.view.row_bytes() * self.spec.num_layers
+            return min(self._max_region_rows, conn.region_bytes // per)
         return self._max_region_rows
+
+    def _window_bytes(self, u: Unit) -> int:
+        """Bytes of a unit's window: its rows' pack, or a view pair's wire block."""
+        if u.target.conn.view is None:
+            return u.rc.window_bytes(u.w, self._layers.item_lens)
+        lo, hi = u.rc.windows[u.w]
+        return (hi - lo) * u.target.conn.view.row_bytes() * self.spec.num_layers
 
     def _batch_calls(self, descriptors: int) -> int:
         return batch_engine_calls(descriptors, getattr(self.engine, "window", None))
@@ -109,7 +117,7 @@ class SenderUnits:
                 continue
             lo, hi = u.rc.windows[u.w]
             if u.rc.strategy in ("packed", "region") and hi > lo:
-                need = u.rc.window_bytes(u.w, self._layers.item_lens)
+                need = self._window_bytes(u)
                 held = self._held.get(conn, 0)
                 if held and held + need > share:
                     blocked.add(conn)
@@ -184,10 +192,13 @@ class SenderUnits:
             return None
         tk = time.perf_counter()
         req.timeline.mark("pack", u.target.conn.spec.dcp_rank)
-        staged0 = self._packer.stage_seconds
-        self._packer(u.rc.src_rows[lo:hi], u.region.offset, sync=False)
+        if u.target.conn.view is not None:  # a TP or layout pair: its head pieces' wire block (host)
+            u.target.conn.view.pack(self._layers.rows, u.rc.src_rows[lo:hi], self._pack.array, u.region.offset)
+        else:
+            staged0 = self._packer.stage_seconds
+            self._packer(u.rc.src_rows[lo:hi], u.region.offset, sync=False)
+            req.stage_seconds += self._packer.stage_seconds - staged0
         req.pack_seconds += time.perf_counter() - tk
-        req.stage_seconds += self._packer.stage_seconds - staged0
         return self._pack.addr + u.region.offset
 
     def _post_unit(self, u: Unit, lo: int, hi: int, region_addr: int | None) -> None:
@@ -214,9 +225,13 @@ class SenderUnits:
                                                       src_rows=src_rows, **head))
             return
         if rc.strategy == "region":
-            return self._submit_region_push(u, head, rc.window_bytes(u.w, self._layers.item_lens))
-        descs = rc.window_descriptors(u.w, src_bases=self._layers.bases, dst_bases=t.conn.layer_bases,
-                                      item_lens=self._layers.item_lens, region_addr=region_addr)
+            return self._submit_region_push(u, head, self._window_bytes(u))
+        if t.conn.view is not None:  # TP or layout pair: head pieces through both layouts
+            descs = t.conn.view.descriptors(rc.src_rows[lo:hi], rc.dst_rows[lo:hi], self._layers.bases,
+                                            t.conn.layer_bases)
+        else:
+            descs = rc.window_descriptors(u.w, src_bases=self._layers.bases, dst_bases=t.conn.layer_bases,
+                                          item_lens=self._layers.item_lens, region_addr=region_addr)
         notif = proto.encode("done", req.rid, t.inc, **head)
         u.handle = self.engine.transfer_batch(t.conn.peer, descs, notif=notif, dcp_rank=rank, chunk=rc.chunk)
         req.timeline.mark("post", rank)

@@ -1,7 +1,8 @@
 """The caller's paged KV cache as the connector sees it: byte-row views, regions, base addresses.
 
 `CacheLayers` wraps ``kv_layers`` (numpy, JAX on CPU or GPU, or CuPy arrays, one per layer entry,
-``[num_pages, page_size, ...]``) without copying a byte: it finds each buffer's pointer (the
+``[num_pages, page_size, ...]``, or a per-head layout of `dcp_jax.hetero.layouts` named by
+``spec.layout``) without copying a byte: it finds each buffer's pointer (the
 buffer protocol, ``unsafe_buffer_pointer``, DLPack or ``__cuda_array_interface__``), checks the
 shape against the `KVCacheSpec`, and keeps a reference to every array for as long as it lives,
 so the memory an engine has registered cannot be freed under it.
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from bridge import MemoryRegion
+from dcp_jax.hetero.layouts import GQA_LAYOUTS, cache_pages
 from dcp_jax.transfer.spec import KVCacheSpec
 
 __all__ = ["CacheLayers", "array_kind"]
@@ -117,13 +119,19 @@ class CacheLayers:
         bases, rows, regions, views = [], [], [], []
         for l, a in enumerate(kv_layers):
             shape = tuple(a.shape)
-            if len(shape) < 2 or shape[1] != spec.page_size:
+            # Per-head layouts put pages and slots elsewhere (nhd: [2, pages, P, H, D]).
+            try:
+                pages, page_size = cache_pages(spec.layout, shape) if len(shape) >= 2 else (0, 0)
+            except ValueError as exc:
+                raise ValueError(f"kv_layers[{l}]: {exc}") from None
+            if page_size != spec.page_size:
                 raise ValueError(f"kv_layers[{l}] has shape {shape}; expected [num_pages, "
-                                 f"page_size={spec.page_size}, ...]")
-            if shape[0] < 1:
+                                 f"page_size={spec.page_size}, ...]" + (
+                                     f" in the {spec.layout!r} layout" if spec.layout in GQA_LAYOUTS + ("tpu_mla",) else ""))
+            if pages < 1:
                 raise ValueError(f"kv_layers[{l}] has no page (shape {shape})")
             nbytes = int(np.prod(shape)) * np.dtype(a.dtype).itemsize
-            n = shape[0] * shape[1]
+            n = pages * page_size
             if nbytes != n * spec.item_lens[l]:
                 raise ValueError(f"kv_layers[{l}] holds {nbytes // n} bytes per token, "
                                  f"spec.item_lens[{l}]={spec.item_lens[l]}")

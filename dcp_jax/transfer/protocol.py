@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 #: Bumped on any change of a message's meaning; peers of another version are refused at hello.
-PROTOCOL_VERSION = 4  # 4: hello and hello_ack state whether the side stages (its KV unregistered)
+PROTOCOL_VERSION = 5  # 5: hello states the receiver's cache pages; 4: hello and hello_ack state whether the side stages
 #: Path names a sender may answer a hello with (`dcp_jax.transfer._region.choose_path`).
 PATHS = ("direct", "packed", "region", "fused")
 MAX_IPC_HANDLES = 4096     # one CUDA IPC handle per KV layer entry at most (spec.MAX_LAYERS)
@@ -60,12 +60,13 @@ KINDS: dict[str, dict[str, tuple]] = {
     # IpcHandle.from_dict before use), [] when not offered; host: where the receiver runs;
     # heartbeat_ms / peer_timeout_ms: its ping interval and silence limit (each side's pings must
     # come well inside the other's limit: `SenderPeers._check_liveness`); staged: the side's KV is
-    # not registered, it stages through host memory (`dcp_jax.transfer.staging`).
+    # not registered, it stages through host memory (`dcp_jax.transfer.staging`); num_pages: pages
+    # of its layer caches (the per-head layouts' plane strides need it: `dcp_jax.transfer.views`).
     "hello": {"spec": (_DICT, 0), "peer": (_DICT, 0), "group": (_STR, 256), "direction": (_STR, 8),
               "name": (_STR, 256), "layer_bases": (_BYTES, 8 * 4096), "region_addr": (_INT, 0),
               "region_bytes": (_INT, 0), "mem": (_STR, 8), "ipc": (_LIST, MAX_IPC_HANDLES),
               "host": (_DICT, 0), "heartbeat_ms": (_INT, 1), "peer_timeout_ms": (_INT, 1),
-              "staged": (_BOOL, 0)},
+              "staged": (_BOOL, 0), "num_pages": (_INT, 0)},
     "hello_ack": {"spec": (_DICT, 0), "peer": (_DICT, 0), "layer_bases": (_BYTES, 8 * 4096),
                   "name": (_STR, 256), "path": (_STR, 16), "staged": (_BOOL, 0)},
     "hello_nack": {"field": (_STR, 64), "ours": (_ANY, 0), "theirs": (_ANY, 0), "message": (_STR, MAX_TEXT)},

@@ -37,6 +37,7 @@ from dcp_jax.transfer.schedule import SideLayout
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
 from dcp_jax.transfer.staging import side_staged
 from dcp_jax.transfer.status import TransferStatus
+from dcp_jax.transfer.views import stream_view, uses_views
 
 __all__ = ["KVReceiver", "DIRECTIONS"]
 
@@ -58,6 +59,8 @@ class _Link:
     registered: bool = False
     path: str = "direct"       # the transfer path the sender chose at the handshake
     staged: bool = False       # the sender stages (its KV is not registered)
+    row_bytes: int = 0         # bytes one token row of this link lands (all layers; head pieces only)
+    view: Any = None           # TP or layout pair: its `views.StreamView` (the region path's unpack)
 
 
 class KVReceiver(ReceiverData, ReceiverRegion):
@@ -197,7 +200,8 @@ class KVReceiver(ReceiverData, ReceiverRegion):
                                      region_addr=self._region.addr, region_bytes=self._region.nbytes,
                                      mem=self._layers.mem_type, ipc=self._ipc, host=host_info(),
                                      heartbeat_ms=max(1, round(self.heartbeat_s * 1000)),
-                                     peer_timeout_ms=max(1, round(self.peer_timeout_s * 1000)), staged=self.staged))
+                                     peer_timeout_ms=max(1, round(self.peer_timeout_s * 1000)), staged=self.staged,
+                                     num_pages=self._layers.min_rows // self.spec.page_size))
             reply = self._await_reply(client, timeout_s)
             if reply["k"] == "hello_nack":  # the sender's ours/theirs are the other way round
                 raise HandshakeError(reply["field"], reply["theirs"], reply["ours"], reply["message"])
@@ -217,8 +221,13 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         except BaseException:
             client.close()
             raise
+        row_bytes, view = self.spec.row_bytes, None
+        if uses_views(sender_spec, self.spec):  # only the heads this pair shares land here
+            # The source geometry is not used here (this side only places what lands).
+            view = stream_view(sender_spec, self.spec, 1, self._layers.min_rows // self.spec.page_size)
+            row_bytes = view.row_bytes() * self.spec.num_layers
         link = _Link(client, sender_spec, peer, bases, direction, time.monotonic(), path=reply["path"],
-                     staged=reply["staged"])
+                     staged=reply["staged"], row_bytes=row_bytes, view=view)
         with self._lock:
             self._links.append(link)
             self._by_peer[peer] = link

@@ -77,12 +77,14 @@ class KVCacheSpec:
         interleave_size: tokens per ownership block I (1 = token round-robin), >= 1.
         dtype: element type name of the cache (``"bfloat16"``, ``"float8_e4m3fn"``, ...); bytes
             move as bytes, but both sides must agree on what they mean.
-        layout: cache layout name (``"mla"``: one latent row per token; ``"nhd"``/``"hnd"``
-            for per-head caches).
-        tp_size, tp_rank: tensor-parallel size and rank (recorded; both sides must agree).
+        layout: cache layout name (``"mla"``: one latent row per token; or a name of
+            `dcp_jax.hetero.layouts.LAYOUTS`, ``"nhd"``, ``"hnd"``, ``"tpu_gqa"``, ``"tpu_mla"``, whose
+            ``kv_layers[l]`` have that layout's shape, `dcp_jax.hetero.layouts.cache_shape`).
+        tp_size, tp_rank: tensor-parallel size and rank; with ``tp_size > 1`` on either side
+            (or differing layouts) the pair moves the heads both ranks hold (`dcp_jax.transfer.views`).
         num_kv_heads: KV heads of the model (MLA: 1, the latent), >= 1; head_dim: elements per
-            head, >= 1, or None (the whole row: MLA's latent). Recorded for the heterogeneous
-            plan (`dcp_jax.hetero.plan.HeteroSide` takes the same names); both sides must agree.
+            head, >= 1, or None (the whole row: MLA's latent). `dcp_jax.hetero.plan.HeteroSide`
+            takes the same names; both sides must agree.
 
     Raises:
         TypeError: a field has the wrong type (the message names it).
@@ -147,6 +149,17 @@ class KVCacheSpec:
         """Bytes of one token over every layer entry, ``sum(item_lens)``."""
         return sum(self.item_lens)
 
+    @property
+    def group_size(self) -> int:
+        """Ranks of this side's group over DCP and TP, ``dcp_size * tp_size``."""
+        return self.dcp_size * self.tp_size
+
+    @property
+    def group_rank(self) -> int:
+        """This rank in that group, ``tp_rank * dcp_size + dcp_rank`` (``dcp_rank`` without TP):
+        the key a sender files a decode rank under."""
+        return self.tp_rank * self.dcp_size + self.dcp_rank
+
     def to_dict(self) -> dict[str, Any]:
         """Plain-type dict (msgpack-able): what crosses the control plane at the handshake."""
         d = dataclasses.asdict(self)
@@ -174,7 +187,10 @@ def check_compatible(prefill: KVCacheSpec, decode: KVCacheSpec, *, side: str = "
 
     The rows move as bytes: both sides must hold the same layer entries of the same sizes,
     dtype, layout, TP size and heads. Any page sizes, DCP sizes and interleaves on either side are
-    served (``dcp_jax.transfer.schedule`` maps every token between them).
+    served (``dcp_jax.transfer.schedule`` maps every token between them). A pair whose layouts
+    differ, with ``tp_size > 1`` on a side, or in a layout that splits a token's row (``nhd``,
+    ``hnd``) moves head pieces (`dcp_jax.transfer.views.uses_views`): there
+    ``item_lens``, ``layout`` and ``tp_size`` may differ, and `views.check_view_pair` decides.
 
     Args:
         prefill: the sender's spec.
@@ -185,6 +201,15 @@ def check_compatible(prefill: KVCacheSpec, decode: KVCacheSpec, *, side: str = "
         HandshakeError: the first field that differs, with both values.
     """
     ours, theirs = (prefill, decode) if side == "prefill" else (decode, prefill)
+    from dcp_jax.transfer.views import check_view_pair, uses_views  # views import this module
+    if uses_views(prefill, decode):  # TP or layout differ: head pieces through both layouts
+        try:
+            check_view_pair(prefill, decode)
+        except HandshakeError as exc:
+            if side == "prefill" or exc.ours is None:
+                raise
+            raise HandshakeError(exc.field, exc.theirs, exc.ours, exc.detail) from None
+        return
     # page_size may differ: the schedule maps every token through each side's own page table
     # and page size (runs split at the smaller page boundary), every path byte-exact.
     for field in ("num_layers", "item_lens", "dtype", "layout", "tp_size", "num_kv_heads", "head_dim"):

@@ -92,7 +92,9 @@ def test_descriptors_merge_page_runs_and_name_missing_caches():
     dst = {(0, 0): [np.zeros((4, 16, 8), np.uint16)]}
     plan = build_hetero_plan(p, d, 0, 48, [np.array([2, 0, 1])], [np.array([0, 1, 2])])
     descs = stream_descriptors(plan, src, dst, 1)[(0, 0, 0, 0)]
-    # page 2 -> 0, then pages 0,1 -> 1,2 continue on both sides: two descriptors
-    assert descs[:, 2].tolist() == [16 * 16, 2 * 16 * 16]
+    # page 2 -> 0, then pages 0,1 -> 1,2 continue on both sides: two descriptors (in source-address
+    # order: source pages 0,1 first)
+    assert descs.tolist() == [[src[(0, 0)][0].ctypes.data, dst[(0, 0)][0].ctypes.data + 16 * 16, 2 * 16 * 16],
+                              [src[(0, 0)][0].ctypes.data + 2 * 16 * 16, dst[(0, 0)][0].ctypes.data, 16 * 16]]
     with pytest.raises(ValueError, match=r"dst_caches\[\(0, 0\)\] must hold 2 layer caches"):
         stream_descriptors(plan, {(0, 0): src[(0, 0)] * 2}, dst, 2)

@@ -1,4 +1,5 @@
-"""``dcp-jax transfer`` with TP / layout pairs: the heterogeneous plan over real engines, verified."""
+"""``dcp-jax transfer`` with TP / layout pairs: through the connector, one process per rank
+(`dcp_jax.hetero.connector_job`), and the plan's one-process engine path (`dcp_jax.hetero.job`)."""
 import os
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -30,6 +31,21 @@ def test_issue_examples_verify(engine, tokens, prefill, decode):
     assert all(r["descriptors"] > 0 for r in res["ranks"])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", list(available_engines()))
+@pytest.mark.parametrize("mode", ["direct", "region"])
+def test_issue_example_through_the_connector_processes(engine, mode):
+    from dcp_jax.hetero.connector_job import run_connector_job
+
+    res = run_connector_job("llama-3.1-8b", 160, _side(16, tp=2), _side(64, 2, tp=4, layout="hnd"), engine=engine,
+                            mode=mode)
+    assert res["verified"] and res["processes"] == 2 + 8
+    assert res["bytes"] == 160 * 8 * 128 * 2 * 2 * 32
+    # direct, NHD -> HND with 2 heads per decode rank: one per (token, head, K/V, layer); region: one per window
+    per_rank = [r["descriptors"] for r in res["ranks"]]
+    assert per_rank == ([80 * 2 * 2 * 32] * 8 if mode == "direct" else [1] * 8)
+
+
 def test_a_missing_stream_is_caught(monkeypatch):
     real = hjob.execute_over_engines
 
@@ -45,10 +61,11 @@ def test_a_missing_stream_is_caught(monkeypatch):
 
 def test_cli_runs_and_names_bad_input():
     runner = CliRunner()
-    res = runner.invoke(app, ["transfer", "--model", "llama-3.1-8b", "--prompt-tokens", "128", "--prefill-page-size",
-                              "16", "--page-size", "64", "--prefill-tp-size", "2", "--tp-size", "4", "--dcp-size", "2",
-                              "--decode-layout", "hnd", "--no-progress"])
-    assert res.exit_code == 0 and "verified" in res.output, res.output
+    # Through the connector: 1 prefill and 2 decode rank processes, the region path (decode-side placement).
+    res = runner.invoke(app, ["transfer", "--model", "llama-3.1-8b", "--prompt-tokens", "48", "--prefill-page-size",
+                              "16", "--page-size", "32", "--tp-size", "2", "--dcp-size", "1", "--decode-layout", "hnd",
+                              "--path", "region", "--no-progress"])
+    assert res.exit_code == 0 and "verified" in res.output and "path region" in res.output, res.output
     res = runner.invoke(app, ["transfer", "--model", "llama-3.1-8b", "--tp-size", "3", "--no-progress"])
     assert res.exit_code == 2 and "tp_size=3" in " ".join(res.output.replace("│", " ").split()), res.output
     res = runner.invoke(app, ["transfer", "--model", "llama-3.1-8b", "--tp-size", "2", "--engine", "auto",

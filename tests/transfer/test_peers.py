@@ -21,9 +21,7 @@ S = TransferStatus
     ("num_layers", dict(num_layers=3, item_lens=(48, 16, 16))),
     ("item_lens", dict(item_lens=(48, 32))),
     ("dtype", dict(dtype="float8_e4m3fn")),
-    ("layout", dict(layout="nhd")),
-    ("tp_size", dict(tp_size=2)),
-])
+])  # layout and tp_size pairs are served (head pieces): tests/transfer/test_connector_views.py
 def test_handshake_refuses_each_field(engine, field, change):
     c = Cluster(engine, dcp_size=1, connect=False)
     try:

@@ -1,0 +1,232 @@
+"""Head and layout views: what one prefill rank sends one decode rank when the two sides differ
+in TP split or cache layout (the heterogeneous pairs of `dcp_jax.hetero`, in the connector).
+
+A pair uses views (`uses_views`) when the layouts differ, either side has ``tp_size > 1``, or
+the layout splits a token's row (``nhd``, ``hnd``); otherwise rows move whole, as before. With
+views, each side's `KVCacheSpec` declares its ``layout`` (a name of `dcp_jax.hetero.layouts.LAYOUTS`; the connector's ``"mla"`` is
+``"sglang_mla"``), ``tp_size``/``tp_rank``, ``num_kv_heads`` and ``head_dim``; every prefill
+(DCP, TP) rank is connected to every decode (DCP, TP) rank, and one pair moves:
+
+- GQA: the heads both ranks hold (`dcp_jax.hetero.plan.head_pieces`: a replicated head is sent
+  by the lowest prefill TP rank holding it); none at all when they share no head;
+- MLA: the latent, replicated over TP, from prefill TP rank ``decode tp_rank % prefill tp_size``
+  only (each decode rank gets it once, the sends spread over the prefill ranks).
+
+The token rows are the schedule's as for any pair (each side's own page size, DCP size and
+interleave); `StreamView.descriptors` turns ``(src_rows, dst_rows)`` into direct cache-to-cache
+descriptors through both layouts (`dcp_jax.hetero.engine_path.pair_descriptors`), so every layout
+pair lands in place, without a pack or a decode-side scatter. A pair with no piece still sends its
+chunks' completions (notification-only batches), so the decode rank's completion rule is unchanged.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from dcp_jax.hetero.engine_path import pair_descriptors
+from dcp_jax.hetero.layouts import CacheGeometry, cache_shape, gather_to_wire, place_from_wire, wire_bytes
+from dcp_jax.hetero.plan import HeteroPlanError, HeteroSide, head_pieces
+from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec
+
+__all__ = ["uses_views", "check_view_pair", "StreamView", "stream_view", "view_path", "VIEW_MODES"]
+
+
+#: Layouts whose token rows are not contiguous (K and V planes apart; HND: heads apart): any pair
+#: of them moves through views, even with equal layouts and no TP.
+SPLIT_ROW_LAYOUTS = ("nhd", "hnd")
+
+
+def uses_views(prefill: KVCacheSpec, decode: KVCacheSpec) -> bool:
+    """True when the pair moves head pieces through both layouts instead of whole rows."""
+    return (prefill.layout != decode.layout or prefill.tp_size > 1 or decode.tp_size > 1
+            or prefill.layout in SPLIT_ROW_LAYOUTS)
+
+
+def _side(spec: KVCacheSpec, who: str) -> HeteroSide:
+    try:
+        return HeteroSide.from_spec(spec)
+    except (TypeError, ValueError) as exc:
+        raise HandshakeError("layout", None, None, f"the {who} side's spec cannot be paired by heads "
+                             f"and layout: {exc}") from None
+
+
+def _token_bytes(side: HeteroSide, tp_rank: int) -> int:
+    """Cache bytes per token per layer on ``tp_rank`` (padding included: ``tpu_mla`` lanes)."""
+    g = side.geometry(tp_rank, 1)
+    return int(np.prod(cache_shape(g))) * g.itemsize // g.page_size
+
+
+def check_view_pair(prefill: KVCacheSpec, decode: KVCacheSpec) -> tuple[HeteroSide, HeteroSide]:
+    """Refuses a view pair the plan cannot serve; returns both sides.
+
+    Raises:
+        HandshakeError: ``num_layers`` or ``dtype`` differ, a side is not a per-head or MLA layout
+            the plan knows, the two describe different models (``num_kv_heads``, ``head_dim``,
+            layout kind), or a side's ``item_lens`` is not its layout's bytes per token.
+    """
+    for field in ("num_layers", "dtype"):
+        a, b = getattr(prefill, field), getattr(decode, field)
+        if a != b:
+            raise HandshakeError(field, a, b, "" if field == "num_layers" else
+                                 "the connector moves bytes and never converts them")
+    p, d = _side(prefill, "prefill"), _side(decode, "decode")
+    try:
+        head_pieces(p, d)
+    except HeteroPlanError as exc:
+        raise HandshakeError(exc.field, exc.prefill, exc.decode, "the two sides describe different models") from None
+    for who, spec, side in (("prefill", prefill, p), ("decode", decode, d)):
+        want = _token_bytes(side, spec.tp_rank)
+        bad = [k for k, v in enumerate(spec.item_lens) if v != want]
+        if bad:
+            raise HandshakeError("item_lens", None, None, f"the {who} side declares item_lens[{bad[0]}]="
+                                 f"{spec.item_lens[bad[0]]}, its {side.layout} cache holds {want} bytes per token "
+                                 f"({side.heads(spec.tp_rank)[1]} heads of {side.head_dim} on TP rank {spec.tp_rank})")
+    return p, d
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamView:
+    """One (prefill rank, decode rank) pair's head pieces and both layer geometries.
+
+    Attributes:
+        src_geom, dst_geom: one layer's `CacheGeometry` on the prefill / decode rank.
+        pieces: int64 ``[k, 3]`` ``(src_head, dst_head, num_heads)``, heads local to each rank;
+            ``k = 0`` when this pair moves nothing.
+    """
+
+    src_geom: CacheGeometry
+    dst_geom: CacheGeometry
+    pieces: np.ndarray
+
+    def row_bytes(self) -> int:
+        """Bytes one token row of this pair moves over one layer (0 with no piece)."""
+        g = self.dst_geom
+        return int(self.pieces[:, 2].sum()) * g.planes * g.head_dim * g.itemsize
+
+    def _blocks(self, rows, geom: CacheGeometry, num_layers: int, head_col: int):
+        """``(layer, pages, slots, head0, num_heads, offset, nbytes)`` of each wire block of
+        ``rows``: layer-major, then piece, each in the adapters' wire order (plane, token, head)."""
+        rows = np.asarray(rows, np.int64)
+        pages, slots = rows // geom.page_size, rows % geom.page_size
+        off = 0
+        for layer in range(num_layers):
+            for piece in self.pieces.tolist():
+                nbytes = wire_bytes(geom, rows.size, piece[2])
+                yield layer, pages, slots, piece[head_col], piece[2], off, nbytes
+                off += nbytes
+
+    def pack(self, layer_bytes, src_rows, out: np.ndarray, offset: int = 0) -> int:
+        """Gathers the pair's wire block of ``src_rows`` into ``out[offset:]`` (the region path);
+        returns its bytes (``len(src_rows) * row_bytes() * layers``).
+
+        Args:
+            layer_bytes: per layer, the prefill cache's bytes as a host uint8 array (`CacheLayers.rows`).
+            src_rows: int ``[n]`` rows of the prefill cache.
+            out: host uint8 ``[>= offset + bytes]``: the pack region.
+
+        Raises:
+            TypeError: device memory (the region path of a view pair runs on the host).
+        """
+        caches = _host_caches(layer_bytes, self.src_geom, "the prefill side's KV layers")
+        end = offset
+        for layer, pages, slots, h0, nh, off, nbytes in self._blocks(src_rows, self.src_geom, len(caches), 0):
+            g, cache = caches[layer]
+            out[offset + off: offset + off + nbytes] = gather_to_wire(g, cache, pages, slots, h0, nh)
+            end = offset + off + nbytes
+        return end - offset
+
+    def unpack(self, region: np.ndarray, offset: int, layer_bytes, dst_rows) -> None:
+        """Places a landed wire block (`pack`'s, at ``region[offset:]``) into the decode cache at
+        ``dst_rows``, in place: the decode-side scatter for layouts descriptors cannot land
+        directly in few pieces (the numpy adapter `dcp_jax.hetero.layouts.place_from_wire`).
+
+        Raises:
+            TypeError: device memory (the region path of a view pair runs on the host).
+        """
+        caches = _host_caches(layer_bytes, self.dst_geom, "the decode side's KV layers")
+        for layer, pages, slots, h0, nh, off, nbytes in self._blocks(dst_rows, self.dst_geom, len(caches), 1):
+            g, cache = caches[layer]
+            place_from_wire(g, cache, region[offset + off: offset + off + nbytes], pages, slots, h0, nh)
+
+    def descriptors(self, src_rows, dst_rows, src_bases, dst_bases) -> np.ndarray:
+        """Direct descriptors of token rows ``src_rows[i] -> dst_rows[i]`` (each side's rows,
+        ``page * page_size + slot``), every piece and layer.
+
+        Args:
+            src_rows, dst_rows: int ``[n]`` rows of the prefill / decode cache.
+            src_bases, dst_bases: int ``[L]`` addresses of each layer's cache (bytes).
+
+        Returns:
+            int64 ``[k, 3]`` ``(src_addr, dst_addr, nbytes)``; ``[0, 3]`` with no piece or row.
+        """
+        src_rows, dst_rows = np.asarray(src_rows, np.int64), np.asarray(dst_rows, np.int64)
+        if src_rows.shape != dst_rows.shape:
+            raise ValueError(f"src_rows and dst_rows must have equal length, got {src_rows.shape} and {dst_rows.shape}")
+        if not src_rows.size or not len(self.pieces):
+            return np.zeros((0, 3), np.int64)
+        sp, dp = self.src_geom.page_size, self.dst_geom.page_size
+        out = [pair_descriptors(self.src_geom, self.dst_geom, src_rows // sp, src_rows % sp, dst_rows // dp,
+                                dst_rows % dp, sh, dh, nh, src_bases, dst_bases)
+               for sh, dh, nh in self.pieces.tolist()]
+        return np.concatenate(out)
+
+
+def _host_caches(layer_bytes, geom: CacheGeometry, what: str) -> list[tuple[CacheGeometry, np.ndarray]]:
+    """Each layer's ``(geometry, cache)``: its bytes seen as its cache (page count from the bytes)."""
+    out = []
+    for a in layer_bytes:
+        if not isinstance(a, np.ndarray):
+            raise TypeError(f"{what} are {type(a).__name__}: a TP or layout pair's region path packs on the host")
+        flat = a.reshape(-1).view(np.uint8)
+        per_page = int(np.prod(cache_shape(dataclasses.replace(geom, num_pages=1)))) * geom.itemsize
+        g = dataclasses.replace(geom, num_pages=flat.size // per_page)
+        out.append((g, flat.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[geom.itemsize]).reshape(cache_shape(g))))
+    return out
+
+
+def stream_view(prefill: KVCacheSpec, decode: KVCacheSpec, src_pages: int, dst_pages: int) -> StreamView:
+    """The `StreamView` of the pair (``prefill.tp_rank`` -> ``decode.tp_rank``; module rule).
+
+    Args:
+        prefill, decode: the two specs (checked by `check_view_pair`).
+        src_pages, dst_pages: pages of each side's layer caches (>= 1).
+
+    Raises:
+        HandshakeError: as `check_view_pair`.
+    """
+    p, d = check_view_pair(prefill, decode)
+    s, t = prefill.tp_rank, decode.tp_rank
+    rows = head_pieces(p, d, mla_source_tp_rank=t % p.tp_size)
+    sel = (rows[:, 0] == s) & (rows[:, 1] == t)
+    return StreamView(p.geometry(s, src_pages), d.geometry(t, dst_pages), np.ascontiguousarray(rows[sel, 2:]))
+
+
+#: Sender modes a view pair takes: ``direct`` (cache-to-cache descriptors through both layouts),
+#: ``region`` (the pair's wire block packed on the host, one descriptor per window into the decode
+#: rank's receive region, placed there by `StreamView.unpack`), ``auto`` (region when offered).
+VIEW_MODES = ("auto", "direct", "region")
+
+
+def view_path(mode: str, view: StreamView, num_layers: int, sender_mem: str, offer) -> str:
+    """The path of a view pair: ``mode`` as asked, ``auto`` = region when the decode rank offers a
+    receive region of at least one token's wire bytes and both sides are host memory, else direct.
+    A pair with no piece goes direct (its batches are notifications only).
+
+    Raises:
+        HandshakeError: field ``"path"``: a mode a view pair does not take (packed, fused), or
+            region asked where it cannot be served (says why).
+    """
+    if mode not in VIEW_MODES:
+        raise HandshakeError("path", None, None, f"mode={mode!r}: a TP or layout pair moves head pieces "
+                             f"{' or '.join(VIEW_MODES[1:])} (KVSender(mode=...) one of {VIEW_MODES})")
+    need = view.row_bytes() * num_layers
+    if mode == "direct" or need == 0:
+        return "direct"
+    why = ("the sender's KV is device memory" if sender_mem != "DRAM" else
+           "the receiver's KV is device memory" if offer.mem != "DRAM" else
+           f"the receiver offers a receive region of {offer.region_bytes} bytes, less than one token's {need}"
+           if offer.region_bytes < need else "")
+    if mode == "region" and why:
+        raise HandshakeError("path", None, None, f"the region path of a TP or layout pair cannot be served: {why}")
+    return "direct" if why else "region"

@@ -1,0 +1,170 @@
+"""The connector with TP head splits and cache layouts (`dcp_jax.transfer.views`): every prefill
+(DCP, TP) rank a `KVSender`, every decode (DCP, TP) rank a `KVReceiver` connected to all of them,
+over NIXL and Mooncake on loopback; each decode rank's whole cache compared byte for byte with
+the oracle of `dcp_jax.hetero.connector_job` (pattern per (token, layer, plane, global head,
+element) placed through the layout adapters; sentinel elsewhere). Small: a few hundred tokens,
+two layers, heads of 8 elements.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from conftest import ENGINES
+
+from dcp_jax.hetero.connector_job import expected_cache, fill_side, spec_of, _sentinel, _etype, _tables
+from dcp_jax.hetero.layouts import cache_shape
+from dcp_jax.hetero.plan import HeteroSide
+from dcp_jax.transfer import HandshakeError, KVReceiver, KVSender, TransferStatus
+from dcp_jax.transfer.spec import check_compatible
+from dcp_jax.transfer.views import stream_view
+
+LAYERS = 2
+
+
+def _gqa(page_size, dcp_size=1, interleave_size=1, tp_size=1, layout="nhd", heads=4):
+    return HeteroSide(page_size, dcp_size, interleave_size, tp_size, layout, heads, 8, "bfloat16")
+
+
+def _mla(page_size, dcp_size=1, interleave_size=1, tp_size=1, layout="sglang_mla"):
+    return HeteroSide(page_size, dcp_size, interleave_size, tp_size, layout, 1, 24, "bfloat16")
+
+
+def _run_pair(engine, p: HeteroSide, d: HeteroSide, tokens: int, seed: int = 0, receiver_kw=None, **sender_kw):
+    rng = np.random.default_rng(seed)
+    ptables, ppages = _tables(p, tokens, rng)
+    dtables, dpages = _tables(d, tokens, rng)
+    senders, receivers, caches = [], [], {}
+    try:
+        for r in range(p.dcp_size):
+            for t in range(p.tp_size):
+                kv = fill_side(p, r, t, ppages[r], LAYERS, tokens, ptables[r], seed + 10 * r + t)
+                senders.append((r, KVSender(spec_of(p, r, t, LAYERS), kv, engine=engine, timeout_s=20, **sender_kw)))
+        for r in range(d.dcp_size):
+            for t in range(d.tp_size):
+                kv = [_sentinel(cache_shape(d.geometry(t, dpages[r])), _etype(d)) for _ in range(LAYERS)]
+                caches[(r, t)] = kv
+                recv = KVReceiver(spec_of(d, r, t, LAYERS), kv, engine=engine, group="views", timeout_s=20,
+                                  **(receiver_kw or {}))
+                receivers.append(((r, t), recv))
+                for _, s in senders:
+                    recv.connect(s.address)
+                recv.expect("q", dtables[r], tokens)
+        for r, s in senders:
+            s.send("q", ptables[r], 0, tokens)
+        deadline = time.monotonic() + 30
+        everyone = [s for _, s in senders] + [x for _, x in receivers]
+        while not all(x.poll("q").terminal for x in everyone) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        for k, recv in receivers:
+            assert recv.poll("q") is TransferStatus.SUCCESS, (k, recv.failure_reason("q"))
+            want = expected_cache(d, k[0], k[1], dpages[k[0]], LAYERS, tokens, dtables[k[0]])
+            for layer in range(LAYERS):
+                np.testing.assert_array_equal(caches[k][layer], want[layer], err_msg=f"decode rank {k} layer {layer}")
+        return [s.request_stats("q") for _, s in senders]
+    finally:
+        for _, x in receivers:
+            x.close()
+        for _, s in senders:
+            s.close()
+
+
+_CASES = [
+    # TP 2 -> 4 (one head per decode rank), NHD -> HND, page 16 -> 64, DCP 1 -> 2
+    (_gqa(16, tp_size=2), _gqa(64, 2, 1, tp_size=4, layout="hnd"), 150),
+    # TP 1 -> 2, HND -> TPU GQA, page 128 -> 32, DCP 2 (I = 4) -> 1, odd tokens
+    (_gqa(128, 2, 4, layout="hnd"), _gqa(32, tp_size=2, layout="tpu_gqa"), 131),
+    # heads replicated on decode (2 KV heads over TP 4), TPU GQA -> NHD
+    (_gqa(8, layout="tpu_gqa", heads=2), _gqa(4, 2, 2, tp_size=4, heads=2), 97),
+    # MLA: latent replicated over TP, sglang rows -> TPU two-tokens-per-row, odd token count
+    (_mla(4, tp_size=2), _mla(8, 2, 1, tp_size=3, layout="tpu_mla"), 101),
+    # one layout, no TP, but NHD splits a token's row (K and V planes apart): page 16 -> 4, DCP 1 -> 2
+    (_gqa(16), _gqa(4, 2, 1), 77),
+]
+_IDS = ["tp2-nhd-p16_tp4-hnd-p64-dcp2", "dcp2-hnd-p128_tp2-tpugqa-p32", "tpugqa_tp4-replicated", "mla-tp2_tpumla-tp3",
+        "nhd-p16_nhd-p4-dcp2"]
+# Every case over NIXL; over Mooncake (about 0.5 s per engine it starts) marked slow: CI runs
+# Mooncake on the region test below, whose direct batches (empty pairs) and windows cover both.
+_PARAMS = [pytest.param(e, c, id=f"{i}-{e}", marks=() if e == "nixl" else pytest.mark.slow)
+           for e in ENGINES for c, i in zip(_CASES, _IDS)]
+
+
+@pytest.mark.parametrize("engine,case", _PARAMS)
+def test_views_byte_exact(engine, case):
+    p, d, tokens = case
+    stats = _run_pair(engine, p, d, tokens)
+    # Each decode rank got its heads once: bytes over all senders = tokens x its heads x planes x dim x 2 B x layers.
+    got = {}
+    for st in stats:
+        for key, v in st["ranks"].items():
+            got[key] = got.get(key, 0) + v["bytes"]
+    for r in range(d.dcp_size):
+        n = sum(1 for t in range(tokens) if (t // d.interleave_size) % d.dcp_size == r)
+        for t in range(d.tp_size):
+            g = d.geometry(t, 1)
+            assert got[t * d.dcp_size + r] == n * g.num_heads * g.planes * g.head_dim * 2 * LAYERS
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_views_region_path_byte_exact(engine):
+    """The region path: each pair's wire block packed on the prefill host, one descriptor per
+    window into the decode rank's receive region (small: several windows), placed there through
+    its layout (`StreamView.unpack`)."""
+    p, d, tokens = _CASES[0][0], _CASES[0][1], 150
+    if engine != "nixl":
+        p, d, tokens = _CASES[1]  # fewest ranks: Mooncake starts each engine in about 0.5 s
+    stats = _run_pair(engine, p, d, tokens, mode="region", receiver_kw=dict(region_bytes=4096))
+    for st in stats:
+        for key, v in st["ranks"].items():
+            assert v["path"] == ("region" if v["bytes"] else "direct")  # a pair sharing no head: direct, empty
+            if v["bytes"]:  # one descriptor per window, a window at most the region's 4,096 bytes
+                assert v["descriptors"] == v["batches"] >= -(-v["bytes"] // 4096)
+
+
+def test_view_pieces_hand_cases():
+    # 8 heads, prefill TP 2 (4 each) -> decode TP 4 (2 each): decode rank 3 takes heads 2-3 of prefill rank 1.
+    p, d = _gqa(16, tp_size=2, heads=8), _gqa(64, tp_size=4, heads=8, layout="hnd")
+    v = stream_view(spec_of(p, 0, 1, 1), spec_of(d, 0, 3, 1), 4, 4)
+    assert v.pieces.tolist() == [[2, 0, 2]]
+    assert stream_view(spec_of(p, 0, 0, 1), spec_of(d, 0, 3, 1), 4, 4).pieces.tolist() == []
+    # MLA over TP 2 -> 3: decode rank t takes the latent from prefill rank t % 2 only.
+    pm, dm = _mla(4, tp_size=2), _mla(8, tp_size=3, layout="tpu_mla")
+    assert [len(stream_view(spec_of(pm, 0, s, 1), spec_of(dm, 0, 2, 1), 4, 4).pieces) for s in (0, 1)] == [1, 0]
+    # NHD -> HND: one descriptor per token, head and plane (a head's rows are strided in NHD).
+    v = stream_view(spec_of(_gqa(4), 0, 0, 1), spec_of(_gqa(4, layout="hnd"), 0, 0, 1), 4, 4)
+    d = v.descriptors(np.arange(3), np.arange(3), [0], [1 << 20])
+    assert len(d) == 3 * 4 * 2 and set(d[:, 2].tolist()) == {16}
+    # HND -> HND over TP 1 -> 2: a head's 3 tokens are contiguous on both sides: one per head and plane.
+    v = stream_view(spec_of(_gqa(4, layout="hnd"), 0, 0, 1), spec_of(_gqa(4, tp_size=2, layout="hnd"), 0, 1, 1), 4, 4)
+    d = v.descriptors(np.arange(3), np.arange(3), [0], [1 << 20])
+    # HND byte offset of (plane k, page 0, head h, slot 0) = ((k * pages * H + h) * P) * D * 2, pages = 4.
+    assert d.tolist() == [[(k * 16 + 2 + h) * 64, (1 << 20) + (k * 8 + h) * 64, 48]
+                          for k in range(2) for h in range(2)]
+
+
+def test_view_handshake_refusals():
+    p = spec_of(_gqa(16, tp_size=2), 0, 0, 2)
+    with pytest.raises(HandshakeError, match="head_dim"):
+        check_compatible(p, spec_of(HeteroSide(16, 1, 1, 1, "hnd", 4, 16, "bfloat16"), 0, 0, 2))
+    with pytest.raises(HandshakeError, match="dtype"):
+        check_compatible(p, spec_of(HeteroSide(16, 1, 1, 1, "hnd", 4, 8, "float16"), 0, 0, 2))
+    bad = spec_of(_gqa(16, layout="hnd"), 0, 0, 2)
+    bad = type(bad)(**{**bad.to_dict(), "item_lens": (64, 64)})
+    with pytest.raises(HandshakeError, match=r"item_lens\[0\]=64.*128 bytes per token"):
+        check_compatible(p, bad)
+
+
+@pytest.mark.parametrize("engine", ENGINES[:1])
+def test_view_pair_refuses_pack_paths_and_pulls(engine):
+    p, d = _gqa(16, tp_size=2), _gqa(16, layout="hnd")
+    kv = fill_side(p, 0, 0, 2, LAYERS, 16, np.arange(1), 0)
+    dkv = [_sentinel(cache_shape(d.geometry(0, 2)), np.uint16) for _ in range(LAYERS)]
+    with KVSender(spec_of(p, 0, 0, LAYERS), kv, engine=engine, mode="packed") as s, \
+            KVReceiver(spec_of(d, 0, 0, LAYERS), dkv, engine=engine) as r:
+        with pytest.raises(HandshakeError, match="path"):
+            r.connect(s.address)
+    with KVSender(spec_of(p, 0, 0, LAYERS), kv, engine=engine) as s, \
+            KVReceiver(spec_of(d, 0, 0, LAYERS), dkv, engine=engine, direction="pull") as r:
+        with pytest.raises(HandshakeError, match="direction"):
+            r.connect(s.address)
