@@ -32,8 +32,9 @@ def _run(engine, s_stage, r_stage, backend, L=700, n=2, page_size=16, pages=64):
         dst_tables = [rng.permutation(pages)[: -(-(L // n + 1) // page_size)] for _ in range(n)]
         for r, recv in enumerate(recvs):
             recv.expect("g", dst_tables[r], L)
-        sender.send("g", src_table, 0, 300)
-        sender.send("g", src_table, 300, L)
+        cut = min(300, L // 2)  # two chunks whatever L is
+        sender.send("g", src_table, 0, cut)
+        sender.send("g", src_table, cut, L)
         deadline = time.monotonic() + 60
         sides = [sender] + recvs
         while not all(s.poll("g").terminal for s in sides) and time.monotonic() < deadline:
