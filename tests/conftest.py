@@ -1,4 +1,4 @@
-"""Suite-wide setup: 8 fake CPU devices for mesh tests, quiet engines, GPU marker."""
+"""Suite-wide setup: 8 fake CPU devices for mesh tests, quiet engines, one XLA cache, GPU marker."""
 import os
 
 # Must be set before jax is imported anywhere: collectives are tested on 8 CPU devices.
