@@ -1,4 +1,4 @@
-"""Suite-wide setup: 8 fake CPU devices for mesh tests, quiet engines, GPU marker."""
+"""Suite-wide setup: 8 fake CPU devices for mesh tests, quiet engines, one XLA cache, GPU marker."""
 import os
 
 # Must be set before jax is imported anywhere: collectives are tested on 8 CPU devices.
@@ -11,6 +11,17 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_LOG_LEVEL", "fatal")
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+# One persistent XLA compilation cache for the whole run: the processes the tests start (job
+# ranks, generate workers, engine peers) and the pytest-xdist workers compile the same programs
+# many times over; the cache hands each later process the executable the first one built.
+# Through the environment so every child inherits it. A cache hit gives the same executable
+# (its key covers the program, the flags and the jax/XLA versions), so no test checks less.
+_XLA_CACHE_MADE = None  # the run's cache folder when this process made it (removed at the end)
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _XLA_CACHE_MADE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="dcp-jax-xla-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 import pytest  # noqa: E402
 
@@ -37,6 +48,13 @@ def _has_cuda_gpu() -> bool:
         return any(d.platform == "gpu" for d in jax.devices())
     except Exception:  # no CUDA plugin, no driver: CPU-only machine
         return False
+
+
+def pytest_unconfigure(config):
+    if _XLA_CACHE_MADE:
+        import shutil
+
+        shutil.rmtree(_XLA_CACHE_MADE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -57,11 +57,13 @@ def test_namespaces_are_removed_after_an_exception_and_stale_ones_of_dead_runs()
     # A crashed run's namespace (its pid is gone) is removed by the next run; a live one's is not.
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()
-    stale = f"dcpn-{dead}-abcdef-h0"
+    # Its own prefix: a Hosts() of a test on another pytest-xdist worker would remove a stale
+    # "dcpn-" namespace before this one can, and the removal is what this test checks.
+    stale = f"dcpt-{dead}-abcdef-h0"
     subprocess.run(["ip", "netns", "add", stale], check=True)
-    with Hosts(2) as h:
+    with Hosts(2, prefix="dcpt") as h:
         assert stale in h.stale_removed and stale not in _netns()
-        assert remove_stale() == []  # this run's own namespaces are live
+        assert remove_stale("dcpt") == []  # this run's own namespaces are live
         assert all(n in _netns() for n in h.names)
 
 
