@@ -1,0 +1,108 @@
+"""``dcp-jax transfer`` and ``dcp-jax plan`` for a heterogeneous pair (TP head splits, cache
+layouts): the runs, their tables and the plan's descriptor counts. Split from `dcp_jax.cli`, whose
+commands call these when a TP or layout option is given."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from dcp_jax.cli import _check_out_path, _fail, _json_default
+from dcp_jax.geometry import geometry_names
+
+__all__ = ["hetero_plan", "hetero_transfer"]
+
+
+def hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeout_s, json_path, path=None) -> None:
+    """``transfer`` for a TP / layout pair: one table per path, JSON, exit 1 if wrong. NIXL and
+    Mooncake go through the connector, one process per rank (`dcp_jax.hetero.connector_job`), on
+    the paths of ``--path`` (direct, region; default both); jax-transfer, whose batches are pulls,
+    through the plan's direct engine path in one process (`dcp_jax.hetero.job`)."""
+    from dcp_jax.hetero.connector_job import run_connector_job
+    from dcp_jax.hetero.job import run_hetero_job
+
+    if engine not in ("nixl", "mooncake", "jax-transfer"):
+        _fail(f"--engine={engine!r} must be nixl, mooncake or jax-transfer for a heterogeneous run")
+    paths = [x.strip() for x in (path or "direct,region").split(",") if x.strip()]
+    if not paths or any(x not in ("direct", "region") for x in paths):
+        _fail(f"--path={path!r}: a TP or layout run takes direct and/or region")
+    _check_out_path(json_path, "--json")
+    results = []
+    for mode in (["direct"] if engine == "jax-transfer" else paths):
+        try:
+            if engine == "jax-transfer":
+                res = run_hetero_job(model, prompt_tokens, prefill, decode, engine=engine, seed=seed, timeout_s=timeout_s)
+            else:
+                res = run_connector_job(model, prompt_tokens, prefill, decode, engine=engine, mode=mode, seed=seed,
+                                        timeout_s=timeout_s)
+        except (ValueError, TypeError) as exc:
+            _fail(str(exc))
+        results.append(res)
+        hetero_table(res, model, prompt_tokens, engine)
+    if json_path is not None:
+        json_path.write_text(json.dumps(dict(runs=results, verified=all(r["verified"] for r in results)), indent=2,
+                                        default=_json_default))
+    if not all(r["verified"] for r in results):
+        Console().print("[red bold]NOT VERIFIED[/]")
+        raise typer.Exit(1)
+    Console().print("[green bold]verified[/]: every decode (DCP, TP) rank byte-exact" +
+                    (" on every path" if len(results) > 1 else ""))
+
+
+def hetero_table(res: dict, model: str, prompt_tokens: int, engine: str) -> None:
+    """Prints one heterogeneous run's table (per decode (DCP, TP) rank) and its failures."""
+    console = Console()
+    side = lambda x: (f"page {x['page_size']}, DCP{x['dcp_size']} I={x['interleave_size']}, "  # noqa: E731
+                      f"TP{x['tp_size']}, {x['layout']}")
+    t = Table(title=f"heterogeneous {model}, {prompt_tokens:,} tokens: prefill {side(res['prefill'])} -> decode "
+                    f"{side(res['decode'])}; engine {engine}, path {res.get('mode', 'direct')}", show_footer=True)
+    for name, footer in (("dcp rank", "all"), ("tp rank", ""), ("descriptors", f"{res['descriptors']:,}"),
+                         ("bytes", f"{res['bytes']:,}"), ("verified", "yes" if res["verified"] else "NO")):
+        t.add_column(name, footer=footer, justify="right")
+    for r in res["ranks"]:
+        t.add_row(str(r["dcp_rank"]), str(r["tp_rank"]), f"{r['descriptors']:,}",
+                  f"{r['bytes']:,}" if "bytes" in r else "", "yes" if r["verified"] else "NO")
+    if "processes" in res:
+        t.caption = (f"connector (KVSender per prefill rank, KVReceiver per decode rank), {res['processes']} processes; "
+                     f"{res['seconds']:.3f} s from send to the last decode rank's completion, {res['gbps']:.2f} GB/s"
+                     + (f"; pack {res['pack_seconds']:.2f} s, unpack {res['unpack_seconds']:.2f} s (summed over ranks)"
+                        if res.get("mode") == "region" else ""))
+    else:
+        t.caption = (f"{res['streams']} streams, {res['seconds']:.3f} s with engine start and registration "
+                     f"(one process, loopback)")
+    console.print(t)
+    for r in res["ranks"]:
+        if not r["verified"] and r.get("reason"):
+            console.print(f"[red]decode rank ({r['dcp_rank']}, {r['tp_rank']}):[/] {r['reason']}")
+
+
+def hetero_plan(model: str, prompt_tokens: int, prefill: dict, decode: dict, seed: int,
+                 json_path: Optional[Path]) -> None:
+    """The heterogeneous pair's table (`dcp_jax.hetero.cost.hetero_counts`)."""
+    from dcp_jax.hetero.cost import hetero_counts
+
+    _check_out_path(json_path, "--json")
+    try:
+        rows = hetero_counts(model, prompt_tokens, prefill, decode, seed=seed)
+    except (ValueError, TypeError) as exc:
+        _fail(str(exc))
+    t = Table(title=f"heterogeneous plan: {model}, {prompt_tokens:,} tokens; prefill page {prefill['page_size']} "
+                    f"DCP{prefill['dcp_size']} TP{prefill['tp_size']} {prefill['layout'] or 'default layout'} -> "
+                    f"decode page {decode['page_size']} DCP{decode['dcp_size']} TP{decode['tp_size']} "
+                    f"{decode['layout'] or 'default layout'}", show_footer=True)
+    cols = [("dcp rank", "all"), ("tp rank", ""), ("rows (tokens x heads)", f"{sum(r['rows'] for r in rows):,}"),
+            ("descriptors (per-layer caches)", f"{sum(r['descriptors'] for r in rows):,}"),
+            ("descriptors (cross-layer pages)", f"{sum(r['cross_layer'] for r in rows):,}")]
+    for name, footer in cols:
+        t.add_column(name, footer=footer, justify="right")
+    for r in rows:
+        t.add_row(str(r["dcp_rank"]), str(r["tp_rank"]), f"{r['rows']:,}", f"{r['descriptors']:,}",
+                  f"{r['cross_layer']:,}")
+    Console().print(t)
+    if json_path is not None and model not in geometry_names():
+        json_path.write_text(json.dumps(rows, indent=2))
