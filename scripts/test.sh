@@ -9,7 +9,15 @@ rc=0
 # it runs on DCP_JAX_TEST_WORKERS pytest-xdist workers (default 2, the cores CI has), one test file
 # per worker at a time (--dist loadfile keeps the module-scoped engine pairs and file order).
 # DCP_JAX_TEST_WORKERS=0 runs it in this one process; later "-n N" arguments win.
-.venv/bin/python -m pytest -n "${DCP_JAX_TEST_WORKERS:-2}" --dist loadfile "$@" || rc=$?
+# The two-host tests (tests/netns) run after the rest, in one process: two workers driving
+# namespace harnesses at once failed NIXL's UCX endpoints with "Destination is unreachable"
+# (seen twice on 2 cores). With arguments, one run of exactly what they name.
+if [ $# -eq 0 ]; then
+    .venv/bin/python -m pytest -n "${DCP_JAX_TEST_WORKERS:-2}" --dist loadfile --ignore=tests/netns || rc=$?
+    .venv/bin/python -m pytest tests/netns || rc=$?
+else
+    .venv/bin/python -m pytest -n "${DCP_JAX_TEST_WORKERS:-2}" --dist loadfile "$@" || rc=$?
+fi
 # The vLLM suite (its own Python 3.11 venv, scripts/vllm_suite.sh) only with DCP_JAX_VLLM=1 for now:
 # its tests/vllm run has not yet passed whole (see README "Use from vLLM"), so CI leaves it out.
 if [ "${DCP_JAX_VLLM:-0}" = 1 ]; then

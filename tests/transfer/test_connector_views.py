@@ -40,13 +40,16 @@ def _run_pair(engine, p: HeteroSide, d: HeteroSide, tokens: int, seed: int = 0, 
         for r in range(p.dcp_size):
             for t in range(p.tp_size):
                 kv = fill_side(p, r, t, ppages[r], LAYERS, tokens, ptables[r], seed + 10 * r + t)
-                senders.append((r, KVSender(spec_of(p, r, t, LAYERS), kv, engine=engine, timeout_s=20, **sender_kw)))
+                # peer_timeout_s 15: building several Mooncake engines in this one process holds
+                # the GIL for ~1 s each; the default 5 s stall rule fired on a loaded CI machine.
+                senders.append((r, KVSender(spec_of(p, r, t, LAYERS), kv, engine=engine, timeout_s=20,
+                                            peer_timeout_s=15.0, **sender_kw)))
         for r in range(d.dcp_size):
             for t in range(d.tp_size):
                 kv = [_sentinel(cache_shape(d.geometry(t, dpages[r])), _etype(d)) for _ in range(LAYERS)]
                 caches[(r, t)] = kv
                 recv = KVReceiver(spec_of(d, r, t, LAYERS), kv, engine=engine, group="views", timeout_s=20,
-                                  **(receiver_kw or {}))
+                                  peer_timeout_s=15.0, **(receiver_kw or {}))
                 receivers.append(((r, t), recv))
                 for _, s in senders:
                     recv.connect(s.address)
