@@ -14,8 +14,16 @@ from rich.table import Table
 
 from dcp_jax.cli import _check_out_path, _fail, _json_default
 from dcp_jax.geometry import geometry_names
+from dcp_jax.job.config import MAX_PROMPT_TOKENS
 
 __all__ = ["hetero_plan", "hetero_transfer"]
+
+
+def _check_tokens(prompt_tokens: int) -> None:
+    """The job's bound (`dcp_jax.job.config.MAX_PROMPT_TOKENS`), before a plan is sized by it."""
+    if not 1 <= prompt_tokens <= MAX_PROMPT_TOKENS:
+        _fail(f"--prompt-tokens={prompt_tokens:,} must be in [1, {MAX_PROMPT_TOKENS:,}]: plans and buffers "
+              "are sized by it")
 
 
 def hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeout_s, json_path, path=None) -> None:
@@ -26,6 +34,7 @@ def hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeout
     from dcp_jax.hetero.connector_job import run_connector_job
     from dcp_jax.hetero.job import run_hetero_job
 
+    _check_tokens(prompt_tokens)
     if engine not in ("nixl", "mooncake", "jax-transfer"):
         _fail(f"--engine={engine!r} must be nixl, mooncake or jax-transfer for a heterogeneous run")
     paths = [x.strip() for x in (path or "direct,region").split(",") if x.strip()]
@@ -86,6 +95,7 @@ def hetero_plan(model: str, prompt_tokens: int, prefill: dict, decode: dict, see
     """The heterogeneous pair's table (`dcp_jax.hetero.cost.hetero_counts`)."""
     from dcp_jax.hetero.cost import hetero_counts
 
+    _check_tokens(prompt_tokens)
     _check_out_path(json_path, "--json")
     try:
         rows = hetero_counts(model, prompt_tokens, prefill, decode, seed=seed)

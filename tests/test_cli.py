@@ -84,6 +84,15 @@ def test_plan_prints_cost_table_and_rejects_unknown_model():
     assert res.exit_code == 2 and "nope" in res.output
 
 
+@pytest.mark.parametrize("args", [["plan"], ["transfer", "--no-progress"],
+                                  ["plan", "--model", "llama-3.1-8b", "--tp-size", "2"]])
+def test_absurd_prompt_tokens_are_refused_before_anything_is_sized(args):
+    # 1e11 tokens once made `plan` take 15 GB before failing: refused up front, naming the option.
+    res = runner.invoke(app, [*args, "--prompt-tokens", "100000000000"], terminal_width=200)
+    flat = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and "--prompt-tokens" in flat and "4,194,304" in flat, res.output
+
+
 def test_help_documents_verify():
     res = runner.invoke(app, ["transfer", "--help"], terminal_width=200)
     assert res.exit_code == 0

@@ -29,6 +29,9 @@ DEVICES = ("cpu", "gpu")
 STAGINGS = ("auto", "none", "host")
 DIRECTIONS = ("push", "pull")  # --direction: the sender WRITEs, or each decode rank READs (pulls) its rows
 MAX_RANKS = 64  # dcp_size / prefill_dcp_size: one process per rank
+#: Longest request the job and the cost report take (tokens): 4,194,304, 32x the longest
+#: context served today; `dcp-jax plan --prompt-tokens 100000000000` took 15 GB before failing.
+MAX_PROMPT_TOKENS = 1 << 22
 MAX_TIMEOUT_S = 86400.0  # a day: the connector's waits take at most that
 
 # Engines log to stderr on their own; keep loopback traffic and quiet logs unless the user set them.
@@ -170,6 +173,9 @@ class JobConfig:
             if getattr(self, name) > MAX_RANKS:
                 raise ValueError(f"{name}={getattr(self, name)} must be <= {MAX_RANKS} "
                                  "(the job starts one process per rank)")
+        if self.prompt_tokens > MAX_PROMPT_TOKENS:  # before any plan or buffer is sized by it
+            raise ValueError(f"prompt_tokens={self.prompt_tokens:,} (--prompt-tokens) must be <= "
+                             f"{MAX_PROMPT_TOKENS:,}: plans and buffers are sized by it")
         if not _is_int(self.prefix_tokens) or self.prefix_tokens < 0:
             raise ValueError(f"prefix_tokens={self.prefix_tokens!r} must be an int >= 0")
         if self.prefix_tokens >= self.prompt_tokens:
