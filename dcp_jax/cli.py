@@ -149,6 +149,22 @@ def transfer(
         # TP / layout pairs: through the connector, one process per rank (dcp_jax.hetero.connector_job)
         from dcp_jax.cli_hetero import hetero_transfer
 
+        # That job runs push, on host memory, whole requests: an option it would ignore is refused
+        # (a run on --device gpu must not report host figures as if they were the GPU's).
+        ignored = [name for name, given in (
+            ("--device", device != "cpu"), ("--prefill-gpus", prefill_gpus is not None),
+            ("--decode-gpus", decode_gpus is not None), ("--direction", direction != "push"),
+            ("--staging", staging not in ("auto", "none")), ("--pack-backend", pack_backend != "auto"),
+            ("--chunk-tokens", chunk_tokens is not None), ("--prefix-tokens", prefix_tokens != 0),
+            ("--mode", mode != "both"), ("--max-batch-indices", max_batch_indices is not None),
+            ("--pack-tokens", pack_tokens is not None), ("--verify", verify),
+            ("--corrupt-rank", corrupt_rank is not None)) if given]
+        if ignored:
+            _fail(f"{', '.join(ignored)}: not taken by a TP/layout run (--prefill-tp-size, --tp-size, "
+                  "--prefill-layout, --decode-layout: push, host memory, whole requests, --path direct,region)")
+        if engine == "jax-transfer" and path not in (None, "direct"):
+            _fail(f"--path={path!r}: a TP/layout run through jax-transfer takes only the direct path")
+
         return hetero_transfer(model, prompt_tokens, dict(
             page_size=prefill_page_size or page_size, dcp_size=prefill_dcp_size,
             interleave_size=prefill_interleave_size, tp_size=prefill_tp_size, layout=prefill_layout), dict(

@@ -155,3 +155,13 @@ def test_unwritable_outputs_are_clear_usage_errors(tmp_path):
     # worker folder more), which may put "is a" and "folder" on two lines.
     flat = " ".join(res.output.replace("│", " ").split())
     assert res.exit_code == 2 and "is a folder" in flat, res.output
+
+
+@pytest.mark.parametrize("extra,named", [(["--device", "gpu"], "--device"), (["--direction", "pull"], "--direction"),
+                                         (["--prefix-tokens", "128"], "--prefix-tokens")])
+def test_a_tp_layout_run_refuses_options_it_would_ignore(extra, named):
+    # It runs push on host memory: a --device gpu run must not report host figures as the GPU's.
+    res = runner.invoke(app, ["transfer", "--model", "llama-3.1-8b", "--tp-size", "2", "--prompt-tokens", "512",
+                              "--no-progress", *extra], terminal_width=200)
+    flat = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and named in flat and "TP/layout" in flat, res.output

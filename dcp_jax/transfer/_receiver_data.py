@@ -44,6 +44,14 @@ class ReceiverData:
         if kind in ("region_ask", "fused_done"):
             return self._on_region_ask(link, msg) if kind == "region_ask" else self._on_fused_done(link, msg)
         if kind == "pull_ready":
+            done = self._requests.get(msg["rid"])
+            if (not msg["nrows"] and done is not None and done.inc == msg["inc"] and link in done.senders
+                    and done.status is TransferStatus.SUCCESS):
+                # An empty window (a chunk inside the prefix) announced after the request already
+                # completed: nothing to read and nothing owed, so the sender's request may succeed.
+                link.client.send(proto.encode("pull_done", msg["rid"], msg["inc"], chunk=msg["chunk"],
+                                              part=msg["part"], ok=True, reason=""))
+                return
             req = self._live(link, msg)
             if req is None:  # the sender holds a region for it: let it go at once
                 link.client.send(proto.encode("pull_done", msg["rid"], msg["inc"], chunk=msg["chunk"],
@@ -61,6 +69,8 @@ class ReceiverData:
             req = self._requests.get(msg["rid"])
             # Its writes into this request's ranges are over too (even if it was released here).
             self._free_grants(lambda key, g: key[:3] == (id(link), msg["rid"], msg["inc"]))
+            if req is None or req.inc != msg["inc"]:  # released here, its pages held until drained
+                req = self._released.get((msg["rid"], msg["inc"]))
             if req is not None and req.inc == msg["inc"] and link in req.senders:
                 req.drained.add(id(link))
             else:

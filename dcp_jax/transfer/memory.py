@@ -101,7 +101,7 @@ class CacheLayers:
         TypeError: not a sequence, mixed kinds, unknown array type, a floating layer whose dtype
             is not ``spec.dtype`` (integer layers are byte containers of any dtype).
         ValueError: wrong number of layers, wrong page size or bytes per token, not contiguous
-            (the message names ``kv_layers[l]``).
+            (the message names ``kv_layers[l]``), or, ``writable``, two layers at one address.
     """
 
     def __init__(self, spec: KVCacheSpec, kv_layers: Sequence[Any], *, writable: bool = False):
@@ -151,6 +151,15 @@ class CacheLayers:
             rows.append(n)
             regions.append(MemoryRegion(ptr, nbytes, self.mem_type, self.device_id))
             views.append(_row_view(a, self.kind, n, spec.item_lens[l], writable))
+        if writable and len(set(bases)) < len(bases):
+            # Views into one buffer at different offsets are a layout (vLLM's K/V halves); two
+            # entries at one address would land two layers' rows on the same bytes.
+            first: dict[int, int] = {}
+            for l, b in enumerate(bases):
+                if b in first:
+                    raise ValueError(f"kv_layers[{first[b]}] and kv_layers[{l}] start at the same address: "
+                                     "a receiver's layers must be distinct buffers (or views at distinct offsets)")
+                first[b] = l
         self.bases = np.asarray(bases, np.int64)
         self.num_rows = np.asarray(rows, np.int64)
         self.item_lens = np.asarray(spec.item_lens, np.int64)

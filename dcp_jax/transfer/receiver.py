@@ -63,6 +63,17 @@ class _Link:
     view: Any = None           # TP or layout pair: its `views.StreamView` (the region path's unpack)
 
 
+def missing_senders(specs: list[KVCacheSpec]) -> list[tuple[int, int]]:
+    """The (dcp_rank, tp_rank) of the prefill group (each spec's ``dcp_size`` x ``tp_size``;
+    the largest when connected senders disagree) that no connected sender holds, sorted."""
+    if not specs:
+        return []
+    dcp = max(sp.dcp_size for sp in specs)
+    tp = max(sp.tp_size for sp in specs)
+    have = {(sp.dcp_rank, sp.tp_rank) for sp in specs}
+    return sorted((r, t) for r in range(dcp) for t in range(tp) if (r, t) not in have)
+
+
 class KVReceiver(ReceiverData, ReceiverRegion):
     """Decode-rank connector over the caller's KV layers.
 
@@ -156,6 +167,7 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         self._outbox: deque[tuple[_Link, bytes]] = deque()
         self._requests: dict[str, RecvRequest] = {}
         self._page_owner: dict[int, str] = {}  # page -> id of the held request that writes into it
+        self._released: dict[tuple, Any] = {}  # (id, inc) -> a released request whose pages an engine may still write
         self._reads: dict[int, tuple] = {}  # handle seq -> (request, link, msg, handle)
         self._chunk_rows: dict[tuple, np.ndarray] = {}
         self._doubt: dict[str, tuple] = {}  # dropped push sender's peer -> (when, link): may still write
@@ -259,7 +271,9 @@ class KVReceiver(ReceiverData, ReceiverRegion):
                 ``[prefix_tokens, num_tokens)`` is transferred.
 
         Raises:
-            RuntimeError: not connected to any sender.
+            RuntimeError: not connected to any sender, or not to every rank of the prefill group
+                (each (dcp_rank, tp_rank) of the senders' ``dcp_size`` x ``tp_size``): a missing
+                one's tokens would never come.
             TypeError, ValueError: bad id, token counts or page table, or an id still held
                 (release it first).
         """
@@ -276,6 +290,12 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         with self._lock:
             if not self._links:
                 raise RuntimeError("expect() before connect(): no sender to announce the request to")
+            missing = missing_senders([link.spec for link in self._links])
+            if missing:
+                # Without them the request would end SUCCESS with their tokens never written.
+                raise RuntimeError(f"expect() while connected to {len(self._links)} prefill rank(s) of a group of "
+                                   f"{self._links[0].spec.group_size}: (dcp_rank, tp_rank) {missing} not "
+                                   "connected (connect() to every prefill rank of the group first)")
             if rid in self._requests:
                 raise ValueError(f"request_id={rid!r} is still held ({self._requests[rid].status.name}); "
                                  "release() it first")
@@ -327,16 +347,40 @@ class KVReceiver(ReceiverData, ReceiverRegion):
 
     def release(self, request_id: str) -> None:
         """Forgets a request (aborting it first if live); the id may then be expected again.
-        Raises KeyError if unknown."""
+        Its pages stay held until no engine can write them any more (`is_drained`'s rule, checked
+        by the worker): until then an `expect` writing one of them is refused (ValueError naming
+        the page and the released request). Raises KeyError if unknown."""
         with self._lock:
             req = self._get(request_id)
             if not req.status.terminal:
                 self._end(req, TransferStatus.ABORTED, "released before completion", "abort")
             del self._requests[request_id]
-            for page in req.written_pages:
-                self._page_owner.pop(page, None)
+            if self._drained(req):
+                self._free_pages(req)
+            else:  # an engine may still write them: held (a new expect() on them is refused) until drained
+                self._released[(req.rid, req.inc)] = req
+                self._page_owner.update(dict.fromkeys(req.written_pages, f"{req.rid} (released, not drained yet)"))
             for key in [k for k in self._chunk_rows if k[0] is req]:
                 del self._chunk_rows[key]
+
+    def _free_pages(self, req: RecvRequest) -> None:
+        for page in req.written_pages:
+            self._page_owner.pop(page, None)
+
+    def _reap_released(self) -> None:
+        """Released requests whose writers are done: their pages may be expected again."""
+        for key, req in list(self._released.items()):
+            if self._drained(req):
+                del self._released[key]
+                self._free_pages(req)
+
+    def _drained(self, req: RecvRequest) -> bool:
+        if req.status is TransferStatus.SUCCESS:
+            return True
+        return req.status.terminal and req.inflight == 0 and all(
+            link.direction == "pull" or id(link) in req.drained
+            or (link not in self._links and link.peer not in self._doubt)
+            for link in req.senders)
 
     def is_drained(self, request_id: str) -> bool:
         """True when nothing can write into this request's pages any more, so the decode side
@@ -344,13 +388,7 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         own reads (pull) finished and every push sender said it has no write in flight (or is
         gone: dropped, then reconnected or silent for ``drain_grace_s``). Raises KeyError if unknown."""
         with self._lock:
-            req = self._get(request_id)
-            if req.status is TransferStatus.SUCCESS:
-                return True
-            return req.status.terminal and req.inflight == 0 and all(
-                link.direction == "pull" or id(link) in req.drained
-                or (link not in self._links and link.peer not in self._doubt)
-                for link in req.senders)
+            return self._drained(self._get(request_id))
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -385,7 +423,7 @@ class KVReceiver(ReceiverData, ReceiverRegion):
                         staging=[dict(prefill="staged" if link.staged else "direct",
                                       decode="staged" if self.staged else "direct") for link in req.senders],
                         latency_seconds=None if end is None else end - req.created,
-                        timeline=req.timeline.as_list(),
+                        timeline=req.timeline.as_list(), timeline_dropped=req.timeline.dropped,
                         done_at=None if end is None else time.monotonic() - (time.perf_counter() - end))
 
     def request_latency(self, request_id: str) -> float | None:
@@ -442,6 +480,8 @@ class KVReceiver(ReceiverData, ReceiverRegion):
             if self._waiting:  # room freed, or a waiting window's request ended
                 busy |= self._grant_waiting()
             self._check_timeouts()
+            if self._released:
+                self._reap_released()
             self._heartbeat()
             self._flush()
             if busy:

@@ -285,7 +285,8 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
         ``pack_backend`` (registry name), ``stage_seconds`` (device -> host staging copies, part
         of ``pack_seconds``), per rank ``staging``: ``{"prefill": "direct"|"staged",
         "decode": "direct"|"staged"}`` (what each side of that connection registers) and
-        ``timeline`` (``[event, dcp_rank, time.monotonic()]`` lists, `requests.Timeline`)."""
+        ``timeline`` (``[event, dcp_rank, time.monotonic()]`` lists, `requests.Timeline`; at most
+        `requests.MAX_EVENTS`, ``timeline_dropped`` counts the rest)."""
         with self._lock:
             req = self._get(request_id)
             t0, t1 = req.t_first_submit, req.t_done
@@ -295,7 +296,7 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
                         copy_seconds=req.copy_seconds, first_byte_at=req.first_byte_at,
                         transfer_seconds=(t1 - t0) if t0 is not None and t1 is not None else None,
                         pack_backend=self.pack_backend, stage_seconds=req.stage_seconds,
-                        timeline=req.timeline.as_list(),
+                        timeline=req.timeline.as_list(), timeline_dropped=req.timeline.dropped,
                         ranks={r: dict(t.counters.as_dict(), path=t.conn.path,
                                        staging=dict(prefill=mine, decode="staged" if t.conn.staged else "direct"))
                                for r, t in sorted(req.targets.items())})

@@ -1,0 +1,82 @@
+"""Defects a first-time user found (2026-12-02), each checked on real engines: a decode rank
+connected to part of the prefill group, an empty prefix chunk pulled after the request ended,
+pages of a released request written late, two receiver layers on one buffer."""
+import contextlib
+import time
+
+import numpy as np
+import pytest
+
+from conftest import SENTINEL, Cluster, TransferStatus
+from dcp_jax.transfer import KVCacheSpec, KVReceiver, KVSender
+from dcp_jax.transfer.memory import CacheLayers
+
+ITEMS = (48, 16)
+
+
+@contextlib.contextmanager
+def cluster(engine, **kw):
+    c = Cluster(engine, **kw)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def test_expect_refuses_a_rank_not_connected_to_the_whole_prefill_group():
+    # Two prefill DCP ranks; the decode rank connected to rank 0 only. Before: SUCCESS with
+    # every token of prefill rank 1 left as sentinel bytes.
+    src = [np.zeros((16, 4, il), np.uint8) for il in ITEMS]
+    dst = [np.full((16, 4, il), SENTINEL, np.uint8) for il in ITEMS]
+    with KVSender(KVCacheSpec(2, ITEMS, 4, 2, 0), src, engine="nixl") as s0, \
+            KVSender(KVCacheSpec(2, ITEMS, 4, 2, 1), [a.copy() for a in src], engine="nixl") as s1, \
+            KVReceiver(KVCacheSpec(2, ITEMS, 4), dst, engine="nixl") as r:
+        r.connect(s0.address)
+        with pytest.raises(RuntimeError, match=r"\(dcp_rank, tp_rank\) \[\(1, 0\)\] not connected"):
+            r.expect("q", np.arange(4), 16)
+        r.connect(s1.address)
+        r.expect("q", np.arange(4), 16)  # the whole group: accepted
+
+
+def test_an_empty_prefix_chunk_pulled_after_success_leaves_the_request_successful(engine):
+    # Pull, prefix 16 tokens: the chunk [0, 16) holds no row to move. Sent after the other chunk,
+    # its pull_ready often reached ranks that had already completed and got ok=False, failing
+    # the sender's request (1-3 times in 20 before the fix): 12 requests, each must succeed.
+    with cluster(engine, direction="pull", page_size=4, pages=256, seed=3) as c:
+        n, prefix = 48, 16
+        for i in range(12):
+            rid = f"q{i}"
+            src, dst = c.tables(n)
+            c.expect(rid, dst, n, prefix_tokens=prefix)
+            c.sender.send(rid, src, prefix, n)
+            try:
+                c.sender.send(rid, src, 0, prefix)  # the empty prefix chunk, last
+            except ValueError as exc:  # the sender already completed: nothing was owed (documented)
+                assert "is SUCCESS" in str(exc)
+            assert c.wait(rid) == [TransferStatus.SUCCESS] * 3, c.reasons(rid)
+
+
+def test_released_pages_stay_held_until_the_sender_drained(engine):
+    with cluster(engine, page_size=4, seed=5) as c:
+        src, dst = c.tables(32)
+        c.expect("big", dst, 32)
+        r0 = c.receivers[0]
+        r0.release("big")  # live: aborted; the sender has not said "drained" yet
+        with pytest.raises(ValueError, match=r"page \d+ is written by request 'big \(released, not drained yet\)'"):
+            r0.expect("new", dst[0], 32)
+        deadline = time.monotonic() + 10
+        while True:  # the sender learns of the abort and answers "drained": the pages are free
+            try:
+                r0.expect("new", dst[0], 32)
+                break
+            except ValueError:
+                assert time.monotonic() < deadline, "released pages never freed"
+                time.sleep(0.01)
+
+
+def test_two_receiver_layers_on_one_buffer_are_refused():
+    a = np.zeros((4, 4, 16), np.uint8)
+    spec = KVCacheSpec(2, (16, 16), 4)
+    with pytest.raises(ValueError, match=r"kv_layers\[0\] and kv_layers\[1\] start at the same address"):
+        CacheLayers(spec, [a, a], writable=True)
+    CacheLayers(spec, [a, a])  # a sender only reads: aliasing is harmless there
