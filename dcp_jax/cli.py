@@ -403,9 +403,12 @@ def load(
     duration_s: float = typer.Option(0.0, help="Stop issuing after this many seconds of the measured phase "
                                                "(0: run all --requests)."),
     faults: str = typer.Option("", help="With --netns: faults injected at random, comma-separated: "
-                                        "link_flap, pause."),
+                                        "link_flap (the link down, then up), pause (a receiver stopped, "
+                                        "then resumed), sender_pause (the sender stopped for longer than "
+                                        "the peer timeout: the receivers drop it and connect again)."),
     fault_every_s: float = typer.Option(10.0, help="Mean seconds between injected faults."),
-    peer_timeout_s: float = typer.Option(5.0, help="Connector peer timeout (seconds); faults last less."),
+    peer_timeout_s: float = typer.Option(5.0, help="Connector peer timeout (seconds); link_flap and pause "
+                                                   "last less, sender_pause 1.2-1.6 x it."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write RSS and registered bytes over time (PNG; "
                                                              "with --netns or --duration-s)."),
 ) -> None:
