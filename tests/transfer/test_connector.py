@@ -197,9 +197,12 @@ def test_layers_viewing_one_buffer_register_once_and_release(engine):
         assert bridge.registered_bytes() - before >= layer.nbytes
     finally:
         s.close()
-    r = KVReceiver(KVCacheSpec(2, (16, 16), 4), [layer, layer], engine=engine)
+    # A receiver's entries must start at distinct addresses (one address twice would land two
+    # layers on the same bytes): views of one buffer one page apart, overlapping.
+    buf = np.zeros((5, 4, 16), np.uint8)
+    r = KVReceiver(KVCacheSpec(2, (16, 16), 4), [buf[:4], buf[1:]], engine=engine)
     try:
-        assert bridge.registered_bytes() - before == layer.nbytes
+        assert bridge.registered_bytes() - before == buf.nbytes
     finally:
         r.close()
     assert bridge.registered_bytes() == before
@@ -354,7 +357,14 @@ def test_two_held_requests_may_not_write_one_page(engine):
         with pytest.raises(ValueError, match=r"page_table: page 9 is written by request 'p1'"):
             r.expect("p2", [9, 10], 8)
         r.expect("p3", [8, 11], 8, prefix_tokens=4)  # page 8 holds only its prefix: shared, fine
-        r.release("p1")
-        r.expect("p2", [9, 10], 8)  # free again after release
+        r.release("p1")  # live: its pages are held until the sender says it writes none
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                r.expect("p2", [9, 10], 8)  # free again once drained
+                break
+            except ValueError as exc:
+                assert "released, not drained yet" in str(exc) and time.monotonic() < deadline, exc
+                time.sleep(0.01)
     finally:
         c.close()
