@@ -63,15 +63,15 @@ class _Link:
     view: Any = None           # TP or layout pair: its `views.StreamView` (the region path's unpack)
 
 
-def missing_senders(specs: list[KVCacheSpec]) -> list[tuple[int, int]]:
-    """The (dcp_rank, tp_rank) of the prefill group (each spec's ``dcp_size`` x ``tp_size``;
-    the largest when connected senders disagree) that no connected sender holds, sorted."""
+def missing_senders(specs: list[KVCacheSpec]) -> list[int]:
+    """The prefill DCP ranks (``range(dcp_size)``, the largest ``dcp_size`` when connected
+    senders disagree) that no connected sender holds, sorted. Every prefill DCP rank holds tokens
+    of every request; which TP ranks a decode rank needs depends on the heads they share (the
+    connector's views: `dcp_jax.transfer.views`), so TP ranks are not counted here."""
     if not specs:
         return []
-    dcp = max(sp.dcp_size for sp in specs)
-    tp = max(sp.tp_size for sp in specs)
-    have = {(sp.dcp_rank, sp.tp_rank) for sp in specs}
-    return sorted((r, t) for r in range(dcp) for t in range(tp) if (r, t) not in have)
+    have = {sp.dcp_rank for sp in specs}
+    return sorted(set(range(max(sp.dcp_size for sp in specs))) - have)
 
 
 class KVReceiver(ReceiverData, ReceiverRegion):
@@ -271,9 +271,8 @@ class KVReceiver(ReceiverData, ReceiverRegion):
                 ``[prefix_tokens, num_tokens)`` is transferred.
 
         Raises:
-            RuntimeError: not connected to any sender, or not to every rank of the prefill group
-                (each (dcp_rank, tp_rank) of the senders' ``dcp_size`` x ``tp_size``): a missing
-                one's tokens would never come.
+            RuntimeError: not connected to any sender, or not to every prefill DCP rank (each
+                ``dcp_rank`` of the senders' ``dcp_size``): a missing one's tokens would never come.
             TypeError, ValueError: bad id, token counts or page table, or an id still held
                 (release it first).
         """
@@ -293,9 +292,10 @@ class KVReceiver(ReceiverData, ReceiverRegion):
             missing = missing_senders([link.spec for link in self._links])
             if missing:
                 # Without them the request would end SUCCESS with their tokens never written.
-                raise RuntimeError(f"expect() while connected to {len(self._links)} prefill rank(s) of a group of "
-                                   f"{self._links[0].spec.group_size}: (dcp_rank, tp_rank) {missing} not "
-                                   "connected (connect() to every prefill rank of the group first)")
+                raise RuntimeError(f"expect() while connected to prefill dcp_rank(s) "
+                                   f"{sorted({link.spec.dcp_rank for link in self._links})} of a prefill DCP group of "
+                                   f"{max(link.spec.dcp_size for link in self._links)}: dcp_rank(s) {missing} not "
+                                   "connected (connect() to every prefill DCP rank first)")
             if rid in self._requests:
                 raise ValueError(f"request_id={rid!r} is still held ({self._requests[rid].status.name}); "
                                  "release() it first")

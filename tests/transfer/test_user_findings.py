@@ -32,7 +32,8 @@ def test_expect_refuses_a_rank_not_connected_to_the_whole_prefill_group():
             KVSender(KVCacheSpec(2, ITEMS, 4, 2, 1), [a.copy() for a in src], engine="nixl") as s1, \
             KVReceiver(KVCacheSpec(2, ITEMS, 4), dst, engine="nixl") as r:
         r.connect(s0.address)
-        with pytest.raises(RuntimeError, match=r"\(dcp_rank, tp_rank\) \[\(1, 0\)\] not connected"):
+        with pytest.raises(RuntimeError,
+                           match=r"dcp_rank\(s\) \[0\] of a prefill DCP group of 2: dcp_rank\(s\) \[1\] not connected"):
             r.expect("q", np.arange(4), 16)
         r.connect(s1.address)
         r.expect("q", np.arange(4), 16)  # the whole group: accepted
