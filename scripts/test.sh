@@ -18,9 +18,11 @@ if [ $# -eq 0 ]; then
 else
     .venv/bin/python -m pytest -n "${DCP_JAX_TEST_WORKERS:-2}" --dist loadfile "$@" || rc=$?
 fi
-# The vLLM suite (its own Python 3.11 venv, scripts/vllm_suite.sh) only with DCP_JAX_VLLM=1 for now:
-# its tests/vllm run has not yet passed whole (see README "Use from vLLM"), so CI leaves it out.
-if [ "${DCP_JAX_VLLM:-0}" = 1 ]; then
+# The vLLM suite (its own Python 3.11 venv, scripts/vllm_suite.sh): vLLM's own connector lifecycle
+# tests against DcpJaxConnector and the stock one, then tests/vllm. It runs with the whole suite
+# (no arguments); DCP_JAX_VLLM=0 leaves it out, DCP_JAX_VLLM=1 adds it to a run with arguments.
+whole=0; [ $# -eq 0 ] && whole=1
+if [ "${DCP_JAX_VLLM:-$whole}" = 1 ]; then
     ./scripts/vllm_suite.sh || rc=$?
 fi
 exit $rc
