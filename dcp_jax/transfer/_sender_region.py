@@ -121,7 +121,7 @@ class SenderRegion:
             if err is None and not u.req.status.terminal:
                 if moved:
                     u.req.timeline.mark("copied", t.conn.spec.dcp_rank)
-                self._count(t, 0, u.rc.window_bytes(u.w, self._layers.item_lens) if moved else 0, 0)
+                self._count(t, 0, self._window_bytes(u) if moved else 0, 0)
                 self._ctl.send(t.conn.ident, proto.encode("fused_done", u.req.rid, t.inc, **head))
             self._unit_finished(u, err)
 

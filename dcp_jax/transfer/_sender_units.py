@@ -80,16 +80,20 @@ class SenderUnits:
         """Rows one window may hold: the pack buffer's, and for the region path also the
         receiver's receive region's (a window must fit both)."""
         if conn.path == "region":
-            per = self.spec.row_bytes if conn.view is None else conn.view.row_bytes() * self.spec.num_layers
-            return min(self._max_region_rows, conn.region_bytes // per)
+            return min(self._max_region_rows, conn.region_bytes // self._wire_row_bytes(conn))
         return self._max_region_rows
+
+    def _wire_row_bytes(self, conn: Any) -> int:
+        """Bytes one token row of this connection moves over every layer: the whole row, or a
+        view pair's head pieces."""
+        return self.spec.row_bytes if conn.view is None else conn.view.row_bytes() * self.spec.num_layers
 
     def _window_bytes(self, u: Unit) -> int:
         """Bytes of a unit's window: its rows' pack, or a view pair's wire block."""
         if u.target.conn.view is None:
             return u.rc.window_bytes(u.w, self._layers.item_lens)
         lo, hi = u.rc.windows[u.w]
-        return (hi - lo) * u.target.conn.view.row_bytes() * self.spec.num_layers
+        return (hi - lo) * self._wire_row_bytes(u.target.conn)
 
     def _batch_calls(self, descriptors: int) -> int:
         return batch_engine_calls(descriptors, getattr(self.engine, "window", None))
