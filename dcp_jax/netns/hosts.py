@@ -17,23 +17,28 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import json
 import multiprocessing as mp
 import os
 import shutil
 import signal
 import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["Hosts", "needs_root_reason", "remove_stale", "enter_netns", "run_in", "PREFIX", "ENGINE_ENV"]
+__all__ = ["Hosts", "needs_root_reason", "remove_stale", "enter_netns", "run_in", "link_running", "PREFIX", "ENGINE_ENV"]
 
 PREFIX = "dcpn"
 #: Engine settings every process of a host gets (UCX_NET_DEVICES is set per host).
 ENGINE_ENV = {"UCX_LOG_LEVEL": "fatal", "NIXL_LOG_LEVEL": "WARN", "MC_LOG_LEVEL": "ERROR"}
 _NETNS_DIR = "/run/netns"
 _IP_TIMEOUT_S = 10.0
+#: How long `Hosts.link_up` waits for both ends to report carrier (the kernel's linkwatch may
+#: take up to about 1 s to mark a fresh veth running).
+LINK_UP_TIMEOUT_S = 10.0
 
 
 def needs_root_reason() -> str | None:
@@ -52,6 +57,12 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     if check and p.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)} failed ({p.returncode}): {p.stderr.strip()}")
     return p
+
+
+def link_running(ns: str, dev: str) -> bool:
+    """Whether device ``dev`` in namespace ``ns`` is up with carrier (operstate UP)."""
+    out = _ip("-n", ns, "-j", "link", "show", "dev", dev).stdout
+    return bool(out) and json.loads(out)[0].get("operstate") == "UP"
 
 
 def _list_netns() -> list[str]:
@@ -196,9 +207,25 @@ class Hosts:
         _ip("-n", self.names[0], "link", "set", self.device(0, link), "down")
         _ip("-n", self.names[link], "link", "set", self.device(link), "down")
 
-    def link_up(self, link: int) -> None:
-        _ip("-n", self.names[link], "link", "set", self.device(link), "up")
-        _ip("-n", self.names[0], "link", "set", self.device(0, link), "up")
+    def link_up(self, link: int, timeout_s: float = LINK_UP_TIMEOUT_S) -> None:
+        """Brings link ``link`` up on both ends and waits until both are running (operstate UP).
+
+        UCX skips interfaces that are up but not yet running (no carrier), so an engine
+        started right after ``ip link set up`` would find no transport ("Destination is
+        unreachable"); hence the wait.
+
+        Raises:
+            TimeoutError: an end is not running within ``timeout_s`` seconds.
+        """
+        ends = [(self.names[link], self.device(link)), (self.names[0], self.device(0, link))]
+        for ns, dev in ends:
+            _ip("-n", ns, "link", "set", dev, "up")
+        deadline = time.monotonic() + timeout_s
+        for ns, dev in ends:
+            while not link_running(ns, dev):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"link {dev} in {ns} not running within {timeout_s:g} s")
+                time.sleep(0.02)
 
     # ---- processes ---------------------------------------------------------------------------
     def spawn(self, host: int, target: Callable, args: tuple = (), *, name: str | None = None,

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from dcp_jax.netns import Hosts, remove_stale, run_in
+from dcp_jax.netns.hosts import link_running
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -27,6 +28,8 @@ def test_two_hosts_talk_over_their_link_and_vanish_on_exit():
         assert f"{h.addr(1)}/24" in out
         assert "lo" in run_in(h, 0, ["ip", "-o", "link", "show", "up"]).stdout
         assert h.env(1)["UCX_NET_DEVICES"] == "veth0" and h.env(0)["UCX_NET_DEVICES"] == "veth1"
+        # Running (carrier) on both ends as soon as Hosts returns: UCX skips links that are not.
+        assert link_running(h.names[0], h.device(0, 1)) and link_running(h.names[1], h.device(1))
         # A server on host 0's address, a client on host 1: across the veth, not loopback.
         srv = subprocess.Popen(h.exec_argv(0, [sys.executable, "-c",
                                f"import socket; s=socket.create_server(('{h.addr(0, 1)}', 47123)); "
@@ -44,7 +47,9 @@ def test_two_hosts_talk_over_their_link_and_vanish_on_exit():
         # Link down: nothing gets through; up again: it does.
         h.link_down(1)
         assert run_in(h, 1, _connect_script(h.addr(0, 1), 47124)).returncode != 0
+        assert not link_running(h.names[1], h.device(1))
         h.link_up(1)
+        assert link_running(h.names[0], h.device(0, 1)) and link_running(h.names[1], h.device(1))
     assert not any(n in _netns() for n in names)
 
 
