@@ -106,6 +106,9 @@ GEOMETRIES: dict[str, ModelGeometry] = {
         # Synthetic geometries for fast tests: few layers, and entries of different item_len so
         # layer-major pack offsets and per-entry descriptors are exercised.
         ModelGeometry("tiny", 3, (64, 64, 64), "uint8", description="test: 3 layers of 64 B rows"),
+        # Rows of 128 B: the smallest the Mosaic GPU kernel copies (its bulk-copy quantum).
+        ModelGeometry("tiny-128", 2, (128, 256), "uint8",
+                      description="test: 2 layers of 128/256 B rows (Mosaic GPU's copy quantum)"),
         ModelGeometry("tiny-mixed", 4, (48, 16, 96, 8), "uint8",
                       description="test: 4 layers of 48/16/96/8 B rows (mixed item_len)"),
     )

@@ -128,6 +128,16 @@ def test_pack_backend_forced_verifies(backend, engine, stagings):
         assert run["staging"]["prefill"] == ("staged" if staging == "host" else "direct")
 
 
+def test_gpu_mosaic_interpret_through_the_job_on_128_byte_rows():
+    """The Mosaic GPU kernel copies rows of 128-B multiples: the `tiny-128` geometry is the small
+    one it takes (tiny-mixed is refused, see below); staged region path, byte-exact."""
+    cfg = JobConfig(**dict(SMALL, model="tiny-128", prompt_tokens=500, dcp_size=2), engine="nixl",
+                    staging="host", pack_backend="gpu-mosaic-interpret", modes=("region",))
+    run = run_job(cfg)["runs"][0]
+    _check_run(run, cfg)
+    assert run["pack_backend"] == "gpu-mosaic-interpret" and run["staging"]["prefill"] == "staged"
+
+
 def test_the_job_and_the_connector_name_the_same_stagings():
     from dcp_jax.job.config import STAGINGS
     from dcp_jax.transfer.staging import STAGINGS as CONNECTOR

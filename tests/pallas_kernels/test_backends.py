@@ -72,8 +72,6 @@ def _run(name, backend, kind):
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("backend", NUMPY_BACKENDS)
 def test_numpy_buffers_match_reference(backend, case):
-    if backend == "gpu-mosaic-interpret" and case in ("gqa-512", "duplicates-sorted-desc"):
-        pytest.skip("kept out of CI for time: the Mosaic GPU interpreter runs ~1 s per block")
     _run(case, backend, "numpy")
 
 
