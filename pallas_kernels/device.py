@@ -178,7 +178,7 @@ class IndexRing:
 
         self.m, self.k, self.slots = m, k, slots
         stride = -(-m // 64) * 64
-        size = k * stride + 64
+        size = k * stride + max(64, -(-meta_len // 64) * 64)
         self.bufs = [cp.zeros(size, cp.int32) for _ in range(slots)]
         self.views = []
         for b in self.bufs:
@@ -216,12 +216,13 @@ class IndexRing:
         return self.views[s]
 
 
-def index_ring(dests: "Destinations", m: int, k: int) -> IndexRing:
-    """The `IndexRing` of a destination set for `k` index vectors of bucket `m` (made once)."""
+def index_ring(dests: "Destinations", m: int, k: int, meta_len: int = 3) -> IndexRing:
+    """The `IndexRing` of a destination set for `k` index vectors of bucket `m` and
+    `meta_len` metadata words (made once)."""
     rings = dests.rings
-    ring = rings.get((m, k))
+    ring = rings.get((m, k, meta_len))
     if ring is None:
-        ring = rings[(m, k)] = IndexRing(m, k)
+        ring = rings[(m, k, meta_len)] = IndexRing(m, k, meta_len)
     return ring
 
 
