@@ -98,3 +98,22 @@ def test_windowed_triton_lowers(name, kind, cores, platform, geometry):
     assert "__gpu$xla.gpu.triton" in text
     assert "tf.aliasing_output = 0" in text  # one launch, in place into the pack
     assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("name,kind,cores", CUDA, ids=[c[0] for c in CUDA])
+def test_flat_unpack_triton_lowers(name, kind, cores):
+    """The one-buffer unpack (`scatter._unpack_flat_jit`): one aliased output for 61 layers."""
+    from pallas_kernels.scatter import _unpack_flat_jit
+
+    layers = ((8192, 288),) * 61
+    args = (jax.ShapeDtypeStruct((64 * 288 * 61,), jnp.uint32),
+            jax.ShapeDtypeStruct((64,), jnp.int32),
+            jax.ShapeDtypeStruct((8192 * 288 * 61,), jnp.uint32),
+            jax.ShapeDtypeStruct((3,), jnp.int32))
+    with jax.sharding.use_abstract_mesh(_mesh(kind, cores, "cuda")), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        text = _unpack_flat_jit.trace(*args, layers=layers, config=GatherConfig.default(),
+                                      backend="triton", offset_align=4).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "tf.aliasing_output = 0" in text and "tf.aliasing_output = 1" not in text
