@@ -5,6 +5,13 @@ the host is what the wall clock measures), for the public call and for its piece
 kernel entry with host or device indices, a compiled executable, the stacked (one source
 buffer) form, an empty jitted function of as many arguments, and the Python work before the
 dispatch. Prints a table and writes JSON (`--json`).
+
+Both modes also time one sender round and one receiver unpack, before/after (issue 13):
+`pack_rows` once per window against ONE `pack_windows` call for `--windows` windows, and
+`unpack_rows` into separate layer arrays (one kernel argument and output per layer) against
+layers that are views of one buffer (the flat-destination kernel). `--cpu`: those rows only,
+on numpy buffers through the interpret backend at a small geometry (the JAX dispatch on a CPU
+stands in for the host part; the kernel itself is interpreted, so compare forms, not sizes).
 """
 from __future__ import annotations
 
@@ -27,7 +34,11 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--layers", type=int, default=61)
     ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--windows", type=int, default=8, help="windows per sender round")
+    ap.add_argument("--cpu", action="store_true", help="numpy buffers, interpret backend")
     args = ap.parse_args(argv)
+    if args.cpu:
+        return cpu_main(args)
     import cupy as cp
     import jax
     import jax.numpy as jnp
@@ -113,6 +124,9 @@ def main(argv=None):
             lambda: pack_rows(layers, idx, pack, config=cfg, sync=False))
     finally:
         pack_mod.gather_rows = real
+    out.update(round_rows(cp, layers, args.windows, 1 << 14, args.layers * item * 2 ** 16,
+                          "auto", lambda: synchronize([pack]) or cp.cuda.runtime.deviceSynchronize(),
+                          per_call))
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(200):
@@ -126,6 +140,64 @@ def main(argv=None):
     print(s.getvalue()[:6000])
     if args.json:
         Path(args.json).write_text(json.dumps({"per_call": out, "profile": s.getvalue()[:20000]},
+                                              indent=1))
+
+
+def round_rows(xp, layers, windows, rows, pack_bytes, backend, sync, per_call, config=None):
+    """Before/after rows: a sender round of `windows` windows of `rows // windows` rows, and a
+    receiver unpack of one window into separate layers and into one buffer's views."""
+    from pallas_kernels import pack_rows, pack_windows, unpack_rows
+
+    R, item = int(layers[0].shape[0]), int(layers[0].shape[1])
+    per = rows // windows
+    rng = np.random.default_rng(1)
+    stride = -(-per * item * len(layers) // 64) * 64
+    wins = [(rng.integers(0, R, per).astype(np.int64), w * stride) for w in range(windows)]
+    pack = xp.zeros(max(pack_bytes, windows * stride), xp.uint8)
+    out = {}
+
+    def per_window():
+        for idx, off in wins:
+            pack_rows(layers, idx, pack, offset=off, backend=backend, config=config, sync=False)
+        sync()
+
+    def one_call():
+        pack_windows(layers, wins, pack, backend=backend, config=config, sync=False)
+        sync()
+    out[f"round: {windows} x pack_rows + sync"] = per_call(per_window)
+    out[f"round: 1 pack_windows ({windows} windows) + sync"] = per_call(one_call)
+    dst_sep = [xp.zeros((R, item), xp.uint8) for _ in layers]
+    buf = xp.zeros(R * item * len(layers), xp.uint8)
+    dst_one = [buf[l * R * item:(l + 1) * R * item].reshape(R, item) for l in range(len(layers))]
+    idx = rng.permutation(R)[:per].astype(np.int64)
+    for name, dst in ((f"unpack: {len(layers)} separate layers", dst_sep),
+                      (f"unpack: {len(layers)} layers of one buffer", dst_one)):
+        out[name + " + sync"] = per_call(lambda d=dst: (unpack_rows(
+            pack, d, idx, offset=0, backend=backend, config=config), sync()))
+    return out
+
+
+def cpu_main(args):
+    """`--cpu`: the round rows on numpy buffers, interpret backend (see the module docstring)."""
+    from pallas_kernels import GatherConfig
+
+    L, R, item = args.layers, 256, 64
+    rng = np.random.default_rng(0)
+    layers = [rng.integers(0, 256, (R, item), dtype=np.uint8) for _ in range(L)]
+
+    def per_call(fn, reps=20):
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        us = (time.perf_counter() - t0) / reps * 1e6
+        return {"host_us": us, "wall_us": us}
+    out = round_rows(np, layers, args.windows, 8 * args.windows, 0, "interpret", lambda: None,
+                     per_call, GatherConfig(block_rows=8))
+    for k, v in out.items():
+        print(f"{k:<52} wall {v['wall_us']:10.1f} us", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"mode": "cpu-interpret", "per_call": out},
                                               indent=1))
 
 

@@ -1,7 +1,8 @@
 """Pallas kernels of dcp-jax: the strided row gather into a pack buffer (spec section 6).
 
 `gather_rows` (kernel, jitted; traced row count and offset) and its oracle live in
-`pallas_kernels.gather`; the host contract `pack_rows` / `PackSource` in `pallas_kernels.pack`;
+`pallas_kernels.gather`; the host contract `pack_rows` / `PackSource` in `pallas_kernels.pack` (`pack_windows`, every
+window of a round in one kernel launch, in `pallas_kernels.pack_windows`);
 `pack_region`, one pack API over the TPU, GPU, XLA and host backends, in `pallas_kernels.registry`.
 """
 
@@ -20,6 +21,7 @@ from pallas_kernels.gather import (
     word_dtype,
 )
 from pallas_kernels.pack import PackSource, clear_import_cache, pack_rows
+from pallas_kernels.pack_windows import pack_windows
 from pallas_kernels.registry import (
     PackBackend,
     available_backends,
@@ -45,6 +47,7 @@ __all__ = [
     "gather_rows",
     "gather_rows_reference",
     "pack_rows",
+    "pack_windows",
     "SCATTER_BACKENDS",
     "copy_rows",
     "synchronize",

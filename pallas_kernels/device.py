@@ -54,6 +54,32 @@ def _import(a, word, nbytes=None):
     return view if view.unsafe_buffer_pointer() == a.data.ptr else None
 
 
+def address(a) -> int:
+    """Address of a numpy or CuPy array's first byte."""
+    return int(a.ctypes.data) if isinstance(a, np.ndarray) else int(a.data.ptr)
+
+
+def one_buffer(arrays) -> bool:
+    """True when C-contiguous `arrays` (numpy or CuPy) lie back to back in memory, each
+    starting where the one before ends: then one flat buffer holds them all, and a kernel can
+    take it as ONE argument (`scatter._unpack_flat_jit`) instead of one per array."""
+    if len(arrays) < 2 or not all(a.flags.c_contiguous and a.size for a in arrays):
+        return False
+    addrs = [address(a) for a in arrays]
+    return all(addrs[k + 1] == addrs[k] + arrays[k].nbytes for k in range(len(arrays) - 1))
+
+
+def _flat_words(arrays, word):
+    """A zero-copy JAX u-word[total] view over CuPy `arrays` that lie back to back."""
+    import cupy as cp
+
+    a0, total = arrays[0], sum(int(a.nbytes) for a in arrays)
+    mem = cp.cuda.UnownedMemory(a0.data.ptr, total, None, a0.device.id)
+    words = cp.ndarray((total // np.dtype(word).itemsize,), word, cp.cuda.MemoryPointer(mem, 0))
+    view = jax.dlpack.from_dlpack(words)
+    return view if view.unsafe_buffer_pointer() == a0.data.ptr else None
+
+
 def _remember(cache, key, arrays, value) -> None:
     def evict(_ref, key=key, value=value):
         with _LOCK:
@@ -100,9 +126,17 @@ class Destinations:
     lock makes concurrent callers on the same buffers take turns.
     """
 
-    def __init__(self, arrays, word, nbytes=None):
+    def __init__(self, arrays, word, nbytes=None, flat=False):
         self.ptrs = [int(a.data.ptr) for a in arrays]
-        handles = []
+        if flat:  # arrays lie back to back (`one_buffer`): one word array over all of them
+            self.ptrs = self.ptrs[:1]
+            span = _flat_words(arrays, word)
+            if span is None:
+                raise ValueError("destinations must be importable without a copy (the kernel "
+                                 "writes into them in place)")
+            arrays = ()
+            self.handles = [span]
+        handles = [] if not flat else self.handles
         for l, a in enumerate(arrays):
             h = _import(a, word, None if nbytes is None else nbytes[l])
             if h is None:
@@ -131,19 +165,20 @@ class Destinations:
         self.handles = outs
 
 
-def destinations(arrays, word, nbytes=None) -> Destinations:
-    """The cached `Destinations` of these CuPy arrays (made on first use)."""
-    key = _key(arrays, word) + (None if nbytes is None else tuple(nbytes),)
+def destinations(arrays, word, nbytes=None, flat=False) -> Destinations:
+    """The cached `Destinations` of these CuPy arrays (made on first use); `flat`: one handle
+    over arrays that lie back to back in memory (`one_buffer`)."""
+    key = _key(arrays, word) + (None if nbytes is None else tuple(nbytes), flat)
     dests = _lookup(_DESTS, key, arrays)
     if dests is None or dests.handles is None:
-        dests = Destinations(arrays, word, nbytes)
+        dests = Destinations(arrays, word, nbytes, flat)
         _remember(_DESTS, key, arrays, dests)
     return dests
 
 
-def forget(arrays, word, nbytes=None) -> None:
+def forget(arrays, word, nbytes=None, flat=False) -> None:
     """Drop the cached destinations of `arrays` (after a failed call consumed the handles)."""
-    key = _key(arrays, word) + (None if nbytes is None else tuple(nbytes),)
+    key = _key(arrays, word) + (None if nbytes is None else tuple(nbytes), flat)
     with _LOCK:
         _DESTS.pop(key, None)
 
@@ -178,7 +213,7 @@ class IndexRing:
 
         self.m, self.k, self.slots = m, k, slots
         stride = -(-m // 64) * 64
-        size = k * stride + 64
+        size = k * stride + max(64, -(-meta_len // 64) * 64)
         self.bufs = [cp.zeros(size, cp.int32) for _ in range(slots)]
         self.views = []
         for b in self.bufs:
@@ -216,14 +251,15 @@ class IndexRing:
         return self.views[s]
 
 
-def index_ring(dests: "Destinations", m: int, k: int) -> IndexRing:
-    """The `IndexRing` of a destination set for `k` index vectors of bucket `m` (made once)."""
+def index_ring(dests: "Destinations", m: int, k: int, meta_len: int = 3) -> IndexRing:
+    """The `IndexRing` of a destination set for `k` index vectors of bucket `m` and
+    `meta_len` metadata words (made once)."""
     rings = dests.rings
-    ring = rings.get((m, k))
+    ring = rings.get((m, k, meta_len))
     if ring is None:
-        ring = rings[(m, k)] = IndexRing(m, k)
+        ring = rings[(m, k, meta_len)] = IndexRing(m, k, meta_len)
     return ring
 
 
-__all__ = ["Destinations", "IndexRing", "clear", "destinations", "forget", "index_ring",
-           "source_views"]
+__all__ = ["Destinations", "IndexRing", "address", "clear", "destinations", "forget",
+           "index_ring", "one_buffer", "source_views"]

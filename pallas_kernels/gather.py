@@ -105,7 +105,8 @@ _STATIC_ARGNAMES = ("config", "backend", "offset_align")
 
 
 def _gather_kernel(
-    meta_ref,  # i32[3]: rows to gather, region offset in offset_align words (uint32 bits), ok
+    meta_ref,  # i32[3]: rows, region offset in offset_align words (uint32 bits), ok; windowed:
+    #            i32[4] of this row block: offset units, its window's rows, first row, ok
     idx_ref,  # i32[block_rows]
     *refs,  # src refs (one stacked or L list entries), pack_in [P] (aliased), out [P]
     widths: tuple[int, ...],
@@ -125,19 +126,24 @@ def _gather_kernel(
     mask_loads: bool = False,
     layers_fastest: bool = False,
     load_cache: str | None = None,
+    windowed: bool = False,
 ):
     src_refs, out_ref = refs[:-2], refs[-1]
     num_layers = len(widths)
     i = pl.program_id(1 if layers_fastest and schedule == "grid" else 0)
+    # Windowed (`gather_windows`): every row block lies in one window, whose offset and row
+    # count come with the block, rows counted from the window's first; else one region.
+    k_rows, k_off, k_ok = (1, 0, 3) if windowed else (0, 1, 2)
     # The offset comes in units of `offset_align` words: a product with that constant lets
     # Triton's alignment analysis prove it (wide stores); a hint on a sum with a loaded
     # scalar can be lost, which cost 7 % on the 61-layer list form (H200).
-    offset = offset_units_to_words(meta_ref[1], offset_align)
+    offset = offset_units_to_words(meta_ref[k_off], offset_align)
     # Clamped here, not in XLA around the call: the jitted function is the kernel alone.
     # n never takes the region past the addressable words of the pack; ok = 0 writes nothing.
-    n = region_rows(meta_ref[0], meta_ref[2], offset, pack_words=pack_words,
+    n = region_rows(meta_ref[k_rows], meta_ref[k_ok], offset, pack_words=pack_words,
                     total_width=sum(widths), max_rows=max_rows)
-    rows = i * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+    first = meta_ref[2] if windowed else i * block_rows
+    rows = first + jnp.arange(block_rows, dtype=jnp.int32)
     valid = rows.astype(U32) < n
     # Masked rows read row 0 and store nothing; indices are clamped so no read is out of bounds.
     idx = jnp.where(valid, jnp.clip(idx_ref[...], 0, num_src_rows - 1), 0)
@@ -298,8 +304,10 @@ def _gather_rows_jit(src, indices, pack, meta, *, config, backend, offset_align)
 gather_rows._cache_size = _gather_rows_jit._cache_size  # compiled variants (tests, tools)
 
 
-def _gather_triton(src, idx, pack, meta, *, shapes, stacked, config, interpret, offset_align):
-    """Build and call the Triton-form `pallas_call` (meta: i32[3], rows, offset units, ok)."""
+def _gather_triton(src, idx, pack, meta, *, shapes, stacked, config, interpret, offset_align,
+                   windowed=False):
+    """Build and call the Triton-form `pallas_call` (meta: i32[3], rows, offset units, ok;
+    windowed: i32[4 * row blocks], see `pallas_kernels.windows`)."""
     from jax.experimental.pallas import triton as pltriton
 
     _count_kernel_trace()
@@ -327,7 +335,7 @@ def _gather_triton(src, idx, pack, meta, *, shapes, stacked, config, interpret, 
 
             def spec(block, f):
                 return pl.BlockSpec(block, f)
-        meta_spec = spec((3,), lambda i, l: (0,))
+        meta_spec = spec((4,), lambda i, l: (i,)) if windowed else spec((3,), lambda i, l: (0,))
         idx_spec = spec((br,), lambda i, l: (i,))
         if stacked and config.layers_per_program > 1:
             src_specs = [spec(tuple(src.shape), lambda i, l: (0, 0, 0))]
@@ -339,7 +347,8 @@ def _gather_triton(src, idx, pack, meta, *, shapes, stacked, config, interpret, 
         pack_spec = spec((P,), lambda i, l: (0,))
     else:
         grid = (num_blocks,)
-        meta_spec = pl.BlockSpec((3,), lambda i: (0,))
+        meta_spec = pl.BlockSpec((4,), lambda i: (i,)) if windowed else \
+            pl.BlockSpec((3,), lambda i: (0,))
         idx_spec = pl.BlockSpec((br,), lambda i: (i,))
         if stacked:
             src_specs = [pl.BlockSpec(tuple(src.shape), lambda i: (0, 0, 0))]
@@ -353,7 +362,7 @@ def _gather_triton(src, idx, pack, meta, *, shapes, stacked, config, interpret, 
         layers_per_step=config.layers_per_step, layers_per_program=config.layers_per_program,
         interleave=config.interleave, load_evict=config.load_eviction_policy,
         mask_loads=config.mask_loads, layers_fastest=config.layers_fastest,
-        load_cache=config.load_cache_modifier)
+        load_cache=config.load_cache_modifier, windowed=windowed)
     if config.load_cache_modifier is not None:
         _patch_cache_modifiers()
     n_in = 2 + len(srcs)
@@ -369,7 +378,8 @@ def _gather_triton(src, idx, pack, meta, *, shapes, stacked, config, interpret, 
         compiler_params=None if interpret else pltriton.CompilerParams(
             num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
-        name=f"kv_gather_{config.schedule}_{br=}_{L=}_g{config.layers_per_program}",
+        name=f"kv_gather{'_windows' if windowed else ''}_{config.schedule}_{br=}_{L=}"
+             f"_g{config.layers_per_program}",
     )
     return call(meta, idx, *srcs, pack)
 

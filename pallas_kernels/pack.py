@@ -277,42 +277,13 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
             CuPy array, a `config` that is not a `GatherConfig`, or non-integer `indices`.
         RuntimeError: the device kernel did not write in place (a copy was made).
     """
-    source = layers if isinstance(layers, PackSource) else None
-    if source is None and (not isinstance(layers, (list, tuple)) or not layers):
-        raise ValueError("layers must be a non-empty list of 2-D uint8 arrays")
-    if not (isinstance(pack, np.ndarray) or _is_cupy(pack)):
-        raise TypeError(f"pack must be a numpy or CuPy uint8 array (the registered buffer), got "
-                        f"{type(pack).__name__}")
-    if config is not None and not isinstance(config, GatherConfig):
-        raise TypeError(f"config must be a GatherConfig or None, got {type(config).__name__}")
-    on_device = _is_cupy(pack)
-    if source is not None:
-        if source.on_device != on_device:
-            raise TypeError("layers (a PackSource) and pack must both be numpy or both CuPy")
-        key, entry, layers = None, source, source.layers
-    else:
-        key, entry = _checked(layers, on_device)
+    source, key, entry, layers, on_device = _resolve(layers, pack, config)
     item_lens, num_rows = entry.item_lens, entry.num_rows
-    if pack.ndim != 1 or pack.dtype != np.uint8:
-        raise ValueError(f"pack must be a 1-D uint8 array, got {pack.dtype}{list(pack.shape)}")
-    if not pack.flags.c_contiguous:
-        raise ValueError("pack must be C-contiguous")
-    if not on_device and not pack.flags.writeable:
-        raise ValueError("pack must be writeable (a registered buffer, not a read-only view)")
     if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
         raise ValueError(f"{offset=} must be a non-negative int (bytes)")
     offset = int(offset)
     check_threads(threads)
-    if on_device and _is_cupy(indices):
-        idx = indices
-    else:
-        idx = np.asarray(indices)
-        if idx.size == 0:
-            idx = idx.astype(np.int64)
-    if idx.ndim != 1:
-        raise ValueError(f"indices must be 1-D, got shape {idx.shape}")
-    if not np.issubdtype(idx.dtype, np.integer):
-        raise TypeError(f"indices dtype {idx.dtype} must be an integer type")
+    idx = _indices(indices, on_device, "indices")
     n = int(idx.shape[0])
     total = n * sum(item_lens)
     if offset + total > pack.nbytes:
@@ -328,16 +299,7 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
                            pack.nbytes, backend)
     if n == 0:
         return 0
-    if _is_cupy(idx):
-        import cupy as cp
-
-        lo, hi = (int(v) for v in cp.stack([idx.min(), idx.max()]).get())  # one sync
-    else:
-        lo, hi = int(idx.min()), int(idx.max())
-    if lo < 0:
-        raise ValueError(f"indices must be >= 0, got min {lo}")
-    if hi >= num_rows:
-        raise ValueError(f"indices must be < num_rows={num_rows} of every layer, got max {hi}")
+    _check_bounds(idx, num_rows, "indices")
     if backend == "numpy":
         if on_device:
             raise ValueError("backend='numpy' needs numpy (host) buffers")
@@ -351,6 +313,65 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
     else:
         _pack_rows_host_pallas(layers, idx, pack, offset, entry.word, backend, config)
     return total
+
+
+def _resolve(layers, pack, config):
+    """pack_rows' checks of everything but the indices and offset: (source or None, cache key,
+    checked entry, the layer tuple, whether the buffers are CuPy)."""
+    source = layers if isinstance(layers, PackSource) else None
+    if source is None and (not isinstance(layers, (list, tuple)) or not layers):
+        raise ValueError("layers must be a non-empty list of 2-D uint8 arrays")
+    if not (isinstance(pack, np.ndarray) or _is_cupy(pack)):
+        raise TypeError(f"pack must be a numpy or CuPy uint8 array (the registered buffer), got "
+                        f"{type(pack).__name__}")
+    if config is not None and not isinstance(config, GatherConfig):
+        raise TypeError(f"config must be a GatherConfig or None, got {type(config).__name__}")
+    on_device = _is_cupy(pack)
+    if source is not None:
+        if source.on_device != on_device:
+            raise TypeError("layers (a PackSource) and pack must both be numpy or both CuPy")
+        key, entry, layers = None, source, source.layers
+    else:
+        key, entry = _checked(layers, on_device)
+    if pack.ndim != 1 or pack.dtype != np.uint8:
+        raise ValueError(f"pack must be a 1-D uint8 array, got {pack.dtype}{list(pack.shape)}")
+    if not pack.flags.c_contiguous:
+        raise ValueError("pack must be C-contiguous")
+    if not on_device and not pack.flags.writeable:
+        raise ValueError("pack must be writeable (a registered buffer, not a read-only view)")
+    return source, key, entry, layers, on_device
+
+
+def _indices(indices, on_device: bool, name: str):
+    """1-D integer indices: CuPy kept on a device call, else a numpy array (ValueError /
+    TypeError naming `name`)."""
+    if on_device and _is_cupy(indices):
+        idx = indices
+    else:
+        idx = np.asarray(indices)
+        if idx.size == 0:
+            idx = idx.astype(np.int64)
+    if idx.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {idx.shape}")
+    if not np.issubdtype(idx.dtype, np.integer):
+        raise TypeError(f"{name} dtype {idx.dtype} must be an integer type")
+    return idx
+
+
+def _check_bounds(idx, num_rows: int, name: str) -> None:
+    """ValueError naming `name` unless every index is in [0, num_rows) (CuPy: one sync)."""
+    if not idx.shape[0]:
+        return
+    if _is_cupy(idx):
+        import cupy as cp
+
+        lo, hi = (int(v) for v in cp.stack([idx.min(), idx.max()]).get())  # one sync
+    else:
+        lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0:
+        raise ValueError(f"{name} must be >= 0, got min {lo}")
+    if hi >= num_rows:
+        raise ValueError(f"{name} must be < num_rows={num_rows} of every layer, got max {hi}")
 
 
 def _check_word_offset(offset: int, total: int, word: np.dtype, item_lens, device_pack,

@@ -166,6 +166,18 @@ def _unpack_jit(pack, indices, dst, meta, *, config, backend, offset_align):
                          interpret=backend == "interpret", offset_align=offset_align)
 
 
+@functools.partial(jax.jit, static_argnames=_STATIC + ("layers",), donate_argnames=("dst",))
+def _unpack_flat_jit(pack, indices, dst, meta, *, layers, config, backend, offset_align):
+    """`_unpack_jit` into ONE flat word array holding every layer back to back (`layers`: the
+    static (rows, width) of each, in order): one donated buffer and one output instead of L
+    (each donated output cost ~2 us of host time on a CPU and more on a GPU)."""
+    if int(indices.shape[0]) == 0:
+        return dst
+    return _scatter_call(_meta(meta), [pack], None, indices, dst, config=config,
+                         interpret=backend == "interpret", offset_align=offset_align,
+                         flat=layers)[0]
+
+
 @functools.partial(jax.jit, static_argnames=("config", "backend"), donate_argnames=("dst",))
 def _copy_jit(src, src_indices, dst, dst_indices, meta, *, config, backend):
     if int(dst_indices.shape[0]) == 0:
@@ -174,8 +186,10 @@ def _copy_jit(src, src_indices, dst, dst_indices, meta, *, config, backend):
                          interpret=backend == "interpret", offset_align=1)
 
 
-def _scatter_call(meta, srcs, src_idx, dst_idx, dst, *, config, interpret, offset_align):
-    """Build and call the `pallas_call`: srcs = [pack] (unpack, src_idx None) or the src layers."""
+def _scatter_call(meta, srcs, src_idx, dst_idx, dst, *, config, interpret, offset_align,
+                  flat=None):
+    """Build and call the `pallas_call`: srcs = [pack] (unpack, src_idx None) or the src layers;
+    dst the layer arrays, or (`flat`: (rows, width) per layer) one flat word array of them all."""
     from jax.experimental.pallas import triton as pltriton
 
     count_kernel_trace()
@@ -184,14 +198,22 @@ def _scatter_call(meta, srcs, src_idx, dst_idx, dst, *, config, interpret, offse
     m_pad = -(-m // br) * br
     idxs = [dst_idx] if src_idx is None else [src_idx, dst_idx]
     idxs = [jnp.pad(i.astype(jnp.int32), (0, m_pad - m)) for i in idxs]
-    dst_shapes = [tuple(int(d) for d in a.shape) for a in dst]
+    if flat is None:
+        dst = list(dst)
+        dst_shapes = [tuple(int(d) for d in a.shape) for a in dst]
+        dst_specs = [pl.BlockSpec(s, lambda i, l: (0, 0)) for s in dst_shapes]
+        bases = None
+    else:
+        dst, dst_shapes = [dst], [tuple(map(int, s)) for s in flat]
+        dst_specs = [pl.BlockSpec((int(dst[0].shape[0]),), lambda i, l: (0,))]
+        bases = tuple(int(b) for b in np.concatenate([[0], np.cumsum([r * w for r, w in
+                                                                       dst_shapes])])[:-1])
     widths = tuple(w for _, w in dst_shapes)
-    L = len(dst)
+    L = len(dst_shapes)
     grid = (m_pad // br, L)
     meta_spec = pl.BlockSpec((3,), lambda i, l: (0,))
     idx_specs = [pl.BlockSpec((br,), lambda i, l: (i,)) for _ in idxs]
     src_specs = [pl.BlockSpec(tuple(a.shape), lambda i, l, nd=a.ndim: (0,) * nd) for a in srcs]
-    dst_specs = [pl.BlockSpec(s, lambda i, l: (0, 0)) for s in dst_shapes]
     unpack = src_idx is None
     prefix = np.concatenate([[0], np.cumsum(widths)])
     kernel = functools.partial(
@@ -203,10 +225,11 @@ def _scatter_call(meta, srcs, src_idx, dst_idx, dst, *, config, interpret, offse
         align=tuple(min(offset_align, _pow2_factor(int(p))) for p in prefix[:-1]),
         evict=config.eviction_policy, load_evict=config.load_eviction_policy,
         interleave=config.interleave, load_cache=config.load_cache_modifier,
-        mask_loads=config.mask_loads)
+        mask_loads=config.mask_loads, dst_bases=bases)
     if config.load_cache_modifier is not None:
         patch_cache_modifiers()
     n_in = 1 + len(idxs) + len(srcs)
+    n_out = len(dst)
     call = pl.pallas_call(
         kernel,
         grid=grid,
@@ -214,23 +237,23 @@ def _scatter_call(meta, srcs, src_idx, dst_idx, dst, *, config, interpret, offse
         in_specs=[meta_spec, *idx_specs, *src_specs, *dst_specs],
         out_specs=dst_specs,
         out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in dst],
-        input_output_aliases={n_in + l: l for l in range(L)},
+        input_output_aliases={n_in + k: k for k in range(n_out)},
         compiler_params=None if interpret else pltriton.CompilerParams(
             num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
-        name=f"kv_{'unpack' if unpack else 'copy'}_{br=}_{L=}",
+        name=f"kv_{'unpack' if unpack else 'copy'}{'_flat' if flat else ''}_{br=}_{L=}",
     )
     return tuple(call(meta, *idxs, *srcs, *dst))
 
 
 def _scatter_kernel(meta_ref, *refs, widths, unpack, block_rows, max_rows, pack_words,
                     num_src_rows, num_dst_rows, offset_align, align, evict, load_evict,
-                    interleave, load_cache, mask_loads):
+                    interleave, load_cache, mask_loads, dst_bases=None):
     L = len(widths)
     n_idx = 1 if unpack else 2
     idx_refs = refs[:n_idx]
     srcs = refs[n_idx:n_idx + (1 if unpack else L)]
-    outs = refs[-L:]
+    outs = refs[-L:] if dst_bases is None else refs[-1:]
     i, g = pl.program_id(0), pl.program_id(1)
     rows = i * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
     if unpack:
@@ -258,7 +281,11 @@ def _scatter_kernel(meta_ref, *refs, widths, unpack, block_rows, max_rows, pack_
             else:
                 src = IndexedRows(srcs[l], sidx, mask=valid if mask_loads else None,
                                   evict=load_evict, cache=load_cache)
-            dst = IndexedRows(outs[l], didx, mask=valid, evict=evict)
+            if dst_bases is None:
+                dst = IndexedRows(outs[l], didx, mask=valid, evict=evict)
+            else:  # layer l's rows at word dst_bases[l] of the flat buffer (uint32 addresses)
+                dst = RegionRows(outs[0], U32(dst_bases[l]), didx, widths[l], mask=valid,
+                                 evict=evict)
             copy_block([(src, dst, widths[l])], interleave=interleave)
 
 

@@ -189,14 +189,40 @@ class Packer:
         if not self.staged:
             self._gather(idx, self.pack, offset, sync=sync)
             return
-        if self._scratch is None or self._scratch.size < self.pack.size:
-            import cupy as cp
-
-            self._scratch = cp.empty(self.pack.size, cp.uint8)
+        self._ensure_scratch()
         self._gather(idx, self._scratch, offset)  # same offset: the kernels' alignment holds
         t0 = time.perf_counter()
         self._scratch[offset:offset + n].get(out=self.pack[offset:offset + n])
         self.stage_seconds += time.perf_counter() - t0
+
+    def pack_windows(self, windows: list, *, sync: bool = True) -> None:
+        """Packs every ``(idx, offset)`` window of a round, as ``self(idx, offset)`` each, in one
+        call where the backend has one (``"auto"``: `pallas_kernels.pack_windows`, one kernel
+        launch on a GPU); named backends pack window by window. Staged: one gather into the
+        device scratch, then each window's bytes device -> host."""
+        if self.backend != "auto":
+            for idx, offset in windows:
+                self(idx, offset, sync=sync)
+            return
+        from pallas_kernels import pack_windows
+
+        if not self.staged:
+            pack_windows(self.source, windows, self.pack, sync=sync)
+            return
+        self._ensure_scratch()
+        pack_windows(self.source, windows, self._scratch)  # same offsets: alignment holds
+        row_bytes = sum(int(r.shape[1]) for r in self.rows)
+        t0 = time.perf_counter()
+        for idx, offset in windows:
+            end = offset + len(idx) * row_bytes
+            self._scratch[offset:end].get(out=self.pack[offset:end])
+        self.stage_seconds += time.perf_counter() - t0
+
+    def _ensure_scratch(self) -> None:
+        if self._scratch is None or self._scratch.size < self.pack.size:
+            import cupy as cp
+
+            self._scratch = cp.empty(self.pack.size, cp.uint8)
 
     def _gather(self, idx: np.ndarray, target: Any, offset: int, sync: bool = True) -> None:
         from pallas_kernels import pack_region, pack_rows

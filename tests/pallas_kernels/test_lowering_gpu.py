@@ -24,13 +24,17 @@ ROCM = [("gfx942", "gfx942", 304), ("gfx950", "gfx950", 256)]
 GEOMETRIES = [("mla-1152", 288, 61), ("gqa-512", 128, 16), ("fp8-576", 144, 4)]
 
 
-def _lower(device_kind, cores, platform, backend, width, num_layers, m=64, rows=8192):
+def _mesh(device_kind, cores, platform):
     from jax._src.mesh import AbstractDevice
 
-    mesh = jax.sharding.AbstractMesh(
+    return jax.sharding.AbstractMesh(
         (1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
         abstract_device=AbstractDevice(device_kind=device_kind, num_cores=cores,
                                        platform=platform))
+
+
+def _lower(device_kind, cores, platform, backend, width, num_layers, m=64, rows=8192):
+    mesh = _mesh(device_kind, cores, platform)
     src = [jax.ShapeDtypeStruct((rows, width), jnp.uint32)] * num_layers
     args = (src, jax.ShapeDtypeStruct((m,), jnp.int32),
             jax.ShapeDtypeStruct((m * width * num_layers + 64,), jnp.uint32),
@@ -68,3 +72,51 @@ def test_mosaic_gpu_lowers_for_hopper_and_blackwell(name, kind, cores):
 def test_mosaic_gpu_refuses_rocm():
     with pytest.raises(AssertionError):  # JAX 0.11 has no Mosaic GPU lowering rule for ROCm
         _lower("gfx942", 304, "rocm", "mosaic", 288, 2, m=32)
+
+
+def _lower_windows(device_kind, cores, platform, width, num_layers, m=256, rows=8192):
+    """The windowed kernel of `pack_windows` (`pallas_kernels.windows._gather_windows_jit`)."""
+    from pallas_kernels.windows import _gather_windows_jit
+
+    config = GatherConfig.default()
+    src = [jax.ShapeDtypeStruct((rows, width), jnp.uint32)] * num_layers
+    args = (src, jax.ShapeDtypeStruct((m,), jnp.int32),
+            jax.ShapeDtypeStruct((m * width * num_layers + 64,), jnp.uint32),
+            jax.ShapeDtypeStruct((4 * (m // config.block_rows),), jnp.int32))  # block table
+    with jax.sharding.use_abstract_mesh(_mesh(device_kind, cores, platform)), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        traced = _gather_windows_jit.trace(*args, config=config, backend="triton",
+                                           offset_align=4)
+        return traced.lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=[g[0] for g in GEOMETRIES])
+@pytest.mark.parametrize("name,kind,cores,platform",
+                         [(*c, "cuda") for c in CUDA] + [(*r, "rocm") for r in ROCM[:1]],
+                         ids=[c[0] for c in CUDA] + [r[0] for r in ROCM[:1]])
+def test_windowed_triton_lowers(name, kind, cores, platform, geometry):
+    _, width, num_layers = geometry
+    text = _lower_windows(kind, cores, platform, width, num_layers)
+    assert "__gpu$xla.gpu.triton" in text
+    assert "tf.aliasing_output = 0" in text  # one launch, in place into the pack
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("name,kind,cores", CUDA, ids=[c[0] for c in CUDA])
+def test_flat_unpack_triton_lowers(name, kind, cores):
+    """The one-buffer unpack (`scatter._unpack_flat_jit`): one aliased output for 61 layers."""
+    from pallas_kernels.scatter import _unpack_flat_jit
+
+    layers = ((8192, 288),) * 61
+    args = (jax.ShapeDtypeStruct((64 * 288 * 61,), jnp.uint32),
+            jax.ShapeDtypeStruct((64,), jnp.int32),
+            jax.ShapeDtypeStruct((8192 * 288 * 61,), jnp.uint32),
+            jax.ShapeDtypeStruct((3,), jnp.int32))
+    with jax.sharding.use_abstract_mesh(_mesh(kind, cores, "cuda")), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        text = _unpack_flat_jit.trace(*args, layers=layers, config=GatherConfig.default(),
+                                      backend="triton", offset_align=4).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert "tf.aliasing_output = 0" in text and "tf.aliasing_output = 1" not in text

@@ -254,6 +254,51 @@ def test_unpack_interpret_matches_brute_force(item_lens, offset):
         np.testing.assert_array_equal(a, b)
 
 
+def _one_buffer_layers(rng, rows, item_lens):
+    """Layers as back-to-back views of one layer-major buffer (a connector's KV cache)."""
+    buf = rng.integers(0, 256, rows * sum(item_lens), dtype=np.uint8)
+    out, pos = [], 0
+    for w in item_lens:
+        out.append(buf[pos:pos + rows * w].reshape(rows, w))
+        pos += rows * w
+    return out
+
+
+@pytest.mark.parametrize("item_lens, offset", [((1152, 576), 64), ((12, 20, 8), 4),
+                                               ((2, 6), 2)], ids=str)
+def test_unpack_one_buffer_form_matches_brute_force(item_lens, offset):
+    # Layers back to back in one buffer take the flat-destination kernel (one argument and
+    # one output for all layers), byte-exact like the per-layer one; no other row changes.
+    from pallas_kernels import GatherConfig
+    from pallas_kernels.unpack_device import flat_layers
+
+    rng = np.random.default_rng(len(item_lens) + offset)
+    layers = _one_buffer_layers(rng, 40, item_lens)
+    ws = 4 if all(w % 4 == 0 for w in item_lens) else 2
+    assert flat_layers(layers, ws) == tuple((40, w // ws) for w in item_lens)
+    # Whole blocks (32 rows, blocks of 16): in interpret mode a masked lane of a partial block
+    # re-writes row 0's old bytes, so row 0 among the live rows of that block can lose its
+    # new ones (both forms; a compiled Triton masked store writes nothing).
+    idx = rng.permutation(40)[:32]
+    pack = rng.integers(0, 256, offset + 32 * sum(item_lens) + 13, dtype=np.uint8)
+    want = _unpack_brute(pack, layers, idx, offset)
+    unpack_rows(pack, layers, idx, offset=offset, backend="interpret",
+                config=GatherConfig(block_rows=16))
+    for a, b in zip(layers, want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_flat_form_only_for_back_to_back_layers():
+    from pallas_kernels.unpack_device import flat_layers
+
+    buf = np.zeros(3 * 64, np.uint8)
+    assert flat_layers([buf[:64].reshape(8, 8), buf[64:128].reshape(8, 8)], 4) == ((8, 2),) * 2
+    # A gap, the wrong order, or one layer: one argument per layer.
+    assert flat_layers([buf[:64].reshape(8, 8), buf[128:].reshape(8, 8)], 4) is None
+    assert flat_layers([buf[64:128].reshape(8, 8), buf[:64].reshape(8, 8)], 4) is None
+    assert flat_layers([buf[:64].reshape(8, 8)], 4) is None
+
+
 @pytest.mark.parametrize("interleave", [False, True])
 def test_copy_interpret_matches_brute_force(interleave):
     from pallas_kernels import GatherConfig

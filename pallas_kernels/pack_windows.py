@@ -1,0 +1,210 @@
+"""Host contract of the windowed gather: `pack_windows`, every window of a round in one call.
+
+The same bytes as `pack_rows` once per window, in place, with the checks, index staging and
+kernel dispatch paid once: numpy buffers are gathered on the host (one thread-pool run over all
+windows), CuPy buffers by ONE launch of the windowed Pallas kernel (`pallas_kernels.windows`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pallas_kernels import device
+from pallas_kernels.config import BACKENDS, GatherConfig, select_backend
+from pallas_kernels.host import _region_units, _run_units, check_threads, host_threads
+from pallas_kernels.pack import (
+    _cached_device_views,
+    _check_bounds,
+    _check_word_offset,
+    _copy_view,
+    _indices,
+    _offset_align,
+    _resolve,
+    pack_rows,
+)
+from pallas_kernels.row_copy import preload_lowering
+from pallas_kernels.windows import _check_offsets, _gather_windows_jit, gather_windows, \
+    window_blocks
+
+__all__ = ["pack_windows"]
+
+
+def pack_windows(layers, windows, pack, *, backend: str = "auto",
+                 config: GatherConfig | None = None, threads: int | None = None,
+                 sync: bool = True) -> int:
+    """`pack_rows(layers, indices_w, pack, offset=offset_w)` for every window w, in one call.
+
+    Window w's region is bytes `[offset_w, offset_w + n_w * sum(kv_item_len))` of `pack`,
+    layer-major as in `pack_rows`; the result is byte-identical to calling `pack_rows` per
+    window, and no byte outside the regions changes. CuPy buffers: one launch of the windowed
+    kernel for all windows (one index staging, one dispatch); with `sync` the call returns once
+    the bytes are there, else once the kernel is enqueued (`pallas_kernels.synchronize(pack)`
+    before an engine reads them). numpy buffers: `np.take` into the pack, all windows' (layer,
+    row range) units dealt to one thread-pool run. Backend "mosaic" has no windowed kernel: it
+    packs window by window (`pack_rows`).
+
+    Args:
+        layers: a `PackSource` or a sequence of u8[num_rows_l, kv_item_len_l] arrays, as
+            `pack_rows`.
+        windows: non-empty sequence of (indices, offset) pairs: int[n_w] source rows (numpy,
+            CuPy or a sequence) and the byte offset of the window's region. Empty windows
+            (n_w = 0) write nothing.
+        pack: u8[size] (numpy or CuPy), C-contiguous: the registered pack buffer.
+        backend, config, threads, sync: as `pack_rows` (offsets obey its alignment rules).
+
+    Returns:
+        Bytes written, `sum_w n_w * sum(kv_item_len)`.
+
+    Raises:
+        ValueError: `windows` empty or not (indices, offset) pairs; a window's indices not 1-D
+            or out of range, its offset negative or misaligned, its region past the end of
+            `pack` (each names `windows[w]`); two regions that overlap (naming both); and
+            the errors of `pack_rows` for `layers`, `pack`, `backend`, `threads`.
+        TypeError: non-integer indices (naming `windows[w]`), and as `pack_rows`.
+        RuntimeError: the device kernel did not write in place.
+    """
+    source, key, entry, layers, on_device = _resolve(layers, pack, config)
+    item_lens, num_rows, word = entry.item_lens, entry.num_rows, entry.word
+    check_threads(threads)
+    if backend not in ("numpy",) + BACKENDS:
+        raise ValueError(f"{backend=} must be one of {('numpy',) + BACKENDS}")
+    if backend == "auto":
+        backend = "numpy" if not on_device else select_backend("auto")
+    if backend == "numpy" and on_device:
+        raise ValueError("backend='numpy' needs numpy (host) buffers")
+    wins = _check_windows(windows, on_device, sum(item_lens), num_rows, pack.nbytes)
+    for w, (idx, off) in enumerate(wins):
+        if backend != "numpy" and len(idx):
+            try:
+                _check_word_offset(off, len(idx) * sum(item_lens), word, item_lens,
+                                   pack if on_device else None, pack.nbytes, backend)
+            except ValueError as exc:
+                raise ValueError(f"windows[{w}]: {exc}") from None
+    total = sum(len(idx) for idx, _ in wins) * sum(item_lens)
+    live = [(idx, off) for idx, off in wins if len(idx)]
+    if not live:
+        return 0
+    if backend == "numpy":
+        _host_windows(layers, live, pack, item_lens, threads)
+        return total
+    config = GatherConfig.default() if config is None else config
+    if backend == "mosaic":
+        for idx, off in live:
+            pack_rows(source or layers, idx, pack, offset=off, backend=backend, config=config,
+                      sync=False)
+        if sync:
+            _sync_pack(pack)
+        return total
+    align = min(_offset_align(off, word) for _, off in live)
+    ws = word.itemsize
+    units = _check_offsets([off // ws for _, off in live], align, backend, ws)
+    starts, blocks, m = window_blocks([len(i) for i, _ in live], units, config.block_rows)
+    if on_device:
+        views = source.device_views() if source is not None else \
+            _cached_device_views(layers, key, entry)
+        srcs = [v if v is not None else _copy_view(a, word) for v, a in zip(views, layers)]
+        _device_windows(srcs, live, starts, blocks, m, pack, word, backend, config, align, sync)
+    else:
+        _interpret_windows(layers, live, starts, blocks, m, pack, word, backend, config, align)
+    return total
+
+
+def _check_windows(windows, on_device, row_bytes, num_rows, pack_bytes):
+    """[(indices, offset)] checked: shapes, bounds, regions inside the pack, no overlap."""
+    if not isinstance(windows, (list, tuple)) or not windows:
+        raise ValueError("windows must be a non-empty list of (indices, offset) pairs")
+    out = []
+    for w, win in enumerate(windows):
+        if not isinstance(win, (list, tuple)) or len(win) != 2:
+            raise ValueError(f"windows[{w}] must be an (indices, offset) pair, got {win!r:.80}")
+        indices, off = win
+        if isinstance(off, bool) or not isinstance(off, (int, np.integer)) or off < 0:
+            raise ValueError(f"windows[{w}] offset={off!r} must be a non-negative int (bytes)")
+        idx = _indices(indices, on_device, f"windows[{w}] indices")
+        off, n = int(off), int(idx.shape[0])
+        if off + n * row_bytes > pack_bytes:
+            raise ValueError(f"windows[{w}] region overflow: offset={off} + {n} rows x "
+                             f"{row_bytes} B = {off + n * row_bytes} B > pack of {pack_bytes} B")
+        _check_bounds(idx, num_rows, f"windows[{w}] indices")
+        out.append((idx, off))
+    spans = sorted((off, off + len(idx) * row_bytes, w) for w, (idx, off) in enumerate(out)
+                   if len(idx))
+    for (a0, a1, wa), (b0, b1, wb) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise ValueError(f"windows[{wa}] bytes [{a0}, {a1}) and windows[{wb}] bytes "
+                             f"[{b0}, {b1}) overlap")
+    return out
+
+
+def _host_windows(layers, live, pack, item_lens, threads) -> None:
+    """numpy: every window's (layer, row range) units in one pool run (as `pack_host`)."""
+    row_bytes = sum(item_lens)
+    workers = host_threads(threads, sum(len(i) for i, _ in live) * row_bytes)
+    units = []
+    for idx, off in live:
+        units += [(a, r0, r1, w, start, idx) for a, r0, r1, w, start in
+                  _region_units(layers, item_lens, len(idx), workers, off)[1]]
+
+    def take(batch):
+        for a, r0, r1, w, start, idx in batch:
+            np.take(a, idx[r0:r1], axis=0,
+                    out=pack[start:start + (r1 - r0) * w].reshape(r1 - r0, w), mode="clip")
+
+    _run_units(units, take, workers)
+
+
+def _padded_indices(live, starts, m, xp=np):
+    out = xp.zeros(m, xp.int32)
+    for (idx, _), s in zip(live, starts):
+        out[int(s):int(s) + len(idx)] = idx
+    return out
+
+
+def _interpret_windows(layers, live, starts, blocks, m, pack, word, backend, config, align):
+    """numpy buffers through the windowed kernel (interpret on CPU); regions copied back."""
+    import jax.numpy as jnp
+
+    ws = word.itemsize
+    srcs = [jnp.asarray(np.ascontiguousarray(a).view(word)) for a in layers]
+    words = pack[:pack.nbytes // ws * ws].view(word)
+    out = gather_windows(srcs, jnp.asarray(_padded_indices(live, starts, m)), jnp.asarray(words),
+                         jnp.asarray(blocks), config=config, backend=backend, offset_align=align)
+    res = np.asarray(out).view(np.uint8)
+    row_bytes = sum(int(a.shape[1]) for a in layers)
+    for idx, off in live:
+        end = off + len(idx) * row_bytes
+        pack[off:end] = res[off:end]
+
+
+def _device_windows(srcs, live, starts, blocks, m, pack, word, backend, config, align, sync):
+    """CuPy buffers: one staged index slot, one windowed kernel into the pack in place."""
+    ws = word.itemsize
+    nbytes = pack.nbytes // ws * ws
+    dests = device.destinations([pack], word, [nbytes])
+    host_idx = all(isinstance(i, np.ndarray) for i, _ in live)
+    with dests.lock:
+        try:
+            if host_idx:
+                (idx_v,), meta_v = device.index_ring(dests, m, 1, len(blocks)).stage(
+                    [_padded_indices(live, starts, m)], blocks, dests)
+            else:
+                import cupy as cp
+                import jax
+
+                idx_v = jax.dlpack.from_dlpack(_padded_indices(live, starts, m, cp))
+                meta_v = jax.dlpack.from_dlpack(cp.asarray(blocks))
+            preload_lowering(backend)
+            out = _gather_windows_jit(srcs, idx_v, dests.handles[0], meta_v, config=config,
+                                      backend=backend, offset_align=align)
+            dests.keep([out])
+        except Exception:
+            device.forget([pack], word, [nbytes])  # the donated handle may be gone
+            raise
+    if sync:
+        out.block_until_ready()
+
+
+def _sync_pack(pack) -> None:
+    from pallas_kernels.unpack import synchronize
+
+    synchronize([pack])

@@ -1,0 +1,149 @@
+"""Many pack regions in one call: `pack_windows` gathers every window of a sender's round (one
+region per decode rank, each at its own offset of the pack) with ONE kernel launch.
+
+A round of the connector packs W windows (8 decode ranks: 8 regions). `pack_rows` per window
+costs one jitted dispatch, one index staging and one set of checks each (about 0.6 ms of host
+time per call on an H200, so ~5 ms per round); `pack_windows` pays them once.
+
+How one kernel serves W regions (`window_blocks`): the windows' row indices are laid end to
+end in one index vector, each window starting at a multiple of `block_rows`, so every row block
+(one kernel program) lies in exactly one window. A per-block table i32[num_blocks, 4] gives the
+block its window's (offset units, row count, first row of the block, ok); the kernel body is
+`pallas_kernels.gather._gather_kernel` with `windowed=True`, so the layer-major layout and the
+address arithmetic (uint32 words) are the ones of `gather_rows`. Blocks past the last window
+have ok = 0 and write nothing. What compiles: one kernel per (index bucket
+`bucket_rows(sum of block-rounded window rows)`, shapes, config, backend, offset_align); the
+number of windows, their offsets and row counts are traced values.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels._args import offset_arg, static_validate
+from pallas_kernels.config import GatherConfig, bucket_rows, select_backend
+from pallas_kernels.gather import _STATIC_ARGNAMES, _gather_triton, gather_rows_reference
+from pallas_kernels.row_copy import preload_lowering
+
+__all__ = ["gather_windows", "gather_windows_reference", "window_blocks"]
+
+
+def window_blocks(counts, units, block_rows: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The index layout and per-block table of windows for one windowed kernel call.
+
+    Args:
+        counts: int[W] rows of each window (>= 0).
+        units: int[W] each window's offset in units of the kernel's `offset_align` words
+            (uint32 values; `offset_arg` gives them).
+        block_rows: the kernel's rows per program (a power of 2, `config.block_rows`).
+
+    Returns:
+        (starts, blocks, m): starts i64[W], where window w's indices begin in the index
+        vector (multiples of `block_rows`); blocks i32[m // block_rows * 4], per row block
+        (offset units as uint32 bits, window rows, first window row of the block, ok);
+        m = `bucket_rows(sum of ceil(counts / block_rows) * block_rows)`, the index length.
+
+    Raises:
+        ValueError: a negative count, or counts and units of different lengths.
+    """
+    counts = np.asarray(counts, np.int64).reshape(-1)
+    units = np.asarray(units, np.int64).reshape(-1)
+    if counts.shape != units.shape:
+        raise ValueError(f"counts ({counts.size}) and units ({units.size}) must have one entry "
+                         "per window")
+    if counts.size and counts.min() < 0:
+        raise ValueError(f"counts must be >= 0, got {counts.min()}")
+    nb = -(-counts // block_rows)
+    starts = np.concatenate([[0], np.cumsum(nb)[:-1]]).astype(np.int64) * block_rows
+    used = int(nb.sum())
+    m = bucket_rows(used * block_rows, block_rows)
+    table = np.zeros((m // block_rows, 4), np.int32)
+    win = np.repeat(np.arange(counts.size), nb)
+    table[:used, 0] = units[win].astype(np.uint32).view(np.int32)
+    table[:used, 1] = counts[win]
+    table[:used, 2] = (np.arange(used) - np.repeat(starts // block_rows, nb)) * block_rows
+    table[:used, 3] = 1
+    return starts, table.reshape(-1), m
+
+
+def gather_windows(src, indices, pack, blocks, *, config: GatherConfig = GatherConfig(),
+                   backend: str = "auto", offset_align: int = 1) -> jax.Array:
+    """`gather_rows` of several regions of one pack in one kernel launch, in place.
+
+    Window w (rows `indices[starts[w]:starts[w] + counts[w]]`, at word offset
+    `units[w] * offset_align`) is written exactly as `gather_rows` writes one region; no
+    other word of the pack changes. Build `indices` and `blocks` with `window_blocks`.
+
+    Args:
+        src: u32/u16/u8[L, R, W] (stacked) or a list of u*[R_l, W_l] word arrays.
+        indices: int[m] (m a multiple of `config.block_rows`): each window's source rows from
+            its `starts` entry on; other entries are ignored (any value; clamped to [0, R-1]).
+        pack: 1-D array of the src dtype, donated; the result aliases its memory.
+        blocks: i32[4 * m // block_rows], the per-block table of `window_blocks` (traced).
+            Windows are clamped, as in `gather_rows`, so no store passes the addressable words.
+            Overlapping windows are not checked here (`pack_windows` refuses them).
+        config: `GatherConfig` (static).
+        backend: "auto", "triton" or "interpret" (static; "mosaic" has no windowed form).
+        offset_align: power of 2 in [1, 16] dividing every window's word offset (static).
+
+    Returns:
+        The pack, written in place when it was donated.
+
+    Raises:
+        ValueError: bad shapes (as `gather_rows`), `indices` not a multiple of
+            `config.block_rows` long, `blocks` of the wrong length, backend "mosaic".
+        TypeError: as `gather_rows` (dtypes).
+    """
+    backend = select_backend(backend)
+    if backend == "mosaic":
+        raise ValueError("backend='mosaic' has no windowed form; use 'triton' or 'interpret' "
+                         "(or pack_rows per window)")
+    m, br = int(indices.shape[0]), config.block_rows
+    if m % br:
+        raise ValueError(f"indices has {m} entries, not a multiple of block_rows={br}")
+    if tuple(blocks.shape) != (4 * (m // br),):
+        raise ValueError(f"blocks must be i32[{4 * (m // br)}] (4 per row block), got shape "
+                         f"{tuple(blocks.shape)}")
+    preload_lowering(backend)
+    return _gather_windows_jit(src, indices, pack, blocks, config=config, backend=backend,
+                               offset_align=int(offset_align))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC_ARGNAMES, donate_argnames=("pack",))
+def _gather_windows_jit(src, indices, pack, blocks, *, config, backend, offset_align):
+    """`gather_windows` after its checks: the windowed Triton-form kernel."""
+    stacked, shapes = static_validate(src, indices, pack)
+    if int(indices.shape[0]) == 0:
+        return pack
+    idx = indices if indices.dtype == jnp.int32 else indices.astype(jnp.int32)
+    return _gather_triton(src, idx, pack, blocks.astype(jnp.int32), shapes=tuple(shapes),
+                          stacked=stacked, config=config, interpret=backend == "interpret",
+                          offset_align=offset_align, windowed=True)
+
+
+def gather_windows_reference(src, windows, pack) -> jax.Array:
+    """The oracle: `gather_rows_reference` once per window, in order.
+
+    Args:
+        src: as `gather_rows_reference`.
+        windows: sequence of (indices int[n_w], word offset int) pairs.
+        pack: 1-D word array (not modified).
+
+    Returns:
+        A copy of `pack` with every window's region written.
+    """
+    out = jnp.asarray(pack)
+    for idx, off in windows:
+        out = gather_rows_reference(src, jnp.asarray(np.asarray(idx, np.int32)), out,
+                                    offset=int(off))
+    return out
+
+
+def _check_offsets(word_offsets, offset_align, backend, itemsize):
+    """Each window's offset as the kernel's uint32 units (`offset_arg`'s checks)."""
+    return [int(np.int32(offset_arg(o, offset_align, backend, itemsize)[0]).view(np.uint32))
+            for o in word_offsets]

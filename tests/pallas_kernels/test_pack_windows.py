@@ -1,0 +1,184 @@
+"""CPU: `pallas_kernels.pack_windows` (every window of a round in one call) is byte-identical to
+`pack_rows` once per window, on the host path and the windowed Pallas kernel (interpret)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import GatherConfig, PackSource, compile_count, pack_rows, pack_windows
+from pallas_kernels.windows import gather_windows, gather_windows_reference, window_blocks
+
+SENTINEL = 0xA5
+SMALL = GatherConfig(block_rows=8)  # small blocks: several blocks per window, quick interpret
+
+
+def _layers(rng, rows, item_lens):
+    return [rng.integers(0, 256, (rows, w), dtype=np.uint8) for w in item_lens]
+
+
+def _per_window(layers, windows, size, backend, config=None):
+    """The reference: pack_rows once per window into a sentinel-filled pack."""
+    ref = np.full(size, SENTINEL, np.uint8)
+    for idx, off in windows:
+        pack_rows(layers, idx, ref, offset=off, backend=backend, config=config)
+    return ref
+
+
+def _disjoint(rng, counts, row_bytes, align, gap_max=3):
+    """Offsets (multiples of `align`) of windows laid out in a shuffled order with gaps."""
+    order = rng.permutation(len(counts))
+    offs, pos = [0] * len(counts), 0
+    for w in order:
+        pos += int(rng.integers(0, gap_max + 1)) * align
+        offs[w] = pos
+        pos += -(-counts[w] * row_bytes // align) * align
+    return offs, pos
+
+
+def test_window_blocks_by_hand():
+    # Windows of 5, 0 and 9 rows, blocks of 4: 2 + 0 + 3 blocks, bucket 32 rows = 8 blocks.
+    starts, blocks, m = window_blocks([5, 0, 9], [10, 20, 30], 4)
+    assert starts.tolist() == [0, 8, 8] and m == 32
+    assert blocks.reshape(-1, 4).tolist() == [
+        [10, 5, 0, 1], [10, 5, 4, 1],
+        [30, 9, 0, 1], [30, 9, 4, 1], [30, 9, 8, 1],
+        [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    # Offsets of 2**31 words and more travel as uint32 bits.
+    _, blocks, _ = window_blocks([1], [2**32 - 1], 4)
+    assert blocks[0] == -1
+
+
+@pytest.mark.parametrize("item_lens", [(1152, 1152), (576,), (656, 1152, 576), (3, 2, 5)],
+                         ids=lambda x: "-".join(map(str, x)))
+@pytest.mark.parametrize("backend", ["numpy", "interpret"])
+def test_equals_pack_rows_per_window(item_lens, backend):
+    rng = np.random.default_rng(sum(item_lens))
+    layers = _layers(rng, 50, item_lens)
+    counts = [7, 0, 19, 1, 8]
+    align = 64 if backend != "numpy" else 1
+    offs, end = _disjoint(rng, counts, sum(item_lens), align)
+    windows = [(rng.integers(0, 50, n), o) for n, o in zip(counts, offs)]
+    size = end + 100
+    ref = _per_window(layers, windows, size, backend, SMALL)
+    got = np.full(size, SENTINEL, np.uint8)
+    wrote = pack_windows(layers, windows, got, backend=backend, config=SMALL)
+    assert wrote == sum(counts) * sum(item_lens)
+    np.testing.assert_array_equal(got, ref)
+
+
+@settings(max_examples=25, deadline=None)
+@given(item_lens=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+       counts=st.lists(st.integers(0, 12), min_size=1, max_size=6),
+       seed=st.integers(0, 2**16), threads=st.sampled_from([None, 1, 3]))
+def test_property_host_windows_equal_per_window(item_lens, counts, seed, threads):
+    rng = np.random.default_rng(seed)
+    layers = _layers(rng, 16, item_lens)
+    offs, end = _disjoint(rng, counts, sum(item_lens), 1, gap_max=40)
+    windows = [(rng.integers(0, 16, n), o) for n, o in zip(counts, offs)]
+    ref = _per_window(layers, windows, end + 7, "numpy")
+    got = np.full(end + 7, SENTINEL, np.uint8)
+    pack_windows(layers, windows, got, threads=threads)
+    np.testing.assert_array_equal(got, ref)
+
+
+@settings(max_examples=6, deadline=None)
+@given(counts=st.lists(st.integers(0, 20), min_size=1, max_size=5), seed=st.integers(0, 2**16),
+       align=st.sampled_from([4, 8, 64]))
+def test_property_kernel_windows_equal_per_window(counts, seed, align):
+    # One geometry (so one compile per bucket); random windows, word- or 16-byte-aligned.
+    rng = np.random.default_rng(seed)
+    layers = _layers(rng, 24, (12, 20))
+    offs, end = _disjoint(rng, counts, 32, align)
+    windows = [(rng.integers(0, 24, n), o) for n, o in zip(counts, offs)]
+    ref = _per_window(layers, windows, end + 16, "numpy")
+    got = np.full(end + 16, SENTINEL, np.uint8)
+    pack_windows(PackSource(layers), windows, got, backend="interpret", config=SMALL)
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_gather_windows_stacked_and_list_match_the_reference():
+    rng = np.random.default_rng(3)
+    src = jnp.asarray(rng.integers(0, 2**32, (3, 20, 6), dtype=np.uint32))
+    pack = jnp.asarray(rng.integers(0, 2**32, 400, dtype=np.uint32))
+    windows = [(np.array([3, 1, 4, 1, 5]), 4), (np.array([9, 2, 6, 5, 3, 5, 8, 9, 7]), 200)]
+    want = np.asarray(gather_windows_reference(src, windows, pack))
+    starts, blocks, m = window_blocks([5, 9], [1, 50], 8)  # offset_align 4: 4 and 200 words
+    idx = np.zeros(m, np.int32)
+    for (i, _), s in zip(windows, starts):
+        idx[s:s + len(i)] = i
+    for form in (src, [src[l] for l in range(3)]):
+        got = gather_windows(form, jnp.asarray(idx), jnp.array(pack), jnp.asarray(blocks),
+                             config=SMALL, backend="interpret", offset_align=4)
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_no_recompile_for_other_windows_in_the_bucket():
+    rng = np.random.default_rng(5)
+    layers = _layers(rng, 30, (8, 8))
+    pack = np.zeros(4096, np.uint8)
+    pack_windows(layers, [(np.arange(5), 0), (np.arange(9), 1024)], pack, backend="interpret",
+                 config=SMALL)
+    before = compile_count()
+    # Other counts, offsets and window numbers, same index bucket (<= 32 rows of blocks of 8).
+    for wins in ([(np.arange(3), 64), (np.arange(2), 512), (np.arange(8), 2048)],
+                 [(np.arange(20), 128)]):
+        ref = _per_window(layers, wins, 4096, "numpy")
+        got = np.full(4096, SENTINEL, np.uint8)
+        pack_windows(layers, wins, got, backend="interpret", config=SMALL)
+        np.testing.assert_array_equal(got, ref)
+    assert compile_count() == before
+
+
+def test_empty_windows_write_nothing():
+    layers = _layers(np.random.default_rng(0), 4, (8,))
+    pack = np.full(64, SENTINEL, np.uint8)
+    assert pack_windows(layers, [(np.zeros(0, np.int64), 0), ([], 8)], pack) == 0
+    assert (pack == SENTINEL).all()
+
+
+L8 = [np.zeros((10, 8), np.uint8)]
+P = np.zeros(256, np.uint8)
+
+
+@pytest.mark.parametrize("windows,kwargs,exc,match", [
+    ([], {}, ValueError, "windows must be a non-empty"),
+    ([(np.arange(2),)], {}, ValueError, r"windows\[0\] must be an \(indices, offset\) pair"),
+    ([(np.arange(2), -8)], {}, ValueError, r"windows\[0\] offset=-8"),
+    ([(np.arange(2), 0), (np.arange(3), 8)], {}, ValueError,
+     r"windows\[0\] bytes \[0, 16\) and windows\[1\] bytes \[8, 32\) overlap"),
+    ([(np.arange(3), 64), (np.arange(3), 48)], {}, ValueError,
+     r"windows\[1\] bytes \[48, 72\) and windows\[0\] bytes \[64, 88\) overlap"),
+    ([(np.arange(2), 0), (np.arange(2), 250)], {}, ValueError, r"windows\[1\] region overflow"),
+    ([(np.array([0, 10]), 0)], {}, ValueError, r"windows\[0\] indices must be < num_rows=10"),
+    ([(np.array([-1]), 0)], {}, ValueError, r"windows\[0\] indices must be >= 0"),
+    ([(np.zeros((2, 2), np.int64), 0)], {}, ValueError, r"windows\[0\] indices must be 1-D"),
+    ([(np.array([0.5]), 0)], {}, TypeError, r"windows\[0\] indices dtype float64"),
+    ([(np.arange(2), 6)], {"backend": "interpret"}, ValueError, r"windows\[0\]: offset=6"),
+    ([(np.arange(2), 0)], {"backend": "nope"}, ValueError, "backend="),
+    ([(np.arange(2), 0)], {"threads": 0}, ValueError, "threads=0"),
+])
+def test_bad_inputs(windows, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        pack_windows(L8, windows, P.copy(), **kwargs)
+
+
+def test_adjacent_windows_are_not_an_overlap():
+    layers = [np.arange(80, dtype=np.uint8).reshape(10, 8)]
+    windows = [(np.arange(3), 64), (np.array([9, 8]), 48)]  # bytes [64, 88) and [48, 64)
+    got = np.full(96, SENTINEL, np.uint8)
+    pack_windows(layers, windows, got)
+    np.testing.assert_array_equal(got, _per_window(layers, windows, 96, "numpy"))
+    assert got[48:56].tolist() == list(range(72, 80))  # row 9, by hand
+
+
+def test_bad_layers_and_pack_are_refused_as_by_pack_rows():
+    with pytest.raises(TypeError, match=r"layers\[0\] dtype float32 must be uint8"):
+        pack_windows([np.zeros((4, 8), np.float32)], [(np.arange(1), 0)], P.copy())
+    with pytest.raises(ValueError, match="pack must be a 1-D uint8 array"):
+        pack_windows(L8, [(np.arange(1), 0)], np.zeros(64, np.int32))
+    with pytest.raises(ValueError, match="pack must be writeable"):
+        ro = P.copy()
+        ro.flags.writeable = False
+        pack_windows(L8, [(np.arange(1), 0)], ro)
