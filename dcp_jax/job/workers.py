@@ -57,8 +57,29 @@ class _Inbox:
         return reason
 
 
-def _serve(inbox: _Inbox, handlers: dict, closer) -> None:
-    """The command loop of a child: ``handlers[kind](arg)`` until shutdown; errors go back as text."""
+def _serve(inbox: _Inbox, handlers: dict, state: dict, key: str) -> None:
+    """The command loop of a child: ``handlers[kind](arg)`` until shutdown; errors go back as text.
+
+    ``state[key]`` is the connector object of the mode open now (a `KVSender` or a `KVReceiver`,
+    None between modes): ``release rid`` and ``close`` are served here for both sides, and it is
+    closed when the loop ends."""
+
+    def release(rid: str) -> None:
+        try:
+            state[key].release(rid)
+        except KeyError:
+            pass
+
+    def drop() -> None:
+        if state[key] is not None:
+            state[key].close()
+            state[key] = None
+
+    def close(_) -> None:
+        drop()
+        inbox.conn.send(("closed", None))
+
+    handlers = dict(handlers, release=release, close=close)
     try:
         while True:
             try:
@@ -75,7 +96,7 @@ def _serve(inbox: _Inbox, handlers: dict, closer) -> None:
             except Exception:  # noqa: BLE001 - the orchestrator reports it
                 inbox.conn.send(("error", traceback.format_exc()))
     finally:
-        closer()
+        drop()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -153,22 +174,7 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection, gpu_env: dict | No
                                 stage_seconds=st["stage_seconds"],
                                 unit_rows=verify.unit_rows(cfg, rank, arg["dcp_size"], arg["chunks"]))))
 
-    def release(rid: str) -> None:
-        try:
-            state["sender"].release(rid)
-        except KeyError:
-            pass
-
-    def drop() -> None:
-        if state["sender"] is not None:
-            state["sender"].close()
-            state["sender"] = None
-
-    def close(_) -> None:
-        drop()
-        conn.send(("closed", None))
-
-    _serve(inbox, dict(open=open_, send=send, release=release, close=close), drop)
+    _serve(inbox, dict(open=open_, send=send), state, "sender")
     del owner
 
 
@@ -250,20 +256,5 @@ def decode_main(cfg_dict: dict, index: int, pools: tuple[int, int], tag: str, co
             out.update(verify.verify_pool(cfg, r, n, table, buf, layers, arg, status is TransferStatus.SUCCESS))
         conn.send(("result", out))
 
-    def release(rid: str) -> None:
-        try:
-            state["recv"].release(rid)
-        except KeyError:
-            pass
-
-    def drop() -> None:
-        if state["recv"] is not None:
-            state["recv"].close()
-            state["recv"] = None
-
-    def close(_) -> None:
-        drop()
-        conn.send(("closed", None))
-
-    _serve(inbox, dict(open=open_, request=request, release=release, close=close), drop)
+    _serve(inbox, dict(open=open_, request=request), state, "recv")
     del owner
