@@ -73,13 +73,13 @@ def scattered_descs(src_addr: int, dst_addr: int, n: int, item: int, seed: int) 
     return descs, src_rows, dst_rows
 
 
-def many_small(p, n: int, seed: int, item: int = 64) -> np.ndarray:
-    """i64[n, 3] descriptors of `item` bytes between random rows of ``p.src`` and ``p.dst`` (a
-    `Pair`), rows drawn with replacement: many small entries, one batch."""
+def many_small(src: np.ndarray, dst: np.ndarray, n: int, seed: int, item: int = 64) -> np.ndarray:
+    """i64[n, 3] descriptors of `item` bytes from random rows of the u8 array ``src`` to random
+    rows of ``dst`` (as many rows as ``src``), drawn with replacement: many small entries, one batch."""
     rng = np.random.default_rng(seed)
-    rows = p.src.size // item
-    return np.stack([p.src.ctypes.data + rng.integers(0, rows, n) * item,
-                     p.dst.ctypes.data + rng.integers(0, rows, n) * item,
+    rows = src.size // item
+    return np.stack([src.ctypes.data + rng.integers(0, rows, n) * item,
+                     dst.ctypes.data + rng.integers(0, rows, n) * item,
                      np.full(n, item)], axis=1).astype(np.int64)
 
 

@@ -98,7 +98,7 @@ def test_deadline_raises_timeout_and_releases(two_connected_engines):
     p = two_connected_engines
     p.fill(seed=52)
     n = _KILL_BATCH[p.kind]
-    h = p.ini.transfer_batch(p.peer, pw.many_small(p, n, seed=3), dcp_rank=1, chunk=4)
+    h = p.ini.transfer_batch(p.peer, pw.many_small(p.src, p.dst, n, seed=3), dcp_rank=1, chunk=4)
     t0 = time.monotonic()
     with pytest.raises(TransferTimeout) as info:
         p.ini.wait(h, timeout_s=0.005)
