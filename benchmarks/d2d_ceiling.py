@@ -37,29 +37,40 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 
+def _fan_out_seconds(cp, streams, copies) -> float:
+    """CUDA-event seconds of ``copies[k](streams[k])`` for every k at once, on the current device:
+    every stream starts after one event on the null stream, which waits for them all before the
+    stop event."""
+    main = cp.cuda.Stream.null
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    main.synchronize()
+    start.record(main)
+    for s, issue in zip(streams, copies):
+        s.wait_event(start)
+        issue(s)
+        ev = cp.cuda.Event()
+        ev.record(s)
+        main.wait_event(ev)
+    stop.record(main)
+    stop.synchronize()
+    return cp.cuda.get_elapsed_time(start, stop) / 1e3
+
+
 def _time_copy(cp, dst, src, streams, repeats):
     """Median CUDA-event seconds of copying src into dst, split evenly over `streams`."""
     n = src.nbytes
     parts = len(streams)
     edges = [n * k // parts for k in range(parts + 1)]
-    main = cp.cuda.Stream.null
+    rt = cp.cuda.runtime
+    copies = [lambda s, lo=lo, hi=hi: rt.memcpyAsync(dst.data.ptr + lo, src.data.ptr + lo, hi - lo,
+                                                     rt.memcpyDeviceToDevice, s.ptr)
+              for lo, hi in zip(edges, edges[1:])]
     times = []
     for rep in range(repeats + 1):  # the first one warms up
         dst.fill(0xA5)
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        main.synchronize()
-        start.record(main)
-        for s, lo, hi in zip(streams, edges, edges[1:]):
-            s.wait_event(start)
-            cp.cuda.runtime.memcpyAsync(dst.data.ptr + lo, src.data.ptr + lo, hi - lo,
-                                        cp.cuda.runtime.memcpyDeviceToDevice, s.ptr)
-            ev = cp.cuda.Event()
-            ev.record(s)
-            main.wait_event(ev)
-        stop.record(main)
-        stop.synchronize()
+        seconds = _fan_out_seconds(cp, streams, copies)
         if rep:
-            times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
+            times.append(seconds)
         # word-exact check of every repeat (uint64 view: 8x fewer elements to compare)
         if not bool(cp.array_equal(dst.view(cp.uint64), src.view(cp.uint64))):
             raise AssertionError("device copy is not exact")
@@ -111,6 +122,9 @@ def _time_peer(cp, n_words: int, src_dev: int, dst_devs: list[int], repeats: int
     for d, lo, hi in zip(dst_devs, edges, edges[1:]):
         with cp.cuda.Device(d):
             dsts.append(cp.empty(hi - lo, cp.uint64))
+    copies = [lambda s, d=d, dst=dst, lo=lo, hi=hi: rt.memcpyPeerAsync(dst.data.ptr, d, src.data.ptr + 8 * lo,
+                                                                       src_dev, 8 * (hi - lo), s.ptr)
+              for d, dst, lo, hi in zip(dst_devs, dsts, edges, edges[1:])]
     times = []
     for rep in range(repeats + 1):  # the first one warms up
         for d, dst in zip(dst_devs, dsts):
@@ -118,25 +132,14 @@ def _time_peer(cp, n_words: int, src_dev: int, dst_devs: list[int], repeats: int
                 dst.view(cp.uint8).fill(0xA5)
                 cp.cuda.Device(d).synchronize()
         with cp.cuda.Device(src_dev):
-            main = cp.cuda.Stream.null
-            start, stop = cp.cuda.Event(), cp.cuda.Event()
-            main.synchronize()
-            start.record(main)
-            for s, d, dst, lo, hi in zip(streams, dst_devs, dsts, edges, edges[1:]):
-                s.wait_event(start)
-                rt.memcpyPeerAsync(dst.data.ptr, d, src.data.ptr + 8 * lo, src_dev, 8 * (hi - lo), s.ptr)
-                ev = cp.cuda.Event()
-                ev.record(s)
-                main.wait_event(ev)
-            stop.record(main)
-            stop.synchronize()
+            seconds = _fan_out_seconds(cp, streams, copies)
         if rep:
-            times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
+            times.append(seconds)
         for d, dst, lo, hi in zip(dst_devs, dsts, edges, edges[1:]):
             with cp.cuda.Device(d):
                 if not bool(cp.array_equal(dst, _pattern(cp, lo, hi))):
                     raise AssertionError(f"peer copy GPU {src_dev} -> GPU {d} is not exact")
-    del src, dsts
+    del src, dsts, copies  # copies holds the destinations too: all must go before the pool frees them
     for d in {src_dev, *dst_devs}:
         with cp.cuda.Device(d):
             cp.get_default_memory_pool().free_all_blocks()

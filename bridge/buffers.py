@@ -69,7 +69,51 @@ def _view_range(total: int, offset: int, nbytes: int | None, itemsize: int) -> t
     return int(offset), nbytes
 
 
-class HostBuffer:
+class ArrayBuffer:
+    """What every buffer here shares over ``self.array``, the 1-D uint8 array (numpy or CuPy) of
+    its one allocation: ``nbytes``, ``view`` and the DLPack import behind ``as_jax``."""
+
+    array: Any
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return int(self.array.nbytes)
+
+    def view(self, dtype=np.uint8, shape=None, *, offset: int = 0):
+        """A view of bytes `[offset, offset + prod(shape) * itemsize)` (no copy): numpy over host
+        memory, CuPy over device memory.
+
+        Raises:
+            ValueError: range outside the buffer or misaligned for `dtype`.
+        """
+        dt = np.dtype(dtype)
+        count = None if shape is None else int(np.prod(shape)) * dt.itemsize
+        offset, count = _view_range(self.nbytes, offset, count, dt.itemsize)
+        out = self.array[offset:offset + count].view(dt)
+        return out if shape is None else out.reshape(shape)
+
+    def _import_jax(self, dtype, offset: int, nbytes: int | None):
+        import jax
+
+        dt = np.dtype(np.uint8 if dtype is None else dtype)
+        offset, nbytes = _view_range(self.nbytes, offset, nbytes, dt.itemsize)
+        return jax.dlpack.from_dlpack(self.array[offset:offset + nbytes].view(dt))
+
+
+class HostArrayBuffer(ArrayBuffer):
+    """A buffer over host memory that numpy holds as ``self.array`` (DRAM, device 0)."""
+
+    mem_type = "DRAM"
+    device_id = 0
+
+    @property
+    def addr(self) -> int:
+        """Address of byte 0."""
+        return int(self.array.ctypes.data)
+
+
+class HostBuffer(HostArrayBuffer):
     """A 64-byte-aligned host (DRAM) allocation, viewed as uint8.
 
     Args:
@@ -81,9 +125,6 @@ class HostBuffer:
         ValueError: `nbytes` not positive or `fill` outside 0..255.
         TypeError: `nbytes` not an int.
     """
-
-    mem_type = "DRAM"
-    device_id = 0
 
     def __init__(self, nbytes: int, *, fill: int | None = None):
         nbytes = _check_nbytes(nbytes)
@@ -100,28 +141,6 @@ class HostBuffer:
         if fill is not None:
             self.array.fill(fill)
 
-    @property
-    def addr(self) -> int:
-        """Address of byte 0 (64-byte aligned)."""
-        return int(self.array.ctypes.data)
-
-    @property
-    def nbytes(self) -> int:
-        """Size in bytes."""
-        return int(self.array.nbytes)
-
-    def view(self, dtype=np.uint8, shape=None, *, offset: int = 0) -> np.ndarray:
-        """A numpy view of bytes `[offset, offset + prod(shape) * itemsize)` (no copy).
-
-        Raises:
-            ValueError: range outside the buffer or misaligned for `dtype`.
-        """
-        dt = np.dtype(dtype)
-        count = None if shape is None else int(np.prod(shape)) * dt.itemsize
-        offset, count = _view_range(self.nbytes, offset, count, dt.itemsize)
-        out = self.array[offset:offset + count].view(dt)
-        return out if shape is None else out.reshape(shape)
-
     def as_jax(self, dtype=None, *, offset: int = 0, nbytes: int | None = None):
         """Import bytes `[offset, offset + nbytes)` into JAX by DLPack (zero-copy if aligned).
 
@@ -134,17 +153,13 @@ class HostBuffer:
             A 1-D `jax.Array` on the CPU device sharing this memory when `offset` keeps the
             pointer 64-byte aligned.
         """
-        import jax
-
-        dt = np.dtype(np.uint8 if dtype is None else dtype)
-        offset, nbytes = _view_range(self.nbytes, offset, nbytes, dt.itemsize)
-        return jax.dlpack.from_dlpack(self.array[offset:offset + nbytes].view(dt))
+        return self._import_jax(dtype, offset, nbytes)
 
     def __repr__(self) -> str:
         return f"HostBuffer(addr=0x{self.addr:x}, nbytes={self.nbytes:,})"
 
 
-class DeviceBuffer:
+class DeviceBuffer(ArrayBuffer):
     """A CuPy device (VRAM) allocation, viewed as uint8, importable into JAX without a copy.
 
     Args:
@@ -180,19 +195,6 @@ class DeviceBuffer:
         """Device address of byte 0."""
         return int(self.array.data.ptr)
 
-    @property
-    def nbytes(self) -> int:
-        """Size in bytes."""
-        return int(self.array.nbytes)
-
-    def view(self, dtype=np.uint8, shape=None, *, offset: int = 0):
-        """A CuPy view of bytes `[offset, offset + prod(shape) * itemsize)` (no copy)."""
-        dt = np.dtype(dtype)
-        count = None if shape is None else int(np.prod(shape)) * dt.itemsize
-        offset, count = _view_range(self.nbytes, offset, count, dt.itemsize)
-        out = self.array[offset:offset + count].view(dt)
-        return out if shape is None else out.reshape(shape)
-
     def as_jax(self, dtype=None, *, offset: int = 0, nbytes: int | None = None):
         """Import bytes `[offset, offset + nbytes)` into JAX by DLPack, zero-copy.
 
@@ -209,15 +211,11 @@ class DeviceBuffer:
         Raises:
             ValueError: range outside the buffer or misaligned for `dtype`.
         """
-        import jax
-
-        dt = np.dtype(np.uint8 if dtype is None else dtype)
-        offset, nbytes = _view_range(self.nbytes, offset, nbytes, dt.itemsize)
-        return jax.dlpack.from_dlpack(self.array[offset:offset + nbytes].view(dt))
+        return self._import_jax(dtype, offset, nbytes)
 
     def __repr__(self) -> str:
         return (f"DeviceBuffer(addr=0x{self.addr:x}, nbytes={self.nbytes:,}, "
                 f"device_id={self.device_id})")
 
 
-__all__ = ["DeviceBuffer", "HOST_ALIGN_BYTES", "HostBuffer", "MEM_TYPES"]
+__all__ = ["ArrayBuffer", "DeviceBuffer", "HOST_ALIGN_BYTES", "HostArrayBuffer", "HostBuffer", "MEM_TYPES"]

@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from bridge.errors import TransferError
+from bridge.errors import PeerError, TransferError
 
 __all__ = ["EngineCounters", "TransferHandle", "Job", "Worker", "Poller", "OPS"]
 
@@ -168,11 +168,28 @@ def _drop_locals(exc: BaseException | None) -> None:
 class JobCompletion:
     """Completion of batches that run as `Job` s on worker threads (Mooncake, jax-transfer):
     ``_engine_check`` / ``_engine_block`` / ``_engine_cancel`` / ``_engine_abort`` of a
-    `bridge.base.TransferEngine` over ``self._jobs`` (handle.seq -> Job). ``JOB_LABEL`` names
-    the engine in errors."""
+    `bridge.base.TransferEngine` over ``self._jobs`` (handle.seq -> Job), which `_submit_job`
+    fills from ``self._workers`` (one `Worker` per peer). ``JOB_LABEL`` names the engine in errors."""
 
     JOB_LABEL = "engine"
     _jobs: dict
+    _workers: dict  # peer name -> its `Worker`
+
+    def _submit_job(self, handle: TransferHandle, job: Job) -> None:
+        """Queues ``job`` on the worker of ``handle.peer``, known by ``handle.seq`` until checked.
+
+        Raises:
+            PeerError: the peer has no worker (removed, or the engine closed, perhaps concurrently).
+        """
+        worker = self._workers.get(handle.peer)
+        try:
+            if worker is None:
+                raise RuntimeError("no worker")
+            self._jobs[handle.seq] = job
+            worker.submit(job)
+        except RuntimeError as exc:  # worker stopped by a concurrent remove_peer or close
+            self._jobs.pop(handle.seq, None)
+            raise PeerError(f"peer={handle.peer!r} was removed") from exc
 
     def _engine_check(self, handle: TransferHandle) -> bool:
         job = self._jobs[handle.seq]
@@ -207,7 +224,21 @@ class JobCompletion:
             job.cancel("abandoned after a timeout")
 
 
-class Worker:
+class _Daemon:
+    """What `Worker` and `Poller` share: ``self._thread``, a daemon thread started on first use."""
+
+    _thread: threading.Thread | None
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Waits for the thread to end after `stop`; True when it has (or never started)."""
+        t = self._thread
+        if t is None:
+            return True
+        t.join(timeout_s)
+        return not t.is_alive()
+
+
+class Worker(_Daemon):
     """A daemon thread running `Job`s in submission order (or inline, in the caller).
 
     Args:
@@ -278,16 +309,8 @@ class Worker:
                 job.cancel(reason)
             self._cv.notify()
 
-    def join(self, timeout_s: float | None = None) -> bool:
-        """Waits for the thread to end after `stop`; True when it has (or never started)."""
-        t = self._thread
-        if t is None:
-            return True
-        t.join(timeout_s)
-        return not t.is_alive()
 
-
-class Poller:
+class Poller(_Daemon):
     """A daemon thread calling ``poll(item)`` for every added item until it returns True.
 
     Between rounds it sleeps with a backoff (`first_s` doubling up to `max_s` seconds) that
@@ -360,14 +383,6 @@ class Poller:
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
-
-    def join(self, timeout_s: float | None = None) -> bool:
-        """Waits for the thread to end after `stop`; True when it has (or never started)."""
-        t = self._thread
-        if t is None:
-            return True
-        t.join(timeout_s)
-        return not t.is_alive()
 
 
 def check_notif(notif: Any) -> bytes | None:

@@ -170,15 +170,7 @@ class JaxTransferEngine(JobCompletion, HostMemory, TransferEngine):
     # ---- the initiator's side --------------------------------------------------------------
     def _engine_submit(self, handle, descs, local_mem, remote_mem, info) -> None:
         job = Job(self._run, handle, descs.copy(), info.session, tag=handle.peer)
-        worker = self._workers.get(handle.peer)
-        try:
-            if worker is None:
-                raise RuntimeError("no worker")
-            self._jobs[handle.seq] = job
-            worker.submit(job)
-        except RuntimeError as exc:  # stopped by a concurrent remove_peer or close
-            self._jobs.pop(handle.seq, None)
-            raise PeerError(f"peer={handle.peer!r} was removed") from exc
+        self._submit_job(handle, job)
 
     def _run(self, job: Job, handle: TransferHandle, descs: np.ndarray, session: str) -> None:
         """Worker thread: one batch, start to end (see the module docstring)."""

@@ -291,15 +291,7 @@ class MooncakeEngine(JobCompletion, TransferEngine):
         local, remote, lens = (descs[:, k].tolist() for k in range(3))
         # The job holds the engine object: it stays alive while the worker may be inside it.
         job = Job(self._run, self._te, handle, info.session, local, remote, lens, notif_addrs, tag=handle.peer)
-        worker = self._workers.get(handle.peer)
-        try:
-            if worker is None:
-                raise RuntimeError("no worker")
-            self._jobs[handle.seq] = job
-            worker.submit(job)
-        except RuntimeError as exc:  # worker stopped by a concurrent remove_peer or close
-            self._jobs.pop(handle.seq, None)
-            raise PeerError(f"peer={handle.peer!r} was removed") from exc
+        self._submit_job(handle, job)
 
     def _run(self, job: Job, te, handle: TransferHandle, session: str, local: list, remote: list, lens: list,
              notif_addrs: tuple[int, int] | None) -> None:

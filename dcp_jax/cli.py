@@ -1,10 +1,12 @@
-"""``dcp-jax`` command line: ``transfer`` (the main job) and ``plan`` (the cost report)."""
+"""``dcp-jax`` command line: ``transfer`` (the main job, here), ``plan`` (the cost report,
+`dcp_jax.cli_plan`), ``load`` (the connector's load generator, `dcp_jax.cli_load`) and ``generate``
+(disaggregated generation, `dcp_jax.generate.cli`). A TP or layout option sends ``transfer`` and
+``plan`` to `dcp_jax.cli_hetero`; what the commands share is `dcp_jax.cli_options`."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -13,6 +15,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from dcp_jax.cli_load import load
+from dcp_jax.cli_options import _MODES, _check_out_path, _fail, _job_config, _json_default
+from dcp_jax.cli_plan import plan
+from dcp_jax.generate.cli import generate
 from dcp_jax.geometry import DEFAULT_GEOMETRY, geometry_names
 
 app = typer.Typer(
@@ -20,45 +26,6 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
-
-_MODES = {"direct": ("direct",), "packed": ("packed",), "both": ("direct", "packed")}
-
-
-def _fail(msg: str) -> None:
-    raise typer.BadParameter(msg)
-
-
-def _check_out_path(path: Optional[Path], option: str) -> None:
-    """Refuses an output path that cannot be written, before any work: its folder must exist."""
-    if path is None:
-        return
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        _fail(f"{option} {str(path)!r}: folder {str(parent)!r} does not exist")
-    if path.is_dir():
-        _fail(f"{option} {str(path)!r} is a folder, not a file")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        _fail(f"{option} {str(path)!r}: not writable")
-
-
-def _job_config(mode: str, path: Optional[str] = None, **kwargs):
-    """The main job's JobConfig for these options: the one validation ``transfer`` and ``plan`` share.
-    ``path`` (``--path``, a comma list) wins over ``mode``."""
-    from dcp_jax.job import JobConfig
-    from dcp_jax.job.config import PATHS
-
-    if mode not in _MODES:
-        _fail(f"--mode={mode!r} must be one of {', '.join(_MODES)}")
-    modes = _MODES[mode]
-    if path is not None:
-        modes = tuple(x.strip() for x in path.split(","))
-        bad = [x for x in modes if x not in PATHS]
-        if bad or len(set(modes)) != len(modes):
-            _fail(f"--path={path!r} must be a comma list of distinct names of {', '.join(PATHS)}")
-    try:
-        return JobConfig(modes=modes, **kwargs)
-    except ValueError as exc:
-        _fail(str(exc))
 
 
 @app.command()
@@ -247,20 +214,6 @@ def _gpus(g) -> str:
     return ",".join(map(str, g or (0,)))
 
 
-def _json_default(o):
-    import numpy as np
-
-    if isinstance(o, np.integer):
-        return int(o)
-    if isinstance(o, np.floating):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, (set, tuple)):
-        return list(o)
-    return str(o)
-
-
 def _run_table(run: dict) -> Table:
     t = Table(title=f"mode {run['mode']} / engine {run['engine']}"
               + (f" / path {','.join(run['paths'])}" if run.get("paths") else ""), show_footer=True)
@@ -302,142 +255,10 @@ _ENGINE_CALLS_NOTE = ("submit calls into the engine library: NIXL one per batch;
                       "1024-descriptor window of a batch (plus one per notification)")
 _COUNTS_NOTE = f"batches = {_BATCHES_NOTE}; engine calls = {_ENGINE_CALLS_NOTE}"
 
-
-@app.command()
-def plan(
-    model: str = typer.Option(DEFAULT_GEOMETRY, help=f"Model KV geometry: {', '.join(geometry_names())}."),
-    prompt_tokens: int = typer.Option(32768, help="Request length in tokens (prefix included)."),
-    page_size: int = typer.Option(64, help="Tokens per KV page."),
-    dcp_size: int = typer.Option(8, help="Decode DCP ranks N."),
-    interleave_size: int = typer.Option(1, help="Decode-side interleave I (tokens)."),
-    prefill_dcp_size: int = typer.Option(1, help="Prefill DCP ranks M."),
-    prefill_interleave_size: int = typer.Option(1, help="Prefill-side interleave (tokens)."),
-    prefix_tokens: int = typer.Option(0, help="Tokens decode already holds (not sent)."),
-    chunk_tokens: Optional[int] = typer.Option(None, help="Chunked prefill: chunk length (tokens)."),
-    mode: str = typer.Option("both", help="direct, packed or both."),
-    max_batch_indices: Optional[int] = typer.Option(None, help="Rows per engine batch window."),
-    pack_tokens: Optional[int] = typer.Option(None, help="Pack buffer sized for this many tokens."),
-    seed: int = typer.Option(0, help="Seeds the allocator-drawn page tables."),
-    plot: Optional[Path] = typer.Option(None, help="Also draw descriptors per rank vs prompt length "
-                                                   "(1k-256k tokens, log scale) to this image."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the per-rank rows as JSON to this path."),
-    prefill_page_size: Optional[int] = typer.Option(None, help="Heterogeneous pair: prefill page size "
-                                                               "(default --page-size)."),
-    prefill_tp_size: int = typer.Option(1, help="Heterogeneous pair: prefill TP ranks."),
-    tp_size: int = typer.Option(1, help="Heterogeneous pair: decode TP ranks."),
-    prefill_layout: Optional[str] = typer.Option(None, help="Heterogeneous pair: prefill cache layout "
-                                                            "(sglang_mla, tpu_mla, nhd, hnd, tpu_gqa)."),
-    decode_layout: Optional[str] = typer.Option(None, help="Heterogeneous pair: decode cache layout."),
-) -> None:
-    """Cost report from the real plans: descriptors, engine calls and bytes per destination rank.
-
-    With any heterogeneous option (--prefill-page-size, --prefill-tp-size, --tp-size,
-    --prefill-layout, --decode-layout) or a model only the heterogeneous plan knows
-    (llama-3.1-8b), it prints the heterogeneous plan's descriptors per decode (DCP, TP) rank with
-    per-layer caches beside the cross-layer page layout's.
-
-    Same options, validation, page tables (the job's seeded allocators) and pack regions as
-    ``transfer``, so for one configuration and --seed it prints the counts ``transfer`` reports.
-    """
-    from dcp_jax.cost import plan_command
-
-    from dcp_jax.hetero.cost import HETERO_MODELS
-
-    hetero = (prefill_page_size is not None or prefill_tp_size != 1 or tp_size != 1 or prefill_layout
-              or decode_layout or (model in HETERO_MODELS and model not in geometry_names()))
-    if hetero:
-        from dcp_jax.cli_hetero import hetero_plan
-
-        hetero_plan(model, prompt_tokens, dict(page_size=prefill_page_size or page_size, dcp_size=prefill_dcp_size,
-                                               interleave_size=prefill_interleave_size, tp_size=prefill_tp_size,
-                                               layout=prefill_layout),
-                    dict(page_size=page_size, dcp_size=dcp_size, interleave_size=interleave_size, tp_size=tp_size,
-                         layout=decode_layout), seed, json_path)
-        if model not in geometry_names():
-            return
-    _job_config(
-        mode, model=model, prompt_tokens=prompt_tokens, page_size=page_size, dcp_size=dcp_size,
-        prefill_dcp_size=prefill_dcp_size, interleave_size=interleave_size,
-        prefill_interleave_size=prefill_interleave_size, chunk_tokens=chunk_tokens, prefix_tokens=prefix_tokens,
-        max_batch_indices=max_batch_indices, pack_tokens=pack_tokens, seed=seed,
-    )
-    _check_out_path(plot, "--plot")
-    _check_out_path(json_path, "--json")
-    try:
-        rows = plan_command(
-            model, prompt_tokens, page_size=page_size, dcp_size=dcp_size, interleave_size=interleave_size,
-            prefill_dcp_size=prefill_dcp_size, prefill_interleave_size=prefill_interleave_size,
-            decode_prefix_len=prefix_tokens, chunk_tokens=chunk_tokens, mode=mode,
-            max_batch_indices=max_batch_indices, pack_max_tokens=pack_tokens, seed=seed,
-            plot=str(plot) if plot else None, console=Console(),
-        )
-    except (ValueError, TypeError) as exc:
-        _fail(str(exc))
-    if json_path is not None:
-        json_path.write_text(json.dumps(rows, indent=2, default=_json_default))
-
-
-# ---- dcp-jax load (dcp_jax/loadgen) --------------------------------------------------------------
-@app.command()
-def load(
-    engine: str = typer.Option("nixl", help="Transfer engine of every side: nixl or mooncake."),
-    requests: int = typer.Option(1000, help="Requests in the run (warm-up included)."),
-    concurrency: int = typer.Option(64, help="At most this many requests in flight."),
-    abort_fraction: float = typer.Option(0.05, help="Fraction of requests aborted on purpose (sender or a "
-                                                    "decode rank, before the last chunk is sent), in [0, 1]."),
-    direction: str = typer.Option("push", help="push (the sender WRITEs) or pull (decode ranks READ)."),
-    dcp_size: int = typer.Option(2, help="Decode ranks (one receiver process each)."),
-    model: str = typer.Option("tiny", help=f"KV geometry: {', '.join(geometry_names())}."),
-    max_tokens: int = typer.Option(512, help="Longest request; lengths are uniform in [1, max]."),
-    page_size: int = typer.Option(16, help="Tokens per KV page (both sides)."),
-    interleave_size: int = typer.Option(1, help="Decode-side interleave I (tokens)."),
-    mode: str = typer.Option("auto", help="Sender mode: auto, packed or direct."),
-    seed: int = typer.Option(0, help="Seeds request lengths, chunking, aborts, page tables and KV bytes."),
-    timeout_s: float = typer.Option(30.0, help="Connector no-progress timeout per request (seconds)."),
-    warmup: int = typer.Option(16, help="Requests run before the measured phase (compiles and RSS are "
-                                        "read after them)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the report as JSON to this path."),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar (on a terminal)."),
-    netns: bool = typer.Option(False, "--netns", help="Sender and receivers on two hosts: network namespaces "
-                                                      "joined by a veth link (needs root)."),
-    duration_s: float = typer.Option(0.0, help="Stop issuing after this many seconds of the measured phase "
-                                               "(0: run all --requests)."),
-    faults: str = typer.Option("", help="With --netns: faults injected at random, comma-separated: "
-                                        "link_flap (the link down, then up), pause (a receiver stopped, "
-                                        "then resumed), sender_pause (the sender stopped for longer than "
-                                        "the peer timeout: the receivers drop it and connect again)."),
-    fault_every_s: float = typer.Option(10.0, help="Mean seconds between injected faults."),
-    peer_timeout_s: float = typer.Option(5.0, help="Connector peer timeout (seconds); link_flap and pause "
-                                                   "last less, sender_pause 1.2-1.6 x it."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write RSS and registered bytes over time (PNG; "
-                                                             "with --netns or --duration-s)."),
-) -> None:
-    """Load generator for the KV connector: one KVSender and --dcp-size KVReceiver processes move
-    random requests, every byte and every free page's sentinel checked; exit 1 if anything failed."""
-    from dcp_jax.loadgen import LoadConfig, load_command
-    from dcp_jax.loadgen.command import check_json_path
-
-    try:
-        cfg = LoadConfig(engine=engine, requests=requests, concurrency=concurrency, abort_fraction=abort_fraction,
-                         direction=direction, dcp_size=dcp_size, model=model, max_tokens=max_tokens,
-                         page_size=page_size, interleave_size=interleave_size, mode=mode, seed=seed,
-                         timeout_s=timeout_s, warmup=warmup, netns=netns, duration_s=duration_s, faults=faults,
-                         fault_every_s=fault_every_s, peer_timeout_s=peer_timeout_s)
-        check_json_path(json_path)
-        check_json_path(plot)
-        if netns:
-            from dcp_jax.netns import needs_root_reason
-
-            if needs_root_reason():
-                raise ValueError(f"--netns: {needs_root_reason()}")
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
-    raise typer.Exit(load_command(cfg, json_path, progress=progress, plot_path=plot))
-
-
-# ---- dcp-jax generate (dcp_jax/generate) ----------------------------------------------------------
-from dcp_jax.generate.cli import generate as _generate  # noqa: E402
-app.command(name="generate")(_generate)
+# In this order in ``--help``.
+app.command(name="plan")(plan)
+app.command(name="load")(load)
+app.command(name="generate")(generate)
 
 
 if __name__ == "__main__":  # python -m dcp_jax.cli

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dcp_jax.cli import _check_out_path, _fail, _json_default
+from dcp_jax.cli_options import _check_out_path, _fail, _json_default
 from dcp_jax.geometry import geometry_names
 from dcp_jax.job.config import MAX_PROMPT_TOKENS
 

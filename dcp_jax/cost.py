@@ -15,7 +15,7 @@ engine calls, packs and fallbacks are the schedule's.
 Page tables follow the connector's convention (spec section 10: every table covers its rank's
 local rows from token 0). Pass them (``src_page_tables`` / ``dst_page_tables``), or let
 :func:`page_tables` draw them as the main job does (:func:`dcp_jax.kv_data.draw_page_table`).
-``plan_command`` is the single entry behind ``dcp-jax plan`` (the CLI lives in ``dcp_jax.cli``).
+``plan_command`` is the single entry behind ``dcp-jax plan`` (the command lives in ``dcp_jax.cli_plan``).
 """
 
 from __future__ import annotations

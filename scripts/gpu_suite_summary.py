@@ -74,16 +74,20 @@ def _load(path: str):
         return None
 
 
-def _steps(out: str) -> list[dict]:
-    rows = []
+def step_rows(path: str) -> list[dict]:
+    """The steps a suite script logged in ``path`` (a ``name<TAB>rc<TAB>seconds`` line each):
+    ``{"step", "rc", "seconds", "status"}`` each; rc 124 / 137 is the step's time limit. Empty
+    when the file is missing."""
     try:
-        with open(os.path.join(out, "steps.tsv")) as f:
-            for line in f:
-                name, rc, secs = line.rstrip("\n").split("\t")
-                status = "ok" if rc == "0" else ("FAILED (time limit)" if rc in ("124", "137") else "FAILED")
-                rows.append({"step": name, "rc": int(rc), "seconds": int(secs), "status": status})
+        with open(path) as f:
+            lines = f.read().splitlines()
     except OSError:
-        pass
+        return []
+    rows = []
+    for line in lines:
+        name, rc, secs = line.split("\t")
+        status = "ok" if rc == "0" else ("FAILED (time limit)" if rc in ("124", "137") else "FAILED")
+        rows.append({"step": name, "rc": int(rc), "seconds": int(secs), "status": status})
     return rows
 
 
@@ -200,7 +204,7 @@ def _f(x, fmt):
 
 def summarize(out: str) -> int:
     meta = _load(os.path.join(out, "versions.json")) or {}
-    steps = _steps(out)
+    steps = step_rows(os.path.join(out, "steps.tsv"))
     d2d = _load(os.path.join(out, "d2d_ceiling.json"))
     ceilings = _ceilings(d2d)
     runs = _runs(out, ceilings)
@@ -255,16 +259,26 @@ def summarize(out: str) -> int:
     md += multi_gpu_lines(mg)
     failed = [s["step"] for s in steps if s["rc"] != 0] + [f"{r['step']}/{r['path']}" for r in runs if not r["verified"]]
     failed += [f"pack_backends/{b['backend']}" for b in backends if "error" in b or not b.get("exact")]
-    md += ["", f"GPU suite: {'FAILED: ' + ', '.join(failed) if failed else 'all steps passed'}"]
+    return write_summary(out, "gpu_suite_summary", "GPU suite", md, failed, {
+        "date": date, "device": device, "versions": meta, "steps": steps, "pytest": _pytest_line(out),
+        "d2d_ceiling": d2d, "runs": runs, "pack_rows": pack, "multi_gpu": mg, "pack_backends": backends,
+        "staged_vs_direct": pairs})
+
+
+def write_summary(out: str, name: str, title: str, md: list[str], failed: list[str], data: dict) -> int:
+    """Ends ``md`` with the verdict line (``title``: all steps passed, or FAILED and what), prints
+    it and writes OUT/``name``.md and OUT/``name``.json (``data``, then ``failed``).
+
+    Returns:
+        The exit status: 1 if anything failed, else 0.
+    """
+    md = md + ["", f"{title}: {'FAILED: ' + ', '.join(failed) if failed else 'all steps passed'}"]
     text = "\n".join(md) + "\n"
     print(text)
-    with open(os.path.join(out, "gpu_suite_summary.md"), "w") as f:
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write(text)
-    with open(os.path.join(out, "gpu_suite_summary.json"), "w") as f:
-        json.dump({"date": date, "device": device, "versions": meta, "steps": steps,
-                   "pytest": _pytest_line(out), "d2d_ceiling": d2d, "runs": runs, "pack_rows": pack, "multi_gpu": mg,
-                   "pack_backends": backends, "staged_vs_direct": pairs,
-                   "failed": failed}, f, indent=1)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump({**data, "failed": failed}, f, indent=1)
     return 1 if failed else 0
 
 

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_suite_summary import _f, _load, versions  # noqa: E402
+from gpu_suite_summary import _f, _load, step_rows, versions, write_summary  # noqa: E402
 
 
 def _read(path: str) -> str:
@@ -28,15 +27,6 @@ def _read(path: str) -> str:
             return f.read().strip()
     except OSError:
         return ""
-
-
-def _steps(out: str) -> list[dict]:
-    rows = []
-    for line in _read(os.path.join(out, "mg_steps.tsv")).splitlines():
-        name, rc, secs = line.split("\t")
-        rows.append({"step": name, "rc": int(rc), "seconds": int(secs),
-                     "status": "ok" if rc == "0" else ("FAILED (time limit)" if rc in ("124", "137") else "FAILED")})
-    return rows
 
 
 def peer_ceiling(peer) -> tuple[float | None, str | None]:
@@ -85,7 +75,7 @@ def summarize(out: str, tokens: int | None, vers: dict | None = None) -> int:
     ``vers``: versions (default: the GPU suite's versions.json under $DCP_GPU_OUT, else measured now)."""
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     placement = _load(os.path.join(out, "mg_placement.json")) or {}
-    steps = _steps(out)
+    steps = step_rows(os.path.join(out, "mg_steps.tsv"))
     peer = _load(os.path.join(out, "mg_peer.json"))
     ceiling, ceiling_what = peer_ceiling(peer)
     runs = _runs(out, ceiling)
@@ -136,17 +126,10 @@ def summarize(out: str, tokens: int | None, vers: dict | None = None) -> int:
               + (["merge not equal"] if merge and not merge.get("all_equal") else []))
     if not steps:
         failed.append("no step ran")
-    md += ["", f"Several GPUs: {'FAILED: ' + ', '.join(failed) if failed else 'all steps passed'}"]
-    text = "\n".join(md) + "\n"
-    print(text)
-    with open(os.path.join(out, "multi_gpu.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(out, "multi_gpu.json"), "w") as f:
-        json.dump({"date": date, "kind": kind, "machine": machine, "topology": _read(os.path.join(out, "mg_topo.txt")),
-                   "versions": vers, "prompt_tokens": tokens, "placement": placement, "steps": steps,
-                   "peer": peer, "peer_ceiling_gbps": ceiling, "peer_ceiling_what": ceiling_what, "runs": runs,
-                   "merge": merge, "failed": failed}, f, indent=1)
-    return 1 if failed else 0
+    return write_summary(out, "multi_gpu", "Several GPUs", md, failed, {
+        "date": date, "kind": kind, "machine": machine, "topology": _read(os.path.join(out, "mg_topo.txt")),
+        "versions": vers, "prompt_tokens": tokens, "placement": placement, "steps": steps, "peer": peer,
+        "peer_ceiling_gbps": ceiling, "peer_ceiling_what": ceiling_what, "runs": runs, "merge": merge})
 
 
 def main(argv=None) -> int:

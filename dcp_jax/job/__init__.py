@@ -2,7 +2,8 @@
 
 - ``config``: `JobConfig` (with its failure-injection hooks) and the device check;
 - ``kv``: the demo KV: ownership by brute force, page tables, pool and pack sizes, buffers;
-- ``processes``: prefill processes holding a `KVSender`, decode processes holding a `KVReceiver`;
+- ``processes``: spawning the job's processes, their control pipes, stopping them;
+- ``workers``: inside them: prefill ranks holding a `KVSender`, decode ranks holding a `KVReceiver`;
 - ``run``: `run_job`, the orchestration of one request per mode and its report.
 
 Nothing in ``dcp_jax.transfer``, ``bridge`` or ``pallas_kernels`` imports this package.

@@ -6,30 +6,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dcp_jax.cli_options import check_out_path
 from dcp_jax.loadgen.config import LoadConfig
 from dcp_jax.loadgen.report import render
 from dcp_jax.loadgen.run import run_load
 
-__all__ = ["load_command", "check_json_path"]
-
-
-def check_json_path(path: Path | None) -> None:
-    """Refuses a ``--json`` path that cannot be written, before any process starts.
-
-    Raises:
-        ValueError: its folder is missing, it is a folder, or it is not writable.
-    """
-    import os
-
-    if path is None:
-        return
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise ValueError(f"--json {str(path)!r}: folder {str(parent)!r} does not exist")
-    if path.is_dir():
-        raise ValueError(f"--json {str(path)!r} is a folder, not a file")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ValueError(f"--json {str(path)!r}: not writable")
+__all__ = ["load_command"]
 
 
 class _Bar:
@@ -52,12 +34,12 @@ def load_command(cfg: LoadConfig, json_path: Path | None = None, *, progress: bo
     request or a check failed).
 
     Raises:
-        ValueError: ``json_path`` cannot be written (checked before the run).
+        ValueError: ``json_path`` or ``plot_path`` cannot be written (checked before the run).
     """
     from rich.console import Console
 
-    check_json_path(json_path)
-    check_json_path(plot_path)
+    check_out_path(json_path, "--json")
+    check_out_path(plot_path, "--plot")
     console = console or Console()
     show = progress and sys.stdout.isatty() and console.is_terminal
     if show:

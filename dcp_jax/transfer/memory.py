@@ -18,6 +18,7 @@ import numpy as np
 from bridge import MemoryRegion
 from dcp_jax.hetero.layouts import GQA_LAYOUTS, cache_pages
 from dcp_jax.transfer.spec import KVCacheSpec
+from pallas_kernels.registry import array_kind as _array_type
 
 __all__ = ["CacheLayers", "array_kind"]
 
@@ -28,17 +29,16 @@ def array_kind(a: Any) -> str:
     Raises:
         TypeError: not one of those array types.
     """
-    if isinstance(a, np.ndarray):
-        return "numpy"
-    mod = type(a).__module__.split(".")[0]
-    if mod == "cupy":
-        return "cupy"
-    if mod in ("jax", "jaxlib"):
+    try:
+        kind = _array_type(a)  # the pack backends' rule: numpy, cupy or jax
+    except TypeError:
+        raise TypeError(f"KV layers must be numpy, CuPy or JAX arrays, got {type(a).__name__}") from None
+    if kind == "jax":
         devs = list(a.devices())
         if len(devs) != 1:
             raise TypeError(f"a JAX KV layer must live on one device, this one spans {len(devs)}")
         return "jax-cpu" if devs[0].platform == "cpu" else "jax-gpu"
-    raise TypeError(f"KV layers must be numpy, CuPy or JAX arrays, got {type(a).__name__}")
+    return kind
 
 
 def _pointer(a: Any, kind: str) -> int:

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from bridge.buffers import HostArrayBuffer, HostBuffer
+
 __all__ = ["STAGINGS", "engine_registers", "side_staged", "PinnedHostBuffer", "host_buffer", "Packer",
            "to_device_window"]
 
@@ -71,30 +73,19 @@ def side_staged(staging: str, engine_kind: str, mem_type: str) -> bool:
     return not can
 
 
-class PinnedHostBuffer:
+class PinnedHostBuffer(HostArrayBuffer):
     """Page-locked host memory (CUDA ``cudaHostAlloc`` through CuPy), viewed as uint8: the staging
     memory of a GPU side (device <-> host copies at full PCIe / C2C speed).
 
     Attributes: ``array`` (u8[nbytes] numpy), ``addr``, ``nbytes``, ``mem_type`` ("DRAM"),
-    ``device_id`` (0).
+    ``device_id`` (0) (`bridge.buffers.HostArrayBuffer`).
     """
-
-    mem_type = "DRAM"
-    device_id = 0
 
     def __init__(self, nbytes: int):
         import cupy as cp
 
         self._mem = cp.cuda.alloc_pinned_memory(max(int(nbytes), 1))
         self.array = np.frombuffer(self._mem, np.uint8, int(nbytes))
-
-    @property
-    def addr(self) -> int:
-        return int(self.array.ctypes.data)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.array.nbytes)
 
 
 def host_buffer(nbytes: int, mem_type: str, *, fill: int | None = None) -> Any:
@@ -105,8 +96,6 @@ def host_buffer(nbytes: int, mem_type: str, *, fill: int | None = None) -> Any:
         if fill is not None:
             buf.array.fill(fill)
         return buf
-    from bridge.buffers import HostBuffer
-
     return HostBuffer(nbytes, fill=fill)
 
 

@@ -73,6 +73,16 @@ def scattered_descs(src_addr: int, dst_addr: int, n: int, item: int, seed: int) 
     return descs, src_rows, dst_rows
 
 
+def many_small(src: np.ndarray, dst: np.ndarray, n: int, seed: int, item: int = 64) -> np.ndarray:
+    """i64[n, 3] descriptors of `item` bytes from random rows of the u8 array ``src`` to random
+    rows of ``dst`` (as many rows as ``src``), drawn with replacement: many small entries, one batch."""
+    rng = np.random.default_rng(seed)
+    rows = src.size // item
+    return np.stack([src.ctypes.data + rng.integers(0, rows, n) * item,
+                     dst.ctypes.data + rng.integers(0, rows, n) * item,
+                     np.full(n, item)], axis=1).astype(np.int64)
+
+
 def initiator_kill_scenario(conn, kind: str, victim_info, victim_pid: int, live_info,
                             n: int, item: int, timeout_s: float, env: dict | None = None) -> None:
     """Prefill side: one big batch to `victim`, SIGKILL it 50 ms into the batch, then serve `live`.

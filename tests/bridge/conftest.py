@@ -6,11 +6,7 @@ their defaults on purpose: the Mooncake adapter's windowing is what keeps large 
 import os
 import sys
 
-# Before any engine library loads. Never export UCX_TLS empty (it breaks UCX).
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-os.environ.setdefault("UCX_LOG_LEVEL", "fatal")
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+# The engines' loopback and log settings come from tests/conftest.py, loaded before this file.
 
 # Spawned children import the helper module by name: put its folder on the path they inherit.
 _HERE = os.path.dirname(os.path.abspath(__file__))

@@ -8,21 +8,12 @@ import pytest
 import _peer_worker as pw
 from bridge import BridgeError, TransferError
 
-_ITEM = 64
 # Batches that stay in flight for a second or more here: NIXL posts ~100-300k small
 # descriptors/s, Mooncake TCP moves ~10-25k descriptors/s.
 # Mooncake moves 8,192 of these in ~0.4 s on an idle machine, NIXL 200,000 in ~0.4 s (a CI run of
 # 2026-12-02 failed the 0.1 s gap so): 32,768 and 600,000 keep the big batch in flight well past
 # the small one (the test asserts a 0.1 s gap), whatever the load.
 _BIG = {"nixl": 600_000, "mooncake": 32_768}
-
-
-def _many_small(p, n: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    rows = p.src.size // _ITEM
-    return np.stack([p.src.ctypes.data + rng.integers(0, rows, n) * _ITEM,
-                     p.dst.ctypes.data + rng.integers(0, rows, n) * _ITEM,
-                     np.full(n, _ITEM)], axis=1).astype(np.int64)
 
 
 def _finish(eng, h, timeout_s: float = 25.0):
@@ -63,9 +54,9 @@ def test_check_does_not_block_while_a_big_batch_is_posted(two_connected_engines)
     at once while the big batch is being posted / moved; the small one completes first."""
     p = two_connected_engines
     p.fill(seed=71)
-    small = p.ini.transfer_batch(p.peer, _many_small(p, 16, seed=1))
+    small = p.ini.transfer_batch(p.peer, pw.many_small(p.src, p.dst, 16, seed=1))
     p.ini._jobs[small.seq].done.wait(10)  # posted (white box), not checked yet: its first check
-    big = p.ini.transfer_batch(p.peer, _many_small(p, _BIG[p.kind], seed=2))  # touches the engine
+    big = p.ini.transfer_batch(p.peer, pw.many_small(p.src, p.dst, _BIG[p.kind], seed=2))  # touches the engine
     t0 = time.monotonic()
     time.sleep(0.3)  # into the big posting (building its descriptor lists takes ~0.1 s)
     lat, small_done, big_done, pending, slowest = [], None, None, 0, ("", 0.0, 0.0)
@@ -114,8 +105,8 @@ def test_cancel_then_check_until_done(two_connected_engines):
     p = two_connected_engines
     p.fill(seed=72)
     n = _BIG[p.kind]
-    running = p.ini.transfer_batch(p.peer, _many_small(p, n, seed=3), dcp_rank=1, chunk=2)
-    queued = p.ini.transfer_batch(p.peer, _many_small(p, 512, seed=4), chunk=3)
+    running = p.ini.transfer_batch(p.peer, pw.many_small(p.src, p.dst, n, seed=3), dcp_rank=1, chunk=2)
+    queued = p.ini.transfer_batch(p.peer, pw.many_small(p.src, p.dst, 512, seed=4), chunk=3)
     _wait_started(p, running)
     t0 = time.monotonic()
     p.ini.cancel(running)
@@ -144,8 +135,8 @@ def test_wait_after_cancel_reports_the_end(two_connected_engines):
     """`wait` works after `cancel` too: a dropped batch raises "cancelled" at once."""
     p = two_connected_engines
     p.fill(seed=73)
-    running = p.ini.transfer_batch(p.peer, _many_small(p, _BIG[p.kind] // 2, seed=5))
-    queued = p.ini.transfer_batch(p.peer, _many_small(p, 64, seed=6))
+    running = p.ini.transfer_batch(p.peer, pw.many_small(p.src, p.dst, _BIG[p.kind] // 2, seed=5))
+    queued = p.ini.transfer_batch(p.peer, pw.many_small(p.src, p.dst, 64, seed=6))
     _wait_started(p, running)
     p.ini.cancel(queued)
     p.ini.cancel(running)
@@ -163,7 +154,7 @@ def test_wait_after_cancel_reports_the_end(two_connected_engines):
 def test_handle_misuse_is_refused(two_connected_engines):
     p = two_connected_engines
     p.fill(seed=74)
-    h = p.ini.transfer_batch(p.peer, _many_small(p, 4, seed=6))
+    h = p.ini.transfer_batch(p.peer, pw.many_small(p.src, p.dst, 4, seed=6))
     with pytest.raises(TypeError, match="handle"):
         p.ini.check("h")
     with pytest.raises(TypeError, match="handle"):
@@ -188,13 +179,13 @@ def test_remove_peer_with_handles_outstanding(two_connected_engines):
     p.fill(seed=75)
     info = p.tgt.peer_info()
     for readd_early in (False, True):
-        running = p.ini.transfer_batch(p.peer, _many_small(p, _BIG[p.kind] // 4, seed=7))
-        queued = p.ini.transfer_batch(p.peer, _many_small(p, 256, seed=8))
+        running = p.ini.transfer_batch(p.peer, pw.many_small(p.src, p.dst, _BIG[p.kind] // 4, seed=7))
+        queued = p.ini.transfer_batch(p.peer, pw.many_small(p.src, p.dst, 256, seed=8))
         time.sleep(0.02)
         p.ini.remove_peer(p.peer)
         assert p.peer not in p.ini.peers
         with pytest.raises(BridgeError, match="not a known peer"):
-            p.ini.transfer_batch(p.peer, _many_small(p, 4, seed=9))
+            p.ini.transfer_batch(p.peer, pw.many_small(p.src, p.dst, 4, seed=9))
         if readd_early:
             p.ini.add_peer(info)
         got_running = _finish(p.ini, running)

@@ -12,7 +12,6 @@ import pytest
 import _peer_worker as pw
 from bridge import BridgeError, make_engine, registered_bytes
 
-_ITEM = 64
 _BIG = {"nixl": 100_000, "mooncake": 8192}  # seconds of posting / moving here
 _seq = iter(range(1_000_000))
 
@@ -23,13 +22,7 @@ def _closing_initiator(p):
     src = np.random.default_rng(1).integers(0, 256, p.dst.size, dtype=np.uint8)
     eng.register([src])
     peer = eng.add_peer(p.tgt.peer_info())
-    rng = np.random.default_rng(2)
-    rows = src.size // _ITEM
-    n = _BIG[p.kind]
-    descs = np.stack([src.ctypes.data + rng.integers(0, rows, n) * _ITEM,
-                      p.dst.ctypes.data + rng.integers(0, rows, n) * _ITEM,
-                      np.full(n, _ITEM)], axis=1).astype(np.int64)
-    return eng, peer, src, descs
+    return eng, peer, src, pw.many_small(src, p.dst, _BIG[p.kind], seed=2)
 
 
 def _assert_pair_still_works(p) -> None:

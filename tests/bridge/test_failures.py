@@ -19,7 +19,6 @@ _KILL_CASES = {
     "mooncake": ("mooncake", 40_000, 64, {}),
 }
 _KILL_BATCH = {"nixl": 100_000, "mooncake": 40_000}
-_ITEM = 64
 _TIMEOUT_S = 8.0
 
 
@@ -92,14 +91,6 @@ def test_engine_reported_failure_names_the_peer(mooncake_pair):
     np.testing.assert_array_equal(p.dst.reshape(-1, 1152)[d_rows], p.src.reshape(-1, 1152)[s_rows])
 
 
-def _many_small(p, n: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    rows = p.src.size // _ITEM
-    return np.stack([p.src.ctypes.data + rng.integers(0, rows, n) * _ITEM,
-                     p.dst.ctypes.data + rng.integers(0, rows, n) * _ITEM,
-                     np.full(n, _ITEM)], axis=1).astype(np.int64)
-
-
 @pytest.mark.timeout(30)
 def test_deadline_raises_timeout_and_releases(two_connected_engines):
     """A batch that cannot finish by its deadline raises TransferTimeout (never hangs), the
@@ -107,7 +98,7 @@ def test_deadline_raises_timeout_and_releases(two_connected_engines):
     p = two_connected_engines
     p.fill(seed=52)
     n = _KILL_BATCH[p.kind]
-    h = p.ini.transfer_batch(p.peer, _many_small(p, n, seed=3), dcp_rank=1, chunk=4)
+    h = p.ini.transfer_batch(p.peer, pw.many_small(p.src, p.dst, n, seed=3), dcp_rank=1, chunk=4)
     t0 = time.monotonic()
     with pytest.raises(TransferTimeout) as info:
         p.ini.wait(h, timeout_s=0.005)

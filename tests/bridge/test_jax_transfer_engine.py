@@ -172,7 +172,7 @@ def test_cancel_of_a_queued_batch_drops_it_and_the_engine_goes_on(two_connected_
     one ends True or "cancelled" (this engine: cancelled unless the target already pulled)."""
     p = two_connected_engines
     p.fill(seed=81)
-    descs = test_async._many_small(p, 20_000, seed=3)
+    descs = pw.many_small(p.src, p.dst, 20_000, seed=3)
     running = p.ini.transfer_batch(p.peer, descs)
     queued = p.ini.transfer_batch(p.peer, descs[:64])
     p.ini.cancel(queued)

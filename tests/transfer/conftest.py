@@ -8,10 +8,7 @@ import os
 import sys
 import time
 
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-os.environ.setdefault("UCX_LOG_LEVEL", "fatal")
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+# The engines' loopback and log settings come from tests/conftest.py, loaded before this file.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)

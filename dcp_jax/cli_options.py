@@ -1,0 +1,82 @@
+"""What the ``dcp-jax`` commands share: refusing a bad option before any work (as
+`typer.BadParameter`, exit status 2), the main job's `JobConfig` from the options, JSON encoding."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+__all__ = ["check_out_path"]
+
+_MODES = {"direct": ("direct",), "packed": ("packed",), "both": ("direct", "packed")}
+
+
+def _fail(msg: str) -> None:
+    raise typer.BadParameter(msg)
+
+
+def check_out_path(path: Optional[Path], option: str) -> None:
+    """Refuses an output path that cannot be written, before any work: its folder must exist.
+
+    Args:
+        path: the file to be written, or None (nothing to check).
+        option: the option that gave it (``"--json"``), named in the message.
+
+    Raises:
+        ValueError: its folder is missing, it is a folder, or it is not writable.
+    """
+    if path is None:
+        return
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"{option} {str(path)!r}: folder {str(parent)!r} does not exist")
+    if path.is_dir():
+        raise ValueError(f"{option} {str(path)!r} is a folder, not a file")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"{option} {str(path)!r}: not writable")
+
+
+def _check_out_path(path: Optional[Path], option: str) -> None:
+    """`check_out_path` as a bad option (exit status 2)."""
+    try:
+        check_out_path(path, option)
+    except ValueError as exc:
+        _fail(str(exc))
+
+
+def _job_config(mode: str, path: Optional[str] = None, **kwargs):
+    """The main job's JobConfig for these options: the one validation ``transfer`` and ``plan`` share.
+    ``path`` (``--path``, a comma list) wins over ``mode``."""
+    from dcp_jax.job import JobConfig
+    from dcp_jax.job.config import PATHS
+
+    if mode not in _MODES:
+        _fail(f"--mode={mode!r} must be one of {', '.join(_MODES)}")
+    modes = _MODES[mode]
+    if path is not None:
+        modes = tuple(x.strip() for x in path.split(","))
+        bad = [x for x in modes if x not in PATHS]
+        if bad or len(set(modes)) != len(modes):
+            _fail(f"--path={path!r} must be a comma list of distinct names of {', '.join(PATHS)}")
+    try:
+        return JobConfig(modes=modes, **kwargs)
+    except ValueError as exc:
+        _fail(str(exc))
+
+
+def _json_default(o):
+    import numpy as np
+
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)
+

@@ -1,0 +1,89 @@
+"""``dcp-jax plan``: the cost report from the real plans (`dcp_jax.cost.plan_command`); a
+heterogeneous pair's table comes from `dcp_jax.cli_hetero.hetero_plan`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from dcp_jax.cli_options import _check_out_path, _fail, _job_config, _json_default
+from dcp_jax.geometry import DEFAULT_GEOMETRY, geometry_names
+
+__all__ = ["plan"]
+
+
+def plan(
+    model: str = typer.Option(DEFAULT_GEOMETRY, help=f"Model KV geometry: {', '.join(geometry_names())}."),
+    prompt_tokens: int = typer.Option(32768, help="Request length in tokens (prefix included)."),
+    page_size: int = typer.Option(64, help="Tokens per KV page."),
+    dcp_size: int = typer.Option(8, help="Decode DCP ranks N."),
+    interleave_size: int = typer.Option(1, help="Decode-side interleave I (tokens)."),
+    prefill_dcp_size: int = typer.Option(1, help="Prefill DCP ranks M."),
+    prefill_interleave_size: int = typer.Option(1, help="Prefill-side interleave (tokens)."),
+    prefix_tokens: int = typer.Option(0, help="Tokens decode already holds (not sent)."),
+    chunk_tokens: Optional[int] = typer.Option(None, help="Chunked prefill: chunk length (tokens)."),
+    mode: str = typer.Option("both", help="direct, packed or both."),
+    max_batch_indices: Optional[int] = typer.Option(None, help="Rows per engine batch window."),
+    pack_tokens: Optional[int] = typer.Option(None, help="Pack buffer sized for this many tokens."),
+    seed: int = typer.Option(0, help="Seeds the allocator-drawn page tables."),
+    plot: Optional[Path] = typer.Option(None, help="Also draw descriptors per rank vs prompt length "
+                                                   "(1k-256k tokens, log scale) to this image."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the per-rank rows as JSON to this path."),
+    prefill_page_size: Optional[int] = typer.Option(None, help="Heterogeneous pair: prefill page size "
+                                                               "(default --page-size)."),
+    prefill_tp_size: int = typer.Option(1, help="Heterogeneous pair: prefill TP ranks."),
+    tp_size: int = typer.Option(1, help="Heterogeneous pair: decode TP ranks."),
+    prefill_layout: Optional[str] = typer.Option(None, help="Heterogeneous pair: prefill cache layout "
+                                                            "(sglang_mla, tpu_mla, nhd, hnd, tpu_gqa)."),
+    decode_layout: Optional[str] = typer.Option(None, help="Heterogeneous pair: decode cache layout."),
+) -> None:
+    """Cost report from the real plans: descriptors, engine calls and bytes per destination rank.
+
+    With any heterogeneous option (--prefill-page-size, --prefill-tp-size, --tp-size,
+    --prefill-layout, --decode-layout) or a model only the heterogeneous plan knows
+    (llama-3.1-8b), it prints the heterogeneous plan's descriptors per decode (DCP, TP) rank with
+    per-layer caches beside the cross-layer page layout's.
+
+    Same options, validation, page tables (the job's seeded allocators) and pack regions as
+    ``transfer``, so for one configuration and --seed it prints the counts ``transfer`` reports.
+    """
+    from dcp_jax.cost import plan_command
+
+    from dcp_jax.hetero.cost import HETERO_MODELS
+
+    hetero = (prefill_page_size is not None or prefill_tp_size != 1 or tp_size != 1 or prefill_layout
+              or decode_layout or (model in HETERO_MODELS and model not in geometry_names()))
+    if hetero:
+        from dcp_jax.cli_hetero import hetero_plan
+
+        hetero_plan(model, prompt_tokens, dict(page_size=prefill_page_size or page_size, dcp_size=prefill_dcp_size,
+                                               interleave_size=prefill_interleave_size, tp_size=prefill_tp_size,
+                                               layout=prefill_layout),
+                    dict(page_size=page_size, dcp_size=dcp_size, interleave_size=interleave_size, tp_size=tp_size,
+                         layout=decode_layout), seed, json_path)
+        if model not in geometry_names():
+            return
+    _job_config(
+        mode, model=model, prompt_tokens=prompt_tokens, page_size=page_size, dcp_size=dcp_size,
+        prefill_dcp_size=prefill_dcp_size, interleave_size=interleave_size,
+        prefill_interleave_size=prefill_interleave_size, chunk_tokens=chunk_tokens, prefix_tokens=prefix_tokens,
+        max_batch_indices=max_batch_indices, pack_tokens=pack_tokens, seed=seed,
+    )
+    _check_out_path(plot, "--plot")
+    _check_out_path(json_path, "--json")
+    try:
+        rows = plan_command(
+            model, prompt_tokens, page_size=page_size, dcp_size=dcp_size, interleave_size=interleave_size,
+            prefill_dcp_size=prefill_dcp_size, prefill_interleave_size=prefill_interleave_size,
+            decode_prefix_len=prefix_tokens, chunk_tokens=chunk_tokens, mode=mode,
+            max_batch_indices=max_batch_indices, pack_max_tokens=pack_tokens, seed=seed,
+            plot=str(plot) if plot else None, console=Console(),
+        )
+    except (ValueError, TypeError) as exc:
+        _fail(str(exc))
+    if json_path is not None:
+        json_path.write_text(json.dumps(rows, indent=2, default=_json_default))
