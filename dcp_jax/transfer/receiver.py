@@ -37,7 +37,7 @@ from dcp_jax.transfer.schedule import SideLayout
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
 from dcp_jax.transfer.staging import side_staged
 from dcp_jax.transfer.status import TransferStatus
-from dcp_jax.transfer.views import stream_view, uses_views
+from dcp_jax.transfer.views import stream_view, uncovered_heads, uses_views
 
 __all__ = ["KVReceiver", "DIRECTIONS"]
 
@@ -66,8 +66,8 @@ class _Link:
 def missing_senders(specs: list[KVCacheSpec]) -> list[int]:
     """The prefill DCP ranks (``range(dcp_size)``, the largest ``dcp_size`` when connected
     senders disagree) that no connected sender holds, sorted. Every prefill DCP rank holds tokens
-    of every request; which TP ranks a decode rank needs depends on the heads they share (the
-    connector's views: `dcp_jax.transfer.views`), so TP ranks are not counted here."""
+    of every request; which TP ranks a decode rank needs depends on the heads they share, checked
+    apart (`dcp_jax.transfer.views.uncovered_heads`)."""
     if not specs:
         return []
     have = {sp.dcp_rank for sp in specs}
@@ -271,8 +271,11 @@ class KVReceiver(ReceiverData, ReceiverRegion):
                 ``[prefix_tokens, num_tokens)`` is transferred.
 
         Raises:
-            RuntimeError: not connected to any sender, or not to every prefill DCP rank (each
-                ``dcp_rank`` of the senders' ``dcp_size``): a missing one's tokens would never come.
+            RuntimeError: not connected to any sender, not to every prefill DCP rank (each
+                ``dcp_rank`` of the senders' ``dcp_size``), or, for some prefill DCP rank, not to
+                the TP ranks that move every KV head this rank holds (`views.uncovered_heads`; the
+                message names the DCP rank, the heads and the TP ranks sending them): the missing
+                tokens or heads would never come.
             TypeError, ValueError: bad id, token counts or page table, or an id still held
                 (release it first).
         """
@@ -296,6 +299,13 @@ class KVReceiver(ReceiverData, ReceiverRegion):
                                    f"{sorted({link.spec.dcp_rank for link in self._links})} of a prefill DCP group of "
                                    f"{max(link.spec.dcp_size for link in self._links)}: dcp_rank(s) {missing} not "
                                    "connected (connect() to every prefill DCP rank first)")
+            gaps = uncovered_heads(s, tuple(link.spec for link in self._links))
+            if gaps:  # connected to part of a prefill TP group: those heads would never be written
+                raise RuntimeError(f"expect() on decode dcp_rank {s.dcp_rank}, tp_rank {s.tp_rank}: the connected "
+                                   "senders do not move every KV head of this rank: " + "; ".join(
+                                       f"prefill dcp_rank {r}: heads [{h0}, {h1}) not covered (sent by prefill "
+                                       f"tp_rank(s) {list(src)})" for r, h0, h1, src in gaps)
+                                   + " (connect() to those prefill TP ranks first)")
             if rid in self._requests:
                 raise ValueError(f"request_id={rid!r} is still held ({self._requests[rid].status.name}); "
                                  "release() it first")
