@@ -192,7 +192,8 @@ class KVReceiver(ReceiverData, ReceiverRegion):
 
         Raises:
             HandshakeError: a field differs or the geometry cannot be served (names the field
-                and both values); nothing was registered with the peer.
+                and both values); field ``"position"``: a live connected sender already holds the
+                sender's prefill (dcp_rank, tp_rank). Nothing was registered with the peer.
             TimeoutError: no answer within ``timeout_s``.
             ValueError: malformed address, unknown direction, or already connected there.
         """
@@ -223,6 +224,15 @@ class KVReceiver(ReceiverData, ReceiverRegion):
                 if any(link.peer == reply["name"] for link in self._links):
                     raise ValueError(f"address={address!r} reaches a sender this receiver is already "
                                      f"connected to ({reply['name']!r})")
+                # Two live senders of one position would both write its rows; a restarted one is
+                # accepted once the old link was dropped (silent for peer_timeout_s, or refused).
+                twin = next((link for link in self._links if (link.spec.dcp_rank, link.spec.tp_rank)
+                             == (sender_spec.dcp_rank, sender_spec.tp_rank)), None)
+                if twin is not None:
+                    raise HandshakeError("position", None, None, f"the sender at {address!r} is prefill dcp_rank "
+                                         f"{sender_spec.dcp_rank}, tp_rank {sender_spec.tp_rank}, the position of "
+                                         f"the live sender at {twin.client.address!r} this receiver is connected to "
+                                         "(a restarted sender is accepted once the old one is dropped as silent)")
             bases = proto.unpack_i64(reply["layer_bases"], "layer_bases", max_items=self.spec.num_layers)
             with self._lock:  # the sender acks a reconnect only once no write of the old link is in flight
                 self._clear_doubt(reply["name"])

@@ -1,6 +1,7 @@
 """Defects a first-time user found (2026-12-02), each checked on real engines: a decode rank
 connected to part of the prefill group, an empty prefix chunk pulled after the request ended,
-pages of a released request written late, two receiver layers on one buffer."""
+pages of a released request written late, two receiver layers on one buffer, two senders of one
+prefill position."""
 import contextlib
 import time
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import SENTINEL, Cluster, TransferStatus
-from dcp_jax.transfer import KVCacheSpec, KVReceiver, KVSender
+from dcp_jax.transfer import HandshakeError, KVCacheSpec, KVReceiver, KVSender
 from dcp_jax.transfer.memory import CacheLayers
 
 ITEMS = (48, 16)
@@ -81,3 +82,41 @@ def test_two_receiver_layers_on_one_buffer_are_refused():
     with pytest.raises(ValueError, match=r"kv_layers\[0\] and kv_layers\[1\] start at the same address"):
         CacheLayers(spec, [a, a], writable=True)
     CacheLayers(spec, [a, a])  # a sender only reads: aliasing is harmless there
+
+
+def _landed(r, sender, rid, n):
+    """One request of ``n`` tokens from ``sender`` to the single rank ``r``: SUCCESS, byte-exact."""
+    r.expect(rid, np.arange(4), n)
+    sender.send(rid, np.arange(4), 0, n)
+    deadline = time.monotonic() + 10
+    while not (r.poll(rid).terminal and sender.poll(rid).terminal) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert (r.poll(rid), sender.poll(rid)) == (TransferStatus.SUCCESS,) * 2, r.failure_reason(rid)
+
+
+def test_a_second_sender_of_one_prefill_position_is_refused_until_the_first_is_dropped(engine):
+    # Before: both accepted; every request was announced to both and each wrote the same rows.
+    rng = np.random.default_rng(7)
+    src = [[rng.integers(0, 256, (16, 4, il), dtype=np.uint8) for il in ITEMS] for _ in range(2)]
+    dst = [np.full((16, 4, il), SENTINEL, np.uint8) for il in ITEMS]
+    spec = KVCacheSpec(2, ITEMS, 4)
+    with KVSender(spec, src[0], engine=engine) as s0, KVSender(spec, src[1], engine=engine) as s1, \
+            KVReceiver(spec, dst, engine=engine, peer_timeout_s=1.0, heartbeat_s=0.2) as r:
+        r.connect(s0.address)
+        with pytest.raises(HandshakeError, match=r"\(position\).*prefill dcp_rank 0, tp_rank 0, the position of "
+                                                 r"the live sender at 'tcp://"):
+            r.connect(s1.address)
+        assert r.stats["connections"] == 1
+        _landed(r, s0, "a", 16)  # the first link works on
+        for layer in range(2):  # 16 tokens on pages 0-3 of both sides, the rest still the sentinel
+            np.testing.assert_array_equal(dst[layer][:4], src[0][layer][:4])
+            assert (dst[layer][4:] == SENTINEL).all()
+        r.release("a"), s0.release("a")
+        s0.close()  # the first sender goes away: dropped as silent after peer_timeout_s
+        deadline = time.monotonic() + 10
+        while r.stats["connections"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r.connect(s1.address)  # the same position, a new sender: accepted now
+        _landed(r, s1, "b", 16)
+        for layer in range(2):
+            np.testing.assert_array_equal(dst[layer][:4], src[1][layer][:4])
