@@ -432,8 +432,8 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         every process of the host shares, for whole-request timings), ``staging`` per sender
         (``{"prefill": "direct"|"staged", "decode": ...}``, in connection order),
         ``stage_seconds`` (staged on a GPU: host -> device window copies, part of
-        ``unpack_seconds``) and ``timeline`` (``[event, dcp_rank, time.monotonic()]`` lists,
-        `requests.Timeline`). Raises KeyError if unknown."""
+        ``unpack_seconds``) and ``timeline`` (``[event, rank, time.monotonic()]`` lists, rank this
+        rank's group rank: `requests.Timeline`). Raises KeyError if unknown."""
         with self._lock:
             req = self._get(request_id)
             end = req.t_done

@@ -285,8 +285,8 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
         ``pack_backend`` (registry name), ``stage_seconds`` (device -> host staging copies, part
         of ``pack_seconds``), per rank ``staging``: ``{"prefill": "direct"|"staged",
         "decode": "direct"|"staged"}`` (what each side of that connection registers) and
-        ``timeline`` (``[event, dcp_rank, time.monotonic()]`` lists, `requests.Timeline`; at most
-        `requests.MAX_EVENTS`, ``timeline_dropped`` counts the rest)."""
+        ``timeline`` (``[event, rank, time.monotonic()]`` lists, rank the decode rank's group rank:
+        `requests.Timeline`; at most `requests.MAX_EVENTS`, ``timeline_dropped`` counts the rest)."""
         with self._lock:
             req = self._get(request_id)
             t0, t1 = req.t_first_submit, req.t_done

@@ -112,6 +112,11 @@ def test_views_byte_exact(engine, case):
         for t in range(d.tp_size):
             g = d.geometry(t, 1)
             assert got[t * d.dcp_size + r] == n * g.num_heads * g.planes * g.head_dim * 2 * LAYERS
+    # Timelines name a decode rank by its group rank (tp_rank * dcp_size + dcp_rank): every decode
+    # process apart, each posted to and completed by every sender (empty pairs: notifications).
+    for st in stats:
+        for event in ("post", "complete"):
+            assert {rank for e, rank, _ in st["timeline"] if e == event} == set(range(d.dcp_size * d.tp_size))
 
 
 @pytest.mark.parametrize("engine", ENGINES)

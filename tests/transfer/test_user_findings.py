@@ -1,7 +1,7 @@
 """Defects a first-time user found (2026-12-02), each checked on real engines: a decode rank
 connected to part of the prefill group, an empty prefix chunk pulled after the request ended,
 pages of a released request written late, two receiver layers on one buffer, two senders of one
-prefill position."""
+prefill position, a pull's sender timeline without its posts and completions."""
 import contextlib
 import time
 
@@ -120,3 +120,24 @@ def test_a_second_sender_of_one_prefill_position_is_refused_until_the_first_is_d
         _landed(r, s1, "b", 16)
         for layer in range(2):
             np.testing.assert_array_equal(dst[layer][:4], src[1][layer][:4])
+
+
+def test_a_pull_timeline_has_a_post_and_a_complete_per_window(engine):
+    # Before: a pulling rank's windows left no sender event at all (post / complete were marked
+    # only where the engine posts a WRITE).
+    with cluster(engine, direction="pull", page_size=4, seed=11) as c:
+        src, dst = c.tables(40)
+        c.expect("t", dst, 40)
+        c.sender.send("t", src, 0, 20)
+        c.sender.send("t", src, 20, 40)
+        assert c.wait("t") == [TransferStatus.SUCCESS] * 3, c.reasons("t")
+        assert c.check_bytes(src, dst, 40) == 40
+        st = c.sender.request_stats("t")
+        for rank in range(2):
+            ev = [(e, t) for e, r, t in st["timeline"] if r == rank]
+            posts, done = [t for e, t in ev if e == "post"], [t for e, t in ev if e == "complete"]
+            # Two chunks of 10 rows per rank, each one window: two pull_ready, two pull_done.
+            assert len(posts) == len(done) == st["ranks"][rank]["batches"] == 2, ev
+            assert sorted(posts)[0] <= sorted(done)[0] and sorted(posts)[1] <= sorted(done)[1]
+        for r, recv in enumerate(c.receivers):  # a receiver's events name itself
+            assert {x[1] for x in recv.request_stats("t")["timeline"]} == {r}
