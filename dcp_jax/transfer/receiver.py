@@ -26,7 +26,8 @@ import numpy as np
 from bridge import PeerInfo, make_engine
 from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
-from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, Worker, check_liveness, check_page_table, check_seconds
+from dcp_jax.transfer._worker import (ACTIVE, IDLE, PENDING, Worker, check_liveness, check_page_table, check_seconds,
+                                      check_tokens)
 from dcp_jax.transfer._receiver_data import ReceiverData
 from dcp_jax.transfer._receiver_region import ReceiverRegion
 from dcp_jax.transfer._region import DEFAULT_REGION_BYTES, ReceiveRegion, host_info, ipc_export
@@ -276,7 +277,7 @@ class KVReceiver(ReceiverData, ReceiverRegion):
                 ``layout.local_index(t)`` counted from token 0 (spec section 10). It must cover
                 ``local_len(num_tokens)`` rows. The pages it writes (past the prefix) must belong to no
                 other held request (ValueError); prefix pages may be shared.
-            num_tokens: tokens of the request (prompt length), >= 0.
+            num_tokens: tokens of the request (prompt length), in ``[0, 2**62]`` (`_worker.MAX_TOKENS`).
             prefix_tokens: tokens this rank's group already holds (a prefix-cache hit); only
                 ``[prefix_tokens, num_tokens)`` is transferred.
 
@@ -291,9 +292,7 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         """
         self._check_open()
         rid = check_request_id(request_id)
-        for name, v in (("num_tokens", num_tokens), ("prefix_tokens", prefix_tokens)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-                raise ValueError(f"{name}={v!r} must be an int >= 0")
+        num_tokens, prefix_tokens = check_tokens("num_tokens", num_tokens), check_tokens("prefix_tokens", prefix_tokens)
         if prefix_tokens > num_tokens:
             raise ValueError(f"prefix_tokens={prefix_tokens} must be <= num_tokens={num_tokens}")
         s = self.spec

@@ -1,7 +1,8 @@
 """Defects a first-time user found (2026-12-02), each checked on real engines: a decode rank
 connected to part of the prefill group, an empty prefix chunk pulled after the request ended,
 pages of a released request written late, two receiver layers on one buffer, two senders of one
-prefill position, a pull's sender timeline without its posts and completions."""
+prefill position, a pull's sender timeline without its posts and completions, integers beyond
+int64 refused without naming the argument."""
 import contextlib
 import time
 
@@ -141,3 +142,27 @@ def test_a_pull_timeline_has_a_post_and_a_complete_per_window(engine):
             assert sorted(posts)[0] <= sorted(done)[0] and sorted(posts)[1] <= sorted(done)[1]
         for r, recv in enumerate(c.receivers):  # a receiver's events name itself
             assert {x[1] for x in recv.request_stats("t")["timeline"]} == {r}
+
+
+def test_integers_beyond_int64_are_refused_naming_the_argument():
+    # Before: "length must be integers, got dtype object" (num_tokens, stop), a page-id dtype
+    # complaint (object, float64), or a uint64 id wrapped to a negative one.
+    with cluster("nixl", dcp_size=1, page_size=4, seed=13) as c:
+        r, s, huge = c.receivers[0], c.sender, 2 ** 70
+        for kw, name in ((dict(num_tokens=huge), "num_tokens"),
+                         (dict(num_tokens=8, prefix_tokens=huge), "prefix_tokens")):
+            with pytest.raises(ValueError, match=rf"{name}={huge} must be an int in \[0, 2\*\*62\]"):
+                r.expect("q", np.arange(2), **kw)
+        for table, k, v in (([0, huge], 1, huge), ([0, 2 ** 64 - 1], 1, 2 ** 64 - 1), ([-huge, 1], 0, -huge),
+                            (np.array([2 ** 63, 1], np.uint64), 0, 2 ** 63)):
+            with pytest.raises(ValueError, match=rf"page_table\[{k}\]={v} does not fit int64"):
+                r.expect("q", table, 8)
+            with pytest.raises(ValueError, match=rf"page_table\[{k}\]={v} does not fit int64"):
+                s.send("q", table, 0, 8)
+        for start, stop, name in ((0, huge, "stop"), (2 ** 63, huge, "start")):
+            with pytest.raises(ValueError, match=rf"{name}={[start, stop][name == 'stop']} must be an int in"):
+                s.send("q", np.arange(2), start, stop)
+        r.expect("q", np.arange(2), 8)  # the same request with sane values goes through
+        s.send("q", np.arange(2), 0, 8)
+        assert c.wait("q") == [TransferStatus.SUCCESS] * 2, c.reasons("q")
+        assert c.check_bytes(np.arange(2), [np.arange(2)], 8) == 8
