@@ -185,8 +185,8 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
                 rank's local tokens ``[k*page_size, (k+1)*page_size)`` (spec section 10); it must
                 cover local rows up to ``stop`` and may grow between chunks.
             start, stop: token positions, ``0 <= start < stop <= 2**62`` (`_worker.MAX_TOKENS`).
-                A request every decode rank already holds in full (``prefix_tokens == num_tokens``) is SUCCESS as soon as they
-                announced it; a `send` for it then does nothing.
+                A request every decode rank already holds in full (``prefix_tokens == num_tokens``)
+                is SUCCESS as soon as they announced it; a `send` for it then does nothing.
 
         Raises:
             RuntimeError: the sender is closed.
