@@ -13,7 +13,6 @@ from rich.console import Console
 from rich.table import Table
 
 from dcp_jax.cli_options import _check_out_path, _fail, _json_default
-from dcp_jax.geometry import geometry_names
 from dcp_jax.job.config import MAX_PROMPT_TOKENS
 
 __all__ = ["hetero_plan", "hetero_transfer"]
@@ -114,5 +113,5 @@ def hetero_plan(model: str, prompt_tokens: int, prefill: dict, decode: dict, see
         t.add_row(str(r["dcp_rank"]), str(r["tp_rank"]), f"{r['rows']:,}", f"{r['descriptors']:,}",
                   f"{r['cross_layer']:,}")
     Console().print(t)
-    if json_path is not None and model not in geometry_names():
+    if json_path is not None:
         json_path.write_text(json.dumps(rows, indent=2))

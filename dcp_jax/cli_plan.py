@@ -65,8 +65,7 @@ def plan(
                                                layout=prefill_layout),
                     dict(page_size=page_size, dcp_size=dcp_size, interleave_size=interleave_size, tp_size=tp_size,
                          layout=decode_layout), seed, json_path)
-        if model not in geometry_names():
-            return
+        return  # the homogeneous table would plan another pair (no TP, one page size and layout)
     _job_config(
         mode, model=model, prompt_tokens=prompt_tokens, page_size=page_size, dcp_size=dcp_size,
         prefill_dcp_size=prefill_dcp_size, interleave_size=interleave_size,

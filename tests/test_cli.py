@@ -84,6 +84,18 @@ def test_plan_prints_cost_table_and_rejects_unknown_model():
     assert res.exit_code == 2 and "nope" in res.output
 
 
+def test_plan_with_tp_prints_and_writes_only_the_heterogeneous_table(tmp_path):
+    # Before: a model both plans know also printed (and wrote to --json) the TP-less table.
+    out = tmp_path / "plan.json"
+    res = runner.invoke(app, ["plan", "--model", "deepseek-v3-fp8", "--prompt-tokens", "2048", "--dcp-size", "2",
+                              "--tp-size", "2", "--json", str(out)], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert res.output.count("heterogeneous plan") == 1 and "packed" not in res.output and "dst rank" not in res.output
+    rows = json.loads(out.read_text())
+    # 2,048 tokens over decode DCP 2: 1,024 per DCP rank, the MLA latent on each of its 2 TP ranks.
+    assert [(r["dcp_rank"], r["tp_rank"], r["rows"]) for r in rows] == [(d, t, 1024) for d in (0, 1) for t in (0, 1)]
+
+
 @pytest.mark.parametrize("args", [["plan"], ["transfer", "--no-progress"],
                                   ["plan", "--model", "llama-3.1-8b", "--tp-size", "2"]])
 def test_absurd_prompt_tokens_are_refused_before_anything_is_sized(args):

@@ -126,7 +126,7 @@ class ReceiverData:
             self._counts["dropped_messages"] += 1  # a duplicate part: credit it once
             return
         parts[1].add(msg["part"])
-        req.timeline.mark("part", self.spec.dcp_rank)
+        req.timeline.mark("part", self.spec.group_rank)
         req.rows_landed[key] = req.rows_landed.get(key, 0) + msg["nrows"]
         req.bytes += msg["nrows"] * link.row_bytes
         self._counts["bytes"] += msg["nrows"] * link.row_bytes
@@ -223,7 +223,7 @@ class ReceiverData:
     def _maybe_done(self, req: RecvRequest) -> None:
         if not req.status.terminal and req.complete():
             if req.finish(TransferStatus.SUCCESS):
-                req.timeline.mark("end", self.spec.dcp_rank)
+                req.timeline.mark("end", self.spec.group_rank)
                 self._counts["succeeded"] += 1
 
     # ---- endings: aborts, failures, timeouts, dead senders -------------------------------------

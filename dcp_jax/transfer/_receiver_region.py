@@ -170,7 +170,7 @@ class ReceiverRegion:
                 unpack_rows(src, self._layers.rows, g.rows, offset=off, checked=self._layers.mem_type == "VRAM")
             _synchronize(self._layers.rows)
             g.req.unpack_seconds += time.perf_counter() - tk
-            g.req.timeline.mark("unpacked", self.spec.dcp_rank)
+            g.req.timeline.mark("unpacked", self.spec.group_rank)
             g.req.unpacks += 1
             self._counts["unpacks"] += 1
             return None
@@ -182,7 +182,7 @@ class ReceiverRegion:
         g = self._grants.pop((id(link), msg["rid"], msg["inc"], msg["chunk"], msg["part"]), None)
         req = self._live(link, msg)
         if req is not None:
-            req.timeline.mark("landed", self.spec.dcp_rank)
+            req.timeline.mark("landed", self.spec.group_rank)
         if g is None:
             if req is not None:
                 self._inconsistent(req, f"done for chunk {msg['chunk']} part {msg['part']}, which was never granted")

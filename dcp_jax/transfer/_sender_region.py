@@ -49,7 +49,7 @@ class SenderRegion:
         u.req.inflight += 1
         t.inflight += 1
         lo, _ = u.rc.windows[u.w]
-        u.req.timeline.mark("ask", t.conn.spec.dcp_rank)
+        u.req.timeline.mark("ask", t.conn.spec.group_rank)
         self._ctl.send(t.conn.ident, proto.encode("region_ask", u.req.rid, t.inc, lo=lo, nbytes=nbytes, **head))
 
     def _on_region_grant(self, conn: Any, msg: dict) -> None:
@@ -72,7 +72,7 @@ class SenderRegion:
                                                   dcp_rank=conn.spec.dcp_rank, chunk=u.rc.chunk)
         except Exception as exc:  # noqa: BLE001 - refused before a byte moved: the request fails
             return self._unit_finished(u, f"{type(exc).__name__}: {exc}")
-        req.timeline.mark("post", conn.spec.dcp_rank)
+        req.timeline.mark("post", conn.spec.group_rank)
         self._ctl.send(conn.ident, proto.encode("sent", req.rid, t.inc, chunk=u.rc.chunk, part=u.w))
         self._inflight.append(u)  # inflight counts were taken at the ask
         self._count(t, 1, want, self._batch_calls(1))
@@ -120,7 +120,7 @@ class SenderRegion:
             t = u.target
             if err is None and not u.req.status.terminal:
                 if moved:
-                    u.req.timeline.mark("copied", t.conn.spec.dcp_rank)
+                    u.req.timeline.mark("copied", t.conn.spec.group_rank)
                 self._count(t, 0, self._window_bytes(u) if moved else 0, 0)
                 self._ctl.send(t.conn.ident, proto.encode("fused_done", u.req.rid, t.inc, **head))
             self._unit_finished(u, err)

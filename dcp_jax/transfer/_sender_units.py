@@ -202,7 +202,7 @@ class SenderUnits:
             req.first_byte_at = time.monotonic()
         if u.region is None:
             return None
-        req.timeline.mark("pack", u.target.conn.spec.dcp_rank)
+        req.timeline.mark("pack", u.target.conn.spec.group_rank)
         if u.target.conn.view is not None:  # a TP or layout pair: its head pieces' wire block (host)
             tk = time.perf_counter()
             u.target.conn.view.pack(self._layers.rows, u.rc.src_rows[lo:hi], self._pack.array, u.region.offset)
@@ -238,7 +238,7 @@ class SenderUnits:
         req, t, rc = u.req, u.target, u.rc
         rank, n = t.conn.spec.dcp_rank, hi - lo
         if region_addr is not None:
-            req.timeline.mark("packed", rank)
+            req.timeline.mark("packed", t.conn.spec.group_rank)
         head = dict(chunk=rc.chunk, part=u.w, nparts=len(rc.windows), start=rc.start, stop=rc.stop, nrows=n)
         if req.t_first_submit is None:
             req.t_first_submit = time.perf_counter()
@@ -256,6 +256,7 @@ class SenderUnits:
                         self._batch_calls(ndesc) if n else 0)
             self._ctl.send(t.conn.ident, proto.encode("pull_ready", req.rid, t.inc, lo=lo, src_addr=region_addr or 0,
                                                       src_rows=src_rows, **head))
+            req.timeline.mark("post", t.conn.spec.group_rank)  # the pull's post: the rank may read now
             return
         if rc.strategy == "region":
             return self._submit_region_push(u, head, self._window_bytes(u))
@@ -267,7 +268,7 @@ class SenderUnits:
                                           item_lens=self._layers.item_lens, region_addr=region_addr)
         notif = proto.encode("done", req.rid, t.inc, **head)
         u.handle = self.engine.transfer_batch(t.conn.peer, descs, notif=notif, dcp_rank=rank, chunk=rc.chunk)
-        req.timeline.mark("post", rank)
+        req.timeline.mark("post", t.conn.spec.group_rank)
         # Engine notifications wake no socket: this tells the rank one is due, so it polls its
         # engine only while completions are on their way.
         self._ctl.send(t.conn.ident, proto.encode("sent", req.rid, t.inc, chunk=rc.chunk, part=u.w))
@@ -300,7 +301,7 @@ class SenderUnits:
                 keep.append(u)
                 continue
             busy = True
-            u.req.timeline.mark("complete", u.target.conn.spec.dcp_rank)
+            u.req.timeline.mark("complete", u.target.conn.spec.group_rank)
             self._unit_finished(u, None if err is None else f"engine: {err}")
         self._inflight = keep
         return busy
@@ -339,6 +340,7 @@ class SenderUnits:
         if u is None or u.target.conn is not conn:
             self._counts["dropped_messages"] += 1
             return
+        u.req.timeline.mark("complete", conn.spec.group_rank)  # the reader said its READ ended
         self._unit_finished(u, None if msg["ok"] else f"reader: {msg['reason']}")
 
     def _end(self, req: SendRequest, status: TransferStatus, reason: str, *, notify: str | None) -> bool:

@@ -13,7 +13,8 @@ import zmq
 
 from dcp_jax.transfer.control import zmq_context
 
-__all__ = ["Worker", "IDLE", "PENDING", "ACTIVE", "TIMEOUT_CHECK_S", "check_page_table", "check_seconds"]
+__all__ = ["Worker", "IDLE", "PENDING", "ACTIVE", "TIMEOUT_CHECK_S", "MAX_TOKENS", "check_page_table", "check_seconds",
+           "check_tokens"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +31,11 @@ IDLE_POLL_MS = 20
 
 #: Requests are scanned for no-progress timeouts at most this often (seconds), not every round.
 TIMEOUT_CHECK_S = 0.05
+
+#: Largest token position or count `send` / `expect` take: the plans compute positions in int64
+#: (sums of a position and an interleave block stay inside it).
+MAX_TOKENS = 1 << 62
+_I64 = (-(1 << 63), (1 << 63) - 1)
 
 #: What a round returns.
 IDLE, PENDING, ACTIVE = 0, 1, 2
@@ -142,6 +148,19 @@ def check_seconds(name: str, value: Any) -> float:
     return float(value)
 
 
+def check_tokens(name: str, value: Any) -> int:
+    """A token position or count: an int in ``[0, MAX_TOKENS]``, returned as a Python int.
+
+    Raises:
+        ValueError: not an int (bools refused), negative or beyond `MAX_TOKENS` (names ``name``).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name}={value!r} must be an int >= 0 (tokens)")
+    if not 0 <= value <= MAX_TOKENS:
+        raise ValueError(f"{name}={value!r} must be an int in [0, 2**62] (tokens)")
+    return int(value)
+
+
 def pings_fit(heartbeat_s: float, peer_timeout_s: float) -> bool:
     """True when pings every ``heartbeat_s`` fit twice into a silence limit of ``peer_timeout_s``
     (seconds): else one late ping drops a healthy connection as silent. The one rule for both a
@@ -172,13 +191,20 @@ def check_page_table(page_table: Any, rows: int, page_size: int, num_pages: int,
 
     Raises:
         TypeError: not integers.  ValueError: not 1-D, too few pages (says how many are needed),
-            page ids negative, repeated or >= num_pages.
+            page ids beyond int64 (names the entry), negative, repeated or >= num_pages.
     """
     a = np.asarray(page_table)
     if a.size == 0:
         a = a.astype(np.int64)
     if a.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    # An id beyond int64 makes numpy pick object or float (a list) or uint64 (which would wrap).
+    if a.dtype.kind in "Of" or (a.dtype == np.uint64 and a.size and int(a.max()) > _I64[1]):
+        ids = a.tolist() if isinstance(page_table, np.ndarray) else list(page_table)
+        for k, v in enumerate(ids):
+            if isinstance(v, (int, np.integer)) and not isinstance(v, bool) and not _I64[0] <= v <= _I64[1]:
+                raise ValueError(f"{name}[{k}]={v} does not fit int64 (page ids are int64, below the cache's "
+                                 f"{num_pages} pages)")
     if not np.issubdtype(a.dtype, np.integer):
         raise TypeError(f"{name} must hold integer page ids, got dtype {a.dtype}")
     a = a.astype(np.int64)

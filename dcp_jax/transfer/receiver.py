@@ -26,7 +26,8 @@ import numpy as np
 from bridge import PeerInfo, make_engine
 from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
-from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, Worker, check_liveness, check_page_table, check_seconds
+from dcp_jax.transfer._worker import (ACTIVE, IDLE, PENDING, Worker, check_liveness, check_page_table, check_seconds,
+                                      check_tokens)
 from dcp_jax.transfer._receiver_data import ReceiverData
 from dcp_jax.transfer._receiver_region import ReceiverRegion
 from dcp_jax.transfer._region import DEFAULT_REGION_BYTES, ReceiveRegion, host_info, ipc_export
@@ -37,7 +38,7 @@ from dcp_jax.transfer.schedule import SideLayout
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
 from dcp_jax.transfer.staging import side_staged
 from dcp_jax.transfer.status import TransferStatus
-from dcp_jax.transfer.views import stream_view, uses_views
+from dcp_jax.transfer.views import stream_view, uncovered_heads, uses_views
 
 __all__ = ["KVReceiver", "DIRECTIONS"]
 
@@ -66,8 +67,8 @@ class _Link:
 def missing_senders(specs: list[KVCacheSpec]) -> list[int]:
     """The prefill DCP ranks (``range(dcp_size)``, the largest ``dcp_size`` when connected
     senders disagree) that no connected sender holds, sorted. Every prefill DCP rank holds tokens
-    of every request; which TP ranks a decode rank needs depends on the heads they share (the
-    connector's views: `dcp_jax.transfer.views`), so TP ranks are not counted here."""
+    of every request; which TP ranks a decode rank needs depends on the heads they share, checked
+    apart (`dcp_jax.transfer.views.uncovered_heads`)."""
     if not specs:
         return []
     have = {sp.dcp_rank for sp in specs}
@@ -192,7 +193,8 @@ class KVReceiver(ReceiverData, ReceiverRegion):
 
         Raises:
             HandshakeError: a field differs or the geometry cannot be served (names the field
-                and both values); nothing was registered with the peer.
+                and both values); field ``"position"``: a live connected sender already holds the
+                sender's prefill (dcp_rank, tp_rank). Nothing was registered with the peer.
             TimeoutError: no answer within ``timeout_s``.
             ValueError: malformed address, unknown direction, or already connected there.
         """
@@ -223,6 +225,15 @@ class KVReceiver(ReceiverData, ReceiverRegion):
                 if any(link.peer == reply["name"] for link in self._links):
                     raise ValueError(f"address={address!r} reaches a sender this receiver is already "
                                      f"connected to ({reply['name']!r})")
+                # Two live senders of one position would both write its rows; a restarted one is
+                # accepted once the old link was dropped (silent for peer_timeout_s, or refused).
+                twin = next((link for link in self._links if (link.spec.dcp_rank, link.spec.tp_rank)
+                             == (sender_spec.dcp_rank, sender_spec.tp_rank)), None)
+                if twin is not None:
+                    raise HandshakeError("position", None, None, f"the sender at {address!r} is prefill dcp_rank "
+                                         f"{sender_spec.dcp_rank}, tp_rank {sender_spec.tp_rank}, the position of "
+                                         f"the live sender at {twin.client.address!r} this receiver is connected to "
+                                         "(a restarted sender is accepted once the old one is dropped as silent)")
             bases = proto.unpack_i64(reply["layer_bases"], "layer_bases", max_items=self.spec.num_layers)
             with self._lock:  # the sender acks a reconnect only once no write of the old link is in flight
                 self._clear_doubt(reply["name"])
@@ -266,21 +277,22 @@ class KVReceiver(ReceiverData, ReceiverRegion):
                 ``layout.local_index(t)`` counted from token 0 (spec section 10). It must cover
                 ``local_len(num_tokens)`` rows. The pages it writes (past the prefix) must belong to no
                 other held request (ValueError); prefix pages may be shared.
-            num_tokens: tokens of the request (prompt length), >= 0.
+            num_tokens: tokens of the request (prompt length), in ``[0, 2**62]`` (`_worker.MAX_TOKENS`).
             prefix_tokens: tokens this rank's group already holds (a prefix-cache hit); only
                 ``[prefix_tokens, num_tokens)`` is transferred.
 
         Raises:
-            RuntimeError: not connected to any sender, or not to every prefill DCP rank (each
-                ``dcp_rank`` of the senders' ``dcp_size``): a missing one's tokens would never come.
+            RuntimeError: not connected to any sender, not to every prefill DCP rank (each
+                ``dcp_rank`` of the senders' ``dcp_size``), or, for some prefill DCP rank, not to
+                the TP ranks that move every KV head this rank holds (`views.uncovered_heads`; the
+                message names the DCP rank, the heads and the TP ranks sending them): the missing
+                tokens or heads would never come.
             TypeError, ValueError: bad id, token counts or page table, or an id still held
                 (release it first).
         """
         self._check_open()
         rid = check_request_id(request_id)
-        for name, v in (("num_tokens", num_tokens), ("prefix_tokens", prefix_tokens)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-                raise ValueError(f"{name}={v!r} must be an int >= 0")
+        num_tokens, prefix_tokens = check_tokens("num_tokens", num_tokens), check_tokens("prefix_tokens", prefix_tokens)
         if prefix_tokens > num_tokens:
             raise ValueError(f"prefix_tokens={prefix_tokens} must be <= num_tokens={num_tokens}")
         s = self.spec
@@ -296,6 +308,13 @@ class KVReceiver(ReceiverData, ReceiverRegion):
                                    f"{sorted({link.spec.dcp_rank for link in self._links})} of a prefill DCP group of "
                                    f"{max(link.spec.dcp_size for link in self._links)}: dcp_rank(s) {missing} not "
                                    "connected (connect() to every prefill DCP rank first)")
+            gaps = uncovered_heads(s, tuple(link.spec for link in self._links))
+            if gaps:  # connected to part of a prefill TP group: those heads would never be written
+                raise RuntimeError(f"expect() on decode dcp_rank {s.dcp_rank}, tp_rank {s.tp_rank}: the connected "
+                                   "senders do not move every KV head of this rank: " + "; ".join(
+                                       f"prefill dcp_rank {r}: heads [{h0}, {h1}) not covered (sent by prefill "
+                                       f"tp_rank(s) {list(src)})" for r, h0, h1, src in gaps)
+                                   + " (connect() to those prefill TP ranks first)")
             if rid in self._requests:
                 raise ValueError(f"request_id={rid!r} is still held ({self._requests[rid].status.name}); "
                                  "release() it first")
@@ -412,8 +431,8 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         every process of the host shares, for whole-request timings), ``staging`` per sender
         (``{"prefill": "direct"|"staged", "decode": ...}``, in connection order),
         ``stage_seconds`` (staged on a GPU: host -> device window copies, part of
-        ``unpack_seconds``) and ``timeline`` (``[event, dcp_rank, time.monotonic()]`` lists,
-        `requests.Timeline`). Raises KeyError if unknown."""
+        ``unpack_seconds``) and ``timeline`` (``[event, rank, time.monotonic()]`` lists, rank this
+        rank's group rank: `requests.Timeline`). Raises KeyError if unknown."""
         with self._lock:
             req = self._get(request_id)
             end = req.t_done

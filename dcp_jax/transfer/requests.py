@@ -109,14 +109,20 @@ MAX_EVENTS = 4096
 
 
 class Timeline:
-    """What happened to a request when: ``(event, dcp_rank, time.monotonic())`` triples, the
-    clock every process of a host shares, so a sender's and its ranks' timelines line up.
+    """What happened to a request when: ``(event, rank, time.monotonic())`` triples, the clock
+    every process of a host shares, so a sender's and its ranks' timelines line up.
+
+    ``rank`` is the decode rank's group rank, ``tp_rank * dcp_size + dcp_rank``
+    (`KVCacheSpec.group_rank`, the key a sender files a decode rank under; ``dcp_rank`` itself
+    without TP): one per decode process, so TP ranks of one DCP rank stay apart. A sender's events
+    name the decode rank they concern; a receiver's, itself.
 
     Events (sender): ``pack`` / ``packed`` (a window's pack kernel enqueued / returned), ``ask``
-    (region room asked), ``post`` (engine batch posted), ``complete`` (the engine said done),
-    ``copied`` (fused kernel finished). Receiver: ``landed`` (a region window's ``done`` seen),
-    ``unpacked`` (placed into the pages), ``part`` (a window credited), ``end`` (SUCCESS). At most `MAX_EVENTS` kept; ``dropped`` counts
-    the rest.
+    (region room asked), ``post`` (engine batch posted; pull: ``pull_ready`` sent), ``complete``
+    (the engine said done; pull: the rank's ``pull_done`` arrived), ``copied`` (fused kernel
+    finished). Receiver: ``landed`` (a region window's ``done`` seen), ``unpacked`` (placed into
+    the pages), ``part`` (a window credited), ``end`` (SUCCESS). At most `MAX_EVENTS` kept;
+    ``dropped`` counts the rest.
     """
 
     __slots__ = ("events", "dropped")
@@ -125,9 +131,10 @@ class Timeline:
         self.events: list[tuple[str, int, float]] = []
         self.dropped = 0
 
-    def mark(self, event: str, dcp_rank: int) -> None:
+    def mark(self, event: str, rank: int) -> None:
+        """Records ``event`` for decode group rank ``rank`` now."""
         if len(self.events) < MAX_EVENTS:
-            self.events.append((event, int(dcp_rank), time.monotonic()))
+            self.events.append((event, int(rank), time.monotonic()))
         else:
             self.dropped += 1
 

@@ -31,7 +31,8 @@ import numpy as np
 from bridge import make_engine
 from pallas_kernels import PackSource, compile_count
 from dcp_jax.transfer import protocol as proto
-from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, Worker, check_liveness, check_page_table, check_seconds
+from dcp_jax.transfer._worker import (ACTIVE, IDLE, PENDING, Worker, check_liveness, check_page_table, check_seconds,
+                                      check_tokens)
 from dcp_jax.transfer.arena import PackArena
 from dcp_jax.transfer._sender_peers import SenderPeers
 from dcp_jax.transfer._region import SEND_MODES
@@ -183,9 +184,9 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
             page_table: int[pages]: ``page_table[k]`` is the physical page holding this prefill
                 rank's local tokens ``[k*page_size, (k+1)*page_size)`` (spec section 10); it must
                 cover local rows up to ``stop`` and may grow between chunks.
-            start, stop: token positions, ``0 <= start < stop``. A request every decode rank
-                already holds in full (``prefix_tokens == num_tokens``) is SUCCESS as soon as they
-                announced it; a `send` for it then does nothing.
+            start, stop: token positions, ``0 <= start < stop <= 2**62`` (`_worker.MAX_TOKENS`).
+                A request every decode rank already holds in full (``prefix_tokens == num_tokens``)
+                is SUCCESS as soon as they announced it; a `send` for it then does nothing.
 
         Raises:
             RuntimeError: the sender is closed.
@@ -195,10 +196,9 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
         """
         self._check_open()
         rid = check_request_id(request_id)
-        if isinstance(start, bool) or isinstance(stop, bool) or not isinstance(start, (int, np.integer)) \
-                or not isinstance(stop, (int, np.integer)) or not 0 <= start < stop:
+        start, stop = check_tokens("start", start), check_tokens("stop", stop)
+        if not start < stop:
             raise ValueError(f"start={start!r}, stop={stop!r} must be ints with 0 <= start < stop")
-        start, stop = int(start), int(stop)
         rows = int(local_len_np(stop, self.spec.dcp_size, self.spec.dcp_rank, self.spec.interleave_size))
         table = check_page_table(page_table, rows, self.spec.page_size,
                                  self._layers.min_rows // self.spec.page_size)
@@ -285,8 +285,8 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
         ``pack_backend`` (registry name), ``stage_seconds`` (device -> host staging copies, part
         of ``pack_seconds``), per rank ``staging``: ``{"prefill": "direct"|"staged",
         "decode": "direct"|"staged"}`` (what each side of that connection registers) and
-        ``timeline`` (``[event, dcp_rank, time.monotonic()]`` lists, `requests.Timeline`; at most
-        `requests.MAX_EVENTS`, ``timeline_dropped`` counts the rest)."""
+        ``timeline`` (``[event, rank, time.monotonic()]`` lists, rank the decode rank's group rank:
+        `requests.Timeline`; at most `requests.MAX_EVENTS`, ``timeline_dropped`` counts the rest)."""
         with self._lock:
             req = self._get(request_id)
             t0, t1 = req.t_first_submit, req.t_done

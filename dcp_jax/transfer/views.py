@@ -21,6 +21,7 @@ chunks' completions (notification-only batches), so the decode rank's completion
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -29,7 +30,8 @@ from dcp_jax.hetero.layouts import CacheGeometry, cache_shape, gather_to_wire, p
 from dcp_jax.hetero.plan import HeteroPlanError, HeteroSide, head_pieces
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec
 
-__all__ = ["uses_views", "check_view_pair", "StreamView", "stream_view", "view_path", "VIEW_MODES"]
+__all__ = ["uses_views", "check_view_pair", "StreamView", "stream_view", "pair_pieces", "uncovered_heads", "view_path",
+           "VIEW_MODES"]
 
 
 #: Layouts whose token rows are not contiguous (K and V planes apart; HND: heads apart): any pair
@@ -196,10 +198,78 @@ def stream_view(prefill: KVCacheSpec, decode: KVCacheSpec, src_pages: int, dst_p
         HandshakeError: as `check_view_pair`.
     """
     p, d = check_view_pair(prefill, decode)
-    s, t = prefill.tp_rank, decode.tp_rank
-    rows = head_pieces(p, d, mla_source_tp_rank=t % p.tp_size)
-    sel = (rows[:, 0] == s) & (rows[:, 1] == t)
-    return StreamView(p.geometry(s, src_pages), d.geometry(t, dst_pages), np.ascontiguousarray(rows[sel, 2:]))
+    pieces = _pieces(p, d, prefill.tp_rank, decode.tp_rank)
+    return StreamView(p.geometry(prefill.tp_rank, src_pages), d.geometry(decode.tp_rank, dst_pages), pieces)
+
+
+def _pieces(p: HeteroSide, d: HeteroSide, src_tp, dst_tp: int) -> np.ndarray:
+    """int64 ``[k, 3]`` ``(src_head, dst_head, num_heads)`` prefill TP rank(s) ``src_tp`` (an int or
+    None: every one) send decode TP rank ``dst_tp`` (module rule); with ``src_tp`` None ``[k, 4]``,
+    the prefill TP rank first."""
+    rows = head_pieces(p, d, mla_source_tp_rank=dst_tp % p.tp_size)
+    sel = rows[:, 1] == dst_tp
+    if src_tp is None:
+        return np.ascontiguousarray(rows[sel][:, [0, 2, 3, 4]])
+    return np.ascontiguousarray(rows[sel & (rows[:, 0] == src_tp), 2:])
+
+
+def pair_pieces(prefill: KVCacheSpec, decode: KVCacheSpec) -> np.ndarray:
+    """The heads one (prefill, decode) rank pair moves: int64 ``[k, 3]`` ``(src_head, dst_head,
+    num_heads)``, heads local to each rank (`StreamView.pieces`).
+
+    Raises:
+        HandshakeError: as `check_view_pair`.
+    """
+    p, d = check_view_pair(prefill, decode)
+    return _pieces(p, d, prefill.tp_rank, decode.tp_rank)
+
+
+@functools.lru_cache(maxsize=256)
+def uncovered_heads(decode: KVCacheSpec, senders: tuple[KVCacheSpec, ...]) -> tuple[tuple, ...]:
+    """KV heads of the decode rank ``decode`` that no sender in ``senders`` moves to it, per
+    prefill DCP rank: the coverage rule `KVReceiver.expect` enforces.
+
+    Every prefill DCP rank holds some tokens of every request, so for each one among ``senders``,
+    the heads its connected TP ranks move to this rank (module rule: a GQA head from the lowest
+    prefill TP rank holding it, MLA's latent from prefill TP rank ``decode tp_rank % prefill
+    tp_size`` only) must together be every head this rank holds. A pair that moves whole rows (not
+    `uses_views`) covers them all. A prefill DCP rank with no sender at all is not reported here
+    (`receiver.missing_senders` names those).
+
+    Args:
+        decode: this decode rank's spec.
+        senders: the connected senders' specs (each already accepted by `check_compatible`).
+
+    Returns:
+        ``(prefill_dcp_rank, head0, head1, source_tp_ranks)`` tuples, sorted: global KV heads
+        ``[head0, head1)`` of this rank not covered, and the prefill TP ranks that would send them.
+        Empty when every head comes.
+
+    Raises:
+        HandshakeError: a pair `check_view_pair` refuses.
+    """
+    whole = {sp.dcp_rank for sp in senders if not uses_views(sp, decode)}
+    by_rank: dict[int, list[KVCacheSpec]] = {}
+    for sp in senders:
+        if sp.dcp_rank not in whole:
+            by_rank.setdefault(sp.dcp_rank, []).append(sp)
+    out = []
+    t = decode.tp_rank
+    d = _side(decode, "decode") if by_rank else None
+    for rank, specs in sorted(by_rank.items()):
+        head0, count = d.heads(t)
+        got = np.zeros(count, bool)
+        for sp in specs:
+            for _, dh, nh in pair_pieces(sp, decode).tolist():
+                got[dh:dh + nh] = True
+        if got.all():
+            continue
+        every = _pieces(_side(specs[0], "prefill"), d, None, t)  # who would send each of this rank's heads
+        edges = np.flatnonzero(np.diff(np.concatenate([[1], got.astype(np.int8), [1]])))
+        for lo, hi in zip(edges[::2].tolist(), edges[1::2].tolist()):
+            src = sorted({s for s, _, dh, nh in every.tolist() if dh < hi and lo < dh + nh})
+            out.append((rank, head0 + lo, head0 + hi, tuple(src)))
+    return tuple(out)
 
 
 #: Sender modes a view pair takes: ``direct`` (cache-to-cache descriptors through both layouts),

@@ -18,7 +18,7 @@ from dcp_jax.hetero.layouts import cache_shape
 from dcp_jax.hetero.plan import HeteroSide
 from dcp_jax.transfer import HandshakeError, KVReceiver, KVSender, TransferStatus
 from dcp_jax.transfer.spec import check_compatible
-from dcp_jax.transfer.views import stream_view
+from dcp_jax.transfer.views import stream_view, uncovered_heads
 
 LAYERS = 2
 
@@ -31,7 +31,11 @@ def _mla(page_size, dcp_size=1, interleave_size=1, tp_size=1, layout="sglang_mla
     return HeteroSide(page_size, dcp_size, interleave_size, tp_size, layout, 1, 24, "bfloat16")
 
 
-def _run_pair(engine, p: HeteroSide, d: HeteroSide, tokens: int, seed: int = 0, receiver_kw=None, **sender_kw):
+def _run_pair(engine, p: HeteroSide, d: HeteroSide, tokens: int, seed: int = 0, receiver_kw=None, links=None,
+              **sender_kw):
+    """Every decode rank connected to every prefill rank, or where ``links((r, t), (r', t'))`` (decode
+    rank, prefill rank) says so (then only the receivers are awaited: a sender counts on the whole
+    decode group announcing)."""
     rng = np.random.default_rng(seed)
     ptables, ppages = _tables(p, tokens, rng)
     dtables, dpages = _tables(d, tokens, rng)
@@ -42,7 +46,7 @@ def _run_pair(engine, p: HeteroSide, d: HeteroSide, tokens: int, seed: int = 0, 
                 kv = fill_side(p, r, t, ppages[r], LAYERS, tokens, ptables[r], seed + 10 * r + t)
                 # peer_timeout_s 15: building several Mooncake engines in this one process holds
                 # the GIL for ~1 s each; the default 5 s stall rule fired on a loaded CI machine.
-                senders.append((r, KVSender(spec_of(p, r, t, LAYERS), kv, engine=engine, timeout_s=20,
+                senders.append(((r, t), KVSender(spec_of(p, r, t, LAYERS), kv, engine=engine, timeout_s=20,
                                             peer_timeout_s=15.0, **sender_kw)))
         for r in range(d.dcp_size):
             for t in range(d.tp_size):
@@ -51,13 +55,14 @@ def _run_pair(engine, p: HeteroSide, d: HeteroSide, tokens: int, seed: int = 0, 
                 recv = KVReceiver(spec_of(d, r, t, LAYERS), kv, engine=engine, group="views", timeout_s=20,
                                   peer_timeout_s=15.0, **(receiver_kw or {}))
                 receivers.append(((r, t), recv))
-                for _, s in senders:
-                    recv.connect(s.address)
+                for key, s in senders:
+                    if links is None or links((r, t), key):
+                        recv.connect(s.address)
                 recv.expect("q", dtables[r], tokens)
-        for r, s in senders:
-            s.send("q", ptables[r], 0, tokens)
+        for key, s in senders:
+            s.send("q", ptables[key[0]], 0, tokens)
         deadline = time.monotonic() + 30
-        everyone = [s for _, s in senders] + [x for _, x in receivers]
+        everyone = ([] if links else [s for _, s in senders]) + [x for _, x in receivers]
         while not all(x.poll("q").terminal for x in everyone) and time.monotonic() < deadline:
             time.sleep(0.002)
         for k, recv in receivers:
@@ -107,6 +112,11 @@ def test_views_byte_exact(engine, case):
         for t in range(d.tp_size):
             g = d.geometry(t, 1)
             assert got[t * d.dcp_size + r] == n * g.num_heads * g.planes * g.head_dim * 2 * LAYERS
+    # Timelines name a decode rank by its group rank (tp_rank * dcp_size + dcp_rank): every decode
+    # process apart, each posted to and completed by every sender (empty pairs: notifications).
+    for st in stats:
+        for event in ("post", "complete"):
+            assert {rank for e, rank, _ in st["timeline"] if e == event} == set(range(d.dcp_size * d.tp_size))
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -171,3 +181,55 @@ def test_view_pair_refuses_pack_paths_and_pulls(engine):
             KVReceiver(spec_of(d, 0, 0, LAYERS), dkv, engine=engine, direction="pull") as r:
         with pytest.raises(HandshakeError, match="direction"):
             r.connect(s.address)
+
+
+def test_uncovered_heads_hand_cases():
+    def gaps(p, d, dk, pks):
+        return uncovered_heads(spec_of(d, dk[0], dk[1], 1), tuple(spec_of(p, r, t, 1) for r, t in pks))
+
+    # 4 heads, prefill TP 2 (2 each) -> decode TP 1: tp rank 0 alone leaves heads 2-3 (sent by tp rank 1).
+    p, d = _gqa(16, tp_size=2), _gqa(16)
+    assert gaps(p, d, (0, 0), [(0, 0)]) == ((0, 2, 4, (1,)),)
+    assert gaps(p, d, (0, 0), [(0, 0), (0, 1)]) == ()
+    # Equal TP, one head shard each: the 1:1 pairing covers every rank.
+    assert [gaps(_gqa(16, tp_size=2), _gqa(8, tp_size=2, layout="hnd"), (0, t), [(0, t)]) for t in (0, 1)] == [(), ()]
+    # 2 heads replicated over TP 4 on both sides: only the lowest prefill rank holding a head sends it,
+    # so 1:1 leaves decode tp ranks 1 and 3 without their head (a SUCCESS with sentinel heads before).
+    p, d = _gqa(16, tp_size=4, heads=2), _gqa(16, tp_size=4, heads=2)
+    assert [gaps(p, d, (0, t), [(0, t)]) for t in range(4)] == [(), ((0, 0, 1, (0,)),), (), ((0, 1, 2, (2,)),)]
+    # MLA TP 2 -> 3: the latent of decode tp rank t comes from prefill tp rank t % 2 only.
+    p, d = _mla(4, tp_size=2), _mla(8, tp_size=3, layout="tpu_mla")
+    assert [[gaps(p, d, (0, t), [(0, s)]) for s in (0, 1)] for t in range(3)] == [
+        [(), ((0, 0, 1, (0,)),)], [((0, 0, 1, (1,)),), ()], [(), ((0, 0, 1, (0,)),)]]
+    # Prefill DCP 2 x TP 2, 8 heads -> decode TP 4: decode tp rank 3 (heads 6-7) has prefill (0, 1) but
+    # only (1, 0) of DCP rank 1, which holds heads 0-3: DCP rank 1's heads 6-7 are missing.
+    p, d = _gqa(16, 2, 1, tp_size=2, heads=8), _gqa(16, tp_size=4, heads=8)
+    assert gaps(p, d, (0, 3), [(0, 1), (1, 0)]) == ((1, 6, 8, (1,)),)
+    # Rows moved whole (no TP, one layout): nothing to check beyond the DCP ranks.
+    assert gaps(_mla(4), _mla(8), (0, 0), [(0, 0)]) == ()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_expect_refuses_a_rank_whose_heads_no_connected_sender_moves(engine):
+    # A decode TP 1 rank (4 heads) connected to prefill TP rank 0 of 2 only. Before: SUCCESS with
+    # heads 2-3 of every token left as sentinel bytes.
+    p, d = _gqa(16, tp_size=2), _gqa(16)
+    kv = [fill_side(p, 0, t, 2, LAYERS, 16, np.arange(1), t) for t in range(2)]
+    dkv = [_sentinel(cache_shape(d.geometry(0, 2)), np.uint16) for _ in range(LAYERS)]
+    with KVSender(spec_of(p, 0, 0, LAYERS), kv[0], engine=engine) as s0, \
+            KVSender(spec_of(p, 0, 1, LAYERS), kv[1], engine=engine) as s1, \
+            KVReceiver(spec_of(d, 0, 0, LAYERS), dkv, engine=engine) as r:
+        r.connect(s0.address)
+        with pytest.raises(RuntimeError, match=r"prefill dcp_rank 0: heads \[2, 4\) not covered \(sent by prefill "
+                                               r"tp_rank\(s\) \[1\]\)"):
+            r.expect("q", np.arange(1), 16)
+        r.connect(s1.address)
+        r.expect("q", np.arange(1), 16)  # every head connected: accepted
+
+
+@pytest.mark.parametrize("engine", ENGINES[:1])
+def test_one_to_one_head_shards_are_accepted_and_land(engine):
+    """Decode TP rank t connected only to prefill TP rank t (equal head shards, as the vLLM adapter
+    pairs them): expect() accepts it and every decode rank lands byte-exact."""
+    _run_pair(engine, _gqa(16, tp_size=2), _gqa(8, 2, 1, tp_size=2, layout="hnd"), 40,
+              links=lambda dk, pk: dk[1] == pk[1])

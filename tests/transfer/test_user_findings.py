@@ -1,6 +1,8 @@
 """Defects a first-time user found (2026-12-02), each checked on real engines: a decode rank
 connected to part of the prefill group, an empty prefix chunk pulled after the request ended,
-pages of a released request written late, two receiver layers on one buffer."""
+pages of a released request written late, two receiver layers on one buffer, two senders of one
+prefill position, a pull's sender timeline without its posts and completions, integers beyond
+int64 refused without naming the argument."""
 import contextlib
 import time
 
@@ -8,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import SENTINEL, Cluster, TransferStatus
-from dcp_jax.transfer import KVCacheSpec, KVReceiver, KVSender
+from dcp_jax.transfer import HandshakeError, KVCacheSpec, KVReceiver, KVSender
 from dcp_jax.transfer.memory import CacheLayers
 
 ITEMS = (48, 16)
@@ -81,3 +83,86 @@ def test_two_receiver_layers_on_one_buffer_are_refused():
     with pytest.raises(ValueError, match=r"kv_layers\[0\] and kv_layers\[1\] start at the same address"):
         CacheLayers(spec, [a, a], writable=True)
     CacheLayers(spec, [a, a])  # a sender only reads: aliasing is harmless there
+
+
+def _landed(r, sender, rid, n):
+    """One request of ``n`` tokens from ``sender`` to the single rank ``r``: SUCCESS, byte-exact."""
+    r.expect(rid, np.arange(4), n)
+    sender.send(rid, np.arange(4), 0, n)
+    deadline = time.monotonic() + 10
+    while not (r.poll(rid).terminal and sender.poll(rid).terminal) and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert (r.poll(rid), sender.poll(rid)) == (TransferStatus.SUCCESS,) * 2, r.failure_reason(rid)
+
+
+def test_a_second_sender_of_one_prefill_position_is_refused_until_the_first_is_dropped(engine):
+    # Before: both accepted; every request was announced to both and each wrote the same rows.
+    rng = np.random.default_rng(7)
+    src = [[rng.integers(0, 256, (16, 4, il), dtype=np.uint8) for il in ITEMS] for _ in range(2)]
+    dst = [np.full((16, 4, il), SENTINEL, np.uint8) for il in ITEMS]
+    spec = KVCacheSpec(2, ITEMS, 4)
+    with KVSender(spec, src[0], engine=engine) as s0, KVSender(spec, src[1], engine=engine) as s1, \
+            KVReceiver(spec, dst, engine=engine, peer_timeout_s=1.0, heartbeat_s=0.2) as r:
+        r.connect(s0.address)
+        with pytest.raises(HandshakeError, match=r"\(position\).*prefill dcp_rank 0, tp_rank 0, the position of "
+                                                 r"the live sender at 'tcp://"):
+            r.connect(s1.address)
+        assert r.stats["connections"] == 1
+        _landed(r, s0, "a", 16)  # the first link works on
+        for layer in range(2):  # 16 tokens on pages 0-3 of both sides, the rest still the sentinel
+            np.testing.assert_array_equal(dst[layer][:4], src[0][layer][:4])
+            assert (dst[layer][4:] == SENTINEL).all()
+        r.release("a"), s0.release("a")
+        s0.close()  # the first sender goes away: dropped as silent after peer_timeout_s
+        deadline = time.monotonic() + 10
+        while r.stats["connections"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r.connect(s1.address)  # the same position, a new sender: accepted now
+        _landed(r, s1, "b", 16)
+        for layer in range(2):
+            np.testing.assert_array_equal(dst[layer][:4], src[1][layer][:4])
+
+
+def test_a_pull_timeline_has_a_post_and_a_complete_per_window(engine):
+    # Before: a pulling rank's windows left no sender event at all (post / complete were marked
+    # only where the engine posts a WRITE).
+    with cluster(engine, direction="pull", page_size=4, seed=11) as c:
+        src, dst = c.tables(40)
+        c.expect("t", dst, 40)
+        c.sender.send("t", src, 0, 20)
+        c.sender.send("t", src, 20, 40)
+        assert c.wait("t") == [TransferStatus.SUCCESS] * 3, c.reasons("t")
+        assert c.check_bytes(src, dst, 40) == 40
+        st = c.sender.request_stats("t")
+        for rank in range(2):
+            ev = [(e, t) for e, r, t in st["timeline"] if r == rank]
+            posts, done = [t for e, t in ev if e == "post"], [t for e, t in ev if e == "complete"]
+            # Two chunks of 10 rows per rank, each one window: two pull_ready, two pull_done.
+            assert len(posts) == len(done) == st["ranks"][rank]["batches"] == 2, ev
+            assert sorted(posts)[0] <= sorted(done)[0] and sorted(posts)[1] <= sorted(done)[1]
+        for r, recv in enumerate(c.receivers):  # a receiver's events name itself
+            assert {x[1] for x in recv.request_stats("t")["timeline"]} == {r}
+
+
+def test_integers_beyond_int64_are_refused_naming_the_argument():
+    # Before: "length must be integers, got dtype object" (num_tokens, stop), a page-id dtype
+    # complaint (object, float64), or a uint64 id wrapped to a negative one.
+    with cluster("nixl", dcp_size=1, page_size=4, seed=13) as c:
+        r, s, huge = c.receivers[0], c.sender, 2 ** 70
+        for kw, name in ((dict(num_tokens=huge), "num_tokens"),
+                         (dict(num_tokens=8, prefix_tokens=huge), "prefix_tokens")):
+            with pytest.raises(ValueError, match=rf"{name}={huge} must be an int in \[0, 2\*\*62\]"):
+                r.expect("q", np.arange(2), **kw)
+        for table, k, v in (([0, huge], 1, huge), ([0, 2 ** 64 - 1], 1, 2 ** 64 - 1), ([-huge, 1], 0, -huge),
+                            (np.array([2 ** 63, 1], np.uint64), 0, 2 ** 63)):
+            with pytest.raises(ValueError, match=rf"page_table\[{k}\]={v} does not fit int64"):
+                r.expect("q", table, 8)
+            with pytest.raises(ValueError, match=rf"page_table\[{k}\]={v} does not fit int64"):
+                s.send("q", table, 0, 8)
+        for start, stop, name in ((0, huge, "stop"), (2 ** 63, huge, "start")):
+            with pytest.raises(ValueError, match=rf"{name}={[start, stop][name == 'stop']} must be an int in"):
+                s.send("q", np.arange(2), start, stop)
+        r.expect("q", np.arange(2), 8)  # the same request with sane values goes through
+        s.send("q", np.arange(2), 0, 8)
+        assert c.wait("q") == [TransferStatus.SUCCESS] * 2, c.reasons("q")
+        assert c.check_bytes(np.arange(2), [np.arange(2)], 8) == 8
