@@ -225,7 +225,7 @@ def _scatter_call(meta, srcs, src_idx, dst_idx, dst, *, config, interpret, offse
         align=tuple(min(offset_align, _pow2_factor(int(p))) for p in prefix[:-1]),
         evict=config.eviction_policy, load_evict=config.load_eviction_policy,
         interleave=config.interleave, load_cache=config.load_cache_modifier,
-        mask_loads=config.mask_loads, dst_bases=bases)
+        mask_loads=config.mask_loads, dst_bases=bases, interpret=bool(interpret))
     if config.load_cache_modifier is not None:
         patch_cache_modifiers()
     n_in = 1 + len(idxs) + len(srcs)
@@ -248,7 +248,7 @@ def _scatter_call(meta, srcs, src_idx, dst_idx, dst, *, config, interpret, offse
 
 def _scatter_kernel(meta_ref, *refs, widths, unpack, block_rows, max_rows, pack_words,
                     num_src_rows, num_dst_rows, offset_align, align, evict, load_evict,
-                    interleave, load_cache, mask_loads, dst_bases=None):
+                    interleave, load_cache, mask_loads, dst_bases=None, interpret=False):
     L = len(widths)
     n_idx = 1 if unpack else 2
     idx_refs = refs[:n_idx]
@@ -264,8 +264,11 @@ def _scatter_kernel(meta_ref, *refs, widths, unpack, block_rows, max_rows, pack_
     else:
         n = jnp.minimum(jnp.maximum(meta_ref[0], 0), max_rows)
         valid = rows < n
-    # Masked rows keep a clamped (in-range) index and store nothing.
-    didx = jnp.where(valid, jnp.clip(idx_refs[-1][...], 0, num_dst_rows - 1), 0)
+    # Masked rows keep a clamped (in-range) index and store nothing. The interpreter emulates a
+    # masked store by writing the old bytes back, so there a masked row must not share a live
+    # row's index: it points one past the last row (out of range: the interpreter drops it).
+    pad = num_dst_rows if interpret else 0
+    didx = jnp.where(valid, jnp.clip(idx_refs[-1][...], 0, num_dst_rows - 1), pad)
     if not unpack:
         sidx = jnp.where(valid, jnp.clip(idx_refs[0][...], 0, num_src_rows - 1), 0)
     prefix = [0]

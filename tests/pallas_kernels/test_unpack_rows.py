@@ -276,16 +276,20 @@ def test_unpack_one_buffer_form_matches_brute_force(item_lens, offset):
     layers = _one_buffer_layers(rng, 40, item_lens)
     ws = 4 if all(w % 4 == 0 for w in item_lens) else 2
     assert flat_layers(layers, ws) == tuple((40, w // ws) for w in item_lens)
-    # Whole blocks (32 rows, blocks of 16): in interpret mode a masked lane of a partial block
-    # re-writes row 0's old bytes, so row 0 among the live rows of that block can lose its
-    # new ones (both forms; a compiled Triton masked store writes nothing).
-    idx = rng.permutation(40)[:32]
-    pack = rng.integers(0, 256, offset + 32 * sum(item_lens) + 13, dtype=np.uint8)
+    # 29 rows in blocks of 16: a partial last block whose live rows include row 0. The
+    # interpreter emulates a masked store by writing old bytes back, so masked lanes must not
+    # share a live row's index (they once pointed at row 0 and undid its new bytes).
+    idx = np.insert(1 + rng.permutation(39)[:28], 20, 0)
+    pack = rng.integers(0, 256, offset + 29 * sum(item_lens) + 13, dtype=np.uint8)
     want = _unpack_brute(pack, layers, idx, offset)
+    separate = [a.copy() for a in layers]  # the same rows through the per-layer form
     unpack_rows(pack, layers, idx, offset=offset, backend="interpret",
                 config=GatherConfig(block_rows=16))
-    for a, b in zip(layers, want):
+    unpack_rows(pack, separate, idx, offset=offset, backend="interpret",
+                config=GatherConfig(block_rows=16))
+    for a, c, b in zip(layers, separate, want):
         np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(c, b)
 
 
 def test_flat_form_only_for_back_to_back_layers():
