@@ -1,8 +1,8 @@
 """What arrives at a decode rank: engine notifications (push), its own reads (pull), the
 bookkeeping that turns landed parts into covered token ranges and SUCCESS, and the other endings
-(abort, failure, no progress, a sender gone silent).
+(abort, failure, no progress; a sender gone silent: `dcp_jax.transfer._receiver_links`).
 
-Half of the worker-thread machinery of `dcp_jax.transfer.KVReceiver` (a mixin over the state
+Part of the worker-thread machinery of `dcp_jax.transfer.KVReceiver` (a mixin over the state
 ``KVReceiver.__init__`` creates). Every method runs on the worker thread under the receiver's
 lock. A part is credited only to the live request of the same id AND incarnation, from a sender
 it announced to, once; a chunk counts when all its parts landed and their rows add up to the
@@ -226,7 +226,7 @@ class ReceiverData:
                 req.timeline.mark("end", self.spec.group_rank)
                 self._counts["succeeded"] += 1
 
-    # ---- endings: aborts, failures, timeouts, dead senders -------------------------------------
+    # ---- endings: aborts, failures, timeouts ----------------------------------------------------
     def _end(self, req: RecvRequest, status: TransferStatus, reason: str, notify: str | None) -> bool:
         if not req.finish(status, reason):
             return False
@@ -265,41 +265,23 @@ class ReceiverData:
         self._outbox.extend((link, frame) for link in req.senders if link in self._links
                             and link.direction != "pull" and id(link) not in req.drained)
 
-    def _heartbeat(self) -> None:
-        now = time.monotonic()
-        for link in list(self._links):
-            if now - link.last_seen > self.peer_timeout_s:
-                self._drop_link(link, f"prefill sender {link.client.address} silent for {self.peer_timeout_s:g} s")
-        if now - self._last_ping >= self.heartbeat_s:
-            self._last_ping = now
-            ping = proto.encode("ping")
-            self._outbox.extend((link, ping) for link in self._links)
+    # ---- pages of ended requests --------------------------------------------------------------
+    def _free_pages(self, req: RecvRequest) -> None:
+        for page in req.written_pages:
+            self._page_owner.pop(page, None)
 
-    def _drop_link(self, link: _Link, reason: str) -> None:
-        self._links.remove(link)
-        self._by_peer.pop(link.peer, None)
-        for req in list(self._requests.values()):
-            if link in req.senders:
-                self._end(req, TransferStatus.FAILED, reason, "failed")
-        if link.direction == "pull":
-            self._free_grants(lambda key, g: g.link is link)  # this rank's own reads: none was granted
-        else:
-            # A push sender dropped as silent may only be stopped (SIGSTOP, a stalled host): the
-            # WRITEs its engine had taken still land when it resumes, whatever remove_peer did.
-            # Its requests' pages and receive-region ranges stay held ("in doubt") until it
-            # reconnects (its hello_ack comes only once none of those writes is in flight) or
-            # `drain_grace_s` passed.
-            self._doubt[link.peer] = (time.monotonic(), link)
-        self._worker.remove_socket(link.client.sock)
-        link.client.close()
-        try:
-            self.engine.remove_peer(link.peer)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+    def _reap_released(self) -> None:
+        """Released requests whose writers are done: their pages may be expected again."""
+        for key, req in list(self._released.items()):
+            if self._drained(req):
+                del self._released[key]
+                self._free_pages(req)
 
-    def _clear_doubt(self, peer: str) -> None:
-        """A dropped push sender can write no more: its ranges are free, its requests drained."""
-        entry = self._doubt.pop(peer, None)
-        if entry is not None:
-            link = entry[1]
-            self._free_grants(lambda key, g: g.link is link)
+    def _drained(self, req: RecvRequest) -> bool:
+        """`KVReceiver.is_drained`'s rule."""
+        if req.status is TransferStatus.SUCCESS:
+            return True
+        return req.status.terminal and req.inflight == 0 and all(
+            link.direction == "pull" or id(link) in req.drained
+            or (link not in self._links and link.peer not in self._doubt)
+            for link in req.senders)

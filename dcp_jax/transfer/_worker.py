@@ -1,4 +1,5 @@
-"""Shared pieces of the sender and the receiver: the worker thread and argument checks."""
+"""Shared pieces of the sender and the receiver: the worker thread, the common part of closing
+a side, and argument checks."""
 from __future__ import annotations
 
 import logging
@@ -12,9 +13,10 @@ import numpy as np
 import zmq
 
 from dcp_jax.transfer.control import zmq_context
+from dcp_jax.transfer.status import TransferStatus
 
 __all__ = ["Worker", "IDLE", "PENDING", "ACTIVE", "TIMEOUT_CHECK_S", "MAX_TOKENS", "check_page_table", "check_seconds",
-           "check_tokens"]
+           "check_tokens", "shut_down"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +139,28 @@ class Worker:
                         self._rx.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
+
+
+def shut_down(side: Any, timeout_s: Any, what: str, close_sockets: Callable[[], None]) -> None:
+    """The part of `KVSender.close` and `KVReceiver.close` both share: marks ``side`` closed,
+    stops its worker, FAILS its live requests (telling their peers), calls ``close_sockets``
+    under its lock, then closes its engine, all within ``timeout_s`` seconds (+ a small margin)
+    whatever the engine does. ``what`` ("sender" / "receiver") names the side in the reason and
+    the log. The caller releases its own memory afterwards.
+
+    Raises:
+        TypeError, ValueError: ``timeout_s`` is not a number of seconds in (0, 86400].
+    """
+    deadline = time.monotonic() + check_seconds("timeout_s", timeout_s)
+    side._closed = True
+    # The worker gets all but the last second: that one is the engine's.
+    if not side._worker.stop(max(0.1, deadline - time.monotonic() - 1.0)):
+        logger.warning("%s worker did not stop in time; closing under it", what)
+    with side._lock:
+        for req in list(side._requests.values()):
+            side._end(req, TransferStatus.FAILED, f"{what} closed", notify="failed")
+        close_sockets()
+    side.engine.close(timeout_s=max(0.1, deadline - time.monotonic()))
 
 
 def check_seconds(name: str, value: Any) -> float:

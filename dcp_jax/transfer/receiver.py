@@ -7,10 +7,13 @@ delivers after a batch's bytes landed, in pull mode from its own READs finishing
 SUCCESS only when, for every sender, the chunks it completed cover ``[prefix_tokens,
 num_tokens)``. Messages that do not belong to a live request of the right incarnation are
 dropped and counted, never credited to another request.
+
+Module map (mixins of `KVReceiver`): the handshake, links and coverage checks in
+`_receiver_links`, what arrives (notifications, reads, endings) in `_receiver_data`, the region
+and fused paths in `_receiver_region`.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import secrets
@@ -23,22 +26,22 @@ from typing import Any
 
 import numpy as np
 
-from bridge import PeerInfo, make_engine
+from bridge import make_engine
 from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import (ACTIVE, IDLE, PENDING, Worker, check_liveness, check_page_table, check_seconds,
-                                      check_tokens)
+                                      check_tokens, shut_down)
 from dcp_jax.transfer._receiver_data import ReceiverData
+from dcp_jax.transfer._receiver_links import Link, ReceiverLinks, missing_senders  # noqa: F401  (missing_senders: re-exported)
 from dcp_jax.transfer._receiver_region import ReceiverRegion
-from dcp_jax.transfer._region import DEFAULT_REGION_BYTES, ReceiveRegion, host_info, ipc_export
-from dcp_jax.transfer.control import ControlClient, engine_options_for
+from dcp_jax.transfer._region import DEFAULT_REGION_BYTES, ReceiveRegion, ipc_export
+from dcp_jax.transfer.control import engine_options_for
 from dcp_jax.transfer.memory import CacheLayers
 from dcp_jax.transfer.requests import RecvRequest, check_request_id
 from dcp_jax.transfer.schedule import SideLayout
-from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
+from dcp_jax.transfer.spec import KVCacheSpec
 from dcp_jax.transfer.staging import side_staged
 from dcp_jax.transfer.status import TransferStatus
-from dcp_jax.transfer.views import stream_view, uncovered_heads, uses_views
 
 __all__ = ["KVReceiver", "DIRECTIONS"]
 
@@ -47,35 +50,7 @@ logger = logging.getLogger(__name__)
 DIRECTIONS = ("push", "pull")
 
 
-@dataclasses.dataclass(eq=False)
-class _Link:
-    """One connected prefill sender."""
-
-    client: ControlClient
-    spec: KVCacheSpec
-    peer: str                  # its engine name (notifications come under it)
-    layer_bases: np.ndarray    # its KV layer addresses (direct pulls read from them)
-    direction: str
-    last_seen: float
-    registered: bool = False
-    path: str = "direct"       # the transfer path the sender chose at the handshake
-    staged: bool = False       # the sender stages (its KV is not registered)
-    row_bytes: int = 0         # bytes one token row of this link lands (all layers; head pieces only)
-    view: Any = None           # TP or layout pair: its `views.StreamView` (the region path's unpack)
-
-
-def missing_senders(specs: list[KVCacheSpec]) -> list[int]:
-    """The prefill DCP ranks (``range(dcp_size)``, the largest ``dcp_size`` when connected
-    senders disagree) that no connected sender holds, sorted. Every prefill DCP rank holds tokens
-    of every request; which TP ranks a decode rank needs depends on the heads they share, checked
-    apart (`dcp_jax.transfer.views.uncovered_heads`)."""
-    if not specs:
-        return []
-    have = {sp.dcp_rank for sp in specs}
-    return sorted(set(range(max(sp.dcp_size for sp in specs))) - have)
-
-
-class KVReceiver(ReceiverData, ReceiverRegion):
+class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
     """Decode-rank connector over the caller's KV layers.
 
     Args:
@@ -163,9 +138,9 @@ class KVReceiver(ReceiverData, ReceiverRegion):
             raise
         self._lock = threading.RLock()
         self._closed = False
-        self._links: list[_Link] = []
-        self._by_peer: dict[str, _Link] = {}
-        self._outbox: deque[tuple[_Link, bytes]] = deque()
+        self._links: list[Link] = []
+        self._by_peer: dict[str, Link] = {}
+        self._outbox: deque[tuple[Link, bytes]] = deque()
         self._requests: dict[str, RecvRequest] = {}
         self._page_owner: dict[int, str] = {}  # page -> id of the held request that writes into it
         self._released: dict[tuple, Any] = {}  # (id, inc) -> a released request whose pages an engine may still write
@@ -206,65 +181,11 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         with self._lock:
             if any(link.client.address == address for link in self._links):
                 raise ValueError(f"address={address!r} is already connected")
-        client = ControlClient(address, source=self.host)
-        try:
-            client.send(proto.encode("hello", spec=self.spec.to_dict(), peer=self.engine.peer_info().to_dict(),
-                                     group=self.group, direction=direction, name=self.engine.name,
-                                     layer_bases=proto.pack_i64(self._layers.bases),
-                                     region_addr=self._region.addr, region_bytes=self._region.nbytes,
-                                     mem=self._layers.mem_type, ipc=self._ipc, host=host_info(),
-                                     heartbeat_ms=max(1, round(self.heartbeat_s * 1000)),
-                                     peer_timeout_ms=max(1, round(self.peer_timeout_s * 1000)), staged=self.staged,
-                                     num_pages=self._layers.min_rows // self.spec.page_size))
-            reply = self._await_reply(client, timeout_s)
-            if reply["k"] == "hello_nack":  # the sender's ours/theirs are the other way round
-                raise HandshakeError(reply["field"], reply["theirs"], reply["ours"], reply["message"])
-            sender_spec = KVCacheSpec.from_dict(reply["spec"])
-            check_compatible(sender_spec, self.spec, side="decode")
-            with self._lock:
-                if any(link.peer == reply["name"] for link in self._links):
-                    raise ValueError(f"address={address!r} reaches a sender this receiver is already "
-                                     f"connected to ({reply['name']!r})")
-                # Two live senders of one position would both write its rows; a restarted one is
-                # accepted once the old link was dropped (silent for peer_timeout_s, or refused).
-                twin = next((link for link in self._links if (link.spec.dcp_rank, link.spec.tp_rank)
-                             == (sender_spec.dcp_rank, sender_spec.tp_rank)), None)
-                if twin is not None:
-                    raise HandshakeError("position", None, None, f"the sender at {address!r} is prefill dcp_rank "
-                                         f"{sender_spec.dcp_rank}, tp_rank {sender_spec.tp_rank}, the position of "
-                                         f"the live sender at {twin.client.address!r} this receiver is connected to "
-                                         "(a restarted sender is accepted once the old one is dropped as silent)")
-            bases = proto.unpack_i64(reply["layer_bases"], "layer_bases", max_items=self.spec.num_layers)
-            with self._lock:  # the sender acks a reconnect only once no write of the old link is in flight
-                self._clear_doubt(reply["name"])
-            if reply["path"] == "region" and not self._region.nbytes:
-                raise HandshakeError("path", None, None,
-                                     "the sender chose the region path, this receiver offers no region")
-            peer = self.engine.add_peer(PeerInfo.from_dict(reply["peer"]))
-        except BaseException:
-            client.close()
-            raise
-        row_bytes, view = self.spec.row_bytes, None
-        if uses_views(sender_spec, self.spec):  # only the heads this pair shares land here
-            # The source geometry is not used here (this side only places what lands).
-            view = stream_view(sender_spec, self.spec, 1, self._layers.min_rows // self.spec.page_size)
-            row_bytes = view.row_bytes() * self.spec.num_layers
-        link = _Link(client, sender_spec, peer, bases, direction, time.monotonic(), path=reply["path"],
-                     staged=reply["staged"], row_bytes=row_bytes, view=view)
+        link = self._handshake(address, direction, timeout_s)
         with self._lock:
             self._links.append(link)
-            self._by_peer[peer] = link
+            self._by_peer[link.peer] = link
         self._worker.wake()
-
-    @staticmethod
-    def _await_reply(client: ControlClient, timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            for msg in client.recv(timeout_ms=max(1, int(left * 1000))):
-                if msg["k"] in ("hello_ack", "hello_nack"):
-                    return msg
-        raise TimeoutError(f"no handshake answer from {client.address} within {timeout_s:g} s "
-                           f"(is a KVSender listening there, of protocol version {proto.PROTOCOL_VERSION}?)")
 
     def expect(self, request_id: str, page_table: Any, num_tokens: int, prefix_tokens: int = 0) -> None:
         """Announces a request: this rank's rows of tokens ``[prefix_tokens, num_tokens)`` go
@@ -299,22 +220,7 @@ class KVReceiver(ReceiverData, ReceiverRegion):
         rows = int(local_len_np(int(num_tokens), s.dcp_size, s.dcp_rank, s.interleave_size))
         table = check_page_table(page_table, rows, s.page_size, self._layers.min_rows // s.page_size)
         with self._lock:
-            if not self._links:
-                raise RuntimeError("expect() before connect(): no sender to announce the request to")
-            missing = missing_senders([link.spec for link in self._links])
-            if missing:
-                # Without them the request would end SUCCESS with their tokens never written.
-                raise RuntimeError(f"expect() while connected to prefill dcp_rank(s) "
-                                   f"{sorted({link.spec.dcp_rank for link in self._links})} of a prefill DCP group of "
-                                   f"{max(link.spec.dcp_size for link in self._links)}: dcp_rank(s) {missing} not "
-                                   "connected (connect() to every prefill DCP rank first)")
-            gaps = uncovered_heads(s, tuple(link.spec for link in self._links))
-            if gaps:  # connected to part of a prefill TP group: those heads would never be written
-                raise RuntimeError(f"expect() on decode dcp_rank {s.dcp_rank}, tp_rank {s.tp_rank}: the connected "
-                                   "senders do not move every KV head of this rank: " + "; ".join(
-                                       f"prefill dcp_rank {r}: heads [{h0}, {h1}) not covered (sent by prefill "
-                                       f"tp_rank(s) {list(src)})" for r, h0, h1, src in gaps)
-                                   + " (connect() to those prefill TP ranks first)")
+            self._check_coverage()
             if rid in self._requests:
                 raise ValueError(f"request_id={rid!r} is still held ({self._requests[rid].status.name}); "
                                  "release() it first")
@@ -382,25 +288,6 @@ class KVReceiver(ReceiverData, ReceiverRegion):
             for key in [k for k in self._chunk_rows if k[0] is req]:
                 del self._chunk_rows[key]
 
-    def _free_pages(self, req: RecvRequest) -> None:
-        for page in req.written_pages:
-            self._page_owner.pop(page, None)
-
-    def _reap_released(self) -> None:
-        """Released requests whose writers are done: their pages may be expected again."""
-        for key, req in list(self._released.items()):
-            if self._drained(req):
-                del self._released[key]
-                self._free_pages(req)
-
-    def _drained(self, req: RecvRequest) -> bool:
-        if req.status is TransferStatus.SUCCESS:
-            return True
-        return req.status.terminal and req.inflight == 0 and all(
-            link.direction == "pull" or id(link) in req.drained
-            or (link not in self._links and link.peer not in self._doubt)
-            for link in req.senders)
-
     def is_drained(self, request_id: str) -> bool:
         """True when nothing can write into this request's pages any more, so the decode side
         may hand them to another request: after SUCCESS; after FAILED/ABORTED once this rank's
@@ -453,18 +340,14 @@ class KVReceiver(ReceiverData, ReceiverRegion):
     def close(self, timeout_s: float = 5.0) -> None:
         """Stops the worker, fails live requests, closes the engine and sockets, releases the
         registrations; returns within ``timeout_s`` (+ a small margin). Idempotent."""
-        deadline = time.monotonic() + check_seconds("timeout_s", timeout_s)
-        self._closed = True
-        self._worker.stop(max(0.1, deadline - time.monotonic() - 1.0))
-        with self._lock:
-            for req in list(self._requests.values()):
-                self._end(req, TransferStatus.FAILED, "receiver closed", "failed")
-            self._flush()
-            for link in self._links:
-                link.client.close()
-        self.engine.close(timeout_s=max(0.1, deadline - time.monotonic()))
+        shut_down(self, timeout_s, "receiver", self._close_links)
         self._region.close()
         self._layers.close()
+
+    def _close_links(self) -> None:
+        self._flush()  # the "failed" frames of the live requests
+        for link in self._links:
+            link.client.close()
 
     def __enter__(self) -> "KVReceiver":
         return self

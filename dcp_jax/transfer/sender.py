@@ -32,7 +32,7 @@ from bridge import make_engine
 from pallas_kernels import PackSource, compile_count
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import (ACTIVE, IDLE, PENDING, Worker, check_liveness, check_page_table, check_seconds,
-                                      check_tokens)
+                                      check_tokens, shut_down)
 from dcp_jax.transfer.arena import PackArena
 from dcp_jax.transfer._sender_peers import SenderPeers
 from dcp_jax.transfer._region import SEND_MODES
@@ -317,19 +317,14 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
         """Stops the worker, fails what is live, closes the engine and sockets; releases every
         registration. Returns within ``timeout_s`` (+ a small margin) whatever the engine does.
         Idempotent."""
-        deadline = time.monotonic() + check_seconds("timeout_s", timeout_s)
-        self._closed = True
-        if not self._worker.stop(max(0.1, deadline - time.monotonic() - 1.0)):
-            logger.warning("sender worker did not stop in time; closing under it")
-        with self._lock:
-            for req in list(self._requests.values()):
-                self._end(req, TransferStatus.FAILED, "sender closed", notify="failed")
-            self._ctl.close()
-            for conn in self._conns.values():
-                conn.close_mapping()
-        self.engine.close(timeout_s=max(0.1, deadline - time.monotonic()))
+        shut_down(self, timeout_s, "sender", self._close_conns)
         self._source = None
         self._layers.close()
+
+    def _close_conns(self) -> None:
+        self._ctl.close()
+        for conn in self._conns.values():
+            conn.close_mapping()
 
     def __enter__(self) -> "KVSender":
         return self
