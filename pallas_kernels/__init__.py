@@ -6,6 +6,7 @@ window of a round in one kernel launch, in `pallas_kernels.pack_windows`);
 `pack_region`, one pack API over the TPU, GPU, XLA and host backends, in `pallas_kernels.registry`.
 """
 
+from pallas_kernels import gather as _gather
 from pallas_kernels.gather import (
     BACKENDS,
     MAX_PACK_WORDS,
@@ -35,26 +36,13 @@ from pallas_kernels.registry import (
 from pallas_kernels.unpack import SCATTER_BACKENDS, copy_rows, synchronize, unpack_rows
 
 __all__ = [
-    "BACKENDS",
-    "MAX_PACK_WORDS",
-    "MAX_WORD_OFFSET",
-    "GatherConfig",
-    "addressable_words",
-    "PackSource",
-    "bucket_rows",
-    "clear_import_cache",
-    "compile_count",
-    "gather_rows",
-    "gather_rows_reference",
-    "pack_rows",
+    # The gather, its knobs and the host contract (`pack_rows`, `PackSource`): gather's names.
+    *_gather.__all__,
     "pack_windows",
     "SCATTER_BACKENDS",
     "copy_rows",
     "synchronize",
     "unpack_rows",
-    "pow2_chunks",
-    "select_backend",
-    "word_dtype",
     # One pack API over every accelerator (pallas_kernels.registry, pallas_kernels.backends).
     "PackBackend",
     "available_backends",

@@ -38,12 +38,15 @@ from pallas_kernels import device
 from pallas_kernels.config import (
     BACKENDS,
     GatherConfig,
-    addressable_words,
     bucket_rows,
     select_backend,
     word_dtype,
 )
 from pallas_kernels._args import offset_arg
+from pallas_kernels._buffer_args import check_indices, check_layers, check_range, check_word_offset, is_cupy
+# The names these checks had here (tests and `pallas_kernels.gather` import them from `pack`).
+from pallas_kernels._buffer_args import check_word_offset as _check_word_offset  # noqa: F401
+from pallas_kernels._buffer_args import is_cupy as _is_cupy  # noqa: F401
 from pallas_kernels.gather import _gather_rows_jit, gather_rows
 from pallas_kernels.row_copy import preload_lowering
 from pallas_kernels.host import (  # noqa: F401  (re-exported: tests and callers use these names)
@@ -64,30 +67,6 @@ ALIGN_HINT_BYTES = 16
 _CHECKED_LAYERS: dict[tuple, "_CheckedLayers"] = {}  # (on_device, layer ids) -> checks
 _IMPORTED_LAYERS: dict[tuple, tuple] = {}  # (on_device, layer ids) -> (token, JAX views)
 _MAX_CACHED_LAYERS = 64
-
-
-def _is_cupy(a) -> bool:
-    return type(a).__module__.split(".")[0] == "cupy"
-
-
-def _check_layers(layers, on_device: bool, other: str) -> tuple[tuple[int, ...], int]:
-    """(item_lens, min rows) of layer buffers that must all be of `on_device`'s kind.
-
-    Raises:
-        TypeError: not a numpy/CuPy array, a kind other than `other`'s, or not uint8.
-        ValueError: not 2-D.
-    """
-    for l, a in enumerate(layers):
-        if not (isinstance(a, np.ndarray) or _is_cupy(a)):
-            raise TypeError(f"layers[{l}] must be a numpy or CuPy uint8 array, got "
-                            f"{type(a).__name__}")
-        if _is_cupy(a) != on_device:
-            raise TypeError(f"layers[{l}] and {other} must both be numpy or both CuPy arrays")
-        if a.ndim != 2:
-            raise ValueError(f"layers[{l}] must be 2-D [num_rows, kv_item_len], got {a.shape}")
-        if a.dtype != np.uint8:
-            raise TypeError(f"layers[{l}] dtype {a.dtype} must be uint8 (view rows as bytes)")
-    return tuple(int(a.shape[1]) for a in layers), min(int(a.shape[0]) for a in layers)
 
 
 def _device_views(layers, word: np.dtype, owning: bool) -> list:
@@ -146,8 +125,8 @@ class PackSource:
     def __init__(self, layers):
         if not isinstance(layers, (list, tuple)) or not layers:
             raise ValueError("layers must be a non-empty list of 2-D uint8 arrays")
-        self.on_device = _is_cupy(layers[0])
-        self.item_lens, self.num_rows = _check_layers(layers, self.on_device, "layers[0]")
+        self.on_device = is_cupy(layers[0])
+        self.item_lens, self.num_rows = check_layers(layers, self.on_device, "layers[0]")
         self.layers = tuple(layers)
         self.word = word_dtype(self.item_lens)
         self._views = None
@@ -197,7 +176,7 @@ def _checked(layers, on_device: bool):
     if entry is not None and len(entry.refs) == len(layers) and all(
             map(operator.is_, [r() for r in entry.refs], layers)):
         return key, entry
-    entry = _CheckedLayers(*_check_layers(layers, on_device, "pack"))
+    entry = _CheckedLayers(*check_layers(layers, on_device, "pack"))
     try:
         callback = lambda ref, key=key, token=entry.token: _evict(key, token, ref)  # noqa: E731
         entry.refs = tuple(weakref.ref(a, callback) for a in layers)
@@ -283,7 +262,7 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
         raise ValueError(f"{offset=} must be a non-negative int (bytes)")
     offset = int(offset)
     check_threads(threads)
-    idx = _indices(indices, on_device, "indices")
+    idx = check_indices(indices, "indices", device_ok=on_device)
     n = int(idx.shape[0])
     total = n * sum(item_lens)
     if offset + total > pack.nbytes:
@@ -295,11 +274,11 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
     if backend == "auto":
         backend = "numpy" if not on_device else select_backend("auto")
     if backend != "numpy":
-        _check_word_offset(offset, total, entry.word, item_lens, pack if on_device else None,
-                           pack.nbytes, backend)
+        check_word_offset(offset, total, entry.word, item_lens, pack if on_device else None,
+                          pack.nbytes, backend)
     if n == 0:
         return 0
-    _check_bounds(idx, num_rows, "indices")
+    check_range(idx, "indices", num_rows)
     if backend == "numpy":
         if on_device:
             raise ValueError("backend='numpy' needs numpy (host) buffers")
@@ -321,12 +300,12 @@ def _resolve(layers, pack, config):
     source = layers if isinstance(layers, PackSource) else None
     if source is None and (not isinstance(layers, (list, tuple)) or not layers):
         raise ValueError("layers must be a non-empty list of 2-D uint8 arrays")
-    if not (isinstance(pack, np.ndarray) or _is_cupy(pack)):
+    if not (isinstance(pack, np.ndarray) or is_cupy(pack)):
         raise TypeError(f"pack must be a numpy or CuPy uint8 array (the registered buffer), got "
                         f"{type(pack).__name__}")
     if config is not None and not isinstance(config, GatherConfig):
         raise TypeError(f"config must be a GatherConfig or None, got {type(config).__name__}")
-    on_device = _is_cupy(pack)
+    on_device = is_cupy(pack)
     if source is not None:
         if source.on_device != on_device:
             raise TypeError("layers (a PackSource) and pack must both be numpy or both CuPy")
@@ -340,56 +319,6 @@ def _resolve(layers, pack, config):
     if not on_device and not pack.flags.writeable:
         raise ValueError("pack must be writeable (a registered buffer, not a read-only view)")
     return source, key, entry, layers, on_device
-
-
-def _indices(indices, on_device: bool, name: str):
-    """1-D integer indices: CuPy kept on a device call, else a numpy array (ValueError /
-    TypeError naming `name`)."""
-    if on_device and _is_cupy(indices):
-        idx = indices
-    else:
-        idx = np.asarray(indices)
-        if idx.size == 0:
-            idx = idx.astype(np.int64)
-    if idx.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {idx.shape}")
-    if not np.issubdtype(idx.dtype, np.integer):
-        raise TypeError(f"{name} dtype {idx.dtype} must be an integer type")
-    return idx
-
-
-def _check_bounds(idx, num_rows: int, name: str) -> None:
-    """ValueError naming `name` unless every index is in [0, num_rows) (CuPy: one sync)."""
-    if not idx.shape[0]:
-        return
-    if _is_cupy(idx):
-        import cupy as cp
-
-        lo, hi = (int(v) for v in cp.stack([idx.min(), idx.max()]).get())  # one sync
-    else:
-        lo, hi = int(idx.min()), int(idx.max())
-    if lo < 0:
-        raise ValueError(f"{name} must be >= 0, got min {lo}")
-    if hi >= num_rows:
-        raise ValueError(f"{name} must be < num_rows={num_rows} of every layer, got max {hi}")
-
-
-def _check_word_offset(offset: int, total: int, word: np.dtype, item_lens, device_pack,
-                       pack_bytes: int, backend: str) -> None:
-    """The Pallas paths' rules: word-aligned offset and address, region end addressable."""
-    ws = word.itemsize
-    if offset % ws:
-        raise ValueError(f"{offset=} must be a multiple of {ws} bytes on the Pallas paths: the "
-                         f"word ({word.name}) of rows of {list(item_lens)} B "
-                         "(backend='numpy' takes any offset)")
-    limit = addressable_words(pack_bytes // ws, ws, backend)
-    if (offset + total) // ws > limit:
-        raise ValueError(f"{offset=} + {total} B ends past word {limit} of {word.name}, the last "
-                         f"one the kernel addresses in a pack of {pack_bytes} B (uint32 word "
-                         "indices; int32 offsets below 4 GiB and for mosaic)")
-    if device_pack is not None and device_pack.data.ptr % ws:
-        raise ValueError(f"pack address {device_pack.data.ptr:#x} must be a multiple of {ws} "
-                         f"bytes (the {word.name} word)")
 
 
 def _offset_align(offset: int, word: np.dtype) -> int:

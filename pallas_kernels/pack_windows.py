@@ -12,12 +12,10 @@ import numpy as np
 from pallas_kernels import device
 from pallas_kernels.config import BACKENDS, GatherConfig, select_backend
 from pallas_kernels.host import _region_units, _run_units, check_threads, host_threads
+from pallas_kernels._buffer_args import check_indices, check_range, check_word_offset
 from pallas_kernels.pack import (
     _cached_device_views,
-    _check_bounds,
-    _check_word_offset,
     _copy_view,
-    _indices,
     _offset_align,
     _resolve,
     pack_rows,
@@ -76,8 +74,8 @@ def pack_windows(layers, windows, pack, *, backend: str = "auto",
     for w, (idx, off) in enumerate(wins):
         if backend != "numpy" and len(idx):
             try:
-                _check_word_offset(off, len(idx) * sum(item_lens), word, item_lens,
-                                   pack if on_device else None, pack.nbytes, backend)
+                check_word_offset(off, len(idx) * sum(item_lens), word, item_lens,
+                                  pack if on_device else None, pack.nbytes, backend)
             except ValueError as exc:
                 raise ValueError(f"windows[{w}]: {exc}") from None
     total = sum(len(idx) for idx, _ in wins) * sum(item_lens)
@@ -120,12 +118,12 @@ def _check_windows(windows, on_device, row_bytes, num_rows, pack_bytes):
         indices, off = win
         if isinstance(off, bool) or not isinstance(off, (int, np.integer)) or off < 0:
             raise ValueError(f"windows[{w}] offset={off!r} must be a non-negative int (bytes)")
-        idx = _indices(indices, on_device, f"windows[{w}] indices")
+        idx = check_indices(indices, f"windows[{w}] indices", device_ok=on_device)
         off, n = int(off), int(idx.shape[0])
         if off + n * row_bytes > pack_bytes:
             raise ValueError(f"windows[{w}] region overflow: offset={off} + {n} rows x "
                              f"{row_bytes} B = {off + n * row_bytes} B > pack of {pack_bytes} B")
-        _check_bounds(idx, num_rows, f"windows[{w}] indices")
+        check_range(idx, f"windows[{w}] indices", num_rows)
         out.append((idx, off))
     spans = sorted((off, off + len(idx) * row_bytes, w) for w, (idx, off) in enumerate(out)
                    if len(idx))

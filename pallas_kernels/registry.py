@@ -34,6 +34,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pallas_kernels.config import word_dtype
+
 KINDS = ("numpy", "cupy", "jax")
 PLATFORMS = ("host", "cpu", "tpu", "cuda", "rocm")
 
@@ -70,6 +72,18 @@ class PackBackend(abc.ABC):
 
     def unsupported(self, item_lens: tuple[int, ...], offset: int) -> str | None:
         """Why this backend cannot take rows of `item_lens` bytes at byte `offset` (or None)."""
+        return None
+
+
+class WordBackend(PackBackend):
+    """A backend whose kernel moves words (`pallas_kernels.word_dtype` of the row lengths): the
+    region's byte offset must be a multiple of the word (the Pallas GPU and TPU backends)."""
+
+    def unsupported(self, item_lens: tuple[int, ...], offset: int) -> str | None:
+        word = word_dtype(item_lens)
+        if offset % word.itemsize:
+            return (f"offset={offset} must be a multiple of {word.itemsize} B (the {word.name} "
+                    f"word of rows of {list(item_lens)} B)")
         return None
 
     @abc.abstractmethod
@@ -296,7 +310,7 @@ def _to_host(a) -> np.ndarray:
 
 
 __all__ = [
-    "AUTO_ORDER", "PackBackend", "array_kind", "array_platform", "available_backends",
+    "AUTO_ORDER", "PackBackend", "WordBackend", "array_kind", "array_platform", "available_backends",
     "backend_names", "get_backend", "pack_region", "reference_region", "register_backend",
     "select_pack_backend",
 ]

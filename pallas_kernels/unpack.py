@@ -35,7 +35,7 @@ import numpy as np
 from pallas_kernels import device
 from pallas_kernels.config import GatherConfig, select_backend
 from pallas_kernels.host import check_threads, copy_host, unpack_host
-from pallas_kernels.pack import _is_cupy
+from pallas_kernels._buffer_args import check_indices, check_range, is_cupy as _is_cupy
 from pallas_kernels.unpack_device import (
     check_pallas_region,
     copy_cupy,
@@ -102,53 +102,6 @@ def _check_layer_list(layers, name: str, *, writeable: bool) -> tuple[str, tuple
     if len(kinds) != 1:
         raise TypeError(f"{name} must be all numpy (host) or all CuPy (device) arrays")
     return kinds.pop(), tuple(int(a.shape[1]) for a in layers), min(int(a.shape[0]) for a in layers)
-
-
-def _indices(indices, name: str, *, device_ok: bool):
-    """1-D integer indices (numpy int64 view, or the CuPy array itself when `device_ok`)."""
-    if device_ok and _is_cupy(indices):
-        idx = indices
-    else:
-        if _is_cupy(indices):
-            raise TypeError(f"{name} is a CuPy array but the layers are numpy (host) arrays")
-        idx = np.asarray(indices)
-        if idx.size == 0:
-            idx = idx.astype(np.int64)
-    if idx.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {idx.shape}")
-    if not np.issubdtype(idx.dtype, np.integer):
-        raise TypeError(f"{name} dtype {idx.dtype} must be an integer type")
-    return idx
-
-
-def _check_range(idx, name: str, num_rows: int, layers_name: str, *, unique: bool) -> None:
-    """Every index in [0, num_rows), and (`unique`) no index twice. CuPy: one sync."""
-    if idx.shape[0] == 0:
-        return
-    if _is_cupy(idx):
-        import cupy as cp
-
-        parts = [idx.min(), idx.max()]
-        if unique:
-            s = cp.sort(idx)
-            parts.append((s[1:] == s[:-1]).any().astype(idx.dtype) if s.size > 1
-                         else cp.zeros((), idx.dtype))
-        vals = [int(v) for v in cp.stack(parts).get()]  # one sync
-        lo, hi, dup = vals[0], vals[1], (vals[2] if unique else 0)
-    else:
-        lo, hi = int(idx.min()), int(idx.max())
-        dup = 0
-        if unique and idx.shape[0] > 1:
-            s = np.sort(idx)
-            dup = int(np.any(s[1:] == s[:-1]))
-    if lo < 0:
-        raise ValueError(f"{name} must be >= 0, got min {lo}")
-    if hi >= num_rows:
-        raise ValueError(f"{name} must be < num_rows={num_rows} of every layer of {layers_name}, "
-                         f"got max {hi}")
-    if dup:
-        raise ValueError(f"{name} must be unique (destination rows): a row written twice would "
-                         "hold one of the candidates, unspecified which")
 
 
 def _extent(a) -> tuple[int, int]:
@@ -271,7 +224,7 @@ def unpack_rows(pack, layers, indices, *, offset: int = 0, backend: str = "auto"
     offset = int(offset)
     check_threads(threads)
     backend = _resolve(backend, on_device)
-    idx = _indices(indices, "indices", device_ok=on_device)
+    idx = check_indices(indices, "indices", device_ok=on_device)
     n = int(idx.shape[0])
     total = n * sum(item_lens)
     size = int(pack.size)
@@ -286,7 +239,7 @@ def unpack_rows(pack, layers, indices, *, offset: int = 0, backend: str = "auto"
     if n == 0:
         return
     if not checked:
-        _check_range(idx, "indices", num_rows, "layers", unique=True)
+        check_range(idx, "indices", num_rows, "layers", unique=True)
     if backend == "numpy":
         unpack_host(pack, layers, idx, offset, item_lens, threads)
     elif backend == "cupy":
@@ -348,8 +301,8 @@ def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str 
                              f"dst_layers[{l}] rows {b} B")
     check_threads(threads)
     backend = _resolve(backend, on_device)
-    sidx = _indices(src_indices, "src_indices", device_ok=on_device)
-    didx = _indices(dst_indices, "dst_indices", device_ok=on_device)
+    sidx = check_indices(src_indices, "src_indices", device_ok=on_device)
+    didx = check_indices(dst_indices, "dst_indices", device_ok=on_device)
     if sidx.shape[0] != didx.shape[0]:
         raise ValueError(f"src_indices ({sidx.shape[0]}) and dst_indices ({didx.shape[0]}) must "
                          "have the same length")
@@ -358,8 +311,8 @@ def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str 
     if sidx.shape[0] == 0:
         return
     if not checked:
-        _check_range(sidx, "src_indices", s_rows, "src_layers", unique=False)
-        _check_range(didx, "dst_indices", d_rows, "dst_layers", unique=True)
+        check_range(sidx, "src_indices", s_rows, "src_layers", unique=False)
+        check_range(didx, "dst_indices", d_rows, "dst_layers", unique=True)
     if backend == "numpy":
         copy_host(list(src_layers), sidx, list(dst_layers), didx, s_lens, threads)
     elif backend == "cupy":

@@ -29,7 +29,8 @@ from pallas_kernels.config import (
     bucket_rows,
     word_dtype,
 )
-from pallas_kernels.pack import _is_cupy, _offset_align
+from pallas_kernels._buffer_args import is_cupy as _is_cupy
+from pallas_kernels.pack import _offset_align
 
 
 def _is_jax(a) -> bool:

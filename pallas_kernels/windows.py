@@ -9,7 +9,7 @@ How one kernel serves W regions (`window_blocks`): the windows' row indices are 
 end in one index vector, each window starting at a multiple of `block_rows`, so every row block
 (one kernel program) lies in exactly one window. A per-block table i32[num_blocks, 4] gives the
 block its window's (offset units, row count, first row of the block, ok); the kernel body is
-`pallas_kernels.gather._gather_kernel` with `windowed=True`, so the layer-major layout and the
+`pallas_kernels.triton_gather.gather_kernel` with `windowed=True`, so the layer-major layout and the
 address arithmetic (uint32 words) are the ones of `gather_rows`. Blocks past the last window
 have ok = 0 and write nothing. What compiles: one kernel per (index bucket
 `bucket_rows(sum of block-rounded window rows)`, shapes, config, backend, offset_align); the
@@ -26,8 +26,9 @@ import numpy as np
 
 from pallas_kernels._args import offset_arg, static_validate
 from pallas_kernels.config import GatherConfig, bucket_rows, select_backend
-from pallas_kernels.gather import _STATIC_ARGNAMES, _gather_triton, gather_rows_reference
+from pallas_kernels.gather import _STATIC_ARGNAMES, gather_rows_reference
 from pallas_kernels.row_copy import preload_lowering
+from pallas_kernels.triton_gather import gather_call
 
 __all__ = ["gather_windows", "gather_windows_reference", "window_blocks"]
 
@@ -120,9 +121,9 @@ def _gather_windows_jit(src, indices, pack, blocks, *, config, backend, offset_a
     if int(indices.shape[0]) == 0:
         return pack
     idx = indices if indices.dtype == jnp.int32 else indices.astype(jnp.int32)
-    return _gather_triton(src, idx, pack, blocks.astype(jnp.int32), shapes=tuple(shapes),
-                          stacked=stacked, config=config, interpret=backend == "interpret",
-                          offset_align=offset_align, windowed=True)
+    return gather_call(src, idx, pack, blocks.astype(jnp.int32), shapes=tuple(shapes),
+                       stacked=stacked, config=config, interpret=backend == "interpret",
+                       offset_align=offset_align, windowed=True)
 
 
 def gather_windows_reference(src, windows, pack) -> jax.Array:

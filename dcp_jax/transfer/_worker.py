@@ -14,6 +14,7 @@ import zmq
 
 from dcp_jax.transfer.control import zmq_context
 from dcp_jax.transfer.status import TransferStatus
+from pallas_kernels._buffer_args import as_1d
 
 __all__ = ["Worker", "IDLE", "PENDING", "ACTIVE", "TIMEOUT_CHECK_S", "MAX_TOKENS", "check_page_table", "check_seconds",
            "check_tokens", "shut_down"]
@@ -217,11 +218,7 @@ def check_page_table(page_table: Any, rows: int, page_size: int, num_pages: int,
         TypeError: not integers.  ValueError: not 1-D, too few pages (says how many are needed),
             page ids beyond int64 (names the entry), negative, repeated or >= num_pages.
     """
-    a = np.asarray(page_table)
-    if a.size == 0:
-        a = a.astype(np.int64)
-    if a.ndim != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    a = as_1d(page_table, name)
     # An id beyond int64 makes numpy pick object or float (a list) or uint64 (which would wrap).
     if a.dtype.kind in "Of" or (a.dtype == np.uint64 and a.size and int(a.max()) > _I64[1]):
         ids = a.tolist() if isinstance(page_table, np.ndarray) else list(page_table)

@@ -22,7 +22,7 @@ import numpy as np
 from pallas_kernels import GatherConfig, bucket_rows, gather_rows, pack_rows, word_dtype
 from pallas_kernels.backends.tpu import _as_bytes, _as_words
 from pallas_kernels.pack import _offset_align
-from pallas_kernels.registry import PackBackend, register_backend
+from pallas_kernels.registry import WordBackend, register_backend
 
 MOSAIC_ROW_QUANTUM = 128  # bytes: a bulk copy moves a multiple of the warpgroup size
 MOSAIC_OFFSET_ALIGN = 16
@@ -42,7 +42,7 @@ def _word_split(pack, word):
     return _as_words(pack[:full], word), pack[full:]
 
 
-class _GpuBackend(PackBackend):
+class _GpuBackend(WordBackend):
     kernel = ""  # pack_rows / gather_rows backend name
 
     def __init__(self, interpret: bool):
@@ -55,13 +55,6 @@ class _GpuBackend(PackBackend):
             return None
         if not _jax_gpu():
             return f"no GPU for JAX (use gpu-{self.kernel}-interpret on a CPU)"
-        return None
-
-    def unsupported(self, item_lens, offset):
-        word = word_dtype(item_lens)
-        if offset % word.itemsize:
-            return (f"offset={offset} must be a multiple of {word.itemsize} B (the {word.name} "
-                    f"word of rows of {list(item_lens)} B)")
         return None
 
 

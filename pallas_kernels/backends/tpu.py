@@ -34,7 +34,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import bucket_rows, word_dtype
-from pallas_kernels.registry import PackBackend, register_backend
+from pallas_kernels.registry import WordBackend, register_backend
 
 ROW_WINDOW = 8  # row DMAs in flight per layer loop (semaphore slots)
 MIN_ROW_BUCKET = 8
@@ -192,7 +192,7 @@ def whole_pages(idx: np.ndarray, page_size: int) -> np.ndarray | None:
     return (first // page_size).astype(np.int32)
 
 
-class TpuBackend(PackBackend):
+class TpuBackend(WordBackend):
     """``tpu`` (a TPU device) or ``tpu-interpret`` (CPU): `gather_rows_tpu` / `gather_pages_tpu`.
 
     `path`: "auto" (pages when `page_size` is given and the indices are whole aligned pages
@@ -208,13 +208,6 @@ class TpuBackend(PackBackend):
             return None
         if not any(d.platform == "tpu" for d in jax.devices()):
             return "no TPU device (use tpu-interpret on a CPU)"
-        return None
-
-    def unsupported(self, item_lens, offset):
-        word = word_dtype(item_lens)
-        if offset % word.itemsize:
-            return (f"offset={offset} must be a multiple of {word.itemsize} B (the {word.name} "
-                    f"word of rows of {list(item_lens)} B)")
         return None
 
     def _pack(self, layers, idx, pack, offset, kind, page_size):

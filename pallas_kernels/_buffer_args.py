@@ -1,0 +1,133 @@
+"""Argument checks of the host contracts (`pack_rows`, `pack_windows`, `unpack_rows`,
+`copy_rows`): numpy / CuPy layer buffers, index arrays and pack byte offsets.
+
+Every check raises TypeError or ValueError naming the argument. The jitted kernels' own
+checks (traced shapes, int32 metadata) are in `pallas_kernels._args`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pallas_kernels.config import addressable_words
+
+
+def is_cupy(a) -> bool:
+    """True for a CuPy array (judged by its type's module: CuPy need not be installed)."""
+    return type(a).__module__.split(".")[0] == "cupy"
+
+
+def check_layers(layers, on_device: bool, other: str) -> tuple[tuple[int, ...], int]:
+    """(item_lens, min rows) of layer buffers that must all be of `on_device`'s kind.
+
+    Raises:
+        TypeError: not a numpy/CuPy array, a kind other than `other`'s, or not uint8.
+        ValueError: not 2-D.
+    """
+    for l, a in enumerate(layers):
+        if not (isinstance(a, np.ndarray) or is_cupy(a)):
+            raise TypeError(f"layers[{l}] must be a numpy or CuPy uint8 array, got "
+                            f"{type(a).__name__}")
+        if is_cupy(a) != on_device:
+            raise TypeError(f"layers[{l}] and {other} must both be numpy or both CuPy arrays")
+        if a.ndim != 2:
+            raise ValueError(f"layers[{l}] must be 2-D [num_rows, kv_item_len], got {a.shape}")
+        if a.dtype != np.uint8:
+            raise TypeError(f"layers[{l}] dtype {a.dtype} must be uint8 (view rows as bytes)")
+    return tuple(int(a.shape[1]) for a in layers), min(int(a.shape[0]) for a in layers)
+
+
+def as_1d(values: Any, name: str) -> np.ndarray:
+    """``values`` (a sequence or array) as a 1-D numpy array, an empty one as int64 (an empty
+    list would be float64). The dtype is the caller's to check.
+
+    Raises:
+        ValueError: not 1-D (names ``name`` and the shape).
+    """
+    a = np.asarray(values)
+    if a.size == 0:
+        a = a.astype(np.int64)
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
+    return a
+
+
+def check_indices(values, name: str, *, device_ok: bool):
+    """1-D integer row indices: the CuPy array itself when ``device_ok``, else a numpy array.
+
+    Raises:
+        TypeError: a CuPy array where the buffers are numpy (host) arrays, or not integers.
+        ValueError: not 1-D.
+    """
+    if device_ok and is_cupy(values):
+        idx = values
+        if idx.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {idx.shape}")
+    else:
+        if is_cupy(values):
+            raise TypeError(f"{name} is a CuPy array but the layers are numpy (host) arrays")
+        idx = as_1d(values, name)
+    if not np.issubdtype(idx.dtype, np.integer):
+        raise TypeError(f"{name} dtype {idx.dtype} must be an integer type")
+    return idx
+
+
+def check_range(idx, name: str, num_rows: int, layers_name: str | None = None, *,
+                unique: bool = False) -> None:
+    """Every index in [0, num_rows), and (`unique`) no index twice. CuPy: one sync.
+
+    Raises:
+        ValueError: an index out of range (the message names `name`, and `layers_name` when
+            given) or, with `unique`, repeated.
+    """
+    if idx.shape[0] == 0:
+        return
+    if is_cupy(idx):
+        import cupy as cp
+
+        parts = [idx.min(), idx.max()]
+        if unique:
+            s = cp.sort(idx)
+            parts.append((s[1:] == s[:-1]).any().astype(idx.dtype) if s.size > 1
+                         else cp.zeros((), idx.dtype))
+        vals = [int(v) for v in cp.stack(parts).get()]  # one sync
+        lo, hi, dup = vals[0], vals[1], (vals[2] if unique else 0)
+    else:
+        lo, hi = int(idx.min()), int(idx.max())
+        dup = 0
+        if unique and idx.shape[0] > 1:
+            s = np.sort(idx)
+            dup = int(np.any(s[1:] == s[:-1]))
+    if lo < 0:
+        raise ValueError(f"{name} must be >= 0, got min {lo}")
+    if hi >= num_rows:
+        of = "" if layers_name is None else f" of {layers_name}"
+        raise ValueError(f"{name} must be < num_rows={num_rows} of every layer{of}, got max {hi}")
+    if dup:
+        raise ValueError(f"{name} must be unique (destination rows): a row written twice would "
+                         "hold one of the candidates, unspecified which")
+
+
+def check_word_offset(offset: int, total: int, word: np.dtype, item_lens, device_pack,
+                      pack_bytes: int, backend: str) -> None:
+    """The Pallas paths' rules: word-aligned offset and address, region end addressable.
+
+    Raises:
+        ValueError: ``offset`` (bytes) off the word, the region ending past the last word the
+            kernel addresses, or a device pack whose address is off the word.
+    """
+    ws = word.itemsize
+    if offset % ws:
+        raise ValueError(f"{offset=} must be a multiple of {ws} bytes on the Pallas paths: the "
+                         f"word ({word.name}) of rows of {list(item_lens)} B "
+                         "(backend='numpy' takes any offset)")
+    limit = addressable_words(pack_bytes // ws, ws, backend)
+    if (offset + total) // ws > limit:
+        raise ValueError(f"{offset=} + {total} B ends past word {limit} of {word.name}, the last "
+                         f"one the kernel addresses in a pack of {pack_bytes} B (uint32 word "
+                         "indices; int32 offsets below 4 GiB and for mosaic)")
+    if device_pack is not None and device_pack.data.ptr % ws:
+        raise ValueError(f"pack address {device_pack.data.ptr:#x} must be a multiple of {ws} "
+                         f"bytes (the {word.name} word)")
