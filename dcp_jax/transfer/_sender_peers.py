@@ -21,7 +21,7 @@ from dcp_jax.transfer._worker import check_page_table, pings_fit
 from dcp_jax.transfer.requests import RankTarget, SendRequest, check_request_id
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
 from dcp_jax.transfer.status import TransferStatus
-from dcp_jax.transfer.views import stream_view, uses_views, view_path
+from dcp_jax.transfer.views import served_group_ranks, stream_view, uses_views, view_path
 
 __all__ = ["SenderPeers", "Conn"]
 
@@ -313,10 +313,15 @@ class SenderPeers:
         old = req.targets.get(rank)
         if old is not None or (req.group is not None and req.group != conn.group):
             self._counts["dropped_messages"] += 1  # a duplicate or a second group: not ours
-            return
             _warn("dropped an announcement of request %r from decode rank %d (%s): a duplicate or "
                   "another group's", rid, rank, conn.name)
-        req.group, req.group_size = conn.group, conn.spec.group_size
+            return
+        if req.needed is None:
+            try:
+                needed = served_group_ranks(self.spec, conn.spec)
+            except HandshakeError:  # a pairing no rank of the group was refused for: wait for all
+                needed = frozenset(range(conn.spec.group_size))
+            req.group, req.needed = conn.group, needed
         req.targets[rank] = RankTarget(conn, msg["inc"], msg["num_tokens"], msg["prefix_tokens"], table)
         self._to_plan[req] = None
         req.state.touch()

@@ -388,8 +388,8 @@ def _waiting_for(req: SendRequest) -> str:
     announced it (no ``expect`` arrived), or nothing sent yet."""
     if not req.targets:
         return ": no decode rank announced this request (no expect arrived: is a receiver connected and expecting it?)"
-    if req.group_size is not None and len(req.targets) < req.group_size:
-        missing = sorted(set(range(req.group_size)) - set(req.targets))
+    if req.needed is not None and not req.needed <= req.targets.keys():
+        missing = sorted(req.needed - req.targets.keys())
         return f": decode rank(s) {missing[:8]} of group {req.group!r} never announced it (no expect arrived)"
     if not req.chunks:
         return ": every rank announced it, but send() was never called for it"

@@ -42,6 +42,7 @@ from dcp_jax.transfer.schedule import SideLayout
 from dcp_jax.transfer.spec import KVCacheSpec
 from dcp_jax.transfer.staging import side_staged
 from dcp_jax.transfer.status import TransferStatus
+from dcp_jax.transfer.views import pair_moves
 
 __all__ = ["KVReceiver", "DIRECTIONS"]
 
@@ -232,8 +233,10 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
             if clash is not None:
                 raise ValueError(f"page_table: page {clash} is written by request {self._page_owner[clash]!r}, "
                                  "still held (requests must write disjoint pages; release that one first)")
+            # Only the senders that move this rank something (`views.pair_moves`): a pair with
+            # no head in common has nothing to send, and its sender does not wait for this rank.
             req = RecvRequest(rid, secrets.randbits(62) + 1, table, int(num_tokens), int(prefix_tokens),
-                              self._links)
+                              [link for link in self._links if pair_moves(link.spec, s)])
             req.written_pages = written
             self._page_owner.update(dict.fromkeys(written, rid))
             self._requests[rid] = req

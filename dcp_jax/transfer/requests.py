@@ -152,7 +152,9 @@ class SendRequest:
         self.chunks: list[tuple[int, int]] = []
         self.sent = Coverage()
         self.group: str | None = None
-        self.group_size: int | None = None
+        # The decode group ranks this sender moves bytes to (`views.served_group_ranks`), set by
+        # the first announcement: the ranks the request waits for here.
+        self.needed: frozenset[int] | None = None
         self.targets: dict[int, RankTarget] = {}
         self.inflight = 0          # units submitted and not yet reported done by the engine
         self.plan_seconds = 0.0
@@ -168,7 +170,7 @@ class SendRequest:
         return self.state.status
 
     def complete(self) -> bool:
-        return (self.group_size is not None and len(self.targets) == self.group_size
+        return (self.needed is not None and self.needed <= self.targets.keys()
                 and all(t.complete for t in self.targets.values()))
 
     def finish(self, status: TransferStatus, reason: str = "") -> bool:

@@ -15,8 +15,11 @@ views, each side's `KVCacheSpec` declares its ``layout`` (a name of `dcp_jax.het
 The token rows are the schedule's as for any pair (each side's own page size, DCP size and
 interleave); `StreamView.descriptors` turns ``(src_rows, dst_rows)`` into direct cache-to-cache
 descriptors through both layouts (`dcp_jax.hetero.engine_path.pair_descriptors`), so every layout
-pair lands in place, without a pack or a decode-side scatter. A pair with no piece still sends its
-chunks' completions (notification-only batches), so the decode rank's completion rule is unchanged.
+pair lands in place, without a pack or a decode-side scatter. A pair with no piece (`pair_moves`
+False) is not part of a request: the decode rank announces it only to the senders that move it
+something, and a sender waits only for the decode ranks it moves something to
+(`served_group_ranks`); so a decode rank may connect to just the prefill TP ranks holding its heads
+(vLLM's pairing) and both sides still end SUCCESS.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ from dcp_jax.hetero.layouts import CacheGeometry, cache_shape, gather_to_wire, p
 from dcp_jax.hetero.plan import HeteroPlanError, HeteroSide, head_pieces
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec
 
-__all__ = ["uses_views", "check_view_pair", "StreamView", "stream_view", "pair_pieces", "uncovered_heads", "view_path",
+__all__ = ["uses_views", "check_view_pair", "StreamView", "stream_view", "pair_pieces", "pair_moves", "served_group_ranks",
+           "uncovered_heads", "view_path",
            "VIEW_MODES"]
 
 
@@ -222,6 +226,36 @@ def pair_pieces(prefill: KVCacheSpec, decode: KVCacheSpec) -> np.ndarray:
     """
     p, d = check_view_pair(prefill, decode)
     return _pieces(p, d, prefill.tp_rank, decode.tp_rank)
+
+
+def pair_moves(prefill: KVCacheSpec, decode: KVCacheSpec) -> bool:
+    """Whether the pair moves any bytes: rows move whole, or `pair_pieces` is not empty.
+
+    Raises:
+        HandshakeError: as `check_view_pair`.
+    """
+    return not uses_views(prefill, decode) or len(pair_pieces(prefill, decode)) > 0
+
+
+@functools.lru_cache(maxsize=256)
+def served_group_ranks(prefill: KVCacheSpec, decode: KVCacheSpec) -> frozenset[int]:
+    """The decode group ranks (``tp_rank * dcp_size + dcp_rank``, `KVCacheSpec.group_rank`) the
+    sender ``prefill`` moves bytes to: the ones a request waits for at that sender.
+
+    Args:
+        prefill: the sender's spec.
+        decode: the spec of any rank of the decode group (its ``dcp_size``/``tp_size`` and
+            geometry; the other ranks differ only in ``dcp_rank``/``tp_rank``).
+
+    Raises:
+        HandshakeError: as `check_view_pair`.
+    """
+    if not uses_views(prefill, decode):
+        return frozenset(range(decode.group_size))
+    p, d = check_view_pair(prefill, decode)
+    # The pieces depend on the TP ranks only (every DCP rank holds every head of its TP rank).
+    moves = [len(_pieces(p, d, prefill.tp_rank, t)) > 0 for t in range(decode.tp_size)]
+    return frozenset(g for g in range(decode.group_size) if moves[g // decode.dcp_size])
 
 
 @functools.lru_cache(maxsize=256)

@@ -18,7 +18,7 @@ from dcp_jax.hetero.layouts import cache_shape
 from dcp_jax.hetero.plan import HeteroSide
 from dcp_jax.transfer import HandshakeError, KVReceiver, KVSender, TransferStatus
 from dcp_jax.transfer.spec import check_compatible
-from dcp_jax.transfer.views import stream_view, uncovered_heads
+from dcp_jax.transfer.views import served_group_ranks, stream_view, uncovered_heads
 
 LAYERS = 2
 
@@ -34,8 +34,7 @@ def _mla(page_size, dcp_size=1, interleave_size=1, tp_size=1, layout="sglang_mla
 def _run_pair(engine, p: HeteroSide, d: HeteroSide, tokens: int, seed: int = 0, receiver_kw=None, links=None,
               **sender_kw):
     """Every decode rank connected to every prefill rank, or where ``links((r, t), (r', t'))`` (decode
-    rank, prefill rank) says so (then only the receivers are awaited: a sender counts on the whole
-    decode group announcing)."""
+    rank, prefill rank) says so; every sender and receiver must end SUCCESS."""
     rng = np.random.default_rng(seed)
     ptables, ppages = _tables(p, tokens, rng)
     dtables, dpages = _tables(d, tokens, rng)
@@ -62,9 +61,11 @@ def _run_pair(engine, p: HeteroSide, d: HeteroSide, tokens: int, seed: int = 0, 
         for key, s in senders:
             s.send("q", ptables[key[0]], 0, tokens)
         deadline = time.monotonic() + 30
-        everyone = ([] if links else [s for _, s in senders]) + [x for _, x in receivers]
+        everyone = [s for _, s in senders] + [x for _, x in receivers]
         while not all(x.poll("q").terminal for x in everyone) and time.monotonic() < deadline:
             time.sleep(0.002)
+        for k, s in senders:
+            assert s.poll("q") is TransferStatus.SUCCESS, (k, s.failure_reason("q"))
         for k, recv in receivers:
             assert recv.poll("q") is TransferStatus.SUCCESS, (k, recv.failure_reason("q"))
             want = expected_cache(d, k[0], k[1], dpages[k[0]], LAYERS, tokens, dtables[k[0]])
@@ -113,10 +114,15 @@ def test_views_byte_exact(engine, case):
             g = d.geometry(t, 1)
             assert got[t * d.dcp_size + r] == n * g.num_heads * g.planes * g.head_dim * 2 * LAYERS
     # Timelines name a decode rank by its group rank (tp_rank * dcp_size + dcp_rank): every decode
-    # process apart, each posted to and completed by every sender (empty pairs: notifications).
-    for st in stats:
+    # process apart, each posted to and completed by exactly the senders that move it bytes (a pair
+    # with no head in common is not announced, so neither side waits for it).
+    served = set()
+    for (r, t), st in zip(((r, t) for r in range(p.dcp_size) for t in range(p.tp_size)), stats):
+        want = served_group_ranks(spec_of(p, r, t, LAYERS), spec_of(d, 0, 0, LAYERS))
+        served |= want
         for event in ("post", "complete"):
-            assert {rank for e, rank, _ in st["timeline"] if e == event} == set(range(d.dcp_size * d.tp_size))
+            assert {rank for e, rank, _ in st["timeline"] if e == event} == want
+    assert served == set(range(d.dcp_size * d.tp_size))
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -209,6 +215,22 @@ def test_uncovered_heads_hand_cases():
     assert gaps(_mla(4), _mla(8), (0, 0), [(0, 0)]) == ()
 
 
+def test_served_group_ranks_hand_cases():
+    def served(p, d, t):
+        return sorted(served_group_ranks(spec_of(p, 0, t, 1), spec_of(d, 0, 0, 1)))
+
+    # Equal TP, 2 heads each: prefill tp rank t moves only to decode tp rank t.
+    assert [served(_gqa(16, tp_size=2), _gqa(8, tp_size=2, layout="hnd"), t) for t in (0, 1)] == [[0], [1]]
+    # 2 heads replicated over TP 4: head 0 from prefill tp 0 (decode tp 0, 1), head 1 from tp 2.
+    p = d = _gqa(16, tp_size=4, heads=2)
+    assert [served(p, d, t) for t in range(4)] == [[0, 1], [], [2, 3], []]
+    # MLA TP 2 -> TP 3 x DCP 2 (group rank tp * 2 + dcp): the latent of decode tp t from prefill t % 2.
+    p, d = _mla(4, tp_size=2), _mla(8, 2, 1, tp_size=3, layout="tpu_mla")
+    assert [served(p, d, t) for t in (0, 1)] == [[0, 1, 4, 5], [2, 3]]
+    # Whole rows (no TP, one layout): every decode rank.
+    assert served(_mla(4), _mla(8, 4), 0) == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_expect_refuses_a_rank_whose_heads_no_connected_sender_moves(engine):
     # A decode TP 1 rank (4 heads) connected to prefill TP rank 0 of 2 only. Before: SUCCESS with
@@ -230,6 +252,8 @@ def test_expect_refuses_a_rank_whose_heads_no_connected_sender_moves(engine):
 @pytest.mark.parametrize("engine", ENGINES[:1])
 def test_one_to_one_head_shards_are_accepted_and_land(engine):
     """Decode TP rank t connected only to prefill TP rank t (equal head shards, as the vLLM adapter
-    pairs them): expect() accepts it and every decode rank lands byte-exact."""
+    pairs them): expect() accepts it, every decode rank lands byte-exact, and every sender ends
+    SUCCESS (it waits only for the ranks it moves bytes to; it used to time out waiting for the
+    whole decode group)."""
     _run_pair(engine, _gqa(16, tp_size=2), _gqa(8, 2, 1, tp_size=2, layout="hnd"), 40,
               links=lambda dk, pk: dk[1] == pk[1])
