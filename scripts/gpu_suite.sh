@@ -21,8 +21,12 @@
 #                     DeepSeek-V3 rank pack, each checked byte for byte; s per call and GB/s
 #   job_32k_nixl_staged  dcp-jax transfer --staging host --path region, 32,768 tokens, NIXL: the staged
 #                     path's GB/s, beside job_32k_nixl's region run (direct) in the summary
+#   pack_host_cost    benchmarks/pack_host_cost.py: host us per call, per-window packs vs one
+#                     pack_windows, per-layer vs one-buffer unpack
+#   generate_gpu      scripts/generate_gpu.sh: dcp-jax generate on device memory (DCP 1 on one GPU)
+#   multi_gpu_rehearsal  scripts/multi_gpu.sh on this one GPU
 # A failing step (an unknown --path too) is recorded as failed and the suite goes on. The limits
-# add up to 615 s (535 s before the two issue-14 steps). Exit status 0 only if every step passed.
+# add up to 905 s: more than one 10-minute device call, so split the steps over two calls. Exit status 0 only if every step passed.
 # The summary ($OUT/gpu_suite_summary.md and .json: date, device, versions, commit, steps, figures)
 # can be copied to benchmarks/results/.
 set -uo pipefail
@@ -96,6 +100,11 @@ step pack_backends 40 "$PY" benchmarks/pack_backends.py --device gpu --part back
     --rows 4096 --pool-rows 8192 --repeats 5 --json "$OUT/pack_backends.json" --md "$OUT/pack_backends.md"
 step job_32k_nixl_staged 40 "$PY" -m dcp_jax.cli transfer --device gpu --no-progress --timeout-s 30 --engine nixl \
     --staging host --path region --prompt-tokens 32768 --json "$OUT/job_32k_nixl_staged.json"
+# Issue 13: host microseconds per call of the pieces of a sender round and a receiver unpack (pack_rows
+# per window vs one pack_windows; separate layers vs one buffer), and issue 16's generation on device
+# memory (DCP 1 on one GPU: NCCL wants a GPU per rank).
+step pack_host_cost 40 "$PY" benchmarks/pack_host_cost.py --json "$OUT/pack_host_cost.json"
+step generate_gpu 150 env OUT="$OUT" PY="$PY" PROMPT_TOKENS=${GENERATE_TOKENS:-32768} "$ROOT/scripts/generate_gpu.sh"
 # multi_gpu_rehearsal: issue 18's scripts/multi_gpu.sh on this one GPU (placement options, peer copy, NIXL at 8,192
 # tokens, merge mesh; $OUT/multi_gpu/). +60 s: where the suite must fit one 10-minute call, run it on its own.
 step multi_gpu_rehearsal 60 env OUT="$OUT/multi_gpu" PROMPT_TOKENS=8192 ENGINES=nixl BUDGET_S=57 MERGE_KV_LEN=2048 \
