@@ -9,7 +9,9 @@ dispatch. Prints a table and writes JSON (`--json`).
 Both modes also time one sender round and one receiver unpack, before/after (issue 13):
 `pack_rows` once per window against ONE `pack_windows` call for `--windows` windows, and
 `unpack_rows` into separate layer arrays (one kernel argument and output per layer) against
-layers that are views of one buffer (the flat-destination kernel). `--cpu`: those rows only,
+layers that are views of one buffer (the flat-destination kernel), and the same two forms for
+the fused path's `copy_rows` (plus, in `--cpu`, its jitted entry alone: host time to enqueue
+with 61 donated destinations against one). `--cpu`: those rows only,
 on numpy buffers through the interpret backend at a small geometry (the JAX dispatch on a CPU
 stands in for the host part; the kernel itself is interpreted, so compare forms, not sizes).
 """
@@ -146,7 +148,7 @@ def main(argv=None):
 def round_rows(xp, layers, windows, rows, pack_bytes, backend, sync, per_call, config=None):
     """Before/after rows: a sender round of `windows` windows of `rows // windows` rows, and a
     receiver unpack of one window into separate layers and into one buffer's views."""
-    from pallas_kernels import pack_rows, pack_windows, unpack_rows
+    from pallas_kernels import copy_rows, pack_rows, pack_windows, unpack_rows
 
     R, item = int(layers[0].shape[0]), int(layers[0].shape[1])
     per = rows // windows
@@ -174,6 +176,61 @@ def round_rows(xp, layers, windows, rows, pack_bytes, backend, sync, per_call, c
                       (f"unpack: {len(layers)} layers of one buffer", dst_one)):
         out[name + " + sync"] = per_call(lambda d=dst: (unpack_rows(
             pack, d, idx, offset=0, backend=backend, config=config), sync()))
+    # The fused path's copy (one per decode rank per round): into separate layers, and into
+    # layers of one buffer (the flat-destination kernel, `scatter._copy_flat_jit`).
+    sidx = rng.integers(0, R, per).astype(np.int64)
+    for name, dst in ((f"copy: {len(layers)} separate layers", dst_sep),
+                      (f"copy: {len(layers)} layers of one buffer", dst_one)):
+        out[name + " + sync"] = per_call(lambda d=dst: (copy_rows(
+            layers, sidx, d, idx, backend=backend, config=config), sync()))
+    return out
+
+
+def copy_entry_rows(layers, rows, config, reps=50):
+    """Host cost of the jitted copy entry itself, JAX arrays already on the device, donated
+    outputs threaded to the next call: `_copy_jit` with one destination per layer against
+    `_copy_flat_jit` with one flat destination. host: the calls returned; wall: after waiting
+    for the last. On a CPU the interpreted kernel runs mostly inside the call, so the entry is
+    also timed with 0-row index vectors: the same donated arguments and aliased outputs, no
+    kernel (the dispatch cost alone)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import bucket_rows
+    from pallas_kernels.row_copy import preload_lowering
+    from pallas_kernels.scatter import _copy_flat_jit, _copy_jit
+
+    L, (R, item) = len(layers), layers[0].shape
+    W = item // 4
+    rng = np.random.default_rng(2)
+    m = bucket_rows(rows, config.block_rows)
+    pad = np.zeros((2, m), np.int32)
+    pad[0, :rows], pad[1, :rows] = rng.integers(0, R, rows), rng.permutation(R)[:rows]
+    src = tuple(jnp.asarray(np.ascontiguousarray(a).view(np.uint32)) for a in layers)
+    meta = jnp.asarray([rows, 0, 1], jnp.int32)
+    kw = dict(config=config, backend="interpret")
+    preload_lowering("interpret")
+    st = {"sep": tuple(jnp.zeros((R, W), jnp.uint32) for _ in range(L)),
+          "one": jnp.zeros(L * R * W, jnp.uint32)}
+    out = {}
+    for label, k in (("", m), (", 0 rows (dispatch only)", 0)):
+        si, di = jnp.asarray(pad[0, :k]), jnp.asarray(pad[1, :k])
+
+        def sep(si=si, di=di):
+            st["sep"] = _copy_jit(src, si, st["sep"], di, meta, **kw)
+
+        def one(si=si, di=di):
+            st["one"] = _copy_flat_jit(src, si, st["one"], di, meta, layers=((R, W),) * L, **kw)
+        for name, fn, key in ((f"copy jit entry: {L} destinations{label}", sep, "sep"),
+                              (f"copy jit entry: 1 flat destination{label}", one, "one")):
+            fn()
+            jax.block_until_ready(st[key])
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            host = (time.perf_counter() - t0) / reps * 1e6
+            jax.block_until_ready(st[key])
+            out[name] = {"host_us": host, "wall_us": (time.perf_counter() - t0) / reps * 1e6}
     return out
 
 
@@ -194,8 +251,9 @@ def cpu_main(args):
         return {"host_us": us, "wall_us": us}
     out = round_rows(np, layers, args.windows, 8 * args.windows, 0, "interpret", lambda: None,
                      per_call, GatherConfig(block_rows=8))
+    out.update(copy_entry_rows(layers, 8, GatherConfig(block_rows=8), reps=200))
     for k, v in out.items():
-        print(f"{k:<52} wall {v['wall_us']:10.1f} us", flush=True)
+        print(f"{k:<60} host {v['host_us']:10.1f} us   wall {v['wall_us']:10.1f} us", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"mode": "cpu-interpret", "per_call": out},
                                               indent=1))

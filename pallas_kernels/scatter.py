@@ -10,7 +10,9 @@ Two kernels on the core of `pallas_kernels.row_copy`, one program per (row block
 
 `dst` is a list of 2-D word arrays `[R_l, W_l]` (widths may differ), donated and aliased to the
 outputs (`input_output_aliases`): imported from CuPy by DLPack, the kernel writes into the CuPy
-memory, also memory another process exported by CUDA IPC. Rows `j >= n` are masked; indices are
+memory, also memory another process exported by CUDA IPC. Layers that lie back to back in one
+buffer can go as ONE flat word array instead (`_unpack_flat_jit`, `_copy_flat_jit`): one donated
+argument and output, not one per layer. Rows `j >= n` are masked; indices are
 clamped in range (the host contract `pallas_kernels.unpack` checks them and raises instead);
 destination indices must be unique (a repeat leaves one of the candidates, unspecified which).
 Region addresses are uint32 (`row_copy.region_address`): packs past 2**31 words are read exactly.
@@ -184,6 +186,18 @@ def _copy_jit(src, src_indices, dst, dst_indices, meta, *, config, backend):
         return dst
     return _scatter_call(_meta(meta), list(src), src_indices, dst_indices, dst, config=config,
                          interpret=backend == "interpret", offset_align=1)
+
+
+@functools.partial(jax.jit, static_argnames=("layers", "config", "backend"),
+                   donate_argnames=("dst",))
+def _copy_flat_jit(src, src_indices, dst, dst_indices, meta, *, layers, config, backend):
+    """`_copy_jit` into ONE flat word array holding every destination layer back to back
+    (`layers`: the static (rows, width) of each, in order), as `_unpack_flat_jit`: the fused
+    connector path's decode-rank cache is one IPC-mapped allocation."""
+    if int(dst_indices.shape[0]) == 0:
+        return dst
+    return _scatter_call(_meta(meta), list(src), src_indices, dst_indices, dst, config=config,
+                         interpret=backend == "interpret", offset_align=1, flat=layers)[0]
 
 
 def _scatter_call(meta, srcs, src_idx, dst_idx, dst, *, config, interpret, offset_align,

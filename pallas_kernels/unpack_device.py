@@ -11,6 +11,8 @@ is `pallas_kernels.unpack`; these run after them).
   are unpacked through ONE flat destination argument (`scatter._unpack_flat_jit`) instead of
   one donated argument and output per layer: the 61-output call cost ~1 ms of host time on an
   H200 (~144 us on a CPU, against ~8 us for one output).
+  `copy_pallas` does the same for the copy kernel (`scatter._copy_flat_jit`): the fused
+  connector path writes into a decode rank's IPC-mapped layer-major cache once per round.
 - "cupy": CuPy fancy indexing, one gather/scatter per layer on CuPy's current stream (a
   reference form, and the fallback on a JAX without the Triton lowering).
 """
@@ -85,6 +87,20 @@ def flat_layers(layers, word_size: int):
     return tuple((int(a.shape[0]), int(a.shape[1]) // word_size) for a in layers)
 
 
+def _joined(layers, word):
+    """A copy of back-to-back host layers as one flat word array (the interpret backend's
+    stand-in for the buffer they view)."""
+    return np.concatenate([a.reshape(-1) for a in layers]).view(word)
+
+
+def _write_back(layers, idx, flat_out) -> None:
+    """Rows `idx` of each layer from the flat kernel output of `_joined(layers)`."""
+    out, pos = np.asarray(flat_out).view(np.uint8), 0
+    for a in layers:
+        a[idx] = out[pos:pos + a.nbytes].reshape(a.shape)[idx]
+        pos += a.nbytes
+
+
 def unpack_pallas(pack, layers, idx, offset, item_lens, backend, config) -> None:
     """The scatter kernel: in place into CuPy layers ("triton"), or on numpy copies whose
     rows are written back ("interpret")."""
@@ -103,15 +119,10 @@ def unpack_pallas(pack, layers, idx, offset, item_lens, backend, config) -> None
         if flat is not None:  # the one-buffer form, on a copy of the buffer
             from pallas_kernels.scatter import _unpack_flat_jit
 
-            buf = np.concatenate([a.reshape(-1) for a in layers]).view(word)
             units, ok = offset_arg(kw["offset"], kw["offset_align"], backend, ws)
-            out = np.asarray(_unpack_flat_jit(
-                words, _padded(idx, m), buf, np.array((n, units, ok), np.int32), layers=flat,
-                config=config, backend=backend, offset_align=kw["offset_align"])).view(np.uint8)
-            pos = 0
-            for a in layers:
-                a[idx] = out[pos:pos + a.nbytes].reshape(a.shape)[idx]
-                pos += a.nbytes
+            _write_back(layers, idx, _unpack_flat_jit(
+                words, _padded(idx, m), _joined(layers, word), np.array((n, units, ok), np.int32),
+                layers=flat, config=config, backend=backend, offset_align=kw["offset_align"]))
             return
         dst = [np.ascontiguousarray(a).view(word) for a in layers]
         outs = unpack_kernel(words, _padded(idx, m), dst, n, **kw)
@@ -155,16 +166,24 @@ def unpack_pallas(pack, layers, idx, offset, item_lens, backend, config) -> None
 
 
 def copy_pallas(srcs, sidx, dsts, didx, item_lens, backend, config) -> None:
-    """The copy kernel, one `pallas_call` for all layer entries (as `_unpack_pallas`)."""
-    from pallas_kernels.scatter import copy_kernel
+    """The copy kernel, one `pallas_call` for all layer entries (as `unpack_pallas`); into
+    destination layers that lie back to back in one buffer (the fused path's IPC-mapped decode
+    cache) through ONE flat donated destination (`scatter._copy_flat_jit`)."""
+    from pallas_kernels.scatter import _copy_flat_jit, _copy_jit, copy_kernel
 
     config = GatherConfig.default() if config is None else config
     word = word_dtype(item_lens)
     n = int(sidx.shape[0])
     m = bucket_rows(n, config.block_rows)
+    flat = flat_layers(dsts, word.itemsize)
     if backend == "interpret":
         si, di = _padded(sidx, m), _padded(didx, m)
         src = [np.ascontiguousarray(a).view(word) for a in srcs]
+        if flat is not None:  # the one-buffer form, on a copy of the buffer
+            _write_back(dsts, didx, _copy_flat_jit(
+                tuple(src), si, _joined(dsts, word), di, np.array((n, 0, 1), np.int32),
+                layers=flat, config=config, backend=backend))
+            return
         dst = [np.ascontiguousarray(a).view(word) for a in dsts]
         outs = copy_kernel(src, si, dst, di, n, config=config, backend=backend)
         for a, o in zip(dsts, outs):
@@ -174,24 +193,32 @@ def copy_pallas(srcs, sidx, dsts, didx, item_lens, backend, config) -> None:
 
     _contiguous(dsts, "dst_layers")
     views = device.source_views(srcs, word)
-    src = [v if v is not None else jax.dlpack.from_dlpack(cp.ascontiguousarray(a).view(word))
-           for v, a in zip(views, srcs)]
-    dests = device.destinations(dsts, word)
+    src = tuple(v if v is not None else jax.dlpack.from_dlpack(cp.ascontiguousarray(a).view(word))
+                for v, a in zip(views, srcs))
+    dests = device.destinations(dsts, word, flat=flat is not None)
     with dests.lock:
         try:
-            if isinstance(sidx, np.ndarray) and isinstance(didx, np.ndarray):
+            host_idx = isinstance(sidx, np.ndarray) and isinstance(didx, np.ndarray)
+            if host_idx or flat is not None:
                 from pallas_kernels.row_copy import preload_lowering
-                from pallas_kernels.scatter import _copy_jit
 
-                (sv, dv), mv = device.index_ring(dests, m, 2).stage([sidx, didx], (n, 0, 1), dests)
+                if host_idx:  # staged in a device slot (see pack_rows)
+                    (sv, dv), mv = device.index_ring(dests, m, 2).stage([sidx, didx], (n, 0, 1),
+                                                                        dests)
+                else:
+                    sv, dv, mv = _padded(sidx, m), _padded(didx, m), np.array((n, 0, 1), np.int32)
                 preload_lowering(backend)
-                dests.keep(_copy_jit(tuple(src), sv, tuple(dests.handles), dv, mv, config=config,
-                                     backend=backend))
+                if flat is not None:  # one donated buffer, one output (not one per layer)
+                    dests.keep([_copy_flat_jit(src, sv, dests.handles[0], dv, mv, layers=flat,
+                                               config=config, backend=backend)])
+                else:
+                    dests.keep(_copy_jit(src, sv, tuple(dests.handles), dv, mv, config=config,
+                                         backend=backend))
             else:
                 dests.keep(copy_kernel(src, _padded(sidx, m), dests.handles, _padded(didx, m), n,
                                        config=config, backend=backend))
         except Exception:
-            device.forget(dsts, word)
+            device.forget(dsts, word, flat=flat is not None)
             raise
 
 

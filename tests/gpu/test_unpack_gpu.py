@@ -88,6 +88,32 @@ def test_copy_rows_into_foreign_memory_one_kernel():
         assert bool(cp.array_equal(o, r))
 
 
+def test_copy_rows_into_one_buffer_flat_destination():
+    # The fused path's case: the decode rank's layers are back-to-back views of one allocation
+    # (IPC-mapped: memory the kernel does not own). One flat donated destination, byte-exact
+    # against the CuPy form, nothing outside the rows touched, host and device indices.
+    from pallas_kernels.scatter import _copy_flat_jit
+
+    item_lens = (1152,) * 6 + (576,)
+    src = _layers(500, item_lens, 3)
+    owner = cp.full(200 * sum(item_lens), 0x5A, cp.uint8)
+    views, pos = [], 0
+    for w in item_lens:
+        views.append(_foreign(owner[pos:pos + 200 * w].reshape(200, w)))
+        pos += 200 * w
+    rng = np.random.default_rng(4)
+    sidx, didx = rng.integers(0, 500, 130), np.r_[0, rng.permutation(199)[:129] + 1]
+    ref = [cp.full((200, w), 0x5A, cp.uint8) for w in item_lens]
+    before = _copy_flat_jit._cache_size()
+    for s_i, d_i in ((sidx, didx), (cp.asarray(sidx[:50]), cp.asarray(didx[:50][::-1].copy()))):
+        copy_rows(src, s_i, views, d_i)
+        copy_rows(src, s_i, ref, d_i, backend="cupy")
+    synchronize(views)
+    assert _copy_flat_jit._cache_size() > before
+    for v, r in zip(views, ref):
+        assert bool(cp.array_equal(v, r))
+
+
 def test_device_indices_checked_and_refused():
     src = _layers(10, (8,), 0)
     dst = [cp.zeros((10, 8), cp.uint8)]

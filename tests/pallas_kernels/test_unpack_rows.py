@@ -329,3 +329,67 @@ def test_interpret_refusals():
     with pytest.raises(ValueError, match=r"backend='cupy' needs CuPy"):
         copy_rows(layers, [0], [np.zeros((8, 4), np.uint8), np.zeros((8, 2), np.uint8)], [0],
                   backend="cupy")
+
+
+@pytest.mark.parametrize("item_lens", [(288, 64, 12), (12, 20, 8), (2, 6)], ids=str)
+def test_copy_one_buffer_form_matches_brute_force(item_lens):
+    # Destination layers back to back in one buffer (the fused path's IPC-mapped decode cache)
+    # take the flat-destination copy kernel, byte-exact like the per-layer one.
+    from pallas_kernels import GatherConfig
+
+    rng = np.random.default_rng(sum(item_lens))
+    srcs = _layers(rng, 50, item_lens)
+    dsts = _one_buffer_layers(rng, 40, item_lens)
+    # 29 rows in blocks of 16: a partial last block whose live rows include destination row 0
+    # (masked lanes must not share a live row's index in the interpreter, nor, in the flat
+    # form, spill into the next layer's row 0 over a live write).
+    didx = np.insert(1 + rng.permutation(39)[:28], 20, 0)
+    sidx = np.r_[rng.integers(0, 50, 27), 7, 7]  # repeats
+    want = _copy_brute(srcs, sidx, dsts, didx)
+    separate = [a.copy() for a in dsts]
+    for dst in (dsts, separate):
+        copy_rows(srcs, sidx, dst, didx, backend="interpret", config=GatherConfig(block_rows=16))
+    for a, c, b in zip(dsts, separate, want):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(c, b)
+
+
+def test_copy_flat_form_only_for_back_to_back_layers():
+    # Which jitted entry ran: the flat one for views of one buffer, the per-layer one otherwise
+    # (a gap between the layers). Geometries unused elsewhere, so each call traces anew.
+    from pallas_kernels import GatherConfig
+    from pallas_kernels.scatter import _copy_flat_jit, _copy_jit
+
+    rng = np.random.default_rng(5)
+    item_lens = (20, 36)
+    srcs = _layers(rng, 9, item_lens)
+    buf = rng.integers(0, 256, 11 * 56 + 8, dtype=np.uint8)
+    joined = [buf[:220].reshape(11, 20), buf[220:616].reshape(11, 36)]
+    gap = [buf[:220].reshape(11, 20), buf[228:624].reshape(11, 36)]
+    cfg = GatherConfig(block_rows=8)
+    for dsts, flat in ((joined, True), (gap, False)):
+        before = (_copy_flat_jit._cache_size(), _copy_jit._cache_size())
+        want = _copy_brute(srcs, [4, 0, 8], dsts, [10, 3, 0])
+        copy_rows(srcs, [4, 0, 8], dsts, [10, 3, 0], backend="interpret", config=cfg)
+        grew = (_copy_flat_jit._cache_size() - before[0], _copy_jit._cache_size() - before[1])
+        assert grew == ((1, 0) if flat else (0, 1)), (flat, grew)
+        for a, b in zip(dsts, want):
+            np.testing.assert_array_equal(a, b)
+
+
+@settings(max_examples=12, deadline=None)
+@given(item_lens=st.lists(st.sampled_from([4, 8, 12, 20]), min_size=2, max_size=3),
+       dst_rows=st.integers(1, 24), data=st.data(), seed=st.integers(0, 2**16))
+def test_copy_one_buffer_property(item_lens, dst_rows, data, seed):
+    from pallas_kernels import GatherConfig
+
+    rng = np.random.default_rng(seed)
+    didx = np.array(data.draw(st.lists(st.integers(0, dst_rows - 1), unique=True, min_size=1,
+                                       max_size=dst_rows)), np.int64)
+    sidx = rng.integers(0, 16, len(didx))  # any order, repeats
+    srcs = _layers(rng, 16, item_lens)
+    dsts = _one_buffer_layers(rng, dst_rows, item_lens)
+    want = _copy_brute(srcs, sidx, dsts, didx)
+    copy_rows(srcs, sidx, dsts, didx, backend="interpret", config=GatherConfig(block_rows=8))
+    for a, b in zip(dsts, want):
+        np.testing.assert_array_equal(a, b)
