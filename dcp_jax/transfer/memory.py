@@ -151,20 +151,37 @@ class CacheLayers:
             rows.append(n)
             regions.append(MemoryRegion(ptr, nbytes, self.mem_type, self.device_id))
             views.append(_row_view(a, self.kind, n, spec.item_lens[l], writable))
-        if writable and len(set(bases)) < len(bases):
-            # Views into one buffer at different offsets are a layout (vLLM's K/V halves); two
-            # entries at one address would land two layers' rows on the same bytes.
-            first: dict[int, int] = {}
-            for l, b in enumerate(bases):
-                if b in first:
-                    raise ValueError(f"kv_layers[{first[b]}] and kv_layers[{l}] start at the same address: "
-                                     "a receiver's layers must be distinct buffers (or views at distinct offsets)")
-                first[b] = l
+        # Receiver entries may be views into one buffer whose extents overlap (vLLM's CPU cache,
+        # one entry per head's K or V, pages interleaved): legal while no two written pages share
+        # bytes. `page_clashes` finds the page-index distances at which they would.
+        self.clashes = page_clashes(bases, [r.nbytes for r in regions],
+                                    [spec.page_size * w for w in spec.item_lens],
+                                    spec.layout in SPLIT_PAGE_LAYOUTS) if writable else {}
         self.bases = np.asarray(bases, np.int64)
         self.num_rows = np.asarray(rows, np.int64)
         self.item_lens = np.asarray(spec.item_lens, np.int64)
         self.rows = views
         self.regions = _union(regions)
+
+    def check_pages(self, pages: Sequence[int]) -> None:
+        """Refuses page ids a request would write into with two entries at once.
+
+        Args:
+            pages: the page ids the transfer writes (every entry's page ``p`` for each ``p``).
+
+        Raises:
+            ValueError: two of them, in two entries whose memory overlaps, land on the same bytes
+                (names the pages and the ``kv_layers`` entries).
+        """
+        if not self.clashes or len(pages) < 2:
+            return
+        have = np.unique(np.asarray(pages, np.int64))
+        for k, (a, b) in self.clashes.items():
+            hit = np.intersect1d(have, have - k)  # p with p + k also written
+            if len(hit):
+                p = int(hit[0])
+                raise ValueError(f"page_table: page {p + k} of kv_layers[{a}] and page {p} of kv_layers[{b}] "
+                                 "are the same bytes (the entries view one buffer); give pages that do not overlap")
 
     @property
     def nbytes(self) -> int:
@@ -184,6 +201,51 @@ class CacheLayers:
     def __repr__(self) -> str:
         return (f"CacheLayers(kind={self.kind!r}, layers={len(self.bases)}, "
                 f"bytes={self.nbytes:,}, mem_type={self.mem_type!r})")
+
+
+#: Layouts whose page is not one contiguous range (K and V planes apart).
+SPLIT_PAGE_LAYOUTS = ("nhd", "hnd")
+
+
+def page_clashes(bases: Sequence[int], nbytes: Sequence[int], page_bytes: Sequence[int],
+                 split_pages: bool) -> dict[int, tuple[int, int]]:
+    """Where a receiver's overlapping layer entries would write the same bytes.
+
+    Entry ``l`` spans ``[bases[l], bases[l] + nbytes[l])``, its page ``p`` the bytes
+    ``bases[l] + p * page_bytes[l]`` onward. For two entries ``a``, ``b`` whose spans overlap,
+    with equal page bytes ``P`` and ``d = bases[b] - bases[a]``, page ``p`` of ``a`` and page
+    ``q`` of ``b`` share bytes iff ``|d - (p - q) * P| < P``: at most two distances ``k = p - q``.
+
+    Returns:
+        ``{k: (a, b)}``: every distance ``k > 0`` (or ``< 0``) at which two written pages ``q + k``
+        (of ``a``) and ``q`` (of ``b``) would share bytes, with one pair of entries showing it.
+
+    Raises:
+        ValueError: overlapping entries that clash at distance 0 (the same page of both: one
+            address, or views less than a page apart), or whose pages are not contiguous or not
+            of one size (names both ``kv_layers`` entries).
+    """
+    order = sorted(range(len(bases)), key=lambda l: bases[l])
+    out: dict[int, tuple[int, int]] = {}
+    for i, a in enumerate(order):
+        end = bases[a] + nbytes[a]
+        for b in order[i + 1:]:
+            if bases[b] >= end:
+                break
+            pa, pb = page_bytes[a], page_bytes[b]
+            if split_pages or pa != pb:
+                raise ValueError(f"kv_layers[{a}] and kv_layers[{b}] overlap in memory" + (
+                    " and their pages are not contiguous" if split_pages else f" with pages of {pa} and {pb} B")
+                    + ": a receiver's layers must be distinct buffers or views whose pages do not overlap")
+            d = bases[b] - bases[a]
+            for k in {d // pa, -(-d // pa)}:  # the integers within one page of d / P
+                if abs(d - k * pa) < pa:
+                    if k == 0:
+                        raise ValueError(f"kv_layers[{a}] and kv_layers[{b}] start {d} B apart, less than a page "
+                                         f"({pa} B): every page of one overlaps the same page of the other (a "
+                                         "receiver's layers must be distinct buffers or views whose pages do not overlap)")
+                    out.setdefault(k, (a, b))
+    return out
 
 
 def _check_dtype(a: Any, l: int, want: str) -> None:

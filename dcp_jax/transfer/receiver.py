@@ -229,6 +229,7 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
             # held request; prefix pages may be shared (a prefix cache hands one block to many).
             lo = int(local_len_np(int(prefix_tokens), s.dcp_size, s.dcp_rank, s.interleave_size))
             written = [int(p) for p in table[lo // s.page_size: -(-rows // s.page_size)]]
+            self._layers.check_pages(written)
             clash = next((p for p in written if p in self._page_owner), None)
             if clash is not None:
                 raise ValueError(f"page_table: page {clash} is written by request {self._page_owner[clash]!r}, "

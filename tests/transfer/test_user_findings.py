@@ -80,9 +80,47 @@ def test_released_pages_stay_held_until_the_sender_drained(engine):
 def test_two_receiver_layers_on_one_buffer_are_refused():
     a = np.zeros((4, 4, 16), np.uint8)
     spec = KVCacheSpec(2, (16, 16), 4)
-    with pytest.raises(ValueError, match=r"kv_layers\[0\] and kv_layers\[1\] start at the same address"):
+    with pytest.raises(ValueError, match=r"kv_layers\[0\] and kv_layers\[1\] start 0 B apart, less than a page"):
         CacheLayers(spec, [a, a], writable=True)
     CacheLayers(spec, [a, a])  # a sender only reads: aliasing is harmless there
+    # Views less than a page apart (a fresh user's [big[0:n], big[64:64+n]]): before, accepted and
+    # one layer silently overwritten by the other on a SUCCESS.
+    big = np.zeros(4 * 64 + 16 * 4 * 4, np.uint8)
+    views = [big[:256].reshape(4, 4, 16), big[16:272].reshape(4, 4, 16)]
+    with pytest.raises(ValueError, match=r"start 16 B apart, less than a page \(64 B\)"):
+        CacheLayers(spec, views, writable=True)
+    # Overlapping views with pages of different sizes cannot be told apart: refused.
+    spec2 = KVCacheSpec(2, (16, 32), 4)
+    wide = np.zeros(4096, np.uint8)
+    with pytest.raises(ValueError, match=r"overlap in memory with pages of 64 and 128 B"):
+        CacheLayers(spec2, [wide[:256].reshape(4, 4, 16), wide[64:576].reshape(4, 4, 32)], writable=True)
+
+
+def test_page_interleaved_receiver_views_land_and_clashing_pages_are_refused(engine):
+    """Two entries viewing one buffer one page apart (vLLM's CPU cache, one entry per head's K or V):
+    entry 1's page p is entry 0's page p + 1. Even pages never clash: byte-exact; pages p and p + 1
+    in one request would write the same bytes through both entries: refused naming them."""
+    spec = KVCacheSpec(2, (16, 16), 4)
+    big = np.full(9 * 64, SENTINEL, np.uint8)  # 9 pages of 64 B: entry 0 = pages 0-7, entry 1 = 1-8
+    dst = [big[:512].reshape(8, 4, 16), big[64:576].reshape(8, 4, 16)]
+    rng = np.random.default_rng(3)
+    src = [rng.integers(0, 256, (8, 4, 16), dtype=np.uint8) for _ in range(2)]
+    with KVSender(spec, src, engine=engine) as s, KVReceiver(spec, dst, engine=engine) as r:
+        r.connect(s.address)
+        with pytest.raises(ValueError, match=r"page_table: page 3 of kv_layers\[0\] and page 2 of kv_layers\[1\] "
+                                             r"are the same bytes"):
+            r.expect("clash", np.array([2, 3]), 8)
+        want = big.copy()
+        r.expect("even", np.array([0, 2]), 8)  # entry 0 writes buffer pages 0, 2; entry 1 pages 1, 3
+        s.send("even", np.array([5, 6]), 0, 8)
+        deadline = time.monotonic() + 10
+        while not (r.poll("even").terminal and s.poll("even").terminal) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert (r.poll("even"), s.poll("even")) == (TransferStatus.SUCCESS,) * 2, r.failure_reason("even")
+        for layer in range(2):
+            for j, (sp, dp) in enumerate(((5, 0), (6, 2))):
+                want[64 * (dp + layer): 64 * (dp + layer + 1)] = src[layer][sp].reshape(-1)
+        np.testing.assert_array_equal(big, want)
 
 
 def _landed(r, sender, rid, n):
