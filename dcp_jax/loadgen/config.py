@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from dcp_jax.geometry import ModelGeometry, geometry_names, get_geometry
+from dcp_jax.transfer._worker import DEFAULT_HEARTBEAT_S, pings_fit
 
 __all__ = ["LoadConfig", "RequestPlan", "AbortPlan", "plan_requests", "pattern_seed", "ENGINES", "DIRECTIONS",
            "SEND_MODES", "ABORT_POINTS", "MAX_CHUNKS", "MAX_DCP_SIZE"]
@@ -141,6 +142,9 @@ class LoadConfig:
         for name, v in (("--fault-every-s", self.fault_every_s), ("--peer-timeout-s", self.peer_timeout_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < float(v) < math.inf:
                 raise ValueError(f"{name}={v!r} must be a positive number of seconds")
+        if not pings_fit(DEFAULT_HEARTBEAT_S, self.peer_timeout_s):  # else every side refuses it at start
+            raise ValueError(f"--peer-timeout-s={self.peer_timeout_s!r} must be >= {2 * DEFAULT_HEARTBEAT_S:g} "
+                             f"(twice the connector's ping interval, {DEFAULT_HEARTBEAT_S:g} s)")
         if self.model.strip().lower().replace("_", "-") not in geometry_names():
             raise ValueError(f"--model={self.model!r} must be one of {', '.join(geometry_names())}")
         if self.geometry.request_bytes(self.max_tokens) * self.concurrency * 2 > (8 << 30):

@@ -186,6 +186,10 @@ def check_tokens(name: str, value: Any) -> int:
     return int(value)
 
 
+#: Default ping interval of a sender and a receiver (seconds).
+DEFAULT_HEARTBEAT_S = 0.5
+
+
 def pings_fit(heartbeat_s: float, peer_timeout_s: float) -> bool:
     """True when pings every ``heartbeat_s`` fit twice into a silence limit of ``peer_timeout_s``
     (seconds): else one late ping drops a healthy connection as silent. The one rule for both a

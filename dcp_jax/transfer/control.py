@@ -15,7 +15,7 @@ import zmq
 
 from dcp_jax.transfer import protocol
 
-__all__ = ["ControlServer", "ControlClient", "zmq_context", "engine_options_for"]
+__all__ = ["ControlServer", "ControlClient", "zmq_context", "engine_options_for", "make_side_engine"]
 
 logger = logging.getLogger(__name__)
 #: Refused frames logged per socket before the log goes quiet (a flood of garbage must not
@@ -36,6 +36,26 @@ def engine_options_for(engine: str, host: str | None, options: dict | None) -> d
         if kind in ("mooncake", "jax-transfer"):
             out["hostname"] = host
     return out
+
+
+def make_side_engine(engine: str, name: str, host: str | None, options: dict | None):
+    """`bridge.make_engine` for a connector side: `engine_options_for` its ``host``.
+
+    Raises:
+        TypeError: ``options`` not a dict, or a key the engine adapter does not take (the message
+            names ``engine_options``); and what `bridge.make_engine` raises.
+    """
+    from bridge import make_engine
+
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"engine_options must be a dict or None, got {type(options).__name__}")
+    kw = engine_options_for(engine, host, options)
+    try:
+        return make_engine(engine, name, **kw)
+    except TypeError as exc:  # an adapter's __init__ refusing a keyword: say where it came from
+        if "keyword argument" not in str(exc):
+            raise
+        raise TypeError(f"engine_options={options!r}: {exc}") from None
 
 
 def _log_rejection(sock_owner: Any, peer: str, why: str) -> None:

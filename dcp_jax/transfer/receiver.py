@@ -26,16 +26,15 @@ from typing import Any
 
 import numpy as np
 
-from bridge import make_engine
 from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
-from dcp_jax.transfer._worker import (ACTIVE, IDLE, PENDING, Worker, check_liveness, check_page_table, check_seconds,
-                                      check_tokens, shut_down)
+from dcp_jax.transfer._worker import (ACTIVE, DEFAULT_HEARTBEAT_S, IDLE, PENDING, Worker, check_liveness,
+                                      check_page_table, check_seconds, check_tokens, shut_down)
 from dcp_jax.transfer._receiver_data import ReceiverData
 from dcp_jax.transfer._receiver_links import Link, ReceiverLinks, missing_senders  # noqa: F401  (missing_senders: re-exported)
 from dcp_jax.transfer._receiver_region import ReceiverRegion
 from dcp_jax.transfer._region import DEFAULT_REGION_BYTES, ReceiveRegion, ipc_export
-from dcp_jax.transfer.control import engine_options_for
+from dcp_jax.transfer.control import make_side_engine
 from dcp_jax.transfer.memory import CacheLayers
 from dcp_jax.transfer.requests import RecvRequest, check_request_id
 from dcp_jax.transfer.schedule import SideLayout
@@ -95,7 +94,7 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
 
     def __init__(self, spec: KVCacheSpec, kv_layers: Sequence[Any], *, engine: str = "nixl",
                  direction: str = "push", group: str = "default", timeout_s: float = 30.0,
-                 peer_timeout_s: float = 5.0, heartbeat_s: float = 0.5, engine_options: dict | None = None,
+                 peer_timeout_s: float = 5.0, heartbeat_s: float = DEFAULT_HEARTBEAT_S, engine_options: dict | None = None,
                  host: str | None = None, region_bytes: int | None = None,
                  drain_grace_s: float | None = None, staging: str = "auto"):
         if not isinstance(spec, KVCacheSpec):
@@ -119,7 +118,7 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
         self._layers = CacheLayers(spec, kv_layers, writable=True)
         self._layout = SideLayout.of(spec)
         name = f"dcp-recv-{spec.dcp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.engine = make_engine(engine, name, **engine_options_for(engine, host, engine_options))
+        self.engine = make_side_engine(engine, name, host, engine_options)
         try:
             self.staged = side_staged(staging, self.engine.kind, self._layers.mem_type)
             if region_bytes is None:

@@ -28,17 +28,16 @@ from typing import Any
 
 import numpy as np
 
-from bridge import make_engine
 from pallas_kernels import PackSource, compile_count
 from dcp_jax.transfer import protocol as proto
-from dcp_jax.transfer._worker import (ACTIVE, IDLE, PENDING, Worker, check_liveness, check_page_table, check_seconds,
-                                      check_tokens, shut_down)
+from dcp_jax.transfer._worker import (ACTIVE, DEFAULT_HEARTBEAT_S, IDLE, PENDING, Worker, check_liveness,
+                                      check_page_table, check_seconds, check_tokens, shut_down)
 from dcp_jax.transfer.arena import PackArena
 from dcp_jax.transfer._sender_peers import SenderPeers
 from dcp_jax.transfer._region import SEND_MODES
 from dcp_jax.transfer._sender_region import SenderRegion
 from dcp_jax.transfer._sender_units import SenderUnits
-from dcp_jax.transfer.control import ControlServer, engine_options_for
+from dcp_jax.transfer.control import ControlServer, make_side_engine
 from dcp_jax.transfer.memory import CacheLayers
 from dcp_jax.transfer.requests import SendRequest, check_request_id
 from dcp_jax.transfer.schedule import SideLayout
@@ -95,13 +94,14 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
     Raises:
         TypeError, ValueError: bad spec, layers or options (the message names the argument;
             ``mode="direct"``/``"fused"`` with a staged side).
+        MemoryError: the pack buffer of ``pack_bytes`` could not be allocated (names it).
         bridge.BridgeError: the engine could not start or register (nothing is left open).
     """
 
     def __init__(self, spec: KVCacheSpec, kv_layers: Sequence[Any], *, engine: str = "nixl",
                  host: str = "127.0.0.1", port: int = 0, mode: str = "auto",
                  pack_bytes: int | None = None, max_batch_indices: int | None = None,
-                 timeout_s: float = 30.0, peer_timeout_s: float = 5.0, heartbeat_s: float = 0.5,
+                 timeout_s: float = 30.0, peer_timeout_s: float = 5.0, heartbeat_s: float = DEFAULT_HEARTBEAT_S,
                  engine_options: dict | None = None, staging: str = "auto", pack_backend: str = "auto"):
         if not isinstance(spec, KVCacheSpec):
             raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
@@ -111,7 +111,8 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
         if isinstance(pack_bytes, bool) or not isinstance(pack_bytes, int) or pack_bytes < spec.row_bytes:
             raise ValueError(f"pack_bytes={pack_bytes!r} must be an int >= one token's "
                              f"{spec.row_bytes} bytes")
-        if max_batch_indices is not None and (not isinstance(max_batch_indices, int) or max_batch_indices < 1):
+        if max_batch_indices is not None and (isinstance(max_batch_indices, bool) or not isinstance(max_batch_indices, int)
+                                              or max_batch_indices < 1):
             raise ValueError(f"max_batch_indices={max_batch_indices!r} must be None or an int >= 1")
         self.spec, self.mode = spec, mode
         self.timeout_s = check_seconds("timeout_s", timeout_s)
@@ -125,14 +126,18 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
         self._arena = PackArena(pack_bytes, align=64)
         self._max_region_rows = pack_bytes // spec.row_bytes
         name = f"dcp-send-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.engine = make_engine(engine, name, **engine_options_for(engine, host, engine_options))
+        self.engine = make_side_engine(engine, name, host, engine_options)
         try:
             self.staged = side_staged(staging, self.engine.kind, self._layers.mem_type)
             if self.staged and mode in ("direct", "fused"):
                 raise ValueError(f"mode={mode!r} needs the KV registered, but this sender stages "
                                  f"(staging={staging!r}, {self.engine.kind} engine, {self._layers.mem_type} KV): "
                                  "use mode 'packed', 'region' or 'auto'")
-            self._pack = _alloc_pack(pack_bytes, self._layers, self.staged)
+            try:
+                self._pack = _alloc_pack(pack_bytes, self._layers, self.staged)
+            except (MemoryError, OSError) as exc:  # the allocator's own words do not say which buffer
+                raise MemoryError(f"pack_bytes={pack_bytes:,}: cannot allocate the pack buffer "
+                                  f"({type(exc).__name__}: {exc})") from exc
             self._packer = Packer(self._layers.rows, self._source, self._pack.array, pack_backend, staged=self.staged)
             self.pack_backend = self._packer.name
             # Staged: the engine never sees the KV, only the (host) pack buffer.

@@ -164,6 +164,9 @@ def test_pool_partial_check_of_an_aborted_request():
     (dict(concurrency=0), "--concurrency"), (dict(dcp_size=0), "--dcp-size"),
     (dict(max_tokens=0), "--max-tokens"), (dict(page_size=0), "--page-size"),
     (dict(model="gpt-2"), "--model"), (dict(timeout_s=0), "--timeout-s"), (dict(mode="fast"), "--mode"),
+    # Below twice the connector's ping interval every side refuses it: before, the run started and
+    # failed all requests.
+    (dict(peer_timeout_s=0.1), r"--peer-timeout-s=0.1 must be >= 1"),
 ])
 def test_bad_options_name_the_option(kwargs, option):
     with pytest.raises(ValueError, match=option):

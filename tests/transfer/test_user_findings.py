@@ -204,3 +204,21 @@ def test_integers_beyond_int64_are_refused_naming_the_argument():
         s.send("q", np.arange(2), 0, 8)
         assert c.wait("q") == [TransferStatus.SUCCESS] * 2, c.reasons("q")
         assert c.check_bytes(np.arange(2), [np.arange(2)], 8) == 8
+
+
+def test_sender_options_a_fresh_user_got_unnamed_errors_for(engine):
+    spec = KVCacheSpec(2, (16, 16), 4)
+    kv = [np.zeros((4, 4, 16), np.uint8) for _ in range(2)]
+    # Before: a bare "OSError: [Errno 12] Cannot allocate memory".
+    with pytest.raises(MemoryError, match=r"pack_bytes=1,125,899,906,842,624: cannot allocate the pack buffer"):
+        KVSender(spec, kv, engine=engine, pack_bytes=2**50)
+    # Before: True was taken for 1.
+    with pytest.raises(ValueError, match=r"max_batch_indices=True must be None or an int >= 1"):
+        KVSender(spec, kv, engine=engine, max_batch_indices=True)
+    # Before: "NixlEngine.__init__() got an unexpected keyword argument 'foo'" (whose argument?).
+    for side in (lambda: KVSender(spec, kv, engine=engine, engine_options={"foo": 1}),
+                 lambda: KVReceiver(spec, kv, engine=engine, engine_options={"foo": 1})):
+        with pytest.raises(TypeError, match=r"engine_options=\{'foo': 1\}: .*unexpected keyword argument 'foo'"):
+            side()
+    with pytest.raises(TypeError, match=r"engine_options must be a dict or None, got list"):
+        KVReceiver(spec, kv, engine=engine, engine_options=["foo"])
