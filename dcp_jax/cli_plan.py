@@ -60,6 +60,15 @@ def plan(
     if hetero:
         from dcp_jax.cli_hetero import hetero_plan
 
+        # Options the heterogeneous plan does not take: refused, not silently ignored.
+        unused = [name for name, v, default in (
+            ("--prefix-tokens", prefix_tokens, 0), ("--chunk-tokens", chunk_tokens, None), ("--mode", mode, "both"),
+            ("--max-batch-indices", max_batch_indices, None), ("--pack-tokens", pack_tokens, None),
+            ("--plot", plot, None)) if v != default]
+        if unused:
+            _fail(f"{', '.join(unused)}: not taken by the heterogeneous plan (TP, page-size or layout options); "
+                  "leave them out")
+
         hetero_plan(model, prompt_tokens, dict(page_size=prefill_page_size or page_size, dcp_size=prefill_dcp_size,
                                                interleave_size=prefill_interleave_size, tp_size=prefill_tp_size,
                                                layout=prefill_layout),

@@ -96,6 +96,16 @@ def test_plan_with_tp_prints_and_writes_only_the_heterogeneous_table(tmp_path):
     assert [(r["dcp_rank"], r["tp_rank"], r["rows"]) for r in rows] == [(d, t, 1024) for d in (0, 1) for t in (0, 1)]
 
 
+@pytest.mark.parametrize("extra", [["--chunk-tokens", "256"], ["--prefix-tokens", "64"], ["--mode", "packed"],
+                                   ["--plot", "x.png"]])
+def test_plan_with_tp_refuses_options_it_does_not_take(extra):
+    # Before: silently ignored (the heterogeneous plan has no chunks, prefix, mode or plot).
+    res = runner.invoke(app, ["plan", "--model", "llama-3.1-8b", "--tp-size", "2", "--prompt-tokens", "1024", *extra],
+                        terminal_width=200)
+    flat = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and f"{extra[0]}: not taken by the heterogeneous plan" in flat, res.output
+
+
 @pytest.mark.parametrize("args", [["plan"], ["transfer", "--no-progress"],
                                   ["plan", "--model", "llama-3.1-8b", "--tp-size", "2"]])
 def test_absurd_prompt_tokens_are_refused_before_anything_is_sized(args):
