@@ -365,12 +365,28 @@ class TransferEngine(EngineCore):
         _LIVE_ENGINES.discard(self)
         self._closer = threading.Thread(target=self._teardown, args=(regions, peers),
                                         name=f"bridge-close-{self.name}", daemon=True)
-        self._closer.start()
+        try:
+            self._closer.start()
+        except RuntimeError:  # interpreter exit: Python >= 3.12 starts no thread in atexit hooks
+            self._closer = None
+            self._close_at_exit(regions, peers, timeout_s)
+            return
         self._closer.join(timeout_s)
         if self._closer.is_alive():
             _log.warning("engine %r: teardown still running after %.3g s; left to finish in the "
                          "background (the engine may still use the memory of unfinished batches)",
                          self.name, timeout_s)
+
+    def _close_at_exit(self, regions: tuple[MemoryRegion, ...], peers: tuple[PeerInfo, ...],
+                       timeout_s: float) -> None:
+        # No teardown thread can start, so the caller waits (at most timeout_s) until no worker
+        # thread is inside the engine: one returning from an engine call after finalisation began
+        # is killed by the interpreter inside C++ code, which aborts the process (SIGABRT).
+        if self._engine_quiesce(timeout_s):
+            self._teardown(regions, peers)  # nothing left to wait for: fast
+        else:
+            _log.warning("engine %r: a worker thread is still inside the engine %.3g s after close at "
+                         "interpreter exit; the engine is left as it is", self.name, timeout_s)
 
     def _teardown(self, regions: tuple[MemoryRegion, ...], peers: tuple[PeerInfo, ...]) -> None:
         try:

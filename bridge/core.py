@@ -127,6 +127,13 @@ class EngineCore(abc.ABC):
         releases transfers, peers, registrations and the engine. Never destroys the engine while
         a worker may still be inside it."""
 
+    def _engine_quiesce(self, timeout_s: float) -> bool:
+        """`close` at interpreter exit, where no thread can start (so `_engine_close` runs in the
+        caller): stops the adapter's threads and waits at most timeout_s seconds until none may
+        still enter the engine. True when so (`_engine_close` then waits for nothing unbounded);
+        False leaves the engine alone. Adapters whose `_engine_close` waits are bounded keep this."""
+        return True
+
     # ---- properties -----------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:

@@ -339,6 +339,15 @@ class MooncakeEngine(JobCompletion, TransferEngine):
             out.setdefault(note.name, []).append(note.msg.encode("latin-1"))
         return out
 
+    def _engine_quiesce(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        for job in list(self._jobs.values()):
+            job.cancel("engine closed")  # a window under way ends; the next is not submitted
+        workers = list(self._workers.values()) + self._retired
+        for worker in workers:
+            worker.stop("engine closed")
+        return all(w.join(max(0.0, deadline - time.monotonic())) for w in workers)
+
     def _engine_close(self, regions, peers) -> None:
         for job in list(self._jobs.values()):
             job.cancel("engine closed")

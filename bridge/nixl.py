@@ -394,6 +394,17 @@ class NixlEngine(TransferEngine):
                 out.setdefault(k.decode() if isinstance(k, bytes) else k, []).extend(bytes(m) for m in v)
         return out
 
+    def _engine_quiesce(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        for job in list(self._jobs.values()):
+            job.cancel("engine closed")
+        self._worker.stop("engine closed")
+        # The posting under way ends on its own; posted transfers must end before the poller stops.
+        if not (self._worker.join(timeout_s) and self._poller.drain(max(0.0, deadline - time.monotonic()))):
+            return False
+        self._poller.stop()
+        return self._poller.join(max(0.0, deadline - time.monotonic()))
+
     def _engine_close(self, regions, peers) -> None:
         jobs = list(self._jobs.values())
         self._jobs.clear()

@@ -2,22 +2,25 @@
 a side, and argument checks."""
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
 import traceback
 import uuid
+import weakref
 from typing import Any, Callable
 
 import numpy as np
 import zmq
 
+import bridge.core  # noqa: F401 - registers the engines' atexit hook before `_close_live_sides`
 from dcp_jax.transfer.control import zmq_context
 from dcp_jax.transfer.status import TransferStatus
 from pallas_kernels._buffer_args import as_1d
 
 __all__ = ["Worker", "IDLE", "PENDING", "ACTIVE", "TIMEOUT_CHECK_S", "MAX_TOKENS", "check_page_table", "check_seconds",
-           "check_tokens", "shut_down"]
+           "check_tokens", "shut_down", "close_at_exit"]
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +143,30 @@ class Worker:
                         self._rx.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
+
+
+# Senders and receivers not closed when the interpreter exits are closed by an atexit hook (weakly
+# held: the hook keeps nothing alive). Else their worker and the engine's threads are still inside
+# engine calls at finalisation, and one returning then is killed inside C++ code: SIGABRT
+# ("terminate called without an active exception") instead of the process's own exit code. This
+# module imports `bridge.core` first, so this hook runs before the engines' own (atexit is LIFO).
+_LIVE_SIDES: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def close_at_exit(side: Any) -> None:
+    """Has ``side`` (a `KVSender` / `KVReceiver`) closed at interpreter exit unless closed before."""
+    _LIVE_SIDES.add(side)
+
+
+@atexit.register
+def _close_live_sides() -> None:
+    for side in list(_LIVE_SIDES):
+        if getattr(side, "_closed", True):
+            continue
+        try:
+            side.close()
+        except Exception:  # noqa: BLE001 - exiting anyway; one side must not stop the others
+            logger.exception("closing %s at interpreter exit failed", type(side).__name__)
 
 
 def shut_down(side: Any, timeout_s: Any, what: str, close_sockets: Callable[[], None]) -> None:

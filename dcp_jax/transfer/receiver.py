@@ -29,7 +29,7 @@ import numpy as np
 from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import (ACTIVE, DEFAULT_HEARTBEAT_S, IDLE, PENDING, Worker, check_liveness,
-                                      check_page_table, check_seconds, check_tokens, shut_down)
+                                      check_page_table, check_seconds, check_tokens, close_at_exit, shut_down)
 from dcp_jax.transfer._receiver_data import ReceiverData
 from dcp_jax.transfer._receiver_links import Link, ReceiverLinks, missing_senders  # noqa: F401  (missing_senders: re-exported)
 from dcp_jax.transfer._receiver_region import ReceiverRegion
@@ -153,6 +153,7 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
         self._last_ping = self._next_timeout_check = 0.0
         self._worker = Worker(f"dcp-receiver-{spec.dcp_rank}", self._round, None)
         self._worker.start()
+        close_at_exit(self)
 
     # ---- public API --------------------------------------------------------------------------
     def connect(self, address: str, *, direction: str | None = None, timeout_s: float = 10.0) -> None:

@@ -31,7 +31,7 @@ import numpy as np
 from pallas_kernels import PackSource, compile_count
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import (ACTIVE, DEFAULT_HEARTBEAT_S, IDLE, PENDING, Worker, check_liveness,
-                                      check_page_table, check_seconds, check_tokens, shut_down)
+                                      check_page_table, check_seconds, check_tokens, close_at_exit, shut_down)
 from dcp_jax.transfer.arena import PackArena
 from dcp_jax.transfer._sender_peers import SenderPeers
 from dcp_jax.transfer._region import SEND_MODES
@@ -171,6 +171,7 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
         self._worker = Worker(f"dcp-sender-{spec.dcp_rank}", self._round, self._ctl.sock)
         self._last_ping = 0.0
         self._worker.start()
+        close_at_exit(self)
 
     # ---- public API --------------------------------------------------------------------------
     @property
