@@ -232,7 +232,7 @@ class _Daemon:
     def join(self, timeout_s: float | None = None) -> bool:
         """Waits for the thread to end after `stop`; True when it has (or never started)."""
         t = self._thread
-        if t is None:
+        if t is None or t.ident is None:  # never started (refused at interpreter exit)
             return True
         t.join(timeout_s)
         return not t.is_alive()
@@ -270,10 +270,9 @@ class Worker(_Daemon):
         with self._cv:
             if self._stopped:
                 raise RuntimeError(f"worker {self.name} is stopped")
-            self._queue.append(job)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-                self._thread.start()
+                self._thread = _started(self._loop, self.name)
+            self._queue.append(job)
             self._cv.notify()
 
     def call(self, fn: Callable[[], Any]) -> Any:
@@ -328,10 +327,9 @@ class Poller(_Daemon):
     def add(self, item: Any) -> None:
         """Starts polling item (and the thread, on first use)."""
         with self._cv:
-            self._items.append(item)
             if self._thread is None and not self._stopped:
-                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-                self._thread.start()
+                self._thread = _started(self._loop, self.name)
+            self._items.append(item)
             self._cv.notify_all()
 
     @property
@@ -383,6 +381,14 @@ class Poller(_Daemon):
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
+
+
+def _started(target: Callable[[], None], name: str) -> threading.Thread:
+    """A started daemon thread. Raises RuntimeError (nothing kept) where Python refuses to start
+    one: at interpreter exit, an atexit hook running while the caller still submits work."""
+    t = threading.Thread(target=target, name=name, daemon=True)
+    t.start()
+    return t
 
 
 def check_notif(notif: Any) -> bytes | None:
