@@ -1,7 +1,7 @@
 """Mooncake adapter (``mooncake.engine.TransferEngine``: TCP, or NVLink/CUDA IPC within one host;
 peer-to-peer handshake).
 
-A batch goes to a per-peer worker thread (`bridge.handles.Worker`) that submits it with
+A batch goes to a per-peer worker thread (`bridge.workers.Worker`) that submits it with
 ``batch_transfer_async_write`` (op "WRITE") or ``batch_transfer_async_read`` (op "READ") in
 windows of at most `MOONCAKE_MAX_BATCH_ENTRIES` entries and waits for each window with
 ``get_batch_transfer_status`` (which blocks in C++ with the GIL released), so packing the next
@@ -51,7 +51,8 @@ from bridge.base import (
     TransferError,
     TransferHandle,
 )
-from bridge.handles import Job, JobCompletion, Worker
+from bridge.handles import JobCompletion
+from bridge.workers import Job, Worker
 
 __all__ = ["MooncakeEngine", "MOONCAKE_MAX_BATCH_ENTRIES", "MOONCAKE_PROTOCOLS", "mooncake_available",
            "mooncake_supports_cuda"]
