@@ -3,9 +3,9 @@
 Per batch: ``get_xfer_descs`` for both sides, ``initialize_xfer(op, ...)`` ("WRITE" local ->
 remote, "READ" remote -> local) with the notification, ``transfer``. ``transfer`` posts every
 descriptor before it returns (400k small descriptors keep it busy ~4 s over CMA, GIL released),
-so the posting runs on a background worker thread (`bridge.handles.Worker`) and `transfer_batch`
+so the posting runs on a background worker thread (`bridge.workers.Worker`) and `transfer_batch`
 returns at once. A transfer DONE at posting is released by the worker; one still moving goes to a
-poller thread (`bridge.handles.Poller`) that follows ``check_xfer_state`` to DONE or ERR and
+poller thread (`bridge.workers.Poller`) that follows ``check_xfer_state`` to DONE or ERR and
 releases it. `check` never calls into NIXL: it reads what those threads recorded (a status
 check or release from the caller's thread was measured waiting 0.5-3 s on a loaded machine
 behind a big posting). NIXL's typed exceptions (``nixlNotFoundError``,
@@ -23,16 +23,16 @@ while UCX may still be moving their bytes, and `check` would hand back memory st
 Stale metadata: NIXL keeps a peer's old registrations after the peer deregisters, and a WRITE
 into them still succeeds. `add_peer` with a refreshed `PeerInfo` therefore drops and reloads the
 peer's metadata, and `transfer_batch` validates against the regions of the latest `PeerInfo`.
+
+What touches the NIXL library without the engine's bookkeeping (which wheel imports, agent
+creation, descriptor lists, the `Posted` record the poller follows) is in `bridge.nixl_agent`.
 """
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections.abc import Sequence
-
-import numpy as np
 
 from bridge.base import (
     BridgeError,
@@ -44,29 +44,21 @@ from bridge.base import (
     TransferError,
     TransferHandle,
 )
-from bridge.handles import Job, Poller, Worker
+from bridge.workers import Job, Poller, Worker
+from bridge.nixl_agent import (  # noqa: F401 - nixl_agent re-exported (scripts/gpu_suite_summary.py)
+    NIXL_ERRORS,
+    PROGRESS_THREAD_DELAY_US,
+    Posted,
+    agent_config,
+    create_agent,
+    engine_msg,
+    nixl_agent,
+    nixl_available,
+    release,
+    xfer_desc_lists,
+)
 
 __all__ = ["NixlEngine", "nixl_available"]
-
-try:  # the CUDA 12 wheel installs nixl_cu12; the meta package maps `nixl` onto a CUDA build
-    from nixl_cu12._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-    from nixl_cu12 import _bindings as _nixl_bindings
-except ImportError:  # pragma: no cover - depends on which wheel is installed
-    try:  # the GPU machine's CUDA 13 build
-        from nixl_cu13._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-        from nixl_cu13 import _bindings as _nixl_bindings
-    except ImportError:
-        try:
-            from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-            from nixl import _bindings as _nixl_bindings
-        except ImportError:
-            nixl_agent = nixl_agent_config = nixl_thread_sync_t = _nixl_bindings = None
-
-# Every NIXL binding error (they derive from Exception directly; there is no common base).
-_NIXL_ERRORS: tuple[type[BaseException], ...] = tuple(
-    getattr(_nixl_bindings, n) for n in dir(_nixl_bindings or object)
-    if n.startswith("nixl") and n.endswith("Error") and isinstance(getattr(_nixl_bindings, n), type)
-) if _nixl_bindings is not None else ()
 
 _log = logging.getLogger("bridge")
 
@@ -75,38 +67,6 @@ _log = logging.getLogger("bridge")
 CLOSE_LINGER_S = 30.0
 # Agents whose transfers never finished at close: kept alive so NIXL never frees memory UCX uses.
 _LEAKED_AGENTS: list = []
-
-
-def nixl_available() -> bool:
-    """True when a NIXL Python package imports in this environment."""
-    return nixl_agent is not None
-
-
-def _engine_msg(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}".strip()
-
-
-# NIXL's Python wrapper hard-codes `pthrDelay = 0`, so every agent's progress thread spins a whole core
-# even when idle (measured: 0.95 core per agent; the main job runs N + 1 agents on 2 cores). The wrapper
-# offers no knob, so the delay is set on the binding's config while our agent is constructed.
-PROGRESS_THREAD_DELAY_US = 1000
-_AGENT_CTOR_LOCK = threading.Lock()
-
-
-def _create_agent(name: str, conf, progress_delay_us: int):
-    bind = sys.modules[nixl_agent.__module__].nixlBind
-    real_ctor = bind.nixlAgent
-
-    def ctor(agent_name, agent_config):
-        agent_config.pthrDelay = int(progress_delay_us)
-        return real_ctor(agent_name, agent_config)
-
-    with _AGENT_CTOR_LOCK:  # the patch is process-wide while it lasts
-        bind.nixlAgent = ctor
-        try:
-            return nixl_agent(name, conf)
-        finally:
-            bind.nixlAgent = real_ctor
 
 
 class NixlEngine(TransferEngine):
@@ -132,13 +92,11 @@ class NixlEngine(TransferEngine):
             raise BridgeError("NIXL is not installed (pip install --no-deps nixl-cu12==1.5.1)")
         if progress_delay_us < 0:
             raise ValueError(f"{progress_delay_us=} must be >= 0")
-        conf = nixl_agent_config(backends=list(backends))
-        if async_submit:  # several threads call into the agent: shared lock for post and check
-            conf.sync_mode = nixl_thread_sync_t.NIXL_THREAD_SYNC_RW
+        conf = agent_config(backends, shared_lock=async_submit)  # worker and poller share the agent
         try:
-            self._agent = _create_agent(name, conf, progress_delay_us)
+            self._agent = create_agent(name, conf, progress_delay_us)
         except Exception as exc:
-            raise BridgeError(f"cannot create NIXL agent {name=}: {_engine_msg(exc)}") from exc
+            raise BridgeError(f"cannot create NIXL agent {name=}: {engine_msg(exc)}") from exc
         self._reg_dlists: dict[MemoryRegion, object] = {}
         self._jobs: dict[int, Job] = {}  # handle.seq -> its posting; result (xfer or None, state)
         self._worker = Worker(f"nixl-{name}", inline=not async_submit)
@@ -166,7 +124,7 @@ class NixlEngine(TransferEngine):
             raise
         except Exception as exc:
             self._engine_deregister(done)
-            raise RegistrationError(f"regions: NIXL could not register {r}: {_engine_msg(exc)}") from exc
+            raise RegistrationError(f"regions: NIXL could not register {r}: {engine_msg(exc)}") from exc
 
     def _engine_deregister(self, regions: Sequence[MemoryRegion]) -> None:
         for r in regions:
@@ -176,7 +134,7 @@ class NixlEngine(TransferEngine):
             try:
                 self._agent.deregister_memory(dl)
             except Exception as exc:
-                raise RegistrationError(f"regions: NIXL could not deregister {r}: {_engine_msg(exc)}") from exc
+                raise RegistrationError(f"regions: NIXL could not deregister {r}: {engine_msg(exc)}") from exc
 
     # ---- peers ----------------------------------------------------------------------------
     def _engine_peer_info(self) -> PeerInfo:
@@ -206,7 +164,7 @@ class NixlEngine(TransferEngine):
         try:
             loaded = self._agent.add_remote_agent(info.metadata)
         except Exception as exc:
-            raise PeerError(f"info: NIXL refused metadata of peer {info.name!r}: {_engine_msg(exc)}") from exc
+            raise PeerError(f"info: NIXL refused metadata of peer {info.name!r}: {engine_msg(exc)}") from exc
         loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if loaded != info.name:
             self._agent.remove_remote_agent(loaded)
@@ -233,7 +191,7 @@ class NixlEngine(TransferEngine):
             try:
                 self._agent.remove_remote_agent(name)
             except Exception as exc:  # noqa: BLE001 - nobody waits for this job: log it
-                _log.warning("NIXL could not remove peer %r: %s", name, _engine_msg(exc))
+                _log.warning("NIXL could not remove peer %r: %s", name, engine_msg(exc))
 
         try:
             self._worker.submit(Job(drop))
@@ -267,7 +225,7 @@ class NixlEngine(TransferEngine):
             self._jobs.pop(handle.seq, None)
             raise
 
-    def _post_job(self, job: Job, handle, descs, local_mem, remote_mem, peer: str) -> _Posted:
+    def _post_job(self, job: Job, handle, descs, local_mem, remote_mem, peer: str) -> Posted:
         """Worker thread: posts the batch; a transfer done at once is released here, one still
         moving goes to the poller. `check` itself never calls into NIXL."""
         with self._posting:
@@ -275,20 +233,20 @@ class NixlEngine(TransferEngine):
                 xfer, state = self._post(handle, descs, local_mem, remote_mem, peer)
             finally:  # collect notifications here too, so back-to-back postings never starve them
                 self._stash_notifs()
-        rec = _Posted(xfer)
+        rec = Posted(xfer)
         if state == "PROC":
             self._poller.add(rec)
         else:
             rec.finish(state)
         return rec
 
-    def _poll_posted(self, rec: _Posted) -> bool:
+    def _poll_posted(self, rec: Posted) -> bool:
         """Poller thread: True (and the NIXL handle released) once the transfer is DONE or ERR."""
         try:
             state = self._agent.check_xfer_state(rec.xfer)
             message = f"check_xfer_state: {state}"
         except Exception as exc:  # noqa: BLE001 - NIXL's typed errors: a failed transfer
-            state, message = "ERR", _engine_msg(exc)
+            state, message = "ERR", engine_msg(exc)
         if state == "PROC":
             return False
         rec.finish(state, message)
@@ -313,15 +271,11 @@ class NixlEngine(TransferEngine):
                     self._agent.send_notif(peer, handle.notif)
                 except Exception as exc:
                     raise handle.error(TransferError, "NIXL could not send the notification",
-                                       _engine_msg(exc)) from exc
+                                       engine_msg(exc)) from exc
             return None, "DONE"
-        (lkind, ldev), (rkind, rdev) = local_mem, remote_mem
-        local = np.stack([descs[:, 0], descs[:, 2], ldev], axis=1)
-        remote = np.stack([descs[:, 1], descs[:, 2], rdev], axis=1)
         xfer = None
         try:
-            ld = self._agent.get_xfer_descs(local, lkind)
-            rd = self._agent.get_xfer_descs(remote, rkind)
+            ld, rd = xfer_desc_lists(self._agent, descs, local_mem, remote_mem)
             if ld is None or rd is None:
                 raise handle.error(TransferError, "NIXL could not build descriptor lists")
             xfer = self._agent.initialize_xfer(op, ld, rd, peer, handle.notif or b"")
@@ -329,12 +283,12 @@ class NixlEngine(TransferEngine):
             state = self._agent.transfer(xfer)
         except TransferError:
             raise
-        except _NIXL_ERRORS + (KeyError,) as exc:
+        except NIXL_ERRORS + (KeyError,) as exc:
             if xfer is not None:
-                _release(xfer)
-            raise handle.error(TransferError, f"NIXL refused the {op}", _engine_msg(exc)) from exc
+                release(xfer)
+            raise handle.error(TransferError, f"NIXL refused the {op}", engine_msg(exc)) from exc
         if state == "ERR":
-            _release(xfer)
+            release(xfer)
             raise handle.error(TransferError, f"NIXL failed to post the {op}", "transfer() returned ERR")
         return xfer, state
 
@@ -349,8 +303,8 @@ class NixlEngine(TransferEngine):
                                    job.cancel_reason or "")
             if isinstance(job.error, TransferError):
                 raise job.error
-            raise handle.error(TransferError, f"NIXL {handle.op} failed", _engine_msg(job.error))
-        rec: _Posted = job.result
+            raise handle.error(TransferError, f"NIXL {handle.op} failed", engine_msg(job.error))
+        rec: Posted = job.result
         if not rec.final.is_set():
             return False  # posted, still moving (the poller follows it)
         self._forget(handle)
@@ -364,7 +318,7 @@ class NixlEngine(TransferEngine):
             time.sleep(max_s)
         elif not job.done.is_set():
             job.done.wait(max_s)  # wakes when the posting ends
-        elif isinstance(job.result, _Posted):
+        elif isinstance(job.result, Posted):
             job.result.final.wait(max_s)  # wakes when the poller saw DONE / ERR
 
     def _engine_cancel(self, handle: TransferHandle) -> None:
@@ -432,32 +386,4 @@ class NixlEngine(TransferEngine):
             except RegistrationError:
                 pass
         self._agent = None
-
-
-class _Posted:
-    """A posted transfer: its NIXL handle until DONE / ERR, then the final state (released)."""
-
-    __slots__ = ("xfer", "state", "message", "final")
-
-    def __init__(self, xfer):
-        self.xfer = xfer
-        self.state = "PROC"
-        self.message = ""
-        self.final = threading.Event()
-
-    def finish(self, state: str, message: str = "") -> None:
-        if self.xfer is not None:
-            _release(self.xfer)
-            self.xfer = None
-        self.state, self.message = state, message
-        self.final.set()
-
-
-def _release(xfer) -> None:
-    # Releasing an active transfer asks NIXL to cancel it; if it cannot, NIXL keeps the handle,
-    # and the caller has already been told the batch failed.
-    try:
-        xfer.release()
-    except Exception:  # noqa: BLE001
-        pass
 
