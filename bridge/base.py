@@ -13,20 +13,18 @@ not do this reliably: Mooncake's TCP transport reads unregistered local memory w
 and NIXL keeps writing into a remote region the peer has deregistered if its metadata is stale.
 
 Errors live in `bridge.errors`, regions and validation in `bridge.regions`, handles in
-`bridge.handles`, engine state, adapter hooks and notifications in `bridge.core`; all are
-re-exported here unchanged.
+`bridge.handles`, engine state, adapter hooks, notifications and teardown (`close`) in
+`bridge.core`; all are re-exported here unchanged.
 """
 from __future__ import annotations
 
-import logging
-import threading
 import time
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
-from bridge.core import _LIVE_ENGINES, EngineCore, _account, registered_bytes
+from bridge.core import EngineCore, _account, registered_bytes
 from bridge.errors import (  # noqa: F401 - re-exported
     BridgeError, DescriptorError, PeerError, RegistrationError, TransferError, TransferTimeout)
 from bridge.handles import OPS, EngineCounters, TransferHandle, check_notif, check_timeout  # noqa: F401
@@ -40,8 +38,6 @@ __all__ = [
     "MEM_TYPES", "OPS",
 ]
 
-_log = logging.getLogger("bridge")
-
 # `wait` polls `check` with this backoff (seconds): small batches finish in ~100 us; the cap keeps
 # a finished transfer noticed within a few ms.
 _POLL_FIRST_S = 2e-5
@@ -51,8 +47,9 @@ _POLL_MAX_S = 2e-3
 class TransferEngine(EngineCore):
     """One process's transfer engine: registrations, known peers, WRITE/READ batches, notifications.
 
-    Subclasses implement the ``_engine_*`` hooks; everything callers use lives here so both
-    engines validate and count the same way. Engines are context managers. One handle is driven
+    Subclasses implement the ``_engine_*`` hooks; everything callers use lives here (notifications,
+    `close` and the context manager in the base class `bridge.core.EngineCore`) so every engine
+    validates and counts the same way. Engines are context managers. One handle is driven
     by one thread at a time (`check` / `wait` / `cancel`); different handles, `transfer_batch`
     and `notifications` may be used from different threads.
     """
@@ -324,81 +321,6 @@ class TransferEngine(EngineCore):
             raise handle.error(TransferError, f"{handle.op} batch failed", f"{type(exc).__name__}: {exc}") from exc
         finally:
             self._release(handle)
-
-    # ---- teardown -------------------------------------------------------------------------
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Releases handles, peers, registrations and the engine, within timeout_s. Idempotent.
-
-        At once, in the caller: the engine refuses further calls, every outstanding handle is
-        released (`check` on it raises BridgeError, `cancel` does nothing), and its peers and
-        registrations are forgotten (`registered_bytes` drops by this engine's bytes). Then a
-        daemon thread stops the engine: queued batches are dropped, running ones cancelled (as
-        `cancel`), and once no worker thread is inside the engine any more, transfers, peers,
-        registrations and the engine itself are released. `close` waits for that thread at
-        most timeout_s seconds (plus thread start-up, about a millisecond) whatever the engine
-        does, e.g. a NIXL posting of 300k descriptors that cannot be interrupted, or a Mooncake
-        window blocked on a dead peer.
-
-        If it returns before the teardown finished, the worker and teardown threads are left to
-        finish as daemons: they keep the engine object alive (it is never destroyed while one may
-        still be inside it), and until they end the engine may still read or write the memory of
-        the unfinished batches and keep it registered. A warning is logged ("bridge" logger).
-
-        Args:
-            timeout_s: seconds to wait for the teardown (>= 0).
-        """
-        timeout_s = check_timeout(timeout_s, allow_zero=True)
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            regions = tuple(self._regions)
-            peers = tuple(info for info, _ in self._peers.values())
-            handles = list(self._outstanding.values())
-            self._outstanding.clear()
-            self._peers.clear()
-            self._regions.clear()
-            self._local_table = RegionTable(())
-        for h in handles:
-            h.released = True
-        _account(-sum(r.nbytes for r in regions))
-        _LIVE_ENGINES.discard(self)
-        self._closer = threading.Thread(target=self._teardown, args=(regions, peers),
-                                        name=f"bridge-close-{self.name}", daemon=True)
-        try:
-            self._closer.start()
-        except RuntimeError:  # interpreter exit: Python >= 3.12 starts no thread in atexit hooks
-            self._closer = None
-            self._close_at_exit(regions, peers, timeout_s)
-            return
-        self._closer.join(timeout_s)
-        if self._closer.is_alive():
-            _log.warning("engine %r: teardown still running after %.3g s; left to finish in the "
-                         "background (the engine may still use the memory of unfinished batches)",
-                         self.name, timeout_s)
-
-    def _close_at_exit(self, regions: tuple[MemoryRegion, ...], peers: tuple[PeerInfo, ...],
-                       timeout_s: float) -> None:
-        # No teardown thread can start, so the caller waits (at most timeout_s) until no worker
-        # thread is inside the engine: one returning from an engine call after finalisation began
-        # is killed by the interpreter inside C++ code, which aborts the process (SIGABRT).
-        if self._engine_quiesce(timeout_s):
-            self._teardown(regions, peers)  # nothing left to wait for: fast
-        else:
-            _log.warning("engine %r: a worker thread is still inside the engine %.3g s after close at "
-                         "interpreter exit; the engine is left as it is", self.name, timeout_s)
-
-    def _teardown(self, regions: tuple[MemoryRegion, ...], peers: tuple[PeerInfo, ...]) -> None:
-        try:
-            self._engine_close(regions, peers)
-        except Exception:  # noqa: BLE001 - a daemon thread: report, never raise into nothing
-            _log.exception("engine %r: teardown failed", self.name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         c = self._counters

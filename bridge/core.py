@@ -1,7 +1,8 @@
-"""State, engine hooks and notifications shared by every `TransferEngine` (see `bridge.base`).
+"""State, engine hooks, notifications and teardown shared by every `TransferEngine` (see `bridge.base`).
 
 `EngineCore` holds what an engine keeps (registrations, peers, outstanding handles, counters,
-received notifications), declares the ``_engine_*`` hooks an adapter implements, and keeps the
+received notifications), declares the ``_engine_*`` hooks an adapter implements, closes the
+engine (`close`, on a daemon thread; an atexit hook closes engines left open), and keeps the
 process-wide count of registered bytes (`registered_bytes`). The public batch API is in
 `bridge.base.TransferEngine`.
 """
@@ -11,6 +12,7 @@ import abc
 import atexit
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 import weakref
@@ -24,6 +26,8 @@ from bridge.handles import EngineCounters, TransferHandle, check_notif, check_ti
 from bridge.regions import MemoryRegion, PeerInfo, RegionTable
 
 __all__ = ["EngineCore", "registered_bytes"]
+
+_log = logging.getLogger("bridge")
 
 _REG_LOCK = threading.Lock()
 _REG_BYTES = 0
@@ -57,7 +61,7 @@ def _close_live_engines() -> None:
 
 
 class EngineCore(abc.ABC):
-    """Engine state, the adapter hooks, and notifications; subclassed by `TransferEngine`."""
+    """Engine state, the adapter hooks, notifications and `close`; subclassed by `TransferEngine`."""
 
     #: engine kind written into `PeerInfo.engine`
     kind: str = ""
@@ -235,3 +239,78 @@ class EngineCore(abc.ABC):
                     peer=peer_name, num_descriptors=0)
             time.sleep(sleep)
             sleep = min(sleep * 2, 5e-3)
+
+    # ---- teardown -------------------------------------------------------------------------
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Releases handles, peers, registrations and the engine, within timeout_s. Idempotent.
+
+        At once, in the caller: the engine refuses further calls, every outstanding handle is
+        released (`check` on it raises BridgeError, `cancel` does nothing), and its peers and
+        registrations are forgotten (`registered_bytes` drops by this engine's bytes). Then a
+        daemon thread stops the engine: queued batches are dropped, running ones cancelled (as
+        `cancel`), and once no worker thread is inside the engine any more, transfers, peers,
+        registrations and the engine itself are released. `close` waits for that thread at
+        most timeout_s seconds (plus thread start-up, about a millisecond) whatever the engine
+        does, e.g. a NIXL posting of 300k descriptors that cannot be interrupted, or a Mooncake
+        window blocked on a dead peer.
+
+        If it returns before the teardown finished, the worker and teardown threads are left to
+        finish as daemons: they keep the engine object alive (it is never destroyed while one may
+        still be inside it), and until they end the engine may still read or write the memory of
+        the unfinished batches and keep it registered. A warning is logged ("bridge" logger).
+
+        Args:
+            timeout_s: seconds to wait for the teardown (>= 0).
+        """
+        timeout_s = check_timeout(timeout_s, allow_zero=True)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            regions = tuple(self._regions)
+            peers = tuple(info for info, _ in self._peers.values())
+            handles = list(self._outstanding.values())
+            self._outstanding.clear()
+            self._peers.clear()
+            self._regions.clear()
+            self._local_table = RegionTable(())
+        for h in handles:
+            h.released = True
+        _account(-sum(r.nbytes for r in regions))
+        _LIVE_ENGINES.discard(self)
+        self._closer = threading.Thread(target=self._teardown, args=(regions, peers),
+                                        name=f"bridge-close-{self.name}", daemon=True)
+        try:
+            self._closer.start()
+        except RuntimeError:  # interpreter exit: Python >= 3.12 starts no thread in atexit hooks
+            self._closer = None
+            self._close_at_exit(regions, peers, timeout_s)
+            return
+        self._closer.join(timeout_s)
+        if self._closer.is_alive():
+            _log.warning("engine %r: teardown still running after %.3g s; left to finish in the "
+                         "background (the engine may still use the memory of unfinished batches)",
+                         self.name, timeout_s)
+
+    def _close_at_exit(self, regions: tuple[MemoryRegion, ...], peers: tuple[PeerInfo, ...],
+                       timeout_s: float) -> None:
+        # No teardown thread can start, so the caller waits (at most timeout_s) until no worker
+        # thread is inside the engine: one returning from an engine call after finalisation began
+        # is killed by the interpreter inside C++ code, which aborts the process (SIGABRT).
+        if self._engine_quiesce(timeout_s):
+            self._teardown(regions, peers)  # nothing left to wait for: fast
+        else:
+            _log.warning("engine %r: a worker thread is still inside the engine %.3g s after close at "
+                         "interpreter exit; the engine is left as it is", self.name, timeout_s)
+
+    def _teardown(self, regions: tuple[MemoryRegion, ...], peers: tuple[PeerInfo, ...]) -> None:
+        try:
+            self._engine_close(regions, peers)
+        except Exception:  # noqa: BLE001 - a daemon thread: report, never raise into nothing
+            _log.exception("engine %r: teardown failed", self.name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
