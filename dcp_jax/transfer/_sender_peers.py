@@ -196,6 +196,9 @@ class SenderPeers:
         self._conns[ident].cache_pages = cache_pages
         self._conns[ident].view = view
         self._counts["handshakes"] += 1
+        for req in self._requests.values():  # sent before any rank connected: may need nobody here
+            if req.needed is None and req.chunks and not req.status.terminal:
+                self._to_plan[req] = None
         self._ctl.send(ident, proto.encode(
             "hello_ack", spec=self.spec.to_dict(), peer=self.engine.peer_info().to_dict(),
             layer_bases=proto.pack_i64(self._layers.bases), name=self.engine.name, path=path, staged=self.staged))

@@ -18,7 +18,9 @@ from dcp_jax.transfer._sender_region import sync_arrays as _sync_arrays
 from dcp_jax.transfer._worker import TIMEOUT_CHECK_S
 from dcp_jax.transfer.requests import RankTarget, SendRequest
 from dcp_jax.transfer.schedule import SideLayout, batch_engine_calls, plan_rank_chunk
+from dcp_jax.transfer.spec import HandshakeError
 from dcp_jax.transfer.status import TransferStatus
+from dcp_jax.transfer.views import served_group_ranks
 
 __all__ = ["SenderUnits", "Unit", "ARENA_SHARE"]
 
@@ -46,6 +48,12 @@ class SenderUnits:
         todo, self._to_plan = self._to_plan, {}  # in arrival order: FIFO across requests
         for req in todo:
             if req.status.terminal or req.page_table is None or self._requests.get(req.rid) is not req:
+                continue
+            if req.needed is None and not req.targets and self._serves_nobody():
+                # No decode rank will announce it here (each announces only to the senders that
+                # move it bytes): done as soon as it is sent.
+                req.needed = frozenset()
+                self._maybe_done(req)
                 continue
             for rank, t in req.targets.items():
                 while t.next_chunk < len(req.chunks):
@@ -75,6 +83,17 @@ class SenderUnits:
                     self._queue.extend(Unit(req, t, rc, w) for w in range(len(rc.windows)))
                 if req.status.terminal:
                     break
+
+    def _serves_nobody(self) -> bool:
+        """True when this sender has connected decode ranks and moves bytes to none of their
+        groups' ranks (`views.served_group_ranks`: e.g. prefill TP rank 1 of an MLA model whose
+        latent every decode rank takes from TP rank 0). With no connection it cannot know."""
+        if not self._conns:
+            return False
+        try:
+            return not any(served_group_ranks(self.spec, c.spec) for c in self._conns.values())
+        except HandshakeError:
+            return False
 
     def _region_rows(self, conn: Any) -> int:
         """Rows one window may hold: the pack buffer's, and for the region path also the

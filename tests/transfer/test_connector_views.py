@@ -90,9 +90,14 @@ _CASES = [
     (_mla(4, tp_size=2), _mla(8, 2, 1, tp_size=3, layout="tpu_mla"), 101),
     # one layout, no TP, but NHD splits a token's row (K and V planes apart): page 16 -> 4, DCP 1 -> 2
     (_gqa(16), _gqa(4, 2, 1), 77),
+    # senders that move nothing (a fresh user's regression of the day): MLA TP 2 -> TP 1 (the latent from
+    # prefill tp 0 only) and 2 heads replicated over TP 4 on both sides (prefill tp 1 and 3 send none);
+    # no rank announces to them, and they end SUCCESS once sent
+    (_mla(4, tp_size=2), _mla(8), 45),
+    (_gqa(16, tp_size=4, heads=2), _gqa(16, tp_size=4, heads=2), 40),
 ]
 _IDS = ["tp2-nhd-p16_tp4-hnd-p64-dcp2", "dcp2-hnd-p128_tp2-tpugqa-p32", "tpugqa_tp4-replicated", "mla-tp2_tpumla-tp3",
-        "nhd-p16_nhd-p4-dcp2"]
+        "nhd-p16_nhd-p4-dcp2", "mla-tp2_tp1-idle-sender", "gqa-tp4-replicated_idle-senders"]
 # Every case over NIXL; over Mooncake (about 0.5 s per engine it starts) marked slow: CI runs
 # Mooncake on the region test below, whose direct batches (empty pairs) and windows cover both.
 _PARAMS = [pytest.param(e, c, id=f"{i}-{e}", marks=() if e == "nixl" else pytest.mark.slow)
