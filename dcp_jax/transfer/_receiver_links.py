@@ -105,9 +105,19 @@ class ReceiverLinks:
                     staged=reply["staged"], row_bytes=row_bytes, view=view)
 
     def _refuse_twin(self, address: str, sender_spec: KVCacheSpec) -> None:
-        """HandshakeError (field ``"position"``) if a live link holds the sender's prefill
-        (dcp_rank, tp_rank): two live senders of one position would both write its rows; a
-        restarted one is accepted once the old link was dropped (silent for peer_timeout_s, or refused)."""
+        """HandshakeError if the sender does not fit the prefill group of the live links: field
+        ``"dcp_size"``, ``"interleave_size"`` or ``"tp_size"`` when it declares another layout of
+        the group (the ranks would own other tokens or heads than the plan assumes: rows never
+        written, others written twice), ``"position"`` when a live link holds its (dcp_rank,
+        tp_rank) (both would write its rows). A restarted sender is accepted once the old link
+        was dropped (silent for peer_timeout_s, or refused)."""
+        for field in ("dcp_size", "interleave_size", "tp_size"):
+            other = next((link for link in self._links if getattr(link.spec, field) != getattr(sender_spec, field)),
+                         None)
+            if other is not None:
+                raise HandshakeError(field, getattr(other.spec, field), getattr(sender_spec, field),
+                                     f"the sender at {address!r} declares another prefill group layout than the live "
+                                     f"sender at {other.client.address!r} this receiver is connected to")
         twin = next((link for link in self._links if (link.spec.dcp_rank, link.spec.tp_rank)
                      == (sender_spec.dcp_rank, sender_spec.tp_rank)), None)
         if twin is not None:

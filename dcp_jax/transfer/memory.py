@@ -163,25 +163,34 @@ class CacheLayers:
         self.rows = views
         self.regions = _union(regions)
 
-    def check_pages(self, pages: Sequence[int]) -> None:
-        """Refuses page ids a request would write into with two entries at once.
+    def check_pages(self, pages: Sequence[int], held: dict[int, str] | None = None) -> None:
+        """Refuses page ids a request would write into with two entries at once, or into bytes
+        another held request writes through another entry.
 
         Args:
             pages: the page ids the transfer writes (every entry's page ``p`` for each ``p``).
+            held: page id -> id of the held request that writes it (the receiver's own page
+                owners; the same page id is refused by the caller).
 
         Raises:
-            ValueError: two of them, in two entries whose memory overlaps, land on the same bytes
-                (names the pages and the ``kv_layers`` entries).
+            ValueError: two pages, in two entries whose memory overlaps, land on the same bytes
+                (names the pages, the ``kv_layers`` entries and the other request if any).
         """
-        if not self.clashes or len(pages) < 2:
+        if not self.clashes or not len(pages):
             return
-        have = np.unique(np.asarray(pages, np.int64))
+        new = {int(p) for p in pages}
+        held = held or {}
         for k, (a, b) in self.clashes.items():
-            hit = np.intersect1d(have, have - k)  # p with p + k also written
-            if len(hit):
-                p = int(hit[0])
-                raise ValueError(f"page_table: page {p + k} of kv_layers[{a}] and page {p} of kv_layers[{b}] "
-                                 "are the same bytes (the entries view one buffer); give pages that do not overlap")
+            # Page x of entry a is page x - k of entry b: a clash needs x and x - k both written,
+            # at least one of them by this request. Set lookups: len(pages) x len(clashes).
+            for p in sorted(new):
+                x = p if (p - k in new or p - k in held) else p + k if p + k in held else None
+                if x is not None:
+                    who = [held[q] for q in (x, x - k) if q in held]
+                    raise ValueError(
+                        f"page_table: page {x} of kv_layers[{a}] and page {x - k} of kv_layers[{b}] are the same "
+                        "bytes (the entries view one buffer)" + (f"; request {who[0]!r}, still held, writes one of them"
+                                                                 if who else "") + ": give pages that do not overlap")
 
     @property
     def nbytes(self) -> int:

@@ -229,11 +229,11 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
             # held request; prefix pages may be shared (a prefix cache hands one block to many).
             lo = int(local_len_np(int(prefix_tokens), s.dcp_size, s.dcp_rank, s.interleave_size))
             written = [int(p) for p in table[lo // s.page_size: -(-rows // s.page_size)]]
-            self._layers.check_pages(written)
             clash = next((p for p in written if p in self._page_owner), None)
             if clash is not None:
                 raise ValueError(f"page_table: page {clash} is written by request {self._page_owner[clash]!r}, "
                                  "still held (requests must write disjoint pages; release that one first)")
+            self._layers.check_pages(written, self._page_owner)  # entries viewing one buffer
             # Only the senders that move this rank something (`views.pair_moves`): a pair with
             # no head in common has nothing to send, and its sender does not wait for this rank.
             req = RecvRequest(rid, secrets.randbits(62) + 1, table, int(num_tokens), int(prefix_tokens),

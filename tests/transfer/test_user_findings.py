@@ -110,6 +110,14 @@ def test_page_interleaved_receiver_views_land_and_clashing_pages_are_refused(eng
         with pytest.raises(ValueError, match=r"page_table: page 3 of kv_layers\[0\] and page 2 of kv_layers\[1\] "
                                              r"are the same bytes"):
             r.expect("clash", np.array([2, 3]), 8)
+        # Across requests too (a second fresh user): page 3 of entry 0 is page 2 of entry 1, written by "A".
+        r.expect("A", np.array([6]), 4)
+        with pytest.raises(ValueError, match=r"page 7 of kv_layers\[0\] and page 6 of kv_layers\[1\] are the same "
+                                             r"bytes .*; request 'A', still held"):
+            r.expect("B", np.array([7]), 4)
+        with pytest.raises(ValueError, match=r"page 6 of kv_layers\[0\] and page 5 of kv_layers\[1\] .*request 'A'"):
+            r.expect("B", np.array([5]), 4)
+        r.release("A")
         want = big.copy()
         r.expect("even", np.array([0, 2]), 8)  # entry 0 writes buffer pages 0, 2; entry 1 pages 1, 3
         s.send("even", np.array([5, 6]), 0, 8)
@@ -222,3 +230,26 @@ def test_sender_options_a_fresh_user_got_unnamed_errors_for(engine):
             side()
     with pytest.raises(TypeError, match=r"engine_options must be a dict or None, got list"):
         KVReceiver(spec, kv, engine=engine, engine_options=["foo"])
+
+
+def test_senders_of_another_prefill_group_layout_are_refused(engine):
+    # A second fresh user: prefill ranks declaring different interleaves (or DCP sizes) were all
+    # linked; every side ended SUCCESS with some decode rows never written and others written twice.
+    kv = [np.zeros((8, 4, 16), np.uint8) for _ in range(2)]
+    dspec = KVCacheSpec(2, (16, 16), 4)
+    s0 = KVSender(KVCacheSpec(2, (16, 16), 4, dcp_size=2, dcp_rank=0), kv, engine=engine)
+    odd = [KVSender(KVCacheSpec(2, (16, 16), 4, dcp_size=2, dcp_rank=1, interleave_size=4), kv, engine=engine),
+           KVSender(KVCacheSpec(2, (16, 16), 4, dcp_size=3, dcp_rank=1), kv, engine=engine)]
+    good = KVSender(KVCacheSpec(2, (16, 16), 4, dcp_size=2, dcp_rank=1), kv, engine=engine)
+    try:
+        with KVReceiver(dspec, [np.zeros((8, 4, 16), np.uint8) for _ in range(2)], engine=engine) as r:
+            r.connect(s0.address)
+            for s, field in zip(odd, ("interleave_size", "dcp_size")):
+                with pytest.raises(HandshakeError, match="another prefill group layout") as info:
+                    r.connect(s.address)
+                assert info.value.field == field
+            r.connect(good.address)  # the group's own layout: linked
+            r.expect("q", np.arange(2), 8)
+    finally:
+        for s in (s0, good, *odd):
+            s.close()
