@@ -133,7 +133,7 @@ def transfer(
             _fail(f"--path={path!r}: a TP/layout run through jax-transfer takes only the direct path")
 
         return hetero_transfer(model, prompt_tokens, dict(
-            page_size=prefill_page_size or page_size, dcp_size=prefill_dcp_size,
+            page_size=page_size if prefill_page_size is None else prefill_page_size, dcp_size=prefill_dcp_size,
             interleave_size=prefill_interleave_size, tp_size=prefill_tp_size, layout=prefill_layout), dict(
             page_size=page_size, dcp_size=dcp_size, interleave_size=interleave_size, tp_size=tp_size,
             layout=decode_layout), engine, seed, timeout_s, json_path, path)

@@ -25,6 +25,16 @@ def _check_tokens(prompt_tokens: int) -> None:
               "are sized by it")
 
 
+def _check_sides(prefill: dict, decode: dict) -> None:
+    """Each side's sizes are ints >= 1, refused naming the option (the plan's own errors name
+    the field, not which side's option)."""
+    for side, prefix in ((prefill, "--prefill-"), (decode, "--")):
+        for key in ("page_size", "dcp_size", "interleave_size", "tp_size"):
+            v = side[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                _fail(f"{prefix}{key.replace('_', '-')}={v!r} must be an int >= 1")
+
+
 def hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeout_s, json_path, path=None) -> None:
     """``transfer`` for a TP / layout pair: one table per path, JSON, exit 1 if wrong. NIXL and
     Mooncake go through the connector, one process per rank (`dcp_jax.hetero.connector_job`), on
@@ -34,6 +44,7 @@ def hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeout
     from dcp_jax.hetero.job import run_hetero_job
 
     _check_tokens(prompt_tokens)
+    _check_sides(prefill, decode)
     if engine not in ("nixl", "mooncake", "jax-transfer"):
         _fail(f"--engine={engine!r} must be nixl, mooncake or jax-transfer for a heterogeneous run")
     paths = [x.strip() for x in (path or "direct,region").split(",") if x.strip()]
@@ -95,6 +106,7 @@ def hetero_plan(model: str, prompt_tokens: int, prefill: dict, decode: dict, see
     from dcp_jax.hetero.cost import hetero_counts
 
     _check_tokens(prompt_tokens)
+    _check_sides(prefill, decode)
     _check_out_path(json_path, "--json")
     try:
         rows = hetero_counts(model, prompt_tokens, prefill, decode, seed=seed)

@@ -69,7 +69,7 @@ def plan(
             _fail(f"{', '.join(unused)}: not taken by the heterogeneous plan (TP, page-size or layout options); "
                   "leave them out")
 
-        hetero_plan(model, prompt_tokens, dict(page_size=prefill_page_size or page_size, dcp_size=prefill_dcp_size,
+        hetero_plan(model, prompt_tokens, dict(page_size=page_size if prefill_page_size is None else prefill_page_size, dcp_size=prefill_dcp_size,
                                                interleave_size=prefill_interleave_size, tp_size=prefill_tp_size,
                                                layout=prefill_layout),
                     dict(page_size=page_size, dcp_size=dcp_size, interleave_size=interleave_size, tp_size=tp_size,

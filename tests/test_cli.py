@@ -106,6 +106,17 @@ def test_plan_with_tp_refuses_options_it_does_not_take(extra):
     assert res.exit_code == 2 and f"{extra[0]}: not taken by the heterogeneous plan" in flat, res.output
 
 
+@pytest.mark.parametrize("cmd", ["plan", "transfer"])
+@pytest.mark.parametrize("option,value", [("--prefill-page-size", "0"), ("--prefill-tp-size", "-1"),
+                                          ("--prefill-interleave-size", "0"), ("--prefill-dcp-size", "0")])
+def test_tp_runs_name_the_side_of_a_bad_size(cmd, option, value):
+    # Before: --prefill-page-size 0 was taken for "default" and the others said "page_size", "tp_size"...
+    res = runner.invoke(app, [cmd, "--model", "llama-3.1-8b", "--prompt-tokens", "512", "--tp-size", "2",
+                              option, value], terminal_width=200)
+    flat = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and f"{option}={value} must be an int >= 1" in flat, res.output
+
+
 @pytest.mark.parametrize("args", [["plan"], ["transfer", "--no-progress"],
                                   ["plan", "--model", "llama-3.1-8b", "--tp-size", "2"]])
 def test_absurd_prompt_tokens_are_refused_before_anything_is_sized(args):
