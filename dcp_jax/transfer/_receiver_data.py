@@ -84,9 +84,6 @@ class ReceiverData:
         elif kind == "hello_nack":  # the sender no longer knows this connection (dropped, restarted)
             if link in self._links:
                 self._drop_link(link, f"prefill sender {link.client.address} refused the connection: {msg['message']}")
-        elif kind == "bye":  # dropped as a silent one would be: writes still in flight keep its pages in doubt
-            if link in self._links:
-                self._drop_link(link, f"prefill sender {link.client.address} closed")
         elif kind != "ping":
             self._counts["dropped_messages"] += 1
 

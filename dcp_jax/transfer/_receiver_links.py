@@ -19,7 +19,7 @@ import numpy as np
 from bridge import PeerInfo
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._region import host_info
-from dcp_jax.transfer.control import BYE_LINGER_MS, ControlClient
+from dcp_jax.transfer.control import ControlClient
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
 from dcp_jax.transfer.status import TransferStatus
 from dcp_jax.transfer.views import stream_view, uncovered_heads, uses_views
@@ -67,7 +67,6 @@ class ReceiverLinks:
                 closed then; nothing was registered with the peer).
         """
         client = ControlClient(address, source=self.host)
-        acked = False
         try:
             client.send(proto.encode("hello", spec=self.spec.to_dict(), peer=self.engine.peer_info().to_dict(),
                                      group=self.group, direction=direction, name=self.engine.name,
@@ -80,7 +79,6 @@ class ReceiverLinks:
             reply = self._await_reply(client, timeout_s)
             if reply["k"] == "hello_nack":  # the sender's ours/theirs are the other way round
                 raise HandshakeError(reply["field"], reply["theirs"], reply["ours"], reply["message"])
-            acked = True  # from here a refusal tells the sender, which holds the connection now
             sender_spec = KVCacheSpec.from_dict(reply["spec"])
             check_compatible(sender_spec, self.spec, side="decode")
             with self._lock:
@@ -96,9 +94,7 @@ class ReceiverLinks:
                                      "the sender chose the region path, this receiver offers no region")
             peer = self.engine.add_peer(PeerInfo.from_dict(reply["peer"]))
         except BaseException:
-            if acked:
-                client.send(proto.encode("bye"))
-            client.close(linger_ms=BYE_LINGER_MS if acked else 0)
+            client.close()
             raise
         row_bytes, view = self.spec.row_bytes, None
         if uses_views(sender_spec, self.spec):  # only the heads this pair shares land here

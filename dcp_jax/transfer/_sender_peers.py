@@ -134,8 +134,6 @@ class SenderPeers:
                 return
             status = TransferStatus.ABORTED if kind == "abort" else TransferStatus.FAILED
             self._end(req, status, f"decode rank {conn.spec.dcp_rank}: {msg['reason']}", notify=kind)
-        elif kind == "bye":  # the receiver closed, or refused the link after this side's ack
-            self._drop_conn(conn, "the decode rank closed the connection")
         elif kind != "ping":
             self._counts["dropped_messages"] += 1
 

@@ -21,8 +21,6 @@ logger = logging.getLogger(__name__)
 #: Refused frames logged per socket before the log goes quiet (a flood of garbage must not
 #: flood the log; every refusal is still counted in ``rejected``).
 MAX_LOGGED_REJECTIONS = 100
-#: How long the last frames of a closing side (its requests' endings, ``bye``) may take to leave (ms).
-BYE_LINGER_MS = 200
 
 
 def engine_options_for(engine: str, host: str | None, options: dict | None) -> dict:
@@ -150,10 +148,8 @@ class ControlServer:
         except (zmq.Again, zmq.ZMQError):
             return False
 
-    def close(self, linger_ms: int = 0) -> None:
-        """Closes the socket; frames still queued get ``linger_ms`` to leave (ZMQ's I/O thread
-        sends them in the background: this does not wait)."""
-        self.sock.close(linger_ms)
+    def close(self) -> None:
+        self.sock.close(0)
 
 
 def _hello_of_another_version(frame: bytes):
@@ -215,6 +211,5 @@ class ControlClient:
                 self.last_error = str(exc)
                 _log_rejection(self, self.address, str(exc)[:300])
 
-    def close(self, linger_ms: int = 0) -> None:
-        """Closes the socket; frames still queued get ``linger_ms`` to leave (in the background)."""
-        self.sock.close(linger_ms)
+    def close(self) -> None:
+        self.sock.close(0)

