@@ -228,6 +228,7 @@ def pair_pieces(prefill: KVCacheSpec, decode: KVCacheSpec) -> np.ndarray:
     return _pieces(p, d, prefill.tp_rank, decode.tp_rank)
 
 
+@functools.lru_cache(maxsize=256)  # asked per link at every expect: the answer is the specs'
 def pair_moves(prefill: KVCacheSpec, decode: KVCacheSpec) -> bool:
     """Whether the pair moves any bytes: rows move whole, or `pair_pieces` is not empty.
 
