@@ -96,7 +96,7 @@ job job_128k_nixl 80 nixl packed,region,fused 131072
 job job_128k_mooncake 70 mooncake packed,region 131072
 # Issue 14: the pack backends side by side (JSON rewritten per backend: a step stopped at its limit
 # keeps what it measured; exit 1 when one failed or differed), and the staged path beside the direct one.
-step pack_backends 40 "$PY" benchmarks/pack_backends.py --device gpu --part backends --backends xla,gpu-triton,gpu-mosaic \
+step pack_backends ${PACK_BACKENDS_LIMIT_S:-40} "$PY" benchmarks/pack_backends.py --device gpu --part backends --backends xla,gpu-triton,gpu-mosaic \
     --rows 4096 --pool-rows 8192 --repeats 5 --json "$OUT/pack_backends.json" --md "$OUT/pack_backends.md"
 step job_32k_nixl_staged 40 "$PY" -m dcp_jax.cli transfer --device gpu --no-progress --timeout-s 30 --engine nixl \
     --staging host --path region --prompt-tokens 32768 --json "$OUT/job_32k_nixl_staged.json"
