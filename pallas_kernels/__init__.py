@@ -2,7 +2,9 @@
 
 `gather_rows` (kernel, jitted; traced row count and offset) and its oracle live in
 `pallas_kernels.gather`; the host contract `pack_rows` / `PackSource` in `pallas_kernels.pack` (`pack_windows`, every
-window of a round in one kernel launch, in `pallas_kernels.pack_windows`);
+window of a round in one kernel launch, in `pallas_kernels.pack_windows`); the scatter side
+`unpack_rows` / `copy_rows` in `pallas_kernels.unpack` (`RowCopier`, copies between the same two
+layer lists prepared once, in `pallas_kernels.copier`);
 `pack_region`, one pack API over the TPU, GPU, XLA and host backends, in `pallas_kernels.registry`.
 """
 
@@ -34,6 +36,7 @@ from pallas_kernels.registry import (
     select_pack_backend,
 )
 from pallas_kernels.unpack import SCATTER_BACKENDS, copy_rows, synchronize, unpack_rows
+from pallas_kernels.copier import RowCopier
 
 __all__ = [
     # The gather, its knobs and the host contract (`pack_rows`, `PackSource`): gather's names.
@@ -41,6 +44,7 @@ __all__ = [
     "pack_windows",
     "SCATTER_BACKENDS",
     "copy_rows",
+    "RowCopier",
     "synchronize",
     "unpack_rows",
     # One pack API over every accelerator (pallas_kernels.registry, pallas_kernels.backends).

@@ -69,8 +69,10 @@ _IMPORTED_LAYERS: dict[tuple, tuple] = {}  # (on_device, layer ids) -> (token, J
 _MAX_CACHED_LAYERS = 64
 
 
-def _device_views(layers, word: np.dtype, owning: bool) -> list:
+def _device_views(layers, word: np.dtype, owning: bool):
     """JAX views (DLPack, zero-copy) of C-contiguous CuPy layers as words; None for the rest.
+    Layers of one shape that lie back to back (a layer-major cache) come as ONE stacked
+    u-word[L, R, W] view instead (`device.stacked_words`): one kernel argument, not L.
 
     `owning=False` imports through `cupy.cuda.UnownedMemory`, so the view keeps no reference
     to the caller's array (the weak cache evicts it when that array dies). An import that
@@ -78,6 +80,9 @@ def _device_views(layers, word: np.dtype, owning: bool) -> list:
     """
     import cupy as cp
 
+    stacked = device.stacked_words(layers, word, tuple(layers) if owning else None)
+    if stacked is not None:
+        return stacked
     views = []
     for a in layers:
         view = None
@@ -131,8 +136,9 @@ class PackSource:
         self.word = word_dtype(self.item_lens)
         self._views = None
 
-    def device_views(self) -> list:
-        """The cached JAX word views of CuPy layers (None where a layer is copied per call)."""
+    def device_views(self):
+        """The cached JAX word views of CuPy layers (None where a layer is copied per call), or
+        one stacked u-word[L, R, W] view of layers that lie back to back (`_device_views`)."""
         if self._views is None:
             self._views = _device_views(self.layers, self.word, owning=True)
         return self._views
@@ -351,9 +357,7 @@ def _pack_rows_host_pallas(layers, idx, pack, offset, word, backend, config):
 def _pack_rows_device(layers, views, idx, pack, offset, word, backend, config, sync):
     """CuPy buffers through the jitted kernel, written into the CuPy pack in place."""
     ws = word.itemsize
-    # Layers without a cached zero-copy view (not C-contiguous) are copied on every call, so
-    # the kernel always reads the KV cache as it is now.
-    srcs = [v if v is not None else _copy_view(a, word) for v, a in zip(views, layers)]
+    srcs = kernel_sources(layers, views, word)
     n = int(idx.shape[0])
     m = bucket_rows(n, config.block_rows)
     nbytes = pack.nbytes // ws * ws
@@ -384,6 +388,15 @@ def _pack_rows_device(layers, views, idx, pack, offset, word, backend, config, s
             raise
     if sync:
         out.block_until_ready()
+
+
+def kernel_sources(layers, views, word):
+    """What the kernel reads: the stacked view as it is, else one view per layer. Layers
+    without a cached zero-copy view (not C-contiguous) are copied on every call, so the kernel
+    always reads the KV cache as it is now."""
+    if not isinstance(views, list):
+        return views
+    return [v if v is not None else _copy_view(a, word) for v, a in zip(views, layers)]
 
 
 def _copy_view(a, word):

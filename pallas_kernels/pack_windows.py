@@ -15,9 +15,9 @@ from pallas_kernels.host import _region_units, _run_units, check_threads, host_t
 from pallas_kernels._buffer_args import check_indices, check_range, check_word_offset
 from pallas_kernels.pack import (
     _cached_device_views,
-    _copy_view,
     _offset_align,
     _resolve,
+    kernel_sources,
     pack_rows,
 )
 from pallas_kernels.row_copy import preload_lowering
@@ -100,7 +100,7 @@ def pack_windows(layers, windows, pack, *, backend: str = "auto",
     if on_device:
         views = source.device_views() if source is not None else \
             _cached_device_views(layers, key, entry)
-        srcs = [v if v is not None else _copy_view(a, word) for v, a in zip(views, layers)]
+        srcs = kernel_sources(layers, views, word)
         _device_windows(srcs, live, starts, blocks, m, pack, word, backend, config, align, sync)
     else:
         _interpret_windows(layers, live, starts, blocks, m, pack, word, backend, config, align)

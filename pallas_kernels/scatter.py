@@ -126,7 +126,7 @@ def copy_kernel(src, src_indices, dst, dst_indices, num_rows=None, *,
     """`dst[l][dst_indices[j]] = src[l][src_indices[j]]` for j < n, every layer entry l.
 
     Args:
-        src: list of [R_l, W_l] word arrays (read only).
+        src: list of [R_l, W_l] word arrays, or one stacked [L, R, W] array (read only).
         src_indices: int[m] source rows (any order, repeats allowed).
         dst: list of [R'_l, W_l] arrays of the same dtype and widths, donated.
         dst_indices: int[m] destination rows, unique among the first n.
@@ -141,8 +141,12 @@ def copy_kernel(src, src_indices, dst, dst_indices, num_rows=None, *,
         TypeError: mixed or unsupported dtypes, non-integer indices.
     """
     backend = _scatter_backend(backend)
-    src_shapes = _check_dst(src, None, "src")
-    dst_shapes = _check_dst(dst, src[0].dtype)
+    stacked = getattr(src, "ndim", 0) == 3
+    if stacked:  # one [L, R, W] array: L sources of [R, W]
+        src_shapes = [tuple(int(d) for d in src.shape[1:])] * int(src.shape[0])
+    else:
+        src_shapes = _check_dst(src, None, "src")
+    dst_shapes = _check_dst(dst, src.dtype if stacked else src[0].dtype)
     if [w for _, w in src_shapes] != [w for _, w in dst_shapes]:
         raise ValueError(f"dst widths {[w for _, w in dst_shapes]} must equal the src widths "
                          f"{[w for _, w in src_shapes]}")
@@ -152,8 +156,8 @@ def copy_kernel(src, src_indices, dst, dst_indices, num_rows=None, *,
     n = rows_arg(num_rows, m)
     meta = np.array((n, 0, 1), np.int32) if isinstance(n, np.integer) else \
         (n, jnp.int32(0), jnp.int32(1))
-    return _copy_jit(tuple(src), src_indices, tuple(dst), dst_indices, meta, config=config,
-                     backend=backend)
+    return _copy_jit(src if stacked else tuple(src), src_indices, tuple(dst), dst_indices, meta,
+                     config=config, backend=backend)
 
 
 def _meta(meta):
@@ -184,8 +188,13 @@ def _unpack_flat_jit(pack, indices, dst, meta, *, layers, config, backend, offse
 def _copy_jit(src, src_indices, dst, dst_indices, meta, *, config, backend):
     if int(dst_indices.shape[0]) == 0:
         return dst
-    return _scatter_call(_meta(meta), list(src), src_indices, dst_indices, dst, config=config,
+    return _scatter_call(_meta(meta), _src_list(src), src_indices, dst_indices, dst, config=config,
                          interpret=backend == "interpret", offset_align=1)
+
+
+def _src_list(src) -> list:
+    """The copy kernel's sources: [stacked u-word[L, R, W]] or one [R_l, W_l] array per layer."""
+    return [src] if getattr(src, "ndim", 0) == 3 else list(src)
 
 
 @functools.partial(jax.jit, static_argnames=("layers", "config", "backend"),
@@ -193,17 +202,20 @@ def _copy_jit(src, src_indices, dst, dst_indices, meta, *, config, backend):
 def _copy_flat_jit(src, src_indices, dst, dst_indices, meta, *, layers, config, backend):
     """`_copy_jit` into ONE flat word array holding every destination layer back to back
     (`layers`: the static (rows, width) of each, in order), as `_unpack_flat_jit`: the fused
-    connector path's decode-rank cache is one IPC-mapped allocation."""
+    connector path's decode-rank cache is one IPC-mapped allocation. `src` may likewise be one
+    stacked [L, R, W] array (`device.stacked_words`)."""
     if int(dst_indices.shape[0]) == 0:
         return dst
-    return _scatter_call(_meta(meta), list(src), src_indices, dst_indices, dst, config=config,
-                         interpret=backend == "interpret", offset_align=1, flat=layers)[0]
+    return _scatter_call(_meta(meta), _src_list(src), src_indices, dst_indices, dst,
+                         config=config, interpret=backend == "interpret", offset_align=1,
+                         flat=layers)[0]
 
 
 def _scatter_call(meta, srcs, src_idx, dst_idx, dst, *, config, interpret, offset_align,
                   flat=None):
-    """Build and call the `pallas_call`: srcs = [pack] (unpack, src_idx None) or the src layers;
-    dst the layer arrays, or (`flat`: (rows, width) per layer) one flat word array of them all."""
+    """Build and call the `pallas_call`: srcs = [pack] (unpack, src_idx None) or the src layers
+    (one [R_l, W_l] array each, or one stacked [L, R, W] array); dst the layer arrays, or
+    (`flat`: (rows, width) per layer) one flat word array of them all."""
     from jax.experimental.pallas import triton as pltriton
 
     count_kernel_trace()
@@ -234,7 +246,8 @@ def _scatter_call(meta, srcs, src_idx, dst_idx, dst, *, config, interpret, offse
         _scatter_kernel, widths=widths, unpack=unpack, block_rows=br, max_rows=m,
         pack_words=addressable_words(int(srcs[0].shape[0]), np.dtype(srcs[0].dtype).itemsize)
         if unpack else 0,
-        num_src_rows=0 if unpack else min(int(a.shape[0]) for a in srcs),
+        num_src_rows=0 if unpack else min(int(a.shape[-2]) for a in srcs),
+        stacked_src=not unpack and srcs[0].ndim == 3,
         num_dst_rows=min(r for r, _ in dst_shapes), offset_align=offset_align,
         align=tuple(min(offset_align, _pow2_factor(int(p))) for p in prefix[:-1]),
         evict=config.eviction_policy, load_evict=config.load_eviction_policy,
@@ -262,11 +275,12 @@ def _scatter_call(meta, srcs, src_idx, dst_idx, dst, *, config, interpret, offse
 
 def _scatter_kernel(meta_ref, *refs, widths, unpack, block_rows, max_rows, pack_words,
                     num_src_rows, num_dst_rows, offset_align, align, evict, load_evict,
-                    interleave, load_cache, mask_loads, dst_bases=None, interpret=False):
+                    interleave, load_cache, mask_loads, dst_bases=None, interpret=False,
+                    stacked_src=False):
     L = len(widths)
     n_idx = 1 if unpack else 2
     idx_refs = refs[:n_idx]
-    srcs = refs[n_idx:n_idx + (1 if unpack else L)]
+    srcs = refs[n_idx:n_idx + (1 if unpack or stacked_src else L)]
     outs = refs[-L:] if dst_bases is None else refs[-1:]
     i, g = pl.program_id(0), pl.program_id(1)
     rows = i * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
@@ -296,8 +310,10 @@ def _scatter_kernel(meta_ref, *refs, widths, unpack, block_rows, max_rows, pack_
                 src = RegionRows(srcs[0], base, rows, widths[l], mask=valid, evict=load_evict,
                                  cache=load_cache)
             else:
-                src = IndexedRows(srcs[l], sidx, mask=valid if mask_loads else None,
-                                  evict=load_evict, cache=load_cache)
+                src = IndexedRows(srcs[0] if stacked_src else srcs[l], sidx,
+                                  layer=l if stacked_src else None,
+                                  mask=valid if mask_loads else None, evict=load_evict,
+                                  cache=load_cache)
             if dst_bases is None:
                 dst = IndexedRows(outs[l], didx, mask=valid, evict=evict)
             else:  # layer l's rows at word dst_bases[l] of the flat buffer (uint32 addresses)

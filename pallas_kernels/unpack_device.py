@@ -167,9 +167,10 @@ def unpack_pallas(pack, layers, idx, offset, item_lens, backend, config) -> None
 
 def copy_pallas(srcs, sidx, dsts, didx, item_lens, backend, config) -> None:
     """The copy kernel, one `pallas_call` for all layer entries (as `unpack_pallas`); into
-    destination layers that lie back to back in one buffer (the fused path's IPC-mapped decode
-    cache) through ONE flat donated destination (`scatter._copy_flat_jit`)."""
-    from pallas_kernels.scatter import _copy_flat_jit, _copy_jit, copy_kernel
+    destination layers that lie back to back in one buffer (the fused connector path's
+    IPC-mapped decode cache) through ONE flat donated destination (`scatter._copy_flat_jit`),
+    from sources that lie back to back through ONE stacked view (`device.stacked_words`)."""
+    from pallas_kernels.scatter import _copy_flat_jit, copy_kernel
 
     config = GatherConfig.default() if config is None else config
     word = word_dtype(item_lens)
@@ -189,37 +190,54 @@ def copy_pallas(srcs, sidx, dsts, didx, item_lens, backend, config) -> None:
         for a, o in zip(dsts, outs):
             a[didx] = np.asarray(o).view(np.uint8)[didx]
         return
+    _contiguous(dsts, "dst_layers")
+    views = device.source_arg(srcs, word)
+    dests = device.destinations(dsts, word, flat=flat is not None)
+    try:
+        enqueue_copy(copy_sources(srcs, views, word), sidx, dests, didx, flat, config, backend)
+    except Exception:
+        device.forget(dsts, word, flat=flat is not None)
+        raise
+
+
+def copy_sources(srcs, views, word):
+    """The copy kernel's source argument from `device.source_arg`'s views: the stacked view, or
+    a tuple of per-layer views (a layer without one, not C-contiguous, copied now)."""
+    if not isinstance(views, list):
+        return views
     import cupy as cp
 
-    _contiguous(dsts, "dst_layers")
-    views = device.source_views(srcs, word)
-    src = tuple(v if v is not None else jax.dlpack.from_dlpack(cp.ascontiguousarray(a).view(word))
-                for v, a in zip(views, srcs))
-    dests = device.destinations(dsts, word, flat=flat is not None)
-    with dests.lock:
-        try:
-            host_idx = isinstance(sidx, np.ndarray) and isinstance(didx, np.ndarray)
-            if host_idx or flat is not None:
-                from pallas_kernels.row_copy import preload_lowering
+    return tuple(v if v is not None else jax.dlpack.from_dlpack(cp.ascontiguousarray(a).view(word))
+                 for v, a in zip(views, srcs))
 
-                if host_idx:  # staged in a device slot (see pack_rows)
-                    (sv, dv), mv = device.index_ring(dests, m, 2).stage([sidx, didx], (n, 0, 1),
-                                                                        dests)
-                else:
-                    sv, dv, mv = _padded(sidx, m), _padded(didx, m), np.array((n, 0, 1), np.int32)
-                preload_lowering(backend)
-                if flat is not None:  # one donated buffer, one output (not one per layer)
-                    dests.keep([_copy_flat_jit(src, sv, dests.handles[0], dv, mv, layers=flat,
-                                               config=config, backend=backend)])
-                else:
-                    dests.keep(_copy_jit(src, sv, tuple(dests.handles), dv, mv, config=config,
-                                         backend=backend))
+
+def enqueue_copy(src, sidx, dests, didx, flat, config, backend) -> None:
+    """Enqueue one device copy kernel: `src` (stacked view or tuple of views) rows `sidx` into
+    rows `didx` of `dests` (`device.Destinations`, one flat handle when `flat`). Host indices
+    go through the destinations' index ring (one staging copy, no PJRT transfer). The caller
+    forgets `dests` if this raises (the donated handles may be gone)."""
+    from pallas_kernels.row_copy import preload_lowering
+    from pallas_kernels.scatter import _copy_flat_jit, _copy_jit, copy_kernel
+
+    n = int(sidx.shape[0])
+    m = bucket_rows(n, config.block_rows)
+    with dests.lock:
+        host_idx = isinstance(sidx, np.ndarray) and isinstance(didx, np.ndarray)
+        if host_idx or flat is not None:
+            if host_idx:  # staged in a device slot (see pack_rows)
+                (sv, dv), mv = device.index_ring(dests, m, 2).stage([sidx, didx], (n, 0, 1), dests)
             else:
-                dests.keep(copy_kernel(src, _padded(sidx, m), dests.handles, _padded(didx, m), n,
-                                       config=config, backend=backend))
-        except Exception:
-            device.forget(dsts, word, flat=flat is not None)
-            raise
+                sv, dv, mv = _padded(sidx, m), _padded(didx, m), np.array((n, 0, 1), np.int32)
+            preload_lowering(backend)
+            if flat is not None:  # one donated buffer, one output (not one per layer)
+                dests.keep([_copy_flat_jit(src, sv, dests.handles[0], dv, mv, layers=flat,
+                                           config=config, backend=backend)])
+            else:
+                dests.keep(_copy_jit(src, sv, tuple(dests.handles), dv, mv, config=config,
+                                     backend=backend))
+        else:
+            dests.keep(copy_kernel(src, _padded(sidx, m), dests.handles, _padded(didx, m), n,
+                                   config=config, backend=backend))
 
 
 def unpack_cupy(pack, layers, idx, offset, item_lens) -> None:
@@ -243,4 +261,5 @@ def copy_cupy(srcs, sidx, dsts, didx) -> None:
         d[didx] = s[sidx]
 
 
-__all__ = ["check_pallas_region", "copy_cupy", "copy_pallas", "unpack_cupy", "unpack_pallas"]
+__all__ = ["check_pallas_region", "copy_cupy", "copy_pallas", "copy_sources", "enqueue_copy",
+           "unpack_cupy", "unpack_pallas"]

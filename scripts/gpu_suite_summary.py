@@ -141,11 +141,12 @@ def _runs(out: str, ceilings: dict[int, float]) -> list[dict]:
 
 
 def _pack_rows(pack) -> list[dict]:
-    """Per geometry, `pack_rows` end to end: kernel ms, wall ms, wall / kernel."""
+    """Per geometry, the end-to-end calls (`pack_rows`, `unpack_rows`, `copy_rows`, `RowCopier`):
+    kernel ms, wall ms, wall / kernel."""
     out = []
     for g in (pack or {}).get("geometries", []):
         for v in g.get("rows_out", []):
-            if "pack_rows" in v.get("variant", ""):
+            if any(w in v.get("variant", "") for w in ("pack_rows e2e", "copy_rows e2e", "RowCopier")):
                 k = v.get("ms") or v.get("kernel_ms")
                 w = v.get("wall_ms")
                 out.append({"geometry": g.get("geometry"), "variant": v["variant"], "kernel_ms": k, "wall_ms": w,

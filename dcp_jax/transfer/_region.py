@@ -274,8 +274,10 @@ def ipc_export(layers: Any) -> list[dict]:
         return [h.to_dict() for h in export_ipc_handles([v for v in layers.rows])]
     except ImportError:
         return []
-    except Exception:  # noqa: BLE001 - not exportable (e.g. VMM memory): peers take another path
-        logger.warning("KV layers cannot be exported as CUDA IPC handles; no fused path offered", exc_info=True)
+    except Exception as exc:  # noqa: BLE001 - not exportable (e.g. VMM memory): peers take another path
+        # One line (an expected case: JAX's allocator hands out VMM memory); the trace at debug.
+        logger.warning("KV layers cannot be exported as CUDA IPC handles (%s); no fused path offered", exc)
+        logger.debug("CUDA IPC export failed", exc_info=True)
         return []
 
 

@@ -76,12 +76,17 @@ class Conn:
     region_addr: int = 0        # region path: the rank's receive region (bytes)
     region_bytes: int = 0
     mapping: Any = None         # fused path: the rank's KV layers mapped here (`bridge.cuda_ipc.IpcMapping`)
+    copier: Any = None          # fused path: `pallas_kernels.RowCopier` into `mapping` (made on first use)
     cache_pages: int = 0        # pages of the rank's cache inside its registered regions
     staged: bool = False        # the rank stages: its KV is not registered (`dcp_jax.transfer.staging`)
     view: Any = None            # TP or layout pair: its `views.StreamView` (head pieces, both layouts)
 
     def close_mapping(self) -> None:
-        """Closes the IPC mapping (once; at close or when the connection is dropped)."""
+        """Closes the IPC mapping (once; at close or when the connection is dropped), after
+        dropping the copier that writes into it."""
+        if self.copier is not None:
+            self.copier.close()
+            self.copier = None
         m, self.mapping = self.mapping, None
         if m is not None:
             try:

@@ -79,7 +79,7 @@ class SenderRegion:
 
     def _submit_fused(self, u: Any, head: dict) -> None:
         """One copy kernel into the rank's mapped pages, waited for, then ``fused_done``."""
-        from pallas_kernels import copy_rows
+        from pallas_kernels import RowCopier
 
         t = u.target
         lo, hi = u.rc.windows[u.w]
@@ -95,7 +95,10 @@ class SenderRegion:
             tk = time.perf_counter()
             # Bounds were checked just above on the host; the kernel's own checks would each
             # synchronise. The copy is only enqueued: `_finish_fused` waits once for the round.
-            copy_rows(self._layers.rows, u.rc.src_rows[lo:hi], mapping.arrays, dst, checked=True)
+            # The copier (layer checks, views, destination handles) is made once per link.
+            if t.conn.copier is None:
+                t.conn.copier = RowCopier(self._layers.rows, mapping.arrays)
+            t.conn.copier.copy(u.rc.src_rows[lo:hi], dst, checked=True)
             u.req.copy_seconds += time.perf_counter() - tk
         u.req.inflight += 1
         t.inflight += 1

@@ -1,0 +1,107 @@
+"""GPU: the one-argument forms of a layer-major KV cache. `pack_rows` / `pack_windows` read
+layers that lie back to back in one buffer through ONE stacked source view, `RowCopier` copies
+from such a cache into another (the fused path: stacked source, flat destination); each is
+byte-exact against the per-layer form and CuPy fancy indexing, in place, with no recompiles
+over repeated calls.
+
+Run on a CUDA machine: `python -m pytest tests/gpu -q` (skipped without a GPU).
+"""
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+jax = pytest.importorskip("jax")
+cp = pytest.importorskip("cupy")
+
+from pallas_kernels import (  # noqa: E402
+    RowCopier,
+    compile_count,
+    pack_rows,
+    pack_windows,
+    synchronize,
+)
+from pallas_kernels import device  # noqa: E402
+
+if jax.default_backend() != "gpu":
+    pytest.skip("needs a CUDA GPU (JAX sees none)", allow_module_level=True)
+
+
+def _one_buffer(rows, item, L, seed, fill=None):
+    """L layers u8[rows, item] as back-to-back views of one allocation (and the allocation)."""
+    if fill is None:
+        buf = cp.random.RandomState(seed).randint(0, 256, L * rows * item, dtype=cp.int32).astype(cp.uint8)
+    else:
+        buf = cp.full(L * rows * item, fill, cp.uint8)
+    return [buf[l * rows * item:(l + 1) * rows * item].reshape(rows, item) for l in range(L)], buf
+
+
+@pytest.mark.parametrize("item", [1152, 656])
+def test_pack_rows_one_buffer_layers_use_one_stacked_source(item):
+    layers, _ = _one_buffer(512, item, 5, 1)
+    word = np.dtype(np.uint32 if item % 4 == 0 else np.uint16)
+    assert device.stacked_words(layers, word) is not None
+    separate = [cp.array(a) for a in layers]  # the same bytes, five allocations
+    assert device.stacked_words(separate, word) is None
+    idx = np.random.default_rng(item).integers(0, 512, 300)
+    got = cp.full(5 * 300 * item + 128, 0xA5, cp.uint8)
+    want = got.copy()
+    pack_rows(layers, idx, got, offset=64)
+    pack_rows(separate, idx, want, offset=64)
+    assert bool(cp.array_equal(got, want))
+    ref = cp.concatenate([a[cp.asarray(idx)].reshape(-1) for a in separate])
+    assert bool(cp.array_equal(got[64:64 + ref.size], ref))
+    before = compile_count()
+    for seed in range(3):  # fresh indices of the same bucket: no new kernel
+        idx = np.random.default_rng(seed).integers(0, 512, 290)
+        pack_rows(layers, idx, got, offset=64 + 16 * seed)
+        ref = cp.concatenate([a[cp.asarray(idx)].reshape(-1) for a in separate])
+        assert bool(cp.array_equal(got[64 + 16 * seed:64 + 16 * seed + ref.size], ref))
+    assert compile_count() == before
+
+
+def test_pack_windows_one_buffer_layers_match_pack_rows():
+    layers, _ = _one_buffer(700, 1152, 4, 2)
+    rng = np.random.default_rng(3)
+    wins = [(rng.integers(0, 700, n), off) for n, off in ((100, 0), (0, 600_000), (257, 1_000_000))]
+    got = cp.full(1_000_000 + 257 * 4 * 1152 + 64, 0x11, cp.uint8)
+    want = got.copy()
+    pack_windows(layers, wins, got)
+    for idx, off in wins:
+        pack_rows([cp.array(a) for a in layers], idx, want, offset=off)
+    assert bool(cp.array_equal(got, want))
+
+
+@pytest.mark.parametrize("src_form", ["one buffer", "separate"])
+@pytest.mark.parametrize("dst_form", ["one buffer", "separate"])
+def test_row_copier_bit_exact_in_place(src_form, dst_form):
+    L, item = 6, 1152
+    src, _ = _one_buffer(400, item, L, 4)
+    if src_form == "separate":
+        src = [cp.array(a) for a in src]
+    if dst_form == "one buffer":
+        dst, owner = _one_buffer(300, item, L, 0, fill=0x5A)
+        mem = cp.cuda.UnownedMemory(owner.data.ptr, owner.nbytes, owner, owner.device.id)
+        flat = cp.ndarray(owner.shape, cp.uint8, cp.cuda.MemoryPointer(mem, 0))  # as IPC maps it
+        dst = [flat[l * 300 * item:(l + 1) * 300 * item].reshape(300, item) for l in range(L)]
+    else:
+        dst = [cp.full((300, item), 0x5A, cp.uint8) for _ in range(L)]
+    copier = RowCopier(src, dst)
+    rng = np.random.default_rng(7)
+    want = [cp.array(d) for d in dst]
+    before = None
+    for call in range(4):
+        n = 200 - call
+        sidx = rng.integers(0, 400, n)
+        didx = rng.permutation(300)[:n]
+        for s, w in zip(src, want):
+            w[cp.asarray(didx)] = s[cp.asarray(sidx)]
+        assert copier.copy(sidx, didx, checked=call % 2 == 1) == n
+        if call == 0:
+            before = compile_count()
+    synchronize(dst)
+    for d, w in zip(dst, want):
+        assert bool(cp.array_equal(d, w))
+    assert compile_count() == before  # one kernel for every later call
+    copier.close()
