@@ -107,6 +107,18 @@ def main(argv=None):
     out["jit entry, unowned views + CuPy pack, device idx"] = per_call(
         lambda: cupy_views_call(idx_d, meta_d))
 
+    # The pieces of pack_rows' device path: the index staging alone, and the jitted entry
+    # called with the staged slot's views (DLPack imports of CuPy memory) without staging.
+    ring = device.index_ring(dests, m, 1)
+    out["IndexRing.stage alone"] = per_call(lambda: ring.stage([idx], (n, 0, 1), dests))
+    (ring_idx,), ring_meta = ring.stage([idx], (n, 0, 1), dests)
+    out["jit entry, IndexRing views (no staging)"] = per_call(
+        lambda: cupy_views_call(ring_idx, ring_meta))
+    one = cp.concatenate([a.reshape(-1) for a in layers])
+    layers_one = [one[l * R * item:(l + 1) * R * item].reshape(R, item) for l in range(L)]
+    out["pack_rows async, one-buffer layers (stacked source)"] = per_call(
+        lambda: pack_rows(layers_one, idx, pack, config=cfg, sync=False))
+
     def idx_by_cupy():
         i = jax.dlpack.from_dlpack(cp.asarray(idx_pad))
         cupy_views_call(i, meta_d)
@@ -129,6 +141,7 @@ def main(argv=None):
     out.update(round_rows(cp, layers, args.windows, 1 << 14, args.layers * item * 2 ** 16,
                           "auto", lambda: synchronize([pack]) or cp.cuda.runtime.deviceSynchronize(),
                           per_call))
+    out.update(fused_round_rows(cp, layers_one, args.windows, n // args.windows, per_call))
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(200):
@@ -184,6 +197,35 @@ def round_rows(xp, layers, windows, rows, pack_bytes, backend, sync, per_call, c
         out[name + " + sync"] = per_call(lambda d=dst: (copy_rows(
             layers, sidx, d, idx, backend=backend, config=config), sync()))
     return out
+
+
+def fused_round_rows(cp, layers_one, ranks, rows, per_call):
+    """The fused path's round on the GPU: `ranks` decode caches (flat, one allocation each),
+    `rows` rows each, by one `RowCopier.copy` per rank against ONE `copy_fanout` launch."""
+    from pallas_kernels import PackSource, RowCopier, copy_fanout, synchronize
+
+    L, (R, item) = len(layers_one), layers_one[0].shape
+    source = PackSource(layers_one)
+    D = 2 * rows
+    rng = np.random.default_rng(5)
+    dsts, jobs = [], []
+    for _ in range(ranks):
+        buf = cp.zeros(L * D * item, cp.uint8)
+        dst = [buf[l * D * item:(l + 1) * D * item].reshape(D, item) for l in range(L)]
+        dsts.append(dst)
+        jobs.append((RowCopier(source, dst), rng.integers(0, R, rows), rng.permutation(D)[:rows]))
+    last = [d[0] for d in dsts]
+
+    def per_rank():
+        for c, s_, d_ in jobs:
+            c.copy(s_, d_, checked=True)
+        synchronize(last)
+
+    def one_launch():
+        copy_fanout(jobs, checked=True)
+        synchronize(last)
+    return {f"fused round: {ranks} x RowCopier.copy + sync": per_call(per_rank),
+            f"fused round: 1 copy_fanout ({ranks} ranks) + sync": per_call(one_launch)}
 
 
 def copy_entry_rows(layers, rows, config, reps=50):

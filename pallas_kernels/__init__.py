@@ -37,6 +37,7 @@ from pallas_kernels.registry import (
 )
 from pallas_kernels.unpack import SCATTER_BACKENDS, copy_rows, synchronize, unpack_rows
 from pallas_kernels.copier import RowCopier
+from pallas_kernels.fanout import copy_fanout
 
 __all__ = [
     # The gather, its knobs and the host contract (`pack_rows`, `PackSource`): gather's names.
@@ -45,6 +46,7 @@ __all__ = [
     "SCATTER_BACKENDS",
     "copy_rows",
     "RowCopier",
+    "copy_fanout",
     "synchronize",
     "unpack_rows",
     # One pack API over every accelerator (pallas_kernels.registry, pallas_kernels.backends).

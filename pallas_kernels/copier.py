@@ -15,7 +15,8 @@ from pallas_kernels import device
 from pallas_kernels._buffer_args import check_indices, check_range
 from pallas_kernels.config import GatherConfig, word_dtype
 from pallas_kernels.host import check_threads, copy_host
-from pallas_kernels.unpack import _check_disjoint, _check_layer_list, _resolve
+from pallas_kernels.pack import PackSource
+from pallas_kernels.unpack import _check_disjoint, _check_layer_list, _is_jax, _resolve
 from pallas_kernels.unpack_device import (
     _contiguous,
     copy_cupy,
@@ -39,9 +40,11 @@ class RowCopier:
     into freed memory.
 
     Args:
-        src_layers: sequence of u8[num_rows_src_l, kv_item_len_l] arrays (numpy or CuPy), read.
-            CuPy layers of one shape lying back to back in one buffer (a layer-major cache)
-            are read through ONE stacked view (`device.stacked_words`).
+        src_layers: sequence of u8[num_rows_src_l, kv_item_len_l] arrays (numpy or CuPy), read;
+            or a `PackSource` of them, shared by the copiers of one source (their copies can
+            then go out in one launch: `copy_fanout`). CuPy layers of one shape lying back to
+            back in one buffer (a layer-major cache) are read through ONE stacked view
+            (`device.stacked_words`).
         dst_layers: sequence of u8[num_rows_dst_l, kv_item_len_l] arrays of the same kind and
             item lengths, writeable (CuPy: C-contiguous; possibly over IPC-mapped memory). Layers
             lying back to back are written through one flat destination.
@@ -56,12 +59,21 @@ class RowCopier:
 
     def __init__(self, src_layers, dst_layers, *, backend: str = "auto",
                  config: GatherConfig | None = None, threads: int | None = None):
-        for name, lst in (("src_layers", src_layers), ("dst_layers", dst_layers)):
-            if not isinstance(lst, (list, tuple)) or not lst:
-                raise ValueError(f"{name} must be a non-empty list of 2-D uint8 arrays")
-        skind, s_lens, s_rows = _check_layer_list(src_layers, "src_layers", writeable=False)
+        if not isinstance(dst_layers, (list, tuple)) or not dst_layers:
+            raise ValueError("dst_layers must be a non-empty list of 2-D uint8 arrays")
+        if isinstance(src_layers, PackSource):
+            source = src_layers
+            skind = "device" if source.on_device else "host"
+            s_lens, s_rows = source.item_lens, source.num_rows
+        else:
+            if not isinstance(src_layers, (list, tuple)) or not src_layers:
+                raise ValueError("src_layers must be a non-empty list of 2-D uint8 arrays")
+            skind, s_lens, s_rows = _check_layer_list(src_layers, "src_layers", writeable=False)
+            if any(_is_jax(a) for a in src_layers):
+                raise TypeError("src_layers must be numpy or CuPy arrays (got a JAX array)")
+            source = PackSource(src_layers)
         dkind, d_lens, d_rows = _check_layer_list(dst_layers, "dst_layers", writeable=True)
-        if skind != dkind or skind == "jax":
+        if skind != dkind:
             raise TypeError("src_layers and dst_layers must both be numpy (host) or both CuPy "
                             "(device) arrays")
         if len(s_lens) != len(d_lens):
@@ -73,23 +85,47 @@ class RowCopier:
         if config is not None and not isinstance(config, GatherConfig):
             raise TypeError(f"config must be a GatherConfig or None, got {type(config).__name__}")
         check_threads(threads)
-        _check_disjoint(list(src_layers), "src_layers", dst_layers, "dst_layers")
+        _check_disjoint(list(source.layers), "src_layers", dst_layers, "dst_layers")
+        self.source = source
         self.on_device = skind == "device"
         self.backend = _resolve(backend, self.on_device)
-        self.item_lens = s_lens
+        self.item_lens = tuple(s_lens)
         self.src_rows, self.dst_rows = s_rows, d_rows
         self.config = GatherConfig.default() if config is None else config
         self.threads = threads
-        self._src, self._dst = tuple(src_layers), tuple(dst_layers)
+        self._dst = tuple(dst_layers)
         self._word = word_dtype(s_lens)
-        self._flat = self._views = self._dests = None
+        self._flat = self._dests = None
+        #: Rows of every destination layer when they are one flat buffer of one shape (the
+        #: fan-out kernel's condition, `pallas_kernels.fanout`); else None.
+        self.uniform_rows = None
         if self.on_device and self.backend == "triton":
             _contiguous(self._dst, "dst_layers")
             self._flat = flat_layers(self._dst, self._word.itemsize)
-            views = device.stacked_words(self._src, self._word)
-            if views is None:
-                views = [device._import(a, self._word) for a in self._src]
-            self._views = views
+            if self._flat is not None and len(set(self._flat)) == 1:
+                self.uniform_rows = self._flat[0][0]
+
+    def check_pair(self, src_indices, dst_indices, checked: bool = False):
+        """The (src, dst) index arrays of one copy, checked as `copy` checks them.
+
+        Returns:
+            (sidx, didx): int arrays of one length n (numpy or CuPy as given).
+
+        Raises:
+            As `copy`.
+        """
+        if self.source is None:
+            raise RuntimeError("this RowCopier is closed")
+        sidx = check_indices(src_indices, "src_indices", device_ok=self.on_device)
+        didx = check_indices(dst_indices, "dst_indices", device_ok=self.on_device)
+        n = int(sidx.shape[0])
+        if didx.shape[0] != n:
+            raise ValueError(f"src_indices ({n}) and dst_indices ({didx.shape[0]}) must have the "
+                             "same length")
+        if n and not checked:
+            check_range(sidx, "src_indices", self.src_rows, "src_layers", unique=False)
+            check_range(didx, "dst_indices", self.dst_rows, "dst_layers", unique=True)
+        return sidx, didx
 
     def copy(self, src_indices, dst_indices, *, checked: bool = False) -> int:
         """Copy rows `src_indices[j]` of every source layer into rows `dst_indices[j]`.
@@ -109,46 +145,52 @@ class RowCopier:
                 duplicate destination index (unless `checked`); RuntimeError: `close()`d.
             TypeError: non-integer indices.
         """
-        if self._src is None:
-            raise RuntimeError("this RowCopier is closed")
-        sidx = check_indices(src_indices, "src_indices", device_ok=self.on_device)
-        didx = check_indices(dst_indices, "dst_indices", device_ok=self.on_device)
+        sidx, didx = self.check_pair(src_indices, dst_indices, checked)
         n = int(sidx.shape[0])
-        if didx.shape[0] != n:
-            raise ValueError(f"src_indices ({n}) and dst_indices ({didx.shape[0]}) must have the "
-                             "same length")
         if n == 0:
             return 0
-        if not checked:
-            check_range(sidx, "src_indices", self.src_rows, "src_layers", unique=False)
-            check_range(didx, "dst_indices", self.dst_rows, "dst_layers", unique=True)
+        src = list(self.source.layers)
         if self.backend == "numpy":
-            copy_host(list(self._src), sidx, list(self._dst), didx, self.item_lens, self.threads)
+            copy_host(src, sidx, list(self._dst), didx, self.item_lens, self.threads)
         elif self.backend == "cupy":
-            copy_cupy(self._src, sidx, self._dst, didx)
+            copy_cupy(src, sidx, self._dst, didx)
         elif self.backend == "interpret":
-            copy_pallas(list(self._src), sidx, list(self._dst), didx, self.item_lens,
-                        self.backend, self.config)
+            copy_pallas(src, sidx, list(self._dst), didx, self.item_lens, self.backend, self.config)
         else:
-            self._enqueue(sidx, didx)
+            dests = self.destinations()
+            try:
+                enqueue_copy(copy_sources(src, self.source.device_views(), self._word), sidx,
+                             dests, didx, self._flat, self.config, self.backend)
+            except Exception:
+                self.drop_destinations()
+                raise
         return n
 
-    def _enqueue(self, sidx, didx) -> None:
+    def destinations(self) -> "device.Destinations":
+        """The JAX handles over the destination layers (made on first use; one flat handle when
+        the layers lie back to back). Device copier only."""
         if self._dests is None or self._dests.handles is None:
             self._dests = device.Destinations(self._dst, self._word, flat=self._flat is not None)
-        try:
-            enqueue_copy(copy_sources(self._src, self._views, self._word), sidx, self._dests,
-                         didx, self._flat, self.config, self.backend)
-        except Exception:
-            self._dests = None  # the donated handles may be gone: made afresh next call
-            raise
+        return self._dests
+
+    def drop_destinations(self) -> None:
+        """Forget the handles after a failed call (its donated handles may be gone)."""
+        self._dests = None
+
+    def fans_out_with(self, other: "RowCopier") -> bool:
+        """Whether this copier's copies can share one fan-out kernel launch with `other`'s
+        (`pallas_kernels.fanout.copy_fanout`): one source, stacked, flat uniform destinations,
+        the same knobs, on the GPU."""
+        return (self.source is other.source and self.source is not None
+                and self.backend == "triton" == other.backend and self.config == other.config
+                and self.uniform_rows is not None and other.uniform_rows is not None
+                and not isinstance(self.source.device_views(), list))
 
     def close(self) -> None:
         """Drop the layers, views and handles (idempotent). Enqueued kernels still finish."""
-        self._src = self._dst = None
-        self._views = self._dests = None
+        self.source = self._dst = self._dests = None
 
     def __repr__(self) -> str:
-        state = "closed" if self._src is None else \
+        state = "closed" if self.source is None else \
             f"{len(self.item_lens)} layers, item_lens={list(self.item_lens)}"
         return f"RowCopier({state}, backend={self.backend!r})"

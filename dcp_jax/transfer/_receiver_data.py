@@ -22,7 +22,7 @@ from dcp_jax.packing import layer_offsets
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import TIMEOUT_CHECK_S
 from dcp_jax.transfer.requests import RecvRequest
-from dcp_jax.transfer.schedule import SideLayout, owned_tokens, token_rows
+from dcp_jax.transfer.schedule import SideLayout, owned_count, owned_tokens, token_rows
 from dcp_jax.transfer.status import TransferStatus
 
 __all__ = ["ReceiverData"]
@@ -115,6 +115,16 @@ class ReceiverData:
             rows = self._chunk_rows[key] = token_rows(toks, self._layout, req.page_table, check_table=False)
         return rows
 
+    def _owned_rows(self, req: RecvRequest, link: Any, start: int, stop: int) -> int:
+        """How many rows of tokens [start, stop) this rank takes from ``link``'s prefill rank:
+        counted, not listed, unless the rows are at hand (a fused or direct chunk needs only
+        the count; listing them through the page table cost ~0.2 ms per chunk)."""
+        rows = self._chunk_rows.get((req, id(link), start, stop))
+        if rows is not None:
+            return len(rows)
+        a = max(start, req.prefix_tokens)
+        return owned_count(a, max(a, stop), dst=self._layout, src=SideLayout.of(link.spec))
+
     def _part_landed(self, req: RecvRequest, link: Any, msg: dict) -> None:
         start, stop, chunk = msg["start"], msg["stop"], msg["chunk"]
         if stop > req.num_tokens:
@@ -133,7 +143,7 @@ class ReceiverData:
         req.state.advance(TransferStatus.TRANSFERRING)
         req.state.touch()
         if len(parts[1]) == parts[0]:
-            expected = len(self._rows_of(req, link, start, stop))
+            expected = self._owned_rows(req, link, start, stop)
             if req.rows_landed[key] != expected:
                 self._inconsistent(req, f"chunk {chunk} [{start}, {stop}) brought {req.rows_landed[key]} rows, "
                                         f"this rank owns {expected}")

@@ -6,12 +6,14 @@ size: checked against the region the rank declared at the handshake before any b
 lets ONE descriptor write the whole window, with the usual ``done`` notification. Region, pull:
 as the packed path's ``pull_ready``; the receiver READs the window with one descriptor.
 
-Fused: one `pallas_kernels.copy_rows` kernel per window writes the rows from this sender's pages
-into the decode rank's pages through the connection's `bridge.cuda_ipc.IpcMapping`; once the
-kernel finished (``pallas_kernels.synchronize``), ``fused_done`` tells the rank.
+Fused: the round's windows are copied from this sender's pages into each decode rank's pages,
+through the connection's `bridge.cuda_ipc.IpcMapping`, by ONE fan-out kernel launch
+(`pallas_kernels.copy_fanout` over the links' `RowCopier`s); once it finished
+(``pallas_kernels.synchronize``), ``fused_done`` tells each rank.
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -20,6 +22,8 @@ import numpy as np
 from dcp_jax.transfer import protocol as proto
 
 __all__ = ["SenderRegion", "sync_arrays"]
+
+logger = logging.getLogger(__name__)
 
 
 def sync_arrays(arrays) -> None:
@@ -78,12 +82,14 @@ class SenderRegion:
         self._count(t, 1, want, self._batch_calls(1))
 
     def _submit_fused(self, u: Any, head: dict) -> None:
-        """One copy kernel into the rank's mapped pages, waited for, then ``fused_done``."""
+        """Checks a fused window's rows and queues its copy for the round's end (`_finish_fused`
+        copies every queued window in one kernel launch, waits once, then says ``fused_done``)."""
         from pallas_kernels import RowCopier
 
         t = u.target
         lo, hi = u.rc.windows[u.w]
         mapping = t.conn.mapping
+        src = dst = None
         if hi > lo:
             dst = u.rc.dst_rows[lo:hi]
             rows = min(int(a.shape[0]) for a in mapping.arrays)
@@ -92,41 +98,75 @@ class SenderRegion:
                                  f"its mapped layers hold {rows} rows")
             if int(dst.min()) < 0:
                 raise ValueError(f"decode rank {t.conn.spec.dcp_rank}'s page table maps a negative row")
-            tk = time.perf_counter()
-            # Bounds were checked just above on the host; the kernel's own checks would each
-            # synchronise. The copy is only enqueued: `_finish_fused` waits once for the round.
-            # The copier (layer checks, views, destination handles) is made once per link.
+            src = u.rc.src_rows[lo:hi]
+            # The copier (layer checks, views, destination handles) is made once per link, over
+            # the sender's one PackSource: the round's copies then share one launch.
             if t.conn.copier is None:
-                t.conn.copier = RowCopier(self._layers.rows, mapping.arrays)
-            t.conn.copier.copy(u.rc.src_rows[lo:hi], dst, checked=True)
-            u.req.copy_seconds += time.perf_counter() - tk
+                t.conn.copier = RowCopier(self._source, mapping.arrays)
         u.req.inflight += 1
         t.inflight += 1
-        self._fused.append((u, head, hi > lo))
+        self._fused.append((u, head, hi > lo, src, dst))
+
+    def _copy_fused(self, done: list) -> dict:
+        """Enqueues the round's fused copies: ONE fan-out kernel for all decode ranks
+        (`pallas_kernels.copy_fanout`, a copier at most once per launch); should that raise,
+        window by window, so only a failing window ends its request. Returns {id(unit): error}.
+        Bounds were checked by `_submit_fused` on the host (the kernel's own checks would each
+        synchronise)."""
+        from pallas_kernels import copy_fanout
+
+        moved = [(u, src, dst) for u, _, m, src, dst in done if m and not u.req.status.terminal]
+        batches: list = []  # a copier appears once per launch (a rank may have several windows)
+        for job in moved:
+            for b in batches:
+                if all(v[0].target.conn is not job[0].target.conn for v in b):
+                    b.append(job)
+                    break
+            else:
+                batches.append([job])
+        errors = {}
+        tk = time.perf_counter()
+        for b in batches:
+            try:
+                copy_fanout([(u.target.conn.copier, src, dst) for u, src, dst in b], checked=True)
+            except Exception:  # noqa: BLE001 - find the window that fails; the others go out
+                logger.warning("fused copy: one launch for %d windows failed; copying window by window", len(b),
+                               exc_info=True)
+                for u, src, dst in b:
+                    try:
+                        u.target.conn.copier.copy(src, dst, checked=True)
+                    except Exception as exc:  # noqa: BLE001 - its request fails, the sender lives on
+                        errors[id(u)] = f"fused copy: {type(exc).__name__}: {exc}"
+        took = time.perf_counter() - tk
+        for req in {id(u.req): u.req for u, _, _ in moved}.values():
+            req.copy_seconds += took
+        return errors
 
     def _finish_fused(self) -> None:
-        """The round's fused copies: one wait for all of them (the bytes are in the decode
-        pages before any rank is told), then ``fused_done`` to each rank."""
+        """The round's fused copies: enqueued in one launch, one wait for all of them (the bytes
+        are in the decode pages before any rank is told), then ``fused_done`` to each rank."""
         if not self._fused:
             return
         done, self._fused = self._fused, []
+        errors = self._copy_fused(done)
         tk = time.perf_counter()
         err = None
         try:
-            sync_arrays([a for u, _, moved in done if moved for a in u.target.conn.mapping.arrays[:1]])
+            sync_arrays([a for u, _, moved, _, _ in done if moved for a in u.target.conn.mapping.arrays[:1]])
         except Exception as exc:  # noqa: BLE001 - no rank may be told its rows landed
             err = f"fused copy: {type(exc).__name__}: {exc}"
         waited = time.perf_counter() - tk
-        for req in {id(u.req): u.req for u, _, moved in done if moved}.values():
+        for req in {id(u.req): u.req for u, _, moved, _, _ in done if moved}.values():
             req.copy_seconds += waited
-        for u, head, moved in done:
+        for u, head, moved, _, _ in done:
             t = u.target
-            if err is None and not u.req.status.terminal:
+            unit_err = err or errors.get(id(u))
+            if unit_err is None and not u.req.status.terminal:
                 if moved:
                     u.req.timeline.mark("copied", t.conn.spec.group_rank)
                 self._count(t, 0, self._window_bytes(u) if moved else 0, 0)
                 self._ctl.send(t.conn.ident, proto.encode("fused_done", u.req.rid, t.inc, **head))
-            self._unit_finished(u, err)
+            self._unit_finished(u, unit_err)
 
     def _drop_asks(self, pred) -> None:
         """Windows waiting for a grant that will never be used: their pack regions are free (no

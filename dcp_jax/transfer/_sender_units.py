@@ -9,6 +9,7 @@ the worker thread under the sender's lock. A (request, chunk, rank) is planned o
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -23,6 +24,8 @@ from dcp_jax.transfer.status import TransferStatus
 from dcp_jax.transfer.views import served_group_ranks
 
 __all__ = ["SenderUnits", "Unit", "ARENA_SHARE"]
+
+logger = logging.getLogger(__name__)
 
 #: Most of the pack arena one decode rank may hold while it already holds a region (fraction).
 ARENA_SHARE = 0.5
@@ -242,6 +245,8 @@ class SenderUnits:
         try:
             self._packer.pack_windows([(rows, off) for _, rows, off in batch], sync=False)
         except Exception:  # noqa: BLE001 - find the window that fails; the others go out
+            logger.warning("one pack for %d windows failed; packing window by window", len(batch),
+                           exc_info=True)
             for u, rows, off in batch:
                 try:
                     self._packer(rows, off, sync=False)

@@ -28,7 +28,7 @@ from dcp_jax.layout import check_layout_args, local_index_np, local_len_np, owne
 from dcp_jax.packing import choose_pack_strategy_for_rows, pack_bytes
 from dcp_jax.plan import build_descriptors, group_runs, packed_src_bases, rows_from_page_table
 
-__all__ = ["PLAN_MODES", "SideLayout", "owned_tokens", "token_rows", "chunk_rows", "RankChunk", "plan_rank_chunk", "batch_engine_calls",
+__all__ = ["PLAN_MODES", "SideLayout", "owned_count", "owned_tokens", "token_rows", "chunk_rows", "RankChunk", "plan_rank_chunk", "batch_engine_calls",
            "ScheduleCounts", "TransferSchedule"]
 
 Strategy = Literal["empty", "direct", "packed", "region", "fused"]
@@ -90,6 +90,22 @@ def _tokens_of_rank(side: SideLayout, start: int, stop: int) -> np.ndarray:
     j0, j1 = local_len_np(np.array([start, stop], np.int64), n, r, i).tolist()
     j = np.arange(j0, j1, dtype=np.int64)
     return (j // i) * (i * n) + r * i + j % i
+
+
+def owned_count(start: int, stop: int, *, dst: SideLayout, src: SideLayout | None = None) -> int:
+    """``len(owned_tokens(start, stop, dst=dst, src=src))``, without listing the tokens when the
+    source side is one rank (the local-length formula: O(1)); a receiver checks a completed
+    chunk's row count with it.
+
+    Raises:
+        TypeError, ValueError: as :func:`owned_tokens`.
+    """
+    start, stop = _range(start, stop)
+    if src is None or src.dcp_size == 1:
+        j0, j1 = local_len_np(np.array([start, stop], np.int64), dst.dcp_size, dst.dcp_rank,
+                              dst.interleave_size).tolist()
+        return int(j1 - j0)
+    return int(len(owned_tokens(start, stop, dst=dst, src=src)))
 
 
 def owned_tokens(start: int, stop: int, *, dst: SideLayout, src: SideLayout | None = None) -> np.ndarray:

@@ -12,6 +12,7 @@ from dcp_jax.transfer.schedule import (
     SideLayout,
     TransferSchedule,
     chunk_rows,
+    owned_count,
     owned_tokens,
     plan_rank_chunk,
     token_rows,
@@ -200,6 +201,27 @@ def test_owned_tokens_is_the_filter_of_the_range(n, r, i, m, rs, ip, start, leng
     assert local_index_np(mine, n, i).tolist() == list(range(first, first + mine.size))
     assert owned_tokens(start, start + length, dst=dst, src=src).tolist() == \
         [t for t in ts if (t // i) % n == r % n and (t // ip) % m == rs % m]
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 8), r=st.integers(0, 7), i=st.integers(1, 20), m=st.integers(1, 8), rs=st.integers(0, 7),
+       ip=st.integers(1, 20), start=st.integers(0, 400), length=st.integers(0, 400))
+def test_owned_count_counts_the_filter_of_the_range(n, r, i, m, rs, ip, start, length):
+    dst, src = SideLayout(n, r % n, i, 1), SideLayout(m, rs % m, ip, 1)
+    ts = range(start, start + length)
+    assert owned_count(start, start + length, dst=dst) == sum((t // i) % n == r % n for t in ts)
+    assert owned_count(start, start + length, dst=dst, src=SideLayout(1, 0, ip, 1)) == \
+        sum((t // i) % n == r % n for t in ts)
+    assert owned_count(start, start + length, dst=dst, src=src) == \
+        sum((t // i) % n == r % n and (t // ip) % m == rs % m for t in ts)
+
+
+def test_owned_count_is_a_formula_far_out():
+    # 10**9 tokens near 10**15: counted without listing them (listing would take gigabytes).
+    far = 10**15
+    assert owned_count(far, far + 10**9, dst=SideLayout(8, 3, 64, 64)) == 10**9 // 8
+    with pytest.raises(ValueError):
+        owned_count(5, 4, dst=SideLayout(2, 0, 1, 1))
 
 
 def test_owned_tokens_does_not_scan_the_range():

@@ -99,10 +99,15 @@ def test_device_pack_compiles_once_for_every_region():
         sizes = [int(x) for x in rng.integers(1, 1024, 40)]
         for L in sorted({bucket_rows(-(-L // 2)) for L in sizes}):  # one request per row bucket
             one(f"warm{L}", 2 * L)
+        one("warm1", 1)  # one window of one row: the round's smallest bucket
         before = sender.stats["kernel_compiles"]
+        grew = []
         for k, L in enumerate(sizes):
+            c0 = sender.stats["kernel_compiles"]
             one(f"r{k}", L)
-        assert sender.stats["kernel_compiles"] == before
+            if sender.stats["kernel_compiles"] != c0:
+                grew.append((L, sender.stats["kernel_compiles"] - c0))
+        assert sender.stats["kernel_compiles"] == before, f"(request rows, kernels compiled): {grew}"
     finally:
         for s in recvs + [sender]:
             s.close()

@@ -16,8 +16,10 @@ jax = pytest.importorskip("jax")
 cp = pytest.importorskip("cupy")
 
 from pallas_kernels import (  # noqa: E402
+    PackSource,
     RowCopier,
     compile_count,
+    copy_fanout,
     pack_rows,
     pack_windows,
     synchronize,
@@ -42,7 +44,12 @@ def test_pack_rows_one_buffer_layers_use_one_stacked_source(item):
     layers, _ = _one_buffer(512, item, 5, 1)
     word = np.dtype(np.uint32 if item % 4 == 0 else np.uint16)
     assert device.stacked_words(layers, word) is not None
-    separate = [cp.array(a) for a in layers]  # the same bytes, five allocations
+    # The same bytes with a gap after each layer (separate allocations may well lie back to
+    # back in CuPy's pool: then they ARE one buffer, and take the stacked view too).
+    gapped = cp.zeros(5 * (512 + 1) * item, cp.uint8)
+    separate = [gapped[l * 513 * item:(l * 513 + 512) * item].reshape(512, item) for l in range(5)]
+    for s, a in zip(separate, layers):
+        s[...] = a
     assert device.stacked_words(separate, word) is None
     idx = np.random.default_rng(item).integers(0, 512, 300)
     got = cp.full(5 * 300 * item + 128, 0xA5, cp.uint8)
@@ -105,3 +112,47 @@ def test_row_copier_bit_exact_in_place(src_form, dst_form):
         assert bool(cp.array_equal(d, w))
     assert compile_count() == before  # one kernel for every later call
     copier.close()
+
+
+def _flat_foreign(rows, item, L, fill):
+    """L layers u8[rows, item] over one allocation, viewed through UnownedMemory (an IPC map)."""
+    owner = cp.full(L * rows * item, fill, cp.uint8)
+    mem = cp.cuda.UnownedMemory(owner.data.ptr, owner.nbytes, owner, owner.device.id)
+    flat = cp.ndarray(owner.shape, cp.uint8, cp.cuda.MemoryPointer(mem, 0))
+    return [flat[l * rows * item:(l + 1) * rows * item].reshape(rows, item) for l in range(L)]
+
+
+def test_copy_fanout_one_launch_for_every_destination():
+    """The fused round: one source cache into four decode caches (row counts 300, 300, 200 and
+    a per-layer one that cannot share the launch), byte-exact against CuPy fancy indexing, one
+    kernel compiled for the fan-out whatever the window sizes of later rounds."""
+    L, item = 5, 1152
+    src, _ = _one_buffer(600, item, L, 9)
+    source = PackSource(src)
+    dsts = [_flat_foreign(300, item, L, 0x11), _flat_foreign(300, item, L, 0x22),
+            _flat_foreign(200, item, L, 0x33), [cp.full((250, item), 0x44, cp.uint8) for _ in range(L)]]
+    copiers = [RowCopier(source, d) for d in dsts]
+    assert [c.uniform_rows for c in copiers] == [300, 300, 200, None]
+    assert copiers[0].fans_out_with(copiers[1]) and not copiers[3].fans_out_with(copiers[0])
+    want = [[cp.array(a) for a in d] for d in dsts]
+    rng = np.random.default_rng(4)
+    counts = []
+    for rnd, sizes in enumerate([(200, 0, 150, 100), (190, 7, 140, 90), (201, 64, 1, 0)]):
+        jobs = []
+        for c, d, w, n in zip(copiers, dsts, want, sizes):
+            sidx = rng.integers(0, 600, n)
+            didx = rng.permutation(int(d[0].shape[0]))[:n]
+            for s_, w_ in zip(src, w):
+                w_[cp.asarray(didx)] = s_[cp.asarray(sidx)]
+            jobs.append((c, sidx, didx))
+        fan = [j for j in jobs if j[0].uniform_rows is not None]
+        before = compile_count()
+        assert copy_fanout(fan, checked=rnd == 1) == sum(len(j[1]) for j in fan)
+        counts.append(compile_count() - before)
+        jobs[3][0].copy(jobs[3][1], jobs[3][2])  # the per-layer destination on its own
+    for d in dsts:
+        synchronize(d)
+    for d, w in zip(dsts, want):
+        for a, b in zip(d, w):
+            assert bool(cp.array_equal(a, b))
+    assert counts[0] <= 1 and counts[1:] == [0, 0], counts

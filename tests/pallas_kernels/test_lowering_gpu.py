@@ -160,3 +160,23 @@ def test_stacked_source_flat_copy_triton_lowers(name, kind, cores):
                                     backend="triton").lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "tf.aliasing_output = 0" in text and "tf.aliasing_output = 1" not in text
+
+
+@pytest.mark.parametrize("name,kind,cores", CUDA, ids=[c[0] for c in CUDA])
+def test_fanout_copy_triton_lowers(name, kind, cores):
+    """The fused round in one launch (`fanout._fanout_jit`): a stacked [61, R, W] source, eight
+    decode ranks' flat caches, ONE Triton call whose eight outputs alias the eight inputs."""
+    from pallas_kernels.fanout import _fanout_jit
+
+    D, L, W = 8, 61, 288
+    args = (jax.ShapeDtypeStruct((L, 40960, W), jnp.uint32),
+            jax.ShapeDtypeStruct((D * 4096,), jnp.int32),
+            tuple(jax.ShapeDtypeStruct((L * 5120 * W,), jnp.uint32) for _ in range(D)),
+            jax.ShapeDtypeStruct((D * 4096,), jnp.int32),
+            jax.ShapeDtypeStruct((D * 4096 // 64 * 4,), jnp.int32))
+    with jax.sharding.use_abstract_mesh(_mesh(kind, cores, "cuda")), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        text = _fanout_jit.trace(*args, dst_rows=(5120,) * D, config=GatherConfig.default(),
+                                 backend="triton").lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+    assert all(f"tf.aliasing_output = {k}" in text for k in range(D))

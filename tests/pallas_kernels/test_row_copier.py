@@ -105,6 +105,8 @@ def test_copier_refusals():
     ro.flags.writeable = False
     with pytest.raises(ValueError, match=r"dst_layers\[0\] is read-only"):
         RowCopier(srcs, [ro, dsts[1]])
+    with pytest.raises(TypeError, match="got a JAX array"):
+        RowCopier([jnp.asarray(a) for a in srcs], dsts)
     with pytest.raises(ValueError, match="backend="):
         RowCopier(srcs, dsts, backend="nope")
     with pytest.raises(ValueError, match="needs CuPy"):
@@ -130,3 +132,55 @@ def test_copier_refusals():
     with pytest.raises(RuntimeError, match="closed"):
         copier.copy([0], [0])
     assert "closed" in repr(copier)
+
+
+def _flat_dst(rng, L, rows, W):
+    return rng.integers(0, 2**32, L * rows * W, dtype=np.uint32)
+
+
+def test_fanout_kernel_matches_brute_force():
+    """One launch for three destinations of different row counts: windows of 19, 0 and 8 rows
+    (a partial block, an empty window, a window of exactly one block), repeats in the source."""
+    from pallas_kernels.fanout import fanout_kernel
+
+    rng = np.random.default_rng(11)
+    L, R, W = 3, 40, 12
+    src = rng.integers(0, 2**32, (L, R, W), dtype=np.uint32)
+    rows = (30, 9, 17)
+    dsts = [_flat_dst(rng, L, r, W) for r in rows]
+    windows = [(0, np.r_[rng.integers(0, R, 17), 5, 5], rng.permutation(30)[:19]),
+               (1, np.zeros(0, np.int64), np.zeros(0, np.int64)),
+               (2, rng.integers(0, R, 8), rng.permutation(17)[:8])]
+    want = [d.reshape(L, r, W).copy() for d, r in zip(dsts, rows)]
+    for k, s, d in windows:
+        for l in range(L):
+            want[k][l][d] = src[l][s]
+    outs = fanout_kernel(jnp.asarray(src), windows, [jnp.asarray(d) for d in dsts],
+                         config=GatherConfig(block_rows=8))
+    for o, w, r in zip(outs, want, rows):
+        np.testing.assert_array_equal(np.asarray(o).reshape(L, r, W), w)
+
+
+def test_copy_fanout_host_copiers_match_brute_force():
+    from pallas_kernels import PackSource, copy_fanout
+
+    rng = np.random.default_rng(12)
+    srcs = _layers(rng, 20, (8, 8))
+    source = PackSource(srcs)
+    dsts = [_layers(rng, 10, (8, 8)) for _ in range(3)]
+    copiers = [RowCopier(source, d) for d in dsts]
+    jobs = [(copiers[0], [1, 2, 2], [0, 5, 9]), (copiers[1], [], []), (copiers[2], [19], [3])]
+    want = [_brute(srcs, np.asarray(s, int), d, np.asarray(t, int)) for (_, s, t), d in zip(jobs, dsts)]
+    assert copy_fanout(jobs) == 4
+    for d, w in zip(dsts, want):
+        for a, b in zip(d, w):
+            np.testing.assert_array_equal(a, b)
+    before = [[a.copy() for a in d] for d in dsts]
+    with pytest.raises(ValueError, match="each copier may appear once"):
+        copy_fanout([(copiers[0], [0], [0]), (copiers[0], [1], [1])])
+    with pytest.raises(ValueError, match="dst_indices"):  # checked before anything is copied
+        copy_fanout([(copiers[0], [0], [1]), (copiers[1], [0], [10])])
+    for d, b in zip(dsts, before):
+        for x, y in zip(d, b):
+            np.testing.assert_array_equal(x, y)
+    assert copy_fanout([]) == 0
