@@ -26,7 +26,8 @@
 #   generate_gpu      scripts/generate_gpu.sh: dcp-jax generate on device memory (DCP 1 on one GPU)
 #   multi_gpu_rehearsal  scripts/multi_gpu.sh on this one GPU
 # A failing step (an unknown --path too) is recorded as failed and the suite goes on. The limits
-# add up to 905 s: more than one 10-minute device call, so split the steps over two calls. Exit status 0 only if every step passed.
+# add up to 995 s: more than one 10-minute device call, so split the steps over two calls (e.g.
+# `pytest_gpu d2d pack_bench job_32k job_128k`, then the rest). Exit status 0 only if every step passed.
 # The summary ($OUT/gpu_suite_summary.md and .json: date, device, versions, commit, steps, figures)
 # can be copied to benchmarks/results/.
 set -uo pipefail
