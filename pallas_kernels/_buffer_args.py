@@ -7,6 +7,7 @@ checks (traced shapes, int32 metadata) are in `pallas_kernels._args`.
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import numpy as np
@@ -131,3 +132,65 @@ def check_word_offset(offset: int, total: int, word: np.dtype, item_lens, device
     if device_pack is not None and device_pack.data.ptr % ws:
         raise ValueError(f"pack address {device_pack.data.ptr:#x} must be a multiple of {ws} "
                          f"bytes (the {word.name} word)")
+
+
+def _extent(a) -> tuple[int, int]:
+    """[start, end) byte addresses an array's elements may touch (numpy or CuPy)."""
+    if is_cupy(a):
+        ptr = int(a.data.ptr)
+    else:
+        ptr = int(a.__array_interface__["data"][0])
+    lo = hi = ptr
+    for n, s in zip(a.shape, a.strides):
+        if n == 0:
+            return ptr, ptr
+        if s >= 0:
+            hi += (n - 1) * s
+        else:
+            lo += (n - 1) * s
+    return lo, hi + a.itemsize
+
+
+def _check_disjoint(srcs, src_name: str, dsts, dst_name: str) -> None:
+    """No destination layer may share memory with a source (layer or pack): sorted extents and
+    a bisection per destination, O(L log L); strided numpy views whose extents interleave are
+    resolved exactly by `np.shares_memory`."""
+    spans = sorted((*_extent(a), l) for l, a in enumerate(srcs) if a.size)
+    starts = [s[0] for s in spans]
+    reach = []  # reach[k]: the largest end among spans[:k + 1]
+    for s0, s1, _ in spans:
+        reach.append(max(s1, reach[-1]) if reach else s1)
+    for k, d in enumerate(dsts):
+        if not d.size:
+            continue
+        d0, d1 = _extent(d)
+        hi = bisect.bisect_left(starts, d1)  # spans starting before d1
+        j = hi - 1
+        while j >= 0 and reach[j] > d0:
+            s0, s1, l = spans[j]
+            if s1 > d0 and not (isinstance(d, np.ndarray) and
+                                not np.shares_memory(d, srcs[l], max_work=1000)):
+                where = "" if src_name == "pack" else f"[{l}]"
+                what = dst_name if dst_name == "pack" else f"{dst_name}[{k}]"
+                raise ValueError(f"{what} shares memory with {src_name}{where}: "
+                                 "sources and destinations must be disjoint")
+            j -= 1
+
+
+def _check_no_overlap(layers, name: str) -> None:
+    """No two entries of one destination list may share memory: a row would be written twice,
+    the last write winning in an order a device does not keep. Sorted extents against the
+    farthest-reaching earlier one; strided numpy views whose extents interleave are resolved
+    exactly by `np.shares_memory`."""
+    spans = sorted((*_extent(a), l) for l, a in enumerate(layers) if a.size)
+    far_end, far = None, None
+    for s0, s1, l in spans:
+        if far_end is not None and s0 < far_end:
+            x, y = layers[far], layers[l]
+            if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray)
+                    and not np.shares_memory(x, y, max_work=1000)):
+                i, j = sorted((far, l))
+                raise ValueError(f"{name}[{i}] and {name}[{j}] share memory: each destination "
+                                 "layer must be its own memory")
+        if far_end is None or s1 > far_end:
+            far_end, far = s1, l

@@ -11,8 +11,10 @@ costs the index checks, one index staging and one jitted dispatch.
 
 from __future__ import annotations
 
+import numpy as np
+
 from pallas_kernels import device
-from pallas_kernels._buffer_args import check_indices, check_range
+from pallas_kernels._buffer_args import _check_no_overlap, _extent, check_indices, check_range
 from pallas_kernels.config import GatherConfig, word_dtype
 from pallas_kernels.host import check_threads, copy_host
 from pallas_kernels.pack import PackSource
@@ -48,13 +50,15 @@ class RowCopier:
         dst_layers: sequence of u8[num_rows_dst_l, kv_item_len_l] arrays of the same kind and
             item lengths, writeable (CuPy: C-contiguous; possibly over IPC-mapped memory). Layers
             lying back to back are written through one flat destination.
-        backend: as `copy_rows` ("auto": numpy for host layers; "triton" on the GPU).
+        backend: as `copy_rows` ("auto": "numpy" for host layers; on the GPU "triton", or
+            "cupy" on a JAX without the Triton lowering).
         config: Pallas tuning knobs (`GatherConfig.default()` when None).
         threads: host form only: worker threads (as `pack_rows`).
 
     Raises:
         ValueError, TypeError: as `copy_rows` for the layer lists, the backend and `threads`
-            (each naming the argument).
+            (each naming the argument): mismatched layer counts or item lengths, rows of 0
+            bytes, a destination layer sharing memory with a source or another destination.
     """
 
     def __init__(self, src_layers, dst_layers, *, backend: str = "auto",
@@ -71,6 +75,9 @@ class RowCopier:
             skind, s_lens, s_rows = _check_layer_list(src_layers, "src_layers", writeable=False)
             if any(_is_jax(a) for a in src_layers):
                 raise TypeError("src_layers must be numpy or CuPy arrays (got a JAX array)")
+            if min(s_lens) <= 0:
+                raise ValueError(f"src_layers[{list(s_lens).index(min(s_lens))}] has rows of 0 bytes: "
+                                 "every layer entry needs kv_item_len > 0")
             source = PackSource(src_layers)
         dkind, d_lens, d_rows = _check_layer_list(dst_layers, "dst_layers", writeable=True)
         if skind != dkind:
@@ -84,8 +91,17 @@ class RowCopier:
                                  f"dst_layers[{l}] rows {b} B")
         if config is not None and not isinstance(config, GatherConfig):
             raise TypeError(f"config must be a GatherConfig or None, got {type(config).__name__}")
+        for name, lens in (("src_layers", s_lens), ("dst_layers", d_lens)):
+            if min(lens) <= 0:
+                raise ValueError(f"{name}[{list(lens).index(min(lens))}] has rows of 0 bytes: every "
+                                 "layer entry needs kv_item_len > 0")
         check_threads(threads)
         _check_disjoint(list(source.layers), "src_layers", dst_layers, "dst_layers")
+        _check_no_overlap(dst_layers, "dst_layers")
+        spans = [_extent(a) for a in dst_layers if a.size]
+        #: [first, last) byte addresses the destinations span (made once: `copy_fanout` compares
+        #: the copiers of a call by it on every round).
+        self.dst_span = (min(a for a, _ in spans), max(b for _, b in spans)) if spans else (0, 0)
         self.source = source
         self.on_device = skind == "device"
         self.backend = _resolve(backend, self.on_device)
@@ -105,6 +121,11 @@ class RowCopier:
             if self._flat is not None and len(set(self._flat)) == 1:
                 self.uniform_rows = self._flat[0][0]
 
+    @property
+    def dst_layers(self) -> tuple:
+        """The destination layers (empty once closed)."""
+        return self._dst or ()
+
     def check_pair(self, src_indices, dst_indices, checked: bool = False):
         """The (src, dst) index arrays of one copy, checked as `copy` checks them.
 
@@ -116,13 +137,15 @@ class RowCopier:
         """
         if self.source is None:
             raise RuntimeError("this RowCopier is closed")
+        if not isinstance(checked, (bool, np.bool_)):
+            raise TypeError(f"checked must be a bool, got {type(checked).__name__}")
         sidx = check_indices(src_indices, "src_indices", device_ok=self.on_device)
         didx = check_indices(dst_indices, "dst_indices", device_ok=self.on_device)
         n = int(sidx.shape[0])
         if didx.shape[0] != n:
             raise ValueError(f"src_indices ({n}) and dst_indices ({didx.shape[0]}) must have the "
                              "same length")
-        if n and not checked:
+        if n and (not checked or not self.on_device):  # host checks are cheap; numpy's -1 stays out
             check_range(sidx, "src_indices", self.src_rows, "src_layers", unique=False)
             check_range(didx, "dst_indices", self.dst_rows, "dst_layers", unique=True)
         return sidx, didx
@@ -133,8 +156,9 @@ class RowCopier:
         Args:
             src_indices: int[n] source rows (numpy, CuPy or a sequence), repeats allowed.
             dst_indices: int[n] destination rows, unique.
-            checked: skip the range and uniqueness checks (the caller checked them; the
-                kernel still clamps every index in range, so nothing is written out of bounds).
+            checked: device copiers: skip the range and uniqueness checks (the caller checked
+                them; the kernel still clamps every index in range, so nothing is written out
+                of bounds). Host copiers always check (cheap there).
 
         Returns:
             Rows copied (n). Host: the bytes are there on return. Device: the kernel is
@@ -168,7 +192,12 @@ class RowCopier:
 
     def destinations(self) -> "device.Destinations":
         """The JAX handles over the destination layers (made on first use; one flat handle when
-        the layers lie back to back). Device copier only."""
+        the layers lie back to back). Device copier only.
+
+        Raises:
+            RuntimeError: `close()`d."""
+        if self._dst is None:
+            raise RuntimeError("this RowCopier is closed")
         if self._dests is None or self._dests.handles is None:
             self._dests = device.Destinations(self._dst, self._word, flat=self._flat is not None)
         return self._dests

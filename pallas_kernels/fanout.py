@@ -109,10 +109,34 @@ def fanout_kernel(src, windows, dsts, *, config, backend="interpret"):
 
     Returns:
         The tuple of D destinations.
+
+    Raises:
+        ValueError: `src` not 3-D, a destination not a flat array of whole layers of `src`'s
+            dtype, a window whose destination or rows are out of range or whose index lists
+            differ in length or are not integers.
     """
-    W = int(src.shape[2])
-    dst_rows = tuple(int(d.shape[0]) // (int(src.shape[0]) * W) for d in dsts)
-    sidx, didx, table = _layout(windows, config.block_rows)
+    if getattr(src, "ndim", 0) != 3:
+        raise ValueError(f"src must be a stacked [L, R, W] word array, got shape {getattr(src, 'shape', None)}")
+    L, R, W = (int(d) for d in src.shape)
+    for k, d in enumerate(dsts):
+        if d.ndim != 1 or int(d.shape[0]) % (L * W) or d.dtype != src.dtype:
+            raise ValueError(f"dsts[{k}] must be a flat {src.dtype} array of L * R_k * W words "
+                             f"(L={L}, W={W}), got {d.dtype}{list(d.shape)}")
+    dst_rows = tuple(int(d.shape[0]) // (L * W) for d in dsts)
+    checked = []
+    for w, win in enumerate(windows):
+        k, s_, d_ = win
+        s_, d_ = np.asarray(s_), np.asarray(d_)
+        if not (isinstance(k, (int, np.integer)) and 0 <= k < len(dsts)):
+            raise ValueError(f"windows[{w}] destination {k!r} must be an int in [0, {len(dsts)})")
+        if s_.ndim != 1 or s_.shape != d_.shape or not (np.issubdtype(s_.dtype, np.integer) or
+                                                        s_.size == 0) or \
+                not (np.issubdtype(d_.dtype, np.integer) or d_.size == 0):
+            raise ValueError(f"windows[{w}] needs 1-D integer source and destination rows of one length")
+        if s_.size and (s_.min() < 0 or s_.max() >= R or d_.min() < 0 or d_.max() >= dst_rows[k]):
+            raise ValueError(f"windows[{w}] rows out of range (source < {R}, destination < {dst_rows[k]})")
+        checked.append((int(k), s_.astype(np.int64), d_.astype(np.int64)))
+    sidx, didx, table = _layout(checked, config.block_rows)
     return _fanout_jit(src, jnp.asarray(sidx), tuple(dsts), jnp.asarray(didx), jnp.asarray(table),
                        dst_rows=dst_rows, config=config, backend=backend)
 
@@ -175,17 +199,37 @@ def copy_fanout(jobs, *, checked: bool = False) -> int:
         Rows copied, summed over the jobs.
 
     Raises:
-        ValueError, TypeError: as `RowCopier.copy` for any job's indices (nothing is enqueued);
-            a copier listed twice.
+        ValueError, TypeError: as `RowCopier.copy` for any job's indices, named `jobs[k]`
+            (checked before anything is copied); a job that is not a (RowCopier, src, dst)
+            triple; a copier listed twice; two copiers whose destinations share memory; a
+            `checked` that is not a bool.
+        RuntimeError: a closed copier (`jobs[k]`).
+
+    On the host the copiers run one after another: should one fail while copying (e.g. its
+    destination became read-only after construction), the jobs before it stay written.
     """
-    jobs = list(jobs)
+    from pallas_kernels.copier import RowCopier
+
+    if not isinstance(jobs, (list, tuple)):
+        raise TypeError(f"jobs must be a list of (RowCopier, src_indices, dst_indices), got "
+                        f"{type(jobs).__name__}")
+    if not isinstance(checked, (bool, np.bool_)):
+        raise TypeError(f"checked must be a bool, got {type(checked).__name__}")
+    for k, job in enumerate(jobs):
+        if not isinstance(job, (list, tuple)) or len(job) != 3 or not isinstance(job[0], RowCopier):
+            raise TypeError(f"jobs[{k}] must be a (RowCopier, src_indices, dst_indices) triple, got "
+                            f"{job!r:.80}")
     if len({id(c) for c, _, _ in jobs}) != len(jobs):
         raise ValueError("each copier may appear once in jobs")
     live = []
-    for c, s, d in jobs:
-        sidx, didx = c.check_pair(s, d, checked)
+    for k, (c, s, d) in enumerate(jobs):
+        try:
+            sidx, didx = c.check_pair(s, d, checked)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise type(exc)(f"jobs[{k}]: {exc}") from None
         if len(sidx):
             live.append((c, sidx, didx))
+    _check_distinct_destinations([c for c, _, _ in jobs])
     total = sum(len(s) for _, s, _ in live)
     if not live:
         return 0
@@ -196,6 +240,25 @@ def copy_fanout(jobs, *, checked: bool = False) -> int:
         return total
     _enqueue_fanout(first.source, live)
     return total
+
+
+def _check_distinct_destinations(copiers) -> None:
+    """No two copiers of one call may write the same memory (one launch would alias it twice;
+    one by one, the last would win)."""
+    from pallas_kernels._buffer_args import _check_disjoint
+
+    spans = sorted((*c.dst_span, k) for k, c in enumerate(copiers) if c.dst_span[1] > c.dst_span[0])
+    far_end, i = None, None
+    for b0, b1, j in spans:
+        if far_end is not None and b0 < far_end:  # extents interleave: compare the layers
+            try:
+                _check_disjoint(list(copiers[i].dst_layers), "dst", copiers[j].dst_layers, "dst")
+            except ValueError:
+                i, j = sorted((i, j))
+                raise ValueError(f"jobs[{i}] and jobs[{j}] write the same memory: each copier of "
+                                 "one call needs its own destination") from None
+        if far_end is None or b1 > far_end:
+            far_end, i = b1, j
 
 
 def _enqueue_fanout(source, live) -> None:

@@ -43,6 +43,7 @@ from pallas_kernels.config import (
     word_dtype,
 )
 from pallas_kernels._args import offset_arg
+from pallas_kernels._buffer_args import _check_disjoint as check_disjoint
 from pallas_kernels._buffer_args import check_indices, check_layers, check_range, check_word_offset, is_cupy
 # The names these checks had here (tests and `pallas_kernels.gather` import them from `pack`).
 from pallas_kernels._buffer_args import check_word_offset as _check_word_offset  # noqa: F401
@@ -125,7 +126,7 @@ class PackSource:
     """
 
     __slots__ = ("layers", "on_device", "item_lens", "num_rows", "word", "_views",
-                 "__weakref__")
+                 "disjoint", "__weakref__")
 
     def __init__(self, layers):
         if not isinstance(layers, (list, tuple)) or not layers:
@@ -135,6 +136,7 @@ class PackSource:
         self.layers = tuple(layers)
         self.word = word_dtype(self.item_lens)
         self._views = None
+        self.disjoint: set = set()  # (address, bytes) of packs checked not to overlap the layers
 
     def device_views(self):
         """The cached JAX word views of CuPy layers (None where a layer is copied per call), or
@@ -152,10 +154,11 @@ class PackSource:
 class _CheckedLayers:
     """A cached layer check: weak references to the layers, never the layers themselves."""
 
-    __slots__ = ("refs", "token", "item_lens", "num_rows", "word")
+    __slots__ = ("refs", "token", "item_lens", "num_rows", "word", "disjoint")
 
     def __init__(self, item_lens, num_rows):
         self.refs, self.token = (), object()
+        self.disjoint: set = set()
         self.item_lens, self.num_rows = item_lens, num_rows
         self.word = word_dtype(item_lens)
 
@@ -255,10 +258,11 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
         Bytes written, `n * sum(kv_item_len)`.
 
     Raises:
-        ValueError: bad ndim, empty `layers`, negative or out-of-range `indices`, a negative,
-            misaligned or too large `offset`, `threads` < 1, a region that would extend past
-            the end of `pack`, or a device pack whose address is not word-aligned.
-        TypeError: non-uint8 buffers, mixed numpy/CuPy, a `pack` that is neither a numpy nor a
+        ValueError: bad ndim, empty `layers`, a `pack` that is not 1-D uint8 or shares memory
+            with a layer, negative or out-of-range `indices`, a negative, misaligned or too
+            large `offset`, `threads` < 1, a region that would extend past the end of `pack`,
+            or a device pack whose address is not word-aligned.
+        TypeError: non-uint8 layers, mixed numpy/CuPy, a `pack` that is neither a numpy nor a
             CuPy array, a `config` that is not a `GatherConfig`, or non-integer `indices`.
         RuntimeError: the device kernel did not write in place (a copy was made).
     """
@@ -324,7 +328,21 @@ def _resolve(layers, pack, config):
         raise ValueError("pack must be C-contiguous")
     if not on_device and not pack.flags.writeable:
         raise ValueError("pack must be writeable (a registered buffer, not a read-only view)")
+    _check_pack_disjoint(entry, layers, pack)
     return source, key, entry, layers, on_device
+
+
+def _check_pack_disjoint(entry, layers, pack) -> None:
+    """The pack must not share memory with a layer (the gather would read bytes it already
+    overwrote, in an order threads and kernels do not keep). Checked once per pack memory range
+    for a checked layer list or a `PackSource`: the layers they hold cannot move."""
+    span = (device.address(pack), int(pack.nbytes))
+    if span in entry.disjoint:
+        return
+    check_disjoint(list(layers), "layers", [pack], "pack")
+    if len(entry.disjoint) >= 64:
+        entry.disjoint.clear()
+    entry.disjoint.add(span)
 
 
 def _offset_align(offset: int, word: np.dtype) -> int:

@@ -28,14 +28,19 @@ stream or in another process (IPC) must wait for that before it reads.
 
 from __future__ import annotations
 
-import bisect
-
 import numpy as np
 
 from pallas_kernels import device
 from pallas_kernels.config import GatherConfig, select_backend
 from pallas_kernels.host import check_threads, copy_host, unpack_host
-from pallas_kernels._buffer_args import check_indices, check_range, is_cupy as _is_cupy
+from pallas_kernels._buffer_args import (  # noqa: F401  (_extent: its old home was here)
+    _check_disjoint,
+    _check_no_overlap,
+    _extent,
+    check_indices,
+    check_range,
+    is_cupy as _is_cupy,
+)
 from pallas_kernels.unpack_device import (
     check_pallas_region,
     copy_cupy,
@@ -67,11 +72,12 @@ def _kind(a) -> str | None:
 _CHECKS: dict = {}  # (what, ids) -> (weak refs, result): checks of CuPy buffer lists
 
 
-def _once(what: str, arrays, fn):
+def _once(what: str, arrays, fn, *, host: bool = False):
     """`fn()` once per list of CuPy arrays (a registration), cached under weak references
     (evicted when any of them dies); numpy lists are checked on every call (their flags can
-    change). A failing check raises and caches nothing."""
-    if not all(_is_cupy(a) for a in arrays):
+    change; `host=True` caches them too, for checks of memory ranges, which an array keeps for
+    its life). A failing check raises and caches nothing."""
+    if not host and not all(_is_cupy(a) for a in arrays):
         return fn()
     key = (what,) + tuple(map(id, arrays))
     hit = device._lookup(_CHECKS, key, arrays)
@@ -102,48 +108,6 @@ def _check_layer_list(layers, name: str, *, writeable: bool) -> tuple[str, tuple
     if len(kinds) != 1:
         raise TypeError(f"{name} must be all numpy (host) or all CuPy (device) arrays")
     return kinds.pop(), tuple(int(a.shape[1]) for a in layers), min(int(a.shape[0]) for a in layers)
-
-
-def _extent(a) -> tuple[int, int]:
-    """[start, end) byte addresses an array's elements may touch (numpy or CuPy)."""
-    if _is_cupy(a):
-        ptr = int(a.data.ptr)
-    else:
-        ptr = int(a.__array_interface__["data"][0])
-    lo = hi = ptr
-    for n, s in zip(a.shape, a.strides):
-        if n == 0:
-            return ptr, ptr
-        if s >= 0:
-            hi += (n - 1) * s
-        else:
-            lo += (n - 1) * s
-    return lo, hi + a.itemsize
-
-
-def _check_disjoint(srcs, src_name: str, dsts, dst_name: str) -> None:
-    """No destination layer may share memory with a source (layer or pack): sorted extents and
-    a bisection per destination, O(L log L); strided numpy views whose extents interleave are
-    resolved exactly by `np.shares_memory`."""
-    spans = sorted((*_extent(a), l) for l, a in enumerate(srcs) if a.size)
-    starts = [s[0] for s in spans]
-    reach = []  # reach[k]: the largest end among spans[:k + 1]
-    for s0, s1, _ in spans:
-        reach.append(max(s1, reach[-1]) if reach else s1)
-    for k, d in enumerate(dsts):
-        if not d.size:
-            continue
-        d0, d1 = _extent(d)
-        hi = bisect.bisect_left(starts, d1)  # spans starting before d1
-        j = hi - 1
-        while j >= 0 and reach[j] > d0:
-            s0, s1, l = spans[j]
-            if s1 > d0 and not (isinstance(d, np.ndarray) and
-                                not np.shares_memory(d, srcs[l], max_work=1000)):
-                where = "" if src_name == "pack" else f"[{l}]"
-                raise ValueError(f"{dst_name}[{k}] shares memory with {src_name}{where}: "
-                                 "sources and destinations must be disjoint")
-            j -= 1
 
 
 def _resolve(backend: str, on_device: bool) -> str:
@@ -188,9 +152,10 @@ def unpack_rows(pack, layers, indices, *, offset: int = 0, backend: str = "auto"
             Triton lowering), or one of `SCATTER_BACKENDS`. "triton" needs C-contiguous layers
             (written in place).
         threads: host form only: worker threads (as `pack_rows`).
-        checked: skip the index range and uniqueness checks (the caller has done them once,
-            e.g. for a page table it validated); the device form then never synchronises.
-            Unchecked indices are clamped in range by the kernel (never out of bounds).
+        checked: device layers: skip the index range and uniqueness checks (the caller has
+            done them once, e.g. for a page table it validated); the device form then never
+            synchronises, and the kernel clamps unchecked indices in range (never out of
+            bounds). Host layers are always checked (cheap there).
         config: Pallas tuning knobs (`GatherConfig.default()` when None).
 
     Returns:
@@ -236,9 +201,10 @@ def unpack_rows(pack, layers, indices, *, offset: int = 0, backend: str = "auto"
     if pk != "jax":
         _once("unpack-disjoint", [pack, *layers],
               lambda: _check_disjoint([pack], "pack", layers, "layers"))
+    _once("layers-distinct", layers, lambda: _check_no_overlap(layers, "layers"), host=True)
     if n == 0:
         return
-    if not checked:
+    if not checked or not on_device:  # host checks are cheap; they also keep numpy's -1 out
         check_range(idx, "indices", num_rows, "layers", unique=True)
     if backend == "numpy":
         unpack_host(pack, layers, idx, offset, item_lens, threads)
@@ -264,7 +230,9 @@ def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str 
         dst_indices: int[n] destination rows, unique.
         backend: as `unpack_rows` ("triton": one kernel for all layer entries).
         threads: host form only: worker threads (as `pack_rows`).
-        checked: skip the index range/uniqueness checks (the device form never synchronises).
+        checked: device layers: skip the index range/uniqueness checks (the device form then
+            never synchronises; the kernel clamps indices in range). Host layers are always
+            checked.
         config: Pallas tuning knobs (`GatherConfig.default()` when None).
 
     Returns:
@@ -276,7 +244,7 @@ def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str 
         ValueError: empty or non-2-D layer lists, a layer count or item_len mismatch between
             `src_layers` and `dst_layers`, a read-only destination, index lists of different
             lengths or not 1-D, an index out of range, a duplicate destination index, a
-            destination sharing memory with a source, a bad `threads`/`backend`, a "triton"
+            destination sharing memory with a source or with another destination layer, a bad `threads`/`backend`, a "triton"
             destination that is not C-contiguous.
         TypeError: non-uint8 arrays, numpy mixed with CuPy, a JAX array as a destination,
             non-integer indices.
@@ -308,9 +276,11 @@ def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str 
                          "have the same length")
     _once("copy-disjoint", [*src_layers, *dst_layers],
           lambda: _check_disjoint(list(src_layers), "src_layers", dst_layers, "dst_layers"))
+    _once("dst-distinct", dst_layers, lambda: _check_no_overlap(dst_layers, "dst_layers"),
+          host=True)
     if sidx.shape[0] == 0:
         return
-    if not checked:
+    if not checked or not on_device:  # host checks are cheap; they also keep numpy's -1 out
         check_range(sidx, "src_indices", s_rows, "src_layers", unique=False)
         check_range(didx, "dst_indices", d_rows, "dst_layers", unique=True)
     if backend == "numpy":

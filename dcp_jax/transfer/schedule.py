@@ -75,6 +75,9 @@ class SideLayout:
 def _range(start, stop) -> tuple[int, int]:
     start = check_int("start", start, minimum=0)
     stop = check_int("stop", stop, minimum=0)
+    for name, v in (("start", start), ("stop", stop)):
+        if v > 2**62:  # token positions are int64 below; leave room for the arithmetic
+            raise ValueError(f"{name}={v} must be <= 2**62 (tokens)")
     if stop < start:
         raise ValueError(f"stop must be >= start (tokens), got {start=}, {stop=}")
     return start, stop
@@ -94,13 +97,19 @@ def _tokens_of_rank(side: SideLayout, start: int, stop: int) -> np.ndarray:
 
 def owned_count(start: int, stop: int, *, dst: SideLayout, src: SideLayout | None = None) -> int:
     """``len(owned_tokens(start, stop, dst=dst, src=src))``, without listing the tokens when the
-    source side is one rank (the local-length formula: O(1)); a receiver checks a completed
+    source side is one rank (the local-length formula: O(1)); with a larger source group it
+    lists the smaller side's share, as :func:`owned_tokens` does. A receiver checks a completed
     chunk's row count with it.
 
     Raises:
-        TypeError, ValueError: as :func:`owned_tokens`.
+        TypeError: ``dst`` (or a given ``src``) not a SideLayout; as :func:`owned_tokens`.
+        ValueError: as :func:`owned_tokens` (``start``/``stop`` negative, past 2**62, or
+            ``stop < start``).
     """
     start, stop = _range(start, stop)
+    for name, side in (("dst", dst), ("src", src)):
+        if not (isinstance(side, SideLayout) or (side is None and name == "src")):
+            raise TypeError(f"{name} must be a SideLayout, got {type(side).__name__}")
     if src is None or src.dcp_size == 1:
         j0, j1 = local_len_np(np.array([start, stop], np.int64), dst.dcp_size, dst.dcp_rank,
                               dst.interleave_size).tolist()

@@ -351,3 +351,17 @@ def test_build_errors(kw, exc, match):
 def test_empty_schedule():
     s = _build(chunks=[])
     assert s.units == () and s.per_rank == {} and s.total.descriptors == 0 and "units=0" in repr(s)
+
+
+def test_owned_count_refusals_name_the_argument():
+    d = SideLayout(8, 3, 64, 64)
+    with pytest.raises(ValueError, match="stop=9223372036854775808 must be <= 2\\*\\*62"):
+        owned_count(0, 2**63, dst=d)
+    with pytest.raises(ValueError, match="start="):
+        owned_count(np.uint64(2**63), 2**63 + 1, dst=d)
+    with pytest.raises(TypeError, match="dst must be a SideLayout"):
+        owned_count(0, 10, dst=None)
+    with pytest.raises(TypeError, match="src must be a SideLayout"):
+        owned_count(0, 10, dst=d, src=(2, 1, 64, 64))
+    with pytest.raises(TypeError, match="start must be an int"):
+        owned_count(True, 10, dst=d)

@@ -184,3 +184,82 @@ def test_copy_fanout_host_copiers_match_brute_force():
         for x, y in zip(d, b):
             np.testing.assert_array_equal(x, y)
     assert copy_fanout([]) == 0
+
+
+def test_overlapping_memory_is_refused_before_any_write():
+    from pallas_kernels import PackSource, copy_fanout, pack_rows, pack_windows
+
+    buf = np.arange(2048, dtype=np.uint32).view(np.uint8)[:2048].copy()
+    layers = [buf[:1024].reshape(64, 16)]
+    before = buf.copy()
+    for src in (layers, PackSource(layers)):  # a pack over the layers' own bytes
+        with pytest.raises(ValueError, match=r"pack shares memory with layers\[0\]"):
+            pack_rows(src, np.arange(64)[::-1].copy(), buf, threads=2)
+        with pytest.raises(ValueError, match=r"pack shares memory with layers\[0\]"):
+            pack_windows(src, [(np.arange(4), 0)], buf)
+    np.testing.assert_array_equal(buf, before)
+    rng = np.random.default_rng(2)
+    srcs = _layers(rng, 8, (4, 4))
+    d0 = np.zeros((8, 4), np.uint8)
+    with pytest.raises(ValueError, match=r"dst_layers\[0\] and dst_layers\[1\] share memory"):
+        RowCopier(srcs, [d0, d0])
+    with pytest.raises(ValueError, match=r"dst_layers\[0\] and dst_layers\[1\] share memory"):
+        copy_rows(srcs, [0], [d0, d0], [0])
+    half = np.zeros(64, np.uint8)
+    with pytest.raises(ValueError, match=r"dst_layers\[0\] and dst_layers\[1\] share memory"):
+        RowCopier(srcs, [half[:32].reshape(8, 4), half[16:48].reshape(8, 4)])
+    # Two copiers of one call writing one destination: refused, nothing written.
+    source = PackSource(srcs)
+    shared = [np.zeros((8, 4), np.uint8), np.zeros((8, 4), np.uint8)]
+    a, b = RowCopier(source, shared), RowCopier(source, shared)
+    with pytest.raises(ValueError, match=r"jobs\[0\] and jobs\[1\] write the same memory"):
+        copy_fanout([(a, [0], [4]), (b, [1], [4])])
+    assert not any(d.any() for d in shared)
+
+
+def test_copy_fanout_names_the_bad_job():
+    from pallas_kernels import PackSource, copy_fanout
+
+    rng = np.random.default_rng(3)
+    source = PackSource(_layers(rng, 10, (4,)))
+    c0, c1 = (RowCopier(source, [np.zeros((10, 4), np.uint8)]) for _ in range(2))
+    with pytest.raises(ValueError, match=r"jobs\[1\]: dst_indices"):
+        copy_fanout([(c0, [0], [1]), (c1, [0], [10])])
+    with pytest.raises(TypeError, match="jobs must be a list"):
+        copy_fanout(None)
+    with pytest.raises(TypeError, match=r"jobs\[0\] must be a \(RowCopier, src_indices, dst_indices\)"):
+        copy_fanout([(c0, [0])])
+    with pytest.raises(TypeError, match=r"jobs\[0\] must be"):
+        copy_fanout([("x", [0], [0])])
+    with pytest.raises(TypeError, match="checked must be a bool"):
+        copy_fanout([(c0, [0], [0])], checked="no")
+    with pytest.raises(TypeError, match="checked must be a bool"):
+        c0.copy([0], [0], checked=1)
+    # Host copiers check even when told the indices are checked: numpy's -1 would write the
+    # last row.
+    with pytest.raises(ValueError, match="dst_indices"):
+        c0.copy([0], [-1], checked=True)
+    with pytest.raises(ValueError, match="dst_indices"):
+        copy_rows(list(source.layers), [0], [np.zeros((10, 4), np.uint8)], [-1], checked=True)
+    c1.close()
+    with pytest.raises(RuntimeError, match=r"jobs\[1\]: this RowCopier is closed"):
+        copy_fanout([(c0, [0], [0]), (c1, [0], [0])])
+    with pytest.raises(RuntimeError, match="closed"):
+        c1.destinations()
+    with pytest.raises(ValueError, match=r"src_layers\[0\] has rows of 0 bytes"):
+        RowCopier([np.zeros((4, 0), np.uint8)], [np.zeros((4, 0), np.uint8)])
+
+
+def test_fanout_kernel_refuses_bad_windows():
+    from pallas_kernels.fanout import fanout_kernel
+
+    src = jnp.zeros((2, 8, 4), jnp.uint32)
+    dsts = [jnp.zeros(2 * 6 * 4, jnp.uint32)]
+    cfg = GatherConfig(block_rows=8)
+    for windows, match in (([(0, [1, 2], [3])], "one length"), ([(1, [0], [0])], "destination 1"),
+                           ([(0, [8], [0])], "out of range"), ([(0, [0], [6])], "out of range"),
+                           ([(0, [0.5], [0])], "integer")):
+        with pytest.raises(ValueError, match=match):
+            fanout_kernel(src, windows, dsts, config=cfg)
+    with pytest.raises(ValueError, match=r"dsts\[0\] must be a flat"):
+        fanout_kernel(src, [], [jnp.zeros(7, jnp.uint32)], config=cfg)
