@@ -18,7 +18,13 @@ from pallas_kernels._buffer_args import _check_no_overlap, _extent, check_indice
 from pallas_kernels.config import GatherConfig, word_dtype
 from pallas_kernels.host import check_threads, copy_host
 from pallas_kernels.pack import PackSource
-from pallas_kernels.unpack import _check_disjoint, _check_layer_list, _is_jax, _resolve
+from pallas_kernels.unpack import (
+    _check_disjoint,
+    _check_layer_list,
+    _is_jax,
+    _resolve,
+    check_item_lens_match,
+)
 from pallas_kernels.unpack_device import (
     _contiguous,
     copy_cupy,
@@ -83,12 +89,7 @@ class RowCopier:
         if skind != dkind:
             raise TypeError("src_layers and dst_layers must both be numpy (host) or both CuPy "
                             "(device) arrays")
-        if len(s_lens) != len(d_lens):
-            raise ValueError(f"dst_layers has {len(d_lens)} layer entries, src_layers {len(s_lens)}")
-        for l, (a, b) in enumerate(zip(s_lens, d_lens)):
-            if a != b:
-                raise ValueError(f"item_len mismatch at layer {l}: src_layers[{l}] rows are {a} B, "
-                                 f"dst_layers[{l}] rows {b} B")
+        check_item_lens_match(s_lens, d_lens)
         if config is not None and not isinstance(config, GatherConfig):
             raise TypeError(f"config must be a GatherConfig or None, got {type(config).__name__}")
         for name, lens in (("src_layers", s_lens), ("dst_layers", d_lens)):

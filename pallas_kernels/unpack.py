@@ -110,6 +110,16 @@ def _check_layer_list(layers, name: str, *, writeable: bool) -> tuple[str, tuple
     return kinds.pop(), tuple(int(a.shape[1]) for a in layers), min(int(a.shape[0]) for a in layers)
 
 
+def check_item_lens_match(s_lens, d_lens) -> None:
+    """A copy's source and destination lists must have the same layer entries, row for row."""
+    if len(s_lens) != len(d_lens):
+        raise ValueError(f"dst_layers has {len(d_lens)} layer entries, src_layers {len(s_lens)}")
+    for l, (a, b) in enumerate(zip(s_lens, d_lens)):
+        if a != b:
+            raise ValueError(f"item_len mismatch at layer {l}: src_layers[{l}] rows are {a} B, "
+                             f"dst_layers[{l}] rows {b} B")
+
+
 def _resolve(backend: str, on_device: bool) -> str:
     if backend not in SCATTER_BACKENDS:
         raise ValueError(f"{backend=} must be one of {SCATTER_BACKENDS}")
@@ -261,12 +271,7 @@ def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str 
     on_device = skind == "device"
     if any(_is_jax(a) for a in src_layers):
         raise TypeError("src_layers must be numpy or CuPy arrays (got a JAX array)")
-    if len(s_lens) != len(d_lens):
-        raise ValueError(f"dst_layers has {len(d_lens)} layer entries, src_layers {len(s_lens)}")
-    for l, (a, b) in enumerate(zip(s_lens, d_lens)):
-        if a != b:
-            raise ValueError(f"item_len mismatch at layer {l}: src_layers[{l}] rows are {a} B, "
-                             f"dst_layers[{l}] rows {b} B")
+    check_item_lens_match(s_lens, d_lens)
     check_threads(threads)
     backend = _resolve(backend, on_device)
     sidx = check_indices(src_indices, "src_indices", device_ok=on_device)

@@ -122,35 +122,18 @@ def test_flat_unpack_triton_lowers(name, kind, cores):
     assert "tf.aliasing_output = 0" in text and "tf.aliasing_output = 1" not in text
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["61 sources", "stacked source"])
 @pytest.mark.parametrize("name,kind,cores", CUDA, ids=[c[0] for c in CUDA])
-def test_flat_copy_triton_lowers(name, kind, cores):
-    """The fused path's one-buffer copy (`scatter._copy_flat_jit`): 61 source layers read, ONE
-    aliased output for the decode rank's 61 destination layers."""
+def test_flat_copy_triton_lowers(name, kind, cores, stacked):
+    """The fused path's one-buffer copy (`scatter._copy_flat_jit`): 61 source layers read (one
+    argument each, or ONE stacked [61, R, W] view of a layer-major prefill cache), ONE aliased
+    output for the decode rank's 61 destination layers."""
     from pallas_kernels.scatter import _copy_flat_jit
 
     layers = ((8192, 288),) * 61
-    args = ([jax.ShapeDtypeStruct((4096, 288), jnp.uint32)] * 61,
-            jax.ShapeDtypeStruct((64,), jnp.int32),
-            jax.ShapeDtypeStruct((8192 * 288 * 61,), jnp.uint32),
-            jax.ShapeDtypeStruct((64,), jnp.int32),
-            jax.ShapeDtypeStruct((3,), jnp.int32))
-    with jax.sharding.use_abstract_mesh(_mesh(kind, cores, "cuda")), warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        text = _copy_flat_jit.trace(*args, layers=layers, config=GatherConfig.default(),
-                                    backend="triton").lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 1
-    assert "tf.aliasing_output = 0" in text and "tf.aliasing_output = 1" not in text
-
-
-@pytest.mark.parametrize("name,kind,cores", CUDA, ids=[c[0] for c in CUDA])
-def test_stacked_source_flat_copy_triton_lowers(name, kind, cores):
-    """The fused path from a layer-major prefill cache: ONE stacked [61, R, W] source and one
-    flat destination, so the launch takes 5 arguments whatever the layer count."""
-    from pallas_kernels.scatter import _copy_flat_jit
-
-    layers = ((8192, 288),) * 61
-    args = (jax.ShapeDtypeStruct((61, 4096, 288), jnp.uint32),
-            jax.ShapeDtypeStruct((64,), jnp.int32),
+    src = jax.ShapeDtypeStruct((61, 4096, 288), jnp.uint32) if stacked else \
+        [jax.ShapeDtypeStruct((4096, 288), jnp.uint32)] * 61
+    args = (src, jax.ShapeDtypeStruct((64,), jnp.int32),
             jax.ShapeDtypeStruct((8192 * 288 * 61,), jnp.uint32),
             jax.ShapeDtypeStruct((64,), jnp.int32),
             jax.ShapeDtypeStruct((3,), jnp.int32))

@@ -15,12 +15,12 @@ def _layers(rng, rows, item_lens):
 
 
 def _brute(srcs, sidx, dsts, didx):
-    """Row by row, byte by byte: dst[l][didx[j]] = src[l][sidx[j]]."""
+    """Row by row: dst[l][didx[j]] = src[l][sidx[j]] (whole rows; the byte-by-byte reference of
+    `copy_rows` is in test_unpack_rows.py)."""
     out = [d.copy() for d in dsts]
     for s, d in zip(srcs, out):
         for i, j in zip(sidx, didx):
-            for b in range(s.shape[1]):
-                d[j, b] = s[i, b]
+            d[j] = s[i]
     return out
 
 
