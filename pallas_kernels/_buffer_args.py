@@ -177,20 +177,27 @@ def _check_disjoint(srcs, src_name: str, dsts, dst_name: str) -> None:
             j -= 1
 
 
+def overlapping_spans(spans):
+    """Pairs (i, j) of [start, end, i] spans whose extents overlap (a sort and a sweep over the
+    spans still open; O(n log n + pairs))."""
+    active, out = [], []
+    for s0, s1, j in sorted(spans):
+        active = [(e, i) for e, i in active if e > s0]
+        out += [(i, j) for _, i in active]
+        active.append((s1, j))
+    return out
+
+
 def _check_no_overlap(layers, name: str) -> None:
     """No two entries of one destination list may share memory: a row would be written twice,
-    the last write winning in an order a device does not keep. Sorted extents against the
-    farthest-reaching earlier one; strided numpy views whose extents interleave are resolved
-    exactly by `np.shares_memory`."""
-    spans = sorted((*_extent(a), l) for l, a in enumerate(layers) if a.size)
-    far_end, far = None, None
-    for s0, s1, l in spans:
-        if far_end is not None and s0 < far_end:
-            x, y = layers[far], layers[l]
-            if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray)
-                    and not np.shares_memory(x, y, max_work=1000)):
-                i, j = sorted((far, l))
-                raise ValueError(f"{name}[{i}] and {name}[{j}] share memory: each destination "
-                                 "layer must be its own memory")
-        if far_end is None or s1 > far_end:
-            far_end, far = s1, l
+    the last write winning in an order a device does not keep. Overlapping extents
+    (`overlapping_spans`) of strided numpy views are resolved exactly by `np.shares_memory`."""
+    spans = [(*_extent(a), l) for l, a in enumerate(layers) if a.size]
+    for i, j in overlapping_spans(spans):
+        x, y = layers[i], layers[j]
+        if isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and \
+                not np.shares_memory(x, y, max_work=1000):
+            continue
+        i, j = sorted((i, j))
+        raise ValueError(f"{name}[{i}] and {name}[{j}] share memory: each destination layer "
+                         "must be its own memory")

@@ -112,8 +112,9 @@ def fanout_kernel(src, windows, dsts, *, config, backend="interpret"):
 
     Raises:
         ValueError: `src` not 3-D, a destination not a flat array of whole layers of `src`'s
-            dtype, a window whose destination or rows are out of range or whose index lists
-            differ in length or are not integers.
+            dtype, a window that is not a (k, sidx, didx) triple, whose destination or rows are
+            out of range, whose index lists differ in length or are not integers, or that
+            writes a destination row twice (within it or with an earlier window).
     """
     if getattr(src, "ndim", 0) != 3:
         raise ValueError(f"src must be a stacked [L, R, W] word array, got shape {getattr(src, 'shape', None)}")
@@ -123,11 +124,17 @@ def fanout_kernel(src, windows, dsts, *, config, backend="interpret"):
             raise ValueError(f"dsts[{k}] must be a flat {src.dtype} array of L * R_k * W words "
                              f"(L={L}, W={W}), got {d.dtype}{list(d.shape)}")
     dst_rows = tuple(int(d.shape[0]) // (L * W) for d in dsts)
-    checked = []
+    if not isinstance(windows, (list, tuple)):
+        raise ValueError(f"windows must be a list of (k, sidx, didx), got {type(windows).__name__}")
+    if not windows:
+        return tuple(dsts)
+    checked, written = [], [set() for _ in dsts]
     for w, win in enumerate(windows):
+        if not isinstance(win, (list, tuple)) or len(win) != 3:
+            raise ValueError(f"windows[{w}] must be a (k, sidx, didx) triple, got {win!r:.60}")
         k, s_, d_ = win
         s_, d_ = np.asarray(s_), np.asarray(d_)
-        if not (isinstance(k, (int, np.integer)) and 0 <= k < len(dsts)):
+        if isinstance(k, (bool, np.bool_)) or not (isinstance(k, (int, np.integer)) and 0 <= k < len(dsts)):
             raise ValueError(f"windows[{w}] destination {k!r} must be an int in [0, {len(dsts)})")
         if s_.ndim != 1 or s_.shape != d_.shape or not (np.issubdtype(s_.dtype, np.integer) or
                                                         s_.size == 0) or \
@@ -135,6 +142,11 @@ def fanout_kernel(src, windows, dsts, *, config, backend="interpret"):
             raise ValueError(f"windows[{w}] needs 1-D integer source and destination rows of one length")
         if s_.size and (s_.min() < 0 or s_.max() >= R or d_.min() < 0 or d_.max() >= dst_rows[k]):
             raise ValueError(f"windows[{w}] rows out of range (source < {R}, destination < {dst_rows[k]})")
+        rows = set(d_.tolist())
+        if len(rows) != d_.size or rows & written[k]:
+            raise ValueError(f"windows[{w}] writes a row of destination {k} twice (which write "
+                             "would win is unspecified on a device)")
+        written[k] |= rows
         checked.append((int(k), s_.astype(np.int64), d_.astype(np.int64)))
     sidx, didx, table = _layout(checked, config.block_rows)
     return _fanout_jit(src, jnp.asarray(sidx), tuple(dsts), jnp.asarray(didx), jnp.asarray(table),
@@ -244,21 +256,17 @@ def copy_fanout(jobs, *, checked: bool = False) -> int:
 
 def _check_distinct_destinations(copiers) -> None:
     """No two copiers of one call may write the same memory (one launch would alias it twice;
-    one by one, the last would win)."""
-    from pallas_kernels._buffer_args import _check_disjoint
+    one by one, the last would win). Copiers whose spans overlap are compared layer by layer."""
+    from pallas_kernels._buffer_args import _check_disjoint, overlapping_spans
 
-    spans = sorted((*c.dst_span, k) for k, c in enumerate(copiers) if c.dst_span[1] > c.dst_span[0])
-    far_end, i = None, None
-    for b0, b1, j in spans:
-        if far_end is not None and b0 < far_end:  # extents interleave: compare the layers
-            try:
-                _check_disjoint(list(copiers[i].dst_layers), "dst", copiers[j].dst_layers, "dst")
-            except ValueError:
-                i, j = sorted((i, j))
-                raise ValueError(f"jobs[{i}] and jobs[{j}] write the same memory: each copier of "
-                                 "one call needs its own destination") from None
-        if far_end is None or b1 > far_end:
-            far_end, i = b1, j
+    spans = [(*c.dst_span, k) for k, c in enumerate(copiers) if c.dst_span[1] > c.dst_span[0]]
+    for i, j in overlapping_spans(spans):
+        try:
+            _check_disjoint(list(copiers[i].dst_layers), "dst", copiers[j].dst_layers, "dst")
+        except ValueError:
+            i, j = sorted((i, j))
+            raise ValueError(f"jobs[{i}] and jobs[{j}] write the same memory: each copier of "
+                             "one call needs its own destination") from None
 
 
 def _enqueue_fanout(source, live) -> None:

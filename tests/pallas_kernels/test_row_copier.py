@@ -263,3 +263,40 @@ def test_fanout_kernel_refuses_bad_windows():
             fanout_kernel(src, windows, dsts, config=cfg)
     with pytest.raises(ValueError, match=r"dsts\[0\] must be a flat"):
         fanout_kernel(src, [], [jnp.zeros(7, jnp.uint32)], config=cfg)
+
+
+def test_a_third_layer_inside_the_first_is_refused():
+    # A and B interleave without sharing a byte; C is rows 1..3 of A, and B reaches past A: the
+    # check must compare C with every layer still open, not only the farthest-reaching one.
+    from pallas_kernels import PackSource, copy_fanout, unpack_rows
+
+    v = np.zeros(16, np.uint8).reshape(4, 2, 2)
+    A, B, C = v[:, 0, :], v[:, 1, :], v[1:, 0, :]
+    src = [np.full((4, 2), i + 1, np.uint8) for i in range(3)]
+    RowCopier(src[:2], [A, B])  # interleaved, disjoint: accepted
+    with pytest.raises(ValueError, match=r"dst_layers\[0\] and dst_layers\[2\] share memory"):
+        copy_rows(src, [0], [A, B, C], [0])
+    with pytest.raises(ValueError, match=r"dst_layers\[0\] and dst_layers\[2\] share memory"):
+        RowCopier(src, [A, B, C])
+    with pytest.raises(ValueError, match=r"layers\[0\] and layers\[2\] share memory"):
+        unpack_rows(np.zeros(6, np.uint8), [A, B, C], [0])
+    one = PackSource([np.full((4, 2), 7, np.uint8)])
+    ca, cb, cc = (RowCopier(one, [x]) for x in (A, B, C))
+    with pytest.raises(ValueError, match=r"jobs\[0\] and jobs\[2\] write the same memory"):
+        copy_fanout([(ca, [0], [1]), (cb, [0], [0]), (cc, [0], [0])])
+    assert not v.any()
+
+
+def test_fanout_kernel_refuses_malformed_windows():
+    from pallas_kernels.fanout import fanout_kernel
+
+    src = jnp.zeros((2, 8, 4), jnp.uint32)
+    dsts = [jnp.zeros(2 * 6 * 4, jnp.uint32), jnp.zeros(2 * 6 * 4, jnp.uint32)]
+    cfg = GatherConfig(block_rows=8)
+    for windows, match in (([(True, [0], [0])], "destination True"), ([None], r"windows\[0\] must be"),
+                           ([(0, [0])], r"windows\[0\] must be"), (None, "windows must be a list"),
+                           ([(0, [1, 2], [3, 3])], "twice"), ([(0, [1], [3]), (0, [2], [3])], "twice")):
+        with pytest.raises(ValueError, match=match):
+            fanout_kernel(src, windows, dsts, config=cfg)
+    assert fanout_kernel(src, [], dsts, config=cfg) == tuple(dsts)  # nothing to copy
+    fanout_kernel(src, [(0, [1], [3]), (1, [2], [3])], dsts, config=cfg)  # one row per destination
