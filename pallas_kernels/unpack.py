@@ -254,8 +254,8 @@ def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str 
         ValueError: empty or non-2-D layer lists, a layer count or item_len mismatch between
             `src_layers` and `dst_layers`, a read-only destination, index lists of different
             lengths or not 1-D, an index out of range, a duplicate destination index, a
-            destination sharing memory with a source or with another destination layer, a bad `threads`/`backend`, a "triton"
-            destination that is not C-contiguous.
+            destination sharing memory with a source or with another destination layer, a bad
+            `threads`/`backend`, a "triton" destination that is not C-contiguous.
         TypeError: non-uint8 arrays, numpy mixed with CuPy, a JAX array as a destination,
             non-integer indices.
     """

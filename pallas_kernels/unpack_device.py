@@ -32,7 +32,7 @@ from pallas_kernels.config import (
     word_dtype,
 )
 from pallas_kernels._buffer_args import is_cupy as _is_cupy
-from pallas_kernels.pack import _offset_align
+from pallas_kernels.pack import _offset_align, kernel_sources
 
 
 def _is_jax(a) -> bool:
@@ -201,14 +201,11 @@ def copy_pallas(srcs, sidx, dsts, didx, item_lens, backend, config) -> None:
 
 
 def copy_sources(srcs, views, word):
-    """The copy kernel's source argument from `device.source_arg`'s views: the stacked view, or
-    a tuple of per-layer views (a layer without one, not C-contiguous, copied now)."""
-    if not isinstance(views, list):
-        return views
-    import cupy as cp
-
-    return tuple(v if v is not None else jax.dlpack.from_dlpack(cp.ascontiguousarray(a).view(word))
-                 for v, a in zip(views, srcs))
+    """The copy kernel's source argument from `device.source_arg`'s views: `pack.kernel_sources`
+    (the stacked view, or per-layer views with a non-contiguous layer copied now) as the
+    kernel takes it, a tuple for the per-layer form."""
+    src = kernel_sources(srcs, views, word)
+    return tuple(src) if isinstance(src, list) else src
 
 
 def enqueue_copy(src, sidx, dests, didx, flat, config, backend) -> None:
