@@ -129,6 +129,8 @@ class SenderRegion:
         for b in batches:
             try:
                 copy_fanout([(u.target.conn.copier, src, dst) for u, src, dst in b], checked=True)
+                for u, _, _ in b:  # enqueued, not finished: the timeline tells launch from wait
+                    u.req.timeline.mark("launched", u.target.conn.spec.group_rank)
             except Exception:  # noqa: BLE001 - find the window that fails; the others go out
                 logger.warning("fused copy: one launch for %d windows failed; copying window by window", len(b),
                                exc_info=True)
