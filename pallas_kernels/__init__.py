@@ -17,6 +17,7 @@ from pallas_kernels.gather import (
     addressable_words,
     bucket_rows,
     compile_count,
+    compile_log,
     gather_rows,
     gather_rows_reference,
     pow2_chunks,

@@ -69,7 +69,7 @@ def _fanout_jit(src, sidx, dsts, didx, table, *, dst_rows, config, backend):
     donated; table i32[4 * m // block_rows]. Returns the D destinations, written in place."""
     from jax.experimental.pallas import triton as pltriton
 
-    count_kernel_trace()
+    count_kernel_trace(f"copy_fanout src={tuple(src.shape)} idx={tuple(sidx.shape)} dst_rows={tuple(dst_rows)}")
     L, R, W = (int(d) for d in src.shape)
     br = config.block_rows
     m = int(sidx.shape[0])
@@ -233,24 +233,26 @@ def copy_fanout(jobs, *, checked: bool = False) -> int:
                             f"{job!r:.80}")
     if len({id(c) for c, _, _ in jobs}) != len(jobs):
         raise ValueError("each copier may appear once in jobs")
-    live = []
+    pairs = []
     for k, (c, s, d) in enumerate(jobs):
         try:
-            sidx, didx = c.check_pair(s, d, checked)
+            pairs.append((c, *c.check_pair(s, d, checked)))
         except (TypeError, ValueError, RuntimeError) as exc:
             raise type(exc)(f"jobs[{k}]: {exc}") from None
-        if len(sidx):
-            live.append((c, sidx, didx))
     _check_distinct_destinations([c for c, _, _ in jobs])
+    live = [p for p in pairs if len(p[1])]
     total = sum(len(s) for _, s, _ in live)
     if not live:
         return 0
     first = live[0][0]
-    if len(live) == 1 or not all(c.fans_out_with(first) for c, _, _ in live):
+    # Jobs without rows still take part in the launch (they get no row block): the kernel
+    # compiled for D destinations serves every round of the same copiers, whichever have rows.
+    fan = [p for p in pairs if p[0].fans_out_with(first)]
+    if len(fan) == 1 or not all(c.fans_out_with(first) for c, _, _ in live):
         for c, s, d in live:
             c.copy(s, d, checked=True)
         return total
-    _enqueue_fanout(first.source, live)
+    _enqueue_fanout(first.source, fan)
     return total
 
 

@@ -86,6 +86,7 @@ from pallas_kernels.config import (
 )
 from pallas_kernels.row_copy import (
     compile_count,
+    compile_log,
     patch_cache_modifiers as _patch_cache_modifiers,  # noqa: F401  (kept importable from here)
     preload_lowering as _preload_lowering,
 )
@@ -258,6 +259,7 @@ __all__ = [
     "bucket_rows",
     "clear_import_cache",
     "compile_count",
+    "compile_log",
     "gather_rows",
     "gather_rows_reference",
     "pack_rows",

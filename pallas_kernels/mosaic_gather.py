@@ -146,7 +146,7 @@ def gather_rows_mosaic(src, idx, pack, n, *, offset, widths, config, interpret=F
     # Bulk copies move multiples of 128 bytes: pad the (n, offset) pair to 32 words.
     meta = jnp.zeros((_META_WORDS,), jnp.int32).at[0].set(n).at[1].set(offset)
     srcs = [src] if stacked else list(src)
-    _count_kernel_trace()
+    _count_kernel_trace(f"gather_mosaic idx={tuple(idx.shape)} widths={tuple(widths)} stacked={stacked}")
     kernel = plgpu.kernel(
         functools.partial(_mosaic_kernel, widths=tuple(widths), stacked=stacked, block_rows=br),
         out_type=(),

@@ -20,6 +20,7 @@ buffers stay int32 (rows < 2**31), the lowering multiplies them by the row pitch
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import jax
@@ -186,12 +187,22 @@ def patch_cache_modifiers() -> None:
 
 _KERNEL_TRACES = [0]
 _KERNEL_TRACES_LOCK = threading.Lock()
+_KERNEL_TRACE_LOG: "collections.deque[str]" = collections.deque(maxlen=32)
 
 
-def count_kernel_trace() -> None:
-    """Called by every kernel builder, in the Python body that runs only while tracing."""
+def count_kernel_trace(what: str = "") -> None:
+    """Called by every kernel builder, in the Python body that runs only while tracing;
+    ``what`` (kernel and static shapes) goes to `compile_log`."""
     with _KERNEL_TRACES_LOCK:
         _KERNEL_TRACES[0] += 1
+        _KERNEL_TRACE_LOG.append(f"#{_KERNEL_TRACES[0]} {threading.current_thread().name}: {what}")
+
+
+def compile_log() -> list[str]:
+    """The last 32 kernel traces counted by `compile_count`, oldest first: ``"#count thread:
+    kernel (shapes)"``, to name what recompiled when a serving loop's count moves."""
+    with _KERNEL_TRACES_LOCK:
+        return list(_KERNEL_TRACE_LOG)
 
 
 def compile_count() -> int:

@@ -218,7 +218,8 @@ def _scatter_call(meta, srcs, src_idx, dst_idx, dst, *, config, interpret, offse
     (`flat`: (rows, width) per layer) one flat word array of them all."""
     from jax.experimental.pallas import triton as pltriton
 
-    count_kernel_trace()
+    count_kernel_trace(f"{'unpack' if src_idx is None else 'copy'} idx={tuple(dst_idx.shape)} "
+                       f"dst={'flat' if flat else len(dst)} offset_align={offset_align}")
     br = config.block_rows
     m = int(dst_idx.shape[0])
     m_pad = -(-m // br) * br

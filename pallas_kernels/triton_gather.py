@@ -129,7 +129,8 @@ def gather_call(src, idx, pack, meta, *, shapes, stacked, config, interpret, off
     windowed: i32[4 * row blocks], see `pallas_kernels.windows`)."""
     from jax.experimental.pallas import triton as pltriton
 
-    count_kernel_trace()
+    count_kernel_trace(f"gather{'_windows' if windowed else ''} idx={tuple(idx.shape)} shapes={tuple(shapes)} "
+                       f"stacked={stacked} offset_align={offset_align}")
     widths = tuple(w for _, w in shapes)
     br = config.block_rows
     m = int(idx.shape[0])

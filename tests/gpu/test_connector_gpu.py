@@ -78,7 +78,7 @@ def test_device_pack_compiles_once_for_every_region():
     the sender's kernel compile counter stays constant (the region offset is traced)."""
     from bridge.nixl import nixl_available
     from dcp_jax.transfer import TransferStatus
-    from pallas_kernels import bucket_rows
+    from pallas_kernels import bucket_rows, compile_log
 
     if not nixl_available():
         pytest.skip("NIXL (CUDA build) not installed")
@@ -107,7 +107,8 @@ def test_device_pack_compiles_once_for_every_region():
             one(f"r{k}", L)
             if sender.stats["kernel_compiles"] != c0:
                 grew.append((L, sender.stats["kernel_compiles"] - c0))
-        assert sender.stats["kernel_compiles"] == before, f"(request rows, kernels compiled): {grew}"
+        assert sender.stats["kernel_compiles"] == before, \
+            f"(request rows, kernels compiled): {grew}; last traces: {compile_log()[-4:]}"
     finally:
         for s in recvs + [sender]:
             s.close()
