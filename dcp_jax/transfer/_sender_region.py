@@ -160,15 +160,19 @@ class SenderRegion:
         waited = time.perf_counter() - tk
         for req in {id(u.req): u.req for u, _, moved, _, _ in done if moved}.values():
             req.copy_seconds += waited
-        for u, head, moved, _, _ in done:
-            t = u.target
-            unit_err = err or errors.get(id(u))
-            if unit_err is None and not u.req.status.terminal:
+        told = []
+        for u, head, moved, _, _ in done:  # every rank told first: the bookkeeping can wait
+            if (err or errors.get(id(u))) is None and not u.req.status.terminal:
                 if moved:
-                    u.req.timeline.mark("copied", t.conn.spec.group_rank)
+                    u.req.timeline.mark("copied", u.target.conn.spec.group_rank)
+                self._ctl.send(u.target.conn.ident, proto.encode("fused_done", u.req.rid, u.target.inc, **head))
+                told.append(id(u))
+        told = set(told)
+        for u, _, moved, _, _ in done:
+            t = u.target
+            if id(u) in told:
                 self._count(t, 0, self._window_bytes(u) if moved else 0, 0)
-                self._ctl.send(t.conn.ident, proto.encode("fused_done", u.req.rid, t.inc, **head))
-            self._unit_finished(u, unit_err)
+            self._unit_finished(u, None if id(u) in told else err or errors.get(id(u)))
 
     def _drop_asks(self, pred) -> None:
         """Windows waiting for a grant that will never be used: their pack regions are free (no
