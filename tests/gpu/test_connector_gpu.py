@@ -100,6 +100,20 @@ def test_device_pack_compiles_once_for_every_region():
         for L in sorted({bucket_rows(-(-L // 2)) for L in sizes}):  # one request per row bucket
             one(f"warm{L}", 2 * L)
         one("warm1", 1)  # one window of one row: the round's smallest bucket
+        # A request's two windows share a round only if both ranks announced it before the
+        # round began: a window alone in its round has a smaller index bucket. Warm every
+        # bucket a round of these sizes can have (one window of each bucket's rows) with the
+        # same shapes: a pack buffer and layer views like the sender's.
+        import cupy as cp
+
+        from pallas_kernels import pack_windows
+
+        layers = [a.reshape(-1, a.shape[-1]) for a in sender._layers.rows]
+        scratch = cp.zeros(8 << 20, cp.uint8)
+        m = 64
+        while m <= bucket_rows(2 * 512, 64):
+            pack_windows(layers, [(np.zeros(m, np.int64), 0)], scratch)
+            m *= 2
         before = sender.stats["kernel_compiles"]
         grew = []
         for k, L in enumerate(sizes):

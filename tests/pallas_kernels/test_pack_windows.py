@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import GatherConfig, PackSource, compile_count, pack_rows, pack_windows
+from pallas_kernels import GatherConfig, PackSource, compile_count, compile_log, pack_rows, pack_windows
 from pallas_kernels.windows import gather_windows, gather_windows_reference, window_blocks
 
 SENTINEL = 0xA5
@@ -118,9 +118,13 @@ def test_no_recompile_for_other_windows_in_the_bucket():
     rng = np.random.default_rng(5)
     layers = _layers(rng, 30, (8, 8))
     pack = np.zeros(4096, np.uint8)
+    first = compile_count()
     pack_windows(layers, [(np.arange(5), 0), (np.arange(9), 1024)], pack, backend="interpret",
                  config=SMALL)
     before = compile_count()
+    if before > first:  # traced now (not by an earlier test): the log names the kernel and bucket
+        assert compile_log()[-1].endswith("gather_windows idx=(32,) shapes=((30, 2), (30, 2)) "
+                                          "stacked=False offset_align=4"), compile_log()[-1]
     # Other counts, offsets and window numbers, same index bucket (<= 32 rows of blocks of 8).
     for wins in ([(np.arange(3), 64), (np.arange(2), 512), (np.arange(8), 2048)],
                  [(np.arange(20), 128)]):
