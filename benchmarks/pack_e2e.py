@@ -94,6 +94,13 @@ def e2e_variants(*, cp, jax, layers_cp, idx_np, P, n, L, W, cfg, poison, check_w
     finals.append(("pack_rows e2e, one-buffer layers, host idx, async", "e2e", repr(cfg),
                    "layers are views of one buffer: one stacked source argument",
                    lambda: pack_variant(False, True, layers_one)))
+    from pallas_kernels import PackSource
+
+    source_one = PackSource(layers_one)
+    finals.append(("pack_rows e2e, PackSource of one-buffer layers, host idx, async", "e2e", repr(cfg),
+                   "a PackSource (checked and imported once, as the connector holds its cache): "
+                   "the per-call work is the indices, the offset and the dispatch",
+                   lambda: pack_variant(False, True, source_one)))
     dst_owner = cp.full(L * R * item, 0x5A, cp.uint8)
     dst_one = [foreign(dst_owner[l * R * item:(l + 1) * R * item].reshape(R, item))
                for l in range(L)]
@@ -141,6 +148,9 @@ def e2e_claims(geo_rows) -> dict:
     key = "pack_rows e2e, one-buffer layers, host idx, async"
     if key in out:
         out["pack_rows_one_buffer_wall_over_kernel_le_1_3"] = out[key]["wall_over_kernel"] <= 1.3
+    key = "pack_rows e2e, PackSource of one-buffer layers, host idx, async"
+    if key in out:
+        out["pack_rows_pack_source_wall_over_kernel_le_1_3"] = out[key]["wall_over_kernel"] <= 1.3
     return out
 
 

@@ -268,6 +268,17 @@ class IndexRing:
     def stage(self, vectors, meta, dests: "Destinations"):
         """Write `vectors` (k numpy int arrays, each <= m long, zero-padded) and `meta` into the
         next slot; returns its JAX views (list of k i32[m], i32[meta_len])."""
+        def fill(segs, meta_seg):
+            for seg, v in zip(segs, vectors):
+                seg[:len(v)] = v
+                seg[len(v):] = 0
+            meta_seg[:] = meta
+        return self.stage_with(fill, dests)
+
+    def stage_with(self, fill, dests: "Destinations"):
+        """As `stage`, the slot's pinned host words written by ``fill(segs, meta)`` in place
+        (k i32[m] views and the i32[meta_len] view: no intermediate arrays; words it leaves
+        keep older values)."""
         s = self.next
         self.next = (s + 1) % self.slots
         if self.last_use[s] > dests.done:
@@ -276,11 +287,8 @@ class IndexRing:
             dests.handles[0].block_until_ready()
             dests.done = dests.calls
         h = self.host
-        for j, v in enumerate(vectors):
-            seg = h[j * self.stride:j * self.stride + self.m]
-            seg[:len(v)] = v
-            seg[len(v):] = 0
-        h[self.k * self.stride:self.k * self.stride + self.meta_len] = meta
+        fill([h[j * self.stride:j * self.stride + self.m] for j in range(self.k)],
+             h[self.k * self.stride:self.k * self.stride + self.meta_len])
         self.bufs[s].set(h, stream=self.stream)  # async from pinned memory
         self.stream.synchronize()
         dests.calls += 1

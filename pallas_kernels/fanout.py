@@ -153,14 +153,20 @@ def fanout_kernel(src, windows, dsts, *, config, backend="interpret"):
                        dst_rows=dst_rows, config=config, backend=backend)
 
 
-def _layout(windows, br):
-    """(sidx i32[m], didx i32[m], table i32[4 * m // br]) of windows (k, sidx, didx) laid end to
-    end at multiples of `br` (`windows.window_blocks`, with the destination in column 0)."""
-    counts = [len(s) for _, s, _ in windows]
+def _blocks(counts, dests, br):
+    """(starts, table i32[4 * m // br], m) of windows of these row counts for these destination
+    indices, laid end to end at multiples of `br` (`windows.window_blocks`, the destination in
+    column 0)."""
     starts, table, m = window_blocks(counts, [0] * len(counts), br)
     table = table.reshape(-1, 4)
     nb = [-(-c // br) for c in counts]
-    table[:sum(nb), 0] = np.repeat([k for k, _, _ in windows], nb)
+    table[:sum(nb), 0] = np.repeat(np.asarray(dests, np.int32), nb)
+    return starts, table.reshape(-1), m
+
+
+def _layout(windows, br):
+    """(sidx i32[m], didx i32[m], table i32[4 * m // br]) of windows (k, sidx, didx): `_blocks`."""
+    starts, table, m = _blocks([len(s) for _, s, _ in windows], [k for k, _, _ in windows], br)
     sidx, didx = np.zeros(m, np.int32), np.zeros(m, np.int32)
     for (_, s, d), a in zip(windows, starts):
         sidx[a:a + len(s)] = s
@@ -277,7 +283,15 @@ def _enqueue_fanout(source, live) -> None:
     ring = _RINGS.get(source)
     if ring is None:
         ring = _RINGS[source] = _Ring()
-    sidx, didx, table = _layout([(k, s, d) for k, (_, s, d) in enumerate(live)], br)
+    starts, table, m = _blocks([len(s) for _, s, _ in live], range(len(live)), br)
+
+    def fill(segs, meta):  # each window's rows straight into the pinned slot
+        sv, dv = segs
+        for (_, s, d), a in zip(live, starts):
+            sv[a:a + len(s)] = s
+            dv[a:a + len(d)] = d
+        meta[:] = table  # rows between windows keep old values: masked, clamped, never stored
+
     dests = [c.destinations() for c, _, _ in live]
     src = source.device_views()
     with ring.lock:
@@ -285,8 +299,7 @@ def _enqueue_fanout(source, live) -> None:
         for lk in locks:
             lk.acquire()
         try:
-            (sv, dv), tv = device.index_ring(ring, len(sidx), 2, len(table)).stage(
-                [sidx, didx], table, ring)
+            (sv, dv), tv = device.index_ring(ring, m, 2, len(table)).stage_with(fill, ring)
             preload_lowering(backend)
             outs = _fanout_jit(src, sv, tuple(d.handles[0] for d in dests), dv, tv,
                                dst_rows=tuple(c.uniform_rows for c, _, _ in live), config=config,

@@ -91,18 +91,18 @@ class SenderRegion:
         mapping = t.conn.mapping
         src = dst = None
         if hi > lo:
+            # The copier (layer checks, views, destination handles) is made once per link, over
+            # the sender's one PackSource: the round's copies then share one launch.
+            if t.conn.copier is None:
+                t.conn.copier = RowCopier(self._source, mapping.arrays)
             dst = u.rc.dst_rows[lo:hi]
-            rows = min(int(a.shape[0]) for a in mapping.arrays)
+            rows = t.conn.copier.dst_rows  # rows of its smallest mapped layer
             if int(dst.max()) >= rows:  # no engine checks these addresses: this does
                 raise ValueError(f"decode rank {t.conn.spec.dcp_rank}'s page table maps row {int(dst.max())}, "
                                  f"its mapped layers hold {rows} rows")
             if int(dst.min()) < 0:
                 raise ValueError(f"decode rank {t.conn.spec.dcp_rank}'s page table maps a negative row")
             src = u.rc.src_rows[lo:hi]
-            # The copier (layer checks, views, destination handles) is made once per link, over
-            # the sender's one PackSource: the round's copies then share one launch.
-            if t.conn.copier is None:
-                t.conn.copier = RowCopier(self._source, mapping.arrays)
         u.req.inflight += 1
         t.inflight += 1
         self._fused.append((u, head, hi > lo, src, dst))
