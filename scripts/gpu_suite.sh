@@ -26,8 +26,9 @@
 #   generate_gpu      scripts/generate_gpu.sh: dcp-jax generate on device memory (DCP 1 on one GPU)
 #   multi_gpu_rehearsal  scripts/multi_gpu.sh on this one GPU
 # A failing step (an unknown --path too) is recorded as failed and the suite goes on. The limits
-# add up to 1,045 s (the GPU tests alone took 200 s on 2026-12-02): more than one 10-minute device call, so split the steps over two calls (e.g.
-# `pytest_gpu d2d pack_bench job_32k job_128k`, then the rest). Exit status 0 only if every step passed.
+# add up to 1,045 s (the GPU tests alone took ~200 s on 2026-12-02): more than one 10-minute device
+# call, so split the steps over two calls (e.g. `pytest_gpu d2d pack_bench job_32k_nixl job_128k_nixl`,
+# then the rest). Exit status 0 only if every step passed.
 # The summary ($OUT/gpu_suite_summary.md and .json: date, device, versions, commit, steps, figures)
 # can be copied to benchmarks/results/.
 set -uo pipefail
