@@ -25,7 +25,7 @@ from pallas_kernels.gather import (
     word_dtype,
 )
 from pallas_kernels.pack import PackSource, clear_import_cache, pack_rows
-from pallas_kernels.pack_windows import pack_windows
+from pallas_kernels.pack_windows import pack_windows, warm_pack_windows
 from pallas_kernels.registry import (
     PackBackend,
     available_backends,
@@ -38,16 +38,18 @@ from pallas_kernels.registry import (
 )
 from pallas_kernels.unpack import SCATTER_BACKENDS, copy_rows, synchronize, unpack_rows
 from pallas_kernels.copier import RowCopier
-from pallas_kernels.fanout import copy_fanout
+from pallas_kernels.fanout import copy_fanout, warm_copy_fanout
 
 __all__ = [
     # The gather, its knobs and the host contract (`pack_rows`, `PackSource`): gather's names.
     *_gather.__all__,
     "pack_windows",
+    "warm_pack_windows",
     "SCATTER_BACKENDS",
     "copy_rows",
     "RowCopier",
     "copy_fanout",
+    "warm_copy_fanout",
     "synchronize",
     "unpack_rows",
     # One pack API over every accelerator (pallas_kernels.registry, pallas_kernels.backends).

@@ -37,7 +37,7 @@ from pallas_kernels.row_copy import U32, IndexedRows, RegionRows, copy_block, co
     preload_lowering
 from pallas_kernels.windows import window_blocks
 
-__all__ = ["copy_fanout", "fanout_kernel"]
+__all__ = ["copy_fanout", "fanout_kernel", "warm_copy_fanout"]
 
 
 def _fanout_body(table_ref, sidx_ref, didx_ref, src_ref, *refs, dst_rows, width, block_rows,
@@ -278,12 +278,8 @@ def _check_distinct_destinations(copiers) -> None:
 
 
 def _enqueue_fanout(source, live) -> None:
-    config, backend = live[0][0].config, live[0][0].backend
-    br = config.block_rows
-    ring = _RINGS.get(source)
-    if ring is None:
-        ring = _RINGS[source] = _Ring()
-    starts, table, m = _blocks([len(s) for _, s, _ in live], range(len(live)), br)
+    starts, table, m = _blocks([len(s) for _, s, _ in live], range(len(live)),
+                               live[0][0].config.block_rows)
 
     def fill(segs, meta):  # each window's rows straight into the pinned slot
         sv, dv = segs
@@ -292,25 +288,86 @@ def _enqueue_fanout(source, live) -> None:
             dv[a:a + len(d)] = d
         meta[:] = table  # rows between windows keep old values: masked, clamped, never stored
 
-    dests = [c.destinations() for c, _, _ in live]
+    _launch(source, [c for c, _, _ in live], m, len(table), fill)
+
+
+def _launch(source, copiers, m, table_len, fill) -> None:
+    """One fan-out launch over `copiers` (in destination order) with index bucket `m`; `fill`
+    writes the pinned index slot (`device.IndexRing.stage_with`)."""
+    config, backend = copiers[0].config, copiers[0].backend
+    ring = _RINGS.get(source)
+    if ring is None:
+        ring = _RINGS[source] = _Ring()
+    dests = [c.destinations() for c in copiers]
     src = source.device_views()
     with ring.lock:
         locks = [d.lock for d in dests]
         for lk in locks:
             lk.acquire()
         try:
-            (sv, dv), tv = device.index_ring(ring, m, 2, len(table)).stage_with(fill, ring)
+            (sv, dv), tv = device.index_ring(ring, m, 2, table_len).stage_with(fill, ring)
             preload_lowering(backend)
             outs = _fanout_jit(src, sv, tuple(d.handles[0] for d in dests), dv, tv,
-                               dst_rows=tuple(c.uniform_rows for c, _, _ in live), config=config,
+                               dst_rows=tuple(c.uniform_rows for c in copiers), config=config,
                                backend=backend)
             for d, o in zip(dests, outs):
                 d.keep([o])
         except Exception:
-            for c, _, _ in live:
+            for c in copiers:
                 c.drop_destinations()  # the donated handles may be gone: made afresh next call
             raise
         finally:
             for lk in locks:
                 lk.release()
 
+
+def warm_copy_fanout(copiers, max_rows: int) -> list[int]:
+    """Compiles the fan-out kernel `copy_fanout` launches for these copiers together, for every
+    index bucket up to `bucket_rows(max_rows)`, writing nothing (every row block of the warm
+    launches is marked empty). A serving loop calls it once its decode ranks are mapped and
+    before the first request: a round that first reaches a bucket otherwise compiles it then.
+    `copy_fanout` keeps copiers without rows in its launch, so one set of copiers needs these
+    kernels only, whichever of them have rows in a round.
+
+    Args:
+        copiers: the `RowCopier`s one `copy_fanout` call will list (each once, in that order).
+        max_rows: the most index rows one call will have (>= 1): the sum over its jobs of each
+            job's rows rounded up to `config.block_rows`.
+
+    Returns:
+        The index buckets compiled or found compiled (ascending); [] when the copiers do not
+        share one launch (fewer than two, or not `fans_out_with` one another: `copy_fanout`
+        copies those one by one).
+
+    Raises:
+        TypeError: a copier that is not a `RowCopier`; ValueError: `max_rows` not an int >= 1,
+        a copier listed twice or two copiers writing the same memory; RuntimeError: a closed
+        copier.
+    """
+    from pallas_kernels.copier import RowCopier
+    from pallas_kernels.config import bucket_rows
+
+    if not isinstance(copiers, (list, tuple)) or not all(isinstance(c, RowCopier) for c in copiers):
+        raise TypeError("copiers must be a list of RowCopier")
+    if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 1:
+        raise ValueError(f"max_rows={max_rows!r} must be an int >= 1")
+    if len({id(c) for c in copiers}) != len(copiers):
+        raise ValueError("each copier may appear once in copiers")
+    for k, c in enumerate(copiers):
+        if c.source is None:
+            raise RuntimeError(f"copiers[{k}] is closed")
+    _check_distinct_destinations(list(copiers))
+    if len(copiers) < 2 or not all(c.fans_out_with(copiers[0]) for c in copiers):
+        return []
+    br = copiers[0].config.block_rows
+    out, m = [], br
+    while m <= bucket_rows(int(max_rows), br):
+        table = np.zeros(4 * (m // br), np.int32)  # ok = 0 in every block: no store
+
+        def fill(segs, meta, table=table):
+            meta[:] = table
+        _launch(copiers[0].source, list(copiers), m, len(table), fill)
+        out.append(m)
+        m *= 2
+    _DeviceSync.block_until_ready()
+    return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_kernels import device
-from pallas_kernels.config import BACKENDS, GatherConfig, select_backend
+from pallas_kernels.config import BACKENDS, GatherConfig, bucket_rows, select_backend
 from pallas_kernels.host import _region_units, _run_units, check_threads, host_threads
 from pallas_kernels._buffer_args import check_indices, check_range, check_word_offset
 from pallas_kernels.pack import (
@@ -24,7 +24,7 @@ from pallas_kernels.row_copy import preload_lowering
 from pallas_kernels.windows import _check_offsets, _gather_windows_jit, gather_windows, \
     window_blocks
 
-__all__ = ["pack_windows"]
+__all__ = ["pack_windows", "warm_pack_windows"]
 
 
 def pack_windows(layers, windows, pack, *, backend: str = "auto",
@@ -101,10 +101,86 @@ def pack_windows(layers, windows, pack, *, backend: str = "auto",
         views = source.device_views() if source is not None else \
             _cached_device_views(layers, key, entry)
         srcs = kernel_sources(layers, views, word)
-        _device_windows(srcs, live, starts, blocks, m, pack, word, backend, config, align, sync)
+        host_idx = all(isinstance(i, np.ndarray) for i, _ in live)
+        _device_windows(srcs, _padded_indices(live, starts, m, np if host_idx else _cupy()), blocks, m,
+                        pack, word, backend, config, align, sync)
     else:
         _interpret_windows(layers, live, starts, blocks, m, pack, word, backend, config, align)
     return total
+
+
+def warm_pack_windows(layers, pack, max_rows: int, *, backend: str = "auto",
+                      config: GatherConfig | None = None, offset: int = 0) -> list[int]:
+    """Compiles the windowed pack kernel `pack_windows` launches for this source and pack, for
+    every index bucket up to `bucket_rows(max_rows)`, writing nothing: each launch's block
+    table marks every row block empty. A serving loop calls it before its first request: a
+    round whose windows first reach a bucket otherwise compiles it then (~0.5 s on an H200).
+
+    Args:
+        layers: as `pack_windows` (a `PackSource` or a list of layers).
+        pack: the pack buffer `pack_windows` will write (numpy or CuPy).
+        max_rows: the most index rows one call will have (>= 1): the sum over its windows of
+            each window's rows rounded up to `config.block_rows`.
+        backend: as `pack_windows`: "auto" (numpy: the host gather, nothing to compile; CuPy:
+            `select_backend`), "interpret" or "triton".
+        config: as `pack_windows`.
+        offset: a byte offset its windows will use: the kernel compiled depends on the
+            offsets' 16-byte alignment (`ALIGN_HINT_BYTES`), not on their values; the
+            connector's regions are 64-byte aligned (0 stands for them).
+
+    Returns:
+        The index buckets compiled or found compiled (row counts, ascending); [] where
+        `pack_windows` compiles nothing (numpy buffers on the host gather, or "mosaic", which
+        packs window by window through `pack_rows`).
+
+    Raises:
+        ValueError, TypeError: as `pack_windows` for `layers`, `pack`, `config`; `max_rows`
+            not an int >= 1; `offset` negative or not a multiple of the word size.
+    """
+    source, key, entry, layers, on_device = _resolve(layers, pack, config)
+    if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 1:
+        raise ValueError(f"max_rows={max_rows!r} must be an int >= 1")
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0 \
+            or offset % entry.word.itemsize:
+        raise ValueError(f"offset={offset!r} must be a non-negative multiple of "
+                         f"{entry.word.itemsize} bytes")
+    if backend not in ("numpy",) + BACKENDS:
+        raise ValueError(f"{backend=} must be one of {('numpy',) + BACKENDS}")
+    if backend == "auto":
+        backend = "numpy" if not on_device else select_backend("auto")
+    if backend in ("numpy", "mosaic"):
+        return []
+    config = GatherConfig.default() if config is None else config
+    br, word = config.block_rows, entry.word
+    align = _offset_align(int(offset), word)
+    if on_device:
+        views = source.device_views() if source is not None else _cached_device_views(layers, key, entry)
+        srcs = kernel_sources(layers, views, word)
+    else:
+        import jax.numpy as jnp
+
+        srcs = [jnp.asarray(np.ascontiguousarray(a).view(word)) for a in layers]
+        words = jnp.asarray(pack[:pack.nbytes // word.itemsize * word.itemsize].view(word))
+    out, m = [], br
+    while m <= bucket_rows(int(max_rows), br):
+        empty = np.zeros(4 * (m // br), np.int32)  # ok = 0 in every block: no store
+        if on_device:
+            _device_windows(srcs, np.zeros(m, np.int32), empty, m, pack, word, backend, config, align,
+                            False)
+        else:  # the interpreter's result is dropped: the pack is not touched at all
+            words = gather_windows(srcs, jnp.zeros(m, jnp.int32), words, jnp.asarray(empty),
+                                   config=config, backend=backend, offset_align=align)  # donated
+        out.append(m)
+        m *= 2
+    if on_device:
+        _sync_pack(pack)
+    return out
+
+
+def _cupy():
+    import cupy as cp
+
+    return cp
 
 
 def _check_windows(windows, on_device, row_bytes, num_rows, pack_bytes):
@@ -174,22 +250,22 @@ def _interpret_windows(layers, live, starts, blocks, m, pack, word, backend, con
         pack[off:end] = res[off:end]
 
 
-def _device_windows(srcs, live, starts, blocks, m, pack, word, backend, config, align, sync):
-    """CuPy buffers: one staged index slot, one windowed kernel into the pack in place."""
+def _device_windows(srcs, padded, blocks, m, pack, word, backend, config, align, sync):
+    """CuPy buffers: one staged index slot (`padded`: i32[m], numpy or CuPy), one windowed
+    kernel into the pack in place."""
     ws = word.itemsize
     nbytes = pack.nbytes // ws * ws
     dests = device.destinations([pack], word, [nbytes])
-    host_idx = all(isinstance(i, np.ndarray) for i, _ in live)
     with dests.lock:
         try:
-            if host_idx:
+            if isinstance(padded, np.ndarray):
                 (idx_v,), meta_v = device.index_ring(dests, m, 1, len(blocks)).stage(
-                    [_padded_indices(live, starts, m)], blocks, dests)
+                    [padded], blocks, dests)
             else:
                 import cupy as cp
                 import jax
 
-                idx_v = jax.dlpack.from_dlpack(_padded_indices(live, starts, m, cp))
+                idx_v = jax.dlpack.from_dlpack(padded)
                 meta_v = jax.dlpack.from_dlpack(cp.asarray(blocks))
             preload_lowering(backend)
             out = _gather_windows_jit(srcs, idx_v, dests.handles[0], meta_v, config=config,

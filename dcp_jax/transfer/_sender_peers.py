@@ -18,6 +18,7 @@ from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._region import PeerOffer, choose_path, ipc_open
 from dcp_jax.transfer._worker import check_page_table, pings_fit
+from pallas_kernels import RowCopier
 from dcp_jax.transfer.requests import RankTarget, SendRequest, check_request_id
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
 from dcp_jax.transfer.status import TransferStatus
@@ -76,7 +77,7 @@ class Conn:
     region_addr: int = 0        # region path: the rank's receive region (bytes)
     region_bytes: int = 0
     mapping: Any = None         # fused path: the rank's KV layers mapped here (`bridge.cuda_ipc.IpcMapping`)
-    copier: Any = None          # fused path: `pallas_kernels.RowCopier` into `mapping` (made on first use)
+    copier: Any = None          # fused path: `pallas_kernels.RowCopier` into `mapping` (made at the handshake)
     cache_pages: int = 0        # pages of the rank's cache inside its registered regions
     staged: bool = False        # the rank stages: its KV is not registered (`dcp_jax.transfer.staging`)
     view: Any = None            # TP or layout pair: its `views.StreamView` (head pieces, both layouts)
@@ -182,23 +183,31 @@ class SenderPeers:
             self._drop_conn(old, f"decode rank {spec.dcp_rank} reconnected")
         if self._hold_hello(ident, msg):
             return
-        mapping = None
+        mapping = copier = None
         if path == "fused":  # opened once per connection, closed when it is dropped or at close
             try:
                 mapping = ipc_open(list(offer.ipc), self._layers.item_lens)
             except Exception as exc:  # noqa: BLE001 - bad or unopenable handles: refuse, name why
                 return self._nack(ident, HandshakeError("ipc", None, None, "its CUDA IPC handles cannot be opened: " +
                                                         f"{type(exc).__name__}: {exc}"))
+            try:  # its checks now, not in the first request's round; `KVSender.warm_up` needs it
+                copier = RowCopier(self._source, mapping.arrays)
+            except Exception as exc:  # noqa: BLE001 - mapped layers the copy cannot take: refuse
+                mapping.close()
+                return self._nack(ident, HandshakeError("ipc", None, None, "its mapped KV layers cannot take the "
+                                                        f"fused copy: {type(exc).__name__}: {exc}"))
         try:
             peer = self.engine.add_peer(info)
         except Exception as exc:  # noqa: BLE001 - refused metadata: tell the receiver why
             if mapping is not None:
+                copier.close()
                 mapping.close()
             return self._nack(ident, HandshakeError("peer", None, None, f"its engine metadata cannot be used: {exc}"))
         self._conns[ident] = Conn(ident, msg["name"], peer, spec, msg["group"], msg["direction"],
                                    bases, time.monotonic(), path, offer.region_addr, offer.region_bytes, mapping,
                                    staged=offer.staged)
         self._conns[ident].cache_pages = cache_pages
+        self._conns[ident].copier = copier
         self._conns[ident].view = view
         self._counts["handshakes"] += 1
         for req in self._requests.values():  # sent before any rank connected: may need nobody here

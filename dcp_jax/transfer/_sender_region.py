@@ -109,32 +109,34 @@ class SenderRegion:
 
     def _copy_fused(self, done: list) -> dict:
         """Enqueues the round's fused copies: ONE fan-out kernel for all decode ranks
-        (`pallas_kernels.copy_fanout`, a copier at most once per launch); should that raise,
-        window by window, so only a failing window ends its request. Returns {id(unit): error}.
-        Bounds were checked by `_submit_fused` on the host (the kernel's own checks would each
-        synchronise)."""
+        (`pallas_kernels.copy_fanout`; a rank with two windows this round needs a second
+        launch). Every fused link's copier is in every launch, in connection order, with no
+        rows where it has no window: the kernel compiled for this sender's ranks serves every
+        round (`KVSender.warm_up` compiles it), whichever ranks announced in time. Should a
+        launch raise, its windows are copied one by one, so only a failing window ends its
+        request. Returns {id(unit): error}. Bounds were checked by `_submit_fused` on the host
+        (the kernel's own checks would each synchronise)."""
         from pallas_kernels import copy_fanout
 
         moved = [(u, src, dst) for u, _, m, src, dst in done if m and not u.req.status.terminal]
-        batches: list = []  # a copier appears once per launch (a rank may have several windows)
+        links = [c for c in self._conns.values() if c.copier is not None]
+        per_link: dict = {}
         for job in moved:
-            for b in batches:
-                if all(v[0].target.conn is not job[0].target.conn for v in b):
-                    b.append(job)
-                    break
-            else:
-                batches.append([job])
+            per_link.setdefault(id(job[0].target.conn), []).append(job)
+        empty = np.empty(0, np.int64)
         errors = {}
         tk = time.perf_counter()
-        for b in batches:
+        for b in range(max((len(v) for v in per_link.values()), default=0)):
+            batch = [js[b] for js in per_link.values() if b < len(js)]
+            mine = {id(u.target.conn): (s, d) for u, s, d in batch}
             try:
-                copy_fanout([(u.target.conn.copier, src, dst) for u, src, dst in b], checked=True)
-                for u, _, _ in b:  # enqueued, not finished: the timeline tells launch from wait
+                copy_fanout([(c.copier, *mine.get(id(c), (empty, empty))) for c in links], checked=True)
+                for u, _, _ in batch:  # enqueued, not finished: the timeline tells launch from wait
                     u.req.timeline.mark("launched", u.target.conn.spec.group_rank)
             except Exception:  # noqa: BLE001 - find the window that fails; the others go out
-                logger.warning("fused copy: one launch for %d windows failed; copying window by window", len(b),
-                               exc_info=True)
-                for u, src, dst in b:
+                logger.warning("fused copy: one launch for %d windows failed; copying window by window",
+                               len(batch), exc_info=True)
+                for u, src, dst in batch:
                     try:
                         u.target.conn.copier.copy(src, dst, checked=True)
                     except Exception as exc:  # noqa: BLE001 - its request fails, the sender lives on

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from pallas_kernels import PackSource, compile_count
+from pallas_kernels import GatherConfig, PackSource, compile_count
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import (ACTIVE, DEFAULT_HEARTBEAT_S, IDLE, PENDING, Worker, check_liveness,
                                       check_page_table, check_seconds, check_tokens, close_at_exit, shut_down)
@@ -228,6 +228,47 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this KVSender is closed")
+
+    def warm_up(self, max_rows: int | None = None) -> dict[str, list[int]]:
+        """Compiles, before serving, the device kernels this sender's rounds launch, for every
+        index bucket a round can reach, writing nothing (no KV page, no live region): the
+        one-launch pack (`pallas_kernels.warm_pack_windows`) and, with fused decode ranks, the
+        fan-out copy into all of them (`pallas_kernels.warm_copy_fanout`). A round that first
+        reaches a bucket otherwise compiles it then, with the worker stalled meanwhile (~0.5 s
+        on an H200); which bucket a round reaches depends on which ranks announced a request
+        before the round began, not only on its size. Call it once the decode ranks have
+        connected (the fused launch is compiled for the ranks connected now) and again after
+        more connect. Host (numpy) KV compiles nothing.
+
+        Args:
+            max_rows: the most token rows one round carries to all decode ranks together (an
+                int >= 1; e.g. the serving loop's largest prefill chunk). None: as many as the
+                pack buffer holds (pack) and as the KV cache holds (fused).
+
+        Returns:
+            ``{"pack": buckets, "fused": buckets}``: the index buckets (rows) now compiled.
+
+        Raises:
+            RuntimeError: the sender is closed.
+            ValueError: ``max_rows`` not an int >= 1.
+        """
+        from pallas_kernels import warm_copy_fanout
+
+        self._check_open()
+        if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer))
+                                     or max_rows < 1):
+            raise ValueError(f"max_rows={max_rows!r} must be an int >= 1 or None")
+        with self._lock:
+            conns = list(self._conns.values())
+            copiers = [c.copier for c in conns if c.copier is not None]
+            br = GatherConfig.default().block_rows  # the kernels' rows per program (default knobs)
+            pack_rows_max = self._max_region_rows if max_rows is None else min(max_rows, self._max_region_rows)
+            pack = self._packer.warm_up(max(1, pack_rows_max) + br * max(1, len(conns)))
+            fused = []
+            if copiers:
+                rows = self._layers.min_rows if max_rows is None else max_rows
+                fused = warm_copy_fanout(copiers, rows + br * len(copiers))
+        return {"pack": pack, "fused": fused}
 
     def poll(self, request_id: str) -> TransferStatus:
         """The request's `TransferStatus` on this side.

@@ -207,6 +207,18 @@ class Packer:
             self._scratch[offset:end].get(out=self.pack[offset:end])
         self.stage_seconds += time.perf_counter() - t0
 
+    def warm_up(self, max_rows: int) -> list[int]:
+        """Compiles the one-launch pack of `pack_windows` for every index bucket up to
+        ``max_rows`` rows, writing nothing (`pallas_kernels.warm_pack_windows`); returns the
+        buckets ([] where nothing compiles: host rows, named backends)."""
+        if self.backend != "auto":
+            return []
+        from pallas_kernels import warm_pack_windows
+
+        if self.staged:
+            self._ensure_scratch()
+        return warm_pack_windows(self.source, self._scratch if self.staged else self.pack, max_rows)
+
     def _ensure_scratch(self) -> None:
         if self._scratch is None or self._scratch.size < self.pack.size:
             import cupy as cp

@@ -74,11 +74,11 @@ def test_device_kv_byte_exact(kind, direction, mode):
 
 
 def test_device_pack_compiles_once_for_every_region():
-    """Many requests of many sizes through the device pack: after a warm-up of each row bucket
-    the sender's kernel compile counter stays constant (the region offset is traced)."""
+    """Many requests of many sizes through the device pack: after `KVSender.warm_up` the
+    sender's kernel compile counter stays constant (the region offset is traced)."""
     from bridge.nixl import nixl_available
     from dcp_jax.transfer import TransferStatus
-    from pallas_kernels import bucket_rows, compile_log
+    from pallas_kernels import compile_log
 
     if not nixl_available():
         pytest.skip("NIXL (CUDA build) not installed")
@@ -97,23 +97,12 @@ def test_device_pack_compiles_once_for_every_region():
             for s in [sender] + recvs:
                 s.release(rid)
         sizes = [int(x) for x in rng.integers(1, 1024, 40)]
-        for L in sorted({bucket_rows(-(-L // 2)) for L in sizes}):  # one request per row bucket
-            one(f"warm{L}", 2 * L)
-        one("warm1", 1)  # one window of one row: the round's smallest bucket
         # A request's two windows share a round only if both ranks announced it before the
-        # round began: a window alone in its round has a smaller index bucket. Warm every
-        # bucket a round of these sizes can have (one window of each bucket's rows) with the
-        # same shapes: a pack buffer and layer views like the sender's.
-        import cupy as cp
-
-        from pallas_kernels import pack_windows
-
-        layers = [a.reshape(-1, a.shape[-1]) for a in sender._layers.rows]
-        scratch = cp.zeros(8 << 20, cp.uint8)
-        m = 64
-        while m <= bucket_rows(2 * 512, 64):
-            pack_windows(layers, [(np.zeros(m, np.int64), 0)], scratch)
-            m *= 2
+        # round began; a window alone in its round has a smaller index bucket. warm_up compiles
+        # every bucket a round of up to 1,024 rows can reach, writing nothing.
+        warm = sender.warm_up(max_rows=1024)
+        assert warm["pack"] == [64, 128, 256, 512, 1024, 2048] and warm["fused"] == [], warm
+        one("warm1", 1)  # and a request: the connection's one-time work
         before = sender.stats["kernel_compiles"]
         grew = []
         for k, L in enumerate(sizes):

@@ -156,3 +156,38 @@ def test_copy_fanout_one_launch_for_every_destination():
         for a, b in zip(d, w):
             assert bool(cp.array_equal(a, b))
     assert counts[0] <= 1 and counts[1:] == [0, 0], counts
+
+
+def test_warm_copy_fanout_then_no_compile_whichever_ranks_have_rows():
+    """`warm_copy_fanout` compiles the launch of these copiers for every bucket up to max_rows
+    and writes nothing; later rounds of any sizes, any subset of copiers with rows (the others
+    listed with none, as the sender lists them), compile nothing and land byte-exact."""
+    from pallas_kernels import compile_log, warm_copy_fanout
+
+    L, item = 4, 1152
+    src, _ = _one_buffer(500, item, L, 3)
+    source = PackSource(src)
+    dsts = [_flat_foreign(256, item, L, 0x10 + k) for k in range(3)]
+    copiers = [RowCopier(source, d) for d in dsts]
+    want = [[cp.array(a) for a in d] for d in dsts]
+    assert warm_copy_fanout(copiers, 700) == [64, 128, 256, 512, 1024]
+    synchronize([d[0] for d in dsts])
+    for d, w in zip(dsts, want):
+        for a, b in zip(d, w):
+            assert bool(cp.array_equal(a, b))
+    count = compile_count()
+    rng = np.random.default_rng()
+    empty = np.empty(0, np.int64)
+    for sizes in [(200, 0, 0), (0, 5, 256), (64, 64, 64), (1, 0, 1), (256, 256, 100)]:
+        jobs = []
+        for c, d, w, n in zip(copiers, dsts, want, sizes):
+            sidx, didx = rng.integers(0, 500, n), rng.permutation(256)[:n]
+            for s_, w_ in zip(src, w):
+                w_[cp.asarray(didx)] = s_[cp.asarray(sidx)]
+            jobs.append((c, sidx if n else empty, didx if n else empty))
+        copy_fanout(jobs, checked=True)
+    synchronize([d[0] for d in dsts])
+    for d, w in zip(dsts, want):
+        for a, b in zip(d, w):
+            assert bool(cp.array_equal(a, b))
+    assert compile_count() == count, compile_log()[-3:]

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import GatherConfig, PackSource, compile_count, compile_log, pack_rows, pack_windows
+from pallas_kernels import (GatherConfig, PackSource, compile_count, compile_log, pack_rows, pack_windows,
+                            warm_pack_windows)
 from pallas_kernels.windows import gather_windows, gather_windows_reference, window_blocks
 
 SENTINEL = 0xA5
@@ -186,3 +187,39 @@ def test_bad_layers_and_pack_are_refused_as_by_pack_rows():
         ro = P.copy()
         ro.flags.writeable = False
         pack_windows(L8, [(np.arange(1), 0)], ro)
+
+
+def test_warm_up_compiles_every_bucket_and_writes_nothing():
+    """warm_pack_windows traces the windowed kernel for each index bucket up to max_rows (empty
+    row blocks: the pack is untouched); later rounds in those buckets compile nothing."""
+    rng = np.random.default_rng()
+    layers = _layers(rng, 40, (8, 16))
+    pack = rng.integers(0, 256, 8192, dtype=np.uint8)
+    before = pack.copy()
+    assert warm_pack_windows(layers, pack, 40, backend="interpret", config=SMALL) == [8, 16, 32, 64]
+    assert np.array_equal(pack, before)
+    count = compile_count()
+    for wins in ([(rng.integers(0, 40, 3), 64)],  # 8 index rows
+                 [(rng.integers(0, 40, 9), 0), (rng.integers(0, 40, 2), 2048)],  # 16 + 8 -> 32
+                 [(rng.integers(0, 40, 33), 0), (rng.integers(0, 40, 1), 4096)]):  # 40 + 8 -> 64
+        ref = _per_window(layers, wins, 8192, "numpy")
+        got = np.full(8192, SENTINEL, np.uint8)
+        pack_windows(layers, wins, got, backend="interpret", config=SMALL)
+        np.testing.assert_array_equal(got, ref)
+    assert compile_count() == count, compile_log()[-2:]
+
+
+def test_warm_up_refusals_and_host_path():
+    layers = _layers(np.random.default_rng(0), 8, (8,))
+    pack = np.zeros(256, np.uint8)
+    assert warm_pack_windows(layers, pack, 100) == []  # numpy: the host gather compiles nothing
+    for bad in (0, -1, True, 2.0, None):
+        with pytest.raises(ValueError, match="max_rows"):
+            warm_pack_windows(layers, pack, bad, backend="interpret", config=SMALL)
+    for bad in (-4, 3, True):
+        with pytest.raises(ValueError, match="offset"):
+            warm_pack_windows(layers, pack, 8, backend="interpret", config=SMALL, offset=bad)
+    with pytest.raises(ValueError, match="backend"):
+        warm_pack_windows(layers, pack, 8, backend="cuda")
+    with pytest.raises(ValueError, match="pack must be a 1-D uint8"):
+        warm_pack_windows(layers, pack.view(np.uint32), 8, backend="interpret")

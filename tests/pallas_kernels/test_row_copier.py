@@ -300,3 +300,28 @@ def test_fanout_kernel_refuses_malformed_windows():
             fanout_kernel(src, windows, dsts, config=cfg)
     assert fanout_kernel(src, [], dsts, config=cfg) == tuple(dsts)  # nothing to copy
     fanout_kernel(src, [(0, [1], [3]), (1, [2], [3])], dsts, config=cfg)  # one row per destination
+
+
+def test_warm_copy_fanout_refusals_and_host_copiers():
+    """Host copiers never share a launch (`copy_fanout` copies them one by one): nothing to
+    compile. Bad arguments are refused by name before anything runs."""
+    from pallas_kernels import PackSource, warm_copy_fanout
+
+    rng = np.random.default_rng(5)
+    source = PackSource(_layers(rng, 10, (4,)))
+    dsts = [np.zeros((10, 4), np.uint8) for _ in range(2)]
+    c0, c1 = (RowCopier(source, [d]) for d in dsts)
+    assert warm_copy_fanout([c0, c1], 64) == []
+    assert all((d == 0).all() for d in dsts)
+    for bad in (0, False, 1.5):
+        with pytest.raises(ValueError, match="max_rows"):
+            warm_copy_fanout([c0, c1], bad)
+    with pytest.raises(TypeError, match="list of RowCopier"):
+        warm_copy_fanout([c0, "x"], 8)
+    with pytest.raises(ValueError, match="once"):
+        warm_copy_fanout([c0, c0], 8)
+    with pytest.raises(ValueError, match="write the same memory"):
+        warm_copy_fanout([c0, RowCopier(source, [dsts[0]])], 8)
+    c1.close()
+    with pytest.raises(RuntimeError, match=r"copiers\[1\] is closed"):
+        warm_copy_fanout([c0, c1], 8)

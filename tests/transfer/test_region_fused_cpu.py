@@ -84,12 +84,13 @@ def test_fused_mapping_is_closed_with_the_connection(engine, fused_on_host):
     assert mapping.closed
 
 
-def test_fused_page_table_past_the_mapped_rows_fails_before_any_write(engine, fused_on_host):
+def test_fused_page_table_past_the_mapped_rows_fails_before_any_write(engine, fused_on_host, monkeypatch):
     # The sender checks the rank's rows against what it mapped (no engine checks these addresses).
+    whole = _sender_peers.ipc_open
+    monkeypatch.setattr(_sender_peers, "ipc_open",  # the rank "exported" 4 pages of its 8
+                        lambda handles, item_lens: _HostMapping([a[:16] for a in whole(handles, item_lens).arrays]))
     c = cluster(engine, dcp_size=1, mode="fused", region_bytes=0, pages=8)
     try:
-        (conn,) = c.sender._conns.values()
-        conn.mapping.arrays = [a[:16] for a in conn.mapping.arrays]  # the rank "exported" 4 pages
         src, dst = c.tables(8)
         dst[0] = np.array([6, 7], np.int64)  # pages the mapping does not hold
         c.expect("x", dst, 8)
@@ -124,3 +125,30 @@ def test_duplicate_fused_done_is_credited_once(engine, fused_on_host):
         assert c.receivers[0].request_stats("d")["bytes"] == 20 * sum(c.item_lens)
     finally:
         c.close()
+
+
+def test_warm_up_on_host_kv_compiles_nothing_and_checks_its_argument(engine, fused_on_host):
+    """`KVSender.warm_up` after the ranks connected: host KV packs with numpy and its fused
+    copiers copy one by one, so no bucket compiles; the copier was made at the handshake."""
+    from pallas_kernels import compile_count
+
+    c = cluster(engine, dcp_size=2, mode="fused", region_bytes=0)
+    try:
+        assert all(conn.copier is not None for conn in c.sender._conns.values())
+        count = compile_count()
+        assert c.sender.warm_up() == {"pack": [], "fused": []}
+        assert c.sender.warm_up(max_rows=64) == {"pack": [], "fused": []}
+        assert compile_count() == count
+        for bad in (0, -3, True, 1.0, "64"):
+            with pytest.raises(ValueError, match="max_rows"):
+                c.sender.warm_up(bad)
+        src, dst = c.tables(21)  # and the links still serve, one rank's window at a time too
+        c.expect("w", dst, 21)
+        c.sender.send("w", src, 0, 1)  # tokens of rank 0 only: rank 1 has no window this round
+        c.sender.send("w", src, 1, 21)
+        assert c.wait("w") == [S.SUCCESS] * 3, c.reasons("w")
+        assert c.check_bytes(src, dst, 21) == 21
+    finally:
+        c.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        c.sender.warm_up()
