@@ -62,6 +62,8 @@ def check_indices(values, name: str, *, device_ok: bool):
         TypeError: a CuPy array where the buffers are numpy (host) arrays, or not integers.
         ValueError: not 1-D.
     """
+    if type(values) is np.ndarray and values.ndim == 1 and values.dtype.kind in "iu":
+        return values  # the common case, on every call of a hot path: nothing to convert
     if device_ok and is_cupy(values):
         idx = values
         if idx.ndim != 1:

@@ -153,6 +153,9 @@ class SenderRegion:
             return
         done, self._fused = self._fused, []
         errors = self._copy_fused(done)
+        # The messages are encoded while the copy runs: after the wait, only the sends remain.
+        frames = {id(u): proto.encode("fused_done", u.req.rid, u.target.inc, **head)
+                  for u, head, _, _, _ in done if id(u) not in errors}
         tk = time.perf_counter()
         err = None
         try:
@@ -163,11 +166,11 @@ class SenderRegion:
         for req in {id(u.req): u.req for u, _, moved, _, _ in done if moved}.values():
             req.copy_seconds += waited
         told = []
-        for u, head, moved, _, _ in done:  # every rank told first: the bookkeeping can wait
+        for u, _, moved, _, _ in done:  # every rank told first: the bookkeeping can wait
             if (err or errors.get(id(u))) is None and not u.req.status.terminal:
                 if moved:
                     u.req.timeline.mark("copied", u.target.conn.spec.group_rank)
-                self._ctl.send(u.target.conn.ident, proto.encode("fused_done", u.req.rid, u.target.inc, **head))
+                self._ctl.send(u.target.conn.ident, frames[id(u)])
                 told.append(id(u))
         told = set(told)
         for u, _, moved, _, _ in done:
