@@ -123,6 +123,8 @@ class SenderRegion:
         per_link: dict = {}
         for job in moved:
             per_link.setdefault(id(job[0].target.conn), []).append(job)
+        listed = {id(c) for c in links}
+        links += [c for c in {id(u.target.conn): u.target.conn for u, _, _ in moved}.values() if id(c) not in listed]
         empty = np.empty(0, np.int64)
         errors = {}
         tk = time.perf_counter()
