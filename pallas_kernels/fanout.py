@@ -210,7 +210,9 @@ def copy_fanout(jobs, *, checked: bool = False) -> int:
 
     Args:
         jobs: sequence of (RowCopier, src_indices int[n], dst_indices int[n]), each copier at
-            most once.
+            most once. A job with no rows (n = 0) copies nothing but, when its copier can share
+            the launch, is part of it: listing the same copiers every round (rows or not) keeps
+            one compiled kernel (`warm_copy_fanout` compiles it ahead).
         checked: as `RowCopier.copy`.
 
     Returns:
