@@ -267,7 +267,7 @@ def copy_fanout(jobs, *, checked: bool = False) -> int:
 _DISTINCT_LAST: list = [None, ()]  # the last copier list found distinct: (ids, weak references)
 
 
-def _check_distinct_destinations(copiers) -> None:
+def _check_distinct_destinations(copiers, name: str = "jobs") -> None:
     """No two copiers of one call may write the same memory (one launch would alias it twice;
     one by one, the last would win). Copiers whose spans overlap are compared layer by layer.
     A copier's destinations never change, so the list of the last call that passed (a sender
@@ -283,8 +283,8 @@ def _check_distinct_destinations(copiers) -> None:
             _check_disjoint(list(copiers[i].dst_layers), "dst", copiers[j].dst_layers, "dst")
         except ValueError:
             i, j = sorted((i, j))
-            raise ValueError(f"jobs[{i}] and jobs[{j}] write the same memory: each copier of "
-                             "one call needs its own destination") from None
+            raise ValueError(f"{name}[{i}] and {name}[{j}] write the same memory: each copier "
+                             "of one call needs its own destination") from None
     _DISTINCT_LAST[:] = [key, tuple(weakref.ref(c) for c in copiers)]
 
 
@@ -343,7 +343,8 @@ def warm_copy_fanout(copiers, max_rows: int) -> list[int]:
     Args:
         copiers: the `RowCopier`s one `copy_fanout` call will list (each once, in that order).
         max_rows: the most index rows one call will have (>= 1): the sum over its jobs of each
-            job's rows rounded up to `config.block_rows`.
+            job's rows rounded up to `config.block_rows`; more than a call can have (each
+            copier's destination rows, block-rounded) is clamped to that.
 
     Returns:
         The index buckets compiled or found compiled (ascending); [] when the copiers do not
@@ -358,8 +359,11 @@ def warm_copy_fanout(copiers, max_rows: int) -> list[int]:
     from pallas_kernels.copier import RowCopier
     from pallas_kernels.config import bucket_rows
 
-    if not isinstance(copiers, (list, tuple)) or not all(isinstance(c, RowCopier) for c in copiers):
-        raise TypeError("copiers must be a list of RowCopier")
+    if not isinstance(copiers, (list, tuple)):
+        raise TypeError(f"copiers must be a list of RowCopier, got {type(copiers).__name__}")
+    for k, c in enumerate(copiers):
+        if not isinstance(c, RowCopier):
+            raise TypeError(f"copiers[{k}] must be a RowCopier, got {type(c).__name__}")
     if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 1:
         raise ValueError(f"max_rows={max_rows!r} must be an int >= 1")
     if len({id(c) for c in copiers}) != len(copiers):
@@ -367,10 +371,12 @@ def warm_copy_fanout(copiers, max_rows: int) -> list[int]:
     for k, c in enumerate(copiers):
         if c.source is None:
             raise RuntimeError(f"copiers[{k}] is closed")
-    _check_distinct_destinations(list(copiers))
+    _check_distinct_destinations(list(copiers), "copiers")
     if len(copiers) < 2 or not all(c.fans_out_with(copiers[0]) for c in copiers):
         return []
     br = copiers[0].config.block_rows
+    # One job per copier, of at most its destination's rows (unique), each rounded to a block.
+    max_rows = min(int(max_rows), sum(c.dst_rows + br for c in copiers))
     out, m = [], br
     while m <= bucket_rows(int(max_rows), br):
         table = np.zeros(4 * (m // br), np.int32)  # ok = 0 in every block: no store

@@ -120,7 +120,8 @@ def warm_pack_windows(layers, pack, max_rows: int, *, backend: str = "auto",
         layers: as `pack_windows` (a `PackSource` or a list of layers).
         pack: the pack buffer `pack_windows` will write (numpy or CuPy).
         max_rows: the most index rows one call will have (>= 1): the sum over its windows of
-            each window's rows rounded up to `config.block_rows`.
+            each window's rows rounded up to `config.block_rows`. More than a call can have
+            (`block_rows` per row the pack holds: windows of one row each) is clamped to that.
         backend: as `pack_windows`: "auto" (numpy: the host gather, nothing to compile; CuPy:
             `select_backend`), "interpret" or "triton".
         config: as `pack_windows`.
@@ -130,8 +131,8 @@ def warm_pack_windows(layers, pack, max_rows: int, *, backend: str = "auto",
 
     Returns:
         The index buckets compiled or found compiled (row counts, ascending); [] where
-        `pack_windows` compiles nothing (numpy buffers on the host gather, or "mosaic", which
-        packs window by window through `pack_rows`).
+        `pack_windows` compiles nothing (numpy buffers on the host gather, "mosaic", which packs
+        window by window through `pack_rows`, or a pack too small for one row).
 
     Raises:
         ValueError, TypeError: as `pack_windows` for `layers`, `pack`, `config`; `max_rows`
@@ -152,6 +153,10 @@ def warm_pack_windows(layers, pack, max_rows: int, *, backend: str = "auto",
         return []
     config = GatherConfig.default() if config is None else config
     br, word = config.block_rows, entry.word
+    fits = pack.nbytes // sum(entry.item_lens)  # rows the pack holds: windows of >= 1 row each
+    if fits == 0:
+        return []  # no window fits: pack_windows never launches here
+    max_rows = min(int(max_rows), fits * br)  # each window takes at most one extra row block
     align = _offset_align(int(offset), word)
     if on_device:
         views = source.device_views() if source is not None else _cached_device_views(layers, key, entry)

@@ -219,7 +219,9 @@ def _scatter_call(meta, srcs, src_idx, dst_idx, dst, *, config, interpret, offse
     from jax.experimental.pallas import triton as pltriton
 
     count_kernel_trace(f"{'unpack' if src_idx is None else 'copy'} idx={tuple(dst_idx.shape)} "
-                       f"dst={'flat' if flat else len(dst)} offset_align={offset_align}")
+                       f"src={[tuple(a.shape) for a in srcs][:2]}{'...' if len(srcs) > 2 else ''} "
+                       f"dst={'flat ' + str(tuple(dst.shape)) if flat else len(dst)} "
+                       f"offset_align_words={offset_align}")
     br = config.block_rows
     m = int(dst_idx.shape[0])
     m_pad = -(-m // br) * br

@@ -130,7 +130,7 @@ def gather_call(src, idx, pack, meta, *, shapes, stacked, config, interpret, off
     from jax.experimental.pallas import triton as pltriton
 
     count_kernel_trace(f"gather{'_windows' if windowed else ''} idx={tuple(idx.shape)} shapes={tuple(shapes)} "
-                       f"stacked={stacked} offset_align={offset_align}")
+                       f"stacked={stacked} offset_align_words={offset_align}")
     widths = tuple(w for _, w in shapes)
     br = config.block_rows
     m = int(idx.shape[0])

@@ -128,8 +128,7 @@ class SenderRegion:
         empty = np.empty(0, np.int64)
         errors = {}
         tk = time.perf_counter()
-        for b in range(max((len(v) for v in per_link.values()), default=0)):
-            batch = [js[b] for js in per_link.values() if b < len(js)]
+        for batch in self._fused_launches(per_link):
             mine = {id(u.target.conn): (s, d) for u, s, d in batch}
             try:
                 copy_fanout([(c.copier, *mine.get(id(c), (empty, empty))) for c in links], checked=True)
@@ -147,6 +146,27 @@ class SenderRegion:
         for req in {id(u.req): u.req for u, _, _ in moved}.values():
             req.copy_seconds += took
         return errors
+
+    def _fused_launches(self, per_link: dict) -> list:
+        """The round's launches: the b-th window of each link in launch b (a copier at most
+        once per launch), each launch split further where its windows' index rows (each
+        rounded up to a row block) would pass the bucket `warm_up` compiled."""
+        cap, br = self._index_cap["fused"], self._index_block
+        out = []
+        for b in range(max((len(v) for v in per_link.values()), default=0)):
+            launch, rows = [], 0
+            for js in per_link.values():
+                if b >= len(js):
+                    continue
+                n = -(-len(js[b][1]) // br) * br
+                if launch and rows + n > cap:
+                    out.append(launch)
+                    launch, rows = [], 0
+                launch.append(js[b])
+                rows += n
+            if launch:
+                out.append(launch)
+        return out
 
     def _finish_fused(self) -> None:
         """The round's fused copies: enqueued in one launch, one wait for all of them (the bytes

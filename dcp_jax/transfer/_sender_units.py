@@ -129,6 +129,7 @@ class SenderUnits:
         busy, blocked, i = False, set(), 0
         packed: list[tuple] = []  # (unit, lo, hi, pack address or None): packed, not yet posted
         batch: list[tuple] = []  # (unit, rows, pack offset): the round's windows, packed at once
+        index_rows = 0  # the pack kernel's index rows so far: each window rounded to a row block
         share = int(self._arena.capacity * ARENA_SHARE)
         while i < len(self._queue):
             stalled = time.monotonic() - self._last_round  # this round began then: a stop inside it
@@ -144,6 +145,10 @@ class SenderUnits:
                 continue
             lo, hi = u.rc.windows[u.w]
             if u.rc.strategy in ("packed", "region") and hi > lo:
+                if conn.view is None:  # the round's one pack kernel: within the warmed buckets
+                    rounded = -(-(hi - lo) // self._index_block) * self._index_block
+                    if batch and index_rows + rounded > self._index_cap["pack"]:
+                        break  # the rest in the next round (FIFO keeps order)
                 need = self._window_bytes(u)
                 held = self._held.get(conn, 0)
                 if held and held + need > share:
@@ -154,6 +159,8 @@ class SenderUnits:
                 if u.region is None:
                     break  # the arena is full: wait for a transfer to finish (FIFO keeps order)
                 self._held[conn] = held + u.region.reserved
+                if conn.view is None:
+                    index_rows += rounded
             del self._queue[i]
             busy = True
             try:

@@ -215,9 +215,15 @@ class Packer:
             return []
         from pallas_kernels import warm_pack_windows
 
-        if self.staged:
-            self._ensure_scratch()
+        if self.staged and self._scratch is None:
+            return []  # `prepare` first (under the owner's lock)
         return warm_pack_windows(self.source, self._scratch if self.staged else self.pack, max_rows)
+
+    def prepare(self) -> None:
+        """Makes what `warm_up` compiles against now (a staged pack's device scratch); call it
+        where packs are serialised (the sender's lock): the scratch is made once."""
+        if self.staged and self.backend == "auto":
+            self._ensure_scratch()
 
     def _ensure_scratch(self) -> None:
         if self._scratch is None or self._scratch.size < self.pack.size:

@@ -125,7 +125,7 @@ def test_no_recompile_for_other_windows_in_the_bucket():
     before = compile_count()
     if before > first:  # traced now (not by an earlier test): the log names the kernel and bucket
         assert compile_log()[-1].endswith("gather_windows idx=(32,) shapes=((30, 2), (30, 2)) "
-                                          "stacked=False offset_align=4"), compile_log()[-1]
+                                          "stacked=False offset_align_words=4"), compile_log()[-1]
     # Other counts, offsets and window numbers, same index bucket (<= 32 rows of blocks of 8).
     for wins in ([(np.arange(3), 64), (np.arange(2), 512), (np.arange(8), 2048)],
                  [(np.arange(20), 128)]):
@@ -223,3 +223,7 @@ def test_warm_up_refusals_and_host_path():
         warm_pack_windows(layers, pack, 8, backend="cuda")
     with pytest.raises(ValueError, match="pack must be a 1-D uint8"):
         warm_pack_windows(layers, pack.view(np.uint32), 8, backend="interpret")
+    # A pack too small for one row: nothing can ever launch there. A huge max_rows is clamped
+    # to what a call can have (one-row windows: one row block per row the pack holds).
+    assert warm_pack_windows(layers, np.zeros(4, np.uint8), 16, backend="interpret", config=SMALL) == []
+    assert warm_pack_windows(layers, np.zeros(16, np.uint8), 2**70, backend="interpret", config=SMALL) == [8, 16]

@@ -316,11 +316,13 @@ def test_warm_copy_fanout_refusals_and_host_copiers():
     for bad in (0, False, 1.5):
         with pytest.raises(ValueError, match="max_rows"):
             warm_copy_fanout([c0, c1], bad)
-    with pytest.raises(TypeError, match="list of RowCopier"):
+    with pytest.raises(TypeError, match=r"copiers\[1\] must be a RowCopier, got str"):
         warm_copy_fanout([c0, "x"], 8)
+    with pytest.raises(TypeError, match="copiers must be a list of RowCopier"):
+        warm_copy_fanout(c0, 8)
     with pytest.raises(ValueError, match="once"):
         warm_copy_fanout([c0, c0], 8)
-    with pytest.raises(ValueError, match="write the same memory"):
+    with pytest.raises(ValueError, match=r"copiers\[0\] and copiers\[1\] write the same memory"):
         warm_copy_fanout([c0, RowCopier(source, [dsts[0]])], 8)
     c1.close()
     with pytest.raises(RuntimeError, match=r"copiers\[1\] is closed"):
