@@ -165,6 +165,16 @@ def bucket_rows(n: int, block_rows: int = DEFAULT_BLOCK_ROWS) -> int:
     return max(block_rows, 1 << max(0, (n - 1).bit_length()))
 
 
+def buckets_up_to(n: int, block_rows: int = DEFAULT_BLOCK_ROWS) -> list[int]:
+    """Every `bucket_rows` value a call of at most `n` rows (>= 1) can have, ascending:
+    `block_rows`, doubling up to `bucket_rows(n, block_rows)` (what a warm-up compiles)."""
+    out, m = [], block_rows
+    while m <= bucket_rows(n, block_rows):
+        out.append(m)
+        m *= 2
+    return out
+
+
 def pow2_chunks(width: int) -> tuple[tuple[int, int], ...]:
     """Split a row of `width` words into power-of-2 pieces, largest first.
 
@@ -240,6 +250,7 @@ __all__ = [
     "GatherConfig",
     "addressable_words",
     "bucket_rows",
+    "buckets_up_to",
     "pow2_chunks",
     "select_backend",
     "word_dtype",

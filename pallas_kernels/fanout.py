@@ -357,7 +357,7 @@ def warm_copy_fanout(copiers, max_rows: int) -> list[int]:
         copier.
     """
     from pallas_kernels.copier import RowCopier
-    from pallas_kernels.config import bucket_rows
+    from pallas_kernels.config import buckets_up_to
 
     if not isinstance(copiers, (list, tuple)):
         raise TypeError(f"copiers must be a list of RowCopier, got {type(copiers).__name__}")
@@ -377,14 +377,12 @@ def warm_copy_fanout(copiers, max_rows: int) -> list[int]:
     br = copiers[0].config.block_rows
     # One job per copier, of at most its destination's rows (unique), each rounded to a block.
     max_rows = min(int(max_rows), sum(c.dst_rows + br for c in copiers))
-    out, m = [], br
-    while m <= bucket_rows(int(max_rows), br):
+    out = buckets_up_to(max_rows, br)
+    for m in out:
         table = np.zeros(4 * (m // br), np.int32)  # ok = 0 in every block: no store
 
         def fill(segs, meta, table=table):
             meta[:] = table
         _launch(copiers[0].source, list(copiers), m, len(table), fill)
-        out.append(m)
-        m *= 2
     _DeviceSync.block_until_ready()
     return out

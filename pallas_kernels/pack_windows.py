@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_kernels import device
-from pallas_kernels.config import BACKENDS, GatherConfig, bucket_rows, select_backend
+from pallas_kernels.config import BACKENDS, GatherConfig, buckets_up_to, select_backend
 from pallas_kernels.host import _region_units, _run_units, check_threads, host_threads
 from pallas_kernels._buffer_args import check_indices, check_range, check_word_offset
 from pallas_kernels.pack import (
@@ -101,9 +101,13 @@ def pack_windows(layers, windows, pack, *, backend: str = "auto",
         views = source.device_views() if source is not None else \
             _cached_device_views(layers, key, entry)
         srcs = kernel_sources(layers, views, word)
-        host_idx = all(isinstance(i, np.ndarray) for i, _ in live)
-        _device_windows(srcs, _padded_indices(live, starts, m, np if host_idx else _cupy()), blocks, m,
-                        pack, word, backend, config, align, sync)
+        if all(isinstance(i, np.ndarray) for i, _ in live):
+            padded = _padded_indices(live, starts, m)
+        else:
+            import cupy as cp
+
+            padded = _padded_indices(live, starts, m, cp)
+        _device_windows(srcs, padded, blocks, m, pack, word, backend, config, align, sync)
     else:
         _interpret_windows(layers, live, starts, blocks, m, pack, word, backend, config, align)
     return total
@@ -166,8 +170,8 @@ def warm_pack_windows(layers, pack, max_rows: int, *, backend: str = "auto",
 
         srcs = [jnp.asarray(np.ascontiguousarray(a).view(word)) for a in layers]
         words = jnp.asarray(pack[:pack.nbytes // word.itemsize * word.itemsize].view(word))
-    out, m = [], br
-    while m <= bucket_rows(int(max_rows), br):
+    out = buckets_up_to(max_rows, br)
+    for m in out:
         empty = np.zeros(4 * (m // br), np.int32)  # ok = 0 in every block: no store
         if on_device:
             _device_windows(srcs, np.zeros(m, np.int32), empty, m, pack, word, backend, config, align,
@@ -175,17 +179,9 @@ def warm_pack_windows(layers, pack, max_rows: int, *, backend: str = "auto",
         else:  # the interpreter's result is dropped: the pack is not touched at all
             words = gather_windows(srcs, jnp.zeros(m, jnp.int32), words, jnp.asarray(empty),
                                    config=config, backend=backend, offset_align=align)  # donated
-        out.append(m)
-        m *= 2
     if on_device:
         _sync_pack(pack)
     return out
-
-
-def _cupy():
-    import cupy as cp
-
-    return cp
 
 
 def _check_windows(windows, on_device, row_bytes, num_rows, pack_bytes):

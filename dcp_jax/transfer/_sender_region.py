@@ -84,19 +84,14 @@ class SenderRegion:
     def _submit_fused(self, u: Any, head: dict) -> None:
         """Checks a fused window's rows and queues its copy for the round's end (`_finish_fused`
         copies every queued window in one kernel launch, waits once, then says ``fused_done``)."""
-        from pallas_kernels import RowCopier
-
         t = u.target
         lo, hi = u.rc.windows[u.w]
-        mapping = t.conn.mapping
         src = dst = None
         if hi > lo:
-            # The copier (layer checks, views, destination handles) is made once per link, over
-            # the sender's one PackSource: the round's copies then share one launch.
-            if t.conn.copier is None:
-                t.conn.copier = RowCopier(self._source, mapping.arrays)
             dst = u.rc.dst_rows[lo:hi]
-            rows = t.conn.copier.dst_rows  # rows of its smallest mapped layer
+            # The link's copier (made at the handshake over the sender's one PackSource):
+            # rows of its smallest mapped layer.
+            rows = t.conn.copier.dst_rows
             if int(dst.max()) >= rows:  # no engine checks these addresses: this does
                 raise ValueError(f"decode rank {t.conn.spec.dcp_rank}'s page table maps row {int(dst.max())}, "
                                  f"its mapped layers hold {rows} rows")
@@ -151,14 +146,14 @@ class SenderRegion:
         """The round's launches: the b-th window of each link in launch b (a copier at most
         once per launch), each launch split further where its windows' index rows (each
         rounded up to a row block) would pass the bucket `warm_up` compiled."""
-        cap, br = self._index_cap["fused"], self._index_block
+        cap = self._index_cap["fused"]
         out = []
         for b in range(max((len(v) for v in per_link.values()), default=0)):
             launch, rows = [], 0
             for js in per_link.values():
                 if b >= len(js):
                     continue
-                n = -(-len(js[b][1]) // br) * br
+                n = self._index_rows(len(js[b][1]))
                 if launch and rows + n > cap:
                     out.append(launch)
                     launch, rows = [], 0
@@ -187,14 +182,13 @@ class SenderRegion:
         waited = time.perf_counter() - tk
         for req in {id(u.req): u.req for u, _, moved, _, _ in done if moved}.values():
             req.copy_seconds += waited
-        told = []
+        told = set()
         for u, _, moved, _, _ in done:  # every rank told first: the bookkeeping can wait
             if (err or errors.get(id(u))) is None and not u.req.status.terminal:
                 if moved:
                     u.req.timeline.mark("copied", u.target.conn.spec.group_rank)
                 self._ctl.send(u.target.conn.ident, frames[id(u)])
-                told.append(id(u))
-        told = set(told)
+                told.add(id(u))
         for u, _, moved, _, _ in done:
             t = u.target
             if id(u) in told:

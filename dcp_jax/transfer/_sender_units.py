@@ -110,6 +110,11 @@ class SenderUnits:
         view pair's head pieces."""
         return self.spec.row_bytes if conn.view is None else conn.view.row_bytes() * self.spec.num_layers
 
+    def _index_rows(self, n: int) -> int:
+        """Index rows a window of ``n`` rows takes in a round's kernel launch (pack or fused
+        copy): whole row blocks (`pallas_kernels.windows.window_blocks`)."""
+        return -(-n // self._index_block) * self._index_block
+
     def _window_bytes(self, u: Unit) -> int:
         """Bytes of a unit's window: its rows' pack, or a view pair's wire block."""
         if u.target.conn.view is None:
@@ -146,7 +151,7 @@ class SenderUnits:
             lo, hi = u.rc.windows[u.w]
             if u.rc.strategy in ("packed", "region") and hi > lo:
                 if conn.view is None:  # the round's one pack kernel: within the warmed buckets
-                    rounded = -(-(hi - lo) // self._index_block) * self._index_block
+                    rounded = self._index_rows(hi - lo)
                     if batch and index_rows + rounded > self._index_cap["pack"]:
                         break  # the rest in the next round (FIFO keeps order)
                 need = self._window_bytes(u)

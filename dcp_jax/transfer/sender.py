@@ -271,8 +271,7 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
             raise ValueError(f"max_rows={max_rows!r} must be an int >= 1 or None")
         br = self._index_block
         with self._lock:  # a snapshot: the compiles below run without the lock
-            conns = list(self._conns.values())
-            copiers = [c.copier for c in conns if c.copier is not None]
+            copiers = [c.copier for c in self._conns.values() if c.copier is not None]
             self._packer.prepare()  # (a staged pack's device scratch: made where rounds make it)
         rows = self._max_region_rows if max_rows is None else min(int(max_rows), self._max_region_rows)
         cap = bucket_rows(max(1, rows) + br, br)  # a lone window of `rows` rows, block-rounded

@@ -227,3 +227,15 @@ def test_warm_up_refusals_and_host_path():
     # to what a call can have (one-row windows: one row block per row the pack holds).
     assert warm_pack_windows(layers, np.zeros(4, np.uint8), 16, backend="interpret", config=SMALL) == []
     assert warm_pack_windows(layers, np.zeros(16, np.uint8), 2**70, backend="interpret", config=SMALL) == [8, 16]
+
+
+def test_buckets_up_to_hand_cases():
+    from pallas_kernels.config import bucket_rows, buckets_up_to
+
+    assert buckets_up_to(1, 8) == [8]
+    assert buckets_up_to(8, 8) == [8]
+    assert buckets_up_to(9, 8) == [8, 16]
+    assert buckets_up_to(40, 8) == [8, 16, 32, 64]
+    for n in range(1, 300):  # the last is n's own bucket, every one a bucket of some count
+        got = buckets_up_to(n, 64)
+        assert got[-1] == bucket_rows(n, 64) and got == [bucket_rows(m, 64) for m in got]
