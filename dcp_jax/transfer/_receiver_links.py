@@ -42,6 +42,13 @@ class Link:
     staged: bool = False       # the sender stages (its KV is not registered)
     row_bytes: int = 0         # bytes one token row of this link lands (all layers; head pieces only)
     view: Any = None           # TP or layout pair: its `views.StreamView` (the region path's unpack)
+    event: Any = None          # fused path: the sender's IPC event, opened here (`bridge.ipc_event.OpenedEvent`)
+
+    def close_event(self) -> None:
+        """Releases the opened IPC event (idempotent)."""
+        ev, self.event = self.event, None
+        if ev is not None:
+            ev.close()
 
 
 def missing_senders(specs: list[KVCacheSpec]) -> list[int]:
@@ -53,6 +60,26 @@ def missing_senders(specs: list[KVCacheSpec]) -> list[int]:
         return []
     have = {sp.dcp_rank for sp in specs}
     return sorted(set(range(max(sp.dcp_size for sp in specs))) - have)
+
+
+def _open_event(reply: dict) -> Any:
+    """The sender's fused-path IPC event of a ``hello_ack`` opened here, or None (none offered).
+
+    Raises:
+        HandshakeError: field ``"event"``: offered on another path than fused, or CUDA cannot
+            open it (its gated ``fused_done``s could never be credited).
+    """
+    if not reply["event"]:
+        return None
+    if reply["path"] != "fused":
+        raise HandshakeError("event", None, None, f"the sender offered an IPC event on the {reply['path']} path")
+    try:
+        from bridge.ipc_event import OpenedEvent
+
+        return OpenedEvent(reply["event"])
+    except Exception as exc:  # noqa: BLE001 - ImportError, ValueError, IpcEventError: refused
+        raise HandshakeError("event", None, None,
+                             f"the sender's IPC event cannot be opened here: {type(exc).__name__}: {exc}") from None
 
 
 class ReceiverLinks:
@@ -92,7 +119,13 @@ class ReceiverLinks:
             if reply["path"] == "region" and not self._region.nbytes:
                 raise HandshakeError("path", None, None,
                                      "the sender chose the region path, this receiver offers no region")
-            peer = self.engine.add_peer(PeerInfo.from_dict(reply["peer"]))
+            event = _open_event(reply)
+            try:
+                peer = self.engine.add_peer(PeerInfo.from_dict(reply["peer"]))
+            except BaseException:
+                if event is not None:
+                    event.close()
+                raise
         except BaseException:
             client.close()
             raise
@@ -102,7 +135,7 @@ class ReceiverLinks:
             view = stream_view(sender_spec, self.spec, 1, self._layers.min_rows // self.spec.page_size)
             row_bytes = view.row_bytes() * self.spec.num_layers
         return Link(client, sender_spec, peer, bases, direction, time.monotonic(), path=reply["path"],
-                    staged=reply["staged"], row_bytes=row_bytes, view=view)
+                    staged=reply["staged"], row_bytes=row_bytes, view=view, event=event)
 
     def _refuse_twin(self, address: str, sender_spec: KVCacheSpec) -> None:
         """HandshakeError if the sender does not fit the prefill group of the live links: field
@@ -190,6 +223,7 @@ class ReceiverLinks:
             self._doubt[link.peer] = (time.monotonic(), link)
         self._worker.remove_socket(link.client.sock)
         link.client.close()
+        link.close_event()
         try:
             self.engine.remove_peer(link.peer)
         except Exception:  # noqa: BLE001 - already gone

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any
 
@@ -94,6 +95,11 @@ class Conn:
                 m.close()
             except Exception:  # noqa: BLE001 - the peer's memory may already be gone
                 logger.debug("closing an IPC mapping failed", exc_info=True)
+
+
+def _exported_here(mapping: Any) -> bool:
+    """Whether a fused rank's IPC handles name this very process (a rank in the sender's process)."""
+    return any(getattr(h, "pid", None) == os.getpid() for h in getattr(mapping, "handles", ()))
 
 
 class SenderPeers:
@@ -215,7 +221,10 @@ class SenderPeers:
                 self._to_plan[req] = None
         self._ctl.send(ident, proto.encode(
             "hello_ack", spec=self.spec.to_dict(), peer=self.engine.peer_info().to_dict(),
-            layer_bases=proto.pack_i64(self._layers.bases), name=self.engine.name, path=path, staged=self.staged))
+            layer_bases=proto.pack_i64(self._layers.bases), name=self.engine.name, path=path, staged=self.staged,
+            # The IPC event is for ranks in other processes (CUDA opens no IPC handle in the
+            # process that made it): a rank of this process is told after the host's wait.
+            event=self._signal_handle() if path == "fused" and not _exported_here(mapping) else b""))
 
     def _view_of(self, spec: KVCacheSpec, msg: dict) -> Any:
         """The pair's `views.StreamView` (its path: `views.view_path`); pushed only.

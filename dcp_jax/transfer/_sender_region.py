@@ -8,8 +8,12 @@ as the packed path's ``pull_ready``; the receiver READs the window with one desc
 
 Fused: the round's windows are copied from this sender's pages into each decode rank's pages,
 through the connection's `bridge.cuda_ipc.IpcMapping`, by ONE fan-out kernel launch
-(`pallas_kernels.copy_fanout` over the links' `RowCopier`s); once it finished
-(``pallas_kernels.synchronize``), ``fused_done`` tells each rank.
+(`pallas_kernels.copy_fanout` over the links' `RowCopier`s). Gated (the sender made an IPC event,
+`bridge.ipc_event.SignalEvent`, and offered it in ``hello_ack``): the event is recorded after the
+launch and ``fused_done(gated=True)`` goes to each rank at once, while the copy runs; each rank
+counts its rows once the event completed. Else (no event could be made): ``fused_done`` once the
+host's wait (``pallas_kernels.synchronize``) returned. Either way the sender's own bookkeeping
+(its units, its request's end) follows its host wait.
 """
 from __future__ import annotations
 
@@ -38,6 +42,11 @@ def sync_arrays(arrays) -> None:
         import cupy as cp
 
         cp.cuda.runtime.deviceSynchronize()
+
+
+def _device_id(array) -> int | None:
+    dev = getattr(array, "device", None)
+    return getattr(dev, "id", None)
 
 
 class SenderRegion:
@@ -102,15 +111,16 @@ class SenderRegion:
         t.inflight += 1
         self._fused.append((u, head, hi > lo, src, dst))
 
-    def _copy_fused(self, done: list) -> dict:
+    def _copy_fused(self, done: list) -> tuple[dict, list]:
         """Enqueues the round's fused copies: ONE fan-out kernel for all decode ranks
         (`pallas_kernels.copy_fanout`; a rank with two windows this round needs a second
         launch). Every fused link's copier is in every launch, in connection order, with no
         rows where it has no window: the kernel compiled for this sender's ranks serves every
         round (`KVSender.warm_up` compiles it), whichever ranks announced in time. Should a
         launch raise, its windows are copied one by one, so only a failing window ends its
-        request. Returns {id(unit): error}. Bounds were checked by `_submit_fused` on the host
-        (the kernel's own checks would each synchronise)."""
+        request. Returns ({id(unit): error}, one copier per launch: the IPC event is recorded
+        after what they wrote). Bounds were checked by `_submit_fused` on the host (the
+        kernel's own checks would each synchronise)."""
         from pallas_kernels import copy_fanout
 
         moved = [(u, src, dst) for u, _, m, src, dst in done if m and not u.req.status.terminal]
@@ -121,12 +131,13 @@ class SenderRegion:
         listed = {id(c) for c in links}
         links += [c for c in {id(u.target.conn): u.target.conn for u, _, _ in moved}.values() if id(c) not in listed]
         empty = np.empty(0, np.int64)
-        errors = {}
+        errors, written = {}, []
         tk = time.perf_counter()
         for batch in self._fused_launches(per_link):
             mine = {id(u.target.conn): (s, d) for u, s, d in batch}
             try:
                 copy_fanout([(c.copier, *mine.get(id(c), (empty, empty))) for c in links], checked=True)
+                written.append(batch[0][0].target.conn.copier)  # one kernel wrote them all
                 for u, _, _ in batch:  # enqueued, not finished: the timeline tells launch from wait
                     u.req.timeline.mark("launched", u.target.conn.spec.group_rank)
             except Exception:  # noqa: BLE001 - find the window that fails; the others go out
@@ -135,12 +146,13 @@ class SenderRegion:
                 for u, src, dst in batch:
                     try:
                         u.target.conn.copier.copy(src, dst, checked=True)
+                        written.append(u.target.conn.copier)
                     except Exception as exc:  # noqa: BLE001 - its request fails, the sender lives on
                         errors[id(u)] = f"fused copy: {type(exc).__name__}: {exc}"
         took = time.perf_counter() - tk
         for req in {id(u.req): u.req for u, _, _ in moved}.values():
             req.copy_seconds += took
-        return errors
+        return errors, written
 
     def _fused_launches(self, per_link: dict) -> list:
         """The round's launches: the b-th window of each link in launch b (a copier at most
@@ -164,36 +176,81 @@ class SenderRegion:
         return out
 
     def _finish_fused(self) -> None:
-        """The round's fused copies: enqueued in one launch, one wait for all of them (the bytes
-        are in the decode pages before any rank is told), then ``fused_done`` to each rank."""
+        """The round's fused copies: enqueued in one launch, then the ranks are told
+        (`_tell_fused`: at once when gated on the IPC event, else after the host's wait), one
+        host wait for all of them, then the round's bookkeeping."""
         if not self._fused:
             return
         done, self._fused = self._fused, []
-        errors = self._copy_fused(done)
-        # The messages are encoded while the copy runs: after the wait, only the sends remain.
-        frames = {id(u): proto.encode("fused_done", u.req.rid, u.target.inc, **head)
-                  for u, head, _, _, _ in done if id(u) not in errors}
+        errors, written = self._copy_fused(done)
+        live = [d for d in done if id(d[0]) not in errors and not d[0].req.status.terminal]
+        gated = self._record_signal(written) if any(m for _, _, m, _, _ in live) else False
+        told = self._tell_fused(live, gated) if gated else set()
+        # Without the event, the messages are encoded while the copy runs: after the wait only the sends remain.
+        frames = {} if gated else {id(u): proto.encode("fused_done", u.req.rid, u.target.inc, gated=False, **head)
+                                   for u, head, _, _, _ in live}
         tk = time.perf_counter()
         err = None
         try:
             sync_arrays([a for u, _, moved, _, _ in done if moved for a in u.target.conn.mapping.arrays[:1]])
-        except Exception as exc:  # noqa: BLE001 - no rank may be told its rows landed
+        except Exception as exc:  # noqa: BLE001 - no rank may count its rows (gated: they are told "failed")
             err = f"fused copy: {type(exc).__name__}: {exc}"
         waited = time.perf_counter() - tk
         for req in {id(u.req): u.req for u, _, moved, _, _ in done if moved}.values():
             req.copy_seconds += waited
-        told = set()
-        for u, _, moved, _, _ in done:  # every rank told first: the bookkeeping can wait
-            if (err or errors.get(id(u))) is None and not u.req.status.terminal:
-                if moved:
-                    u.req.timeline.mark("copied", u.target.conn.spec.group_rank)
-                self._ctl.send(u.target.conn.ident, frames[id(u)])
-                told.add(id(u))
+        if not gated and err is None:
+            told = self._tell_fused(live, False, frames)
         for u, _, moved, _, _ in done:
             t = u.target
-            if id(u) in told:
+            if moved and id(u) in told and err is None:
+                u.req.timeline.mark("copied", t.conn.spec.group_rank)
+            ok = id(u) in told and err is None
+            if ok:
                 self._count(t, 0, self._window_bytes(u) if moved else 0, 0)
-            self._unit_finished(u, None if id(u) in told else err or errors.get(id(u)))
+            self._unit_finished(u, None if ok else err or errors.get(id(u)))
+
+    def _tell_fused(self, live: list, gated: bool, frames: dict | None = None) -> set:
+        """Sends ``fused_done`` to the rank of each live window (every rank before any
+        bookkeeping); returns the ids of the units told."""
+        told = set()
+        for u, head, _, _, _ in live:
+            if u.req.status.terminal:
+                continue
+            frame = frames[id(u)] if frames else proto.encode("fused_done", u.req.rid, u.target.inc, gated=gated, **head)
+            self._ctl.send(u.target.conn.ident, frame)
+            told.add(id(u))
+        return told
+
+    def _record_signal(self, copiers: list) -> bool:
+        """Records the IPC event after the round's launches (no host wait; `copiers`: one per
+        launch); False (the ranks are told after the host's wait instead) without an event or
+        when the record fails."""
+        if self._signal is None or not copiers:
+            return False
+        try:
+            # A kernel's launch wrote its destinations' current JAX handle; a CuPy copy is ordered
+            # on CuPy's current stream; a numpy copy is complete when it returns.
+            self._signal.record_after([c.destinations().handles[0] if c.backend == "triton" else c.dst_layers[0]
+                                       for c in copiers if c.backend != "numpy"])
+        except Exception:  # noqa: BLE001 - fall back to telling after the wait
+            logger.warning("fused copy: recording the IPC event failed; telling the ranks after the wait",
+                           exc_info=True)
+            return False
+        return True
+
+    def _signal_handle(self) -> bytes:
+        """The fused path's IPC event handle for a ``hello_ack``: made with the first fused link
+        (on the device of this sender's layers); b"" when it cannot be made (warned once: its
+        ranks are then told after the host's wait)."""
+        if self._signal is None and not getattr(self, "_signal_failed", False):
+            try:
+                from bridge.ipc_event import SignalEvent
+
+                self._signal = SignalEvent(device_id=_device_id(self._layers.rows[0]))
+            except Exception as exc:  # noqa: BLE001 - no CuPy / CUDA refused: the ungated path
+                logger.warning("fused path: no IPC event (%s); ranks are told after the host's wait", exc)
+                self._signal_failed = True
+        return self._signal.handle if self._signal is not None else b""
 
     def _drop_asks(self, pred) -> None:
         """Windows waiting for a grant that will never be used: their pack regions are free (no

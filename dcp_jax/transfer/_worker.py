@@ -43,14 +43,16 @@ TIMEOUT_CHECK_S = 0.05
 MAX_TOKENS = 1 << 62
 _I64 = (-(1 << 63), (1 << 63) - 1)
 
-#: What a round returns.
-IDLE, PENDING, ACTIVE = 0, 1, 2
+#: What a round returns. SPIN: something is due within microseconds (a device copy a peer
+#: said it launched): the next round follows after `MIN_BACKOFF_S`, the backoff does not grow.
+IDLE, PENDING, ACTIVE, SPIN = 0, 1, 2, 3
 
 
 class Worker:
     """One daemon thread calling ``round_fn`` until stopped.
 
     ``round_fn()`` returns `ACTIVE` (it did something: the next round follows at once),
+    `SPIN` (something is due within microseconds: the next round follows after `MIN_BACKOFF_S`),
     `PENDING` (something is awaited from the engine: the next round follows after the backoff)
     or `IDLE` (it waits up to `IDLE_POLL_MS` for a control message on a registered socket or a
     `wake`). An exception in a round is logged and counted, never fatal.
@@ -127,6 +129,10 @@ class Worker:
                 break
             if state == ACTIVE:
                 backoff, timeout_ms = 0.0, 0
+            elif state == SPIN:
+                backoff = 0.0
+                time.sleep(MIN_BACKOFF_S)
+                timeout_ms = 0
             elif state == PENDING:
                 backoff = min(max(2 * backoff, MIN_BACKOFF_S), MAX_BACKOFF_S)
                 if backoff >= 1e-3:

@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 #: Bumped on any change of a message's meaning; peers of another version are refused at hello.
-PROTOCOL_VERSION = 5  # 5: hello states the receiver's cache pages; 4: hello and hello_ack state whether the side stages
+PROTOCOL_VERSION = 6  # 6: hello_ack offers the fused path's IPC event, fused_done says whether it is gated on it; 5: hello states the receiver's cache pages; 4: hello and hello_ack state whether the side stages
 #: Path names a sender may answer a hello with (`dcp_jax.transfer._region.choose_path`).
 PATHS = ("direct", "packed", "region", "fused")
 MAX_IPC_HANDLES = 4096     # one CUDA IPC handle per KV layer entry at most (spec.MAX_LAYERS)
@@ -67,8 +67,11 @@ KINDS: dict[str, dict[str, tuple]] = {
               "region_bytes": (_INT, 0), "mem": (_STR, 8), "ipc": (_LIST, MAX_IPC_HANDLES),
               "host": (_DICT, 0), "heartbeat_ms": (_INT, 1), "peer_timeout_ms": (_INT, 1),
               "staged": (_BOOL, 0), "num_pages": (_INT, 0)},
+    # event: the fused path's `bridge.ipc_event.SignalEvent` handle (64 bytes; b"" = none): a
+    # ``fused_done`` with gated=True is sent right after the copy's launch, and the rank counts its
+    # rows only once that event completed (`OpenedEvent.done`).
     "hello_ack": {"spec": (_DICT, 0), "peer": (_DICT, 0), "layer_bases": (_BYTES, 8 * 4096),
-                  "name": (_STR, 256), "path": (_STR, 16), "staged": (_BOOL, 0)},
+                  "name": (_STR, 256), "path": (_STR, 16), "staged": (_BOOL, 0), "event": (_BYTES, 64)},
     "hello_nack": {"field": (_STR, 64), "ours": (_ANY, 0), "theirs": (_ANY, 0), "message": (_STR, MAX_TEXT)},
     "expect": {"num_tokens": (_INT, 0), "prefix_tokens": (_INT, 0), "page_table": (_BYTES, MAX_CONTROL_BYTES),
                "dcp_rank": (_INT, 0)},
@@ -79,7 +82,7 @@ KINDS: dict[str, dict[str, tuple]] = {
     "done": dict(_CHUNK),
     "region_ask": {**_CHUNK, "lo": (_INT, 0), "nbytes": (_INT, 1)},
     "region_grant": {"chunk": (_INT, 0), "part": (_INT, 0), "offset": (_INT, 0), "nbytes": (_INT, 1)},
-    "fused_done": dict(_CHUNK),
+    "fused_done": {**_CHUNK, "gated": (_BOOL, 0)},
     "drained": {},
     "sent": {"chunk": (_INT, 0), "part": (_INT, 0)},
     "ping": {},

@@ -28,7 +28,7 @@ import numpy as np
 
 from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
-from dcp_jax.transfer._worker import (ACTIVE, DEFAULT_HEARTBEAT_S, IDLE, PENDING, Worker, check_liveness,
+from dcp_jax.transfer._worker import (ACTIVE, DEFAULT_HEARTBEAT_S, IDLE, PENDING, SPIN, Worker, check_liveness,
                                       check_page_table, check_seconds, check_tokens, close_at_exit, shut_down)
 from dcp_jax.transfer._receiver_data import ReceiverData
 from dcp_jax.transfer._receiver_links import Link, ReceiverLinks, missing_senders  # noqa: F401  (missing_senders: re-exported)
@@ -352,6 +352,7 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
         self._flush()  # the "failed" frames of the live requests
         for link in self._links:
             link.client.close()
+            link.close_event()
 
     def __enter__(self) -> "KVReceiver":
         return self
@@ -383,6 +384,7 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
                         busy = True
                         self._on_notification(peer, note)
             busy |= self._poll_reads()
+            busy |= self._poll_gated()
             if self._waiting:  # room freed, or a waiting window's request ended
                 busy |= self._grant_waiting()
             self._check_timeouts()
@@ -392,6 +394,8 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
             self._flush()
             if busy:
                 return ACTIVE
+            if self._gated:
+                return SPIN if self._gated_waiting() else PENDING
             return PENDING if pending or self._reads else IDLE
 
     def _flush(self) -> None:

@@ -123,3 +123,44 @@ def mooncake_target(conn, nbytes: int, at: int) -> None:
                 return
     finally:
         eng.close()
+
+
+#: `event_waiter`'s KV: layers of [rows, width] bytes; row r of layer l holds (7 l + r) % 251.
+EVENT_LAYERS, EVENT_ROWS, EVENT_WIDTH = 4, 65536, 4096
+
+
+def event_waiter(conn) -> None:
+    """Owns `EVENT_LAYERS` zeroed CuPy layers, exports their IPC handles; on ("wait", event
+    handle, perm) opens the writer's IPC event, polls it until it completed, then checks at once
+    that row i of layer l holds source row perm[i]'s bytes; answers ("checked", polls, bad rows)."""
+    try:
+        import cupy as cp
+
+        from bridge.cuda_ipc import export_ipc_handles
+        from bridge.ipc_event import OpenedEvent
+
+        layers = [cp.zeros((EVENT_ROWS, EVENT_WIDTH), cp.uint8) for _ in range(EVENT_LAYERS)]
+        cp.cuda.runtime.deviceSynchronize()
+        conn.send(("ready", [h.to_dict() for h in export_ipc_handles(layers)]))
+        while True:
+            msg = conn.recv()
+            if msg[0] == "exit":
+                conn.send(("bye",))
+                return
+            _, handle, perm = msg
+            ev = OpenedEvent(handle)
+            polls = 0
+            while not ev.done():
+                polls += 1
+            p = cp.asarray(perm)
+            bad = 0
+            for l, a in enumerate(layers):
+                want = ((7 * l + p) % 251).astype(cp.uint8)[:, None]
+                bad += int((a != want).any(axis=1).sum())
+            ev.close()
+            for a in layers:
+                a.fill(0)
+            cp.cuda.runtime.deviceSynchronize()
+            conn.send(("checked", polls, bad))
+    except Exception:  # noqa: BLE001 - reported to the test
+        conn.send(("error", traceback.format_exc()))
