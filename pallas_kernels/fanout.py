@@ -157,11 +157,7 @@ def _blocks(counts, dests, br):
     """(starts, table i32[4 * m // br], m) of windows of these row counts for these destination
     indices, laid end to end at multiples of `br` (`windows.window_blocks`, the destination in
     column 0)."""
-    starts, table, m = window_blocks(counts, [0] * len(counts), br)
-    table = table.reshape(-1, 4)
-    nb = [-(-c // br) for c in counts]
-    table[:sum(nb), 0] = np.repeat(np.asarray(dests, np.int32), nb)
-    return starts, table.reshape(-1), m
+    return window_blocks(counts, dests, br)  # column 0 (offset units there) carries k here
 
 
 def _layout(windows, br):

@@ -51,23 +51,31 @@ def window_blocks(counts, units, block_rows: int) -> tuple[np.ndarray, np.ndarra
     Raises:
         ValueError: a negative count, or counts and units of different lengths.
     """
-    counts = np.asarray(counts, np.int64).reshape(-1)
-    units = np.asarray(units, np.int64).reshape(-1)
-    if counts.shape != units.shape:
-        raise ValueError(f"counts ({counts.size}) and units ({units.size}) must have one entry "
+    # A round has a handful of windows: Python ints and ONE repeat of a small per-window table
+    # (a kernel launch's host time on a slow host was mostly numpy calls here).
+    counts = [int(c) for c in np.asarray(counts).reshape(-1)]
+    units = [int(u) for u in np.asarray(units).reshape(-1)]
+    if len(counts) != len(units):
+        raise ValueError(f"counts ({len(counts)}) and units ({len(units)}) must have one entry "
                          "per window")
-    if counts.size and counts.min() < 0:
-        raise ValueError(f"counts must be >= 0, got {counts.min()}")
-    nb = -(-counts // block_rows)
-    starts = np.concatenate([[0], np.cumsum(nb)[:-1]]).astype(np.int64) * block_rows
-    used = int(nb.sum())
+    if counts and min(counts) < 0:
+        raise ValueError(f"counts must be >= 0, got {min(counts)}")
+    nb = [-(-c // block_rows) for c in counts]
+    first, used = [], 0
+    for b in nb:
+        first.append(used)
+        used += b
+    starts = np.array(first, np.int64) * block_rows
     m = bucket_rows(used * block_rows, block_rows)
     table = np.zeros((m // block_rows, 4), np.int32)
-    win = np.repeat(np.arange(counts.size), nb)
-    table[:used, 0] = units[win].astype(np.uint32).view(np.int32)
-    table[:used, 1] = counts[win]
-    table[:used, 2] = (np.arange(used) - np.repeat(starts // block_rows, nb)) * block_rows
-    table[:used, 3] = 1
+    if used:
+        # per window: (offset units as uint32 bits, rows, -first block, ok); the third column
+        # becomes each block's first window row once the block number is added.
+        per = np.array([(u & 0xFFFFFFFF, c, -f, 1) for u, c, f in zip(units, counts, first)], np.int64)
+        rep = np.repeat(per, nb, axis=0)
+        rep[:, 2] += np.arange(used)
+        rep[:, 2] *= block_rows
+        table[:used] = rep.astype(np.uint32).view(np.int32)
     return starts, table.reshape(-1), m
 
 

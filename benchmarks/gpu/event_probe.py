@@ -1,33 +1,15 @@
-"""Probe (GPU): can a CuPy stream wait on a JAX kernel without the host waiting, and can another
-process wait on that through a CUDA IPC event?
+"""Probe (GPU): can a CuPy stream wait on a JAX kernel without the host waiting (DLPack's
+``stream`` argument), so that an interprocess CUDA event recorded there marks the kernel's end?
 
 Prints JSON: the host time of the dispatch, of `__dlpack__(stream=...)` and of the event record
 while a ~2 ms kernel runs; whether the event was still pending right after (it must be); the
-time the event completed vs `block_until_ready`; a donated second call after the export; and a
-child process polling the IPC-opened event (its completion time on the shared monotonic clock).
+time the event completed vs `block_until_ready`; a donated second call after the export. (Another
+process waiting on the event: tests/gpu/test_ipc_event_gpu.py.)
 """
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import time
-
-
-def child(handle: bytes, q) -> None:
-    import cupy as cp
-
-    ev = cp.cuda.runtime.ipcOpenEventHandle(handle)
-    q.put(("opened", time.monotonic()))
-    seen_pending = False
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        st = cp.cuda.runtime.eventQuery(ev)
-        if st == 0 and seen_pending:
-            q.put(("done", time.monotonic()))
-            break
-        if st != 0:
-            seen_pending = True
-    cp.cuda.runtime.eventDestroy(ev)
 
 
 def main() -> None:
@@ -45,13 +27,7 @@ def main() -> None:
     out["kernel_ms"] = (time.perf_counter() - t) * 1e3
     s = cp.cuda.Stream(non_blocking=True)
     ev = cp.cuda.Event(block=False, disable_timing=True, interprocess=True)
-    handle = cp.cuda.runtime.ipcGetEventHandle(ev.ptr)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=child, args=(handle, q))
-    p.start()
-    assert q.get(timeout=60)[0] == "opened"
-    time.sleep(0.5)
+    out["handle_bytes"] = len(cp.cuda.runtime.ipcGetEventHandle(ev.ptr))
     rows = []
     for i in range(5):
         t0 = time.perf_counter()
@@ -70,16 +46,6 @@ def main() -> None:
         rows.append(dict(dispatch_us=(t1 - t0) * 1e6, dlpack_stream_us=(t2 - t1) * 1e6, record_us=(t3 - t2) * 1e6,
                          pending_after_record=pending, event_done_ms=(t4 - t0) * 1e3, bur_ms=(t5 - t0) * 1e3))
     out["same_process"] = rows
-    # Cross-process: the child polls; the parent launches, exports to the stream, records.
-    t0m = time.monotonic()
-    y = f(y)
-    y.__dlpack__(stream=s.ptr)
-    ev.record(s)
-    y.block_until_ready()
-    t_bur = time.monotonic()
-    kind, t_child = q.get(timeout=30)
-    out["cross_process"] = dict(kind=kind, child_done_ms=(t_child - t0m) * 1e3, parent_bur_ms=(t_bur - t0m) * 1e3)
-    p.join(10)
     out["values_ok"] = bool(jnp.all(y[:2, :2, :2] == y[0, 0, 0]))
     print("EVENT_PROBE", json.dumps(out))
 

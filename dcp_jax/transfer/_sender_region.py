@@ -90,23 +90,30 @@ class SenderRegion:
         self._inflight.append(u)  # inflight counts were taken at the ask
         self._count(t, 1, want, self._batch_calls(1))
 
+    @staticmethod
+    def _fused_rows_error(t: Any, rc: Any) -> str | None:
+        """Why a fused chunk's destination rows cannot be written (no engine checks these
+        addresses: this does, once per chunk when it is planned), or None. The bound is the
+        link's copier's (made at the handshake over the sender's one PackSource): rows of the
+        rank's smallest mapped layer."""
+        if not len(rc.dst_rows):
+            return None
+        rows, hi, lo = t.conn.copier.dst_rows, int(rc.dst_rows.max()), int(rc.dst_rows.min())
+        if hi >= rows:
+            return f"decode rank {t.conn.spec.dcp_rank}'s page table maps row {hi}, its mapped layers hold {rows} rows"
+        if lo < 0:
+            return f"decode rank {t.conn.spec.dcp_rank}'s page table maps a negative row"
+        return None
+
     def _submit_fused(self, u: Any, head: dict) -> None:
-        """Checks a fused window's rows and queues its copy for the round's end (`_finish_fused`
-        copies every queued window in one kernel launch, waits once, then says ``fused_done``)."""
+        """Queues a fused window's copy for the round's end (`_finish_fused` copies every queued
+        window in one kernel launch, then says ``fused_done``); its rows were checked when its
+        chunk was planned (`_fused_rows_error`)."""
         t = u.target
         lo, hi = u.rc.windows[u.w]
         src = dst = None
         if hi > lo:
-            dst = u.rc.dst_rows[lo:hi]
-            # The link's copier (made at the handshake over the sender's one PackSource):
-            # rows of its smallest mapped layer.
-            rows = t.conn.copier.dst_rows
-            if int(dst.max()) >= rows:  # no engine checks these addresses: this does
-                raise ValueError(f"decode rank {t.conn.spec.dcp_rank}'s page table maps row {int(dst.max())}, "
-                                 f"its mapped layers hold {rows} rows")
-            if int(dst.min()) < 0:
-                raise ValueError(f"decode rank {t.conn.spec.dcp_rank}'s page table maps a negative row")
-            src = u.rc.src_rows[lo:hi]
+            src, dst = u.rc.src_rows[lo:hi], u.rc.dst_rows[lo:hi]
         u.req.inflight += 1
         t.inflight += 1
         self._fused.append((u, head, hi > lo, src, dst))

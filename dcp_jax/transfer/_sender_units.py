@@ -79,6 +79,9 @@ class SenderUnits:
                         self._end(req, TransferStatus.FAILED, f"plan for decode rank {rank}: {exc}", notify="failed")
                         break
                     req.plan_seconds += time.perf_counter() - tp
+                    if rc.strategy == "fused" and (err := self._fused_rows_error(t, rc)):
+                        self._end(req, TransferStatus.FAILED, err, notify="failed")
+                        break
                     t.parts_left[ci] = (len(rc.windows), start, stop)
                     t.counters.rows += len(rc.src_rows)
                     if rc.strategy != "empty":

@@ -51,6 +51,25 @@ def test_window_blocks_by_hand():
     assert blocks[0] == -1
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 70), st.integers(0, 2**32 - 1)), max_size=12),
+       st.sampled_from([1, 4, 16, 64]))
+def test_window_blocks_match_a_block_by_block_reference(wins, br):
+    counts, units = [c for c, _ in wins], [u for _, u in wins]
+    starts, blocks, m = window_blocks(counts, units, br)
+    rows, want, pos = [], [], 0
+    for c, u in wins:  # brute force: every window from the next block, block by block
+        rows.append(pos)
+        for first in range(0, c, br):
+            want.append([np.array(u, np.uint32).view(np.int32), c, first, 1])
+            pos += br
+    assert starts.tolist() == rows and m >= pos and m % br == 0
+    got = blocks.reshape(-1, 4)
+    assert got.shape == (m // br, 4) and blocks.dtype == np.int32
+    assert got[:len(want)].tolist() == [[int(x) for x in w] for w in want]
+    assert not got[len(want):].any()
+
+
 @pytest.mark.parametrize("item_lens", [(1152, 1152), (576,), (656, 1152, 576), (3, 2, 5)],
                          ids=lambda x: "-".join(map(str, x)))
 @pytest.mark.parametrize("backend", ["numpy", "interpret"])
