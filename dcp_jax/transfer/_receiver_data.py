@@ -110,7 +110,7 @@ class ReceiverData:
         rows = self._chunk_rows.get(key)
         if rows is None:
             a = max(start, req.prefix_tokens)
-            toks = owned_tokens(a, max(a, stop), dst=self._layout, src=SideLayout.of(link.spec))
+            toks = owned_tokens(a, max(a, stop), dst=self._layout, src=link.src_layout or SideLayout.of(link.spec))
             # expect() checked the whole table once: only the pages these tokens touch here.
             rows = self._chunk_rows[key] = token_rows(toks, self._layout, req.page_table, check_table=False)
         return rows
@@ -123,7 +123,7 @@ class ReceiverData:
         if rows is not None:
             return len(rows)
         a = max(start, req.prefix_tokens)
-        return owned_count(a, max(a, stop), dst=self._layout, src=SideLayout.of(link.spec))
+        return owned_count(a, max(a, stop), dst=self._layout, src=link.src_layout or SideLayout.of(link.spec))
 
     def _part_landed(self, req: RecvRequest, link: Any, msg: dict) -> None:
         start, stop, chunk = msg["start"], msg["stop"], msg["chunk"]

@@ -20,6 +20,7 @@ from bridge import PeerInfo
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._region import host_info
 from dcp_jax.transfer.control import ControlClient
+from dcp_jax.transfer.schedule import SideLayout
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
 from dcp_jax.transfer.status import TransferStatus
 from dcp_jax.transfer.views import stream_view, uncovered_heads, uses_views
@@ -43,6 +44,7 @@ class Link:
     row_bytes: int = 0         # bytes one token row of this link lands (all layers; head pieces only)
     view: Any = None           # TP or layout pair: its `views.StreamView` (the region path's unpack)
     event: Any = None          # fused path: the sender's IPC event, opened here (`bridge.ipc_event.OpenedEvent`)
+    src_layout: Any = None     # the sender's `schedule.SideLayout` (made once: a chunk's row count uses it)
 
     def close_event(self) -> None:
         """Releases the opened IPC event (idempotent)."""
@@ -135,7 +137,8 @@ class ReceiverLinks:
             view = stream_view(sender_spec, self.spec, 1, self._layers.min_rows // self.spec.page_size)
             row_bytes = view.row_bytes() * self.spec.num_layers
         return Link(client, sender_spec, peer, bases, direction, time.monotonic(), path=reply["path"],
-                    staged=reply["staged"], row_bytes=row_bytes, view=view, event=event)
+                    staged=reply["staged"], row_bytes=row_bytes, view=view, event=event,
+                    src_layout=SideLayout.of(sender_spec))
 
     def _refuse_twin(self, address: str, sender_spec: KVCacheSpec) -> None:
         """HandshakeError if the sender does not fit the prefill group of the live links: field
