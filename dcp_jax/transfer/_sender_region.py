@@ -1,10 +1,13 @@
 """The sender's region and fused paths (a mixin of `dcp_jax.transfer.KVSender`, worker thread, lock held).
 
-Region, push: a window is packed into the sender's pack region (as the packed path), then
-``region_ask`` asks the decode rank for room in its receive region; its ``region_grant`` (offset,
-size: checked against the region the rank declared at the handshake before any byte moves)
-lets ONE descriptor write the whole window, with the usual ``done`` notification. Region, pull:
-as the packed path's ``pull_ready``; the receiver READs the window with one descriptor.
+Region, push: a window is packed into the sender's pack region (as the packed path); as soon
+as the round's pack is enqueued, before the round synchronises it, ``region_ask`` asks the
+decode rank for room in its receive region, so the ask -> grant round trip overlaps the pack
+kernel. Its ``region_grant`` (offset, size: checked against the region the rank declared at the
+handshake before any byte moves) and the round's synchronisation of the pack, in either order,
+let ONE descriptor write the whole window, with the usual ``done`` notification (`Unit.packed`,
+`Unit.grant`: the write is posted by whichever comes second). Region, pull: as the packed path's
+``pull_ready`` after the synchronisation; the receiver READs the window with one descriptor.
 
 Fused: the round's windows are copied from this sender's pages into each decode rank's pages,
 through the connection's `bridge.cuda_ipc.IpcMapping`, by ONE fan-out kernel launch
@@ -55,33 +58,82 @@ class SenderRegion:
     def _ask_key(self, u: Any) -> tuple:
         return (u.req.rid, u.target.inc, u.target.conn.spec.dcp_rank, u.rc.chunk, u.w)
 
-    def _submit_region_push(self, u: Any, head: dict, nbytes: int) -> None:
-        """Asks the rank for room; the write follows its grant (`_on_region_grant`)."""
+    def _window_head(self, u: Any) -> dict:
+        """The fields that name a unit's window in ``region_ask`` / ``done`` / ``pull_ready`` / ``fused_done``."""
+        rc = u.rc
+        lo, hi = rc.windows[u.w]
+        return dict(chunk=rc.chunk, part=u.w, nparts=len(rc.windows), start=rc.start, stop=rc.stop, nrows=hi - lo)
+
+    def _ask_regions(self, packed: list) -> list:
+        """Region push: asks the rank of each of the round's windows for room right after the
+        round's pack was enqueued (`_pack_batch`; a view pair's block was packed on the host by
+        `_pack_unit`), before the round synchronises it: the ask -> grant round trip overlaps
+        the pack kernel. Returns ``packed`` less the windows whose ask could not be sent (their
+        requests failed)."""
+        out = []
+        for p in packed:
+            u, addr = p[0], p[3]
+            if (addr is not None and u.rc.strategy == "region" and u.target.conn.direction == "push"
+                    and not u.req.status.terminal):
+                try:
+                    self._ask_region(u)
+                except Exception as exc:  # noqa: BLE001 - the request fails, the sender lives on
+                    self._submit_failed(u, exc)
+                    continue
+            out.append(p)
+        return out
+
+    def _ask_region(self, u: Any) -> None:
+        """Sends a window's ``region_ask``; it counts in flight from here (a grant may be used,
+        or the window dropped by `_drop_asks`, from now on)."""
         t = u.target
+        lo, _ = u.rc.windows[u.w]
+        frame = proto.encode("region_ask", u.req.rid, t.inc, lo=lo, nbytes=self._window_bytes(u),
+                             **self._window_head(u))
         self._asks[self._ask_key(u)] = u
+        u.asked = True
         u.req.inflight += 1
         t.inflight += 1
-        lo, _ = u.rc.windows[u.w]
         u.req.timeline.mark("ask", t.conn.spec.group_rank)
-        self._ctl.send(t.conn.ident, proto.encode("region_ask", u.req.rid, t.inc, lo=lo, nbytes=nbytes, **head))
+        self._ctl.send(t.conn.ident, frame)
+
+    def _region_packed(self, u: Any) -> None:
+        """The round synchronised a region-push window's pack: written now if its grant is
+        here, else when the grant comes (`_on_region_grant`)."""
+        if not u.asked:  # not asked while its pack ran (`_ask_regions` asks every live one)
+            self._ask_region(u)
+        u.packed = True
+        if u.grant is not None:
+            self._write_region(u)
 
     def _on_region_grant(self, conn: Any, msg: dict) -> None:
-        u = self._asks.pop((msg["rid"], msg["inc"], conn.spec.dcp_rank, msg["chunk"], msg["part"]), None)
-        if u is None or u.target.conn is not conn:
-            self._counts["dropped_messages"] += 1  # a grant for a window that ended meanwhile
+        key = (msg["rid"], msg["inc"], conn.spec.dcp_rank, msg["chunk"], msg["part"])
+        u = self._asks.get(key)
+        if u is None or u.target.conn is not conn or u.grant is not None:
+            self._counts["dropped_messages"] += 1  # a grant for a window that ended meanwhile, or a second one
             return
-        req, t = u.req, u.target
         want = self._window_bytes(u)
         if msg["nbytes"] != want or msg["offset"] + want > conn.region_bytes:
             # Never write outside the region the rank declared: its grant is refused whole.
+            del self._asks[key]
             return self._unit_finished(u, f"region_grant offset={msg['offset']} nbytes={msg['nbytes']} is not "
-                                          f"{want} bytes inside the {conn.region_bytes}-byte receive region")
-        lo, hi = u.rc.windows[u.w]
-        head = dict(chunk=u.rc.chunk, part=u.w, nparts=len(u.rc.windows), start=u.rc.start, stop=u.rc.stop,
-                    nrows=hi - lo)
-        descs = np.array([[self._pack.addr + u.region.offset, conn.region_addr + msg["offset"], want]], np.int64)
+                                          f"{want} bytes inside the {conn.region_bytes}-byte receive region",
+                                       free=u.packed)
+        u.grant = msg["offset"]
+        if u.packed:
+            self._write_region(u)
+        # else: its round has not synchronised the pack yet; `_region_packed` writes it then.
+
+    def _write_region(self, u: Any) -> None:
+        """Posts a region-push window: packed AND granted (ONE descriptor, the checked grant)."""
+        assert u.packed and u.grant is not None
+        del self._asks[self._ask_key(u)]
+        req, t = u.req, u.target
+        conn, want = t.conn, self._window_bytes(u)
+        descs = np.array([[self._pack.addr + u.region.offset, conn.region_addr + u.grant, want]], np.int64)
         try:
-            u.handle = self.engine.transfer_batch(conn.peer, descs, notif=proto.encode("done", req.rid, t.inc, **head),
+            u.handle = self.engine.transfer_batch(conn.peer, descs,
+                                                  notif=proto.encode("done", req.rid, t.inc, **self._window_head(u)),
                                                   dcp_rank=conn.spec.dcp_rank, chunk=u.rc.chunk)
         except Exception as exc:  # noqa: BLE001 - refused before a byte moved: the request fails
             return self._unit_finished(u, f"{type(exc).__name__}: {exc}")
@@ -260,9 +312,11 @@ class SenderRegion:
         return self._signal.handle if self._signal is not None else b""
 
     def _drop_asks(self, pred) -> None:
-        """Windows waiting for a grant that will never be used: their pack regions are free (no
-        engine reads them) and they are no longer in flight."""
+        """Asked windows that will never be written (granted or not): their pack regions are
+        free (no engine reads them; one whose pack the round has not synchronised yet is freed
+        by `_post_packed` after the wait) and they are no longer in flight. The rank gives a
+        granted range back once told ``drained`` (or once this connection is gone)."""
         for key, u in list(self._asks.items()):
             if pred(u):
                 del self._asks[key]
-                self._unit_finished(u, None)
+                self._unit_finished(u, None, free=u.packed)

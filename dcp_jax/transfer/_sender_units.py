@@ -33,7 +33,11 @@ ARENA_SHARE = 0.5
 
 @dataclasses.dataclass(eq=False)
 class Unit:
-    """One window of one (request, chunk, rank): one engine batch or one pull."""
+    """One window of one (request, chunk, rank): one engine batch or one pull.
+
+    A region-push window is written only once both ``packed`` (the round synchronised its
+    pack) and ``grant`` (the rank's ``region_grant`` offset) are set, in either order: its
+    ``region_ask`` goes out while the pack runs (``asked``; `SenderRegion._ask_regions`)."""
 
     req: SendRequest
     target: RankTarget
@@ -41,6 +45,9 @@ class Unit:
     w: int           # window index
     region: Any = None
     handle: Any = None
+    asked: bool = False        # region push: region_ask sent (in self._asks until written or dropped)
+    packed: bool = False       # region push: the round's synchronisation found its pack complete
+    grant: int | None = None   # region push: the granted offset in the rank's receive region
 
 
 class SenderUnits:
@@ -181,6 +188,7 @@ class SenderUnits:
         if failed:
             gone = {id(u) for u, _ in failed}
             packed = [p for p in packed if id(p[0]) not in gone]
+        packed = self._ask_regions(packed)  # region push: ask for room while the pack runs
         self._post_packed(packed)
         return busy
 
@@ -192,8 +200,11 @@ class SenderUnits:
     def _post_packed(self, packed: list) -> None:
         """Second half of a round's submissions: the round's pack kernels were only enqueued
         (one synchronisation for all of them, not one per window: on a GPU that wait, not the
-        kernel, was most of a window's pack time); once they are done, each window is posted,
-        asked for or announced, and each fused copy is waited for the same way."""
+        kernel, was most of a window's pack time); once they are done, each window is posted
+        (region push: once its grant is here too), announced (pull), and each fused copy is
+        waited for the same way. Windows of requests that ended meanwhile (an asked window
+        dropped by `_end` before this synchronisation kept its region for this) are freed here,
+        after the wait: no kernel still writes a region the arena hands out again."""
         if any(addr is not None for _, _, _, addr in packed):
             tk = time.perf_counter()
             try:
@@ -278,7 +289,9 @@ class SenderUnits:
         rank, n = t.conn.spec.dcp_rank, hi - lo
         if region_addr is not None:
             req.timeline.mark("packed", t.conn.spec.group_rank)
-        head = dict(chunk=rc.chunk, part=u.w, nparts=len(rc.windows), start=rc.start, stop=rc.stop, nrows=n)
+        head = self._window_head(u)
+        # The transfer phase starts with the data ready to go (after the pack's synchronisation),
+        # also for a region push whose region_ask went out while the pack ran.
         if req.t_first_submit is None:
             req.t_first_submit = time.perf_counter()
         req.state.advance(TransferStatus.TRANSFERRING)
@@ -298,7 +311,7 @@ class SenderUnits:
             req.timeline.mark("post", t.conn.spec.group_rank)  # the pull's post: the rank may read now
             return
         if rc.strategy == "region":
-            return self._submit_region_push(u, head, self._window_bytes(u))
+            return self._region_packed(u)  # posted now if granted, else by `_on_region_grant`
         if t.conn.view is not None:  # TP or layout pair: head pieces through both layouts
             descs = t.conn.view.descriptors(rc.src_rows[lo:hi], rc.dst_rows[lo:hi], self._layers.bases,
                                             t.conn.layer_bases)
@@ -345,9 +358,12 @@ class SenderUnits:
         self._inflight = keep
         return busy
 
-    def _unit_finished(self, u: Unit, error: str | None) -> None:
-        """The engine (or the reader) is done with a window: free its region, credit or fail."""
-        self._free_region(u)
+    def _unit_finished(self, u: Unit, error: str | None, *, free: bool = True) -> None:
+        """The engine (or the reader) is done with a window: free its region, credit or fail.
+        ``free`` False: a region-push window whose pack the round has not synchronised yet keeps
+        its region; `_post_packed` frees it after the wait."""
+        if free:
+            self._free_region(u)
         req, t = u.req, u.target
         req.inflight -= 1
         t.inflight -= 1

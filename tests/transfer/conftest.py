@@ -124,6 +124,27 @@ class Cluster:
             self.sender.close()
 
 
+def check_region_timeline(timeline):
+    """Region push, per decode rank of a sender's timeline (``[event, rank, t]``): the k-th
+    ``pack`` comes before the k-th ``ask`` (asked as soon as the pack is enqueued), which comes
+    before the k-th ``packed`` (the round's synchronisation), and the k-th ``post`` after both,
+    in order and in time. Ranks with no ask (no region window) are left out. Returns
+    {rank: windows}."""
+    seen = {}
+    for i, (name, rank, t) in enumerate(timeline):
+        seen.setdefault(rank, {}).setdefault(name, []).append((i, t))
+    out = {}
+    for rank, ev in seen.items():
+        if "ask" not in ev:
+            continue
+        k = len(ev["ask"])
+        assert len(ev.get("pack", ())) == len(ev.get("packed", ())) == len(ev.get("post", ())) == k, (rank, ev)
+        for (i0, t0), (i1, t1), (i2, t2), (i3, t3) in zip(ev["pack"], ev["ask"], ev["packed"], ev["post"]):
+            assert i0 < i1 < i2 < i3 and t0 <= t1 <= t2 <= t3, (rank, ev)
+        out[rank] = k
+    return out
+
+
 def _as_kind(kind):
     if kind == "numpy":
         return lambda a: a
@@ -139,4 +160,4 @@ def engine(request):
     return request.param
 
 
-__all__ = ["Cluster", "ENGINES", "SENTINEL", "TransferStatus"]
+__all__ = ["Cluster", "ENGINES", "SENTINEL", "TransferStatus", "check_region_timeline"]

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ENGINES
+from conftest import ENGINES, check_region_timeline
 
 from dcp_jax.hetero.connector_job import expected_cache, fill_side, spec_of, _sentinel, _etype, _tables
 from dcp_jax.hetero.layouts import cache_shape
@@ -140,10 +140,14 @@ def test_views_region_path_byte_exact(engine):
         p, d, tokens = _CASES[1]  # fewest ranks: Mooncake starts each engine in about 0.5 s
     stats = _run_pair(engine, p, d, tokens, mode="region", receiver_kw=dict(region_bytes=4096))
     for st in stats:
+        # The block is packed on the host, then asked for before the round's synchronisation, as any
+        # region push: each window's ask before its packed, its post after both.
+        asked = check_region_timeline(st["timeline"])
         for key, v in st["ranks"].items():
             assert v["path"] == ("region" if v["bytes"] else "direct")  # a pair sharing no head: direct, empty
             if v["bytes"]:  # one descriptor per window, a window at most the region's 4,096 bytes
                 assert v["descriptors"] == v["batches"] >= -(-v["bytes"] // 4096)
+                assert asked[key] == v["descriptors"]
 
 
 def test_view_pieces_hand_cases():
