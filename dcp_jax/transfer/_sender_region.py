@@ -21,6 +21,7 @@ host's wait (``pallas_kernels.synchronize``) returned. Either way the sender's o
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -31,6 +32,17 @@ from dcp_jax.transfer import protocol as proto
 __all__ = ["SenderRegion", "sync_arrays"]
 
 logger = logging.getLogger(__name__)
+
+#: Whether fused links are offered the IPC-event gate (``hello_ack.event``). OFF by default: on one
+#: H200 (2026-12-02, GPU suite at 5bf1986) the gate held at 2.30 GB (ranks credited 1.5 ms after the
+#: launch, after a 1.24 ms copy) but NOT at 9.21 GB: the ranks saw the event complete ~0.7 ms after
+#: the launch, ~3 ms before the sender's own device wait returned (the copy needs >= 4.4 ms). The
+#: DLPack stream wait (`bridge.ipc_event.SignalEvent.record_after`) evidently does not order the
+#: event after XLA's kernel in every case (an output whose definition event is not yet recorded
+#: when it is exported seems to count as ready), so SUCCESS could precede the bytes. Set True only
+#: (or the environment variable DCP_JAX_FUSED_EVENT_GATE=1) only to measure; ranks are told after
+#: the host's wait otherwise.
+FUSED_EVENT_GATE = os.environ.get("DCP_JAX_FUSED_EVENT_GATE") == "1"
 
 
 def sync_arrays(arrays) -> None:
@@ -301,6 +313,8 @@ class SenderRegion:
         """The fused path's IPC event handle for a ``hello_ack``: made with the first fused link
         (on the device of this sender's layers); b"" when it cannot be made (warned once: its
         ranks are then told after the host's wait)."""
+        if not FUSED_EVENT_GATE:
+            return b""
         if self._signal is None and not getattr(self, "_signal_failed", False):
             try:
                 from bridge.ipc_event import SignalEvent
