@@ -18,6 +18,11 @@ through DLPack's ``stream`` argument (``jax.Array.__dlpack__(stream=...)``: the 
 the consumer's stream wait, without blocking the host; measured on the H200: ~50 us of host
 time, the event still pending afterwards), then records the event on that stream.
 
+Caveat (measured, unexplained): in the connector's fused path at 9.21 GB on one H200, ranks saw the
+event complete 0.7-2.8 ms after the launch of a copy that needs >= 4.4 ms, so the connector does not
+use the gate by default (`dcp_jax.transfer._sender_region.FUSED_EVENT_GATE`); the 1 GB two-process
+test (tests/gpu/test_ipc_event_gpu.py) and the 2.30 GB job did not show it.
+
 Conventions (CUDA runtime API): an event shared between processes is created with
 ``cudaEventInterprocess | cudaEventDisableTiming`` (`cudaIpcGetEventHandle` refuses others), its
 handle is 64 bytes (``CUDA_IPC_HANDLE_SIZE``); ``cudaEventQuery`` answers for the last record
