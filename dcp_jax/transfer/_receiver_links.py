@@ -43,14 +43,14 @@ class Link:
     staged: bool = False       # the sender stages (its KV is not registered)
     row_bytes: int = 0         # bytes one token row of this link lands (all layers; head pieces only)
     view: Any = None           # TP or layout pair: its `views.StreamView` (the region path's unpack)
-    event: Any = None          # fused path: the sender's IPC event, opened here (`bridge.ipc_event.OpenedEvent`)
+    flag: Any = None           # fused path: the sender's flag page, mapped here (`bridge.host_flag.OpenedFlag`)
     src_layout: Any = None     # the sender's `schedule.SideLayout` (made once: a chunk's row count uses it)
 
-    def close_event(self) -> None:
-        """Releases the opened IPC event (idempotent)."""
-        ev, self.event = self.event, None
-        if ev is not None:
-            ev.close()
+    def close_flag(self) -> None:
+        """Unmaps the sender's flag page (idempotent)."""
+        fl, self.flag = self.flag, None
+        if fl is not None:
+            fl.close()
 
 
 def missing_senders(specs: list[KVCacheSpec]) -> list[int]:
@@ -64,24 +64,24 @@ def missing_senders(specs: list[KVCacheSpec]) -> list[int]:
     return sorted(set(range(max(sp.dcp_size for sp in specs))) - have)
 
 
-def _open_event(reply: dict) -> Any:
-    """The sender's fused-path IPC event of a ``hello_ack`` opened here, or None (none offered).
+def _open_flag(reply: dict) -> Any:
+    """The sender's fused-path flag page of a ``hello_ack`` mapped here, or None (none offered).
 
     Raises:
-        HandshakeError: field ``"event"``: offered on another path than fused, or CUDA cannot
-            open it (its gated ``fused_done``s could never be credited).
+        HandshakeError: field ``"flag"``: offered on another path than fused, a name of another
+            form, or no such page on this host (its gated ``fused_done``s could never be credited).
     """
-    if not reply["event"]:
+    if not reply["flag"]:
         return None
     if reply["path"] != "fused":
-        raise HandshakeError("event", None, None, f"the sender offered an IPC event on the {reply['path']} path")
-    try:
-        from bridge.ipc_event import OpenedEvent
+        raise HandshakeError("flag", None, None, f"the sender offered a flag page on the {reply['path']} path")
+    from bridge.host_flag import OpenedFlag
 
-        return OpenedEvent(reply["event"])
-    except Exception as exc:  # noqa: BLE001 - ImportError, ValueError, IpcEventError: refused
-        raise HandshakeError("event", None, None,
-                             f"the sender's IPC event cannot be opened here: {type(exc).__name__}: {exc}") from None
+    try:
+        return OpenedFlag(reply["flag"])
+    except Exception as exc:  # noqa: BLE001 - ValueError, FlagError: refused
+        raise HandshakeError("flag", None, None,
+                             f"the sender's flag page cannot be mapped here: {type(exc).__name__}: {exc}") from None
 
 
 class ReceiverLinks:
@@ -121,12 +121,12 @@ class ReceiverLinks:
             if reply["path"] == "region" and not self._region.nbytes:
                 raise HandshakeError("path", None, None,
                                      "the sender chose the region path, this receiver offers no region")
-            event = _open_event(reply)
+            flag = _open_flag(reply)
             try:
                 peer = self.engine.add_peer(PeerInfo.from_dict(reply["peer"]))
             except BaseException:
-                if event is not None:
-                    event.close()
+                if flag is not None:
+                    flag.close()
                 raise
         except BaseException:
             client.close()
@@ -137,7 +137,7 @@ class ReceiverLinks:
             view = stream_view(sender_spec, self.spec, 1, self._layers.min_rows // self.spec.page_size)
             row_bytes = view.row_bytes() * self.spec.num_layers
         return Link(client, sender_spec, peer, bases, direction, time.monotonic(), path=reply["path"],
-                    staged=reply["staged"], row_bytes=row_bytes, view=view, event=event,
+                    staged=reply["staged"], row_bytes=row_bytes, view=view, flag=flag,
                     src_layout=SideLayout.of(sender_spec))
 
     def _refuse_twin(self, address: str, sender_spec: KVCacheSpec) -> None:
@@ -226,7 +226,7 @@ class ReceiverLinks:
             self._doubt[link.peer] = (time.monotonic(), link)
         self._worker.remove_socket(link.client.sock)
         link.client.close()
-        link.close_event()
+        link.close_flag()
         try:
             self.engine.remove_peer(link.peer)
         except Exception:  # noqa: BLE001 - already gone

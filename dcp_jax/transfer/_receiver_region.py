@@ -13,9 +13,9 @@ it any more: push, when the sender said ``drained`` (or is gone); pull, when the
 
 Fused: the sender's ``fused_done`` is checked like a ``done`` notification and credits the part.
 Ungated, the sender sent it after its copy kernel into this rank's pages finished; gated (the
-sender offered an IPC event in ``hello_ack``: `bridge.ipc_event`), it was sent right after the
-launch, and the part is credited once the link's opened event completed (`_poll_gated`, polled
-every round while any waits; a CUDA error there fails the request).
+sender offered a flag page in ``hello_ack``: `bridge.host_flag`), it was sent right after the
+launch, and the part is credited once the page reads the message's ``seq`` or later
+(`_poll_gated`, one memory read per link per worker round while any waits).
 """
 from __future__ import annotations
 
@@ -26,13 +26,14 @@ from typing import Any
 
 import numpy as np
 
+from bridge.host_flag import seq_done
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer.requests import RecvRequest
 from dcp_jax.transfer.status import TransferStatus
 
 __all__ = ["ReceiverRegion", "Grant", "GATED_SPIN_S"]
 
-#: How long (seconds) the worker polls a gated part's event without backing off: a fused copy of
+#: How long (seconds) the worker polls a gated part's flag without backing off: a fused copy of
 #: 9.2 GB took ~5 ms on an H200; past this the usual backoff (to 1 ms) bounds the cost of a stall.
 GATED_SPIN_S = 0.05
 
@@ -69,7 +70,7 @@ class ReceiverRegion:
         self._grants: dict[tuple, Grant] = {}       # (id(link), rid, inc, chunk, part) -> push grant
         self._read_grants: dict[int, Grant] = {}   # read handle seq -> pull grant
         self._waiting: deque = deque()             # (kind, link, req, msg): asks / pulls waiting for room
-        self._gated: list = []                     # (link, msg, since): gated fused_done waiting for the event
+        self._gated: list = []                     # (link, msg, since): gated fused_done waiting for the flag
 
     def _window_rows(self, req: RecvRequest, link: Any, msg: dict) -> np.ndarray | None:
         """The rows of a window a sender announces, or None (the request is failed) when the
@@ -240,40 +241,34 @@ class ReceiverRegion:
         if link.path != "fused":
             return self._inconsistent(req, f"fused_done on a {link.path} connection")
         if msg["gated"]:
-            if link.event is None:
-                return self._inconsistent(req, "a gated fused_done from a sender that offered no IPC event")
+            if link.flag is None:
+                return self._inconsistent(req, "a gated fused_done from a sender that offered no flag page")
+            if msg["seq"] >= 1 << 32:
+                return self._inconsistent(req, f"a gated fused_done with seq={msg['seq']} (the flag holds uint32)")
             self._gated.append((link, msg, time.monotonic()))
             return
         self._part_landed(req, link, msg)
 
     def _poll_gated(self) -> bool:
-        """Credits the gated ``fused_done``s whose sender's event completed (in arrival order per
-        link: one query per link per round); True if any was credited or dropped."""
+        """Credits the gated ``fused_done``s whose sender's flag reached their ``seq`` (one read
+        per link per round); True if any was credited or dropped."""
         if not self._gated:
             return False
-        state: dict = {}
+        values: dict = {}
         keep, busy = [], False
         for link, msg, since in self._gated:
             if link not in self._links:  # dropped: its requests failed with it
                 busy = True
                 continue
-            if id(link) not in state:
-                try:
-                    state[id(link)] = link.event.done()
-                except Exception as exc:  # noqa: BLE001 - the writer's context failed: no part may count
-                    state[id(link)] = f"{type(exc).__name__}: {exc}"
-            st = state[id(link)]
-            if st is False:
+            if id(link) not in values:
+                values[id(link)] = link.flag.value()
+            if not seq_done(values[id(link)], msg["seq"]):
                 keep.append((link, msg, since))
                 continue
             busy = True
             req = self._live(link, msg)
-            if req is None:
-                continue
-            if st is True:
+            if req is not None:
                 self._part_landed(req, link, msg)
-            else:
-                self._end(req, TransferStatus.FAILED, f"fused copy: the sender's IPC event: {st}", "failed")
         self._gated = keep
         return busy
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from typing import Any
 
@@ -95,11 +94,6 @@ class Conn:
                 m.close()
             except Exception:  # noqa: BLE001 - the peer's memory may already be gone
                 logger.debug("closing an IPC mapping failed", exc_info=True)
-
-
-def _exported_here(mapping: Any) -> bool:
-    """Whether a fused rank's IPC handles name this very process (a rank in the sender's process)."""
-    return any(getattr(h, "pid", None) == os.getpid() for h in getattr(mapping, "handles", ()))
 
 
 class SenderPeers:
@@ -222,9 +216,7 @@ class SenderPeers:
         self._ctl.send(ident, proto.encode(
             "hello_ack", spec=self.spec.to_dict(), peer=self.engine.peer_info().to_dict(),
             layer_bases=proto.pack_i64(self._layers.bases), name=self.engine.name, path=path, staged=self.staged,
-            # The IPC event is for ranks in other processes (CUDA opens no IPC handle in the
-            # process that made it): a rank of this process is told after the host's wait.
-            event=self._signal_handle() if path == "fused" and not _exported_here(mapping) else b""))
+            flag=self._flag_name() if path == "fused" else ""))
 
     def _view_of(self, spec: KVCacheSpec, msg: dict) -> Any:
         """The pair's `views.StreamView` (its path: `views.view_path`); pushed only.

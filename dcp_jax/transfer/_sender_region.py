@@ -11,12 +11,13 @@ let ONE descriptor write the whole window, with the usual ``done`` notification 
 
 Fused: the round's windows are copied from this sender's pages into each decode rank's pages,
 through the connection's `bridge.cuda_ipc.IpcMapping`, by ONE fan-out kernel launch
-(`pallas_kernels.copy_fanout` over the links' `RowCopier`s). Gated (the sender made an IPC event,
-`bridge.ipc_event.SignalEvent`, and offered it in ``hello_ack``): the event is recorded after the
-launch and ``fused_done(gated=True)`` goes to each rank at once, while the copy runs; each rank
-counts its rows once the event completed. Else (no event could be made): ``fused_done`` once the
-host's wait (``pallas_kernels.synchronize``) returned. Either way the sender's own bookkeeping
-(its units, its request's end) follows its host wait.
+(`pallas_kernels.copy_fanout` over the links' `RowCopier`s). Gated (the sender made a flag page,
+`bridge.host_flag.SharedFlag`, and offered it in ``hello_ack``): a bump of the flag is enqueued
+after the launch (a jitted kernel that takes the copy's output, so XLA runs it after the copy) and
+``fused_done(gated=True, seq=k)`` goes to each rank at once, while the copy runs; each rank counts
+its rows once the page reads k. Else (no page could be made, or the bump could not be enqueued):
+``fused_done`` once the host's wait (``pallas_kernels.synchronize``) returned. Either way the
+sender's own bookkeeping (its units, its request's end) follows its host wait.
 """
 from __future__ import annotations
 
@@ -33,16 +34,11 @@ __all__ = ["SenderRegion", "sync_arrays"]
 
 logger = logging.getLogger(__name__)
 
-#: Whether fused links are offered the IPC-event gate (``hello_ack.event``). OFF by default: on one
-#: H200 (2026-12-02, GPU suite at 5bf1986) the gate held at 2.30 GB (ranks credited 1.5 ms after the
-#: launch, after a 1.24 ms copy) but NOT at 9.21 GB: the ranks saw the event complete ~0.7 ms after
-#: the launch, ~3 ms before the sender's own device wait returned (the copy needs >= 4.4 ms). The
-#: DLPack stream wait (`bridge.ipc_event.SignalEvent.record_after`) evidently does not order the
-#: event after XLA's kernel in every case (an output whose definition event is not yet recorded
-#: when it is exported seems to count as ready), so SUCCESS could precede the bytes. Set True only
-#: (or the environment variable DCP_JAX_FUSED_EVENT_GATE=1) only to measure; ranks are told after
-#: the host's wait otherwise.
-FUSED_EVENT_GATE = os.environ.get("DCP_JAX_FUSED_EVENT_GATE") == "1"
+#: Whether fused links are offered the flag gate (``hello_ack.flag``); on unless the environment
+#: variable DCP_JAX_FUSED_FLAG_GATE=0 (then ranks are told after the sender's host wait). It replaced
+#: a CUDA IPC event recorded after a DLPack stream wait, which fired before the copy's end at
+#: 9.21 GB on an H200 (2026-12-02; see `bridge.host_flag`).
+FUSED_FLAG_GATE = os.environ.get("DCP_JAX_FUSED_FLAG_GATE", "1") != "0"
 
 
 def sync_arrays(arrays) -> None:
@@ -248,18 +244,19 @@ class SenderRegion:
 
     def _finish_fused(self) -> None:
         """The round's fused copies: enqueued in one launch, then the ranks are told
-        (`_tell_fused`: at once when gated on the IPC event, else after the host's wait), one
+        (`_tell_fused`: at once when gated on the flag page, else after the host's wait), one
         host wait for all of them, then the round's bookkeeping."""
         if not self._fused:
             return
         done, self._fused = self._fused, []
         errors, written = self._copy_fused(done)
         live = [d for d in done if id(d[0]) not in errors and not d[0].req.status.terminal]
-        gated = self._record_signal(written) if any(m for _, _, m, _, _ in live) else False
-        told = self._tell_fused(live, gated) if gated else set()
-        # Without the event, the messages are encoded while the copy runs: after the wait only the sends remain.
-        frames = {} if gated else {id(u): proto.encode("fused_done", u.req.rid, u.target.inc, gated=False, **head)
-                                   for u, head, _, _, _ in live}
+        seq = self._bump_flag(written) if any(m for _, _, m, _, _ in live) else None
+        told = self._tell_fused(live, seq) if seq is not None else set()
+        # Ungated, the messages are encoded while the copy runs: after the wait only the sends remain.
+        frames = {} if seq is not None else {
+            id(u): proto.encode("fused_done", u.req.rid, u.target.inc, gated=False, seq=0, **head)
+            for u, head, _, _, _ in live}
         tk = time.perf_counter()
         err = None
         try:
@@ -269,8 +266,8 @@ class SenderRegion:
         waited = time.perf_counter() - tk
         for req in {id(u.req): u.req for u, _, moved, _, _ in done if moved}.values():
             req.copy_seconds += waited
-        if not gated and err is None:
-            told = self._tell_fused(live, False, frames)
+        if seq is None and err is None:
+            told = self._tell_fused(live, None, frames)
         for u, _, moved, _, _ in done:
             t = u.target
             if moved and id(u) in told and err is None:
@@ -280,50 +277,58 @@ class SenderRegion:
                 self._count(t, 0, self._window_bytes(u) if moved else 0, 0)
             self._unit_finished(u, None if ok else err or errors.get(id(u)))
 
-    def _tell_fused(self, live: list, gated: bool, frames: dict | None = None) -> set:
+    def _tell_fused(self, live: list, seq: int | None, frames: dict | None = None) -> set:
         """Sends ``fused_done`` to the rank of each live window (every rank before any
-        bookkeeping); returns the ids of the units told."""
+        bookkeeping): gated on the flag's `seq`, or the ungated `frames`; returns the ids of the
+        units told."""
         told = set()
         for u, head, _, _, _ in live:
             if u.req.status.terminal:
                 continue
-            frame = frames[id(u)] if frames else proto.encode("fused_done", u.req.rid, u.target.inc, gated=gated, **head)
+            frame = frames[id(u)] if frames else proto.encode("fused_done", u.req.rid, u.target.inc, gated=True,
+                                                              seq=seq, **head)
             self._ctl.send(u.target.conn.ident, frame)
             told.add(id(u))
         return told
 
-    def _record_signal(self, copiers: list) -> bool:
-        """Records the IPC event after the round's launches (no host wait; `copiers`: one per
-        launch); False (the ranks are told after the host's wait instead) without an event or
-        when the record fails."""
-        if self._signal is None or not copiers:
-            return False
+    def _bump_flag(self, copiers: list) -> int | None:
+        """Enqueues the flag's bump after the round's launches (no host wait; `copiers`: one per
+        launch) and returns its number; None (the ranks are told after the host's wait instead)
+        without a flag, when the copies are not of the flag's kind (device: every launch a JAX
+        kernel on the GPU, its bump ordered after their outputs; host: numpy copies, complete when
+        they returned), or when the bump cannot be enqueued."""
+        flag = self._flag
+        if flag is None or not copiers:
+            return None
+        kinds = {c.backend for c in copiers}
+        if kinds != ({"triton"} if flag.route == "device" else {"numpy"}):
+            return None
         try:
-            # A kernel's launch wrote its destinations' current JAX handle; a CuPy copy is ordered
-            # on CuPy's current stream; a numpy copy is complete when it returns.
-            self._signal.record_after([c.destinations().handles[0] if c.backend == "triton" else c.dst_layers[0]
-                                       for c in copiers if c.backend != "numpy"])
+            # A launch's outputs are its destinations' current JAX handles (one event for all).
+            return flag.bump_after(tuple(c.destinations().handles[0] for c in copiers)
+                                   if flag.route == "device" else None)
         except Exception:  # noqa: BLE001 - fall back to telling after the wait
-            logger.warning("fused copy: recording the IPC event failed; telling the ranks after the wait",
+            logger.warning("fused copy: the flag bump could not be enqueued; telling the ranks after the wait",
                            exc_info=True)
-            return False
-        return True
+            return None
 
-    def _signal_handle(self) -> bytes:
-        """The fused path's IPC event handle for a ``hello_ack``: made with the first fused link
-        (on the device of this sender's layers); b"" when it cannot be made (warned once: its
-        ranks are then told after the host's wait)."""
-        if not FUSED_EVENT_GATE:
-            return b""
-        if self._signal is None and not getattr(self, "_signal_failed", False):
+    def _flag_name(self) -> str:
+        """The fused path's flag page name for a ``hello_ack``: the page is made with the first
+        fused link (bumped on the device of this sender's layers, or by the host for host layers);
+        "" when it cannot be made (warned once: its ranks are then told after the host's wait)."""
+        if not FUSED_FLAG_GATE:
+            return ""
+        if self._flag is None and not getattr(self, "_flag_failed", False):
             try:
-                from bridge.ipc_event import SignalEvent
+                from bridge.host_flag import SharedFlag
 
-                self._signal = SignalEvent(device_id=_device_id(self._layers.rows[0]))
-            except Exception as exc:  # noqa: BLE001 - no CuPy / CUDA refused: the ungated path
-                logger.warning("fused path: no IPC event (%s); ranks are told after the host's wait", exc)
-                self._signal_failed = True
-        return self._signal.handle if self._signal is not None else b""
+                first = self._layers.rows[0]
+                on_device = not isinstance(first, np.ndarray)
+                self._flag = SharedFlag.create(device=on_device, device_id=_device_id(first) if on_device else None)
+            except Exception as exc:  # noqa: BLE001 - no /dev/shm, CUDA refused: the ungated path
+                logger.warning("fused path: no flag page (%s); ranks are told after the host's wait", exc)
+                self._flag_failed = True
+        return self._flag.name if self._flag is not None else ""
 
     def _drop_asks(self, pred) -> None:
         """Asked windows that will never be written (granted or not): their pack regions are

@@ -15,7 +15,7 @@ Kinds (sender -> receiver): ``hello_ack``, ``hello_nack``, ``abort``, ``failed``
 ``sent`` (a batch with a ``done`` notification was just submitted: the receiver polls its engine
 while such batches are due, and idles otherwise), ``region_ask`` (region path: a packed window
 wants room in the receive region), ``fused_done`` (fused path: the sender's copy kernel into this
-rank's IPC-mapped pages has finished), ``drained`` (after a request ended without success, no WRITE of the sender's into that rank's
+rank's IPC-mapped pages has finished, or, gated, was launched and bumps the flag page to ``seq`` once it has), ``drained`` (after a request ended without success, no WRITE of the sender's into that rank's
 pages is in flight any more), ``ping``. Engine notification (sender -> receiver, delivered by the engine after the batch's
 bytes landed): ``done``.
 """
@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 #: Bumped on any change of a message's meaning; peers of another version are refused at hello.
-PROTOCOL_VERSION = 6  # 6: hello_ack offers the fused path's IPC event, fused_done says whether it is gated on it; 5: hello states the receiver's cache pages; 4: hello and hello_ack state whether the side stages
+PROTOCOL_VERSION = 7  # 7: hello_ack offers the fused path's flag page, fused_done carries its sequence number; 6: (an IPC event instead); 5: hello states the receiver's cache pages; 4: hello and hello_ack state whether the side stages
 #: Path names a sender may answer a hello with (`dcp_jax.transfer._region.choose_path`).
 PATHS = ("direct", "packed", "region", "fused")
 MAX_IPC_HANDLES = 4096     # one CUDA IPC handle per KV layer entry at most (spec.MAX_LAYERS)
@@ -67,11 +67,11 @@ KINDS: dict[str, dict[str, tuple]] = {
               "region_bytes": (_INT, 0), "mem": (_STR, 8), "ipc": (_LIST, MAX_IPC_HANDLES),
               "host": (_DICT, 0), "heartbeat_ms": (_INT, 1), "peer_timeout_ms": (_INT, 1),
               "staged": (_BOOL, 0), "num_pages": (_INT, 0)},
-    # event: the fused path's `bridge.ipc_event.SignalEvent` handle (64 bytes; b"" = none): a
+    # flag: the name of the fused path's flag page (`bridge.host_flag.SharedFlag`; "" = none): a
     # ``fused_done`` with gated=True is sent right after the copy's launch, and the rank counts its
-    # rows only once that event completed (`OpenedEvent.done`).
+    # rows only once that page reads ``seq`` or later (`OpenedFlag.done`; seq < 2**32).
     "hello_ack": {"spec": (_DICT, 0), "peer": (_DICT, 0), "layer_bases": (_BYTES, 8 * 4096),
-                  "name": (_STR, 256), "path": (_STR, 16), "staged": (_BOOL, 0), "event": (_BYTES, 64)},
+                  "name": (_STR, 256), "path": (_STR, 16), "staged": (_BOOL, 0), "flag": (_STR, 64)},
     "hello_nack": {"field": (_STR, 64), "ours": (_ANY, 0), "theirs": (_ANY, 0), "message": (_STR, MAX_TEXT)},
     "expect": {"num_tokens": (_INT, 0), "prefix_tokens": (_INT, 0), "page_table": (_BYTES, MAX_CONTROL_BYTES),
                "dcp_rank": (_INT, 0)},
@@ -82,7 +82,7 @@ KINDS: dict[str, dict[str, tuple]] = {
     "done": dict(_CHUNK),
     "region_ask": {**_CHUNK, "lo": (_INT, 0), "nbytes": (_INT, 1)},
     "region_grant": {"chunk": (_INT, 0), "part": (_INT, 0), "offset": (_INT, 0), "nbytes": (_INT, 1)},
-    "fused_done": {**_CHUNK, "gated": (_BOOL, 0)},
+    "fused_done": {**_CHUNK, "gated": (_BOOL, 0), "seq": (_INT, 0)},
     "drained": {},
     "sent": {"chunk": (_INT, 0), "part": (_INT, 0)},
     "ping": {},

@@ -352,7 +352,7 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
         self._flush()  # the "failed" frames of the live requests
         for link in self._links:
             link.client.close()
-            link.close_event()
+            link.close_flag()
 
     def __enter__(self) -> "KVReceiver":
         return self

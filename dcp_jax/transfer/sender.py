@@ -163,7 +163,7 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
         self._inflight: list = []      # push windows the engine has not reported yet
         self._pulls: dict[tuple, Any] = {}  # pull windows the reader has not reported yet
         self._fused: list = []              # fused copies enqueued this round, waited for at its end
-        self._signal: Any = None            # fused path: the IPC event ranks wait on (`_sender_region.signal_event`)
+        self._flag: Any = None              # fused path: the flag page ranks wait on (`_sender_region._flag_name`)
         self._asks: dict[tuple, Any] = {}   # region windows packed, waiting for the rank's grant
         self._counts = dict(dropped_messages=0, handshakes=0, handshakes_refused=0, requests=0,
                             succeeded=0, failed=0, aborted=0, bytes=0, descriptors=0, batches=0,
@@ -396,8 +396,8 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
         self._ctl.close()
         for conn in self._conns.values():
             conn.close_mapping()
-        if self._signal is not None:
-            self._signal.close()
+        if self._flag is not None:
+            self._flag.close()
 
     def __enter__(self) -> "KVSender":
         return self

@@ -125,42 +125,46 @@ def mooncake_target(conn, nbytes: int, at: int) -> None:
         eng.close()
 
 
-#: `event_waiter`'s KV: layers of [rows, width] bytes; row r of layer l holds (7 l + r) % 251.
-EVENT_LAYERS, EVENT_ROWS, EVENT_WIDTH = 4, 65536, 4096
+#: `flag_waiter`'s KV: layers of [rows, width] bytes (4 GiB: a copy of ~4 ms, past the 9.21 GB
+#: job's per-rank share); row r of layer l holds (7 l + r) % 251.
+FLAG_LAYERS, FLAG_ROWS, FLAG_WIDTH = 4, 262144, 4096
 
 
-def event_waiter(conn) -> None:
-    """Owns `EVENT_LAYERS` zeroed CuPy layers, exports their IPC handles; on ("wait", event
-    handle, perm) opens the writer's IPC event, polls it until it completed, then checks at once
-    that row i of layer l holds source row perm[i]'s bytes; answers ("checked", polls, bad rows)."""
+def flag_waiter(conn) -> None:
+    """Owns `FLAG_LAYERS` zeroed CuPy layers, exports their IPC handles; on ("wait", flag name,
+    seq, perm) maps the writer's flag page (once), spins until it reads seq, then checks at once
+    that row i of layer l holds source row perm[i]'s bytes; answers ("checked", spins, bad rows)."""
     try:
         import cupy as cp
 
         from bridge.cuda_ipc import export_ipc_handles
-        from bridge.ipc_event import OpenedEvent
+        from bridge.host_flag import OpenedFlag
 
-        layers = [cp.zeros((EVENT_ROWS, EVENT_WIDTH), cp.uint8) for _ in range(EVENT_LAYERS)]
+        layers = [cp.zeros((FLAG_ROWS, FLAG_WIDTH), cp.uint8) for _ in range(FLAG_LAYERS)]
         cp.cuda.runtime.deviceSynchronize()
         conn.send(("ready", [h.to_dict() for h in export_ipc_handles(layers)]))
+        flags: dict = {}
         while True:
             msg = conn.recv()
             if msg[0] == "exit":
+                for f in flags.values():
+                    f.close()
                 conn.send(("bye",))
                 return
-            _, handle, perm = msg
-            ev = OpenedEvent(handle)
-            polls = 0
-            while not ev.done():
-                polls += 1
+            _, name, seq, perm = msg
+            flag = flags.get(name) or OpenedFlag(name)
+            flags[name] = flag
+            spins = 0
+            while not flag.done(seq):
+                spins += 1
             p = cp.asarray(perm)
             bad = 0
             for l, a in enumerate(layers):
                 want = ((7 * l + p) % 251).astype(cp.uint8)[:, None]
                 bad += int((a != want).any(axis=1).sum())
-            ev.close()
             for a in layers:
                 a.fill(0)
             cp.cuda.runtime.deviceSynchronize()
-            conn.send(("checked", polls, bad))
+            conn.send(("checked", spins, bad))
     except Exception:  # noqa: BLE001 - reported to the test
         conn.send(("error", traceback.format_exc()))

@@ -129,7 +129,7 @@ def test_fused_done_on_a_region_connection_credits_nothing(engine):
             if m["k"] != "region_ask":
                 return None
             return {k: m[k] for k in ("v", "k", "rid", "inc", "chunk", "part", "nparts", "start", "stop",
-                                      "nrows")} | {"k": "fused_done", "gated": False}
+                                      "nrows")} | {"k": "fused_done", "gated": False, "seq": 0}
 
         rewrite(c.sender._ctl, "send", hostile)
         st = run(c)
