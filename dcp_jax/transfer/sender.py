@@ -239,7 +239,8 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
         """Compiles, before serving, the device kernels this sender's rounds launch, for every
         index bucket a round can reach, writing nothing (no KV page, no live region): the
         one-launch pack (`pallas_kernels.warm_pack_windows`) and, with fused decode ranks, the
-        fan-out copy into all of them (`pallas_kernels.warm_copy_fanout`). From then on each
+        fan-out copy into all of them (`pallas_kernels.warm_copy_fanout`) and the bump of the
+        fused path's flag page (`bridge.host_flag`). From then on each
         launch of a round stays within the largest bucket compiled (a round with more windows
         goes on in the next round), so no round compiles: which bucket a round reaches depends
         on which ranks announced a request before it began and on how many requests are
@@ -290,9 +291,21 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
                                "each copies on its own and compiles its buckets on first use", len(copiers))
             else:
                 self._index_cap["fused"] = fused[-1]
+                self._warm_flag(copiers[0])
         if pack:
             self._index_cap["pack"] = pack[-1]
         return {"pack": pack, "fused": fused}
+
+    def _warm_flag(self, copier) -> None:
+        """Compiles the flag page's bump as rounds call it (after a launch of `copier`'s kind);
+        the extra bump runs after every copy enqueued so far, so it credits no rank early."""
+        flag = self._flag
+        if flag is None or flag.route != "device" or copier.backend != "triton":
+            return
+        try:
+            flag.bump_after((copier.destinations().handles[0],))
+        except Exception as exc:  # noqa: BLE001 - rounds fall back to telling after the wait
+            logger.warning("warm_up: the flag bump was not compiled: %s", exc)
 
     def poll(self, request_id: str) -> TransferStatus:
         """The request's `TransferStatus` on this side.
