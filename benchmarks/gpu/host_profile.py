@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import cProfile
 import json
+import os
 import pstats
+import sys
 import time
 
 import numpy as np
@@ -48,6 +50,7 @@ def _measure(fn, sync, iters: int) -> dict:
 def main() -> None:
     import cupy as cp
 
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     from pallas_kernels import PackSource, RowCopier, copy_fanout, pack_rows
 
     L, R, W8, D, n = 61, 32768, 1152, 8, 4096
