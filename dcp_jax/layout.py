@@ -39,6 +39,7 @@ __all__ = [
     "owner_np",
     "local_index_np",
     "local_len_np",
+    "count_int",
     "count_np",
     "check_layout_args",
 ]
@@ -331,3 +332,26 @@ def count_np(start, length, dcp_size: int, dcp_rank, interleave_size: int = 1) -
     start = _as_np_positions("start", start)
     length = _as_np_positions("length", length)
     return _count(np, start, length, n, _np_rank(n, i, dcp_rank), i)
+
+
+class _Ints:
+    """The formulas' ``xp`` for plain Python ints: on numpy scalars each operation costs
+    microseconds, and a receiver counts a chunk's rows once per credited part."""
+
+    @staticmethod
+    def clip(x: int, lo: int, hi: int) -> int:
+        return min(max(x, lo), hi)
+
+
+def count_int(start: int, length: int, dcp_size: int, dcp_rank: int, interleave_size: int = 1) -> int:
+    """:func:`count` on Python ints (the same formula as `count_np`, exact for any size).
+
+    Raises:
+        TypeError: an argument that is not an int. ValueError: as `check_layout_args`, or a
+            negative ``start`` / ``length``.
+    """
+    n, i, r = check_layout_args(dcp_size, interleave_size, _check_int("dcp_rank", dcp_rank))
+    start, length = _check_int("start", start), _check_int("length", length)
+    if start < 0 or length < 0:
+        raise ValueError(f"start and length must be >= 0, got {start=}, {length=}")
+    return _count(_Ints, start, length, n, r, i)

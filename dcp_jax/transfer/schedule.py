@@ -24,7 +24,7 @@ from typing import Literal
 import numpy as np
 
 from dcp_jax._validate import check_int
-from dcp_jax.layout import check_layout_args, count_np, local_index_np, local_len_np, owner_np
+from dcp_jax.layout import check_layout_args, count_int, local_index_np, local_len_np, owner_np
 from dcp_jax.packing import choose_pack_strategy_for_rows, pack_bytes
 from dcp_jax.plan import build_descriptors, group_runs, packed_src_bases, rows_from_page_table
 
@@ -97,7 +97,7 @@ def _tokens_of_rank(side: SideLayout, start: int, stop: int) -> np.ndarray:
 
 def owned_count(start: int, stop: int, *, dst: SideLayout, src: SideLayout | None = None) -> int:
     """``len(owned_tokens(start, stop, dst=dst, src=src))``, without listing the tokens when the
-    source side is one rank (`layout.count_np`: O(1)); with a larger source group it
+    source side is one rank (`layout.count_int`: O(1)); with a larger source group it
     lists the smaller side's share, as :func:`owned_tokens` does. A receiver checks a completed
     chunk's row count with it.
 
@@ -111,7 +111,7 @@ def owned_count(start: int, stop: int, *, dst: SideLayout, src: SideLayout | Non
         if not (isinstance(side, SideLayout) or (side is None and name == "src")):
             raise TypeError(f"{name} must be a SideLayout, got {type(side).__name__}")
     if src is None or src.dcp_size == 1:
-        return int(count_np(start, stop - start, dst.dcp_size, dst.dcp_rank, dst.interleave_size))
+        return count_int(start, stop - start, dst.dcp_size, dst.dcp_rank, dst.interleave_size)
     return int(len(owned_tokens(start, stop, dst=dst, src=src)))
 
 

@@ -178,3 +178,28 @@ def test_composes_with_jit_and_vmap():
     lengths = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
     got = jax.vmap(lambda row: local_len(row, 3, 1, 2))(lengths)
     np.testing.assert_array_equal(np.asarray(got), local_len_np(np.arange(12).reshape(3, 4), 3, 1, 2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 5000), st.integers(0, 5000), st.integers(1, 9), st.integers(1, 70), st.data())
+def test_count_int_is_count_np_and_brute_force(start, length, n, i, data):
+    from dcp_jax.layout import count_int
+
+    r = data.draw(st.integers(0, n - 1))
+    got = count_int(start, length, n, r, i)
+    assert type(got) is int
+    assert got == int(count_np(start, length, n, r, i)) == sum(1 for t in range(start, start + length) if (t // i) % n == r)
+
+
+def test_count_int_exact_past_int64_and_bad_args_named():
+    from dcp_jax.layout import count_int
+
+    assert count_int(2**70, 2**64, 8, 3, 16) == 2**61  # whole cycles of 128 tokens: 16 of each rank's
+    for bad, name in [(dict(start=-1), "start"), (dict(length=-5), "length")]:
+        with pytest.raises(ValueError, match=name):
+            count_int(**{**dict(start=0, length=10, dcp_size=2, dcp_rank=0), **bad})
+    for bad, name in [(dict(start=1.5), "start"), (dict(length=True), "length"), (dict(dcp_rank=None), "dcp_rank")]:
+        with pytest.raises(TypeError, match=name):
+            count_int(**{**dict(start=0, length=10, dcp_size=2, dcp_rank=0), **bad})
+    with pytest.raises(ValueError, match="dcp_rank"):
+        count_int(0, 10, 2, 2)
