@@ -200,6 +200,8 @@ class SenderRegion:
         empty = np.empty(0, np.int64)
         errors, written = {}, []
         tk = time.perf_counter()
+        for u, _, _ in moved:  # the host's part before the launch: planned -> copy -> launched
+            u.req.timeline.mark("copy", u.target.conn.spec.group_rank)
         for batch in self._fused_launches(per_link):
             mine = {id(u.target.conn): (s, d) for u, s, d in batch}
             try:
