@@ -3,8 +3,8 @@
 Region: every window of a (request, sender, chunk) lands in its own range of this rank's
 registered receive region (`dcp_jax.transfer._region.ReceiveRegion`) and is placed into the
 pages by `pallas_kernels.unpack_rows` before it counts as landed. Push: the sender's
-``region_ask`` is checked (a live request, a window of rows this rank owns in that chunk, the
-size those rows make) before a range is granted (``region_grant``, FIFO while the region is
+``region_ask`` is checked (a live request, a part not credited yet, a window of rows this rank
+owns in that chunk, the size those rows make) before a range is granted (``region_grant``, FIFO while the region is
 full); the engine's ``done`` notification for it triggers the unpack. Pull: ``pull_ready`` gets a
 range, the rank READs the window with one descriptor and unpacks when the read finished.
 
@@ -95,10 +95,21 @@ class ReceiverRegion:
             return  # the request ended here: the sender hears it (abort / failed) and drops the window
         if link.path != "region":
             return self._inconsistent(req, f"region_ask on a {link.path} connection")
+        if self._credited(req, link, msg):
+            self._counts["dropped_messages"] += 1  # a late duplicate: its window already landed
+            return
         if self._window_rows(req, link, msg) is None:
             return
         self._waiting.append(("ask", link, req, msg))
         self._grant_waiting()
+
+    @staticmethod
+    def _credited(req: RecvRequest, link: Any, msg: dict) -> bool:
+        """Whether this rank already credited the part a ``region_ask`` names. A range granted
+        for it would never be written (the sender no longer has that window and drops the
+        grant) nor given back (``drained`` is not sent after SUCCESS): it would leak for good."""
+        entry = req.parts.get((id(link), msg["chunk"]))
+        return entry is not None and msg["part"] in entry[1]
 
     def _grant_waiting(self) -> bool:
         """Grants ranges to waiting windows in arrival order while the region has room."""
@@ -113,6 +124,12 @@ class ReceiverRegion:
                 continue
             nbytes = msg["nrows"] * link.row_bytes
             key = (id(link), req.rid, req.inc, msg["chunk"], msg["part"])
+            if kind == "ask" and (key in self._grants or self._credited(req, link, msg)):
+                # A duplicate ask (its window holds a range, or already landed while this one
+                # waited): one range per window, and none once it landed.
+                self._waiting.popleft()
+                self._counts["dropped_messages"] += 1
+                continue
             region = self._region.acquire(key, nbytes)
             if region is None:
                 break  # full: the next unpack frees room
@@ -123,10 +140,6 @@ class ReceiverRegion:
                         stop=msg["stop"], nrows=n)
             g = Grant(region, req, link, done, self._rows_of(req, link, msg["start"], msg["stop"])[lo:lo + n])
             if kind == "ask":
-                if key in self._grants:  # a duplicate ask: one range per window
-                    self._region.free(region)
-                    self._counts["dropped_messages"] += 1
-                    continue
                 self._grants[key] = g
                 link.client.send(proto.encode("region_grant", req.rid, req.inc, chunk=msg["chunk"], part=msg["part"],
                                               offset=region.offset, nbytes=nbytes))

@@ -158,6 +158,55 @@ def test_duplicate_ask_gets_one_range(engine):
         c.close()
 
 
+def test_late_duplicate_ask_gets_no_range(engine):
+    # The first window's ask is replayed (through the sender's own control socket, from its
+    # worker) after that window landed and was credited, while the request still waits for
+    # its second chunk; then again after SUCCESS. Neither replay may take a range: the sender
+    # drops a grant for a window it no longer has, and after SUCCESS no ``drained`` frees it.
+    c = cluster(engine, dcp_size=1, mode="region", region_bytes=64 * ROW, heartbeat_s=0.02)
+    recv = c.receivers[0]
+    asks, replay = [], []
+    orig = c.sender._ctl.send
+
+    def send(ident, frame):
+        while replay:  # on the worker thread (its pings come every heartbeat_s): the socket is not shared
+            orig(*replay.pop())
+        if proto.decode(frame)["k"] == "region_ask":
+            asks.append((ident, frame))
+        return orig(ident, frame)
+
+    def replay_first_ask():
+        dropped = recv.stats["dropped_messages"]
+        replay.append(asks[0])
+        assert wait_for(lambda: not replay and recv.stats["dropped_messages"] > dropped), recv.stats
+
+    c.sender._ctl.send = send
+    try:
+        L = 24
+        src, dst = c.tables(L)
+        c.expect("d", dst, L)
+        c.sender.send("d", src, 0, 12)
+        assert wait_for(lambda: recv.request_stats("d")["unpacks"] == 1), c.reasons("d")
+        replay_first_ask()
+        assert recv.stats["region_grants"] == 0 and recv.poll("d") is S.TRANSFERRING
+        c.sender.send("d", src, 12, L)
+        assert c.wait("d") == [S.SUCCESS, S.SUCCESS], c.reasons("d")
+        assert c.check_bytes(src, dst, L) == L
+        replay_first_ask()
+        recv.release("d")
+        assert wait_for(lambda: region_free(recv)), recv.stats
+        assert recv.stats["region"]["in_use_bytes"] == 0 and recv.stats["region_grants"] == 0
+        # The whole region serves the next request.
+        src2, dst2 = c.tables(L)
+        c.expect("e", dst2, L)
+        c.sender.send("e", src2, 0, L)
+        assert c.wait("e") == [S.SUCCESS, S.SUCCESS], c.reasons("e")
+        assert c.check_bytes(src2, dst2, L) == L
+        assert wait_for(lambda: region_free(recv)), recv.stats
+    finally:
+        c.close()
+
+
 def _handle(**kw):
     d = {"v": 1, "handle": b"\x00" * 64, "device_id": 0, "base": 1 << 20, "alloc_size": 4096, "offset": 0,
          "nbytes": 4096, "pid": 1, "host": {"hostname": "h", "boot_id": "b"}}
