@@ -33,14 +33,49 @@ from pallas_kernels.triton_gather import gather_call
 __all__ = ["gather_windows", "gather_windows_reference", "window_blocks"]
 
 
+#: The table's columns hold each window's row count as int32 and its offset units as uint32 bits.
+_MAX_COUNT = 2**31 - 1
+_MAX_UNITS = 2**32 - 1
+
+
+def _int_list(values, name: str, hi: int) -> list[int]:
+    """``values`` (a sequence or 1-D array of ints) as Python ints in [0, hi].
+
+    Plain Python over the handful of windows of a round (no numpy call per entry): this runs
+    before every windowed kernel launch.
+
+    Raises:
+        TypeError: not a sequence or 1-D array, or an entry that is not an int (bool and float
+            refused: a silent truncation would move or shorten a window).
+        ValueError: an entry outside [0, hi] (it would wrap in the table's 32-bit column).
+    """
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1 or not (values.dtype.kind in "iu" or values.size == 0):
+            raise TypeError(f"{name} must be a 1-D integer array, got {values.dtype}[{values.shape}]")
+        out = values.tolist()
+    else:
+        try:
+            out = list(values)
+        except TypeError:
+            raise TypeError(f"{name} must be a sequence of ints, got {type(values).__name__}") from None
+        for i, v in enumerate(out):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"{name}[{i}]={v!r} must be an int, not {type(v).__name__}")
+        out = [int(v) for v in out]
+    if out and (min(out) < 0 or max(out) > hi):
+        i = next(i for i, v in enumerate(out) if not 0 <= v <= hi)
+        raise ValueError(f"{name}[{i}]={out[i]} must be in [0, {hi}] (the table's 32-bit column)")
+    return out
+
+
 def window_blocks(counts, units, block_rows: int) -> tuple[np.ndarray, np.ndarray, int]:
     """The index layout and per-block table of windows for one windowed kernel call.
 
     Args:
-        counts: int[W] rows of each window (>= 0).
-        units: int[W] each window's offset in units of the kernel's `offset_align` words
-            (uint32 values; `offset_arg` gives them).
-        block_rows: the kernel's rows per program (a power of 2, `config.block_rows`).
+        counts: int[W] rows of each window, in [0, 2**31 - 1] (an int32 column).
+        units: int[W] each window's offset in units of the kernel's `offset_align` words, in
+            [0, 2**32 - 1] (uint32 values; `offset_arg` gives them).
+        block_rows: the kernel's rows per program (a power of 2 >= 1, `config.block_rows`).
 
     Returns:
         (starts, blocks, m): starts i64[W], where window w's indices begin in the index
@@ -49,17 +84,23 @@ def window_blocks(counts, units, block_rows: int) -> tuple[np.ndarray, np.ndarra
         m = `bucket_rows(sum of ceil(counts / block_rows) * block_rows)`, the index length.
 
     Raises:
-        ValueError: a negative count, or counts and units of different lengths.
+        TypeError: counts, units or block_rows not ints (bool and float refused), or counts /
+            units not a sequence or 1-D array.
+        ValueError: a count or unit outside its range above, counts and units of different
+            lengths, block_rows not a power of 2 >= 1.
     """
     # A round has a handful of windows: Python ints and ONE repeat of a small per-window table
     # (a kernel launch's host time on a slow host was mostly numpy calls here).
-    counts = [int(c) for c in np.asarray(counts).reshape(-1)]
-    units = [int(u) for u in np.asarray(units).reshape(-1)]
+    if isinstance(block_rows, bool) or not isinstance(block_rows, (int, np.integer)):
+        raise TypeError(f"block_rows={block_rows!r} must be an int, not {type(block_rows).__name__}")
+    block_rows = int(block_rows)
+    if block_rows < 1 or block_rows & (block_rows - 1):
+        raise ValueError(f"block_rows={block_rows} must be a power of 2 >= 1")
+    counts = _int_list(counts, "counts", _MAX_COUNT)
+    units = _int_list(units, "units", _MAX_UNITS)
     if len(counts) != len(units):
         raise ValueError(f"counts ({len(counts)}) and units ({len(units)}) must have one entry "
                          "per window")
-    if counts and min(counts) < 0:
-        raise ValueError(f"counts must be >= 0, got {min(counts)}")
     nb = [-(-c // block_rows) for c in counts]
     first, used = [], 0
     for b in nb:
@@ -71,7 +112,7 @@ def window_blocks(counts, units, block_rows: int) -> tuple[np.ndarray, np.ndarra
     if used:
         # per window: (offset units as uint32 bits, rows, -first block, ok); the third column
         # becomes each block's first window row once the block number is added.
-        per = np.array([(u & 0xFFFFFFFF, c, -f, 1) for u, c, f in zip(units, counts, first)], np.int64)
+        per = np.array([(u, c, -f, 1) for u, c, f in zip(units, counts, first)], np.int64)
         rep = np.repeat(per, nb, axis=0)
         rep[:, 2] += np.arange(used)
         rep[:, 2] *= block_rows

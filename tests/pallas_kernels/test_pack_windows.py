@@ -51,6 +51,38 @@ def test_window_blocks_by_hand():
     assert blocks[0] == -1
 
 
+def test_window_blocks_edges_of_the_32_bit_columns_by_hand():
+    # Blocks of 2, an int64 array of counts: 3 rows at the largest unit, 2**32 - 1 (bits -1),
+    # in blocks 0-1; 1 row at unit 0 in block 2; 6 rows bucket to 8 (4 blocks, the last empty).
+    starts, blocks, m = window_blocks(np.array([3, 1], np.int64), [2**32 - 1, 0], 2)
+    assert starts.tolist() == [0, 4] and m == 8
+    assert blocks.reshape(-1, 4).tolist() == [[-1, 3, 0, 1], [-1, 3, 2, 1], [0, 1, 0, 1], [0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("counts, units, block_rows, err, match", [
+    ([1], [1 << 33], 4, ValueError, r"units\[0\]=8589934592 must be in \[0, 4294967295\]"),  # would wrap to 0
+    ([1, 1], [0, -1], 4, ValueError, r"units\[1\]=-1 must be in"),  # would be bits 0xFFFFFFFF
+    ([1], [2**32], 4, ValueError, r"units\[0\]"),
+    ([-1], [0], 4, ValueError, r"counts\[0\]=-1 must be in \[0, 2147483647\]"),
+    ([2**31], [0], 4, ValueError, r"counts\[0\]"),  # the int32 rows column
+    ([2.7], [0], 4, TypeError, r"counts\[0\]=2.7 must be an int"),  # would be truncated to 2
+    ([2], [1.0], 4, TypeError, r"units\[0\]=1.0 must be an int"),
+    ([True], [0], 4, TypeError, r"counts\[0\]=True must be an int"),
+    (np.array([2.7]), [0], 4, TypeError, "counts must be a 1-D integer array"),
+    (np.array([True]), [0], 4, TypeError, "counts must be a 1-D integer array"),
+    (3, [0], 4, TypeError, "counts must be a sequence of ints"),
+    ([1], [0], 0, ValueError, "block_rows=0 must be a power of 2"),  # was a ZeroDivisionError
+    ([1], [0], 3, ValueError, "block_rows=3 must be a power of 2"),
+    ([1], [0], -4, ValueError, "block_rows=-4 must be a power of 2"),
+    ([1], [0], 4.0, TypeError, "block_rows=4.0 must be an int"),
+    ([1], [0], True, TypeError, "block_rows=True must be an int"),
+    ([1, 2], [0], 4, ValueError, r"counts \(2\) and units \(1\)"),
+])
+def test_window_blocks_refuses_what_the_table_cannot_hold(counts, units, block_rows, err, match):
+    with pytest.raises(err, match=match):
+        window_blocks(counts, units, block_rows)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 70), st.integers(0, 2**32 - 1)), max_size=12),
        st.sampled_from([1, 4, 16, 64]))
