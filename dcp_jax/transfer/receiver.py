@@ -89,6 +89,8 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
 
     Raises:
         TypeError, ValueError: bad spec, layers or options.
+        MemoryError: the receive region of ``region_bytes`` could not be allocated (names it;
+            nothing is left open).
         bridge.BridgeError: the engine could not start or register (nothing is left open).
     """
 
@@ -127,8 +129,12 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
                 raise ValueError(f"region_bytes={region_bytes} is less than one token's {spec.row_bytes} bytes: a "
                                  "staged receiver lands every window in its receive region")
             # A region smaller than one token could hold no window: offered as none.
-            self._region = ReceiveRegion(int(region_bytes) if region_bytes >= spec.row_bytes else 0,
-                                         self._layers.mem_type, self._layers.device_id, staged=self.staged)
+            try:
+                self._region = ReceiveRegion(int(region_bytes) if region_bytes >= spec.row_bytes else 0,
+                                             self._layers.mem_type, self._layers.device_id, staged=self.staged)
+            except (MemoryError, OSError) as exc:  # the allocator's own words do not say which buffer
+                raise MemoryError(f"region_bytes={int(region_bytes):,}: cannot allocate the receive region "
+                                  f"({type(exc).__name__}: {exc})") from exc
             self._ipc = [] if self.staged else ipc_export(self._layers)  # once: every connection offers the same
             extra = [self._region.memory_region()] if self._region.nbytes else []
             # Staged: the engine never sees the KV, only the (host) receive region.

@@ -232,6 +232,20 @@ def test_sender_options_a_fresh_user_got_unnamed_errors_for(engine):
         KVReceiver(spec, kv, engine=engine, engine_options=["foo"])
 
 
+def test_receive_region_too_large_to_allocate_is_named(engine):
+    spec = KVCacheSpec(2, (16, 16), 4)
+    kv = [np.zeros((4, 4, 16), np.uint8) for _ in range(2)]
+    # Before: a bare "OSError: [Errno 12] Cannot allocate memory" from the region's buffer.
+    with pytest.raises(MemoryError, match=r"region_bytes=1,125,899,906,842,624: cannot allocate the receive region"):
+        KVReceiver(spec, kv, engine=engine, region_bytes=1 << 50)
+    # Nothing was left half open: the same pages serve a receiver with a sane region.
+    r = KVReceiver(spec, kv, engine=engine, region_bytes=1 << 12)
+    try:
+        assert r.stats["region"]["capacity"] == 1 << 12
+    finally:
+        r.close()
+
+
 def test_senders_of_another_prefill_group_layout_are_refused(engine):
     # A second fresh user: prefill ranks declaring different interleaves (or DCP sizes) were all
     # linked; every side ended SUCCESS with some decode rows never written and others written twice.
