@@ -273,17 +273,28 @@ class ReceiverRegion:
             if link not in self._links:  # dropped: its requests failed with it
                 busy = True
                 continue
+            if self._live(link, msg) is None:  # ended or released meanwhile: nothing to credit
+                busy = True
+                continue
             if id(link) not in values:
                 values[id(link)] = link.flag.value()
             if not seq_done(values[id(link)], msg["seq"]):
                 keep.append((link, msg, since))
                 continue
             busy = True
-            req = self._live(link, msg)
-            if req is not None:
-                self._part_landed(req, link, msg)
+            self._part_landed(self._requests[msg["rid"]], link, msg)
         self._gated = keep
         return busy
+
+    def _gated_ready(self) -> bool:
+        """Whether a gated part's flag reached its number (the worker's spin check: worker thread,
+        no lock; `_gated` is only changed on this thread, and replaced, not edited, by
+        `_poll_gated`)."""
+        for link, msg, _ in self._gated:
+            flag = link.flag
+            if flag is None or flag.closed or seq_done(flag.value(), msg["seq"]):
+                return True  # a dropped link or a landed part: the next round sees to it
+        return False
 
     def _gated_waiting(self) -> bool:
         """Whether a gated part waits on a copy that should end within milliseconds (the worker

@@ -157,7 +157,7 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
                             requests=0, succeeded=0, failed=0, aborted=0, bytes=0, reads=0, unpacks=0)
         self._init_region_state()
         self._last_ping = self._next_timeout_check = 0.0
-        self._worker = Worker(f"dcp-receiver-{spec.dcp_rank}", self._round, None)
+        self._worker = Worker(f"dcp-receiver-{spec.dcp_rank}", self._round, None, spin_fn=self._gated_ready)
         self._worker.start()
         close_at_exit(self)
 
@@ -375,6 +375,7 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
                     self._worker.add_socket(link.client.sock)
                     link.registered = True
             self._flush()
+            busy |= self._poll_gated()  # first: a flag seen by the spin ends its request now
             for link in list(self._links):
                 for msg in link.client.recv():
                     busy = True
@@ -390,7 +391,7 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
                         busy = True
                         self._on_notification(peer, note)
             busy |= self._poll_reads()
-            busy |= self._poll_gated()
+            busy |= self._poll_gated()  # gated parts that arrived in this round
             if self._waiting:  # room freed, or a waiting window's request ended
                 busy |= self._grant_waiting()
             self._check_timeouts()

@@ -39,13 +39,17 @@ def _fused_dones(c):
 
 def _hold_bumps(flag):
     """The flag's bumps count but do not reach the page (a device copy still running); returns
-    `release()`, which writes the last number."""
+    `release()`, which writes the last number and lets later bumps through."""
     def bump_after(dep=None):
         flag.seq += 1
         return flag.seq
 
+    def release():
+        del flag.bump_after  # the class's own bump again
+        flag._words[0] = flag.seq
+
     flag.bump_after = bump_after
-    return lambda: flag._words.__setitem__(0, flag.seq)
+    return release
 
 
 def test_ranks_map_the_senders_page_and_credit_gated_rows(engine, fused_on_host):  # noqa: F811
@@ -162,3 +166,25 @@ def test_hello_ack_flag_is_checked_before_anything_is_opened(tmp_path):
     with pytest.raises(HandshakeError, match="cannot open") as e:  # gone (another host's /dev/shm)
         _open_flag({"flag": "dcp_jax_flag_1_" + "0" * 16, "path": "fused"})
     assert e.value.field == "flag"
+
+
+def test_parts_of_a_request_that_ended_are_not_kept_waiting(engine, fused_on_host):  # noqa: F811
+    c = cluster(engine, dcp_size=2, mode="fused", region_bytes=0)
+    try:
+        release = _hold_bumps(c.sender._flag)  # the copy never "ends": the parts would wait forever
+        src, dst = c.tables(14)
+        c.expect("a", dst, 14)
+        c.sender.send("a", src, 0, 14)
+        assert wait_for(lambda: all(r._gated for r in c.receivers))
+        for r in c.receivers:
+            r.abort("a", "the serving loop gave up")
+        assert wait_for(lambda: not any(r._gated for r in c.receivers))
+        assert [r.poll("a") for r in c.receivers] == [S.ABORTED] * 2
+        release()  # a late flag credits nothing
+        src, dst = c.tables(6)
+        c.expect("b", dst, 6)
+        c.sender.send("b", src, 0, 6)
+        assert c.wait("b") == [S.SUCCESS] * 3, c.reasons("b")
+        assert c.check_bytes(src, dst, 6) == 6
+    finally:
+        c.close()
