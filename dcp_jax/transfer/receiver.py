@@ -265,6 +265,16 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
         """The request's `TransferStatus` on this rank. Raises KeyError if unknown."""
         return self._get(request_id).status
 
+    def wait(self, request_id: str, timeout_s: float) -> TransferStatus:
+        """Blocks until the request ends on this rank or ``timeout_s`` seconds passed (no
+        polling: the worker wakes the caller when it ends the request); its status then.
+
+        Raises:
+            KeyError: unknown request id. ValueError, TypeError: ``timeout_s`` not a positive
+                number of seconds (at most a day).
+        """
+        return self._get(request_id).state.wait(check_seconds("timeout_s", timeout_s))
+
     def failure_reason(self, request_id: str) -> str:
         """Why the request FAILED or was ABORTED ("" otherwise). Raises KeyError if unknown."""
         return self._get(request_id).state.reason

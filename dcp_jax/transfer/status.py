@@ -64,10 +64,11 @@ class RequestState:
         ended_at: `time.perf_counter()` of the move to a terminal state (None before).
     """
 
-    __slots__ = ("_lock", "status", "reason", "last_progress", "created", "ended_at")
+    __slots__ = ("_lock", "_ended", "status", "reason", "last_progress", "created", "ended_at")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._ended = threading.Event()
         self.status = TransferStatus.WAITING
         self.reason = ""
         self.created = self.last_progress = time.monotonic()
@@ -95,7 +96,14 @@ class RequestState:
                 self.ended_at = time.perf_counter()
             self.last_progress = time.monotonic()
             self.status = new
-            return True
+        if new.terminal:
+            self._ended.set()
+        return True
+
+    def wait(self, timeout_s: float) -> "TransferStatus":
+        """Blocks until the request is terminal or ``timeout_s`` seconds passed; its status then."""
+        self._ended.wait(timeout_s)
+        return self.status
 
     def touch(self) -> None:
         """Records progress without a transition (a batch landed, a peer announced itself)."""
