@@ -23,12 +23,14 @@ runs after the copy on the device, whatever the host's threads do.
 
 The page: a file under /dev/shm (``dcp_jax_flag_<pid>_<hex>``, 4,096 bytes, mode 0600) that the
 writer creates, maps, registers with CUDA (``cudaHostRegisterPortable | cudaHostRegisterMapped``)
-and unlinks at `close`; readers map it read-only by name. Word 0 holds the last sequence number
-(uint32, serial-number arithmetic: k is done when ``(value - k) mod 2**32 < 2**31``, RFC 1982).
-The device writes it through a zero-copy JAX view of the mapped pointer (a DLPack capsule of
-device type kDLCUDA). On the host (no device) `bump_after` stores the number directly after the
-caller's synchronous copy. A peer's name is checked against that pattern before anything opens
-it, and the file's size before it is mapped.
+and unlinks at `close`; readers read it by name (``pread``: see `OpenedFlag`). Word 0 holds the
+last sequence number (uint32, serial-number arithmetic: k is done when ``(value - k) mod 2**32 <
+2**31``, RFC 1982). The device writes it through a zero-copy JAX view of the mapped pointer (a
+DLPack capsule of device type kDLCUDA). On the host (no device) `bump_after` stores the number
+directly after the caller's synchronous copy. A peer's name is checked against that pattern
+before anything opens it; the file must be a regular file of the page's size. A sender that
+crashes leaves its page behind (4 KiB; remove ``/dev/shm/dcp_jax_flag_<its pid>_*``). The page
+is its writer's user's (mode 0600): ranks of another user are refused at the handshake.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ import mmap
 import os
 import re
 import secrets
+import stat
+import sys
 import threading
 from typing import Any
 
@@ -288,58 +292,72 @@ class SharedFlag:
 
 
 class OpenedFlag:
-    """A peer's `SharedFlag`, mapped read-only in this process by name.
+    """A peer's `SharedFlag`, read in this process by name.
 
     Args:
         name: the peer's ``SharedFlag.name`` (a peer's message: checked by `check_flag_name`).
 
+    Reads go through ``pread`` of the page's file, not a mapping: tmpfs serves the very pages
+    the writer mapped (and the device writes), so a read sees the last bump; and a page its
+    owner shrank answers short instead of raising SIGBUS in this process (a mapped read would).
+
     Raises:
         ValueError: a name of another form. FlagError: no such page on this host (another host,
-            another /dev/shm), or not a flag page's size.
+            another /dev/shm), not a regular file (a FIFO, a link, a directory: opened without
+            blocking and refused), not a flag page's size, or not readable by this user.
     """
 
     def __init__(self, name: Any):
         path = os.path.join(_DIR, check_flag_name(name))
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as exc:
             raise FlagError(f"cannot open the peer's flag page {path}: {exc}") from exc
         try:
-            size = os.fstat(fd).st_size
-            if size != FLAG_BYTES:
-                raise FlagError(f"the peer's flag page {path} holds {size} bytes, not {FLAG_BYTES}")
-            self._mm = mmap.mmap(fd, FLAG_BYTES, prot=mmap.PROT_READ)
-        finally:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise FlagError(f"the peer's flag page {path} is not a regular file")
+            if st.st_size != FLAG_BYTES:
+                raise FlagError(f"the peer's flag page {path} holds {st.st_size} bytes, not {FLAG_BYTES}")
+        except BaseException:
             os.close(fd)
-        self._words = np.frombuffer(self._mm, np.uint32, 1)
+            raise
+        self._fd: int | None = fd
+        self._lock = threading.Lock()
         self.name = name
 
     def value(self) -> int:
-        """The peer's last number, as this process reads it now."""
-        if self._words is None:
-            raise RuntimeError("this OpenedFlag is closed")
-        return int(self._words[0])
+        """The peer's last number, as this process reads it now.
+
+        Raises:
+            RuntimeError: `close()`d. FlagError: the page shrank (its owner truncated it).
+        """
+        with self._lock:
+            if self._fd is None:
+                raise RuntimeError("this OpenedFlag is closed")
+            word = os.pread(self._fd, 4, 0)
+        if len(word) != 4:
+            raise FlagError(f"the peer's flag page {self.name} shrank to {len(word)} bytes")
+        return int.from_bytes(word, sys.byteorder)
 
     def done(self, seq: int) -> bool:
         """Whether the peer's flag has reached `seq` (`seq_done`).
 
         Raises:
-            RuntimeError: `close()`d.
+            RuntimeError: `close()`d. FlagError: as `value`.
         """
         return seq_done(self.value(), seq)
 
     def close(self) -> None:
-        """Unmaps the page (idempotent)."""
-        mm, self._mm, self._words = getattr(self, "_mm", None), None, None
-        if mm is not None:
-            try:
-                mm.close()
-            except BufferError:
-                pass
+        """Closes the page's file (idempotent)."""
+        with self._lock:
+            fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
     @property
     def closed(self) -> bool:
-        return self._mm is None
+        return self._fd is None
 
     def __enter__(self) -> "OpenedFlag":
         return self

@@ -327,10 +327,17 @@ def local_len_np(length, dcp_size: int, dcp_rank, interleave_size: int = 1) -> n
 
 
 def count_np(start, length, dcp_size: int, dcp_rank, interleave_size: int = 1) -> np.ndarray:
-    """numpy twin of :func:`count` (int64); ``dcp_rank`` may be an array as in :func:`local_len_np`."""
+    """numpy twin of :func:`count` (int64); ``dcp_rank`` may be an array as in :func:`local_len_np`.
+
+    Raises:
+        ValueError: as :func:`count`, or ``start + length`` past int64 (`count_int` is exact
+            for any size).
+    """
     n, i, _ = check_layout_args(dcp_size, interleave_size)
     start = _as_np_positions("start", start)
     length = _as_np_positions("length", length)
+    if start.size and length.size and int(start.max()) + int(length.max()) > np.iinfo(np.int64).max:
+        raise ValueError("start + length passes int64 (use count_int for positions this large)")
     return _count(np, start, length, n, _np_rank(n, i, dcp_rank), i)
 
 

@@ -277,8 +277,17 @@ class ReceiverRegion:
                 busy = True
                 continue
             if id(link) not in values:
-                values[id(link)] = link.flag.value()
-            if not seq_done(values[id(link)], msg["seq"]):
+                try:
+                    values[id(link)] = link.flag.value()
+                except Exception as exc:  # noqa: BLE001 - a shrunk or closed page: no part of it may count
+                    values[id(link)] = f"{type(exc).__name__}: {exc}"
+            value = values[id(link)]
+            if isinstance(value, str):
+                busy = True
+                self._end(self._requests[msg["rid"]], TransferStatus.FAILED,
+                          f"fused copy: the sender's flag page: {value}", "failed")
+                continue
+            if not seq_done(value, msg["seq"]):
                 keep.append((link, msg, since))
                 continue
             busy = True
@@ -290,14 +299,20 @@ class ReceiverRegion:
         """Whether a gated part's flag reached its number (the worker's spin check: worker thread,
         no lock; `_gated` is only changed on this thread, and replaced, not edited, by
         `_poll_gated`)."""
+        values: dict = {}
         for link, msg, _ in self._gated:
             flag = link.flag
-            if flag is None or flag.closed or seq_done(flag.value(), msg["seq"]):
-                return True  # a dropped link or a landed part: the next round sees to it
+            if flag is None or flag.closed:
+                return True  # a dropped link: the next round sees to it
+            if id(link) not in values:
+                values[id(link)] = flag.value()  # a shrunk page raises: the worker runs the round
+            if seq_done(values[id(link)], msg["seq"]):
+                return True
         return False
 
     def _gated_waiting(self) -> bool:
-        """Whether a gated part waits on a copy that should end within milliseconds (the worker
-        then polls again at once; past `GATED_SPIN_S` it falls back to the usual backoff)."""
-        now = time.monotonic()
-        return any(now - since < GATED_SPIN_S for _, _, since in self._gated)
+        """Whether the gated parts wait on copies that should end within milliseconds (the worker
+        then spins); once the OLDEST has waited `GATED_SPIN_S` (the page lags: a stalled
+        sender, or a stream of requests behind a slow one) the usual backoff applies, so a
+        lagging page never keeps a core busy."""
+        return bool(self._gated) and time.monotonic() - self._gated[0][2] < GATED_SPIN_S

@@ -218,12 +218,13 @@ def shut_down(side: Any, timeout_s: Any, what: str, close_sockets: Callable[[], 
     side.engine.close(timeout_s=max(0.1, deadline - time.monotonic()))
 
 
-def check_seconds(name: str, value: Any) -> float:
-    """A positive number of seconds, at most a day (ValueError/TypeError naming ``name``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+def check_seconds(name: str, value: Any, *, zero_ok: bool = False) -> float:
+    """A positive number of seconds (or 0 with ``zero_ok``), at most a day; Python or numpy
+    scalars (ValueError/TypeError naming ``name``)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
-    if not 0 < value <= 86400:
-        raise ValueError(f"{name}={value!r} must be in (0, 86400] seconds")
+    if not (0 <= value if zero_ok else 0 < value) or not value <= 86400:
+        raise ValueError(f"{name}={value!r} must be in {'[' if zero_ok else '('}0, 86400] seconds")
     return float(value)
 
 

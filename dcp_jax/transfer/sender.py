@@ -318,12 +318,14 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
     def wait(self, request_id: str, timeout_s: float) -> TransferStatus:
         """Blocks until the request ends on this side or ``timeout_s`` seconds passed (no
         polling: the worker wakes the caller when it ends the request); its status then.
+        ``timeout_s=0`` answers at once (as `poll`). The wait is on the request object of the
+        call: one released and expected again under the same id meanwhile is another request.
 
         Raises:
-            KeyError: unknown request id. ValueError, TypeError: ``timeout_s`` not a positive
-                number of seconds (at most a day).
+            KeyError: unknown request id. ValueError, TypeError: ``timeout_s`` not a number of
+                seconds in [0, 86400].
         """
-        return self._get(request_id).state.wait(check_seconds("timeout_s", timeout_s))
+        return self._get(request_id).state.wait(check_seconds("timeout_s", timeout_s, zero_ok=True))
 
     def failure_reason(self, request_id: str) -> str:
         """Why the request FAILED or was ABORTED ("" otherwise). Raises KeyError if unknown."""

@@ -43,7 +43,7 @@ def test_close_is_idempotent_and_closed_objects_refuse():
     flag.close()
     flag.close()
     assert flag.closed and not os.path.exists(flag.path)
-    assert reader.value() == 1  # a mapped reader keeps the page until it closes
+    assert reader.value() == 1  # a reader keeps the page's file open until it closes
     reader.close()
     reader.close()
     assert reader.closed
@@ -62,6 +62,34 @@ def test_peer_names_of_another_form_are_refused_before_any_open(bad):
         check_flag_name(bad)
     with pytest.raises(ValueError, match="dcp_jax_flag_<pid>"):
         OpenedFlag(bad)
+
+
+def test_a_page_its_owner_shrinks_answers_an_error_not_sigbus():
+    with SharedFlag.create() as flag:
+        flag.bump_after()
+        reader = OpenedFlag(flag.name)
+        assert reader.value() == 1
+        os.truncate(flag.path, 0)  # a mapped read would now kill this process with SIGBUS
+        with pytest.raises(FlagError, match="shrank to 0 bytes"):
+            reader.value()
+        with pytest.raises(FlagError, match="shrank"):
+            reader.done(1)
+        reader.close()
+
+
+def test_a_fifo_or_directory_under_a_flag_name_is_refused_without_blocking():
+    import time
+
+    for make in (os.mkfifo, os.mkdir):
+        path = "/dev/shm/dcp_jax_flag_1_" + "a" * 16
+        make(path)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(FlagError, match="not a regular file|cannot open"):
+                OpenedFlag(os.path.basename(path))
+            assert time.monotonic() - t0 < 1.0  # a FIFO opened for reading would block forever
+        finally:
+            (os.rmdir if make is os.mkdir else os.unlink)(path)
 
 
 def test_missing_pages_and_pages_of_another_size_are_refused():

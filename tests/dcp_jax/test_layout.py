@@ -203,3 +203,12 @@ def test_count_int_exact_past_int64_and_bad_args_named():
             count_int(**{**dict(start=0, length=10, dcp_size=2, dcp_rank=0), **bad})
     with pytest.raises(ValueError, match="dcp_rank"):
         count_int(0, 10, 2, 2)
+
+
+def test_count_np_refuses_ends_past_int64_instead_of_wrapping():
+    from dcp_jax.layout import count_int
+
+    with pytest.raises(ValueError, match="int64"):
+        count_np(2**62, 2**62, 7, 3, 64)
+    assert count_int(2**62, 2**62, 7, 3, 64) == 658812288346769664
+    assert int(count_np(2**62, 2**62 - 1, 7, 3, 64)) == count_int(2**62, 2**62 - 1, 7, 3, 64)

@@ -188,3 +188,39 @@ def test_parts_of_a_request_that_ended_are_not_kept_waiting(engine, fused_on_hos
         assert c.check_bytes(src, dst, 6) == 6
     finally:
         c.close()
+
+
+def test_a_page_that_shrinks_fails_the_gated_request_not_the_rank(engine, fused_on_host):  # noqa: F811
+    c = cluster(engine, dcp_size=2, mode="fused", region_bytes=0)
+    try:
+        _hold_bumps(c.sender._flag)
+        src, dst = c.tables(12)
+        c.expect("s", dst, 12)
+        c.sender.send("s", src, 0, 12)
+        assert wait_for(lambda: all(r._gated for r in c.receivers))
+        os.truncate(c.sender._flag.path, 0)  # its owner (or root) shrank it: a mapped read would SIGBUS
+        assert wait_for(lambda: all(r.poll("s") is S.FAILED for r in c.receivers))
+        assert all("flag page" in r.failure_reason("s") and "shrank" in r.failure_reason("s") for r in c.receivers)
+        assert not any(r._gated for r in c.receivers)
+    finally:
+        c.close()
+
+
+def test_a_lagging_page_stops_the_spin_once_the_oldest_part_waited_long(engine, fused_on_host):  # noqa: F811
+    import time
+
+    from dcp_jax.transfer._receiver_region import GATED_SPIN_S
+
+    c = cluster(engine, dcp_size=1, mode="fused", region_bytes=0)
+    try:
+        r = c.receivers[0]
+        link, now = r._links[0], time.monotonic()
+        with r._lock:
+            r._gated = [(link, {"seq": 5}, now - 2 * GATED_SPIN_S), (link, {"seq": 6}, now)]
+            assert not r._gated_waiting()  # a stream of new parts behind a stale one: back off
+            r._gated = [(link, {"seq": 6}, now)]
+            assert r._gated_waiting()
+            r._gated = []
+            assert not r._gated_waiting()
+    finally:
+        c.close()

@@ -3,6 +3,7 @@ polling), or until the timeout; argument checks."""
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from conftest import TransferStatus
@@ -56,7 +57,9 @@ def test_wait_refuses_bad_timeouts_and_unknown_requests(engine):
                 side.wait("nope", 1.0)
         src, dst = c.tables(5)
         c.expect("b", dst, 5)
-        for bad, exc in [(0, ValueError), (-1.0, ValueError), (float("nan"), ValueError), ("1", TypeError),
+        assert c.receivers[0].wait("b", 0) is S.WAITING  # 0: answers at once, as poll
+        assert c.receivers[0].wait("b", np.float32(0.01)) is S.WAITING  # numpy scalars are seconds too
+        for bad, exc in [(-1.0, ValueError), (86401, ValueError), (True, TypeError), (float("nan"), ValueError), ("1", TypeError),
                          (None, TypeError)]:
             with pytest.raises(exc, match="timeout_s"):
                 c.receivers[0].wait("b", bad)
