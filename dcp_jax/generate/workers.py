@@ -22,7 +22,7 @@ import traceback
 __all__ = ["prefill_main", "decode_main", "RID"]
 
 RID = "generate-0"
-POLL_S = 0.0005
+WAIT_S = 1.0  # each side waits on its connector (`wait`: woken the moment the request ends)
 # Compiling the decode step on 2 busy cores can starve a connector's heartbeat thread for
 # seconds; the connector's default (5 s) then drops a live peer.
 PEER_TIMEOUT_S = 120.0
@@ -97,8 +97,8 @@ def prefill_main(conn, cfg, rank: int, prompt) -> None:
         if sender.poll(RID).terminal:  # (a decode rank gave up before the KV was ready)
             raise RuntimeError(f"request {sender.poll(RID).name} before send: {sender.failure_reason(RID)}")
         sender.send(RID, table, 0, cfg.kv_tokens)
-        while not (status := sender.poll(RID)).terminal:
-            time.sleep(POLL_S)
+        while not (status := sender.wait(RID, WAIT_S)).terminal:  # woken when it ends: no polling
+            pass
         conn.send(("done", dict(t_start=t_start, t_sent=t_sent, t_done=time.monotonic(), status=status.name,
                                 reason=sender.failure_reason(RID) if status is not TransferStatus.SUCCESS else "",
                                 stats=_plain(sender.request_stats(RID)))))
@@ -175,8 +175,8 @@ def decode_main(conn, cfg, rank: int, coordinator: str, prompt) -> None:
         del out, scratch
         compile_s = time.monotonic() - t0
         conn.send(("ready", dict(compile_s=compile_s)))
-        while not (status := recv.poll(RID)).terminal:
-            time.sleep(POLL_S)
+        while not (status := recv.wait(RID, WAIT_S)).terminal:
+            pass
         t_success = time.monotonic()
         reason = recv.failure_reason(RID) if status is not TransferStatus.SUCCESS else ""
         recv.release(RID)
