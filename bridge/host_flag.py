@@ -6,7 +6,7 @@ IPC-mapped memory. Telling the ranks only after the sender's host wait put ~0.5 
 ~0.5 ms of message and wake-up after the copy's end (H200 timelines, 2026-12-02). With a flag the
 sender says ``fused_done(seq=k)`` right after the launch, and a tiny jitted kernel, enqueued after
 the copy and taking the copy's output as an argument, writes k into a page of pinned host memory
-that every rank has mapped; each rank credits its rows once it reads a value at or past k:
+that every rank reads; each rank credits its rows once it reads a value at or past k:
 
     # sender (writes the pages)                    # receiver (owns the pages)
     flag = SharedFlag.create(device=True)          seen = OpenedFlag(name_from_hello_ack)
@@ -252,7 +252,7 @@ class SharedFlag:
 
     def close(self) -> None:
         """Waits for the last bump, then unregisters, unmaps and unlinks the page (idempotent).
-        Readers keep their mapping of it until they close it."""
+        Readers keep reading it through their open file until they close it."""
         try:
             self.synchronize()
         except Exception:  # noqa: BLE001 - a failed context: release what can be released

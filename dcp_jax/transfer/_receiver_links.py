@@ -43,11 +43,11 @@ class Link:
     staged: bool = False       # the sender stages (its KV is not registered)
     row_bytes: int = 0         # bytes one token row of this link lands (all layers; head pieces only)
     view: Any = None           # TP or layout pair: its `views.StreamView` (the region path's unpack)
-    flag: Any = None           # fused path: the sender's flag page, mapped here (`bridge.host_flag.OpenedFlag`)
+    flag: Any = None           # fused path: the sender's flag page, opened here (`bridge.host_flag.OpenedFlag`)
     src_layout: Any = None     # the sender's `schedule.SideLayout` (made once: a chunk's row count uses it)
 
     def close_flag(self) -> None:
-        """Unmaps the sender's flag page (idempotent)."""
+        """Closes the sender's flag page (idempotent)."""
         fl, self.flag = self.flag, None
         if fl is not None:
             fl.close()
@@ -65,11 +65,12 @@ def missing_senders(specs: list[KVCacheSpec]) -> list[int]:
 
 
 def _open_flag(reply: dict) -> Any:
-    """The sender's fused-path flag page of a ``hello_ack`` mapped here, or None (none offered).
+    """The sender's fused-path flag page of a ``hello_ack`` opened here, or None (none offered).
 
     Raises:
         HandshakeError: field ``"flag"``: offered on another path than fused, a name of another
-            form, or no such page on this host (its gated ``fused_done``s could never be credited).
+            form, or a page this rank cannot open and read (`OpenedFlag`: its gated ``fused_done``s
+            could never be credited).
     """
     if not reply["flag"]:
         return None
@@ -81,7 +82,7 @@ def _open_flag(reply: dict) -> Any:
         return OpenedFlag(reply["flag"])
     except Exception as exc:  # noqa: BLE001 - ValueError, FlagError: refused
         raise HandshakeError("flag", None, None,
-                             f"the sender's flag page cannot be mapped here: {type(exc).__name__}: {exc}") from None
+                             f"the sender's flag page cannot be opened here: {type(exc).__name__}: {exc}") from None
 
 
 class ReceiverLinks:

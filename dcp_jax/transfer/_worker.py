@@ -223,7 +223,8 @@ def check_seconds(name: str, value: Any, *, zero_ok: bool = False) -> float:
     scalars (ValueError/TypeError naming ``name``)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__}")
-    if not (0 <= value if zero_ok else 0 < value) or not value <= 86400:
+    above_floor = value >= 0 if zero_ok else value > 0  # NaN fails both comparisons
+    if not (above_floor and value <= 86400):
         raise ValueError(f"{name}={value!r} must be in {'[' if zero_ok else '('}0, 86400] seconds")
     return float(value)
 

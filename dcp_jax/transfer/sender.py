@@ -291,21 +291,12 @@ class KVSender(SenderPeers, SenderUnits, SenderRegion):
                                "each copies on its own and compiles its buckets on first use", len(copiers))
             else:
                 self._index_cap["fused"] = fused[-1]
-                self._warm_flag(copiers[0])
+                # The flag's bump, compiled as rounds call it (after one launch); it runs after
+                # every copy enqueued so far, so it credits no rank early.
+                self._bump_flag(copiers[:1])
         if pack:
             self._index_cap["pack"] = pack[-1]
         return {"pack": pack, "fused": fused}
-
-    def _warm_flag(self, copier) -> None:
-        """Compiles the flag page's bump as rounds call it (after a launch of `copier`'s kind);
-        the extra bump runs after every copy enqueued so far, so it credits no rank early."""
-        flag = self._flag
-        if flag is None or flag.route != "device" or copier.backend != "triton":
-            return
-        try:
-            flag.bump_after((copier.destinations().handles[0],))
-        except Exception as exc:  # noqa: BLE001 - rounds fall back to telling after the wait
-            logger.warning("warm_up: the flag bump was not compiled: %s", exc)
 
     def poll(self, request_id: str) -> TransferStatus:
         """The request's `TransferStatus` on this side.
