@@ -85,7 +85,6 @@ def test_ranks_wait_until_the_page_reads_their_number(engine, fused_on_host):  #
         c.sender.send("g", src, 0, L)
         assert wait_for(lambda: all(r._gated for r in c.receivers))
         assert wait_for(lambda: c.sender.poll("g") is S.SUCCESS)  # the sender's own wait is over
-        [r.poll("g") for r in c.receivers]
         assert [r.poll("g").terminal for r in c.receivers] == [False, False]  # the page still reads 0
         assert all(r._gated for r in c.receivers)
         release()
