@@ -1,0 +1,36 @@
+# One device call: the main job's fused path (and the region path once) run several times in a row,
+# each run its own `dcp-jax transfer` (one request after the warm-up one), so the spread of the
+# whole-request time shows beside its median. Results: $OUT/reps.json (every run's JSON), reps.log.
+#   REPS=3 TOKENS=32768 bash benchmarks/gpu/fused_reps.sh
+ROOT=$PWD
+source "$ROOT/scripts/gpu_env.sh" > "$OUT/env.log" 2>&1
+PY=${PY:-python3}
+REPS=${REPS:-3}
+runs=()
+for tokens in ${TOKENS:-32768}; do
+    for path in ${PATHS:-fused}; do
+        for r in $(seq "$REPS"); do
+            j="/tmp/rep_${tokens}_${path}_${r}.json"
+            timeout --signal=INT 90 "$PY" -m dcp_jax.cli transfer --device gpu --no-progress --timeout-s 60 \
+                --engine nixl --path "$path" --prompt-tokens "$tokens" --json "$j" >> "$OUT/reps.log" 2>&1
+            echo "tokens=$tokens path=$path rep=$r rc=$?" | tee -a "$OUT/reps.log"
+            [ -f "$j" ] && runs+=("$j")
+        done
+    done
+done
+"$PY" - "$OUT/reps.json" "${runs[@]}" <<'PY'
+import json, sys
+out, runs = sys.argv[1], {}
+for p in sys.argv[2:]:
+    runs[p.rsplit("/", 1)[-1]] = json.load(open(p))
+json.dump(runs, open(out, "w"), indent=1)
+for name, d in runs.items():
+    for r in d.get("runs", d) if isinstance(d, dict) else d:
+        if not isinstance(r, dict) or "mode" not in r:
+            continue
+        gb = r["bytes"] / 1e9
+        tl = {k: v[:2] for k, v in (r.get("timeline_ms") or {}).items()}
+        print(f"{name}: {r['mode']} whole {gb / r['request_seconds']:.1f} GB/s "
+              f"({r['request_seconds'] * 1e3:.3f} ms) transfer {gb / r['transfer_seconds']:.1f} GB/s "
+              f"verified={r['verified']} {tl}")
+PY
