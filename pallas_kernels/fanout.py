@@ -197,7 +197,7 @@ class _Ring:
 _RINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def copy_fanout(jobs, *, checked: bool = False) -> int:
+def copy_fanout(jobs, *, checked: bool = False, on_phase=None) -> int:
     """`copier.copy(src_indices, dst_indices)` for every job (copier, src_indices,
     dst_indices), in ONE kernel launch when the copiers share one `PackSource` whose layers are
     one stacked view and every destination is one flat buffer of uniform layers (the fused
@@ -210,6 +210,10 @@ def copy_fanout(jobs, *, checked: bool = False) -> int:
             the launch, is part of it: listing the same copiers every round (rows or not) keeps
             one compiled kernel (`warm_copy_fanout` compiles it ahead).
         checked: as `RowCopier.copy`.
+        on_phase: optional ``on_phase(name)`` callback, called on this thread as the one-launch
+            path passes ``"checked"`` (every job's indices checked) and ``"staged"`` (the
+            indices are on the device; the jitted dispatch follows): how a caller's timeline
+            splits the launch's host time. Not called on the copier-by-copier path.
 
     Returns:
         Rows copied, summed over the jobs.
@@ -256,7 +260,9 @@ def copy_fanout(jobs, *, checked: bool = False) -> int:
         for c, s, d in live:
             c.copy(s, d, checked=True)
         return total
-    _enqueue_fanout(first.source, fan)
+    if on_phase is not None:
+        on_phase("checked")
+    _enqueue_fanout(first.source, fan, on_phase)
     return total
 
 
@@ -284,7 +290,7 @@ def _check_distinct_destinations(copiers, name: str = "jobs") -> None:
     _DISTINCT_LAST[:] = [key, tuple(weakref.ref(c) for c in copiers)]
 
 
-def _enqueue_fanout(source, live) -> None:
+def _enqueue_fanout(source, live, on_phase=None) -> None:
     starts, table, m = _blocks([len(s) for _, s, _ in live], range(len(live)),
                                live[0][0].config.block_rows)
 
@@ -295,12 +301,13 @@ def _enqueue_fanout(source, live) -> None:
             dv[a:a + len(d)] = d
         meta[:] = table  # rows between windows keep old values: masked, clamped, never stored
 
-    _launch(source, [c for c, _, _ in live], m, len(table), fill)
+    _launch(source, [c for c, _, _ in live], m, len(table), fill, on_phase)
 
 
-def _launch(source, copiers, m, table_len, fill) -> None:
+def _launch(source, copiers, m, table_len, fill, on_phase=None) -> None:
     """One fan-out launch over `copiers` (in destination order) with index bucket `m`; `fill`
-    writes the pinned index slot (`device.IndexRing.stage_with`)."""
+    writes the pinned index slot (`device.IndexRing.stage_with`); ``on_phase("staged")`` once
+    it is on the device."""
     config, backend = copiers[0].config, copiers[0].backend
     ring = _RINGS.get(source)
     if ring is None:
@@ -313,6 +320,8 @@ def _launch(source, copiers, m, table_len, fill) -> None:
             lk.acquire()
         try:
             (sv, dv), tv = device.index_ring(ring, m, 2, table_len).stage_with(fill, ring)
+            if on_phase is not None:
+                on_phase("staged")
             preload_lowering(backend)
             outs = _fanout_jit(src, sv, tuple(d.handles[0] for d in dests), dv, tv,
                                dst_rows=tuple(c.uniform_rows for c in copiers), config=config,

@@ -204,8 +204,12 @@ class SenderRegion:
             u.req.timeline.mark("copy", u.target.conn.spec.group_rank)
         for batch in self._fused_launches(per_link):
             mine = {id(u.target.conn): (s, d) for u, s, d in batch}
+            def phase(name, batch=batch):  # the launch's host time, split on the timeline
+                for u, _, _ in batch:
+                    u.req.timeline.mark(name, u.target.conn.spec.group_rank)
             try:
-                copy_fanout([(c.copier, *mine.get(id(c), (empty, empty))) for c in links], checked=True)
+                copy_fanout([(c.copier, *mine.get(id(c), (empty, empty))) for c in links], checked=True,
+                            on_phase=phase)
                 written.append(batch[0][0].target.conn.copier)  # one kernel wrote them all
                 for u, _, _ in batch:  # enqueued, not finished: the timeline tells launch from wait
                     u.req.timeline.mark("launched", u.target.conn.spec.group_rank)

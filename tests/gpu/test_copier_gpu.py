@@ -146,9 +146,10 @@ def test_copy_fanout_one_launch_for_every_destination():
                 w_[cp.asarray(didx)] = s_[cp.asarray(sidx)]
             jobs.append((c, sidx, didx))
         fan = [j for j in jobs if j[0].uniform_rows is not None]
-        before = compile_count()
-        assert copy_fanout(fan, checked=rnd == 1) == sum(len(j[1]) for j in fan)
+        before, phases = compile_count(), []
+        assert copy_fanout(fan, checked=rnd == 1, on_phase=phases.append) == sum(len(j[1]) for j in fan)
         counts.append(compile_count() - before)
+        assert phases == ["checked", "staged"]  # the one-launch path, its host phases in order
         jobs[3][0].copy(jobs[3][1], jobs[3][2])  # the per-layer destination on its own
     for d in dsts:
         synchronize(d)
