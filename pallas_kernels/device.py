@@ -262,6 +262,9 @@ class IndexRing:
         self._pinned = mem
         self.stride, self.meta_len = stride, meta_len
         self.stream = cp.cuda.Stream(non_blocking=True)
+        # Raw pointers for the upload: CuPy's `ndarray.set` checks and wraps on every call.
+        self._ptrs = [int(b.data.ptr) for b in self.bufs]
+        self._host_ptr, self._nbytes = int(self.host.ctypes.data), size * 4
         self.last_use = [-1] * slots
         self.next = 0
 
@@ -289,11 +292,19 @@ class IndexRing:
         h = self.host
         fill([h[j * self.stride:j * self.stride + self.m] for j in range(self.k)],
              h[self.k * self.stride:self.k * self.stride + self.meta_len])
-        self.bufs[s].set(h, stream=self.stream)  # async from pinned memory
-        self.stream.synchronize()
+        _upload(self._ptrs[s], self._host_ptr, self._nbytes, self.stream.ptr)
         dests.calls += 1
         self.last_use[s] = dests.calls
         return self.views[s]
+
+
+def _upload(dst_ptr: int, host_ptr: int, nbytes: int, stream_ptr: int) -> None:
+    """Copies `nbytes` of pinned host memory to the device on `stream_ptr` and waits for it."""
+    import cupy as cp
+
+    rt = cp.cuda.runtime
+    rt.memcpyAsync(dst_ptr, host_ptr, nbytes, rt.memcpyHostToDevice, stream_ptr)
+    rt.streamSynchronize(stream_ptr)
 
 
 def index_ring(dests: "Destinations", m: int, k: int, meta_len: int = 3) -> IndexRing:
