@@ -20,6 +20,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--calls", type=int, default=12)
+    ap.add_argument("--profile", type=int, default=0, help="then cProfile this many hot calls (top 30 printed)")
     args = ap.parse_args()
 
     import cupy as cp
@@ -60,6 +61,19 @@ def main() -> None:
     cp.cuda.runtime.deviceSynchronize()
     out["ok"] = all(bool((dst_bufs[k][:, d_] == src_buf[:, s_]).all()) for k, (_, s_, d_) in enumerate(jobs))
     print("FANOUT_COLD", json.dumps(out))
+    if args.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        for _ in range(args.profile):
+            cp.cuda.runtime.deviceSynchronize()
+            prof.enable()
+            copy_fanout(jobs, checked=True)
+            prof.disable()
+        st = pstats.Stats(prof)
+        st.sort_stats("tottime").print_stats(30)
+        st.sort_stats("cumulative").print_stats(40)
     if args.json:
         json.dump(out, open(args.json, "w"), indent=1)
 
