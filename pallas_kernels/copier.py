@@ -209,7 +209,7 @@ class RowCopier:
         return (self.source is other.source and self.source is not None
                 and self.backend == "triton" == other.backend and self.config == other.config
                 and self.uniform_rows is not None and other.uniform_rows is not None
-                and not isinstance(self.source.device_views(), list))
+                and self.source.stacked_groups() is not None)
 
     def close(self) -> None:
         """Drop the layers, views and handles (idempotent). Enqueued kernels still finish."""

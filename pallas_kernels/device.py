@@ -84,7 +84,7 @@ def stacked_words(arrays, word, owner=None):
     if len(shape) != 2 or shape[1] % ws or any(tuple(a.shape) != shape for a in arrays):
         return None
     words = len(arrays) * shape[0] * (shape[1] // ws)
-    if words > 2**31 - 1:
+    if words > MAX_STACKED_WORDS:
         return None
     import cupy as cp
 
@@ -93,6 +93,56 @@ def stacked_words(arrays, word, owner=None):
     view = jax.dlpack.from_dlpack(cp.ndarray((len(arrays), shape[0], shape[1] // ws), word,
                                              cp.cuda.MemoryPointer(mem, 0)))
     return view if view.unsafe_buffer_pointer() == a0.data.ptr else None
+
+
+#: Words one stacked view may hold: the kernels' per-layer offsets into it stay int32.
+MAX_STACKED_WORDS = 2**31 - 1
+
+
+def layer_groups(num_layers: int, layer_words: int, limit: int = MAX_STACKED_WORDS) -> list[tuple[int, int]]:
+    """[(first layer, layers)] splitting `num_layers` layers of `layer_words` words each into
+    consecutive groups of at most `limit` words, as even as they can be (61 layers of a 128k
+    token DeepSeek-V3 cache: 2 groups of 31 and 30); [] when one layer alone passes `limit`."""
+    per = limit // layer_words if layer_words > 0 else 0
+    if per < 1 or num_layers < 1:
+        return []
+    g = -(-num_layers // per)
+    base, extra = divmod(num_layers, g)
+    out, first = [], 0
+    for j in range(g):
+        n = base + (j < extra)
+        out.append((first, n))
+        first += n
+    return out
+
+
+def stacked_groups(arrays, word, owner=None):
+    """Zero-copy stacked views (`stacked_words`) of layers that lie back to back, split into
+    consecutive groups of at most `MAX_STACKED_WORDS` words (`layer_groups`): a tuple of
+    u-word[L_j, R, W] views, one when the whole stack fits; None where `stacked_words` would
+    give None for another reason (not one buffer, shapes differ, a layer alone too large)."""
+    if not one_buffer(arrays):
+        return None
+    shape = tuple(arrays[0].shape)
+    ws = np.dtype(word).itemsize
+    if len(shape) != 2 or shape[1] % ws or any(tuple(a.shape) != shape for a in arrays):
+        return None
+    groups = layer_groups(len(arrays), shape[0] * (shape[1] // ws))
+    if not groups:
+        return None
+    views = tuple(stacked_words(arrays[f:f + n], word, owner) if n > 1 else
+                  _stacked_one(arrays[f], word, owner) for f, n in groups)
+    return None if any(v is None for v in views) else views
+
+
+def _stacked_one(a, word, owner):
+    """A u-word[1, R, W] view of one layer (a group of one: `stacked_words` wants two)."""
+    import cupy as cp
+
+    ws = np.dtype(word).itemsize
+    mem = cp.cuda.UnownedMemory(a.data.ptr, a.nbytes, owner, a.device.id)
+    view = jax.dlpack.from_dlpack(cp.ndarray((1, a.shape[0], a.shape[1] // ws), word, cp.cuda.MemoryPointer(mem, 0)))
+    return view if view.unsafe_buffer_pointer() == a.data.ptr else None
 
 
 def _flat_words(arrays, word):
@@ -317,6 +367,6 @@ def index_ring(dests: "Destinations", m: int, k: int, meta_len: int = 3) -> Inde
     return ring
 
 
-__all__ = ["Destinations", "IndexRing", "address", "clear", "destinations", "forget",
-           "index_ring", "one_buffer", "source_arg", "source_views",
-           "stacked_words"]
+__all__ = ["Destinations", "IndexRing", "MAX_STACKED_WORDS", "address", "clear", "destinations", "forget",
+           "index_ring", "layer_groups", "one_buffer", "source_arg", "source_views",
+           "stacked_groups", "stacked_words"]

@@ -14,9 +14,11 @@ ok). The program (row block i, layer g) copies rows of layer g of the stacked so
 (`BlockSpec` `(None, R, W)`) into destination k's flat buffer at word `g * R_k * W + row * W`
 (uint32 addresses). Blocks past the last window have ok = 0 and write nothing.
 
-Applies when the source is one stacked u-word[L, R, W] view (layers of one shape, back to back:
-`device.stacked_words`) and every destination is one flat buffer of L layers of one shape
-u-word[R_k, W] (`unpack_device.flat_layers`); otherwise `copy_fanout` copies destination by
+Applies when the source's layers lie back to back, one shape each, as stacked
+u-word[L_j, R, W] views (`PackSource.stacked_groups`: one view, or consecutive layer groups of
+< 2**31 words each, all read by the one launch, program (i, g) from the group holding layer g),
+and every destination is one flat buffer of L layers of one shape u-word[R_k, W]
+(`unpack_device.flat_layers`); otherwise `copy_fanout` copies destination by
 destination. What compiles: one kernel per (index bucket, source shape, destination row counts,
 config); window counts and row counts are traced.
 """
@@ -40,60 +42,84 @@ from pallas_kernels.windows import window_blocks
 __all__ = ["copy_fanout", "fanout_kernel", "warm_copy_fanout"]
 
 
-def _fanout_body(table_ref, sidx_ref, didx_ref, src_ref, *refs, dst_rows, width, block_rows,
+def _fanout_body(table_ref, sidx_ref, didx_ref, *refs, groups, dst_rows, width, block_rows,
                  num_src_rows, evict, load_evict, load_cache, interleave, interpret):
-    D = len(dst_rows)
-    outs = refs[D:]
+    G, D = len(groups), len(dst_rows)
+    srcs, outs = refs[:G], refs[G + D:]
     g = pl.program_id(1)
     k, n, first, ok = table_ref[0], table_ref[1], table_ref[2], table_ref[3]
     rows = first + jnp.arange(block_rows, dtype=jnp.int32)
     valid = jnp.logical_and(rows < n, ok != 0)
     sidx = jnp.where(valid, jnp.clip(sidx_ref[...], 0, num_src_rows - 1), 0)
-    src = IndexedRows(src_ref, sidx, evict=load_evict, cache=load_cache)  # layer g: [R, W]
-    for kk in range(D):
-        @pl.when(k == kk)
-        def _(kk=kk):
-            R = dst_rows[kk]
-            # Masked rows store nothing; in the interpreter (which writes the old bytes back) they
-            # point one row past the layer, never at a live row of this program.
-            didx = jnp.where(valid, jnp.clip(didx_ref[...], 0, R - 1), R if interpret else 0)
-            base = g.astype(U32) * U32(R * width)
-            copy_block([(src, RegionRows(outs[kk], base, didx, width, mask=valid, evict=evict),
-                         width)], interleave=interleave)
+
+    def copy_from(src_ref):  # layer g of the group's block: [R, W]
+        src = IndexedRows(src_ref, sidx, evict=load_evict, cache=load_cache)
+        for kk in range(D):
+            @pl.when(k == kk)
+            def _(kk=kk):
+                R = dst_rows[kk]
+                # Masked rows store nothing; in the interpreter (which writes the old bytes back)
+                # they point one row past the layer, never at a live row of this program.
+                didx = jnp.where(valid, jnp.clip(didx_ref[...], 0, R - 1), R if interpret else 0)
+                base = g.astype(U32) * U32(R * width)  # the destination's layer g (all layers)
+                copy_block([(src, RegionRows(outs[kk], base, didx, width, mask=valid, evict=evict),
+                             width)], interleave=interleave)
+
+    if G == 1:
+        copy_from(srcs[0])
+        return
+    for j, (f, nl) in enumerate(groups):  # layer g lies in exactly one group
+        pl.when(jnp.logical_and(g >= f, g < f + nl))(functools.partial(copy_from, srcs[j]))
+
+
+def _group_spec(f: int, nl: int, R: int, W: int, single: bool):
+    """Block of layer l of the stack, read from the group holding layers [f, f + nl): its
+    local layer, clamped (programs of other groups read nothing from it)."""
+    if single:
+        return pl.BlockSpec((None, R, W), lambda i, l: (l, 0, 0))
+    return pl.BlockSpec((None, R, W), lambda i, l: (jnp.clip(l - f, 0, nl - 1), 0, 0))
 
 
 @functools.partial(jax.jit, static_argnames=("dst_rows", "config", "backend"),
                    donate_argnames=("dsts",))
-def _fanout_jit(src, sidx, dsts, didx, table, *, dst_rows, config, backend):
-    """src u-word[L, R, W]; sidx/didx i32[m]; dsts: D flat word arrays (L * R_k * W each),
-    donated; table i32[4 * m // block_rows]. Returns the D destinations, written in place."""
+def _fanout_jit(srcs, sidx, dsts, didx, table, *, dst_rows, config, backend):
+    """srcs: layer groups u-word[L_j, R, W] of one stack (in layer order); sidx/didx i32[m];
+    dsts: D flat word arrays (L * R_k * W each, L = sum of L_j), donated; table
+    i32[4 * m // block_rows]. Returns the D destinations, written in place."""
     from jax.experimental.pallas import triton as pltriton
 
-    count_kernel_trace(f"copy_fanout src={tuple(src.shape)} idx={tuple(sidx.shape)} dst_rows={tuple(dst_rows)}")
-    L, R, W = (int(d) for d in src.shape)
+    shapes = [tuple(int(d) for d in s.shape) for s in srcs]
+    count_kernel_trace(f"copy_fanout src={shapes} idx={tuple(sidx.shape)} dst_rows={tuple(dst_rows)}")
+    _, R, W = shapes[0]
+    groups, f = [], 0
+    for nl, _, _ in shapes:
+        groups.append((f, nl))
+        f += nl
+    L = f
     br = config.block_rows
     m = int(sidx.shape[0])
     interpret = backend == "interpret"
     body = functools.partial(
-        _fanout_body, dst_rows=tuple(dst_rows), width=W, block_rows=br, num_src_rows=R,
-        evict=config.eviction_policy, load_evict=config.load_eviction_policy,
+        _fanout_body, groups=tuple(groups), dst_rows=tuple(dst_rows), width=W, block_rows=br,
+        num_src_rows=R, evict=config.eviction_policy, load_evict=config.load_eviction_policy,
         load_cache=config.load_cache_modifier, interleave=config.interleave, interpret=interpret)
     dst_specs = [pl.BlockSpec((int(d.shape[0]),), lambda i, l: (0,)) for d in dsts]
+    G = len(srcs)
     call = pl.pallas_call(
         body,
         grid=(m // br, L),
         in_specs=[pl.BlockSpec((4,), lambda i, l: (i,)), pl.BlockSpec((br,), lambda i, l: (i,)),
                   pl.BlockSpec((br,), lambda i, l: (i,)),
-                  pl.BlockSpec((None, R, W), lambda i, l: (l, 0, 0)), *dst_specs],
+                  *[_group_spec(f, nl, R, W, G == 1) for f, nl in groups], *dst_specs],
         out_specs=dst_specs,
         out_shape=[jax.ShapeDtypeStruct(d.shape, d.dtype) for d in dsts],
-        input_output_aliases={4 + k: k for k in range(len(dsts))},
+        input_output_aliases={3 + G + k: k for k in range(len(dsts))},
         compiler_params=None if interpret else pltriton.CompilerParams(
             num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
-        name=f"kv_copy_fanout_{br=}_D={len(dsts)}_{L=}",
+        name=f"kv_copy_fanout_{br=}_D={len(dsts)}_{L=}_G={G}",
     )
-    return tuple(call(table, sidx, didx, src, *dsts))
+    return tuple(call(table, sidx, didx, *srcs, *dsts))
 
 
 def fanout_kernel(src, windows, dsts, *, config, backend="interpret"):
@@ -101,7 +127,9 @@ def fanout_kernel(src, windows, dsts, *, config, backend="interpret"):
     each window (k, sidx, didx).
 
     Args:
-        src: u-word[L, R, W] (stacked layers).
+        src: u-word[L, R, W] (stacked layers), or a list of layer groups u-word[L_j, R, W] of
+            one R, W and dtype, in layer order (L = sum of L_j: how a stack past 2**31 words
+            is passed, `device.stacked_groups`).
         windows: sequence of (k, sidx int[n], didx int[n]): destination index, rows.
         dsts: list of D flat word arrays of L * R_k * W words (L layers [R_k, W] back to back),
             donated.
@@ -111,14 +139,20 @@ def fanout_kernel(src, windows, dsts, *, config, backend="interpret"):
         The tuple of D destinations.
 
     Raises:
-        ValueError: `src` not 3-D, a destination not a flat array of whole layers of `src`'s
+        ValueError: `src` not 3-D (or groups of different rows, widths or dtypes), a destination not a flat array of whole layers of `src`'s
             dtype, a window that is not a (k, sidx, didx) triple, whose destination or rows are
             out of range, whose index lists differ in length or are not integers, or that
             writes a destination row twice (within it or with an earlier window).
     """
-    if getattr(src, "ndim", 0) != 3:
-        raise ValueError(f"src must be a stacked [L, R, W] word array, got shape {getattr(src, 'shape', None)}")
-    L, R, W = (int(d) for d in src.shape)
+    srcs = tuple(src) if isinstance(src, (list, tuple)) else (src,)
+    if not srcs or any(getattr(a, "ndim", 0) != 3 for a in srcs):
+        raise ValueError("src must be a stacked [L, R, W] word array or a list of them, got shapes "
+                         f"{[getattr(a, 'shape', None) for a in srcs]}")
+    if any(a.shape[1:] != srcs[0].shape[1:] or a.dtype != srcs[0].dtype for a in srcs):
+        raise ValueError(f"src's layer groups must share rows, width and dtype, got "
+                         f"{[(tuple(a.shape), str(a.dtype)) for a in srcs]}")
+    src = srcs[0]
+    L, R, W = sum(int(a.shape[0]) for a in srcs), int(src.shape[1]), int(src.shape[2])
     for k, d in enumerate(dsts):
         if d.ndim != 1 or int(d.shape[0]) % (L * W) or d.dtype != src.dtype:
             raise ValueError(f"dsts[{k}] must be a flat {src.dtype} array of L * R_k * W words "
@@ -149,7 +183,7 @@ def fanout_kernel(src, windows, dsts, *, config, backend="interpret"):
         written[k] |= rows
         checked.append((int(k), s_.astype(np.int64), d_.astype(np.int64)))
     sidx, didx, table = _layout(checked, config.block_rows)
-    return _fanout_jit(src, jnp.asarray(sidx), tuple(dsts), jnp.asarray(didx), jnp.asarray(table),
+    return _fanout_jit(srcs, jnp.asarray(sidx), tuple(dsts), jnp.asarray(didx), jnp.asarray(table),
                        dst_rows=dst_rows, config=config, backend=backend)
 
 
@@ -313,7 +347,7 @@ def _launch(source, copiers, m, table_len, fill, on_phase=None) -> None:
     if ring is None:
         ring = _RINGS[source] = _Ring()
     dests = [c.destinations() for c in copiers]
-    src = source.device_views()
+    src = source.stacked_groups()
     with ring.lock:
         locks = [d.lock for d in dests]
         for lk in locks:

@@ -125,7 +125,7 @@ class PackSource:
         TypeError: a layer that is not a numpy/CuPy uint8 array, or mixed kinds.
     """
 
-    __slots__ = ("layers", "on_device", "item_lens", "num_rows", "word", "_views",
+    __slots__ = ("layers", "on_device", "item_lens", "num_rows", "word", "_views", "_groups",
                  "disjoint", "__weakref__")
 
     def __init__(self, layers):
@@ -135,7 +135,7 @@ class PackSource:
         self.item_lens, self.num_rows = check_layers(layers, self.on_device, "layers[0]")
         self.layers = tuple(layers)
         self.word = word_dtype(self.item_lens)
-        self._views = None
+        self._views = self._groups = None
         self.disjoint: set = set()  # (address, bytes) of packs checked not to overlap the layers
 
     def device_views(self):
@@ -144,6 +144,16 @@ class PackSource:
         if self._views is None:
             self._views = _device_views(self.layers, self.word, owning=True)
         return self._views
+
+    def stacked_groups(self):
+        """CuPy layers that lie back to back as consecutive stacked u-word[L_j, R, W] views of at
+        most 2**31 - 1 words each (`device.stacked_groups`: one view unless the stack is
+        larger; the fused fan-out kernel reads them all in one launch); None otherwise (host
+        layers, other shapes, not one buffer). Made once."""
+        if self._groups is None:
+            self._groups = (device.stacked_groups(self.layers, self.word, self.layers)
+                            if self.on_device else None) or ()
+        return self._groups or None
 
     def __repr__(self) -> str:
         kind = "cupy" if self.on_device else "numpy"

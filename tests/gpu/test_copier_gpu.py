@@ -192,3 +192,33 @@ def test_warm_copy_fanout_then_no_compile_whichever_ranks_have_rows():
         for a, b in zip(d, w):
             assert bool(cp.array_equal(a, b))
     assert compile_count() == count, compile_log()[-3:]
+
+
+def test_copy_fanout_one_launch_for_a_source_past_2_31_words():
+    """A source stack of 9.2 GB (61 layers x 131,072 rows x 1,152 B: 2.30e9 words, the 128k-token
+    job's prefill cache) is read as two layer groups by ONE launch (it fell back to one launch
+    per destination before), byte-exact in every layer of both groups, rows at both ends of the
+    source included."""
+    L, R, item = 61, 131072, 1152
+    src = cp.random.randint(0, 256, (L, R, item), dtype=cp.uint8)
+    source = PackSource([src[l] for l in range(L)])
+    assert [int(g.shape[0]) for g in source.stacked_groups()] == [31, 30]
+    dsts = [_flat_foreign(rows, item, L, 0x60 + k) for k, rows in enumerate((512, 300, 64))]
+    copiers = [RowCopier(source, d) for d in dsts]
+    rng = np.random.default_rng()
+    jobs = []
+    for c, d in zip(copiers, dsts):
+        n = min(len(d[0]), 257)
+        sidx = np.r_[R - 1, 0, rng.integers(0, R, n - 2)]
+        jobs.append((c, sidx, rng.permutation(len(d[0]))[:n]))
+    want = [[cp.array(a) for a in d] for d in dsts]
+    for (_, s, t), w in zip(jobs, want):
+        for l in range(L):
+            w[l][cp.asarray(t)] = src[l][cp.asarray(s)]
+    phases = []
+    assert copy_fanout(jobs, checked=True, on_phase=phases.append) == sum(len(j[1]) for j in jobs)
+    assert phases == ["checked", "staged"]  # one launch, not one per destination
+    synchronize([d[0] for d in dsts])
+    for d, w in zip(dsts, want):
+        for l in range(L):
+            assert bool(cp.array_equal(d[l], w[l])), f"layer {l}"

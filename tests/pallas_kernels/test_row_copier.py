@@ -138,12 +138,14 @@ def _flat_dst(rng, L, rows, W):
     return rng.integers(0, 2**32, L * rows * W, dtype=np.uint32)
 
 
-def test_fanout_kernel_matches_brute_force():
+@pytest.mark.parametrize("groups", [None, (2, 1), (1, 1, 1)])
+def test_fanout_kernel_matches_brute_force(groups):
     """One launch for three destinations of different row counts: windows of 19, 0 and 8 rows
-    (a partial block, an empty window, a window of exactly one block), repeats in the source."""
+    (a partial block, an empty window, a window of exactly one block), repeats in the source;
+    the source whole or as layer groups (how a stack past 2**31 words is read)."""
     from pallas_kernels.fanout import fanout_kernel
 
-    rng = np.random.default_rng(11)
+    rng = np.random.default_rng()
     L, R, W = 3, 40, 12
     src = rng.integers(0, 2**32, (L, R, W), dtype=np.uint32)
     rows = (30, 9, 17)
@@ -155,10 +157,34 @@ def test_fanout_kernel_matches_brute_force():
     for k, s, d in windows:
         for l in range(L):
             want[k][l][d] = src[l][s]
-    outs = fanout_kernel(jnp.asarray(src), windows, [jnp.asarray(d) for d in dsts],
-                         config=GatherConfig(block_rows=8))
+    arg = jnp.asarray(src) if groups is None else \
+        [jnp.asarray(src[f:f + n]) for f, n in zip(np.cumsum((0,) + groups[:-1]), groups)]
+    outs = fanout_kernel(arg, windows, [jnp.asarray(d) for d in dsts], config=GatherConfig(block_rows=8))
     for o, w, r in zip(outs, want, rows):
         np.testing.assert_array_equal(np.asarray(o).reshape(L, r, W), w)
+
+
+def test_layer_groups_split_a_stack_under_the_word_limit():
+    """Hand-computed splits: 61 layers of a 128k-token DeepSeek-V3 cache (131,072 rows x 288
+    words per layer, 2.30e9 words) into 31 + 30; one group when it fits; none when one layer
+    alone is too large; every group within the limit and the layers covered in order."""
+    from pallas_kernels.device import MAX_STACKED_WORDS, layer_groups
+
+    assert layer_groups(61, 131072 * 288) == [(0, 31), (31, 30)]
+    assert layer_groups(61, 32768 * 288) == [(0, 61)]
+    assert layer_groups(3, 10, limit=10) == [(0, 1), (1, 1), (2, 1)]
+    assert layer_groups(7, 10, limit=25) == [(0, 2), (2, 2), (4, 2), (6, 1)]
+    assert layer_groups(4, 11, limit=10) == [] and layer_groups(0, 5) == []
+    rng = np.random.default_rng()
+    for _ in range(200):
+        n, w = int(rng.integers(1, 200)), int(rng.integers(1, 1 << 30))
+        gs = layer_groups(n, w)
+        if w > MAX_STACKED_WORDS:
+            assert gs == []
+            continue
+        assert [f for f, _ in gs] == list(np.cumsum([0] + [k for _, k in gs[:-1]]))
+        assert sum(k for _, k in gs) == n and all(k * w <= MAX_STACKED_WORDS for _, k in gs)
+        assert len(gs) == -(-n // (MAX_STACKED_WORDS // w))  # no more groups than needed
 
 
 def test_copy_fanout_host_copiers_match_brute_force():
