@@ -16,7 +16,7 @@ ok). The program (row block i, layer g) copies rows of layer g of the stacked so
 
 Applies when the source's layers lie back to back, one shape each, as stacked
 u-word[L_j, R, W] views (`PackSource.stacked_groups`: one view, or consecutive layer groups of
-< 2**31 words each, all read by the one launch, program (i, g) from the group holding layer g),
+< 2**31 words each, one launch per group: the kernel's layer offsets stay int32),
 and every destination is one flat buffer of L layers of one shape u-word[R_k, W]
 (`unpack_device.flat_layers`); otherwise `copy_fanout` copies destination by
 destination. What compiles: one kernel per (index bucket, source shape, destination row counts,
@@ -42,84 +42,72 @@ from pallas_kernels.windows import window_blocks
 __all__ = ["copy_fanout", "fanout_kernel", "warm_copy_fanout"]
 
 
-def _fanout_body(table_ref, sidx_ref, didx_ref, *refs, groups, dst_rows, width, block_rows,
-                 num_src_rows, evict, load_evict, load_cache, interleave, interpret):
-    G, D = len(groups), len(dst_rows)
-    srcs, outs = refs[:G], refs[G + D:]
-    g = pl.program_id(1)
+def _fanout_body(table_ref, sidx_ref, didx_ref, src_ref, *refs, first_layer, dst_rows, width,
+                 block_rows, num_src_rows, evict, load_evict, load_cache, interleave, interpret):
+    D = len(dst_rows)
+    outs = refs[D:]
+    g = pl.program_id(1)  # layer g of this source: layer first_layer + g of the destinations
     k, n, first, ok = table_ref[0], table_ref[1], table_ref[2], table_ref[3]
     rows = first + jnp.arange(block_rows, dtype=jnp.int32)
     valid = jnp.logical_and(rows < n, ok != 0)
     sidx = jnp.where(valid, jnp.clip(sidx_ref[...], 0, num_src_rows - 1), 0)
-
-    def copy_from(src_ref):  # layer g of the group's block: [R, W]
-        src = IndexedRows(src_ref, sidx, evict=load_evict, cache=load_cache)
-        for kk in range(D):
-            @pl.when(k == kk)
-            def _(kk=kk):
-                R = dst_rows[kk]
-                # Masked rows store nothing; in the interpreter (which writes the old bytes back)
-                # they point one row past the layer, never at a live row of this program.
-                didx = jnp.where(valid, jnp.clip(didx_ref[...], 0, R - 1), R if interpret else 0)
-                base = g.astype(U32) * U32(R * width)  # the destination's layer g (all layers)
-                copy_block([(src, RegionRows(outs[kk], base, didx, width, mask=valid, evict=evict),
-                             width)], interleave=interleave)
-
-    if G == 1:
-        copy_from(srcs[0])
-        return
-    for j, (f, nl) in enumerate(groups):  # layer g lies in exactly one group
-        pl.when(jnp.logical_and(g >= f, g < f + nl))(functools.partial(copy_from, srcs[j]))
+    src = IndexedRows(src_ref, sidx, evict=load_evict, cache=load_cache)  # layer g: [R, W]
+    for kk in range(D):
+        @pl.when(k == kk)
+        def _(kk=kk):
+            R = dst_rows[kk]
+            # Masked rows store nothing; in the interpreter (which writes the old bytes back) they
+            # point one row past the layer, never at a live row of this program.
+            didx = jnp.where(valid, jnp.clip(didx_ref[...], 0, R - 1), R if interpret else 0)
+            base = (g + first_layer).astype(U32) * U32(R * width)
+            copy_block([(src, RegionRows(outs[kk], base, didx, width, mask=valid, evict=evict),
+                         width)], interleave=interleave)
 
 
-def _group_spec(f: int, nl: int, R: int, W: int, single: bool):
-    """Block of layer l of the stack, read from the group holding layers [f, f + nl): its
-    local layer, clamped (programs of other groups read nothing from it)."""
-    if single:
-        return pl.BlockSpec((None, R, W), lambda i, l: (l, 0, 0))
-    return pl.BlockSpec((None, R, W), lambda i, l: (jnp.clip(l - f, 0, nl - 1), 0, 0))
-
-
-@functools.partial(jax.jit, static_argnames=("dst_rows", "config", "backend"),
+@functools.partial(jax.jit, static_argnames=("first_layer", "dst_rows", "config", "backend"),
                    donate_argnames=("dsts",))
-def _fanout_jit(srcs, sidx, dsts, didx, table, *, dst_rows, config, backend):
-    """srcs: layer groups u-word[L_j, R, W] of one stack (in layer order); sidx/didx i32[m];
-    dsts: D flat word arrays (L * R_k * W each, L = sum of L_j), donated; table
-    i32[4 * m // block_rows]. Returns the D destinations, written in place."""
+def _fanout_jit(src, sidx, dsts, didx, table, *, first_layer, dst_rows, config, backend):
+    """src u-word[L_j, R, W]: layers [first_layer, first_layer + L_j) of the stack; sidx/didx
+    i32[m]; dsts: D flat word arrays (L * R_k * W each, L the whole stack's layers), donated;
+    table i32[4 * m // block_rows]. Returns the D destinations, written in place."""
     from jax.experimental.pallas import triton as pltriton
 
-    shapes = [tuple(int(d) for d in s.shape) for s in srcs]
-    count_kernel_trace(f"copy_fanout src={shapes} idx={tuple(sidx.shape)} dst_rows={tuple(dst_rows)}")
-    _, R, W = shapes[0]
-    groups, f = [], 0
-    for nl, _, _ in shapes:
-        groups.append((f, nl))
-        f += nl
-    L = f
+    count_kernel_trace(f"copy_fanout src={tuple(src.shape)}@{first_layer} idx={tuple(sidx.shape)} "
+                       f"dst_rows={tuple(dst_rows)}")
+    L, R, W = (int(d) for d in src.shape)
     br = config.block_rows
     m = int(sidx.shape[0])
     interpret = backend == "interpret"
     body = functools.partial(
-        _fanout_body, groups=tuple(groups), dst_rows=tuple(dst_rows), width=W, block_rows=br,
+        _fanout_body, first_layer=first_layer, dst_rows=tuple(dst_rows), width=W, block_rows=br,
         num_src_rows=R, evict=config.eviction_policy, load_evict=config.load_eviction_policy,
         load_cache=config.load_cache_modifier, interleave=config.interleave, interpret=interpret)
     dst_specs = [pl.BlockSpec((int(d.shape[0]),), lambda i, l: (0,)) for d in dsts]
-    G = len(srcs)
     call = pl.pallas_call(
         body,
         grid=(m // br, L),
         in_specs=[pl.BlockSpec((4,), lambda i, l: (i,)), pl.BlockSpec((br,), lambda i, l: (i,)),
                   pl.BlockSpec((br,), lambda i, l: (i,)),
-                  *[_group_spec(f, nl, R, W, G == 1) for f, nl in groups], *dst_specs],
+                  pl.BlockSpec((None, R, W), lambda i, l: (l, 0, 0)), *dst_specs],
         out_specs=dst_specs,
         out_shape=[jax.ShapeDtypeStruct(d.shape, d.dtype) for d in dsts],
-        input_output_aliases={3 + G + k: k for k in range(len(dsts))},
+        input_output_aliases={4 + k: k for k in range(len(dsts))},
         compiler_params=None if interpret else pltriton.CompilerParams(
             num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
-        name=f"kv_copy_fanout_{br=}_D={len(dsts)}_{L=}_G={G}",
+        name=f"kv_copy_fanout_{br=}_D={len(dsts)}_{L=}",
     )
-    return tuple(call(table, sidx, didx, *srcs, *dsts))
+    return tuple(call(table, sidx, didx, src, *dsts))
+
+
+def _fanout_groups(srcs, sidx, dsts, didx, table, **static):
+    """`_fanout_jit` once per layer group of the stack (in order; each launch takes the
+    previous one's outputs): one launch for a stack under 2**31 words."""
+    first = 0
+    for src in srcs:
+        dsts = _fanout_jit(src, sidx, tuple(dsts), didx, table, first_layer=first, **static)
+        first += int(src.shape[0])
+    return tuple(dsts)
 
 
 def fanout_kernel(src, windows, dsts, *, config, backend="interpret"):
@@ -183,7 +171,7 @@ def fanout_kernel(src, windows, dsts, *, config, backend="interpret"):
         written[k] |= rows
         checked.append((int(k), s_.astype(np.int64), d_.astype(np.int64)))
     sidx, didx, table = _layout(checked, config.block_rows)
-    return _fanout_jit(srcs, jnp.asarray(sidx), tuple(dsts), jnp.asarray(didx), jnp.asarray(table),
+    return _fanout_groups(srcs, jnp.asarray(sidx), tuple(dsts), jnp.asarray(didx), jnp.asarray(table),
                        dst_rows=dst_rows, config=config, backend=backend)
 
 
@@ -357,7 +345,7 @@ def _launch(source, copiers, m, table_len, fill, on_phase=None) -> None:
             if on_phase is not None:
                 on_phase("staged")
             preload_lowering(backend)
-            outs = _fanout_jit(src, sv, tuple(d.handles[0] for d in dests), dv, tv,
+            outs = _fanout_groups(src, sv, tuple(d.handles[0] for d in dests), dv, tv,
                                dst_rows=tuple(c.uniform_rows for c in copiers), config=config,
                                backend=backend)
             for d, o in zip(dests, outs):

@@ -59,7 +59,7 @@ def main() -> None:
     for i in range(30):
         jax.block_until_ready([d.handles[0] for d in dests])
         t = time.perf_counter()
-        outs = fo._fanout_jit(src, sidx, tuple(d.handles[0] for d in dests), didx, table, dst_rows=rows,
+        outs = fo._fanout_jit(src, sidx, tuple(d.handles[0] for d in dests), didx, table, first_layer=0, dst_rows=rows,
                               config=cfg, backend="triton")
         ts.append(time.perf_counter() - t)
         for d, o in zip(dests, outs):
@@ -80,7 +80,7 @@ def main() -> None:
 
         def body(t_ref, s_ref, d_ref, src_ref, *refs):
             ins = refs[:len(dsts)]
-            return fo._fanout_body(t_ref, s_ref, d_ref, src_ref, *ins, *ins, dst_rows=dst_rows, width=Wx,
+            return fo._fanout_body(t_ref, s_ref, d_ref, src_ref, *ins, *ins, first_layer=0, dst_rows=dst_rows, width=Wx,
                                    block_rows=br, num_src_rows=Rx, evict=cfg.eviction_policy,
                                    load_evict=cfg.load_eviction_policy, load_cache=cfg.load_cache_modifier,
                                    interleave=cfg.interleave, interpret=False)

@@ -196,9 +196,9 @@ def test_warm_copy_fanout_then_no_compile_whichever_ranks_have_rows():
 
 def test_copy_fanout_one_launch_for_a_source_past_2_31_words():
     """A source stack of 9.2 GB (61 layers x 131,072 rows x 1,152 B: 2.30e9 words, the 128k-token
-    job's prefill cache) is read as two layer groups by ONE launch (it fell back to one launch
-    per destination before), byte-exact in every layer of both groups, rows at both ends of the
-    source included."""
+    job's prefill cache) is read as two layer groups, one fan-out launch each (it fell back to
+    one launch per destination before), byte-exact in every layer of both groups, rows at both
+    ends of the source included."""
     L, R, item = 61, 131072, 1152
     src = cp.random.randint(0, 256, (L, R, item), dtype=cp.uint8)
     source = PackSource([src[l] for l in range(L)])
@@ -217,7 +217,7 @@ def test_copy_fanout_one_launch_for_a_source_past_2_31_words():
             w[l][cp.asarray(t)] = src[l][cp.asarray(s)]
     phases = []
     assert copy_fanout(jobs, checked=True, on_phase=phases.append) == sum(len(j[1]) for j in jobs)
-    assert phases == ["checked", "staged"]  # one launch, not one per destination
+    assert phases == ["checked", "staged"]  # the fan-out path, not one launch per destination
     synchronize([d[0] for d in dsts])
     for d, w in zip(dsts, want):
         for l in range(L):

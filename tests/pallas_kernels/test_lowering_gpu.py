@@ -159,7 +159,7 @@ def test_fanout_copy_triton_lowers(name, kind, cores):
             jax.ShapeDtypeStruct((D * 4096 // 64 * 4,), jnp.int32))
     with jax.sharding.use_abstract_mesh(_mesh(kind, cores, "cuda")), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        text = _fanout_jit.trace(*args, dst_rows=(5120,) * D, config=GatherConfig.default(),
+        text = _fanout_jit.trace(*args, first_layer=0, dst_rows=(5120,) * D, config=GatherConfig.default(),
                                  backend="triton").lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert all(f"tf.aliasing_output = {k}" in text for k in range(D))
