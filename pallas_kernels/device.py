@@ -69,6 +69,34 @@ def one_buffer(arrays) -> bool:
     return all(addrs[k + 1] == addrs[k] + arrays[k].nbytes for k in range(len(arrays) - 1))
 
 
+#: Words one stacked view may hold: the kernels' per-layer offsets into it stay int32.
+MAX_STACKED_WORDS = 2**31 - 1
+
+
+def _stack_layout(arrays, word):
+    """(R, W): rows and words per row of layers of one shape u8[R, W * word size] that lie back
+    to back (`one_buffer`); None otherwise."""
+    if not one_buffer(arrays):
+        return None
+    shape = tuple(arrays[0].shape)
+    ws = np.dtype(word).itemsize
+    if len(shape) != 2 or shape[1] % ws or any(tuple(a.shape) != shape for a in arrays):
+        return None
+    return shape[0], shape[1] // ws
+
+
+def _stack_view(arrays, word, owner, rows: int, width: int):
+    """The zero-copy JAX u-word[len(arrays), rows, width] view from `arrays[0]`'s address (None
+    when the import would copy)."""
+    import cupy as cp
+
+    a0 = arrays[0]
+    nbytes = len(arrays) * rows * width * np.dtype(word).itemsize
+    mem = cp.cuda.UnownedMemory(a0.data.ptr, nbytes, owner, a0.device.id)
+    view = jax.dlpack.from_dlpack(cp.ndarray((len(arrays), rows, width), word, cp.cuda.MemoryPointer(mem, 0)))
+    return view if view.unsafe_buffer_pointer() == a0.data.ptr else None
+
+
 def stacked_words(arrays, word, owner=None):
     """A zero-copy JAX u-word[L, R, W] view over CuPy sources of one shape u8[R, W * word
     size] that lie back to back (`one_buffer`: a layer-major KV cache): the kernels take it as
@@ -77,26 +105,10 @@ def stacked_words(arrays, word, owner=None):
     pass 2**31 - 1 words (its layer offsets are then not provably int32-safe): the caller
     passes the layers one by one. `owner`: kept alive by the view (None: the view owns nothing).
     """
-    if not one_buffer(arrays):
+    lay = _stack_layout(arrays, word)
+    if lay is None or len(arrays) * lay[0] * lay[1] > MAX_STACKED_WORDS:
         return None
-    shape = tuple(arrays[0].shape)
-    ws = np.dtype(word).itemsize
-    if len(shape) != 2 or shape[1] % ws or any(tuple(a.shape) != shape for a in arrays):
-        return None
-    words = len(arrays) * shape[0] * (shape[1] // ws)
-    if words > MAX_STACKED_WORDS:
-        return None
-    import cupy as cp
-
-    a0 = arrays[0]
-    mem = cp.cuda.UnownedMemory(a0.data.ptr, words * ws, owner, a0.device.id)
-    view = jax.dlpack.from_dlpack(cp.ndarray((len(arrays), shape[0], shape[1] // ws), word,
-                                             cp.cuda.MemoryPointer(mem, 0)))
-    return view if view.unsafe_buffer_pointer() == a0.data.ptr else None
-
-
-#: Words one stacked view may hold: the kernels' per-layer offsets into it stay int32.
-MAX_STACKED_WORDS = 2**31 - 1
+    return _stack_view(arrays, word, owner, *lay)
 
 
 def layer_groups(num_layers: int, layer_words: int, limit: int = MAX_STACKED_WORDS) -> list[tuple[int, int]]:
@@ -121,28 +133,12 @@ def stacked_groups(arrays, word, owner=None):
     consecutive groups of at most `MAX_STACKED_WORDS` words (`layer_groups`): a tuple of
     u-word[L_j, R, W] views, one when the whole stack fits; None where `stacked_words` would
     give None for another reason (not one buffer, shapes differ, a layer alone too large)."""
-    if not one_buffer(arrays):
-        return None
-    shape = tuple(arrays[0].shape)
-    ws = np.dtype(word).itemsize
-    if len(shape) != 2 or shape[1] % ws or any(tuple(a.shape) != shape for a in arrays):
-        return None
-    groups = layer_groups(len(arrays), shape[0] * (shape[1] // ws))
+    lay = _stack_layout(arrays, word)
+    groups = layer_groups(len(arrays), lay[0] * lay[1]) if lay is not None else []
     if not groups:
         return None
-    views = tuple(stacked_words(arrays[f:f + n], word, owner) if n > 1 else
-                  _stacked_one(arrays[f], word, owner) for f, n in groups)
+    views = tuple(_stack_view(arrays[f:f + n], word, owner, *lay) for f, n in groups)
     return None if any(v is None for v in views) else views
-
-
-def _stacked_one(a, word, owner):
-    """A u-word[1, R, W] view of one layer (a group of one: `stacked_words` wants two)."""
-    import cupy as cp
-
-    ws = np.dtype(word).itemsize
-    mem = cp.cuda.UnownedMemory(a.data.ptr, a.nbytes, owner, a.device.id)
-    view = jax.dlpack.from_dlpack(cp.ndarray((1, a.shape[0], a.shape[1] // ws), word, cp.cuda.MemoryPointer(mem, 0)))
-    return view if view.unsafe_buffer_pointer() == a.data.ptr else None
 
 
 def _flat_words(arrays, word):
