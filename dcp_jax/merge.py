@@ -206,7 +206,8 @@ def merge_states(out, lse, *, base: str = "e", lse_layout: str = "TH"):
         JAX holds it as f32). numpy, JAX or nested sequences.
       lse: f32[N, T, H] LSEs (token-major), or [N, H, T] with ``lse_layout="HT"``. Natural log
         for ``base="e"``, base 2 for ``base="2"``.
-      base: "e" (default; vLLM, sglang) or "2" (FlashInfer's ``lse * log2(e)``).
+      base: "e" (default; vLLM, sglang) or "2" (FlashInfer's ``lse * log2(e)``; the int 2 is
+        taken as "2").
       lse_layout: "TH" (token-major, default) or "HT" (head-major) for both input and output LSE.
 
     Returns:

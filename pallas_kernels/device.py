@@ -114,8 +114,19 @@ def stacked_words(arrays, word, owner=None):
 def layer_groups(num_layers: int, layer_words: int, limit: int = MAX_STACKED_WORDS) -> list[tuple[int, int]]:
     """[(first layer, layers)] splitting `num_layers` layers of `layer_words` words each into
     consecutive groups of at most `limit` words, as even as they can be (61 layers of a 128k
-    token DeepSeek-V3 cache: 2 groups of 31 and 30); [] when one layer alone passes `limit`."""
-    per = limit // layer_words if layer_words > 0 else 0
+    token DeepSeek-V3 cache: 2 groups of 31 and 30); [] when there are no layers or one layer
+    alone passes `limit`.
+
+    Raises:
+        TypeError: an argument that is not an int (bool refused).
+        ValueError: `num_layers` < 0, `layer_words` < 1 or `limit` < 1.
+    """
+    for name, v, lo in (("num_layers", num_layers, 0), ("layer_words", layer_words, 1), ("limit", limit, 1)):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if v < lo:
+            raise ValueError(f"{name}={v} must be >= {lo}")
+    per = limit // layer_words
     if per < 1 or num_layers < 1:
         return []
     g = -(-num_layers // per)

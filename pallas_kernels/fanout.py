@@ -35,6 +35,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import device
+from pallas_kernels.config import GatherConfig
 from pallas_kernels.row_copy import U32, IndexedRows, RegionRows, copy_block, count_kernel_trace, \
     preload_lowering
 from pallas_kernels.windows import window_blocks
@@ -127,10 +128,12 @@ def fanout_kernel(src, windows, dsts, *, config, backend="interpret"):
         The tuple of D destinations.
 
     Raises:
-        ValueError: `src` not 3-D (or groups of different rows, widths or dtypes), a destination not a flat array of whole layers of `src`'s
-            dtype, a window that is not a (k, sidx, didx) triple, whose destination or rows are
+        ValueError: `src` not 3-D (or groups of different rows, widths or dtypes, a group
+            without layers, rows of no words), a destination not a flat array of whole layers
+            of `src`'s dtype, a `backend` other than the two above, a window that is not a (k, sidx, didx) triple, whose destination or rows are
             out of range, whose index lists differ in length or are not integers, or that
             writes a destination row twice (within it or with an earlier window).
+        TypeError: `config` not a `GatherConfig`.
     """
     srcs = tuple(src) if isinstance(src, (list, tuple)) else (src,)
     if not srcs or any(getattr(a, "ndim", 0) != 3 for a in srcs):
@@ -139,6 +142,13 @@ def fanout_kernel(src, windows, dsts, *, config, backend="interpret"):
     if any(a.shape[1:] != srcs[0].shape[1:] or a.dtype != srcs[0].dtype for a in srcs):
         raise ValueError(f"src's layer groups must share rows, width and dtype, got "
                          f"{[(tuple(a.shape), str(a.dtype)) for a in srcs]}")
+    if any(int(a.shape[0]) < 1 for a in srcs) or int(srcs[0].shape[2]) < 1:
+        raise ValueError(f"src's layer groups need >= 1 layer each and rows >= 1 word wide, got shapes "
+                         f"{[tuple(a.shape) for a in srcs]}")
+    if not isinstance(config, GatherConfig):
+        raise TypeError(f"config must be a GatherConfig, got {type(config).__name__}")
+    if backend not in ("interpret", "triton"):
+        raise ValueError(f"backend={backend!r} must be 'interpret' (CPU) or 'triton' (GPU)")
     src = srcs[0]
     L, R, W = sum(int(a.shape[0]) for a in srcs), int(src.shape[1]), int(src.shape[2])
     for k, d in enumerate(dsts):

@@ -175,6 +175,13 @@ def test_layer_groups_split_a_stack_under_the_word_limit():
     assert layer_groups(3, 10, limit=10) == [(0, 1), (1, 1), (2, 1)]
     assert layer_groups(7, 10, limit=25) == [(0, 2), (2, 2), (4, 2), (6, 1)]
     assert layer_groups(4, 11, limit=10) == [] and layer_groups(0, 5) == []
+    for args, exc, match in (((-3, 10), ValueError, "num_layers=-3"), ((5, 0), ValueError, "layer_words=0"),
+                             ((5, -4), ValueError, "layer_words=-4"), ((5, 10, 0), ValueError, "limit=0"),
+                             ((True, 10), TypeError, "num_layers must be an int"),
+                             ((5, 10.0), TypeError, "layer_words must be an int"),
+                             ((5, 10, None), TypeError, "limit must be an int")):
+        with pytest.raises(exc, match=match):
+            layer_groups(*args)
     rng = np.random.default_rng()
     for _ in range(200):
         n, w = int(rng.integers(1, 200)), int(rng.integers(1, 1 << 30))
@@ -289,6 +296,17 @@ def test_fanout_kernel_refuses_bad_windows():
             fanout_kernel(src, windows, dsts, config=cfg)
     with pytest.raises(ValueError, match=r"dsts\[0\] must be a flat"):
         fanout_kernel(src, [], [jnp.zeros(7, jnp.uint32)], config=cfg)
+    win = [(0, [1], [2])]
+    with pytest.raises(ValueError, match=">= 1 layer each"):  # a group of no layers
+        fanout_kernel([src, jnp.zeros((0, 8, 4), jnp.uint32)], win, dsts, config=cfg)
+    with pytest.raises(ValueError, match="1 word wide"):
+        fanout_kernel(jnp.zeros((2, 8, 0), jnp.uint32), win, [jnp.zeros(0, jnp.uint32)], config=cfg)
+    with pytest.raises(ValueError, match="share rows, width and dtype"):
+        fanout_kernel([src, jnp.zeros((1, 8, 4), jnp.int32)], win, dsts, config=cfg)
+    with pytest.raises(TypeError, match="config must be a GatherConfig"):
+        fanout_kernel(src, win, dsts, config=None)
+    with pytest.raises(ValueError, match="backend='bogus'"):
+        fanout_kernel(src, win, dsts, config=cfg, backend="bogus")
 
 
 def test_a_third_layer_inside_the_first_is_refused():
