@@ -92,6 +92,9 @@ def transfer(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON to this path."),
     seed: int = typer.Option(0, help="Seeds the KV bytes and the page allocators."),
     timeout_s: float = typer.Option(300.0, help="Deadline of any single wait (an engine batch, a notification, a control message), seconds; a dead peer is reported as soon as the engine or the pipe notices."),
+    requests: int = typer.Option(1, help="Timed requests per mode, one after another through the same "
+                                         "connectors, each filled, shipped and verified; the table is the "
+                                         "median one, and the whole-request times of all are printed."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
     corrupt_rank: Optional[int] = typer.Option(None, hidden=True, help="Test hook: this rank damages one "
                                                                        "received byte."),
@@ -125,7 +128,7 @@ def transfer(
             ("--chunk-tokens", chunk_tokens is not None), ("--prefix-tokens", prefix_tokens != 0),
             ("--mode", mode != "both"), ("--max-batch-indices", max_batch_indices is not None),
             ("--pack-tokens", pack_tokens is not None), ("--verify", verify),
-            ("--corrupt-rank", corrupt_rank is not None)) if given]
+            ("--corrupt-rank", corrupt_rank is not None), ("--requests", requests != 1)) if given]
         if ignored:
             _fail(f"{', '.join(ignored)}: not taken by a TP/layout run (--prefill-tp-size, --tp-size, "
                   "--prefill-layout, --decode-layout: push, host memory, whole requests, --path direct,region)")
@@ -152,7 +155,7 @@ def transfer(
         prefill_interleave_size=prefill_interleave_size, chunk_tokens=chunk_tokens,
         prefix_tokens=prefix_tokens, engine=engine, max_batch_indices=max_batch_indices,
         pack_tokens=pack_tokens, verify=verify, seed=seed, timeout_s=timeout_s, corrupt_rank=corrupt_rank,
-        device=device, staging=staging, pack_backend=pack_backend, direction=direction,
+        requests=requests, device=device, staging=staging, pack_backend=pack_backend, direction=direction,
         prefill_page_size=prefill_page_size, **placed,
     )
     try:
@@ -188,6 +191,8 @@ def transfer(
         result = run_job(cfg)
     for run in result["runs"]:
         console.print(_run_table(run))
+        if run.get("repeats"):
+            console.print(_repeats_line(run))
         for f in run["failures"]:
             console.print(f"[red]failure:[/] {f}")
     console.print(f"[dim]{_COUNTS_NOTE}[/]")
@@ -208,6 +213,20 @@ def transfer(
         console.print("[red bold]NOT VERIFIED[/]: some rank did not receive its bytes exactly")
         raise typer.Exit(1)
     console.print("[green bold]verified[/]: every rank byte-exact in every mode")
+
+
+def _repeats_line(run: dict) -> str:
+    """The whole-request times of a run's timed requests: median (the table's request), range,
+    each one in order."""
+    secs = [r["request_seconds"] for r in run["repeats"]]
+    ms = ", ".join(f"{x * 1e3:.3f}" for x in secs)
+    good = sorted(x for x in secs if math.isfinite(x))
+    if not good:
+        return f"{run['mode']}: {len(secs)} requests, no whole-request time"
+    med = run["request_seconds"]
+    gb = run["bytes"] / 1e9
+    return (f"{run['mode']}: {len(secs)} requests, first byte to last SUCCESS median {med * 1e3:.3f} ms "
+            f"({gb / med:.2f} GB/s), min {good[0] * 1e3:.3f}, max {good[-1] * 1e3:.3f}; each (ms): {ms}")
 
 
 def _gpus(g) -> str:

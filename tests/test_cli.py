@@ -65,6 +65,9 @@ def test_corrupted_byte_exits_nonzero(tmp_path):
         (["--dcp-size", "100"], "dcp_size=100 must be <= 64"),
         (["--timeout-s", "3000000"], "timeout_s=3000000.0 must be in (0, 86400.0]"),
         (["--timeout-s", "inf"], "timeout_s=inf"),
+        (["--requests", "0"], "requests=0 (--requests) must be an int in [1, 100]"),
+        (["--requests", "101"], "requests=101"),
+        (["--requests", "2", "--tp-size", "2", "--model", "llama-3.1-8b"], "--requests: not taken by a TP/layout run"),
         # 36 MB to move, but a million-token page makes every pool page-sized: refused up front
         (["--prompt-tokens", "512", "--page-size", "1000000"], "GiB of host memory"),
     ],
@@ -198,3 +201,21 @@ def test_a_tp_layout_run_refuses_options_it_would_ignore(extra, named):
                               "--no-progress", *extra], terminal_width=200)
     flat = " ".join(res.output.replace("│", " ").split())
     assert res.exit_code == 2 and named in flat and "TP/layout" in flat, res.output
+
+
+def test_transfer_requests_prints_each_whole_request_and_the_median(tmp_path):
+    """--requests 3: three timed requests per mode, each verified; the JSON run is the median one
+    and lists all three, and the printed line names the same median and each time."""
+    import math
+
+    out = tmp_path / "r.json"
+    res = runner.invoke(app, ["transfer", *SMALL, "--mode", "packed", "--requests", "3", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    run = json.loads(out.read_text())["runs"][0]
+    secs = [r["request_seconds"] for r in run["repeats"]]
+    assert len(secs) == 3 and all(r["verified"] for r in run["repeats"]) and run["verified"]
+    assert all(math.isfinite(x) and x > 0 for x in secs)
+    assert run["request_seconds"] == sorted(secs)[1]
+    flat = " ".join(res.output.split())
+    assert f"packed: 3 requests, first byte to last SUCCESS median {sorted(secs)[1] * 1e3:.3f} ms" in flat
+    assert "each (ms): " + ", ".join(f"{x * 1e3:.3f}" for x in secs) in flat

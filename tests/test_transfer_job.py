@@ -188,6 +188,20 @@ def test_corrupted_byte_is_caught_by_checksum_and_full_verification():
     assert [tuple(x) for x in ranks[1]["bad_checksums"]] == [(0, cfg.geometry.num_layers - 1)]
 
 
+def test_requests_stop_at_the_first_unverified_one_and_report_it():
+    """requests=3 with a rank that damages a byte of every timed request: the mode stops after
+    the first (a failed request ends it) and its run is that request, not verified; with a
+    clean pool, three requests are all verified and the run is the median one."""
+    bad = run_job(JobConfig(**dict(SMALL, modes=("packed",)), corrupt_rank=1, requests=3))["runs"][0]
+    assert not bad["verified"] and "repeats" not in bad
+    assert [r["verified"] for r in bad["ranks"]] == [True, False, True]
+    good = run_job(JobConfig(**dict(SMALL, modes=("packed",)), requests=3))["runs"][0]
+    secs = [r["request_seconds"] for r in good["repeats"]]
+    assert good["verified"] and len(secs) == 3 and good["request_seconds"] == sorted(secs)[1]
+    assert all(r["whole_gbps"] > 0 and r["timeline_ms"] for r in good["repeats"])
+    assert all(r["verified"] for r in good["ranks"]) and good["bytes"] == bad["bytes"]
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("engine", ["nixl", "mooncake"])
 def test_decode_killed_mid_request_then_next_request_to_survivors(engine):
@@ -265,6 +279,9 @@ def test_death_in_first_mode_fails_the_next_mode_with_a_message():
         (dict(timeout_s=0), "timeout_s"),
         (dict(timeout_s=float("nan")), "timeout_s"),
         (dict(timeout_s=1e7), "timeout_s"),
+        (dict(requests=0), "requests=0"),
+        (dict(requests=True), "requests=True"),
+        (dict(requests=2.0), "requests=2.0"),
         (dict(dcp_size=65), "dcp_size=65 must be <= 64"),
         (dict(prefill_dcp_size=65), "prefill_dcp_size=65 must be <= 64"),
         (dict(corrupt_rank=8), "corrupt_rank"),

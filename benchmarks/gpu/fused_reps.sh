@@ -2,6 +2,7 @@
 # each run its own `dcp-jax transfer` (one request after the warm-up one), so the spread of the
 # whole-request time shows beside its median. Results: $OUT/reps.json (every run's JSON), reps.log.
 #   REPS=3 TOKENS=32768 bash benchmarks/gpu/fused_reps.sh
+# REQUESTS=N: each run ships N timed requests (`--requests`, median reported, each one listed).
 ROOT=$PWD
 source "$ROOT/scripts/gpu_env.sh" > "$OUT/env.log" 2>&1
 PY=${PY:-python3}
@@ -12,7 +13,7 @@ for tokens in ${TOKENS:-32768}; do
         for r in $(seq "$REPS"); do
             j="/tmp/rep_${tokens}_${path}_${r}.json"
             timeout --signal=INT 90 "$PY" -m dcp_jax.cli transfer --device gpu --no-progress --timeout-s 60 \
-                --engine nixl --path "$path" --prompt-tokens "$tokens" --json "$j" >> "$OUT/reps.log" 2>&1
+                --engine nixl --path "$path" --prompt-tokens "$tokens" --requests "${REQUESTS:-1}" --json "$j" >> "$OUT/reps.log" 2>&1
             echo "tokens=$tokens path=$path rep=$r rc=$?" | tee -a "$OUT/reps.log"
             [ -f "$j" ] && runs+=("$j")
         done
@@ -33,4 +34,7 @@ for name, d in runs.items():
         print(f"{name}: {r['mode']} whole {gb / r['request_seconds']:.1f} GB/s "
               f"({r['request_seconds'] * 1e3:.3f} ms) transfer {gb / r['transfer_seconds']:.1f} GB/s "
               f"verified={r['verified']} {tl}")
+        for q in r.get("repeats", []):
+            print(f"   request: whole {gb / q['request_seconds']:.1f} GB/s ({q['request_seconds'] * 1e3:.3f} ms) "
+                  f"verified={q['verified']}")
 PY

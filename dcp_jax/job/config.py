@@ -33,6 +33,7 @@ MAX_RANKS = 64  # dcp_size / prefill_dcp_size: one process per rank
 #: context served today; `dcp-jax plan --prompt-tokens 100000000000` took 15 GB before failing.
 MAX_PROMPT_TOKENS = 1 << 22
 MAX_TIMEOUT_S = 86400.0  # a day: the connector's waits take at most that
+MAX_REQUESTS = 100  # timed requests per mode: each one fills, ships and verifies the whole request
 
 # Engines log to stderr on their own; keep loopback traffic and quiet logs unless the user set them.
 _ENGINE_ENV = {
@@ -93,6 +94,9 @@ class JobConfig:
         seed: seeds the KV pattern and the page allocators.
         timeout_s: a request with no progress for this long fails (seconds); also the deadline of
             the job's control messages.
+        requests: timed requests per mode, one after another through the same connectors, each
+            verified (the run reports the median one, every one under ``repeats``); <=
+            `MAX_REQUESTS`.
         pool_slack: each side's page pool is this many times the pages the request needs.
         corrupt_rank: test hook: this decode rank flips one received byte (of its first chunk)
             before it verifies (checks that verification catches it).
@@ -138,6 +142,7 @@ class JobConfig:
     verify: bool = False
     seed: int = 0
     timeout_s: float = 300.0
+    requests: int = 1
     pool_slack: float = 1.25
     corrupt_rank: int | None = None
     die_rank: int | None = None
@@ -204,6 +209,8 @@ class JobConfig:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
                 raise ValueError(f"{name}={v!r} must be an int >= 1 (or None)")
+        if not _is_int(self.requests) or not 1 <= self.requests <= MAX_REQUESTS:
+            raise ValueError(f"requests={self.requests!r} (--requests) must be an int in [1, {MAX_REQUESTS}]")
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
             raise ValueError(f"timeout_s={self.timeout_s!r} must be in (0, {MAX_TIMEOUT_S}] seconds")
         if not self.pool_slack >= 1.0:

@@ -8,7 +8,8 @@ prefill processes and ``dcp_size`` decode processes (:mod:`dcp_jax.job.processes
 2. warm-up, untimed: one request of the first chunk (packed) or of one page per rank (direct)
    through the same connectors, so the timed request does not pay first-use costs alone
    (engine connections, page faults of the pack buffer, kernel compiles);
-3. the request: each decode rank fills its pool with the sentinel, ``expect``s the request with its
+3. the request (``cfg.requests`` times, one after another; the run reports the median one and
+   lists every one under ``repeats``): each decode rank fills its pool with the sentinel, ``expect``s the request with its
    page table, the prefill ranks ``send`` it chunk by chunk, and both sides ``poll`` until
    terminal; then every decode rank verifies every byte it owns and every other row's sentinel;
 4. the connectors are released and closed.
@@ -50,7 +51,8 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
         without placement), "runs": [{"mode",
         "engine", "descriptors", "bytes", "batches", "engine_calls", "plan_seconds",
         "pack_seconds", "transfer_seconds", "total_seconds", "gbps", "verified", "failures",
-        "ranks": [...]}, ...], "comparison": {...}, "verified"}``. Counts are totals over all
+        "ranks": [...], "repeats" (with ``cfg.requests > 1``)}, ...], "comparison": {...},
+        "verified"}``. Counts are totals over all
         ranks; seconds are the slowest prefill rank's. Each rank row has ``gpu`` (its placement),
         ``strategy`` (the union
         over the prefill ranks that sent it rows) and ``sources`` (per such prefill rank: rows,
@@ -153,14 +155,45 @@ def run_mode(cfg: JobConfig, mode: str, rid: str, prefills: list[Proc], decodes:
                 [f"warm-up failed: prefill {k}: {s and s['reason']}" for k, s in stats.items()]
             return dict(_failed_run(mode, engine, n, failures[0]), failures=failures)
         chunks = [(s, s + length) for s, length in cfg.chunks()]
-        progress = _Progress(mode, len(chunks) * n * len(prefills), cfg, on_progress)
-        stats, results, failures = _request(cfg, rid, chunks, prefills, decodes, opened, timed=True,
-                                            progress=progress)
+        reports = []
+        for i in range(cfg.requests):
+            progress = _Progress(mode, len(chunks) * n * len(prefills), cfg, on_progress)
+            stats, results, failures = _request(cfg, rid if cfg.requests == 1 else f"{rid}-{i}", chunks,
+                                                prefills, decodes, opened, timed=True, progress=progress)
+            reports.append(_report(cfg, mode, engine, n, stats, results, failures))
+            if failures or not reports[-1]["verified"]:
+                break  # a failed request ends the mode: its report is the run's
     finally:
         _close_all(decodes, prefills)
-    run = _report(cfg, mode, engine, n, stats, results, failures)
+    run = _median_run(reports)
     run.update(connect_seconds=connect_s, warmup_seconds=warmup_s)
     return run
+
+
+def _median_run(reports: list[dict]) -> dict:
+    """The run of one mode from its timed requests' reports: the last one when it failed, else
+    the one of median ``request_seconds`` (the lower of the two middle ones for an even count),
+    so every field of the run is one request's; with more than one request, ``repeats`` lists
+    each one's seconds, GB/s of the whole request, verification and timeline, in order."""
+    last = reports[-1]
+    if len(reports) == 1:
+        return last
+    ok = not last["failures"] and last["verified"]
+    if ok:
+        order = sorted(range(len(reports)), key=lambda k: _finite_or_inf(reports[k]["request_seconds"]))
+        run = dict(reports[order[(len(order) - 1) // 2]])
+    else:
+        run = dict(last)
+    run["repeats"] = [dict(request_seconds=r["request_seconds"], transfer_seconds=r["transfer_seconds"],
+                           total_seconds=r["total_seconds"],
+                           whole_gbps=r["bytes"] / 1e9 / r["request_seconds"] if r["request_seconds"] > 0 else math.nan,
+                           verified=r["verified"], timeline_ms=r.get("timeline_ms", {})) for r in reports]
+    run["verified"] = ok and all(r["verified"] for r in reports)
+    return run
+
+
+def _finite_or_inf(x: float) -> float:
+    return x if math.isfinite(x) else math.inf
 
 
 class _Progress:
