@@ -1,7 +1,9 @@
-"""The sender's send algorithm: plan units, hold pack regions, submit, poll, end requests.
+"""The sender's send algorithm: plan units, hold pack regions, submit (`SenderEndings` polls
+and ends them).
 
-Half of the worker-thread machinery of `dcp_jax.transfer.KVSender` (a mixin: the state it works
-on is created in ``KVSender.__init__``; `SenderPeers` is the other half). Every method runs on
+Part of the worker-thread machinery of `dcp_jax.transfer.KVSender` (a mixin: the state it works
+on is created in ``KVSender.__init__``; `SenderPeers`, `SenderEndings` and `SenderRegion` are
+the rest). Every method runs on
 the worker thread under the sender's lock. A (request, chunk, rank) is planned once by
 `dcp_jax.transfer.schedule.plan_rank_chunk`; each of its windows is one `Unit`: one engine batch
 (push) or one ``pull_ready`` (pull), with its own pack region from the `PackArena`.
@@ -13,10 +15,8 @@ import logging
 import time
 from typing import Any
 
-from bridge import TransferError
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._sender_region import sync_arrays as _sync_arrays
-from dcp_jax.transfer._worker import TIMEOUT_CHECK_S
 from dcp_jax.transfer.requests import RankTarget, SendRequest
 from dcp_jax.transfer.schedule import SideLayout, batch_engine_calls, plan_rank_chunk
 from dcp_jax.transfer.spec import HandshakeError
@@ -340,112 +340,3 @@ class SenderUnits:
         c.engine_calls += calls
         for k, v in (("descriptors", descriptors), ("bytes", nbytes), ("batches", batches), ("engine_calls", calls)):
             self._counts[k] += v
-
-    def _poll_inflight(self) -> bool:
-        busy, keep = False, []
-        for u in self._inflight:
-            err = None
-            try:
-                done = self.engine.check(u.handle)
-            except TransferError as exc:
-                done, err = True, exc
-            if not done:
-                keep.append(u)
-                continue
-            busy = True
-            u.req.timeline.mark("complete", u.target.conn.spec.group_rank)
-            self._unit_finished(u, None if err is None else f"engine: {err}")
-        self._inflight = keep
-        return busy
-
-    def _unit_finished(self, u: Unit, error: str | None, *, free: bool = True) -> None:
-        """The engine (or the reader) is done with a window: free its region, credit or fail.
-        ``free`` False: a region-push window whose pack the round has not synchronised yet keeps
-        its region; `_post_packed` frees it after the wait."""
-        if free:
-            self._free_region(u)
-        req, t = u.req, u.target
-        req.inflight -= 1
-        t.inflight -= 1
-        if req.status.terminal or self._requests.get(req.rid) is not req:
-            self._maybe_drained(req, t)
-            return
-        if error is not None:
-            self._end(req, TransferStatus.FAILED, f"decode rank {t.conn.spec.dcp_rank}, chunk {u.rc.chunk}: {error}",
-                      notify="failed")
-            return
-        left, start, stop = t.parts_left[u.rc.chunk]
-        if left > 1:
-            t.parts_left[u.rc.chunk] = (left - 1, start, stop)
-        else:
-            del t.parts_left[u.rc.chunk]
-            t.coverage.add(start, stop)
-        req.state.touch()
-        self._maybe_done(req)
-
-    def _maybe_done(self, req: SendRequest) -> None:
-        # Not before a send(), unless no rank needs a token (a full prefix hit on every rank).
-        nothing = all(t.num_tokens == t.prefix_tokens for t in req.targets.values())
-        if not req.status.terminal and req.complete() and req.inflight == 0 and (req.chunks or nothing):
-            if req.finish(TransferStatus.SUCCESS):
-                self._counts["succeeded"] += 1
-
-    def _on_pull_done(self, conn: Any, msg: dict) -> None:
-        u = self._pulls.pop((msg["rid"], msg["inc"], conn.spec.dcp_rank, msg["chunk"], msg["part"]), None)
-        if u is None or u.target.conn is not conn:
-            self._counts["dropped_messages"] += 1
-            return
-        u.req.timeline.mark("complete", conn.spec.group_rank)  # the reader said its READ ended
-        self._unit_finished(u, None if msg["ok"] else f"reader: {msg['reason']}")
-
-    def _end(self, req: SendRequest, status: TransferStatus, reason: str, *, notify: str | None) -> bool:
-        """Moves a live request to FAILED/ABORTED, tells its decode ranks, quarantines its regions."""
-        if not req.finish(status, reason):
-            return False
-        self._counts["failed" if status is TransferStatus.FAILED else "aborted"] += 1
-        for u in self._inflight + list(self._pulls.values()):
-            if u.req is req and u.region is not None and u.region.state != "quarantined":
-                self._arena.quarantine(u.region)
-                if u.handle is not None:
-                    self.engine.cancel(u.handle)
-        if notify:
-            for t in req.targets.values():
-                if t.conn.ident in self._conns:
-                    self._ctl.send(t.conn.ident, proto.encode(notify, req.rid, t.inc, reason=reason[:proto.MAX_TEXT]))
-        self._drop_asks(lambda u: u.req is req)  # waiting for a grant: no engine reads their regions
-        for t in req.targets.values():
-            self._maybe_drained(req, t)
-        return True
-
-    def _maybe_drained(self, req: SendRequest, t: RankTarget, asked: bool = False) -> None:
-        """Tells a rank of an ended (not successful) request once no write of ours into its
-        pages is in flight: the decode side may then reuse them (`KVReceiver.is_drained`).
-        ``asked``: the rank failed the request itself (its timeout, or it lost our ``done``),
-        so it waits for this word even when our side ended in SUCCESS, and again if it asks again."""
-        if (req.status.terminal and (asked or (req.status is not TransferStatus.SUCCESS and not t.drained))
-                and t.inflight == 0 and t.conn.ident in self._conns):
-            t.drained = True
-            self._ctl.send(t.conn.ident, proto.encode("drained", req.rid, t.inc))
-
-    def _check_timeouts(self) -> None:
-        now = time.monotonic()
-        if now < self._next_timeout_check:
-            return
-        self._next_timeout_check = now + TIMEOUT_CHECK_S
-        for req in list(self._requests.values()):
-            if not req.status.terminal and req.state.stalled_for(now) > self.timeout_s:
-                self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s{_waiting_for(req)}",
-                          notify="failed")
-
-
-def _waiting_for(req: SendRequest) -> str:
-    """What a stalled request still waits for, for its failure reason: ranks that never
-    announced it (no ``expect`` arrived), or nothing sent yet."""
-    if not req.targets:
-        return ": no decode rank announced this request (no expect arrived: is a receiver connected and expecting it?)"
-    if req.needed is not None and not req.needed <= req.targets.keys():
-        missing = sorted(req.needed - req.targets.keys())
-        return f": decode rank(s) {missing[:8]} of group {req.group!r} never announced it (no expect arrived)"
-    if not req.chunks:
-        return ": every rank announced it, but send() was never called for it"
-    return ""

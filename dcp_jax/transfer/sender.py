@@ -36,6 +36,7 @@ from dcp_jax.transfer.arena import PackArena
 from dcp_jax.transfer._sender_peers import SenderPeers
 from dcp_jax.transfer._region import SEND_MODES
 from dcp_jax.transfer._sender_region import SenderRegion
+from dcp_jax.transfer._sender_endings import SenderEndings
 from dcp_jax.transfer._sender_units import SenderUnits
 from dcp_jax.transfer.control import ControlServer, make_side_engine
 from dcp_jax.transfer.memory import CacheLayers
@@ -53,7 +54,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_PACK_BYTES = 64 << 20
 
 
-class KVSender(SenderPeers, SenderUnits, SenderRegion):
+class KVSender(SenderPeers, SenderUnits, SenderEndings, SenderRegion):
     """Prefill-side connector over the caller's KV layers.
 
     Args:
