@@ -6,6 +6,8 @@
 #   scripts/gpu_suite.sh                       # every step; results under ${OUT:-out/gpu}
 #   scripts/gpu_suite.sh d2d_ceiling pack      # only the steps whose names start with these words
 #   GIT_COMMIT=<sha> scripts/gpu_suite.sh      # recorded in the summary (else `git rev-parse HEAD`)
+#   BUNDLE=1 OUT=$OUT scripts/gpu_suite.sh ...  # on the device tool (8 files back at most): the steps'
+#                                              # files in one gpu_suite_steps.tgz beside the summary
 #
 # Installs from .whl/ (no network): NIXL's CUDA build (nixl_cu13_site.tgz, a trimmed unpacked
 # wheel, or nixl_cu13-*.whl), Mooncake's CUDA build (mooncake_cu13_site.tgz: mooncake/engine.so and
@@ -116,3 +118,12 @@ step multi_gpu_rehearsal 60 env OUT="$OUT/multi_gpu" PROMPT_TOKENS=8192 ENGINES=
 echo
 echo "================ GPU suite ($(( $(date +%s) - T0 ))s, results in $OUT) ================"
 "$PY" "$ROOT/scripts/gpu_suite_summary.py" --out "$OUT"
+rc=$?
+# BUNDLE=1 (a device call brings back at most 8 files): every step's own files go into ONE
+# gpu_suite_steps.tgz beside the summary (gpu_suite_summary.md/.json stay as they are).
+if [ "${BUNDLE:-0}" = 1 ]; then
+    (cd "$OUT" && find . -type f ! -name 'gpu_suite_summary.*' ! -name gpu_suite_steps.tgz -print0 \
+        | tar czf gpu_suite_steps.tgz --null -T - --remove-files)
+    find "$OUT" -mindepth 1 -type d -empty -delete
+fi
+exit $rc
