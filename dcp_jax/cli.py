@@ -93,8 +93,9 @@ def transfer(
     seed: int = typer.Option(0, help="Seeds the KV bytes and the page allocators."),
     timeout_s: float = typer.Option(300.0, help="Deadline of any single wait (an engine batch, a notification, a control message), seconds; a dead peer is reported as soon as the engine or the pipe notices."),
     requests: int = typer.Option(1, help="Timed requests per mode, one after another through the same "
-                                         "connectors, each filled, shipped and verified; the table is the "
-                                         "median one, and the whole-request times of all are printed."),
+                                         "connectors, each filled, shipped and verified (1-100); the table "
+                                         "is the median one (the lower middle one for an even count), and "
+                                         "the whole-request times of all are printed."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
     corrupt_rank: Optional[int] = typer.Option(None, hidden=True, help="Test hook: this rank damages one "
                                                                        "received byte."),

@@ -118,7 +118,7 @@ def layer_groups(num_layers: int, layer_words: int, limit: int = MAX_STACKED_WOR
     alone passes `limit`.
 
     Raises:
-        TypeError: an argument that is not an int (bool refused).
+        TypeError: an argument that is not an int (Python or numpy; bool refused).
         ValueError: `num_layers` < 0, `layer_words` < 1 or `limit` < 1.
     """
     for name, v, lo in (("num_layers", num_layers, 0), ("layer_words", layer_words, 1), ("limit", limit, 1)):
@@ -126,6 +126,7 @@ def layer_groups(num_layers: int, layer_words: int, limit: int = MAX_STACKED_WOR
             raise TypeError(f"{name} must be an int, got {type(v).__name__}")
         if v < lo:
             raise ValueError(f"{name}={v} must be >= {lo}")
+    num_layers, layer_words, limit = int(num_layers), int(layer_words), int(limit)
     per = limit // layer_words
     if per < 1 or num_layers < 1:
         return []

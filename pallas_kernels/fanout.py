@@ -116,7 +116,7 @@ def fanout_kernel(src, windows, dsts, *, config, backend="interpret"):
     each window (k, sidx, didx).
 
     Args:
-        src: u-word[L, R, W] (stacked layers), or a list of layer groups u-word[L_j, R, W] of
+        src: u-word[L, R, W] (stacked layers), or a list (or tuple) of layer groups u-word[L_j, R, W] of
             one R, W and dtype, in layer order (L = sum of L_j: how a stack past 2**31 words
             is passed, `device.stacked_groups`).
         windows: sequence of (k, sidx int[n], didx int[n]): destination index, rows.

@@ -373,6 +373,8 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
             link.client.send(bye)  # the sender drops this connection now, not after its peer timeout
             link.client.close(BYE_LINGER_MS)
             link.close_flag()
+        self._links.clear()  # stats say 0 connections once closed
+        self._by_peer.clear()
 
     def __enter__(self) -> "KVReceiver":
         return self

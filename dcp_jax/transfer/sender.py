@@ -416,6 +416,7 @@ class KVSender(SenderPeers, SenderUnits, SenderEndings, SenderRegion):
         self._ctl.close(BYE_LINGER_MS)
         for conn in self._conns.values():
             conn.close_mapping()
+        self._conns.clear()  # stats say 0 connections once closed
         if self._flag is not None:
             self._flag.close()
 

@@ -145,11 +145,13 @@ def test_a_closing_side_says_bye_and_its_peers_drop_it_at_once(engine):
         c.receivers[2].close()
         took = _until(lambda: c.sender.stats["connections"] == 2, 5.0)
         assert c.sender.stats["connections"] == 2 and took < 5.0
+        assert c.receivers[2].stats["connections"] == 0  # its own count, once closed
         _, dst = c.tables(16)
         c.receivers[0].expect("b", dst[0], 16)  # announced, never sent: live on both sides
         c.sender.close()
         took = _until(lambda: all(r.stats["connections"] == 0 for r in c.receivers[:2]), 5.0)
         assert [r.stats["connections"] for r in c.receivers[:2]] == [0, 0] and took < 5.0
+        assert c.sender.stats["connections"] == 0
         assert c.receivers[0].poll("b") is S.FAILED
         assert "closed" in c.receivers[0].failure_reason("b")
     finally:
