@@ -81,9 +81,6 @@ class ReceiverData:
             if req is not None:
                 status = TransferStatus.ABORTED if kind == "abort" else TransferStatus.FAILED
                 self._end(req, status, f"prefill rank {link.spec.dcp_rank}: {msg['reason']}", None)
-        elif kind == "bye":  # the sender closed: its requests here fail now, not after the peer timeout
-            if link in self._links:
-                self._drop_link(link, f"prefill sender {link.client.address} closed: {msg['reason']}")
         elif kind == "hello_nack":  # the sender no longer knows this connection (dropped, restarted)
             if link in self._links:
                 self._drop_link(link, f"prefill sender {link.client.address} refused the connection: {msg['message']}")

@@ -117,8 +117,6 @@ class SenderPeers:
                                                "from you (dropped or restarted): connect again"))
             return
         conn.last_seen = time.monotonic()
-        if kind == "bye":
-            return self._drop_conn(conn, f"decode rank {conn.spec.dcp_rank} said bye: {msg['reason']}", quiet=True)
         if kind == "expect":
             return self._on_expect(conn, msg)
         if kind == "pull_done":
@@ -363,11 +361,9 @@ class SenderPeers:
             for conn in list(self._conns.values()):
                 self._ctl.send(conn.ident, ping)
 
-    def _drop_conn(self, conn: Conn, reason: str, *, quiet: bool = False) -> None:
-        """A receiver is gone: fail its requests, forget its engine peer (its handles then end).
-        ``quiet``: it said so itself (``bye``), logged at INFO, not as a warning."""
-        (logger.info if quiet else logger.warning)("dropping the connection of decode rank %d (%s): %s",
-                                                   conn.spec.dcp_rank, conn.name, reason)
+    def _drop_conn(self, conn: Conn, reason: str) -> None:
+        """A receiver is gone: fail its requests, forget its engine peer (its handles then end)."""
+        logger.warning("dropping the connection of decode rank %d (%s): %s", conn.spec.dcp_rank, conn.name, reason)
         self._conns.pop(conn.ident, None)
         for req in list(self._requests.values()):
             t = req.targets.get(conn.spec.group_rank)

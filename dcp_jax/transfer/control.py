@@ -15,16 +15,12 @@ import zmq
 
 from dcp_jax.transfer import protocol
 
-__all__ = ["ControlServer", "ControlClient", "zmq_context", "engine_options_for", "make_side_engine",
-           "BYE_LINGER_MS"]
+__all__ = ["ControlServer", "ControlClient", "zmq_context", "engine_options_for", "make_side_engine"]
 
 logger = logging.getLogger(__name__)
 #: Refused frames logged per socket before the log goes quiet (a flood of garbage must not
 #: flood the log; every refusal is still counted in ``rejected``).
 MAX_LOGGED_REJECTIONS = 100
-#: How long a closing side's last frames (its ``bye``) may take to leave, in zmq's I/O thread
-#: (milliseconds; `close` itself does not wait).
-BYE_LINGER_MS = 200
 
 
 def engine_options_for(engine: str, host: str | None, options: dict | None) -> dict:
@@ -152,10 +148,8 @@ class ControlServer:
         except (zmq.Again, zmq.ZMQError):
             return False
 
-    def close(self, linger_ms: int = 0) -> None:
-        """Closes the socket; frames still queued get up to ``linger_ms`` to leave (in zmq's I/O
-        thread: the call itself does not wait)."""
-        self.sock.close(linger_ms)
+    def close(self) -> None:
+        self.sock.close(0)
 
 
 def _hello_of_another_version(frame: bytes):
@@ -217,7 +211,5 @@ class ControlClient:
                 self.last_error = str(exc)
                 _log_rejection(self, self.address, str(exc)[:300])
 
-    def close(self, linger_ms: int = 0) -> None:
-        """Closes the socket; frames still queued get up to ``linger_ms`` to leave (in zmq's I/O
-        thread: the call itself does not wait)."""
-        self.sock.close(linger_ms)
+    def close(self) -> None:
+        self.sock.close(0)

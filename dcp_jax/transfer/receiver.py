@@ -34,7 +34,7 @@ from dcp_jax.transfer._receiver_data import ReceiverData
 from dcp_jax.transfer._receiver_links import Link, ReceiverLinks, missing_senders  # noqa: F401  (missing_senders: re-exported)
 from dcp_jax.transfer._receiver_region import ReceiverRegion
 from dcp_jax.transfer._region import DEFAULT_REGION_BYTES, ReceiveRegion, ipc_export
-from dcp_jax.transfer.control import BYE_LINGER_MS, make_side_engine
+from dcp_jax.transfer.control import make_side_engine
 from dcp_jax.transfer.memory import CacheLayers
 from dcp_jax.transfer.requests import RecvRequest, check_request_id
 from dcp_jax.transfer.schedule import SideLayout
@@ -368,10 +368,8 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
 
     def _close_links(self) -> None:
         self._flush()  # the "failed" frames of the live requests
-        bye = proto.encode("bye", reason="receiver closed")
         for link in self._links:
-            link.client.send(bye)  # the sender drops this connection now, not after its peer timeout
-            link.client.close(BYE_LINGER_MS)
+            link.client.close()
             link.close_flag()
         self._links.clear()  # stats say 0 connections once closed
         self._by_peer.clear()

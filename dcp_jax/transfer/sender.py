@@ -38,7 +38,7 @@ from dcp_jax.transfer._region import SEND_MODES
 from dcp_jax.transfer._sender_region import SenderRegion
 from dcp_jax.transfer._sender_endings import SenderEndings
 from dcp_jax.transfer._sender_units import SenderUnits
-from dcp_jax.transfer.control import BYE_LINGER_MS, ControlServer, make_side_engine
+from dcp_jax.transfer.control import ControlServer, make_side_engine
 from dcp_jax.transfer.memory import CacheLayers
 from dcp_jax.transfer.requests import SendRequest, check_request_id
 from dcp_jax.transfer.schedule import SideLayout
@@ -410,10 +410,7 @@ class KVSender(SenderPeers, SenderUnits, SenderEndings, SenderRegion):
         self._layers.close()
 
     def _close_conns(self) -> None:
-        bye = proto.encode("bye", reason="sender closed")
-        for conn in self._conns.values():  # each receiver drops this link now, not after its peer timeout
-            self._ctl.send(conn.ident, bye)
-        self._ctl.close(BYE_LINGER_MS)
+        self._ctl.close()
         for conn in self._conns.values():
             conn.close_mapping()
         self._conns.clear()  # stats say 0 connections once closed

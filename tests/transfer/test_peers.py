@@ -128,31 +128,15 @@ def test_sender_killed_mid_request_fails_the_receiver(engine):
         p.kill()
 
 
-def _until(cond, timeout_s):
-    t0 = time.monotonic()
-    while not cond() and time.monotonic() - t0 < timeout_s:
-        time.sleep(0.01)
-    return time.monotonic() - t0
-
-
-def test_a_closing_side_says_bye_and_its_peers_drop_it_at_once(engine):
-    """peer_timeout_s=30: a receiver's close ends its connection on the sender (and the sender's
-    close ends its links on the receivers, an idle one included, and fails an announced request
-    there) within seconds, through the closing side's ``bye``, not after 30 s of silence."""
-    c = Cluster(engine, dcp_size=3, peer_timeout_s=30.0, timeout_s=60.0)
+def test_a_closed_side_counts_no_connection(engine):
+    """After close(), a sender's and a receiver's own stats say 0 connections (they kept the
+    count of the links they had); the peers notice the closed side by its silence."""
+    c = Cluster(engine, dcp_size=2)
     try:
-        assert c.sender.stats["connections"] == 3
-        c.receivers[2].close()
-        took = _until(lambda: c.sender.stats["connections"] == 2, 5.0)
-        assert c.sender.stats["connections"] == 2 and took < 5.0
-        assert c.receivers[2].stats["connections"] == 0  # its own count, once closed
-        _, dst = c.tables(16)
-        c.receivers[0].expect("b", dst[0], 16)  # announced, never sent: live on both sides
+        assert c.sender.stats["connections"] == 2 and c.receivers[0].stats["connections"] == 1
+        c.receivers[0].close()
+        assert c.receivers[0].stats["connections"] == 0
         c.sender.close()
-        took = _until(lambda: all(r.stats["connections"] == 0 for r in c.receivers[:2]), 5.0)
-        assert [r.stats["connections"] for r in c.receivers[:2]] == [0, 0] and took < 5.0
         assert c.sender.stats["connections"] == 0
-        assert c.receivers[0].poll("b") is S.FAILED
-        assert "closed" in c.receivers[0].failure_reason("b")
     finally:
         c.close()
