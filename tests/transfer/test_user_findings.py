@@ -64,9 +64,12 @@ def test_released_pages_stay_held_until_the_sender_drained(engine):
         src, dst = c.tables(32)
         c.expect("big", dst, 32)
         r0 = c.receivers[0]
-        r0.release("big")  # live: aborted; the sender has not said "drained" yet
-        with pytest.raises(ValueError, match=r"page \d+ is written by request 'big \(released, not drained yet\)'"):
-            r0.expect("new", dst[0], 32)
+        # The sender's worker handles messages under its lock: holding it keeps the sender from
+        # answering the abort with "drained" before the second expect (under CI load it did).
+        with c.sender._lock:
+            r0.release("big")  # live: aborted; the sender has not said "drained" yet
+            with pytest.raises(ValueError, match=r"page \d+ is written by request 'big \(released, not drained yet\)'"):
+                r0.expect("new", dst[0], 32)
         deadline = time.monotonic() + 10
         while True:  # the sender learns of the abort and answers "drained": the pages are free
             try:
