@@ -149,7 +149,8 @@ def pages_required(num_local_rows: int, page_size: int) -> int:
     return -(-num_local_rows // page_size)
 
 
-def rows_from_page_table(local_indices, pages, page_size: int, *, name: str = "pages") -> np.ndarray:
+def rows_from_page_table(local_indices, pages, page_size: int, *, name: str = "pages",
+                         validated: bool = False) -> np.ndarray:
     """Rows of dense rank-local indices in a per-rank page table: ``pages[j // P] * P + j % P``.
 
     Args:
@@ -157,6 +158,10 @@ def rows_from_page_table(local_indices, pages, page_size: int, *, name: str = "p
         pages: int64 ``[num_pages]`` the rank's page table (page ids >= 0).
         page_size: P (tokens per page).
         name: argument name used in error messages.
+        validated: True when the caller validated ``pages`` once already (ids >= 0, none
+            repeated, rows within int64: a sender plans every chunk of a request from tables
+            it checked at ``send``/``expect``); only the table's length is checked then. The
+            duplicate check sorts the table, which cost more than the lookup on every chunk.
 
     Returns:
         int64 ``[n]`` buffer rows.
@@ -166,7 +171,7 @@ def rows_from_page_table(local_indices, pages, page_size: int, *, name: str = "p
             message says how many are required).
     """
     page_size = _int("page_size", page_size, minimum=1)
-    pages = _pages(name, pages, page_size)
+    pages = _int_array(name, pages) if validated else _pages(name, pages, page_size)
     j = _int_array("local_indices", local_indices)
     if j.size == 0:
         return np.zeros(0, np.int64)

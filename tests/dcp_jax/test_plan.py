@@ -401,6 +401,12 @@ def test_rows_from_page_table():
     assert rows_from_page_table([0, 3, 4, 9], [7, 2, 5], 4).tolist() == [28, 31, 8, 21]
     with pytest.raises(ValueError, match="3 pages"):
         rows_from_page_table([9], [7, 2], 4)
+    # validated=True (a table checked once by the caller): same rows, only the length checked.
+    assert rows_from_page_table([0, 3, 4, 9], [7, 2, 5], 4, validated=True).tolist() == [28, 31, 8, 21]
+    with pytest.raises(ValueError, match="3 pages"):
+        rows_from_page_table([9], [7, 2], 4, validated=True)
+    with pytest.raises(ValueError, match="page id 2 twice"):
+        rows_from_page_table([0], [2, 2], 4)
 
 
 def test_send_rows_per_rank():

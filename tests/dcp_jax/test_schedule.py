@@ -250,6 +250,37 @@ def test_receiver_table_counts_from_token_zero():
     assert s.tolist() == [49, 51, 53, 55] and d.tolist() == [188, 189, 190, 191]
 
 
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 8), r=st.integers(0, 7), i=st.integers(1, 6), m=st.integers(1, 4), rs=st.integers(0, 3),
+       ip=st.integers(1, 6), ps=st.integers(1, 8), pd=st.integers(1, 8), start=st.integers(0, 200),
+       length=st.integers(0, 200), mode=st.sampled_from(["direct", "packed", "region", "fused"]),
+       seed=st.integers(0, 2**32 - 1))
+def test_a_plan_from_tables_validated_once_equals_the_checked_plan(n, r, i, m, rs, ip, ps, pd, start, length,
+                                                                    mode, seed):
+    # The sender plans every chunk with check_tables=False (its tables were checked at send /
+    # expect): only their lengths are checked then; rows must be those of the checked plan.
+    rng = np.random.default_rng(seed)
+    dst, src = SideLayout(n, r % n, i, pd), SideLayout(m, rs % m, ip, ps)
+    stop = start + length
+    src_table = rng.permutation(stop // ps + 3)
+    dst_table = rng.permutation(stop // pd + 3)
+    a, b = (plan_rank_chunk(0, start, stop, src=src, dst=dst, src_page_table=src_table, dst_page_table=dst_table,
+                            mode=mode, check_tables=c) for c in (True, False))
+    assert a.src_rows.tolist() == b.src_rows.tolist() and a.dst_rows.tolist() == b.dst_rows.tolist()
+    assert (a.strategy, a.windows) == (b.strategy, b.windows)
+    # Brute force: each owned token's rows through the tables.
+    toks = [t for t in range(start, stop) if (t // i) % n == r % n and (t // ip) % m == rs % m]
+    sl = [(t // (ip * m)) * ip + t % ip for t in toks]
+    dl = [(t // (i * n)) * i + t % i for t in toks]
+    assert b.src_rows.tolist() == [int(src_table[j // ps]) * ps + j % ps for j in sl]
+    assert b.dst_rows.tolist() == [int(dst_table[j // pd]) * pd + j % pd for j in dl]
+    if b.num_rows:  # a table one page short is still refused, named
+        short = dst_table[:int(dl[-1]) // pd]
+        with pytest.raises(ValueError, match="dst_page_table is too short"):
+            plan_rank_chunk(0, start, stop, src=src, dst=dst, src_page_table=src_table, dst_page_table=short,
+                            mode=mode, check_tables=False)
+
+
 def test_token_rows_errors():
     side = SideLayout(2, 1, 1, 4)
     with pytest.raises(ValueError, match=r"page_table is too short: 2 pages of 4 tokens are required"):
