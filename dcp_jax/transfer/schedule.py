@@ -161,7 +161,7 @@ def _token_rows(tokens, side: SideLayout, page_table, name: str, check_table: bo
     local = local_index_np(t, side.dcp_size, side.interleave_size)
     p = side.page_size
     top = int(local[-1]) if validated else int(local.max())
-    lo, hi = (0 if validated else int(local.min()) // p), top // p + 1
+    hi = top // p + 1
     table = np.asarray(page_table)
     if check_table:
         rows_from_page_table(_EMPTY, table, p, name=name)  # validates the whole table once
@@ -171,6 +171,7 @@ def _token_rows(tokens, side: SideLayout, page_table, name: str, check_table: bo
     if validated:  # the duplicate check sorts the table: on every chunk it cost more than the lookup
         return rows_from_page_table(local, table, p, name=name, validated=True)
     # Only the pages the tokens touch go to rows_from_page_table (the table was validated once).
+    lo = int(local.min()) // p
     return rows_from_page_table(local - lo * p, table[lo:hi], p, name=name)
 
 
@@ -210,13 +211,10 @@ def chunk_rows(start: int, stop: int, *, src: SideLayout, dst: SideLayout, src_p
 def _chunk_rows(start, stop, src, dst, src_page_table, dst_page_table, check: bool,
                 names=("src_page_table", "dst_page_table")):
     t = owned_tokens(start, stop, dst=dst, src=src)
-    if check:
-        return (_token_rows(t, src, src_page_table, names[0], True),
-                _token_rows(t, dst, dst_page_table, names[1], True))
-    # The tokens are both sides' by construction and the tables were validated once per request
-    # (the sender, at send / expect): ~2x faster plans at P = 64, ~30x at P = 1.
-    return (_token_rows(t, src, src_page_table, names[0], False, validated=True),
-            _token_rows(t, dst, dst_page_table, names[1], False, validated=True))
+    # Unchecked: the tokens are both sides' by construction and the tables were validated once
+    # per request (the sender, at send / expect): ~2x faster plans at P = 64, ~30x at P = 1.
+    return (_token_rows(t, src, src_page_table, names[0], check, validated=not check),
+            _token_rows(t, dst, dst_page_table, names[1], check, validated=not check))
 
 
 def _windows(n: int, step: int | None) -> tuple[tuple[int, int], ...]:
