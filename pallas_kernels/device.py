@@ -306,9 +306,10 @@ class IndexRing:
     def __init__(self, m: int, k: int, meta_len: int = 3, slots: int = 16):
         import cupy as cp
 
+        from pallas_kernels.mapped_ring import slot_layout
+
         self.m, self.k, self.slots = m, k, slots
-        stride = -(-m // 64) * 64
-        size = k * stride + max(64, -(-meta_len // 64) * 64)
+        stride, size = slot_layout(m, k, meta_len)
         self.bufs = [cp.zeros(size, cp.int32) for _ in range(slots)]
         self.views = []
         for b in self.bufs:
@@ -329,12 +330,9 @@ class IndexRing:
     def stage(self, vectors, meta, dests: "Destinations"):
         """Write `vectors` (k numpy int arrays, each <= m long, zero-padded) and `meta` into the
         next slot; returns its JAX views (list of k i32[m], i32[meta_len])."""
-        def fill(segs, meta_seg):
-            for seg, v in zip(segs, vectors):
-                seg[:len(v)] = v
-                seg[len(v):] = 0
-            meta_seg[:] = meta
-        return self.stage_with(fill, dests)
+        from pallas_kernels.mapped_ring import fill_padded
+
+        return self.stage_with(fill_padded(vectors, meta), dests)
 
     def stage_with(self, fill, dests: "Destinations"):
         """As `stage`, the slot's pinned host words written by ``fill(segs, meta)`` in place

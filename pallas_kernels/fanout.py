@@ -34,8 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels import device
+from pallas_kernels import device, mapped_ring
 from pallas_kernels.config import GatherConfig
+from pallas_kernels.mapped_ring import split_slot, to_device
 from pallas_kernels.row_copy import U32, IndexedRows, RegionRows, copy_block, count_kernel_trace, \
     preload_lowering
 from pallas_kernels.windows import window_blocks
@@ -65,9 +66,7 @@ def _fanout_body(table_ref, sidx_ref, didx_ref, src_ref, *refs, first_layer, dst
                          width)], interleave=interleave)
 
 
-@functools.partial(jax.jit, static_argnames=("first_layer", "dst_rows", "config", "backend"),
-                   donate_argnames=("dsts",))
-def _fanout_jit(src, sidx, dsts, didx, table, *, first_layer, dst_rows, config, backend):
+def _fanout_call(src, sidx, dsts, didx, table, *, first_layer, dst_rows, config, backend):
     """src u-word[L_j, R, W]: layers [first_layer, first_layer + L_j) of the stack; sidx/didx
     i32[m]; dsts: D flat word arrays (L * R_k * W each, L the whole stack's layers), donated;
     table i32[4 * m // block_rows]. Returns the D destinations, written in place."""
@@ -101,12 +100,29 @@ def _fanout_jit(src, sidx, dsts, didx, table, *, first_layer, dst_rows, config, 
     return tuple(call(table, sidx, didx, src, *dsts))
 
 
+_STATIC = ("first_layer", "dst_rows", "config", "backend")
+_fanout_jit = jax.jit(_fanout_call, static_argnames=_STATIC, donate_argnames=("dsts",))
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("m", "table_len"), donate_argnames=("dsts",))
+def _fanout_slot_jit(src, slot, dsts, *, m, table_len, **static):
+    """`_fanout_jit` with its indices in one `mapped_ring` slot (sidx, didx, then the table):
+    copied to device memory first, in this call (`mapped_ring.to_device`)."""
+    (sidx, didx), table = split_slot(to_device(slot), m, 2, table_len)
+    return _fanout_call(src, sidx, dsts, didx, table, **static)
+
+
 def _fanout_groups(srcs, sidx, dsts, didx, table, **static):
     """`_fanout_jit` once per layer group of the stack (in order; each launch takes the
-    previous one's outputs): one launch for a stack under 2**31 words."""
+    previous one's outputs): one launch for a stack under 2**31 words. With ``sidx`` a mapped
+    slot (`mapped_ring`) and ``didx`` / ``table`` None, `_fanout_slot_jit` (``static`` then
+    also holds its ``m`` and ``table_len``)."""
     first = 0
     for src in srcs:
-        dsts = _fanout_jit(src, sidx, tuple(dsts), didx, table, first_layer=first, **static)
+        if didx is None:
+            dsts = _fanout_slot_jit(src, sidx, tuple(dsts), first_layer=first, **static)
+        else:
+            dsts = _fanout_jit(src, sidx, tuple(dsts), didx, table, first_layer=first, **static)
         first += int(src.shape[0])
     return tuple(dsts)
 
@@ -351,13 +367,17 @@ def _launch(source, copiers, m, table_len, fill, on_phase=None) -> None:
         for lk in locks:
             lk.acquire()
         try:
-            (sv, dv), tv = device.index_ring(ring, m, 2, table_len).stage_with(fill, ring)
+            static = dict(dst_rows=tuple(c.uniform_rows for c in copiers), config=config, backend=backend)
+            sv, staged = mapped_ring.stage_indices(ring, m, 2, table_len, fill, backend)
+            if staged is None:  # a mapped slot: the host filled it, the call reads it
+                dv = tv = None
+                static.update(m=m, table_len=table_len)
+            else:
+                (sv, dv), tv = staged
             if on_phase is not None:
                 on_phase("staged")
             preload_lowering(backend)
-            outs = _fanout_groups(src, sv, tuple(d.handles[0] for d in dests), dv, tv,
-                               dst_rows=tuple(c.uniform_rows for c in copiers), config=config,
-                               backend=backend)
+            outs = _fanout_groups(src, sv, tuple(d.handles[0] for d in dests), dv, tv, **static)
             for d, o in zip(dests, outs):
                 d.keep([o])
         except Exception:

@@ -197,6 +197,16 @@ def _gather_rows_jit(src, indices, pack, meta, *, config, backend, offset_align)
 gather_rows._cache_size = _gather_rows_jit._cache_size  # compiled variants (tests, tools)
 
 
+@functools.partial(jax.jit, static_argnames=_STATIC_ARGNAMES + ("m",), donate_argnames=("pack",))
+def _gather_rows_slot_jit(src, slot, pack, *, m, config, backend, offset_align):
+    """`_gather_rows_jit` with its indices and meta in one mapped slot (`mapped_ring`: one
+    vector of m, then the 3 meta words), copied to device memory first, in this call."""
+    from pallas_kernels.mapped_ring import split_slot, to_device
+
+    (indices,), meta = split_slot(to_device(slot), m, 1, 3)
+    return _gather_rows_jit(src, indices, pack, meta, config=config, backend=backend, offset_align=offset_align)
+
+
 # --------------------------------------------------------------------------- reference
 
 

@@ -48,7 +48,8 @@ from pallas_kernels._buffer_args import check_indices, check_layers, check_range
 # The names these checks had here (tests and `pallas_kernels.gather` import them from `pack`).
 from pallas_kernels._buffer_args import check_word_offset as _check_word_offset  # noqa: F401
 from pallas_kernels._buffer_args import is_cupy as _is_cupy  # noqa: F401
-from pallas_kernels.gather import _gather_rows_jit, gather_rows
+from pallas_kernels.gather import _gather_rows_jit, _gather_rows_slot_jit, gather_rows
+from pallas_kernels.mapped_ring import fill_padded, stage_indices
 from pallas_kernels.row_copy import preload_lowering
 from pallas_kernels.host import (  # noqa: F401  (re-exported: tests and callers use these names)
     _HOST_POOL,
@@ -397,11 +398,15 @@ def _pack_rows_device(layers, views, idx, pack, offset, word, backend, config, s
                 # Host indices: staged in a device slot (no PJRT transfer, no wait on the
                 # kernel in flight), the jitted kernel called with its persistent views.
                 units, ok = offset_arg(offset // ws, align, backend, ws)
-                (idx_v,), meta_v = device.index_ring(dests, m, 1).stage(
-                    [idx], (n, int(units), int(ok)), dests)
+                slot, staged = stage_indices(dests, m, 1, 3, fill_padded([idx], (n, int(units), int(ok))),
+                                             backend)
                 preload_lowering(backend)
-                out = _gather_rows_jit(srcs, idx_v, dests.handles[0], meta_v, config=config,
-                                       backend=backend, offset_align=align)
+                static = dict(config=config, backend=backend, offset_align=align)
+                if staged is None:  # a mapped slot: no upload, read by the call
+                    out = _gather_rows_slot_jit(srcs, slot, dests.handles[0], m=m, **static)
+                else:
+                    (idx_v,), meta_v = staged
+                    out = _gather_rows_jit(srcs, idx_v, dests.handles[0], meta_v, **static)
             else:
                 import cupy as cp
 

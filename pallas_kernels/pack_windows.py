@@ -21,7 +21,8 @@ from pallas_kernels.pack import (
     pack_rows,
 )
 from pallas_kernels.row_copy import preload_lowering
-from pallas_kernels.windows import _check_offsets, _gather_windows_jit, gather_windows, \
+from pallas_kernels.mapped_ring import fill_padded, stage_indices
+from pallas_kernels.windows import _check_offsets, _gather_windows_jit, _gather_windows_slot_jit, gather_windows, \
     window_blocks
 
 __all__ = ["pack_windows", "warm_pack_windows"]
@@ -259,9 +260,11 @@ def _device_windows(srcs, padded, blocks, m, pack, word, backend, config, align,
     dests = device.destinations([pack], word, [nbytes])
     with dests.lock:
         try:
+            slot = None
             if isinstance(padded, np.ndarray):
-                (idx_v,), meta_v = device.index_ring(dests, m, 1, len(blocks)).stage(
-                    [padded], blocks, dests)
+                slot, staged = stage_indices(dests, m, 1, len(blocks), fill_padded([padded], blocks), backend)
+                if staged is not None:
+                    (idx_v,), meta_v = staged
             else:
                 import cupy as cp
                 import jax
@@ -269,8 +272,11 @@ def _device_windows(srcs, padded, blocks, m, pack, word, backend, config, align,
                 idx_v = jax.dlpack.from_dlpack(padded)
                 meta_v = jax.dlpack.from_dlpack(cp.asarray(blocks))
             preload_lowering(backend)
-            out = _gather_windows_jit(srcs, idx_v, dests.handles[0], meta_v, config=config,
-                                      backend=backend, offset_align=align)
+            static = dict(config=config, backend=backend, offset_align=align)
+            if slot is not None:  # a mapped slot: no upload, read by the call
+                out = _gather_windows_slot_jit(srcs, slot, dests.handles[0], m=m, table_len=len(blocks), **static)
+            else:
+                out = _gather_windows_jit(srcs, idx_v, dests.handles[0], meta_v, **static)
             dests.keep([out])
         except Exception:
             device.forget([pack], word, [nbytes])  # the donated handle may be gone

@@ -163,6 +163,17 @@ def gather_windows(src, indices, pack, blocks, *, config: GatherConfig = GatherC
                                offset_align=int(offset_align))
 
 
+@functools.partial(jax.jit, static_argnames=_STATIC_ARGNAMES + ("m", "table_len"), donate_argnames=("pack",))
+def _gather_windows_slot_jit(src, slot, pack, *, m, table_len, config, backend, offset_align):
+    """`_gather_windows_jit` with its indices and block table in one mapped slot
+    (`mapped_ring`), copied to device memory first, in this call."""
+    from pallas_kernels.mapped_ring import split_slot, to_device
+
+    (indices,), blocks = split_slot(to_device(slot), m, 1, table_len)
+    return _gather_windows_jit(src, indices, pack, blocks, config=config, backend=backend,
+                               offset_align=offset_align)
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC_ARGNAMES, donate_argnames=("pack",))
 def _gather_windows_jit(src, indices, pack, blocks, *, config, backend, offset_align):
     """`gather_windows` after its checks: the windowed Triton-form kernel."""
