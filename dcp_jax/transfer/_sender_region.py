@@ -210,7 +210,7 @@ class SenderRegion:
             try:
                 copy_fanout([(c.copier, *mine.get(id(c), (empty, empty))) for c in links], checked=True,
                             on_phase=phase)
-                written.append(batch[0][0].target.conn.copier)  # one kernel wrote them all
+                written.append(links[0].copier)  # one kernel wrote them all: the first link's output
                 for u, _, _ in batch:  # enqueued, not finished: the timeline tells launch from wait
                     u.req.timeline.mark("launched", u.target.conn.spec.group_rank)
             except Exception:  # noqa: BLE001 - find the window that fails; the others go out
@@ -301,7 +301,7 @@ class SenderRegion:
         """Enqueues the flag's bump after the round's launches (no host wait; `copiers`: one per
         launch) and returns its number; None (the ranks are told after the host's wait instead)
         without a flag, when the copies are not of the flag's kind (device: every launch a JAX
-        kernel on the GPU, its bump ordered after their outputs; host: numpy copies, complete when
+        kernel on the GPU, its bump ordered after the last one's output; host: numpy copies, complete when
         they returned), or when the bump cannot be enqueued."""
         flag = self._flag
         if flag is None or not copiers:
@@ -311,7 +311,9 @@ class SenderRegion:
             return None
         try:
             # A launch's outputs are its destinations' current JAX handles (one event for all).
-            return flag.bump_after(tuple(c.destinations().handles[0] for c in copiers)
+            # The LAST launch's output only (the launches run in order on one stream): one bump
+            # signature whatever the number of launches, so a round never compiles it anew.
+            return flag.bump_after((copiers[-1].destinations().handles[0],)
                                    if flag.route == "device" else None)
         except Exception:  # noqa: BLE001 - fall back to telling after the wait
             logger.warning("fused copy: the flag bump could not be enqueued; telling the ranks after the wait",

@@ -15,6 +15,7 @@ import numpy as np
 import zmq
 
 import bridge.core  # noqa: F401 - registers the engines' atexit hook before `_close_live_sides`
+from bridge.workers import next_backoff
 from dcp_jax.transfer.control import zmq_context
 from dcp_jax.transfer.status import TransferStatus
 from pallas_kernels._buffer_args import as_1d
@@ -26,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 #: The worker's waits. Engine completions and notifications wake no socket, so while anything
 #: is awaited the engine is polled on a backoff: right after a round that did something, then
-#: doubling from `MIN_BACKOFF_S` to `MAX_BACKOFF_S` over empty rounds (a pending request with
+#: growing from `MIN_BACKOFF_S` to `MAX_BACKOFF_S` over empty rounds (`bridge.workers.next_backoff`:
+#: by 1.25x, so below the cap a completion is seen at most ~25% of its wait late; a pending request with
 #: nothing in flight costs ~1,000 wake-ups a second, not a core). The cap bounds how late a
 #: completion is seen: on one H200 a whole 2.3 GB request takes ~10 ms, and a 2 ms cap showed
 #: as up to 2 ms between a write's end and its rank's notice (timelines of the GPU job). Idle,
@@ -156,7 +158,7 @@ class Worker:
                 backoff, timeout_ms = 0.0, 0
                 self._spin_wait()
             elif state == PENDING:
-                backoff = min(max(2 * backoff, MIN_BACKOFF_S), MAX_BACKOFF_S)
+                backoff = next_backoff(backoff, MIN_BACKOFF_S, MAX_BACKOFF_S)
                 if backoff >= 1e-3:
                     timeout_ms = int(backoff * 1000)
                 else:  # zmq's poll takes whole milliseconds: sleep the fraction, then peek
