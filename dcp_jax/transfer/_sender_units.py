@@ -215,6 +215,7 @@ class SenderUnits:
                 return
             for req in {id(u.req): u.req for u, _, _, addr in packed if addr is not None}.values():
                 req.pack_seconds += time.perf_counter() - tk  # the wait is part of each request's pack
+        self._launch_fused(packed)  # the fused copies first: the bookkeeping below runs while they copy
         for u, lo, hi, addr in packed:
             if u.req.status.terminal:  # ended by an earlier window's failure in this round
                 self._free_region(u)

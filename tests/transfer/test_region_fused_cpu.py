@@ -152,3 +152,34 @@ def test_warm_up_on_host_kv_compiles_nothing_and_checks_its_argument(engine, fus
         c.close()
     with pytest.raises(RuntimeError, match="closed"):
         c.sender.warm_up()
+
+
+def test_a_window_launched_before_its_post_fails_is_waited_for_then_drained(engine, fused_on_host):
+    """The round launches its fused copies before the per-window bookkeeping (`_launch_fused`),
+    so a window's post can fail after its copy was enqueued (here rank 1's message head): its
+    request FAILS naming the error, the launched window still counts in flight until the round's
+    wait, then both sides drain; the other request of the round succeeds byte-exact, and the
+    round leaves nothing queued."""
+    c = cluster(engine, dcp_size=2, mode="fused", region_bytes=0)
+    try:
+        real = c.sender._window_head
+
+        def head(u):
+            if u.req.rid == "bad" and u.target.conn.spec.dcp_rank == 1:
+                raise RuntimeError("head refused")
+            return real(u)
+
+        c.sender._window_head = head
+        src, dst = c.tables(24)
+        for rid in ("bad", "good"):
+            c.expect(rid, dst if rid == "good" else c.tables(24)[1], 24)
+        with c.sender._lock:  # both requests' windows in one round
+            c.sender.send("bad", src, 0, 24)
+            c.sender.send("good", src, 0, 24)
+        assert c.wait("good") == [S.SUCCESS] * 3, c.reasons("good")
+        assert c.check_bytes(src, dst, 24) == 24
+        assert c.wait("bad")[0] is S.FAILED and "head refused" in c.sender.failure_reason("bad")
+        assert wait_for(lambda: c.sender.is_drained("bad") and all(r.is_drained("bad") for r in c.receivers))
+        assert c.sender._fused == [] and c.sender._fused_launched == ({}, [])
+    finally:
+        c.close()
