@@ -354,8 +354,8 @@ def _enqueue_fanout(source, live, on_phase=None) -> None:
 
 def _launch(source, copiers, m, table_len, fill, on_phase=None) -> None:
     """One fan-out launch over `copiers` (in destination order) with index bucket `m`; `fill`
-    writes the pinned index slot (`device.IndexRing.stage_with`); ``on_phase("staged")`` once
-    it is on the device."""
+    writes the pinned index slot (`mapped_ring.stage_indices`: a mapped slot the call reads, or
+    `device.IndexRing`'s upload); ``on_phase("staged")`` once the kernel can read it."""
     config, backend = copiers[0].config, copiers[0].backend
     ring = _RINGS.get(source)
     if ring is None:

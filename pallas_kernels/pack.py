@@ -240,9 +240,10 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
     (`bucket_rows(n, config.block_rows)`) nothing recompiles.
 
     Fixed cost per device call (no synchronisation but the final one): host indices are checked
-    on the host and staged into a device slot of `pallas_kernels.device.IndexRing` (one async
-    copy from pinned memory: PJRT's own transfer of a numpy argument waits for the kernel in
-    flight); the layers' views and the pack's JAX handle are made once per registration (the
+    on the host and written into a pinned slot the call copies to the device itself
+    (`pallas_kernels.mapped_ring`; where the GPU cannot read such a slot, uploaded into a device
+    slot of `pallas_kernels.device.IndexRing`: PJRT's own transfer of a numpy argument waits for
+    the kernel in flight); the layers' views and the pack's JAX handle are made once per registration (the
     pack's handle is threaded from each call's aliased output to the next). CuPy indices are
     checked on the device, with one synchronisation.
 
