@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels import device, mapped_ring
+from pallas_kernels import mapped_ring
 from pallas_kernels.config import GatherConfig
 from pallas_kernels.mapped_ring import split_slot, to_device
 from pallas_kernels.row_copy import U32, IndexedRows, RegionRows, copy_block, count_kernel_trace, \

@@ -27,17 +27,11 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels import PackSource, RowCopier
     from pallas_kernels import fanout as fo
+    from stage_probe import job_shape
 
-    L, R, W, D, n = 61, 32768, 1152, 8, 4096
-    src_buf = cp.random.randint(0, 256, (L, R, W), dtype=cp.uint8)
-    dst_bufs = [cp.zeros((L, 5120, W), cp.uint8) for _ in range(D)]
-    source = PackSource([src_buf[l] for l in range(L)])
-    copiers = [RowCopier(source, [b[l] for l in range(L)]) for b in dst_bufs]
-    rng = np.random.default_rng(7)
-    perm = rng.permutation(R)
-    windows = [(k, perm[k * n:(k + 1) * n], rng.permutation(5120)[:n]) for k in range(D)]
+    _, _, source, copiers, jobs = job_shape()
+    windows = [(k, s_, d_) for k, (_, s_, d_) in enumerate(jobs)]
     cfg = copiers[0].config
     sidx, didx, table = (jnp.asarray(a) for a in fo._layout(windows, cfg.block_rows))
     src = source.stacked_groups()[0]

@@ -12,8 +12,7 @@ stream) before a jitted dispatch. Compared here, on the main job's shape (61 lay
   inside the call (the put per call, or once);
 - ``uva_copy``: a pinned host buffer imported into JAX as a device array (its UVA address),
   copied on the device inside the call (`pallas_kernels.mapped_ring`);
-  ``uva_direct``: the kernel reading that buffer itself;
-- ``uva_plain``: destinations written as plain (non-donated) inputs, one dummy output.
+  ``uva_direct``: the kernel reading that buffer itself.
 
 Prints each variant's median host us per call back to back (device synchronised between calls),
 after the thread slept 0.3 s, after it spun 0.3 s, launch-to-done us, and whether every
@@ -41,17 +40,15 @@ def _median_us(fn, reps: int = 30, sleep_s: float = 0.0, sync=None) -> float:
     return float(np.median(ts[min(5, reps // 2):]) * 1e6)
 
 
-def main() -> None:
+def job_shape():
+    """The main job's fused round at 32,768 tokens, DCP8, one process: a prefill cache of 61
+    layers x 32,768 rows of 1,152 bytes (one buffer), 8 decode caches of 5,120 rows, 4,096 rows
+    each. Returns (src_buf, dst_bufs, source, copiers, jobs: (copier, src rows, dst rows))."""
     import cupy as cp
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import triton as pltriton
 
-    from pallas_kernels import PackSource, RowCopier, copy_fanout
-    from pallas_kernels import fanout as fo
+    from pallas_kernels import PackSource, RowCopier
 
-    L, R, W, D, n = 61, 32768, 1152, 8, 4096  # 1,152-byte rows
+    L, R, W, D, n = 61, 32768, 1152, 8, 4096
     src_buf = cp.random.randint(0, 256, (L, R, W), dtype=cp.uint8)
     dst_bufs = [cp.zeros((L, 5120, W), cp.uint8) for _ in range(D)]
     source = PackSource([src_buf[l] for l in range(L)])
@@ -59,6 +56,18 @@ def main() -> None:
     rng = np.random.default_rng(7)
     perm = rng.permutation(R)
     jobs = [(c, perm[k * n:(k + 1) * n], rng.permutation(5120)[:n]) for k, c in enumerate(copiers)]
+    return src_buf, dst_bufs, source, copiers, jobs
+
+
+def main() -> None:
+    import cupy as cp
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import copy_fanout
+    from pallas_kernels import fanout as fo
+
+    src_buf, dst_bufs, source, copiers, jobs = job_shape()
     out = {}
 
     def ok() -> bool:
@@ -131,36 +140,6 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001
         out["uva"] = dict(error=f"{type(exc).__name__}: {exc}"[:400])
 
-    # Destinations written as plain (non-donated) inputs, one dummy output; indices from the slot.
-    if "uva_copy" in calls:
-        @jax.jit
-        def plain(src, slot, *dsts):
-            (si, di), tb = fo.split_slot(fo.to_device(slot), m, 2, tl)
-            Lx, Rx, Wx = (int(x) for x in src.shape)
-
-            def body(t_ref, s_ref, d_ref, src_ref, *refs):
-                ins = refs[:len(dsts)]
-                return fo._fanout_body(t_ref, s_ref, d_ref, src_ref, *ins, *ins, first_layer=0, dst_rows=rows,
-                                       width=Wx, block_rows=br, num_src_rows=Rx, evict=cfg.eviction_policy,
-                                       load_evict=cfg.load_eviction_policy, load_cache=cfg.load_cache_modifier,
-                                       interleave=cfg.interleave, interpret=False)
-            specs = [pl.BlockSpec((int(d.shape[0]),), lambda i, l: (0,)) for d in dsts]
-            return pl.pallas_call(
-                body, grid=(m // br, Lx),
-                in_specs=[pl.BlockSpec((4,), lambda i, l: (i,)), pl.BlockSpec((br,), lambda i, l: (i,)),
-                          pl.BlockSpec((br,), lambda i, l: (i,)), pl.BlockSpec((None, Rx, Wx), lambda i, l: (l, 0, 0)),
-                          *specs],
-                out_specs=pl.BlockSpec((8,), lambda i, l: (0,)), out_shape=jax.ShapeDtypeStruct((8,), jnp.int32),
-                compiler_params=pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-                name="kv_copy_fanout_plain")(tb, si, di, src, *dsts)
-        fixed = handles()
-        last = []
-
-        def uva_plain():
-            host[:] = packed
-            last[:] = [plain(src, uva, *fixed)]
-        calls["uva_plain"] = uva_plain
-
     def spin(s=0.3):
         end = time.perf_counter() + s
         while time.perf_counter() < end:
@@ -172,10 +151,10 @@ def main() -> None:
             r = dict(hot_us=_median_us(call, sync=sync), slept_us=_median_us(call, 7, 0.3, sync),
                      spun_us=_median_us(call, 7, 0.0, lambda: (sync(), spin())), ok=ok())
 
-            def whole(call=call, name=name):
+            def whole(call=call):
                 call()
-                for d in (last if name == "uva_plain" else [d.handles[0] for d in dests]):
-                    d.block_until_ready()
+                for d in dests:
+                    d.handles[0].block_until_ready()
             r["launch_to_done_us"] = _median_us(whole, 15, 0.0, sync)
             out[name] = r
         except Exception as exc:  # noqa: BLE001
