@@ -40,28 +40,54 @@ _INT_MIN = np.int32(-2**31)
 
 def slot_layout(m: int, k: int, meta_len: int) -> tuple[int, int]:
     """(stride, size) in int32 words of a slot holding `k` vectors of `m` indices and
-    `meta_len` metadata words: every vector starts on a 64-word (256-byte) line."""
+    `meta_len` metadata words: every vector starts on a 64-word (256-byte) line.
+
+    Raises:
+        TypeError: an argument that is not an int (bool refused). ValueError: `m` or `k` < 1,
+            `meta_len` < 0 (the message names the argument).
+    """
+    for name, v, low in (("m", m, 1), ("k", k, 1), ("meta_len", meta_len, 0)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        if v < low:
+            raise ValueError(f"{name}={v} must be >= {low}")
+    m, k, meta_len = int(m), int(k), int(meta_len)
     stride = -(-m // 64) * 64
     return stride, k * stride + max(64, -(-meta_len // 64) * 64)
 
 
 def to_device(slot):
-    """Inside a jitted call: the slot's words copied into device memory (value-preserving; an
-    op XLA cannot fold away, so the copy is a real kernel, not a pass-through of the mapped
-    host buffer)."""
+    """Inside a jitted call: a slot's int32 words copied into device memory, every value kept
+    (an op XLA cannot fold away, so the copy is a real kernel, not a pass-through of the mapped
+    host buffer).
+
+    Raises:
+        TypeError: `slot` not int32 (slots hold int32 words; other dtypes would be converted).
+    """
+    if slot.dtype != jnp.int32:
+        raise TypeError(f"slot must be int32 words, got {slot.dtype}")
     return jnp.where(slot < 0, slot | _INT_MIN, slot)
 
 
 def split_slot(words, m: int, k: int, meta_len: int):
     """The `k` index vectors i32[m] and the metadata i32[meta_len] of a slot's words (a JAX
-    array laid out by `slot_layout`; static slices inside a jitted call)."""
-    stride, _ = slot_layout(m, k, meta_len)
+    array laid out by `slot_layout`; static slices inside a jitted call).
+
+    Raises:
+        ValueError: `words` not 1-D or shorter than `slot_layout(m, k, meta_len)`'s size; as
+            `slot_layout` for the sizes.
+    """
+    stride, size = slot_layout(m, k, meta_len)
+    if len(words.shape) != 1 or words.shape[0] < size:
+        raise ValueError(f"words must be a 1-D slot of >= {size} words for m={m}, k={k}, "
+                         f"meta_len={meta_len}, got shape {tuple(words.shape)}")
     return [words[j * stride:j * stride + m] for j in range(k)], words[k * stride:k * stride + meta_len]
 
 
 class MappedIndexRing:
     """`slots` pinned host slots for calls of `k` index vectors of bucket `m` plus `meta_len`
-    metadata words, each imported into JAX once (zero-copy, via its UVA address)."""
+    metadata words, each imported into JAX once (zero-copy, via its UVA address). GPU only: it
+    needs CuPy and a CUDA device (`supported` says whether this process can use it)."""
 
     def __init__(self, m: int, k: int, meta_len: int = 3, slots: int = 16):
         import cupy as cp
@@ -136,7 +162,9 @@ def stage_indices(dests, m: int, k: int, meta_len: int, fill, backend: str):
     """A call's indices staged for its kernel: ``(slot, None)`` in a mapped slot (GPU Triton
     backends where `supported`; the call takes `split_slot(to_device(slot), ...)`), else
     ``(None, (vectors, meta))`` through `device.IndexRing` (uploaded, then passed as they are).
-    ``fill(segs, meta)`` writes the k i32[m] vectors and the i32[meta_len] metadata in place."""
+    ``fill(segs, meta)`` writes the k i32[m] vectors and the i32[meta_len] metadata in place.
+    Device calls only (both rings are CuPy memory: host calls take numpy indices as they are);
+    ``dests``: the `device.Destinations` (or ring holder) whose kernels read the slots."""
     if backend == "triton" and supported():
         return mapped_index_ring(dests, m, k, meta_len).stage_with(fill, dests), None
     from pallas_kernels import device

@@ -128,3 +128,19 @@ def test_gather_windows_from_one_slot_matches_the_plain_call():
     for w, off in zip(wins, (0, 512)):
         expect[off:off + L * len(w) * W] = np.asarray(src)[:, w].reshape(-1)
     np.testing.assert_array_equal(np.asarray(got), expect)
+
+
+def test_slot_arguments_are_checked_and_named():
+    """Bad sizes, a slot too short for its layout and non-int32 words are refused, named."""
+    for args, exc, match in (((-100, 2, 3), ValueError, "m=-100"), ((10, 0, 3), ValueError, "k=0"),
+                             ((10, 1, -1), ValueError, "meta_len=-1"), ((1.5, 2, 3), TypeError, "m must be an int"),
+                             ((True, 2, 3), TypeError, "m must be an int")):
+        with pytest.raises(exc, match=match):
+            slot_layout(*args)
+    with pytest.raises(ValueError, match=">= 448 words"):
+        split_slot(jnp.zeros(10, jnp.int32), 100, 3, 5)
+    with pytest.raises(ValueError, match="1-D"):
+        split_slot(jnp.zeros((2, 400), jnp.int32), 100, 3, 5)
+    for bad in (jnp.array([2**32 - 1], jnp.uint32), jnp.zeros(4, jnp.int8), jnp.zeros(4, jnp.float32)):
+        with pytest.raises(TypeError, match="int32"):
+            to_device(bad)
