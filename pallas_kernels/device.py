@@ -25,6 +25,8 @@ import weakref
 import jax
 import numpy as np
 
+from pallas_kernels.mapped_ring import claim_slot, fill_padded, fill_slot, slot_layout
+
 _MAX_ENTRIES = 64
 _SOURCES: dict[tuple, tuple] = {}  # key -> (refs, views)
 _DESTS: dict[tuple, "Destinations"] = {}
@@ -306,8 +308,6 @@ class IndexRing:
     def __init__(self, m: int, k: int, meta_len: int = 3, slots: int = 16):
         import cupy as cp
 
-        from pallas_kernels.mapped_ring import slot_layout
-
         self.m, self.k, self.slots = m, k, slots
         stride, size = slot_layout(m, k, meta_len)
         self.bufs = [cp.zeros(size, cp.int32) for _ in range(slots)]
@@ -330,27 +330,15 @@ class IndexRing:
     def stage(self, vectors, meta, dests: "Destinations"):
         """Write `vectors` (k numpy int arrays, each <= m long, zero-padded) and `meta` into the
         next slot; returns its JAX views (list of k i32[m], i32[meta_len])."""
-        from pallas_kernels.mapped_ring import fill_padded
-
         return self.stage_with(fill_padded(vectors, meta), dests)
 
     def stage_with(self, fill, dests: "Destinations"):
         """As `stage`, the slot's pinned host words written by ``fill(segs, meta)`` in place
         (k i32[m] views and the i32[meta_len] view: no intermediate arrays; words it leaves
         keep older values)."""
-        s = self.next
-        self.next = (s + 1) % self.slots
-        if self.last_use[s] > dests.done:
-            # The kernel that read this slot may still be queued: wait for everything so far
-            # (in order on one stream), once per `slots` calls at most.
-            dests.handles[0].block_until_ready()
-            dests.done = dests.calls
-        h = self.host
-        fill([h[j * self.stride:j * self.stride + self.m] for j in range(self.k)],
-             h[self.k * self.stride:self.k * self.stride + self.meta_len])
+        s = claim_slot(self, dests)  # waits, once per `slots` calls at most, for a slot still read
+        fill_slot(fill, self.host, self)
         _upload(self._ptrs[s], self._host_ptr, self._nbytes, self.stream.ptr)
-        dests.calls += 1
-        self.last_use[s] = dests.calls
         return self.views[s]
 
 

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["MappedIndexRing", "fill_padded", "mapped_index_ring", "slot_layout", "split_slot", "stage_indices",
+__all__ = ["MappedIndexRing", "claim_slot", "fill_padded", "fill_slot", "mapped_index_ring", "slot_layout", "split_slot", "stage_indices",
            "supported", "to_device"]
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,29 @@ def split_slot(words, m: int, k: int, meta_len: int):
     return [words[j * stride:j * stride + m] for j in range(k)], words[k * stride:k * stride + meta_len]
 
 
+def claim_slot(ring, dests) -> int:
+    """The next slot of `ring` (an `IndexRing` or `MappedIndexRing`: ``next``, ``slots``,
+    ``last_use``), counted as read by the call being staged. A slot is rewritten only after the
+    kernel that last read it has run: when it may still be queued, everything enqueued on
+    `dests` so far is waited for (in order on one stream), once per ``slots`` calls at most."""
+    s = ring.next
+    ring.next = (s + 1) % ring.slots
+    if ring.last_use[s] > dests.done:
+        dests.handles[0].block_until_ready()
+        dests.done = dests.calls
+    dests.calls += 1
+    ring.last_use[s] = dests.calls
+    return s
+
+
+def fill_slot(fill, host: np.ndarray, ring) -> None:
+    """Calls ``fill(segs, meta)`` on the k i32[m] vector views and the i32[meta_len] metadata
+    view of the pinned words `host`, laid out as `ring`'s slots (``m``, ``k``, ``stride``,
+    ``meta_len``)."""
+    m, k, stride = ring.m, ring.k, ring.stride
+    fill([host[j * stride:j * stride + m] for j in range(k)], host[k * stride:k * stride + ring.meta_len])
+
+
 class MappedIndexRing:
     """`slots` pinned host slots for calls of `k` index vectors of bucket `m` plus `meta_len`
     metadata words, each imported into JAX once (zero-copy, via its UVA address). GPU only: it
@@ -107,16 +130,8 @@ class MappedIndexRing:
         in place (words it leaves keep older values); returns the slot as one JAX i32[size]
         array (`split_slot` of `to_device` inside the call). Waits first, once per `slots`
         calls, for the destination's queued kernels when the slot may still be read."""
-        s = self.next
-        self.next = (s + 1) % self.slots
-        if self.last_use[s] > dests.done:
-            dests.handles[0].block_until_ready()
-            dests.done = dests.calls
-        h = self.hosts[s]
-        fill([h[j * self.stride:j * self.stride + self.m] for j in range(self.k)],
-             h[self.k * self.stride:self.k * self.stride + self.meta_len])
-        dests.calls += 1
-        self.last_use[s] = dests.calls
+        s = claim_slot(self, dests)
+        fill_slot(fill, self.hosts[s], self)
         return self.views[s]
 
 
@@ -140,6 +155,8 @@ def supported() -> bool:
     """Whether this process's GPU reads a mapped pinned slot through JAX: imported without a
     copy, and a jitted `to_device` of it returns what the host wrote after a rewrite. Checked
     once (a few ms and one tiny compile); False, with a warning, where it does not."""
+    if _SUPPORTED:  # known: every staged call asks, so no lock once answered
+        return _SUPPORTED[0]
     with _SUPPORTED_LOCK:
         if not _SUPPORTED:
             try:

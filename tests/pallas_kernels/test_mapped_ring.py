@@ -144,3 +144,25 @@ def test_slot_arguments_are_checked_and_named():
     for bad in (jnp.array([2**32 - 1], jnp.uint32), jnp.zeros(4, jnp.int8), jnp.zeros(4, jnp.float32)):
         with pytest.raises(TypeError, match="int32"):
             to_device(bad)
+
+
+def test_claim_slot_waits_only_for_a_slot_a_queued_call_may_still_read():
+    """The slot-reuse rule both rings share: slots in turn, each call counted; a slot is claimed
+    again only after one wait for everything enqueued (once per `slots` calls), never before."""
+    from types import SimpleNamespace
+
+    from pallas_kernels.mapped_ring import claim_slot, fill_padded, fill_slot
+
+    waits = []
+    dests = SimpleNamespace(calls=0, done=0, handles=[SimpleNamespace(block_until_ready=lambda: waits.append(1))])
+    ring = SimpleNamespace(next=0, slots=3, last_use=[-1] * 3, m=4, k=2, meta_len=2)
+    ring.stride, size = slot_layout(ring.m, ring.k, ring.meta_len)
+    got = [claim_slot(ring, dests) for _ in range(7)]
+    assert got == [0, 1, 2, 0, 1, 2, 0] and dests.calls == 7
+    assert len(waits) == 2 and dests.done == 6  # before the 4th and the 7th claims
+    host = np.full(size, 9, np.int32)
+    fill_slot(fill_padded([[1, 2], [3]], (7, 8)), host, ring)
+    np.testing.assert_array_equal(host[:4], [1, 2, 0, 0])
+    np.testing.assert_array_equal(host[ring.stride:ring.stride + 4], [3, 0, 0, 0])
+    np.testing.assert_array_equal(host[2 * ring.stride:2 * ring.stride + 2], [7, 8])
+    assert (host[2 * ring.stride + 2:] == 9).all()  # words past the metadata keep older values
