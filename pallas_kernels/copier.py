@@ -207,7 +207,8 @@ class RowCopier:
         (`pallas_kernels.fanout.copy_fanout`): one source, stacked, flat uniform destinations,
         the same knobs, on the GPU."""
         return (self.source is other.source and self.source is not None
-                and self.backend == "triton" == other.backend and self.config == other.config
+                and self.backend == "triton" == other.backend
+                and (self.config is other.config or self.config == other.config)
                 and self.uniform_rows is not None and other.uniform_rows is not None
                 and self.source.stacked_groups() is not None)
 

@@ -303,8 +303,9 @@ def copy_fanout(jobs, *, checked: bool = False, on_phase=None) -> int:
     first = live[0][0]
     # Jobs without rows still take part in the launch (they get no row block): the kernel
     # compiled for D destinations serves every round of the same copiers, whichever have rows.
-    fan = [p for p in pairs if p[0].fans_out_with(first)]
-    if len(fan) == 1 or not all(c.fans_out_with(first) for c, _, _ in live):
+    ok = {id(c): c.fans_out_with(first) for c, _, _ in pairs}  # once per copier
+    fan = [p for p in pairs if ok[id(p[0])]]
+    if len(fan) == 1 or not all(ok[id(c)] for c, _, _ in live):
         for c, s, d in live:
             c.copy(s, d, checked=True)
         return total

@@ -1,0 +1,103 @@
+"""Probe (GPU): does the fused fan-out copy slower into IPC-mapped memory than into local memory?
+
+In the main job the fan-out kernel took ~1.46 ms (CUPTI, in the prefill process) against
+~1.13 ms for the same shape into this process's own buffers (`launch_lag.py`). Here, one
+process: the job's fused round (`stage_probe.job_shape`: 61 layers x 32,768 rows of 1,152 B,
+8 destinations of 5,120 rows, 4,096 rows each), its destinations either local CuPy buffers or
+buffers of 8 child processes opened through legacy CUDA IPC handles (`bridge.cuda_ipc`, as the
+connector opens a decode rank's cache). Also a plain device copy of one destination's bytes
+into each kind. Prints IPC_PROBE {json}: median kernel us of each (CUPTI via torch.profiler).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+L, R, W, D, ROWS, N = 61, 32768, 1152, 8, 5120, 4096
+
+_CHILD = f"""
+import json, sys, time, cupy as cp
+sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))!r})
+from bridge.cuda_ipc import export_ipc_handles
+buf = cp.zeros(({L}, {ROWS}, {W}), cp.uint8)
+cp.cuda.runtime.deviceSynchronize()
+h = export_ipc_handles([buf])[0].to_dict()
+h["handle"] = h["handle"].hex()
+print(json.dumps(h), flush=True)
+time.sleep(120)
+"""
+
+
+def _kernels(fn, sync, reps=10, match="fanout"):
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+            sync()
+    ds = [e.time_range.end - e.time_range.start for e in prof.events()
+          if e.device_type == DeviceType.CUDA and match in e.name]
+    return round(float(np.median(ds)), 1) if ds else None
+
+
+def main() -> None:
+    import cupy as cp
+
+    from bridge.cuda_ipc import IpcMapping
+    from bridge.ipc_handle import IpcHandle
+    from pallas_kernels import PackSource, RowCopier, copy_fanout
+
+    sync = cp.cuda.runtime.deviceSynchronize
+    src_buf = cp.random.randint(0, 256, (L, R, W), dtype=cp.uint8)
+    source = PackSource([src_buf[l] for l in range(L)])
+    rng = np.random.default_rng(7)
+    perm = rng.permutation(R)
+    rows = [(perm[k * N:(k + 1) * N], rng.permutation(ROWS)[:N]) for k in range(D)]
+    strided = [(np.arange(k, R, D)[:N], np.arange(N)) for k in range(D)]  # the job's I=1 pattern
+
+    def run(dsts, rowset):
+        copiers = [RowCopier(source, [b[l] for l in range(L)]) for b in dsts]
+        jobs = [(c, s, d) for c, (s, d) in zip(copiers, rowset)]
+        return lambda: copy_fanout(jobs, checked=True)
+
+    out = {}
+    local = [cp.zeros((L, ROWS, W), cp.uint8) for _ in range(D)]
+    out["local_random"] = _kernels(run(local, rows), sync)
+    out["local_strided"] = _kernels(run(local, strided), sync)
+    out["local_memcpy"] = _kernels(lambda: local[0].__setitem__(Ellipsis, local[1]), sync, match="")
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, text=True)
+             for _ in range(D)]
+    try:
+        hs = []
+        for p in procs:
+            d = json.loads(p.stdout.readline())
+            d["handle"] = bytes.fromhex(d["handle"])
+            hs.append(IpcHandle.from_dict(d))
+        maps = [IpcMapping([h], [(L, ROWS, W)], [np.uint8]) for h in hs]
+        remote = [m.arrays[0] for m in maps]
+        out["ipc_random"] = _kernels(run(remote, rows), sync)
+        out["ipc_strided"] = _kernels(run(remote, strided), sync)
+        out["ipc_memcpy"] = _kernels(lambda: remote[0].__setitem__(Ellipsis, local[1]), sync, match="")
+        ok = all(bool((remote[k][:, cp.asarray(d)] == src_buf[:, cp.asarray(s)]).all())
+                 for k, (s, d) in enumerate(strided))
+        out["ipc_strided_bytes_ok"] = ok
+        for m in maps:
+            m.close()
+    finally:
+        for p in procs:
+            p.kill()
+    print("IPC_PROBE", json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
