@@ -4,7 +4,7 @@ Prefill/decode disaggregation with decode context parallelism (DCP): the prefill
 each request chunk by chunk (a jitted stand-in for the model writes the KV cache) and hands each
 chunk to a `KVSender`. Each decode rank's `KVReceiver` over its own paged JAX cache gets only the
 tokens it owns: rank r owns tokens t with t % 2 == r, stored densely (token t at local row t // 2)
-in the pages of its own page table (shared/spec/dcp.md, sections 2, 3 and 10).
+in the pages of its own page table (docs/conventions.md, sections 2, 3 and 10).
 
     python examples/serving_loop.py [--engine nixl|mooncake] [--direction push|pull]
 """

@@ -76,6 +76,15 @@ def main() -> None:
     sync()
     out = {"hot": _case(fan, sync, 12, 0.0), "cold": _case(fan, sync, 10, 0.3),
            "cold_3s": _case(fan, sync, 4, 3.0)}
+    # Between calls, 16 GiB of other memory written (as the job's decode ranks fill and verify
+    # their caches between requests): the copy's TLB and cache state cold.
+    other = cp.zeros(16 << 30, cp.uint8)
+
+    def touch_other():
+        other.fill(1)
+        sync()
+    out["after_16g_elsewhere"] = _case(fan, touch_other, 8, 0.0)
+    other = None  # freed before the next cases
     # Eight other processes holding a CUDA context on this GPU (as the job's decode ranks do),
     # idle on the device: does the copy slow down?
     import subprocess

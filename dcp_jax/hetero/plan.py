@@ -1,7 +1,7 @@
 """The heterogeneous plan: where every token row (and GQA head range) goes between two sides that
 differ in page size, DCP size and interleave, TP size and cache layout.
 
-Conventions (``shared/spec/dcp.md`` sections 2, 3, 10, each side with its own values): token t
+Conventions (``docs/conventions.md`` sections 2, 3, 10, each side with its own values): token t
 lives on DCP rank ``owner(t)`` of its side at local index ``j = local_index(t)``, which is row
 ``page_table[j // P] * P + j % P`` of that rank's page table, i.e. (page, slot) =
 ``(page_table[j // P], j % P)``. The TP ranks of one DCP rank share its page table (they hold

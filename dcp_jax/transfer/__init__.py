@@ -11,7 +11,7 @@
 
 The caller owns its paged KV cache (numpy, JAX or CuPy arrays) and its scheduler; the connector
 owns planning, packing, transfer, completion and failure reporting. See `KVSender`,
-`KVReceiver`, and ``shared/spec/dcp.md`` section 10 for the page-table conventions.
+`KVReceiver`, and ``docs/conventions.md`` section 10 for the page-table conventions.
 """
 from dcp_jax.transfer.protocol import PROTOCOL_VERSION, ProtocolError
 from dcp_jax.transfer.receiver import KVReceiver

@@ -4,7 +4,7 @@ Each side (the prefill `KVSender`, every decode `KVReceiver`) describes its own 
 At ``receiver.connect`` both specs cross the control plane and `check_compatible` refuses any
 pair the transfer cannot serve, naming the field and both values, before any byte moves.
 
-Conventions (``shared/spec/dcp.md`` sections 2, 3 and 10): ``kv_layers[l]`` is
+Conventions (``docs/conventions.md`` sections 2, 3 and 10): ``kv_layers[l]`` is
 ``[num_pages, page_size, item]`` with ``item_lens[l]`` bytes per token; the decode rank
 ``dcp_rank`` of ``dcp_size`` owns token ``t`` iff ``(t // interleave_size) % dcp_size == dcp_rank``.
 """
