@@ -184,6 +184,10 @@ class ReceiverLinks:
         """
         s = self.spec
         if not self._links:
+            dropped = getattr(self, "_last_drop", None)
+            if dropped:  # it was connected: say why it no longer is (not "before connect()")
+                raise RuntimeError(f"expect(): no connected sender: the last link was dropped ({dropped}); "
+                                   "connect() again")
             raise RuntimeError("expect() before connect(): no sender to announce the request to")
         missing = missing_senders([link.spec for link in self._links])
         if missing:
@@ -212,6 +216,7 @@ class ReceiverLinks:
 
     def _drop_link(self, link: Link, reason: str) -> None:
         self._links.remove(link)
+        self._last_drop = reason  # what `expect` says once no link is left
         self._by_peer.pop(link.peer, None)
         for req in list(self._requests.values()):
             if link in req.senders:

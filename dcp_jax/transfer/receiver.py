@@ -145,6 +145,7 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
         self._lock = threading.RLock()
         self._closed = False
         self._links: list[Link] = []
+        self._last_drop: str | None = None  # why the last link was dropped (`expect`'s message)
         self._by_peer: dict[str, Link] = {}
         self._outbox: deque[tuple[Link, bytes]] = deque()
         self._requests: dict[str, RecvRequest] = {}

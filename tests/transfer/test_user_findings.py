@@ -166,6 +166,10 @@ def test_a_second_sender_of_one_prefill_position_is_refused_until_the_first_is_d
         deadline = time.monotonic() + 10
         while r.stats["connections"] and time.monotonic() < deadline:
             time.sleep(0.05)
+        # Connected once: expect() says why no sender is left, not "before connect()".
+        with pytest.raises(RuntimeError, match=r"no connected sender: the last link was dropped \(prefill "
+                                               r"sender tcp://\S+ silent for 1 s\); connect\(\) again"):
+            r.expect("c", np.arange(4), 16)
         r.connect(s1.address)  # the same position, a new sender: accepted now
         _landed(r, s1, "b", 16)
         for layer in range(2):
