@@ -35,20 +35,14 @@ MAX_PROMPT_TOKENS = 1 << 22
 MAX_TIMEOUT_S = 86400.0  # a day: the connector's waits take at most that
 MAX_REQUESTS = 100  # timed requests per mode: each one fills, ships and verifies the whole request
 
-# Engines log to stderr on their own; keep loopback traffic and quiet logs unless the user set them.
-_ENGINE_ENV = {
-    "UCX_NET_DEVICES": "lo",
-    "UCX_LOG_LEVEL": "fatal",
-    "NIXL_LOG_LEVEL": "WARN",
-    "MC_LOG_LEVEL": "ERROR",
-}
 
 
 def engine_env(device: str = "cpu") -> None:
     """Sets the engines' quiet loopback defaults (and, on the GPU, no JAX preallocation: several
     processes share the device) unless the user set them."""
-    for k, v in _ENGINE_ENV.items():
-        os.environ.setdefault(k, v)
+    from bridge.engine_env import quiet_engines
+
+    quiet_engines(loopback=True)  # engines log to stderr on their own; traffic stays on loopback
     if device == "gpu":
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 

@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
-import os
 import time
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
+from bridge.engine_env import quiet_engines
 from dcp_jax.loadgen.config import LoadConfig, RequestPlan, plan_requests
 from dcp_jax.loadgen.report import summarize
 from dcp_jax.loadgen.worker import receiver_main, rss_bytes, sender_main
 
 __all__ = ["run_load"]
 
-_ENGINE_ENV = {"UCX_NET_DEVICES": "lo", "UCX_LOG_LEVEL": "fatal", "NIXL_LOG_LEVEL": "WARN",
-               "MC_LOG_LEVEL": "ERROR"}
 START_TIMEOUT_S = 180.0
 FINAL_TIMEOUT_S = 60.0
 
@@ -272,7 +270,5 @@ def run_load(cfg: LoadConfig, *, progress=None) -> dict:
     """
     if not isinstance(cfg, LoadConfig):
         raise TypeError(f"cfg must be a LoadConfig, got {type(cfg).__name__}")
-    for k, v in _ENGINE_ENV.items():
-        if not (cfg.netns and k == "UCX_NET_DEVICES"):  # on two hosts each host sets its own
-            os.environ.setdefault(k, v)
+    quiet_engines(loopback=not cfg.netns)  # on two hosts each host sets its own devices
     return _Orchestrator(cfg, progress).run()

@@ -29,11 +29,13 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from bridge.engine_env import QUIET_ENV
+
 __all__ = ["Hosts", "needs_root_reason", "remove_stale", "enter_netns", "run_in", "link_running", "PREFIX", "ENGINE_ENV"]
 
 PREFIX = "dcpn"
 #: Engine settings every process of a host gets (UCX_NET_DEVICES is set per host).
-ENGINE_ENV = {"UCX_LOG_LEVEL": "fatal", "NIXL_LOG_LEVEL": "WARN", "MC_LOG_LEVEL": "ERROR"}
+ENGINE_ENV = dict(QUIET_ENV)  # each host's engines: quiet (`bridge.engine_env`), devices set per host
 _NETNS_DIR = "/run/netns"
 _IP_TIMEOUT_S = 10.0
 #: How long `Hosts.link_up` waits for both ends to report carrier (the kernel's linkwatch may
