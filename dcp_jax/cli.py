@@ -25,6 +25,8 @@ app = typer.Typer(
     help="Move and merge the KV cache of long-context LLM serving under decode context parallelism.",
     no_args_is_help=True,
     add_completion=False,
+    # Plain help: rich's option table cut long option names at 80 columns ("--prefill-interleave-s…").
+    rich_markup_mode=None,
 )
 
 

@@ -129,6 +129,16 @@ def test_absurd_prompt_tokens_are_refused_before_anything_is_sized(args):
     assert res.exit_code == 2 and "--prompt-tokens" in flat and "4,194,304" in flat, res.output
 
 
+@pytest.mark.parametrize("command", ["transfer", "generate", "load", "plan"])
+def test_help_at_80_columns_cuts_no_option_name(command):
+    # rich's option table cut "--prefill-interleave-size" to "--prefill-interleave-s…" (fresh user).
+    res = runner.invoke(app, [command, "--help"], terminal_width=80)
+    assert res.exit_code == 0, res.output
+    assert "…" not in res.output and max(map(len, res.output.splitlines())) <= 80, res.output
+    if command == "transfer":
+        assert "--prefill-interleave-size" in res.output
+
+
 def test_help_documents_verify():
     res = runner.invoke(app, ["transfer", "--help"], terminal_width=200)
     assert res.exit_code == 0
