@@ -200,13 +200,16 @@ class KVSender(SenderPeers, SenderUnits, SenderEndings, SenderRegion):
                 cover local rows up to ``stop`` and may grow between chunks.
             start, stop: token positions, ``0 <= start < stop <= 2**62`` (`_worker.MAX_TOKENS`).
                 A request every decode rank already holds in full (``prefix_tokens == num_tokens``)
-                is SUCCESS as soon as they announced it; a `send` for it then does nothing.
+                is SUCCESS as soon as they announced it; a `send` for it then does nothing. A
+                request that FAILED or was ABORTED (here or by a decode rank) drops its later
+                chunks without raising (a decode-side cancel is no error of the scheduler's
+                loop): `poll` and `failure_reason` say why; `release` it before reusing its id.
 
         Raises:
             RuntimeError: the sender is closed.
             TypeError, ValueError: bad id, range or page table (page ids outside the cache, too
-                few pages), a range overlapping one already sent, or a finished request id that
-                was not released yet.
+                few pages), a range overlapping one already sent, or the id of a SUCCESS request
+                that was not released yet.
         """
         self._check_open()
         rid = check_request_id(request_id)
@@ -222,6 +225,8 @@ class KVSender(SenderPeers, SenderUnits, SenderEndings, SenderRegion):
                 req = self._new_request(rid)
             if req.status is TransferStatus.SUCCESS and req.page_table is None:
                 return  # every rank already held all of it (a full prefix hit): nothing to send
+            if req.status in (TransferStatus.FAILED, TransferStatus.ABORTED):
+                return  # ended (a rank aborted, a peer failed): later chunks are dropped, `poll` says why
             if req.status.terminal:
                 raise ValueError(f"request_id={rid!r} is {req.status.name}; release() it before reusing the id")
             if req.sent.overlaps(start, stop):

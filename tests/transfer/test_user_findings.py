@@ -144,6 +144,30 @@ def _landed(r, sender, rid, n):
     assert (r.poll(rid), sender.poll(rid)) == (TransferStatus.SUCCESS,) * 2, r.failure_reason(rid)
 
 
+def test_a_chunk_sent_after_a_decode_rank_aborted_is_dropped_not_raised(engine):
+    # Before: the prefill's next send raised "ABORTED; release() it before reusing the id" for
+    # the same request's next chunk: a decode-side cancel became an exception in its loop.
+    src = [np.zeros((16, 4, il), np.uint8) for il in ITEMS]
+    dst = [np.full((16, 4, il), SENTINEL, np.uint8) for il in ITEMS]
+    spec = KVCacheSpec(2, ITEMS, 4)
+    with KVSender(spec, src, engine=engine) as s, KVReceiver(spec, dst, engine=engine) as r:
+        r.connect(s.address)
+        r.expect("w", np.arange(4), 16)
+        s.send("w", np.arange(4), 0, 8)
+        r.abort("w", "client went away")
+        deadline = time.monotonic() + 10
+        while s.poll("w") is not TransferStatus.ABORTED and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert s.poll("w") is TransferStatus.ABORTED and "client went away" in s.failure_reason("w")
+        assert s.send("w", np.arange(4), 8, 16) is None  # the next chunk: dropped, no exception
+        assert s.poll("w") is TransferStatus.ABORTED
+        for layer in range(2):  # nothing of the dropped chunk reached the pages
+            assert (dst[layer][2:] == SENTINEL).all()
+        s.release("w"), r.release("w")
+        with pytest.raises(KeyError):  # released: the id is free again
+            s.poll("w")
+
+
 def test_a_second_sender_of_one_prefill_position_is_refused_until_the_first_is_dropped(engine):
     # Before: both accepted; every request was announced to both and each wrote the same rows.
     rng = np.random.default_rng(7)
