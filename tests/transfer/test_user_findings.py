@@ -168,6 +168,27 @@ def test_a_chunk_sent_after_a_decode_rank_aborted_is_dropped_not_raised(engine):
             s.poll("w")
 
 
+def test_requests_the_prefill_never_sent_are_forgotten_after_timeout_s(engine):
+    # Before: every id a decode rank announced and then released stayed held by the sender
+    # (ABORTED), with no way for the prefill, which never knew the id, to release it.
+    src = [np.zeros((16, 4, il), np.uint8) for il in ITEMS]
+    dst = [np.full((16, 4, il), SENTINEL, np.uint8) for il in ITEMS]
+    spec = KVCacheSpec(2, ITEMS, 4)
+    with KVSender(spec, src, engine=engine, timeout_s=0.5) as s, KVReceiver(spec, dst, engine=engine) as r:
+        r.connect(s.address)
+        for i in range(3):
+            r.expect(f"c{i}", np.arange(4 * i, 4 * i + 4), 16)
+            r.release(f"c{i}")  # the decode side cancels before the prefill sends
+        s.send("kept", np.arange(4), 0, 16)  # sent to, never announced: FAILED, but held (known id)
+        deadline = time.monotonic() + 10
+        while s.stats["live_requests"] > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert s.stats["live_requests"] == 1
+        assert s.poll("kept") in (TransferStatus.WAITING, TransferStatus.FAILED)  # its own id: held until release
+        with pytest.raises(KeyError):
+            s.poll("c0")
+
+
 def test_a_second_sender_of_one_prefill_position_is_refused_until_the_first_is_dropped(engine):
     # Before: both accepted; every request was announced to both and each wrote the same rows.
     rng = np.random.default_rng(7)
