@@ -8,8 +8,8 @@
 Handles are legacy ``cudaIpcGetMemHandle`` handles of the *allocation* holding each array: a CuPy
 pool block or an XLA buffer lives inside a larger ``cudaMalloc``/``cuMemAlloc`` allocation, whose
 base ``cuMemGetAddressRange`` finds; the handle then carries the array's offset inside it. Legacy
-handles open in about 0.2 ms and cost nothing to export (platform.md, "GPU transfer between
-processes on one H200"); ``cuMemCreate`` (VMM) and ``cudaMallocAsync`` pool memory cannot be
+handles open in about 0.2 ms and cost nothing to export (measured on an H200 for the project's
+platform notes; README, "On the GPU"); ``cuMemCreate`` (VMM) and ``cudaMallocAsync`` pool memory cannot be
 exported this way and is refused by CUDA (an `IpcError`). That includes JAX arrays on jax 0.11.2:
 XLA's GPU buffers are VMM memory under every ``XLA_PYTHON_CLIENT_ALLOCATOR`` (default, platform,
 bfc, cuda_async; measured on the H200, 2026-12-01), so IPC-shared KV must be CuPy (or other

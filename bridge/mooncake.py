@@ -20,7 +20,7 @@ Device memory (the CUDA build, ``mooncake-transfer-engine-cuda13``): with ``prot
 default) the transport is picked at the first registration (or `peer_info`): ``nvlink_intra`` when
 it holds VRAM and the build has CUDA, else ``tcp``. ``nvlink_intra`` (``MC_INTRANODE_NVLINK=1``)
 moves VRAM between processes of one host by ``cudaMemcpy`` through legacy CUDA IPC handles of the
-registered ranges: 1.9 TB/s with one descriptor per target on an H200 (platform.md). It handles
+registered ranges: 1.9 TB/s with one descriptor per target on an H200 (the project's platform notes). It handles
 device memory only. Its handle is taken at the registered address and opened at the allocation's
 base on the peer, so a range that starts inside a CuPy pool block or XLA buffer would be written
 at the wrong offset: this adapter registers each VRAM region's whole allocation

@@ -4,7 +4,8 @@
 Prints JSON: the host time of the dispatch, of `__dlpack__(stream=...)` and of the event record
 while a ~2 ms kernel runs; whether the event was still pending right after (it must be); the
 time the event completed vs `block_until_ready`; a donated second call after the export. (Another
-process waiting on the event: tests/gpu/test_ipc_event_gpu.py.)
+process waiting on the event was tested by tests/gpu/test_ipc_event_gpu.py, removed with the IPC
+event gate in 58f9909: the fused path waits on a flag page now, `bridge.host_flag`.)
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import numpy as np
 def case_arrays(case: str) -> list:
     """The arrays of a test case, as numpy (bf16 as ml_dtypes), the same in both processes.
 
-    bf16 bit patterns are kept NaN-free (XLA on CPU canonicalises NaNs, platform.md)."""
+    bf16 bit patterns are kept NaN-free (XLA on CPU canonicalises NaNs)."""
     import ml_dtypes
 
     rng = np.random.default_rng(len(case) * 7919)  # str hash differs per process
