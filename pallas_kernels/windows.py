@@ -82,8 +82,8 @@ def window_blocks(counts, units, block_rows: int) -> tuple[np.ndarray, np.ndarra
         vector (multiples of `block_rows`); blocks i32[m // block_rows * 4], per row block
         (offset units as uint32 bits, window rows, first window row of the block, ok);
         m = `bucket_rows(sum of ceil(counts / block_rows) * block_rows)`, the index length.
-        Both arrays are read-only: a layout is computed once per (counts, units, block_rows)
-        and shared by the calls that ask for it again.
+        A layout is computed once per (counts, units, block_rows) and kept; each call gets
+        its own copy of the arrays.
 
     Raises:
         TypeError: counts, units or block_rows not ints (bool and float refused), or counts /
@@ -110,18 +110,19 @@ def window_blocks(counts, units, block_rows: int) -> tuple[np.ndarray, np.ndarra
         if len(_LAYOUTS) >= _MAX_LAYOUTS:
             _LAYOUTS.clear()
         _LAYOUTS[key] = hit
-    return hit
+    starts, table, m = hit
+    return starts.copy(), table.copy(), m  # the caller's own arrays (a few KB): the cache stays as computed
 
 
 #: Layouts already computed, by (block_rows, counts, units): a serving loop's rounds repeat a few
 #: shapes (one per chunk size and rank set), and the numpy work below was ~0.13 ms of a fused
-#: launch's host time on the H200 host after an idle spell. The arrays are read-only.
+#: launch's host time on the H200 host after an idle spell. Kept read-only; callers get copies.
 _LAYOUTS: dict = {}
 _MAX_LAYOUTS = 256
 
 
 def _window_layout(counts: list, units: list, block_rows: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """`window_blocks` of checked Python ints (the arrays returned read-only: they are shared)."""
+    """`window_blocks` of checked Python ints (the arrays made read-only: they are kept)."""
     nb = [-(-c // block_rows) for c in counts]
     first, used = [], 0
     for b in nb:

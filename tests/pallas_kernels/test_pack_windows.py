@@ -51,19 +51,19 @@ def test_window_blocks_by_hand():
     assert blocks[0] == -1
 
 
-def test_window_blocks_repeats_a_layout_read_only_and_keeps_shapes_apart():
-    # A round of the same shape gets the same (shared, read-only) layout; any other count,
-    # unit or block size gets its own.
+def test_window_blocks_repeats_a_layout_and_keeps_shapes_apart():
+    # A round of the same shape gets the kept layout, as its own (writable) copy; any other
+    # count, unit or block size gets its own layout.
     a = window_blocks([5, 0, 9], [10, 20, 30], 4)
+    a[1][0] = 7  # the caller's copy: the kept layout is not touched
     b = window_blocks(np.array([5, 0, 9]), (10, 20, 30), 4)
-    assert a[0] is b[0] and a[1] is b[1] and a[2] == b[2] == 32
-    with pytest.raises(ValueError):
-        a[1][0] = 7
+    assert b[1][0] == 10 and b[0].tolist() == [0, 8, 8] and a[2] == b[2] == 32
+    assert b[1].flags.writeable and b[0] is not a[0]
     other = window_blocks([5, 1, 9], [10, 20, 30], 4)
     assert other[1].reshape(-1, 4).tolist()[2] == [20, 1, 0, 1]
     assert window_blocks([5, 0, 9], [10, 20, 31], 4)[1].reshape(-1, 4)[2].tolist() == [31, 9, 0, 1]
     assert window_blocks([5, 0, 9], [10, 20, 30], 8)[0].tolist() == [0, 8, 8]
-    assert a[1].reshape(-1, 4).tolist()[2] == [30, 9, 0, 1]  # the first layout is untouched
+    assert window_blocks([5, 0, 9], [10, 20, 30], 4)[1].reshape(-1, 4).tolist()[0] == [10, 5, 0, 1]
 
 
 def test_window_blocks_edges_of_the_32_bit_columns_by_hand():
