@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -56,6 +55,7 @@ def main() -> None:
     from bridge.cuda_ipc import IpcMapping
     from bridge.ipc_handle import IpcHandle
     from pallas_kernels import PackSource, RowCopier, copy_fanout
+    from stage_probe import child_processes
 
     sync = cp.cuda.runtime.deviceSynchronize
     src_buf = cp.random.randint(0, 256, (L, R, W), dtype=cp.uint8)
@@ -75,12 +75,10 @@ def main() -> None:
     out["local_random"] = _kernels(run(local, rows), sync)
     out["local_strided"] = _kernels(run(local, strided), sync)
     out["local_memcpy"] = _kernels(lambda: local[0].__setitem__(Ellipsis, local[1]), sync, match="")
-    procs = [subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, text=True)
-             for _ in range(D)]
-    try:
+    with child_processes(_CHILD, D) as lines:
         hs = []
-        for p in procs:
-            d = json.loads(p.stdout.readline())
+        for line in lines:
+            d = json.loads(line)
             d["handle"] = bytes.fromhex(d["handle"])
             hs.append(IpcHandle.from_dict(d))
         maps = [IpcMapping([h], [(L, ROWS, W)], [np.uint8]) for h in hs]
@@ -93,9 +91,6 @@ def main() -> None:
         out["ipc_memcpy"] = _kernels(lambda: remote[0].__setitem__(Ellipsis, local[1]), sync, match="")
         for m in maps:
             m.close()
-    finally:
-        for p in procs:
-            p.kill()
     print("IPC_PROBE", json.dumps(out))
 
 

@@ -67,7 +67,7 @@ def main() -> None:
     import cupy as cp
 
     from pallas_kernels import copy_fanout
-    from stage_probe import job_shape
+    from stage_probe import child_processes, job_shape
 
     sync = cp.cuda.runtime.deviceSynchronize
     _, _, _, _, jobs = job_shape()
@@ -87,18 +87,11 @@ def main() -> None:
     other = None  # freed before the next cases
     # Eight other processes holding a CUDA context on this GPU (as the job's decode ranks do),
     # idle on the device: does the copy slow down?
-    import subprocess
     code = ("import cupy, time; a = cupy.zeros(1 << 20); cupy.cuda.runtime.deviceSynchronize(); "
             "print('up', flush=True); time.sleep(60)")
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(8)]
-    try:
-        for p in procs:
-            p.stdout.readline()
+    with child_processes(code, 8):
         out["hot_8_contexts"] = _case(fan, sync, 12, 0.0)
         out["cold_8_contexts"] = _case(fan, sync, 6, 0.3)
-    finally:
-        for p in procs:
-            p.kill()
     print("LAUNCH_LAG", json.dumps(out))
 
 

@@ -20,8 +20,11 @@ destination row is right; then one JSON line.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -38,6 +41,20 @@ def _median_us(fn, reps: int = 30, sleep_s: float = 0.0, sync=None) -> float:
         fn()
         ts.append(time.perf_counter() - t)
     return float(np.median(ts[min(5, reps // 2):]) * 1e6)
+
+
+@contextlib.contextmanager
+def child_processes(code: str, n: int):
+    """`n` Python processes running `code` (each prints one line once ready, then waits), for the
+    probes that need other processes on the GPU; yields each one's first line; kills them all
+    on exit."""
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+             for _ in range(n)]
+    try:
+        yield [p.stdout.readline() for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
 
 
 def job_shape():

@@ -184,9 +184,8 @@ class ReceiverLinks:
         """
         s = self.spec
         if not self._links:
-            dropped = getattr(self, "_last_drop", None)
-            if dropped:  # it was connected: say why it no longer is (not "before connect()")
-                raise RuntimeError(f"expect(): no connected sender: the last link was dropped ({dropped}); "
+            if self._last_drop:  # it was connected: say why it no longer is (not "before connect()")
+                raise RuntimeError(f"expect(): no connected sender: the last link was dropped ({self._last_drop}); "
                                    "connect() again")
             raise RuntimeError("expect() before connect(): no sender to announce the request to")
         missing = missing_senders([link.spec for link in self._links])
