@@ -123,6 +123,7 @@ class Timeline:
     engine said done; pull: the rank's ``pull_done`` arrived); fused: ``copy`` (the round's copy
     begins: index staging and the launch follow), ``checked`` / ``staged`` (the launch's indices
     checked / in the slot the kernel reads: `pallas_kernels.copy_fanout`'s phases), ``launched`` (the kernel enqueued),
+    ``flagged`` (the flag page's bump enqueued behind it), ``told`` (``fused_done`` sent),
     ``copied`` (the sender's host wait for it returned). Receiver: ``landed`` (a region window's ``done`` seen), ``unpacked`` (placed into
     the pages), ``part`` (a window credited), ``end`` (SUCCESS). At most `MAX_EVENTS` kept;
     ``dropped`` counts the rest.

@@ -332,6 +332,22 @@ def test_stale_entry_under_a_reused_key_is_not_trusted():
         pack_rows(bad, [0], np.zeros(64, np.uint8))
 
 
+def test_a_layer_list_changed_in_place_is_checked_afresh():
+    # The last list's entry is reused without rebuilding its key (`_LAST_CHECKED`): only while
+    # every item is still the very array it was checked with.
+    rng = np.random.default_rng(115)
+    layers = _layers(rng, 10, (32,))
+    pack = np.full(64, SENTINEL, np.uint8)
+    assert pack_rows(layers, [0, 9], pack) == 64
+    assert pack.tobytes() == np.concatenate([layers[0][0], layers[0][9]]).tobytes()
+    layers[0] = _layers(rng, 6, (4,))[0]  # same list object, another array: 6 rows of 4 B
+    pack = np.full(12, SENTINEL, np.uint8)
+    assert pack_rows(layers, [2, 5], pack) == 8
+    assert pack.tobytes() == np.concatenate([layers[0][2], layers[0][5]]).tobytes() + bytes([SENTINEL] * 4)
+    with pytest.raises(ValueError, match="indices must be < num_rows=6"):
+        pack_rows(layers, [9], pack)
+
+
 def test_layers_that_cannot_be_weakly_referenced_are_checked_every_call(monkeypatch):
     def no_weakref(obj, callback=None):
         raise TypeError(f"cannot create weak reference to {type(obj).__name__!r} object")
