@@ -287,7 +287,7 @@ def copy_fanout(jobs, *, checked: bool = False, on_phase=None) -> int:
         if not isinstance(job, (list, tuple)) or len(job) != 3 or not isinstance(job[0], RowCopier):
             raise TypeError(f"jobs[{k}] must be a (RowCopier, src_indices, dst_indices) triple, got "
                             f"{job!r:.80}")
-    if len({id(c) for c, _, _ in jobs}) != len(jobs):
+    if len({c for c, _, _ in jobs}) != len(jobs):  # copiers hash by identity (no id(): an audit event)
         raise ValueError("each copier may appear once in jobs")
     pairs = []
     for k, (c, s, d) in enumerate(jobs):
@@ -303,9 +303,9 @@ def copy_fanout(jobs, *, checked: bool = False, on_phase=None) -> int:
     first = live[0][0]
     # Jobs without rows still take part in the launch (they get no row block): the kernel
     # compiled for D destinations serves every round of the same copiers, whichever have rows.
-    ok = {id(c): c.fans_out_with(first) for c, _, _ in pairs}  # once per copier
-    fan = [p for p in pairs if ok[id(p[0])]]
-    if len(fan) == 1 or not all(ok[id(c)] for c, _, _ in live):
+    ok = {c: c.fans_out_with(first) for c, _, _ in pairs}  # once per copier
+    fan = [p for p in pairs if ok[p[0]]]
+    if len(fan) == 1 or not all(ok[c] for c, _, _ in live):
         for c, s, d in live:
             c.copy(s, d, checked=True)
         return total
@@ -315,7 +315,7 @@ def copy_fanout(jobs, *, checked: bool = False, on_phase=None) -> int:
     return total
 
 
-_DISTINCT_LAST: list = [None, ()]  # the last copier list found distinct: (ids, weak references)
+_DISTINCT_LAST: list = [()]  # weak references to the last copier list found distinct
 
 
 def _check_distinct_destinations(copiers, name: str = "jobs") -> None:
@@ -325,8 +325,8 @@ def _check_distinct_destinations(copiers, name: str = "jobs") -> None:
     lists the same copiers every round) is not compared again."""
     from pallas_kernels._buffer_args import _check_disjoint, overlapping_spans
 
-    key, (last, refs) = tuple(map(id, copiers)), _DISTINCT_LAST
-    if key == last and all(r() is c for r, c in zip(refs, copiers)):
+    refs = _DISTINCT_LAST[0]
+    if len(refs) == len(copiers) and all(r() is c for r, c in zip(refs, copiers)):
         return
     spans = [(*c.dst_span, k) for k, c in enumerate(copiers) if c.dst_span[1] > c.dst_span[0]]
     for i, j in overlapping_spans(spans):
@@ -336,7 +336,7 @@ def _check_distinct_destinations(copiers, name: str = "jobs") -> None:
             i, j = sorted((i, j))
             raise ValueError(f"{name}[{i}] and {name}[{j}] write the same memory: each copier "
                              "of one call needs its own destination") from None
-    _DISTINCT_LAST[:] = [key, tuple(weakref.ref(c) for c in copiers)]
+    _DISTINCT_LAST[0] = tuple(weakref.ref(c) for c in copiers)
 
 
 def _enqueue_fanout(source, live, on_phase=None) -> None:
@@ -424,7 +424,7 @@ def warm_copy_fanout(copiers, max_rows: int) -> list[int]:
             raise TypeError(f"copiers[{k}] must be a RowCopier, got {type(c).__name__}")
     if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 1:
         raise ValueError(f"max_rows={max_rows!r} must be an int >= 1")
-    if len({id(c) for c in copiers}) != len(copiers):
+    if len(set(copiers)) != len(copiers):
         raise ValueError("each copier may appear once in copiers")
     for k, c in enumerate(copiers):
         if c.source is None:

@@ -195,7 +195,7 @@ class SenderRegion:
         Returns its number, or None (no live window moved rows, no flag, or it could not be
         enqueued: the ranks are then told after the host's wait)."""
         errors, written = self._fused_launched
-        moved = [e[0] for e in self._fused if e[2] and id(e[0]) not in errors and not e[0].req.status.terminal]
+        moved = [e[0] for e in self._fused if e[2] and e[0] not in errors and not e[0].req.status.terminal]
         seq = self._bump_flag(written) if moved else None
         if seq is not None:
             for u in moved:
@@ -217,7 +217,7 @@ class SenderRegion:
         rows where it has no window: the kernel compiled for this sender's ranks serves every
         round (`KVSender.warm_up` compiles it), whichever ranks announced in time. Should a
         launch raise, its windows are copied one by one, so only a failing window ends its
-        request. Returns ({id(unit): error}, one copier per launch: the IPC event is recorded
+        request. Returns ({unit: error}, one copier per launch: the IPC event is recorded
         after what they wrote). Bounds were checked by `_submit_fused` on the host (the
         kernel's own checks would each synchronise)."""
         from pallas_kernels import copy_fanout
@@ -226,21 +226,21 @@ class SenderRegion:
         links = [c for c in self._conns.values() if c.copier is not None]
         per_link: dict = {}
         for job in moved:
-            per_link.setdefault(id(job[0].target.conn), []).append(job)
-        listed = {id(c) for c in links}
-        links += [c for c in {id(u.target.conn): u.target.conn for u, _, _ in moved}.values() if id(c) not in listed]
+            per_link.setdefault(job[0].target.conn, []).append(job)
+        listed = set(links)  # units, requests, links and copiers hash by identity: no id() (an audit event)
+        links += [c for c in dict.fromkeys(u.target.conn for u, _, _ in moved) if c not in listed]
         empty = np.empty(0, np.int64)
         errors, written = {}, []
         tk = time.perf_counter()
         for u, _, _ in moved:  # the host's part before the launch: planned -> copy -> launched
             u.req.timeline.mark("copy", u.target.conn.spec.group_rank)
         for batch in self._fused_launches(per_link):
-            mine = {id(u.target.conn): (s, d) for u, s, d in batch}
+            mine = {u.target.conn: (s, d) for u, s, d in batch}
             def phase(name, batch=batch):  # the launch's host time, split on the timeline
                 for u, _, _ in batch:
                     u.req.timeline.mark(name, u.target.conn.spec.group_rank)
             try:
-                copy_fanout([(c.copier, *mine.get(id(c), (empty, empty))) for c in links], checked=True,
+                copy_fanout([(c.copier, *mine.get(c, (empty, empty))) for c in links], checked=True,
                             on_phase=phase)
                 written.append(links[0].copier)  # one kernel wrote them all: the first link's output
                 for u, _, _ in batch:  # enqueued, not finished: the timeline tells launch from wait
@@ -253,9 +253,9 @@ class SenderRegion:
                         u.target.conn.copier.copy(src, dst, checked=True)
                         written.append(u.target.conn.copier)
                     except Exception as exc:  # noqa: BLE001 - its request fails, the sender lives on
-                        errors[id(u)] = f"fused copy: {type(exc).__name__}: {exc}"
+                        errors[u] = f"fused copy: {type(exc).__name__}: {exc}"
         took = time.perf_counter() - tk
-        for req in {id(u.req): u.req for u, _, _ in moved}.values():
+        for req in dict.fromkeys(u.req for u, _, _ in moved):
             req.copy_seconds += took
         return errors, written
 
@@ -289,11 +289,11 @@ class SenderRegion:
         done, self._fused = self._fused, []
         (errors, _), self._fused_launched = self._fused_launched, ({}, [])
         seq, self._fused_seq = self._fused_seq, None  # bumped by `_launch_fused` (None: not gated)
-        live = [d for d in done if id(d[0]) not in errors and not d[0].req.status.terminal and d[1] is not None]
+        live = [d for d in done if d[0] not in errors and not d[0].req.status.terminal and d[1] is not None]
         told = self._tell_fused(live, seq) if seq is not None and live else set()
         # Ungated, the messages are encoded while the copy runs: after the wait only the sends remain.
         frames = {} if seq is not None else {
-            id(u): proto.encode("fused_done", u.req.rid, u.target.inc, gated=False, seq=0, **head)
+            u: proto.encode("fused_done", u.req.rid, u.target.inc, gated=False, seq=0, **head)
             for u, head, _, _, _ in live}
         tk = time.perf_counter()
         err = None
@@ -302,18 +302,18 @@ class SenderRegion:
         except Exception as exc:  # noqa: BLE001 - no rank may count its rows (gated: they are told "failed")
             err = f"fused copy: {type(exc).__name__}: {exc}"
         waited = time.perf_counter() - tk
-        for req in {id(u.req): u.req for u, _, moved, _, _ in done if moved}.values():
+        for req in dict.fromkeys(u.req for u, _, moved, _, _ in done if moved):
             req.copy_seconds += waited
         if seq is None and err is None:
             told = self._tell_fused(live, None, frames)
         for u, _, moved, _, _ in done:
             t = u.target
-            if moved and id(u) in told and err is None:
+            if moved and u in told and err is None:
                 u.req.timeline.mark("copied", t.conn.spec.group_rank)
-            ok = id(u) in told and err is None
+            ok = u in told and err is None
             if ok:
                 self._count(t, 0, self._window_bytes(u) if moved else 0, 0)
-            self._unit_finished(u, None if ok else err or errors.get(id(u)))
+            self._unit_finished(u, None if ok else err or errors.get(u))
 
     def _tell_fused(self, live: list, seq: int | None, frames: dict | None = None) -> set:
         """Sends ``fused_done`` to the rank of each live window (every rank before any
@@ -323,11 +323,11 @@ class SenderRegion:
         for u, head, _, _, _ in live:
             if u.req.status.terminal:
                 continue
-            frame = frames[id(u)] if frames else proto.encode("fused_done", u.req.rid, u.target.inc, gated=True,
+            frame = frames[u] if frames else proto.encode("fused_done", u.req.rid, u.target.inc, gated=True,
                                                               seq=seq, **head)
             self._ctl.send(u.target.conn.ident, frame)
             u.req.timeline.mark("told", u.target.conn.spec.group_rank)
-            told.add(id(u))
+            told.add(u)
         return told
 
     def _bump_flag(self, copiers: list) -> int | None:

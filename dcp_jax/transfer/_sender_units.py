@@ -186,8 +186,8 @@ class SenderUnits:
         for u, exc in failed:
             self._submit_failed(u, exc)
         if failed:
-            gone = {id(u) for u, _ in failed}
-            packed = [p for p in packed if id(p[0]) not in gone]
+            gone = {u for u, _ in failed}
+            packed = [p for p in packed if p[0] not in gone]
         packed = self._ask_regions(packed)  # region push: ask for room while the pack runs
         self._post_packed(packed)
         return busy
@@ -213,7 +213,7 @@ class SenderUnits:
                 for u, _, _, _ in packed:
                     self._submit_failed(u, exc)
                 return
-            for req in {id(u.req): u.req for u, _, _, addr in packed if addr is not None}.values():
+            for req in dict.fromkeys(u.req for u, _, _, addr in packed if addr is not None):
                 req.pack_seconds += time.perf_counter() - tk  # the wait is part of each request's pack
         self._launch_fused(packed)  # the fused copies first: the bookkeeping below runs while they copy
         for u, lo, hi, addr in packed:
@@ -280,7 +280,7 @@ class SenderUnits:
                 except Exception as exc:  # noqa: BLE001 - its request fails, the sender lives on
                     failed.append((u, exc))
         took, staged = time.perf_counter() - tk, self._packer.stage_seconds - staged0
-        for req in {id(u.req): u.req for u, _, _ in batch}.values():
+        for req in dict.fromkeys(u.req for u, _, _ in batch):
             req.pack_seconds += took
             req.stage_seconds += staged
         return failed
