@@ -167,8 +167,9 @@ def _flat_words(arrays, word):
 
 
 def _remember(cache, key, arrays, value) -> None:
-    def evict(_ref, key=key, value=value):
-        with _LOCK:
+    # The lock is bound here: a callback run at interpreter exit finds the module's globals gone.
+    def evict(_ref, key=key, value=value, lock=_LOCK):
+        with lock:
             entry = cache.get(key)
             if entry is not None and (entry[1] if isinstance(entry, tuple) else entry) is value:
                 cache.pop(key, None)

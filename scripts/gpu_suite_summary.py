@@ -136,6 +136,9 @@ def _runs(out: str, ceilings: dict[int, float]) -> list[dict]:
                    "transfer_gbps": nbytes / ts / 1e9 if ts else None,
                    "total_gbps": nbytes / tot / 1e9 if tot else None, "verified": run.get("verified")}
             row["total_pct_of_ceiling"] = 100 * row["total_gbps"] / ceiling if ceiling and row["total_gbps"] else None
+            reps = [q["whole_gbps"] for q in run.get("repeats", []) if q.get("whole_gbps") is not None]
+            row["requests"] = len(reps) or 1  # --requests N: the row is the median request's
+            row["whole_gbps_range"] = [min(reps), max(reps)] if reps else None
             rows.append(row)
     return rows
 
@@ -226,12 +229,15 @@ def summarize(out: str) -> int:
         md.append("")
     md += ["## dcp-jax transfer --device gpu (every rank byte-exact?)", "",
            "| step | engine | tokens | path | staging | descriptors/rank | GB | transfer s | transfer GB/s | whole s | "
-           "whole GB/s | whole % of ceiling | verified |", "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "whole GB/s | whole % of ceiling | requests (whole GB/s range) | verified |",
+           "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for r in runs:
+        rng = r.get("whole_gbps_range")
+        reqs = f"{r.get('requests', 1)}" + (f" ({rng[0]:,.1f}-{rng[1]:,.1f})" if rng else "")
         md.append(f"| {r['step']} | {r['engine']} | {_f(r['tokens'], ',')} | {r['path']} | {r['staging']} | "
                   f"{_f(r['descriptors_per_rank'], ',.0f')} | {r['bytes'] / 1e9:.2f} | {_f(r['transfer_seconds'], '.4f')} | "
                   f"{_f(r['transfer_gbps'], ',.1f')} | {_f(r['total_seconds'], '.4f')} | {_f(r['total_gbps'], ',.1f')} | "
-                  f"{_f(r['total_pct_of_ceiling'], '.1f')} | {r['verified']} |")
+                  f"{_f(r['total_pct_of_ceiling'], '.1f')} | {reqs} | {r['verified']} |")
     if pack:
         md += ["", "## pack_rows on CuPy buffers (benchmarks/pack.py)", "",
                "| geometry | variant | kernel ms | wall ms | wall / kernel |", "|---|---|---:|---:|---:|"]

@@ -75,3 +75,16 @@ def test_pack_backends_benchmark_on_a_tiny_pack(tmp_path):
     assert bench.failures({"backends": rows}) == [f"backend nope: {rows[2]['error']}"]
     (tmp_path / "pack_backends.json").write_text(json.dumps({"backends": rows}))
     assert summary.summarize(str(tmp_path)) == 1
+
+
+def test_a_job_of_several_requests_shows_their_count_and_whole_range(tmp_path):
+    # --requests 3: the run is the median request's; its repeats give the range of whole GB/s.
+    job = _job("fused", False, 0.5)
+    job["runs"][0]["repeats"] = [{"request_seconds": s, "whole_gbps": 2.0 / s, "verified": True}
+                                 for s in (0.4, 0.5, 1.0)]
+    (tmp_path / "steps.tsv").write_text("job_32k_nixl\t0\t40\n")
+    (tmp_path / "job_32k_nixl.json").write_text(json.dumps(job))
+    assert summary.summarize(str(tmp_path)) == 0
+    (run,) = json.loads((tmp_path / "gpu_suite_summary.json").read_text())["runs"]
+    assert run["requests"] == 3 and run["whole_gbps_range"] == pytest.approx([2.0, 5.0])
+    assert "| 3 (2.0-5.0) | True |" in (tmp_path / "gpu_suite_summary.md").read_text()
