@@ -8,9 +8,15 @@ Wraps the sender's `_bump_flag`: after each bump is enqueued, a thread spins on 
 page reached the bump's number, in ms after the round's first byte (the timeline's origin for a
 job of one prefill rank), so it lines up with ``decode:part``. Does nothing without DCP_FLAG_LAG.
 
-With DCP_KERNEL_PROF=N as well, the prefill process records its device kernels (torch.profiler,
-CUPTI) over its first N fused rounds and prints ``KERNELS`` lines: each kernel over 50 us, its
-duration and the gap to the kernel after it (the flag bump), in us.
+With DCP_KERNEL_PROF=N as well, the prefill process records its device work (torch.profiler,
+CUPTI) over the N fused rounds after its first (the warm-up) and prints a ``KERNELS`` line per
+kernel or device copy: its name, duration and the gap to the next one, in us (a round: the index
+slot's copy, the fan-out kernel, the flag bump).
+
+With DCP_PRE_FLAG=1 as well, a second device flag page is bumped on the same stream right before
+each fan-out launch (its dispatch adds host time before the launch) and a thread prints
+``PREFLAG <ms>``: when the device reached the fan-out, on the same clock. ``FLAGLAG - PREFLAG``
+is then the fan-out kernel plus the bump; ``PREFLAG`` minus the ``launched`` mark, the queue.
 """
 import os
 import sys
@@ -22,12 +28,50 @@ if os.environ.get("DCP_FLAG_LAG"):
         from bridge.host_flag import seq_done
         from dcp_jax.transfer import _sender_region as sr
 
-        _orig, _orig_finish = sr.SenderRegion._bump_flag, sr.SenderRegion._finish_fused
+        _orig, _orig_launch = sr.SenderRegion._bump_flag, sr.SenderRegion._launch_fused
+        _orig_finish = sr.SenderRegion._finish_fused
 
         _prof = {"n": int(os.environ.get("DCP_KERNEL_PROF", "0") or 0), "rounds": 0, "p": None}
 
+        _round_first = [None]
+
+        def _launch_fused(self, packed):
+            # The bump is enqueued inside `_launch_fused` (behind the launch): note the round first.
+            self._flag_lag_round = [(u,) for u, _, _, _ in packed]
+            firsts = [u.req.first_byte_at for u, _, _, _ in packed if u.req.first_byte_at is not None]
+            _round_first[0] = min(firsts) if firsts else None
+            return _orig_launch(self, packed)
+
+        def _spin_until(flag, seq, label, first, t_enq):
+            def spin():
+                end = time.monotonic() + 1.0
+                while time.monotonic() < end:
+                    if seq_done(flag.value(), seq):
+                        now = time.monotonic()
+                        print(f"{label} {(now - first) * 1e3:.3f} enqueued {(t_enq - first) * 1e3:.3f}",
+                              file=sys.stderr, flush=True)
+                        return
+                    time.sleep(0)
+            threading.Thread(target=spin, daemon=True).start()
+
+        if os.environ.get("DCP_PRE_FLAG"):
+            import pallas_kernels
+            from bridge.host_flag import SharedFlag
+
+            _pre, _orig_cf = [None], pallas_kernels.copy_fanout
+
+            def _copy_fanout(jobs, **kw):
+                first = _round_first[0]
+                if first is not None and jobs:
+                    if _pre[0] is None:
+                        _pre[0] = SharedFlag.create(device=True)
+                    seq = _pre[0].bump_after(jobs[0][0].destinations().handles[0])
+                    _spin_until(_pre[0], seq, "PREFLAG", first, time.monotonic())
+                return _orig_cf(jobs, **kw)
+
+            pallas_kernels.copy_fanout = _copy_fanout
+
         def _finish_fused(self):
-            self._flag_lag_round = list(self._fused)  # `_finish_fused` empties it before the bump
             try:
                 return _orig_finish(self)
             finally:
@@ -47,32 +91,20 @@ if os.environ.get("DCP_FLAG_LAG"):
                          key=lambda e: e.time_range.start)
             for a, b in zip(evs, evs[1:] + [None]):
                 dur = a.time_range.end - a.time_range.start
-                if dur > 50:
-                    gap = (b.time_range.start - a.time_range.end) if b is not None else -1
-                    print(f"KERNELS {a.name[:40]} {dur:.1f} us, next {b.name[:30] if b else '-'} after {gap:.1f} us",
-                          file=sys.stderr, flush=True)
+                gap = (b.time_range.start - a.time_range.end) if b is not None else -1
+                print(f"KERNELS {a.name[:40]} {dur:.1f} us, next {b.name[:30] if b else '-'} after {gap:.1f} us",
+                      file=sys.stderr, flush=True)
 
         def _bump_flag(self, copiers):
             seq = _orig(self, copiers)
             firsts = [u.req.first_byte_at for u, *_ in getattr(self, "_flag_lag_round", [])
                       if u.req.first_byte_at is not None]
             if seq is not None and firsts:
-                first = min(firsts)
-                flag, t_bump = self._flag, time.monotonic()
-
-                def spin():
-                    end = time.monotonic() + 1.0
-                    while time.monotonic() < end:
-                        if seq_done(flag.value(), seq):
-                            now = time.monotonic()
-                            print(f"FLAGLAG {(now - first) * 1e3:.3f} bump_enqueued {(t_bump - first) * 1e3:.3f}",
-                                  file=sys.stderr, flush=True)
-                            return
-                        time.sleep(0)  # yields the GIL: the sender's own calls go on
-                threading.Thread(target=spin, daemon=True).start()
+                _spin_until(self._flag, seq, "FLAGLAG", min(firsts), time.monotonic())
             return seq
 
         sr.SenderRegion._bump_flag = _bump_flag
         sr.SenderRegion._finish_fused = _finish_fused
+        sr.SenderRegion._launch_fused = _launch_fused
     except Exception as exc:  # noqa: BLE001 - a diagnostic never breaks the job
         print(f"flag_hook: not installed: {type(exc).__name__}: {exc}", file=sys.stderr)
