@@ -115,7 +115,14 @@ class GatherConfig:
         loads, loads hinted evict_last. Fastest or within 0.1 % of the fastest for every
         geometry, form and row count of benchmark run 7 on one H200 (4,150-4,160 GB/s on the
         61-layer 32,768-row packs, 97 % of a device copy; benchmarks/results/pack_notes.md)."""
-        return cls(block_rows=64, num_warps=16, interleave=True, load_eviction_policy="evict_last")
+        if cls is not GatherConfig:
+            return cls(block_rows=64, num_warps=16, interleave=True, load_eviction_policy="evict_last")
+        if _DEFAULT[0] is None:  # one frozen instance: every call without a config built it anew (~8 us)
+            _DEFAULT[0] = cls(block_rows=64, num_warps=16, interleave=True, load_eviction_policy="evict_last")
+        return _DEFAULT[0]
+
+
+_DEFAULT: list = [None]  # GatherConfig.default()'s instance, made on first use
 
 
 def word_dtype(item_lens: Sequence[int], offset: int | None = None) -> np.dtype:

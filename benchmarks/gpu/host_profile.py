@@ -5,7 +5,7 @@
 2. A per-rank `pack_rows` (the same layers, 4,096 rows) with a `PackSource`.
 
 Each is called back to back (`iters` times, device synchronised at the end), once plain (host us
-per call) and once under cProfile. Prints HOST_PROFILE {json}: us per call and the top functions
+per call, synchronised at the end; and before that wait: the enqueue time) and once under cProfile. Prints HOST_PROFILE {json}: us per call and the top functions
 by own time (us per call), so the next trim aims at a measured line, not a guess.
 """
 from __future__ import annotations
@@ -36,6 +36,7 @@ def _measure(fn, sync, iters: int) -> dict:
     t = time.perf_counter()
     for _ in range(iters):
         fn()
+    enq = (time.perf_counter() - t) / iters * 1e6  # host time per call (the device may lag behind)
     sync()
     plain = (time.perf_counter() - t) / iters * 1e6
     prof = cProfile.Profile()
@@ -44,7 +45,7 @@ def _measure(fn, sync, iters: int) -> dict:
         fn()
     sync()
     prof.disable()
-    return dict(host_us_per_call=round(plain, 1), top=_top(prof, iters))
+    return dict(host_us_per_call=round(plain, 1), enqueue_us_per_call=round(enq, 1), top=_top(prof, iters))
 
 
 def main() -> None:
