@@ -30,6 +30,15 @@ app = typer.Typer(
 )
 
 
+def _descriptor_phrase(ratio: float) -> str:
+    """``ratio`` = direct / packed descriptors, in words ("1.0x fewer" for a tiny request read wrong)."""
+    if round(ratio, 1) > 1:
+        return f"[bold]{ratio:.1f}x[/] fewer descriptors"
+    if round(ratio, 1) < 1:
+        return f"[bold]{1 / ratio:.1f}x[/] more descriptors"
+    return "about as many descriptors"
+
+
 @app.command()
 def transfer(
     model: str = typer.Option(DEFAULT_GEOMETRY, help=f"Model KV geometry: {', '.join(geometry_names())}."),
@@ -204,8 +213,7 @@ def transfer(
         ratio = c["total_seconds_ratio"]
         speed = (f"[bold]{ratio:.2f}x[/] faster" if ratio >= 1
                  else f"[bold]{1 / ratio:.2f}x[/] slower")
-        console.print(f"packed vs direct: [bold]{c['descriptor_ratio']:.1f}x[/] fewer descriptors, "
-                      f"{speed} end to end")
+        console.print(f"packed vs direct: {_descriptor_phrase(c['descriptor_ratio'])}, {speed} end to end")
     elif {"direct", "packed"} <= {r["mode"] for r in result["runs"]}:
         console.print("packed vs direct: no comparison, a mode did not complete verified")
     if json_path is not None:
@@ -285,3 +293,4 @@ app.command(name="generate")(generate)
 
 if __name__ == "__main__":  # python -m dcp_jax.cli
     app()
+

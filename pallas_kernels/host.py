@@ -74,7 +74,15 @@ def _run_units(units, work, threads: int) -> None:
     if threads <= 1:
         work(units)
         return
-    list(host_pool(threads).map(work, [units[k::threads] for k in range(threads)]))
+    try:
+        done = host_pool(threads).map(work, [units[k::threads] for k in range(threads)])
+    except RuntimeError:
+        # "cannot schedule new futures after interpreter shutdown": Python stops its executors
+        # before atexit hooks run, and a connector closed there may still pack or unpack.
+        # `map` submits every task first, so none (or, racing shutdown, some) ran: run all here.
+        work(units)
+        return
+    list(done)
 
 
 def _row_bounds(n: int, threads: int, num_layers: int) -> list[int]:

@@ -229,3 +229,11 @@ def test_transfer_requests_prints_each_whole_request_and_the_median(tmp_path):
     flat = " ".join(res.output.split())
     assert f"packed: 3 requests, first byte to last SUCCESS median {sorted(secs)[1] * 1e3:.3f} ms" in flat
     assert "each (ms): " + ", ".join(f"{x * 1e3:.3f}" for x in secs) in flat
+
+
+def test_descriptor_ratio_in_words():
+    from dcp_jax.cli import _descriptor_phrase
+
+    assert _descriptor_phrase(64.76) == "[bold]64.8x[/] fewer descriptors"
+    assert _descriptor_phrase(1.0) == _descriptor_phrase(1.04) == "about as many descriptors"  # was "1.0x fewer"
+    assert _descriptor_phrase(0.5) == "[bold]2.0x[/] more descriptors"

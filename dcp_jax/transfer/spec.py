@@ -96,7 +96,8 @@ class KVCacheSpec:
 
     Raises:
         TypeError: a field has the wrong type (the message names it).
-        ValueError: a value is out of range, ``len(item_lens) != num_layers``, or an item length
+        ValueError: a value is out of range, ``len(item_lens) != num_layers``, an unknown
+            ``layout``, or an item length
             that is not a whole number of ``dtype`` elements (odd bytes of a bfloat16 cache;
             sub-byte types such as ``int4`` take any length).
     """
@@ -153,6 +154,10 @@ class KVCacheSpec:
         if not _known_dtype(self.dtype):
             raise ValueError(f"dtype={self.dtype!r} is not an element type name numpy, ml_dtypes or torch use "
                              f"(e.g. {', '.join(map(repr, _ML_DTYPES[:3]))}, 'float16', 'float32', 'uint8')")
+        from dcp_jax.hetero.layouts import LAYOUTS
+
+        if self.layout != "mla" and self.layout not in LAYOUTS:  # a typo must not become a row pair
+            raise ValueError(f"layout={self.layout!r} is not a cache layout: 'mla' or one of {list(LAYOUTS)}")
         size = dtype_bytes(self.dtype)
         bad = [k for k, n in enumerate(lens) if size and n % size]
         if bad:

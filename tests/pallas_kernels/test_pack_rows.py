@@ -212,3 +212,22 @@ def test_numpy_pack_with_cupy_layers_is_refused():
 
     with pytest.raises(TypeError, match="both be numpy or both CuPy"):
         pack_rows([FakeCupy()], [0], np.zeros(64, np.uint8))
+
+
+def test_threaded_packs_and_unpacks_run_inline_once_python_stopped_its_executors(monkeypatch):
+    # At interpreter exit Python stops its executors before atexit hooks run; a connector closed
+    # there may still pack or unpack: the worker split then runs on the calling thread.
+    import concurrent.futures.thread as cf_thread
+
+    from pallas_kernels import unpack_rows
+
+    rng = np.random.default_rng(116)
+    layers = [rng.integers(0, 256, (64, w), dtype=np.uint8) for w in (48, 16)]
+    idx = rng.permutation(64)[:40]
+    monkeypatch.setattr(cf_thread, "_shutdown", True)
+    pack = np.zeros(40 * 64, np.uint8)
+    assert pack_rows(layers, idx, pack, threads=4) == 40 * 64
+    assert pack.tobytes() == b"".join(a[idx].tobytes() for a in layers)
+    back = [np.zeros_like(a) for a in layers]
+    unpack_rows(pack, back, idx, threads=4)
+    assert all((b[idx] == a[idx]).all() for a, b in zip(layers, back))
