@@ -261,7 +261,8 @@ class ReceiverData:
         for req in list(self._requests.values()):
             if not req.status.terminal:
                 if req.state.stalled_for(now) > self.timeout_s:
-                    self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s", "failed")
+                    self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s{req.missing()}",
+                              "failed")
             elif req.status is not TransferStatus.SUCCESS and req.state.stalled_for(now) > self.timeout_s:
                 self._ask_drained(req)
 

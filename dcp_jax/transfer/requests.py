@@ -61,6 +61,19 @@ class Coverage:
     def overlaps(self, start: int, stop: int) -> bool:
         return any(a < stop and start < b for a, b in self._spans)
 
+    def gaps(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """The ranges of ``[start, stop)`` no added range covers, in order."""
+        out, at = [], start
+        for a, b in self._spans:
+            if b <= at or a >= stop:
+                continue
+            if a > at:
+                out.append((at, a))
+            at = max(at, b)
+        if at < stop:
+            out.append((at, stop))
+        return out
+
     def __repr__(self) -> str:
         return f"Coverage({self._spans})"
 
@@ -219,6 +232,15 @@ class RecvRequest:
     def complete(self) -> bool:
         return self.inflight == 0 and all(
             c.covers(self.prefix_tokens, self.num_tokens) for c in self.coverage.values())
+
+    def missing(self) -> str:
+        """The token ranges that have not landed yet (from some sender), for a failure reason:
+        ``"; tokens [16, 32) have not landed"``, or "" when every range has."""
+        gaps = sorted({g for c in self.coverage.values() for g in c.gaps(self.prefix_tokens, self.num_tokens)})
+        if not gaps:
+            return ""
+        shown = ", ".join(f"[{a}, {b})" for a, b in gaps[:4]) + (f" and {len(gaps) - 4} more" if len(gaps) > 4 else "")
+        return f"; tokens {shown} have not landed (a chunk never sent, or still moving)"
 
     def finish(self, status: TransferStatus, reason: str = "") -> bool:
         return self.state.advance(status, reason)

@@ -113,6 +113,32 @@ def test_no_progress_fails_both_sides_within_timeout(engine):
         c.close()
 
 
+def test_a_rank_that_times_out_names_the_tokens_that_never_landed(engine):
+    c = Cluster(engine, dcp_size=1, timeout_s=10.0)
+    try:
+        c.receivers[0].timeout_s = 1.0  # the rank times out first, on its own clock
+        src, dst = c.tables(16)
+        c.expect("gap", dst, 16)
+        c.sender.send("gap", src, 0, 4)
+        c.sender.send("gap", src, 8, 16)  # [4, 8) is never sent
+        assert c.wait("gap", timeout_s=5, sides=c.receivers) == [S.FAILED]
+        assert c.receivers[0].failure_reason("gap") == (
+            "no progress for 1 s; tokens [4, 8) have not landed (a chunk never sent, or still moving)")
+        c.sender.abort("gap")
+    finally:
+        c.close()
+
+
+def test_a_gap_between_chunks_is_named_by_the_rank():
+    from dcp_jax.transfer.requests import Coverage
+
+    cov = Coverage()
+    for a, b in [(0, 16), (32, 40), (40, 48)]:
+        cov.add(a, b)
+    assert cov.gaps(0, 64) == [(16, 32), (48, 64)] and cov.gaps(0, 16) == [] and cov.gaps(8, 36) == [(16, 32)]
+    assert Coverage().gaps(3, 5) == [(3, 5)]
+
+
 def _raw_dealer(address):
     s = zmq.Context.instance().socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
