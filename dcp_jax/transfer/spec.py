@@ -87,7 +87,10 @@ class KVCacheSpec:
             move as bytes, but both sides must agree on what they mean.
         layout: cache layout name (``"mla"``: one latent row per token; or a name of
             `dcp_jax.hetero.layouts.LAYOUTS`, ``"nhd"``, ``"hnd"``, ``"tpu_gqa"``, ``"tpu_mla"``, whose
-            ``kv_layers[l]`` have that layout's shape, `dcp_jax.hetero.layouts.cache_shape`).
+            ``kv_layers[l]`` have that layout's shape, `dcp_jax.hetero.layouts.cache_shape`). Any
+            other name is a label both sides must spell alike (adapters tag their engine's cache
+            this way, e.g. ``"vllm-cpu-LBHNC/token"``): the pair moves whole rows, and the
+            handshake refuses two different labels.
         tp_size, tp_rank: tensor-parallel size and rank; with ``tp_size > 1`` on either side
             (or differing layouts) the pair moves the heads both ranks hold (`dcp_jax.transfer.views`).
         num_kv_heads: KV heads of the model (MLA: 1, the latent), >= 1; head_dim: elements per
@@ -96,8 +99,7 @@ class KVCacheSpec:
 
     Raises:
         TypeError: a field has the wrong type (the message names it).
-        ValueError: a value is out of range, ``len(item_lens) != num_layers``, an unknown
-            ``layout``, or an item length
+        ValueError: a value is out of range, ``len(item_lens) != num_layers``, or an item length
             that is not a whole number of ``dtype`` elements (odd bytes of a bfloat16 cache;
             sub-byte types such as ``int4`` take any length).
     """
@@ -154,10 +156,6 @@ class KVCacheSpec:
         if not _known_dtype(self.dtype):
             raise ValueError(f"dtype={self.dtype!r} is not an element type name numpy, ml_dtypes or torch use "
                              f"(e.g. {', '.join(map(repr, _ML_DTYPES[:3]))}, 'float16', 'float32', 'uint8')")
-        from dcp_jax.hetero.layouts import LAYOUTS
-
-        if self.layout != "mla" and self.layout not in LAYOUTS:  # a typo must not become a row pair
-            raise ValueError(f"layout={self.layout!r} is not a cache layout: 'mla' or one of {list(LAYOUTS)}")
         size = dtype_bytes(self.dtype)
         bad = [k for k, n in enumerate(lens) if size and n % size]
         if bad:
