@@ -293,4 +293,3 @@ app.command(name="generate")(generate)
 
 if __name__ == "__main__":  # python -m dcp_jax.cli
     app()
-

@@ -164,7 +164,7 @@ class KVSender(SenderPeers, SenderUnits, SenderEndings, SenderRegion):
         self._inflight: list = []      # push windows the engine has not reported yet
         self._pulls: dict[tuple, Any] = {}  # pull windows the reader has not reported yet
         self._fused: list = []              # fused copies enqueued this round, waited for at its end
-        self._fused_launched: tuple = ({}, [])  # their launch's (errors by unit id, one copier per launch)
+        self._fused_launched: tuple = ({}, [])  # their launch's (errors by unit, one copier per launch)
         self._fused_seq: int | None = None  # the flag number bumped behind that launch (None: not gated)
         self._flag: Any = None              # fused path: the flag page ranks wait on (`_sender_region._flag_name`)
         self._asks: dict[tuple, Any] = {}   # region windows packed, waiting for the rank's grant
