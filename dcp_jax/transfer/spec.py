@@ -52,14 +52,6 @@ _ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "fl
               "float8_e4m3b11fnuz", "float8_e8m0fnu", "float4_e2m1fn", "int4", "uint4")
 
 
-def dtype_bytes(name: str) -> int | None:
-    """Bytes per element of a dtype name `_known_dtype` accepts; None for the sub-byte types
-    (``float4_e2m1fn``, ``int4``, ``uint4``: how many share a byte is the cache's choice)."""
-    if name in _ML_DTYPES:
-        return 2 if name == "bfloat16" else 1 if name.startswith("float8_") else None
-    return np.dtype(name).itemsize
-
-
 def _known_dtype(name: str) -> bool:
     """True for a canonical element type name (``"float32"``, not ``"f4"``)."""
     if name in _ML_DTYPES:
@@ -99,9 +91,9 @@ class KVCacheSpec:
 
     Raises:
         TypeError: a field has the wrong type (the message names it).
-        ValueError: a value is out of range, ``len(item_lens) != num_layers``, or an item length
-            that is not a whole number of ``dtype`` elements (odd bytes of a bfloat16 cache;
-            sub-byte types such as ``int4`` take any length).
+        ValueError: a value is out of range, or ``len(item_lens) != num_layers``. Item lengths
+            are bytes whatever ``dtype`` says (the DCP spec, section 10: "any dtype; bytes are
+            what move"), so an odd length under the default bfloat16 is accepted.
     """
 
     num_layers: int
@@ -156,11 +148,6 @@ class KVCacheSpec:
         if not _known_dtype(self.dtype):
             raise ValueError(f"dtype={self.dtype!r} is not an element type name numpy, ml_dtypes or torch use "
                              f"(e.g. {', '.join(map(repr, _ML_DTYPES[:3]))}, 'float16', 'float32', 'uint8')")
-        size = dtype_bytes(self.dtype)
-        bad = [k for k, n in enumerate(lens) if size and n % size]
-        if bad:
-            raise ValueError(f"item_lens[{bad[0]}]={lens[bad[0]]} bytes is not a whole number of {self.dtype} "
-                             f"elements ({size} bytes each): item_lens are bytes per token, dtype their elements")
 
     @property
     def row_bytes(self) -> int:

@@ -295,18 +295,13 @@ def test_spec_refuses_unknown_dtype_names():
         KVCacheSpec.from_dict(dict(KVCacheSpec(1, [8], 4).to_dict(), dtype="float99"))
 
 
-def test_spec_refuses_item_lens_that_are_not_whole_elements():
+def test_spec_takes_item_lens_as_bytes_whatever_the_dtype():
+    # The DCP spec (section 10): "any dtype; bytes are what move": callers outside the project
+    # build specs with odd byte lengths under the default dtype.
     from dcp_jax.transfer import KVCacheSpec
 
-    with pytest.raises(ValueError, match=r"item_lens\[1\]=7 bytes is not a whole number of bfloat16 elements \(2 bytes"):
-        KVCacheSpec(2, [1152, 7], 4)  # dtype defaults to bfloat16
-    with pytest.raises(ValueError, match=r"item_lens\[0\]=6 bytes .* float32 elements \(4 bytes"):
-        KVCacheSpec(1, [6], 4, dtype="float32")
-    with pytest.raises(ValueError, match="item_lens"):  # a peer's spec too
-        KVCacheSpec.from_dict(dict(KVCacheSpec(1, [8], 4).to_dict(), item_lens=[9]))
-    assert KVCacheSpec(2, [7, 9], 4, dtype="uint8").item_lens == (7, 9)  # bytes: any length
-    assert KVCacheSpec(1, [7], 4, dtype="float8_e4m3fn").item_lens == (7,)
-    assert KVCacheSpec(1, [7], 4, dtype="int4").item_lens == (7,)  # sub-byte: the cache packs them
+    assert KVCacheSpec(2, [1152, 7], 4).item_lens == (1152, 7)
+    assert KVCacheSpec(1, [6], 4, dtype="float32").row_bytes == 6
 
 
 def test_handshake_refusal_without_two_values_reads_as_a_reason():
