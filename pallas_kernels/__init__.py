@@ -4,7 +4,8 @@
 `pallas_kernels.gather`; the host contract `pack_rows` / `PackSource` in `pallas_kernels.pack` (`pack_windows`, every
 window of a round in one kernel launch, in `pallas_kernels.pack_windows`); the scatter side
 `unpack_rows` / `copy_rows` in `pallas_kernels.unpack` (`RowCopier`, copies between the same two
-layer lists prepared once, in `pallas_kernels.copier`);
+layer lists prepared once, in `pallas_kernels.copier`; `RowUnpacker`, unpacks out of one receive
+region into one layer list prepared once, in `pallas_kernels.unpacker`);
 `pack_region`, one pack API over the TPU, GPU, XLA and host backends, in `pallas_kernels.registry`.
 """
 
@@ -38,6 +39,7 @@ from pallas_kernels.registry import (
 )
 from pallas_kernels.unpack import SCATTER_BACKENDS, copy_rows, synchronize, unpack_rows
 from pallas_kernels.copier import RowCopier
+from pallas_kernels.unpacker import RowUnpacker
 from pallas_kernels.fanout import copy_fanout, warm_copy_fanout
 
 __all__ = [
@@ -48,6 +50,7 @@ __all__ = [
     "SCATTER_BACKENDS",
     "copy_rows",
     "RowCopier",
+    "RowUnpacker",
     "copy_fanout",
     "warm_copy_fanout",
     "synchronize",

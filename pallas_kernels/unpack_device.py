@@ -138,31 +138,43 @@ def unpack_pallas(pack, layers, idx, offset, item_lens, backend, config) -> None
     if src is None:
         src = jax.dlpack.from_dlpack(cp.ascontiguousarray(pack[:pack.size // ws * ws]).view(word))
     dests = device.destinations(layers, word, flat=flat is not None)
-    with dests.lock:
-        try:
-            if isinstance(idx, np.ndarray) or flat is not None:
-                from pallas_kernels.row_copy import preload_lowering
-                from pallas_kernels.scatter import _unpack_flat_jit, _unpack_jit
+    try:
+        enqueue_unpack(src, idx, dests, flat, kw["offset"], kw["offset_align"], ws, config, backend)
+    except Exception:
+        device.forget(layers, word, flat=flat is not None)
+        raise
 
-                units, ok = offset_arg(kw["offset"], kw["offset_align"], backend, ws)
-                if isinstance(idx, np.ndarray):  # staged in a device slot (see pack_rows)
-                    (iv,), mv = device.index_ring(dests, m, 1).stage(
-                        [idx], (n, int(units), int(ok)), dests)
-                else:
-                    iv, mv = _padded(idx, m), np.array((n, units, ok), np.int32)
-                preload_lowering(backend)
-                if flat is not None:  # one donated buffer, one output (not one per layer)
-                    dests.keep([_unpack_flat_jit(src, iv, dests.handles[0], mv, layers=flat,
-                                                 config=config, backend=backend,
-                                                 offset_align=kw["offset_align"])])
-                else:
-                    dests.keep(_unpack_jit(src, iv, tuple(dests.handles), mv, config=config,
-                                           backend=backend, offset_align=kw["offset_align"]))
+
+def enqueue_unpack(src, idx, dests, flat, offset_words, offset_align, word_size, config, backend) -> None:
+    """Enqueue one device unpack kernel: rows of the region at word `offset_words` of `src` (a
+    JAX word view of the receive region) into rows `idx` (n, numpy or CuPy) of `dests`
+    (`device.Destinations`, one flat handle when `flat`, the layers' ((rows, words)) per
+    layer). Host indices go through the destinations' index ring (one staging copy). The
+    caller forgets `dests` if this raises (the donated handles may be gone)."""
+    from pallas_kernels.scatter import unpack_kernel
+
+    n = int(idx.shape[0])
+    m = bucket_rows(n, config.block_rows)
+    with dests.lock:
+        if isinstance(idx, np.ndarray) or flat is not None:
+            from pallas_kernels.row_copy import preload_lowering
+            from pallas_kernels.scatter import _unpack_flat_jit, _unpack_jit
+
+            units, ok = offset_arg(offset_words, offset_align, backend, word_size)
+            if isinstance(idx, np.ndarray):  # staged in a device slot (see pack_rows)
+                (iv,), mv = device.index_ring(dests, m, 1).stage([idx], (n, int(units), int(ok)), dests)
             else:
-                dests.keep(unpack_kernel(src, _padded(idx, m), dests.handles, n, **kw))
-        except Exception:
-            device.forget(layers, word, flat=flat is not None)
-            raise
+                iv, mv = _padded(idx, m), np.array((n, units, ok), np.int32)
+            preload_lowering(backend)
+            if flat is not None:  # one donated buffer, one output (not one per layer)
+                dests.keep([_unpack_flat_jit(src, iv, dests.handles[0], mv, layers=flat, config=config,
+                                             backend=backend, offset_align=offset_align)])
+            else:
+                dests.keep(_unpack_jit(src, iv, tuple(dests.handles), mv, config=config, backend=backend,
+                                       offset_align=offset_align))
+        else:
+            dests.keep(unpack_kernel(src, _padded(idx, m), dests.handles, n, offset=offset_words,
+                                     config=config, backend=backend, offset_align=offset_align))
 
 
 def copy_pallas(srcs, sidx, dsts, didx, item_lens, backend, config) -> None:
@@ -259,4 +271,4 @@ def copy_cupy(srcs, sidx, dsts, didx) -> None:
 
 
 __all__ = ["check_pallas_region", "copy_cupy", "copy_pallas", "copy_sources", "enqueue_copy",
-           "unpack_cupy", "unpack_pallas"]
+           "enqueue_unpack", "unpack_cupy", "unpack_pallas"]

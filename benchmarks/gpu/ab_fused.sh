@@ -1,4 +1,4 @@
-# A/B of the fused path on ONE machine start (host speed differs between starts by 10-20%, more
+# A/B of the fused path (PATHS=region: that path) on ONE machine start (host speed differs between starts by 10-20%, more
 # than most changes): a base tree and the working tree alternate, each run its own
 # `dcp-jax transfer --path fused --requests N`.
 #   here:    AB_BASE=<commit> bash benchmarks/gpu/ab_fused.sh prepare   # base tree into ab_base/ (untracked)
@@ -22,7 +22,7 @@ for i in $(seq "${ROUNDS:-2}"); do
         d=$OUT/$v$i
         mkdir -p "$d"
         if [ $v = base ]; then dir=ab_base; else dir=.; fi
-        (cd $dir && OUT=$d REQUESTS=${REQUESTS:-5} REPS=1 TOKENS=${TOKENS:-32768} PATHS=fused \
+        (cd $dir && OUT=$d REQUESTS=${REQUESTS:-5} REPS=1 TOKENS=${TOKENS:-32768} PATHS=${PATHS:-fused} \
             timeout 100 bash benchmarks/gpu/fused_reps.sh > "$d/out.txt" 2>&1)
         echo "== $v$i"
         grep -E "whole|rc=" "$d/out.txt" | cut -c1-400

@@ -3,6 +3,9 @@
 1. `copy_fanout` of the fused round in the main job's shape (61 layers of 1,152 bytes, 8 decode
    ranks, 4,096 rows each: 2.30 GB) on CuPy buffers of one process.
 2. A per-rank `pack_rows` (the same layers, 4,096 rows) with a `PackSource`.
+3. A decode rank's `unpack_rows` as the region path's receiver calls it: its receive region into
+   a one-buffer cache of 61 layers x 5,120 rows (`checked=True`, numpy rows); also "cold": one
+   call after 0.3 s asleep (the receiver's worker waits between windows), median of 10.
 
 Each is called back to back (`iters` times, device synchronised at the end), once plain (host us
 per call, synchronised at the end; and before that wait: the enqueue time) and once under cProfile. Prints HOST_PROFILE {json}: us per call and the top functions
@@ -66,7 +69,27 @@ def main() -> None:
     pack = cp.zeros(n * L * W8, cp.uint8)
     idx = jobs[0][1]
     out["pack_rows"] = _measure(lambda: pack_rows(source, idx, pack, sync=False), sync, 200)
+    from pallas_kernels import unpack_rows
+
+    cache = cp.zeros((L, 5120, W8), cp.uint8)
+    dst = [cache[l] for l in range(L)]
+    rows = rng.permutation(5120)[:n].astype(np.int64)
+    out["unpack_rows"] = _measure(lambda: unpack_rows(pack, dst, rows, checked=True), sync, 200)
+    out["unpack_rows_cold_us"] = _cold(lambda: unpack_rows(pack, dst, rows, checked=True), sync)
     print("HOST_PROFILE", json.dumps(out))
+
+
+def _cold(fn, sync, reps: int = 10) -> float:
+    """Median host time (us) of one call after 0.3 s asleep."""
+    times = []
+    for _ in range(reps):
+        sync()
+        time.sleep(0.3)
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e6)
+    sync()
+    return round(float(np.median(times)), 1)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ class ReceiverRegion:
         self._read_grants: dict[int, Grant] = {}   # read handle seq -> pull grant
         self._waiting: deque = deque()             # (kind, link, req, msg): asks / pulls waiting for room
         self._gated: list = []                     # (link, msg, since): gated fused_done waiting for the flag
+        self._unpacker = None                      # RowUnpacker (receive region -> pages), made on first use
 
     def _window_rows(self, req: RecvRequest, link: Any, msg: dict) -> np.ndarray | None:
         """The rows of a window a sender announces, or None (the request is failed) when the
@@ -174,12 +175,13 @@ class ReceiverRegion:
 
     def _unpack(self, g: Grant) -> str | None:
         """Places a landed window's rows into the pages; the error text, or None."""
-        from pallas_kernels import unpack_rows
+        from pallas_kernels import RowUnpacker, unpack_rows
 
         try:
             tk = time.perf_counter()
             src, off = self._region.array, g.region.offset
-            if self.staged and self._layers.mem_type == "VRAM":  # host region -> device, then unpack there
+            window_copy = self.staged and self._layers.mem_type == "VRAM"
+            if window_copy:  # host region -> device, then unpack there
                 from dcp_jax.transfer.staging import to_device_window
 
                 src, off = to_device_window(src, off, len(g.rows) * self.spec.row_bytes), 0
@@ -188,8 +190,13 @@ class ReceiverRegion:
             # its index checks (each would synchronise); the host checks are cheap and stay.
             if g.link.view is not None:  # a TP or layout pair: place its wire block through the layout
                 g.link.view.unpack(src, off, self._layers.rows, g.rows)
-            else:
+            elif not window_copy:  # the region itself: the prepared unpacker (its checks done once)
+                if self._unpacker is None:
+                    self._unpacker = RowUnpacker(src, self._layers.rows)
+                self._unpacker.unpack(g.rows, offset=off, checked=self._layers.mem_type == "VRAM")
+            else:  # a staged window's device copy
                 unpack_rows(src, self._layers.rows, g.rows, offset=off, checked=self._layers.mem_type == "VRAM")
+            g.req.timeline.mark("unpack_enqueued", self.spec.group_rank)  # host part done; the wait follows
             _synchronize(self._layers.rows)
             g.req.unpack_seconds += time.perf_counter() - tk
             g.req.timeline.mark("unpacked", self.spec.group_rank)
@@ -231,6 +238,11 @@ class ReceiverRegion:
         self._region.free(g.region)
         self._grant_waiting()
         return err
+
+    def _close_unpacker(self) -> None:
+        if self._unpacker is not None:
+            self._unpacker.close()
+            self._unpacker = None
 
     def _free_grants(self, pred) -> None:
         """Gives back the push ranges no write can reach any more (sender drained or gone)."""

@@ -364,6 +364,7 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
         """Stops the worker, fails live requests, closes the engine and sockets, releases the
         registrations; returns within ``timeout_s`` (+ a small margin). Idempotent."""
         shut_down(self, timeout_s, "receiver", self._close_links)
+        self._close_unpacker()  # before the region and the pages it holds go
         self._region.close()
         self._layers.close()
 

@@ -1,0 +1,44 @@
+"""Diagnostic: the polling intervals of the region path, set from the environment.
+
+    PYTHONPATH=benchmarks/gpu/latency_hook:$PYTHONPATH DCP_NIXL_PROGRESS_US=50 \\
+    python -m dcp_jax.cli transfer --device gpu --path region ...
+
+Every process of the job (its children inherit PYTHONPATH) applies, where set:
+``DCP_NIXL_PROGRESS_US`` NIXL's progress-thread pause (`bridge.nixl_agent.create_agent`),
+``DCP_POLLER_MAX_US`` the engine poller's longest backoff (`bridge.workers.Poller`, 2 ms),
+``DCP_WORKER_MAX_US`` the connector worker's longest backoff (`dcp_jax.transfer._worker`, 1 ms).
+Tells which of the waits stacked between a write's end and its rank's notice cost the time.
+"""
+import os
+
+
+def _us(name):
+    v = os.environ.get(name)
+    return None if v in (None, "") else int(v)
+
+
+_prog, _poll, _work = _us("DCP_NIXL_PROGRESS_US"), _us("DCP_POLLER_MAX_US"), _us("DCP_WORKER_MAX_US")
+if _prog is not None or _poll is not None or _work is not None:
+    try:
+        if _prog is not None:
+            import bridge.nixl as _nx
+
+            _orig_create = _nx.create_agent
+            _nx.create_agent = lambda name, conf, delay: _orig_create(name, conf, _prog)
+        if _poll is not None:
+            from bridge import workers as _w
+
+            _orig_init = _w.Poller.__init__
+
+            def _init(self, name, poll, *, first_s=2e-5, max_s=2e-3):
+                _orig_init(self, name, poll, first_s=first_s, max_s=_poll * 1e-6)
+
+            _w.Poller.__init__ = _init
+        if _work is not None:
+            from dcp_jax.transfer import _worker as _wk
+
+            _wk.MAX_BACKOFF_S = _work * 1e-6
+    except Exception as exc:  # noqa: BLE001 - a diagnostic must not stop the job
+        import sys
+
+        print(f"latency_hook: not applied: {exc!r}", file=sys.stderr)

@@ -1,0 +1,173 @@
+"""`RowUnpacker`: `unpack_rows` out of one receive region into one set of KV layers, prepared once.
+
+The region path's decode rank unpacks every window that lands in its receive region into its
+pages: always the same region buffer and the same layer list. `unpack_rows` re-derives per call
+what only changes with them (the layer checks, the disjointness checks, the one-buffer test,
+the DLPack views and the destinations' handles: cache lookups keyed on the 61 layers); on an
+H200 that host work was 528 us a call back to back and 1,665 us after 0.3 s asleep (the
+receiver's worker waits between windows), against a 0.16 ms kernel (2026-12-04,
+`benchmarks/gpu/host_profile.py`). A `RowUnpacker` does it at construction, so a call costs
+the offset and index checks, one index staging and one jitted dispatch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pallas_kernels import device
+from pallas_kernels._buffer_args import _check_no_overlap, check_indices, check_range
+from pallas_kernels.config import GatherConfig, word_dtype
+from pallas_kernels.host import check_threads, unpack_host
+from pallas_kernels.pack import _offset_align
+from pallas_kernels.unpack import _check_disjoint, _check_layer_list, _kind, _resolve
+from pallas_kernels.unpack_device import (
+    _contiguous,
+    check_pallas_region,
+    enqueue_unpack,
+    flat_layers,
+    unpack_cupy,
+    unpack_pallas,
+)
+
+__all__ = ["RowUnpacker"]
+
+
+class RowUnpacker:
+    """`layers[l][indices[j]] = row j of entry l of the layer-major region at pack[offset:]`,
+    for many calls between the same region buffer and layer list: the semantics of
+    `unpack_rows`, with its per-buffer work done once.
+
+    Holds both (and, on the GPU, the kernel's view of the region and the layers' JAX handles)
+    until `close()`; it allocates nothing else but the small device index slots of the layers.
+    Close it before the layers' or the region's memory goes away.
+
+    Args:
+        pack: u8[size], 1-D, C-contiguous: the receive region's buffer (numpy for host layers,
+            CuPy for CuPy layers), read only.
+        layers: sequence of u8[num_rows_l, kv_item_len_l] arrays (all numpy or all CuPy),
+            writeable, sharing one row index space, no byte shared with `pack` or each other;
+            CuPy layers C-contiguous for the "triton" backend (lying back to back in one buffer,
+            a layer-major cache, they are written through ONE flat destination).
+        backend: as `unpack_rows` ("auto": "numpy" for host layers; on the GPU "triton", or
+            "cupy" on a JAX without the Triton lowering).
+        config: Pallas tuning knobs (`GatherConfig.default()` when None).
+        threads: host form only: worker threads (as `pack_rows`).
+
+    Raises:
+        ValueError, TypeError: as `unpack_rows` for the layers, the pack and the backend, each
+            naming the argument: an empty or non-2-D layer list, a read-only layer, rows of 0
+            bytes, a pack that is not 1-D uint8 C-contiguous or not of the layers' kind,
+            `pack` sharing memory with a layer, two layers sharing memory, a "triton" layer
+            that is not C-contiguous, a pack address off the word size.
+    """
+
+    def __init__(self, pack, layers, *, backend: str = "auto", config: GatherConfig | None = None,
+                 threads: int | None = None):
+        if not isinstance(layers, (list, tuple)) or not layers:
+            raise ValueError("layers must be a non-empty list of 2-D uint8 arrays")
+        kind, item_lens, num_rows = _check_layer_list(layers, "layers", writeable=True)
+        if min(item_lens) <= 0:
+            raise ValueError(f"layers[{list(item_lens).index(min(item_lens))}] has rows of 0 bytes: "
+                             "every layer entry needs kv_item_len > 0")
+        self.on_device = kind == "device"
+        pk = _kind(pack)
+        if pk is None or pk == "jax" or (pk == "numpy") == self.on_device:
+            want = "CuPy" if self.on_device else "numpy"
+            raise TypeError(f"pack must be a {want} uint8 array like the layers, got {type(pack).__name__}")
+        if pack.ndim != 1 or pack.dtype != np.uint8 or not pack.flags.c_contiguous:
+            raise ValueError(f"pack must be a 1-D C-contiguous uint8 array, got {pack.dtype}{list(pack.shape)}")
+        if config is not None and not isinstance(config, GatherConfig):
+            raise TypeError(f"config must be a GatherConfig or None, got {type(config).__name__}")
+        check_threads(threads)
+        _check_disjoint([pack], "pack", layers, "layers")
+        _check_no_overlap(layers, "layers")
+        self.backend = _resolve(backend, self.on_device)
+        self.item_lens, self.num_rows = tuple(item_lens), num_rows
+        self.config = GatherConfig.default() if config is None else config
+        self.threads = threads
+        self._pack, self._layers = pack, tuple(layers)
+        self._word = word_dtype(item_lens)
+        self._flat = self._dests = self._src = None
+        if self.backend in ("triton", "interpret"):
+            check_pallas_region(0, 0, item_lens, int(pack.size), self.backend, pack)  # the address
+        if self.backend == "triton":
+            _contiguous(self._layers, "layers")
+            self._flat = flat_layers(self._layers, self._word.itemsize)
+            self._src = device.source_views([pack], self._word)[0]  # None: copied per call
+
+    @property
+    def layers(self) -> tuple:
+        """The destination layers (empty once closed)."""
+        return self._layers or ()
+
+    def unpack(self, indices, *, offset: int = 0, checked: bool = False) -> int:
+        """Write the n rows of the region at byte `offset` of the pack into rows `indices`.
+
+        Args:
+            indices: int[n] destination rows (numpy, CuPy or a sequence), unique.
+            offset: byte offset of the region inside the pack (>= 0); Pallas backends: a
+                multiple of the word size, the region ending within the addressable words
+                (as `unpack_rows`).
+            checked: device layers: skip the index range and uniqueness checks (the caller
+                checked them, e.g. against a page table it validated; the kernel still clamps
+                every index in range). Host layers always check (cheap there).
+
+        Returns:
+            Rows unpacked (n). Host: the bytes are there on return. Device: the kernel is
+            enqueued on JAX's stream; `synchronize(layers)` waits for it.
+
+        Raises:
+            ValueError: a negative or misaligned `offset`, a region past the end of the pack,
+                an index out of range or repeated (unless `checked`), non-1-D `indices`;
+                RuntimeError: `close()`d.
+            TypeError: non-integer `indices`, a non-bool `checked`.
+        """
+        if self._layers is None:
+            raise RuntimeError("this RowUnpacker is closed")
+        if not isinstance(checked, (bool, np.bool_)):
+            raise TypeError(f"checked must be a bool, got {type(checked).__name__}")
+        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
+            raise ValueError(f"{offset=} must be a non-negative int (bytes)")
+        offset = int(offset)
+        idx = check_indices(indices, "indices", device_ok=self.on_device)
+        n = int(idx.shape[0])
+        total, size = n * sum(self.item_lens), int(self._pack.size)
+        if offset + total > size:
+            raise ValueError(f"pack region overflow: {offset=} + {n} rows x {sum(self.item_lens)} B = "
+                             f"{offset + total} B > pack of {size} B")
+        if self.backend in ("triton", "interpret"):
+            check_pallas_region(offset, total, self.item_lens, size, self.backend, None)
+        if n == 0:
+            return 0
+        if not checked or not self.on_device:  # host checks are cheap; numpy's -1 stays out
+            check_range(idx, "indices", self.num_rows, "layers", unique=True)
+        if self.backend == "numpy":
+            unpack_host(self._pack, list(self._layers), idx, offset, self.item_lens, self.threads)
+        elif self.backend == "cupy":
+            unpack_cupy(self._pack, self._layers, idx, offset, self.item_lens)
+        elif self.backend == "interpret" or self._src is None:  # no zero-copy view: the general form
+            unpack_pallas(self._pack, list(self._layers), idx, offset, self.item_lens, self.backend, self.config)
+        else:
+            ws = self._word.itemsize
+            dests = self._destinations()
+            try:
+                enqueue_unpack(self._src, idx, dests, self._flat, offset // ws, _offset_align(offset, self._word),
+                               ws, self.config, self.backend)
+            except Exception:
+                self._dests = None  # its donated handles may be gone: made afresh next call
+                raise
+        return n
+
+    def _destinations(self) -> "device.Destinations":
+        if self._dests is None or self._dests.handles is None:
+            self._dests = device.Destinations(self._layers, self._word, flat=self._flat is not None)
+        return self._dests
+
+    def close(self) -> None:
+        """Drop the buffers, view and handles (idempotent). Enqueued kernels still finish."""
+        self._pack = self._layers = self._dests = self._src = None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._layers is None else \
+            f"{len(self.item_lens)} layers, item_lens={list(self.item_lens)}"
+        return f"RowUnpacker({state}, backend={self.backend!r})"
