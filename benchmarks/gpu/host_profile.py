@@ -5,7 +5,8 @@
 2. A per-rank `pack_rows` (the same layers, 4,096 rows) with a `PackSource`.
 3. A decode rank's `unpack_rows` as the region path's receiver calls it: its receive region into
    a one-buffer cache of 61 layers x 5,120 rows (`checked=True`, numpy rows); also "cold": one
-   call after 0.3 s asleep (the receiver's worker waits between windows), median of 10.
+   call after 0.3 s asleep (the receiver's worker waits between windows), median of 10; and the
+   same through a `RowUnpacker` (what the receiver calls now).
 
 Each is called back to back (`iters` times, device synchronised at the end), once plain (host us
 per call, synchronised at the end; and before that wait: the enqueue time) and once under cProfile. Prints HOST_PROFILE {json}: us per call and the top functions
@@ -76,6 +77,11 @@ def main() -> None:
     rows = rng.permutation(5120)[:n].astype(np.int64)
     out["unpack_rows"] = _measure(lambda: unpack_rows(pack, dst, rows, checked=True), sync, 200)
     out["unpack_rows_cold_us"] = _cold(lambda: unpack_rows(pack, dst, rows, checked=True), sync)
+    from pallas_kernels import RowUnpacker
+
+    unpacker = RowUnpacker(pack, dst)
+    out["row_unpacker"] = _measure(lambda: unpacker.unpack(rows, checked=True), sync, 200)
+    out["row_unpacker_cold_us"] = _cold(lambda: unpacker.unpack(rows, checked=True), sync)
     print("HOST_PROFILE", json.dumps(out))
 
 

@@ -30,10 +30,13 @@ for r in d["runs"]:
 PYEOF
 }
 want() { [ -z "${CASES:-}" ] || [[ " $CASES " == *" ${1%%_*} "* ]]; }  # CASES="A B": those only
-want A_default && case_run A_default nixl region
-want B_prog50 && case_run B_prog50 nixl region DCP_NIXL_PROGRESS_US=50
-want C_all100 && case_run C_all100 nixl region DCP_NIXL_PROGRESS_US=50 DCP_POLLER_MAX_US=100 DCP_WORKER_MAX_US=100
-want D_spin && case_run D_spin nixl region DCP_NIXL_PROGRESS_US=0 DCP_POLLER_MAX_US=50 DCP_WORKER_MAX_US=50
-want E_mc_default && case_run E_mc_default mooncake region
-want F_mc_all100 && case_run F_mc_all100 mooncake region DCP_POLLER_MAX_US=100 DCP_WORKER_MAX_US=100
+for r in $(seq "${ROUNDS:-1}"); do  # ROUNDS=2: the selected cases alternate twice (one machine start)
+want A_default && case_run A_default$r nixl region
+want B_prog50 && case_run B_prog50$r nixl region DCP_NIXL_PROGRESS_US=50
+want C_all100 && case_run C_all100$r nixl region DCP_NIXL_PROGRESS_US=50 DCP_POLLER_MAX_US=100 DCP_WORKER_MAX_US=100
+want D_spin && case_run D_spin$r nixl region DCP_NIXL_PROGRESS_US=0 DCP_POLLER_MAX_US=50 DCP_WORKER_MAX_US=50
+want E_mc_default && case_run E_mc_default$r mooncake region
+want F_mc_all100 && case_run F_mc_all100$r mooncake region DCP_POLLER_MAX_US=100 DCP_WORKER_MAX_US=100
+want G_poll100 && case_run G_poll100$r nixl region DCP_POLLER_MAX_US=100 DCP_WORKER_MAX_US=100
+done
 exit 0
