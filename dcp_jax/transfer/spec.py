@@ -17,7 +17,7 @@ import numpy as np
 
 from dcp_jax._validate import check_int
 
-__all__ = ["KVCacheSpec", "HandshakeError", "check_compatible", "MAX_DCP_SIZE", "MAX_LAYERS"]
+__all__ = ["KVCacheSpec", "HandshakeError", "check_compatible", "dtype_name", "MAX_DCP_SIZE", "MAX_LAYERS"]
 
 MAX_DCP_SIZE = 1024      # DCP groups beyond this are not a serving configuration
 MAX_LAYERS = 4096        # layer entries per cache (one per layer for MLA; more for hybrid models)
@@ -52,6 +52,25 @@ _ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "fl
               "float8_e4m3b11fnuz", "float8_e8m0fnu", "float4_e2m1fn", "int4", "uint4")
 
 
+def dtype_name(dtype) -> str:
+    """The element type name of ``dtype``: a name (``"bfloat16"``) as given; a numpy dtype or
+    scalar type (``np.float16``), an ml_dtypes / JAX one (``jnp.bfloat16``) or a torch dtype
+    (``torch.float8_e4m3fn``) as its canonical name, which the other side compares.
+
+    Raises:
+        TypeError: ``dtype`` names no element type (the message names ``dtype``).
+    """
+    if isinstance(dtype, str):
+        return dtype
+    text = str(dtype)
+    if text.startswith("torch.") and type(dtype).__module__ == "torch":  # torch.dtype: "torch.float16"
+        return text[len("torch."):]
+    try:
+        return np.dtype(dtype).name
+    except (TypeError, ValueError):
+        raise TypeError(f"dtype must be an element type name or a numpy / ml_dtypes / torch dtype, got {dtype!r}") from None
+
+
 def _known_dtype(name: str) -> bool:
     """True for a canonical element type name (``"float32"``, not ``"f4"``)."""
     if name in _ML_DTYPES:
@@ -75,8 +94,10 @@ class KVCacheSpec:
         dcp_size: this side's DCP group size (prefill M, decode N), >= 1.
         dcp_rank: this side's rank in it, ``0 <= dcp_rank < dcp_size``.
         interleave_size: tokens per ownership block I (1 = token round-robin), >= 1.
-        dtype: element type name of the cache (``"bfloat16"``, ``"float8_e4m3fn"``, ...); bytes
-            move as bytes, but both sides must agree on what they mean.
+        dtype: element type name of the cache (``"bfloat16"``, ``"float8_e4m3fn"``, ...), or a
+            numpy, ml_dtypes/JAX or torch dtype (``np.float16``, ``jnp.bfloat16``,
+            ``torch.bfloat16``: kept as its name, `dtype_name`); bytes move as bytes, but both
+            sides must agree on what they mean.
         layout: cache layout name (``"mla"``: one latent row per token; or a name of
             `dcp_jax.hetero.layouts.LAYOUTS`, ``"nhd"``, ``"hnd"``, ``"tpu_gqa"``, ``"tpu_mla"``, whose
             ``kv_layers[l]`` have that layout's shape, `dcp_jax.hetero.layouts.cache_shape`). Any
@@ -141,6 +162,8 @@ class KVCacheSpec:
         set_("num_kv_heads", check_int("num_kv_heads", self.num_kv_heads, minimum=1))
         if self.head_dim is not None:
             set_("head_dim", check_int("head_dim", self.head_dim, minimum=1))
+        if not isinstance(self.dtype, str) and self.dtype is not None:
+            set_("dtype", dtype_name(self.dtype))
         for name in ("dtype", "layout"):
             v = getattr(self, name)
             if not isinstance(v, str) or not v or len(v) > 64:

@@ -304,6 +304,28 @@ def test_spec_takes_item_lens_as_bytes_whatever_the_dtype():
     assert KVCacheSpec(1, [6], 4, dtype="float32").row_bytes == 6
 
 
+def test_spec_takes_dtype_objects_as_their_names():
+    # A serving stack holds its cache dtype as an object, not a string: numpy, ml_dtypes (JAX)
+    # and torch dtypes become the canonical name the handshake compares.
+    import jax.numpy as jnp
+
+    from dcp_jax.transfer import KVCacheSpec, check_compatible
+
+    assert KVCacheSpec(1, [8], 4, dtype=np.float16).dtype == "float16"
+    assert KVCacheSpec(1, [8], 4, dtype=np.dtype("float32")).dtype == "float32"
+    a, b = KVCacheSpec(1, [8], 4, dtype=jnp.bfloat16), KVCacheSpec(1, [8], 4, dtype="bfloat16")
+    assert a.dtype == "bfloat16" and a == b
+    check_compatible(a, b)  # one element type, however it was spelled
+    torch = pytest.importorskip("torch")
+    assert KVCacheSpec(1, [8], 4, dtype=torch.float8_e4m3fn).dtype == "float8_e4m3fn"
+    with pytest.raises(TypeError, match="dtype"):
+        KVCacheSpec(1, [8], 4, dtype=object())
+    with pytest.raises(TypeError, match="dtype"):
+        KVCacheSpec(1, [8], 4, dtype=None)
+    with pytest.raises(ValueError, match="dtype"):
+        KVCacheSpec(1, [8], 4, dtype="f4")  # names are canonical: "float32"
+
+
 def test_handshake_refusal_without_two_values_reads_as_a_reason():
     from dcp_jax.transfer import HandshakeError
 
