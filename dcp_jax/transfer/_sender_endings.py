@@ -17,7 +17,7 @@ from bridge import TransferError
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._sender_units import Unit
 from dcp_jax.transfer._worker import TIMEOUT_CHECK_S
-from dcp_jax.transfer.requests import RankTarget, SendRequest
+from dcp_jax.transfer.requests import RankTarget, SendRequest, ranges_text
 from dcp_jax.transfer.status import TransferStatus
 
 __all__ = ["SenderEndings"]
@@ -138,7 +138,8 @@ class SenderEndings:
 
 def _waiting_for(req: SendRequest) -> str:
     """What a stalled request still waits for, for its failure reason: ranks that never
-    announced it (no ``expect`` arrived), or nothing sent yet."""
+    announced it (no ``expect`` arrived), nothing sent yet, the token ranges ``send()`` has not
+    given, or the ranks whose windows are still in flight or not yet confirmed."""
     if not req.targets:
         return ": no decode rank announced this request (no expect arrived: is a receiver connected and expecting it?)"
     if req.needed is not None and not req.needed <= req.targets.keys():
@@ -146,4 +147,16 @@ def _waiting_for(req: SendRequest) -> str:
         return f": decode rank(s) {missing[:8]} of group {req.group!r} never announced it (no expect arrived)"
     if not req.chunks:
         return ": every rank announced it, but send() was never called for it"
+    ts = list(req.targets.values())
+    prefix, stop = min(t.prefix_tokens for t in ts), max(t.num_tokens for t in ts)
+    unsent = req.sent.gaps(prefix, stop)
+    if unsent:
+        return f"; send() has not given tokens {ranges_text(unsent)} of the {stop} the ranks expect"
+    moving = sorted((r, t.inflight) for r, t in req.targets.items() if not t.complete and t.inflight)
+    if moving:
+        ranks = ", ".join(f"{r} ({n})" for r, n in moving[:8]) + (" ..." if len(moving) > 8 else "")
+        return f"; windows still in flight (no completion from the engine) to decode rank(s) {ranks}"
+    waiting = sorted(r for r, t in req.targets.items() if not t.complete)
+    if waiting:
+        return f"; decode rank(s) {waiting[:8]} have windows not yet confirmed (queued, or waiting for room)"
     return ""

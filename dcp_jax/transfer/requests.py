@@ -78,6 +78,12 @@ class Coverage:
         return f"Coverage({self._spans})"
 
 
+def ranges_text(ranges: list[tuple[int, int]], shown: int = 4) -> str:
+    """Token ranges for a message: ``"[16, 32), [40, 48) and 3 more"`` (at most ``shown`` listed)."""
+    text = ", ".join(f"[{a}, {b})" for a, b in ranges[:shown])
+    return text + (f" and {len(ranges) - shown} more" if len(ranges) > shown else "")
+
+
 @dataclasses.dataclass
 class RankCounters:
     """What one (request, decode rank) cost: the figures the cost report predicts."""
@@ -239,8 +245,7 @@ class RecvRequest:
         gaps = sorted({g for c in self.coverage.values() for g in c.gaps(self.prefix_tokens, self.num_tokens)})
         if not gaps:
             return ""
-        shown = ", ".join(f"[{a}, {b})" for a, b in gaps[:4]) + (f" and {len(gaps) - 4} more" if len(gaps) > 4 else "")
-        return f"; tokens {shown} have not landed (a chunk never sent, or still moving)"
+        return f"; tokens {ranges_text(gaps)} have not landed (a chunk never sent, or still moving)"
 
     def finish(self, status: TransferStatus, reason: str = "") -> bool:
         return self.state.advance(status, reason)
