@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from ipc_probe import _CHILD, D, L, N, R, ROWS, W  # noqa: E402
+from ipc_probe import _CHILD, D, L, open_children, round_shape  # noqa: E402
 
 _BUSY = _CHILD.replace("time.sleep(120)", """end = time.monotonic() + 100
 while time.monotonic() < end:
@@ -56,26 +56,15 @@ def _kernels(fn, sync, reps: int, gap_s: float):
 def main() -> None:
     import cupy as cp
 
-    from bridge.cuda_ipc import IpcMapping
-    from bridge.ipc_handle import IpcHandle
-    from pallas_kernels import PackSource, RowCopier, copy_fanout
+    from pallas_kernels import RowCopier, copy_fanout
     from stage_probe import child_processes
 
     sync = cp.cuda.runtime.deviceSynchronize
-    src_buf = cp.random.randint(0, 256, (L, R, W), dtype=cp.uint8)
-    source = PackSource([src_buf[l] for l in range(L)])
-    rng = np.random.default_rng(7)
-    perm = rng.permutation(R)
-    rows = [(perm[k * N:(k + 1) * N], rng.permutation(ROWS)[:N]) for k in range(D)]
+    src_buf, source, rows = round_shape()
     out = {}
     for name, child in (("idle", _CHILD), ("busy", _BUSY)):
         with child_processes(child, D) as lines:
-            hs = []
-            for line in lines:
-                d = json.loads(line)
-                d["handle"] = bytes.fromhex(d["handle"])
-                hs.append(IpcHandle.from_dict(d))
-            maps = [IpcMapping([h], [(L, ROWS, W)], [np.uint8]) for h in hs]
+            maps = open_children(lines)
             copiers = [RowCopier(source, [m.arrays[0][l] for l in range(L)]) for m in maps]
             jobs = [(c, s, d) for c, (s, d) in zip(copiers, rows)]
             fan = lambda: copy_fanout(jobs, checked=True)  # noqa: E731

@@ -49,20 +49,40 @@ def _kernels(fn, sync, reps=10, match="fanout"):
     return round(float(np.median(ds)), 1) if ds else None
 
 
-def main() -> None:
+def round_shape():
+    """The job's fused round: (src_buf u8[L, R, W], its PackSource, rows: D (src, dst) pairs)."""
     import cupy as cp
 
-    from bridge.cuda_ipc import IpcMapping
-    from bridge.ipc_handle import IpcHandle
-    from pallas_kernels import PackSource, RowCopier, copy_fanout
-    from stage_probe import child_processes
+    from pallas_kernels import PackSource
 
-    sync = cp.cuda.runtime.deviceSynchronize
     src_buf = cp.random.randint(0, 256, (L, R, W), dtype=cp.uint8)
     source = PackSource([src_buf[l] for l in range(L)])
     rng = np.random.default_rng(7)
     perm = rng.permutation(R)
-    rows = [(perm[k * N:(k + 1) * N], rng.permutation(ROWS)[:N]) for k in range(D)]
+    return src_buf, source, [(perm[k * N:(k + 1) * N], rng.permutation(ROWS)[:N]) for k in range(D)]
+
+
+def open_children(lines) -> list:
+    """`IpcMapping`s of the buffers whose handles the children printed (one JSON line each)."""
+    from bridge.cuda_ipc import IpcMapping
+    from bridge.ipc_handle import IpcHandle
+
+    maps = []
+    for line in lines:
+        d = json.loads(line)
+        d["handle"] = bytes.fromhex(d["handle"])
+        maps.append(IpcMapping([IpcHandle.from_dict(d)], [(L, ROWS, W)], [np.uint8]))
+    return maps
+
+
+def main() -> None:
+    import cupy as cp
+
+    from pallas_kernels import RowCopier, copy_fanout
+    from stage_probe import child_processes
+
+    sync = cp.cuda.runtime.deviceSynchronize
+    src_buf, source, rows = round_shape()
     strided = [(np.arange(k, R, D)[:N], np.arange(N)) for k in range(D)]  # the job's I=1 pattern
 
     def run(dsts, rowset):
@@ -76,12 +96,7 @@ def main() -> None:
     out["local_strided"] = _kernels(run(local, strided), sync)
     out["local_memcpy"] = _kernels(lambda: local[0].__setitem__(Ellipsis, local[1]), sync, match="")
     with child_processes(_CHILD, D) as lines:
-        hs = []
-        for line in lines:
-            d = json.loads(line)
-            d["handle"] = bytes.fromhex(d["handle"])
-            hs.append(IpcHandle.from_dict(d))
-        maps = [IpcMapping([h], [(L, ROWS, W)], [np.uint8]) for h in hs]
+        maps = open_children(lines)
         remote = [m.arrays[0] for m in maps]
         out["ipc_random"] = _kernels(run(remote, rows), sync)
         out["ipc_strided"] = _kernels(run(remote, strided), sync)
