@@ -102,6 +102,8 @@ def _check_layer_list(layers, name: str, *, writeable: bool) -> tuple[str, tuple
             raise ValueError(f"{name}[{l}] must be 2-D [num_rows, kv_item_len], got shape {a.shape}")
         if a.dtype != np.uint8:
             raise TypeError(f"{name}[{l}] dtype {a.dtype} must be uint8 (view rows as bytes)")
+        if a.shape[1] == 0:
+            raise ValueError(f"{name}[{l}] has rows of 0 bytes: every layer entry needs kv_item_len > 0")
         if writeable and kind == "numpy" and not a.flags.writeable:
             raise ValueError(f"{name}[{l}] is read-only: the destination must be writeable")
         kinds.add("device" if kind in ("cupy", "jax") else "host")
@@ -173,8 +175,8 @@ def unpack_rows(pack, layers, indices, *, offset: int = 0, backend: str = "auto"
         `synchronize(layers)` before another stream or process reads them.
 
     Raises:
-        ValueError: empty or non-2-D `layers`, a read-only layer, non-1-D `indices` or `pack`,
-            an index < 0 or >= num_rows, a duplicate index, a negative `offset`, a region past
+        ValueError: empty or non-2-D `layers`, a layer of 0-byte rows, a read-only layer, non-1-D
+            `indices` or `pack`, an index < 0 or >= num_rows, a duplicate index, a negative `offset`, a region past
             the end of `pack`, `pack` sharing memory with a layer, a bad `threads`/`backend`,
             a Pallas-path offset off the word size or past the addressable words, a
             "triton" layer that is not C-contiguous.
@@ -251,8 +253,8 @@ def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str 
         process the rows have landed).
 
     Raises:
-        ValueError: empty or non-2-D layer lists, a layer count or item_len mismatch between
-            `src_layers` and `dst_layers`, a read-only destination, index lists of different
+        ValueError: empty or non-2-D layer lists, a layer of 0-byte rows, a layer count or item_len
+            mismatch between `src_layers` and `dst_layers`, a read-only destination, index lists of different
             lengths or not 1-D, an index out of range, a duplicate destination index, a
             destination sharing memory with a source or with another destination layer, a bad
             `threads`/`backend`, a "triton" destination that is not C-contiguous.

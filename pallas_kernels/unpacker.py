@@ -65,10 +65,7 @@ class RowUnpacker:
                  threads: int | None = None):
         if not isinstance(layers, (list, tuple)) or not layers:
             raise ValueError("layers must be a non-empty list of 2-D uint8 arrays")
-        kind, item_lens, num_rows = _check_layer_list(layers, "layers", writeable=True)
-        if min(item_lens) <= 0:
-            raise ValueError(f"layers[{list(item_lens).index(min(item_lens))}] has rows of 0 bytes: "
-                             "every layer entry needs kv_item_len > 0")
+        kind, item_lens, num_rows = _check_layer_list(layers, "layers", writeable=True)  # rows of >= 1 byte
         self.on_device = kind == "device"
         pk = _kind(pack)
         if pk is None or pk == "jax" or (pk == "numpy") == self.on_device:

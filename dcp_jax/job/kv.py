@@ -181,7 +181,7 @@ def region_bytes(cfg: JobConfig, path: str, dcp_rank: int, dcp_size: int) -> int
     for start, length in cfg.chunks():
         toks = owned_tokens(start, start + length, dcp_size, dcp_rank, cfg.interleave_size)[0]
         rows = max(rows, len(toks))
-    return max(-(-rows * cfg.geometry.row_bytes // PACK_ALIGN) * PACK_ALIGN, PACK_ALIGN)
+    return -(-max(rows, 1) * cfg.geometry.row_bytes // PACK_ALIGN) * PACK_ALIGN  # >= one token: a receiver refuses less
 
 
 def estimate_host_bytes(cfg: JobConfig) -> int:

@@ -166,6 +166,15 @@ def _hello_of_another_version(frame: bytes):
     return None
 
 
+def check_address(address: Any) -> None:
+    """Raises ValueError (naming ``address``) unless it is ``"tcp://host:port"``, port 1..65535:
+    zmq would accept a bad port and the connect would only time out."""
+    host, _, port = address[6:].rpartition(":") if isinstance(address, str) and address.startswith("tcp://") \
+        else ("", "", "")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"address={address!r} must be 'tcp://host:port' with a port in 1..65535 (KVSender.address)")
+
+
 class ControlClient:
     """A receiver's DEALER socket to one sender.
 
@@ -174,12 +183,11 @@ class ControlClient:
         source: local address to connect from (an address of this machine; None: any).
 
     Raises:
-        ValueError: ``address`` is not a ``tcp://host:port`` string.
+        ValueError: ``address`` is not a ``tcp://host:port`` string with a port in 1..65535.
     """
 
     def __init__(self, address: str, source: str | None = None):
-        if not isinstance(address, str) or not address.startswith("tcp://") or ":" not in address[6:]:
-            raise ValueError(f"address={address!r} must be 'tcp://host:port' (KVSender.address)")
+        check_address(address)
         self.address = address
         self.sock = _socket(zmq.DEALER)
         # zmq's "tcp://source:0;host:port" binds the connection's local end to ``source``.

@@ -88,7 +88,8 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
         staged: True when this side stages (its KV is not registered).
 
     Raises:
-        TypeError, ValueError: bad spec, layers or options.
+        TypeError, ValueError: bad spec, layers or options (``region_bytes`` above 0 but under
+            one token's ``spec.row_bytes``: no window would fit).
         MemoryError: the receive region of ``region_bytes`` could not be allocated (names it;
             nothing is left open).
         bridge.BridgeError: the engine could not start or register (nothing is left open).
@@ -124,13 +125,16 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
         try:
             self.staged = side_staged(staging, self.engine.kind, self._layers.mem_type)
             if region_bytes is None:
-                region_bytes = DEFAULT_REGION_BYTES if self._layers.mem_type == "VRAM" or self.staged else 0
+                region_bytes = max(DEFAULT_REGION_BYTES, spec.row_bytes) if self._layers.mem_type == "VRAM" \
+                    or self.staged else 0
             if self.staged and region_bytes < spec.row_bytes:
                 raise ValueError(f"region_bytes={region_bytes} is less than one token's {spec.row_bytes} bytes: a "
                                  "staged receiver lands every window in its receive region")
-            # A region smaller than one token could hold no window: offered as none.
+            if 0 < region_bytes < spec.row_bytes:  # it could hold no window: say so, not offer none
+                raise ValueError(f"region_bytes={region_bytes} is less than one token's {spec.row_bytes} bytes: no "
+                                 "window would fit (0 offers no receive region)")
             try:
-                self._region = ReceiveRegion(int(region_bytes) if region_bytes >= spec.row_bytes else 0,
+                self._region = ReceiveRegion(int(region_bytes),
                                              self._layers.mem_type, self._layers.device_id, staged=self.staged)
             except (MemoryError, OSError) as exc:  # the allocator's own words do not say which buffer
                 raise MemoryError(f"region_bytes={int(region_bytes):,}: cannot allocate the receive region "

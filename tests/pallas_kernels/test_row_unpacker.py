@@ -120,3 +120,18 @@ def test_unpacker_refusals_name_the_argument():
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="multiple of 4"):
         RowUnpacker(pack, layers, backend="interpret").unpack([0], offset=2)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "interpret"])
+def test_rows_of_zero_bytes_are_refused_by_every_entry_point(backend):
+    # Before: unpack_rows on numpy took them (and wrote nothing); interpret named `item_lens`.
+    from pallas_kernels import copy_rows
+
+    pack, empty = np.zeros(64, np.uint8), np.zeros((10, 0), np.uint8)
+    full = np.zeros((10, 8), np.uint8)
+    with pytest.raises(ValueError, match=r"layers\[1\] has rows of 0 bytes"):
+        unpack_rows(pack, [full, empty], [0], backend=backend)
+    with pytest.raises(ValueError, match=r"layers\[0\] has rows of 0 bytes"):
+        RowUnpacker(pack, [empty], backend=backend)
+    with pytest.raises(ValueError, match=r"dst_layers\[0\] has rows of 0 bytes"):
+        copy_rows([full], [0], [empty], [0], backend=backend)

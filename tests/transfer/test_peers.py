@@ -77,6 +77,17 @@ def test_connect_to_nobody_times_out():
         assert time.monotonic() - t0 < 2
 
 
+@pytest.mark.parametrize("address", ["tcp://127.0.0.1:99999", "tcp://127.0.0.1:0", "tcp://127.0.0.1",
+                                     "tcp://:5555", "127.0.0.1:5555", "tcp://127.0.0.1:http", 5555])
+def test_connect_refuses_a_bad_address_at_once(address):
+    spec = KVCacheSpec(1, (16,), 4)
+    with KVReceiver(spec, [np.zeros((2, 4, 16), np.uint8)], engine="auto") as recv:
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match="address=.*port in 1..65535"):
+            recv.connect(address, timeout_s=5)
+        assert time.monotonic() - t0 < 1  # refused, not waited out
+
+
 def _spawn(target, *args):
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

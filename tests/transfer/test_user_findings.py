@@ -319,3 +319,15 @@ def test_senders_of_another_prefill_group_layout_are_refused(engine):
     finally:
         for s in (s0, good, *odd):
             s.close()
+
+
+def test_receive_region_under_one_token_is_refused_not_dropped(engine):
+    # Before: region_bytes=20 (under the 32-byte token) became "no region" without a word, and a
+    # region-mode sender was refused with "a receive region of 0 bytes".
+    spec = KVCacheSpec(2, (16, 16), 4)
+    kv = [np.zeros((4, 4, 16), np.uint8) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"region_bytes=20 is less than one token's 32 bytes"):
+        KVReceiver(spec, kv, engine=engine, region_bytes=20)
+    for ok in (0, 32):  # none, and exactly one token
+        with KVReceiver(spec, kv, engine=engine, region_bytes=ok) as r:
+            assert r.stats["region"]["capacity"] == ok
