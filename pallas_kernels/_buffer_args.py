@@ -45,9 +45,13 @@ def as_1d(values: Any, name: str) -> np.ndarray:
     list would be float64). The dtype is the caller's to check.
 
     Raises:
+        TypeError: not a sequence or array at all (None, a number, a string, a generator:
+            numpy makes a 0-d array of those).
         ValueError: not 1-D (names ``name`` and the shape).
     """
     a = np.asarray(values)
+    if a.ndim == 0:
+        raise TypeError(f"{name} must be a sequence or 1-D array of ints, got {type(values).__name__}")
     if a.size == 0:
         a = a.astype(np.int64)
     if a.ndim != 1:

@@ -278,7 +278,8 @@ def check_page_table(page_table: Any, rows: int, page_size: int, num_pages: int,
         num_pages: pages of the cache (ids must be below it).
 
     Raises:
-        TypeError: not integers.  ValueError: not 1-D, too few pages (says how many are needed),
+        TypeError: not a sequence or array (None, a number, a string), or not integers.
+        ValueError: not 1-D, too few pages (says how many are needed),
             page ids beyond int64 (names the entry), negative, repeated or >= num_pages.
     """
     a = as_1d(page_table, name)

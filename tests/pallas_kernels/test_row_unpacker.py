@@ -135,3 +135,12 @@ def test_rows_of_zero_bytes_are_refused_by_every_entry_point(backend):
         RowUnpacker(pack, [empty], backend=backend)
     with pytest.raises(ValueError, match=r"dst_layers\[0\] has rows of 0 bytes"):
         copy_rows([full], [0], [empty], [0], backend=backend)
+
+
+@pytest.mark.parametrize("indices", [None, "1", 3, (i for i in range(2))], ids=["None", "str", "int", "generator"])
+def test_indices_that_are_no_sequence_raise_type_error(indices):
+    layers = [np.zeros((4, 8), np.uint8)]
+    with pytest.raises(TypeError, match="indices must be a sequence or 1-D array of ints"):
+        RowUnpacker(np.zeros(64, np.uint8), layers).unpack(indices)
+    with pytest.raises(TypeError, match="indices must be a sequence or 1-D array of ints"):
+        unpack_rows(np.zeros(64, np.uint8), layers, indices)

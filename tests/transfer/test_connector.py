@@ -165,6 +165,11 @@ def test_bad_arguments_name_themselves(engine):
             c.receivers[0].expect("b", dst[0], 8, prefix_tokens=9)
         with pytest.raises(ValueError, match="page_table"):
             c.receivers[0].expect("b", [], 8)
+        for bad in (None, "7", 3):  # no sequence at all: a TypeError (it read "must be 1-D, got shape ()")
+            with pytest.raises(TypeError, match="page_table must be a sequence"):
+                c.receivers[0].expect("b", bad, 8)
+            with pytest.raises(TypeError, match="page_table must be a sequence"):
+                c.sender.send("b", bad, 0, 8)
         c.sender.send("b", src, 0, 4)
         with pytest.raises(ValueError, match="overlap"):
             c.sender.send("b", src, 3, 8)
