@@ -131,7 +131,7 @@ class ReceiverData:
             self._inconsistent(req, f"chunk [{start}, {stop}) passes num_tokens={req.num_tokens}")
             return
         key = (id(link), chunk)
-        parts = self.parts_of(req, key, msg["nparts"])
+        parts = self._parts_of(req, key, msg["nparts"])
         if msg["part"] in parts[1]:
             self._counts["dropped_messages"] += 1  # a duplicate part: credit it once
             return
@@ -153,7 +153,8 @@ class ReceiverData:
             self._maybe_done(req)
 
     @staticmethod
-    def parts_of(req: RecvRequest, key: tuple, nparts: int) -> list:
+    def _parts_of(req: RecvRequest, key: tuple, nparts: int) -> list:
+        """A part key's [nparts, parts credited] entry of the request, made on first use."""
         entry = req.parts.get(key)
         if entry is None:
             entry = req.parts[key] = [nparts, set()]

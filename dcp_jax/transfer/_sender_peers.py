@@ -287,8 +287,7 @@ class SenderPeers:
 
     def _nack(self, ident: bytes, exc: HandshakeError) -> None:
         self._counts["handshakes_refused"] += 1
-        _warn("refused a handshake from %s: field %s, ours %r, theirs %r %s", ident.hex(), exc.field,
-              exc.ours, exc.theirs, exc.detail[:200])
+        _warn("refused a handshake from %s: %s", ident.hex(), str(exc)[:300])  # the error's own words
         def plain(v):  # msgpack-able as is: scalars and lists of them; anything else as text
             if isinstance(v, (tuple, list)) and all(isinstance(x, (int, str)) for x in v):
                 return list(v)
