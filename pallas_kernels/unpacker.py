@@ -58,7 +58,7 @@ class RowUnpacker:
             naming the argument: an empty or non-2-D layer list, a read-only layer, rows of 0
             bytes, a pack that is not 1-D uint8 C-contiguous or not of the layers' kind,
             `pack` sharing memory with a layer, two layers sharing memory, a "triton" layer
-            that is not C-contiguous, a pack address off the word size.
+            that is not C-contiguous, a CuPy pack whose address is off the word size.
     """
 
     def __init__(self, pack, layers, *, backend: str = "auto", config: GatherConfig | None = None,

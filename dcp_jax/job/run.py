@@ -99,7 +99,7 @@ def _config_json(cfg: JobConfig) -> dict:
     d = cfg.to_dict()
     d["modes"] = list(cfg.modes)
     g = cfg.geometry
-    d.update(num_layers=g.num_layers, kv_item_lens=sorted(set(g.kv_item_lens)), row_bytes=g.row_bytes,
+    d.update(num_layers=g.num_layers, kv_item_lens=list(g.kv_item_lens), row_bytes=g.row_bytes,  # per layer entry
              request_bytes=g.request_bytes(cfg.send_tokens), chunks=len(cfg.chunks()),
              engine_kind=cfg.engine_kind)
     return d
