@@ -124,7 +124,31 @@ class Worker(_Daemon):
         self._queue: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition(threading.Lock())
         self._stopped = False
+        self._running = False  # a job runs (on the thread, or in a caller through `run_if_idle`)
         self._thread: threading.Thread | None = None
+
+    def run_if_idle(self, job: Job) -> bool:
+        """Runs ``job`` in the calling thread at once if nothing is queued or running (so the
+        submission order holds, and no two jobs ever run at the same time); returns whether it
+        did. Its errors stay in ``job.error``, as on the thread.
+
+        Raises:
+            RuntimeError: the worker was stopped.
+        """
+        with self._cv:
+            if self._stopped:
+                raise RuntimeError(f"worker {self.name} is stopped")
+            if self._queue or self._running:
+                return False
+            self._running = True
+        try:
+            job.run()
+        finally:
+            with self._cv:
+                self._running = False
+                if self._queue:
+                    self._cv.notify()
+        return True
 
     def submit(self, job: Job) -> None:
         """Queues a job (starting the thread on first use).
@@ -166,12 +190,17 @@ class Worker(_Daemon):
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._stopped:
+                while (not self._queue or self._running) and not self._stopped:
                     self._cv.wait()
                 if not self._queue:
                     return
                 job = self._queue.popleft()
-            job.run()
+                self._running = True
+            try:
+                job.run()
+            finally:
+                with self._cv:
+                    self._running = False
 
     def stop(self, reason: str) -> None:
         """Refuses new jobs and drops the queued ones; the running job (if any) finishes."""

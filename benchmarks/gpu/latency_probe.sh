@@ -38,5 +38,7 @@ want D_spin && case_run D_spin$r nixl region DCP_NIXL_PROGRESS_US=0 DCP_POLLER_M
 want E_mc_default && case_run E_mc_default$r mooncake region
 want F_mc_all100 && case_run F_mc_all100$r mooncake region DCP_POLLER_MAX_US=100 DCP_WORKER_MAX_US=100
 want G_poll100 && case_run G_poll100$r nixl region DCP_POLLER_MAX_US=100 DCP_WORKER_MAX_US=100
+want H_inline && case_run H_inline$r nixl region DCP_NIXL_INLINE=1
+want Q_queued && case_run Q_queued$r nixl region DCP_NIXL_QUEUED=1
 done
 exit 0

@@ -188,3 +188,32 @@ def test_idle_agents_do_not_spin_a_core():
 def test_progress_delay_must_not_be_negative():
     with pytest.raises(ValueError, match="progress_delay_us"):
         NixlEngine("neg-delay", progress_delay_us=-1)
+
+
+@pytest.mark.timeout(30)
+def test_a_small_batch_is_posted_in_the_callers_thread_a_big_one_on_the_worker(nixl_pair, monkeypatch):
+    """`INLINE_MAX_DESCRIPTORS`: a region write's one descriptor goes out in `transfer_batch`
+    itself while the posting thread is idle; a bigger batch goes to that thread. Both land."""
+    import threading
+
+    import bridge.nixl as bn
+
+    p = nixl_pair
+    p.fill(seed=21)
+    posted_in = []
+    real_post = p.ini._post
+
+    def spy(*args, **kw):
+        posted_in.append(threading.current_thread())
+        return real_post(*args, **kw)
+
+    monkeypatch.setattr(p.ini, "_post", spy)
+    one, s1, d1 = pw.scattered_descs(p.src.ctypes.data, p.dst.ctypes.data, 1, pw.ITEM, seed=4)
+    p.ini.wait(p.ini.transfer_batch(p.peer, one), timeout_s=20)
+    many, s2, d2 = pw.scattered_descs(p.src.ctypes.data, p.dst.ctypes.data, bn.INLINE_MAX_DESCRIPTORS + 1,
+                                      pw.ITEM, seed=5)
+    p.ini.wait(p.ini.transfer_batch(p.peer, many), timeout_s=20)
+    assert posted_in[0] is threading.current_thread()
+    assert posted_in[1] is not threading.current_thread()
+    got = p.dst.reshape(-1, pw.ITEM)
+    np.testing.assert_array_equal(got[d2], p.src.reshape(-1, pw.ITEM)[s2])

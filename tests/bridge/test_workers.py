@@ -56,3 +56,38 @@ def test_poller_reports_an_item_done_after_a_wait_promptly():
         assert p.drain(1.0) and p.pending == 0
     finally:
         p.stop()
+
+
+def test_run_if_idle_runs_in_the_caller_only_when_nothing_is_queued_or_running():
+    from bridge.workers import Job, Worker
+
+    w = Worker("t-idle")
+    ran = []
+
+    def record(job, name, gate=None):
+        ran.append((name, threading.current_thread()))
+        if gate is not None:
+            assert gate.wait(5)
+
+    assert w.run_if_idle(Job(record, "first"))  # idle: here, at once
+    assert ran == [("first", threading.current_thread())]
+    gate = threading.Event()
+    blocker = Job(record, "blocker", gate)
+    w.submit(blocker)
+    deadline = time.monotonic() + 5
+    while len(ran) < 2:  # the thread runs it (and waits on the gate)
+        assert time.monotonic() < deadline
+        time.sleep(1e-3)
+    later = Job(record, "later")
+    assert not w.run_if_idle(later)  # the thread is busy: not here
+    w.submit(later)
+    gate.set()
+    assert later.done.wait(5)
+    assert [n for n, _ in ran] == ["first", "blocker", "later"]  # submission order kept
+    assert ran[2][1] is not threading.current_thread()
+    failing = Job(lambda job: 1 / 0)
+    assert w.run_if_idle(failing) and isinstance(failing.error, ZeroDivisionError)  # kept, not raised
+    w.stop("done")
+    with pytest.raises(RuntimeError, match="stopped"):
+        w.run_if_idle(Job(record, "after"))
+    assert w.join(5)

@@ -6,7 +6,10 @@
 Every process of the job (its children inherit PYTHONPATH) applies, where set:
 ``DCP_NIXL_PROGRESS_US`` NIXL's progress-thread pause (`bridge.nixl_agent.create_agent`),
 ``DCP_POLLER_MAX_US`` the engine poller's longest backoff (`bridge.workers.Poller`, 2 ms),
-``DCP_WORKER_MAX_US`` the connector worker's longest backoff (`dcp_jax.transfer._worker`, 1 ms).
+``DCP_WORKER_MAX_US`` the connector worker's longest backoff (`dcp_jax.transfer._worker`, 1 ms),
+``DCP_NIXL_INLINE=1`` NIXL batches posted in the caller's thread (``NixlEngine(async_submit=False)``)
+instead of handed to the engine's posting thread; ``DCP_NIXL_QUEUED=1`` every batch handed to that
+thread (`bridge.nixl.INLINE_MAX_DESCRIPTORS` = 0: the behaviour before small batches went inline).
 Tells which of the waits stacked between a write's end and its rank's notice cost the time.
 """
 import os
@@ -18,8 +21,24 @@ def _us(name):
 
 
 _prog, _poll, _work = _us("DCP_NIXL_PROGRESS_US"), _us("DCP_POLLER_MAX_US"), _us("DCP_WORKER_MAX_US")
-if _prog is not None or _poll is not None or _work is not None:
+_inline = os.environ.get("DCP_NIXL_INLINE") == "1"
+_queued = os.environ.get("DCP_NIXL_QUEUED") == "1"
+if _prog is not None or _poll is not None or _work is not None or _inline or _queued:
     try:
+        if _queued:
+            import bridge.nixl as _nxq
+
+            _nxq.INLINE_MAX_DESCRIPTORS = 0
+        if _inline:
+            import bridge.nixl as _nxi
+
+            _orig_nixl_init = _nxi.NixlEngine.__init__
+
+            def _nixl_init(self, name, **kw):
+                kw["async_submit"] = False
+                _orig_nixl_init(self, name, **kw)
+
+            _nxi.NixlEngine.__init__ = _nixl_init
         if _prog is not None:
             import bridge.nixl as _nx
 
