@@ -107,9 +107,26 @@ def test_no_progress_fails_both_sides_within_timeout(engine):
         st = c.wait("slow", timeout_s=5)
         assert st == [S.FAILED, S.FAILED]
         assert time.monotonic() - t0 < 1.0 + 1.5
-        assert c.sender.failure_reason("slow") == (
-            "no progress for 1 s; send() has not given tokens [4, 8) of the 8 the ranks expect")
+        # Whichever side's clock runs out first, the reason names the tokens still missing: the
+        # sender's own ("send() has not given tokens [4, 8)"), or the rank's, passed on to it.
+        reason = c.sender.failure_reason("slow")
+        assert "no progress" in reason and "tokens [4, 8)" in reason, reason
         assert "no progress" in c.receivers[0].failure_reason("slow")
+    finally:
+        c.close()
+
+
+def test_a_sender_that_times_out_names_the_tokens_send_never_gave(engine):
+    c = Cluster(engine, dcp_size=1, timeout_s=10.0)
+    try:
+        c.sender.timeout_s = 1.0  # the sender times out first, on its own clock
+        src, dst = c.tables(16)
+        c.expect("gap", dst, 16)
+        c.sender.send("gap", src, 0, 4)
+        c.sender.send("gap", src, 8, 16)  # [4, 8) is never sent
+        assert c.wait("gap", timeout_s=5, sides=[c.sender]) == [S.FAILED]
+        assert c.sender.failure_reason("gap") == (
+            "no progress for 1 s; send() has not given tokens [4, 8) of the 16 the ranks expect")
     finally:
         c.close()
 
