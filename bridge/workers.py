@@ -146,9 +146,18 @@ class Worker(_Daemon):
         finally:
             with self._cv:
                 self._running = False
-                if self._queue:
-                    self._cv.notify()
+                self._cv.notify_all()  # the thread (a queued job) and `join` (a stop) wait for this
         return True
+
+    def join(self, timeout_s: float | None = None) -> bool:
+        """Waits for the thread to end after `stop`, and for a job a caller runs through
+        `run_if_idle` (started before the stop) to return; True when both have."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        ended = super().join(timeout_s)
+        with self._cv:
+            while self._running and (deadline is None or time.monotonic() < deadline):
+                self._cv.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            return ended and not self._running
 
     def submit(self, job: Job) -> None:
         """Queues a job (starting the thread on first use).

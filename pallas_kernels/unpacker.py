@@ -114,7 +114,8 @@ class RowUnpacker:
             enqueued on JAX's stream; `synchronize(layers)` waits for it.
 
         Raises:
-            ValueError: a negative or misaligned `offset`, a region past the end of the pack,
+            ValueError: an `offset` that is not a non-negative int (as `unpack_rows`) or is
+                misaligned, a region past the end of the pack,
                 an index out of range or repeated (unless `checked`), non-1-D `indices`;
                 RuntimeError: `close()`d.
             TypeError: non-integer `indices`, a non-bool `checked`.

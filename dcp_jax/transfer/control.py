@@ -171,7 +171,7 @@ def check_address(address: Any) -> None:
     zmq would accept a bad port and the connect would only time out."""
     host, _, port = address[6:].rpartition(":") if isinstance(address, str) and address.startswith("tcp://") \
         else ("", "", "")
-    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         raise ValueError(f"address={address!r} must be 'tcp://host:port' with a port in 1..65535 (KVSender.address)")
 
 

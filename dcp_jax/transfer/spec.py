@@ -59,6 +59,8 @@ def dtype_name(dtype) -> str:
 
     Raises:
         TypeError: ``dtype`` names no element type (the message names ``dtype``).
+        ValueError: a numpy dtype of the other byte order (``">f2"`` on this machine): its name
+            would hide that its bytes differ from the native ones of that name.
     """
     if isinstance(dtype, str):
         return dtype
@@ -66,9 +68,13 @@ def dtype_name(dtype) -> str:
     if text.startswith("torch.") and type(dtype).__module__ == "torch":  # torch.dtype: "torch.float16"
         return text[len("torch."):]
     try:
-        return np.dtype(dtype).name
+        dt = np.dtype(dtype)
     except (TypeError, ValueError):
         raise TypeError(f"dtype must be an element type name or a numpy / ml_dtypes / torch dtype, got {dtype!r}") from None
+    if not dt.isnative:
+        raise ValueError(f"dtype={dtype!r} is not in this machine's byte order: the bytes would move as they are "
+                         f"but read as {dt.name} differently")
+    return dt.name
 
 
 def _known_dtype(name: str) -> bool:

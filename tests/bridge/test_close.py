@@ -157,3 +157,47 @@ def test_close_with_the_peer_stopped(case):
             target.kill()
         target.join(5)
     assert ini.exitcode == 0
+
+
+@pytest.mark.timeout(60)
+def test_close_waits_for_a_small_batch_posted_in_the_callers_thread():
+    """A batch of <= `INLINE_MAX_DESCRIPTORS` is posted inside `transfer_batch` (the posting
+    thread idle): `close()` from another thread must wait for that post to return before it
+    removes peers, deregisters and destroys the agent (it did not: a fresh-user trial caught
+    the teardown running while the caller was inside NIXL's transfer())."""
+    from bridge.nixl_agent import nixl_available
+
+    if not nixl_available():
+        pytest.skip("NIXL does not import here")
+    p = pw.Pair("nixl")
+    events, lock = [], threading.Lock()
+    real_post, real_remove = p.ini._post, p.ini._agent.remove_remote_agent
+
+    def slow_post(*args, **kw):
+        with lock:
+            events.append("post-enter")
+        time.sleep(0.3)  # the OS pausing the caller mid-post, made long
+        try:
+            return real_post(*args, **kw)
+        finally:
+            with lock:
+                events.append("post-exit")
+
+    def remove(name):
+        with lock:
+            events.append("teardown")
+        return real_remove(name)
+
+    p.ini._post = slow_post
+    p.ini._agent.remove_remote_agent = remove
+    try:
+        p.fill(seed=31)
+        descs, _, _ = pw.scattered_descs(p.src.ctypes.data, p.dst.ctypes.data, 1, pw.ITEM, seed=6)
+        caller = threading.Thread(target=lambda: p.ini.transfer_batch(p.peer, descs), daemon=True)
+        caller.start()
+        time.sleep(0.05)
+        p.ini.close(timeout_s=5)
+        caller.join(5)
+        assert events[:3] == ["post-enter", "post-exit", "teardown"], events
+    finally:
+        p.close()

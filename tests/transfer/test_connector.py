@@ -329,6 +329,9 @@ def test_spec_takes_dtype_objects_as_their_names():
         KVCacheSpec(1, [8], 4, dtype=None)
     with pytest.raises(ValueError, match="dtype"):
         KVCacheSpec(1, [8], 4, dtype="f4")  # names are canonical: "float32"
+    other = ">f2" if np.little_endian else "<f2"
+    with pytest.raises(ValueError, match="byte order"):  # it would have read as plain "float16"
+        KVCacheSpec(1, [8], 4, dtype=np.dtype(other))
 
 
 def test_handshake_refusal_without_two_values_reads_as_a_reason():

@@ -78,7 +78,8 @@ def test_connect_to_nobody_times_out():
 
 
 @pytest.mark.parametrize("address", ["tcp://127.0.0.1:99999", "tcp://127.0.0.1:0", "tcp://127.0.0.1",
-                                     "tcp://:5555", "127.0.0.1:5555", "tcp://127.0.0.1:http", 5555])
+                                     "tcp://:5555", "127.0.0.1:5555", "tcp://127.0.0.1:http", 5555,
+                                     "tcp://127.0.0.1:\u00b2", "tcp://127.0.0.1:\uff15\uff15\uff15\uff15"])
 def test_connect_refuses_a_bad_address_at_once(address):
     spec = KVCacheSpec(1, (16,), 4)
     with KVReceiver(spec, [np.zeros((2, 4, 16), np.uint8)], engine="auto") as recv:
