@@ -141,13 +141,18 @@ class Worker(_Daemon):
             if self._queue or self._running:
                 return False
             self._running = True
+        self._run_marked(job)
+        return True
+
+    def _run_marked(self, job: Job) -> None:
+        """Runs a job `_running` was set for (under the lock), then clears it and wakes the
+        waiters: the thread (a job queued meanwhile) and `join` (a stop)."""
         try:
             job.run()
         finally:
             with self._cv:
                 self._running = False
-                self._cv.notify_all()  # the thread (a queued job) and `join` (a stop) wait for this
-        return True
+                self._cv.notify_all()
 
     def join(self, timeout_s: float | None = None) -> bool:
         """Waits for the thread to end after `stop`, and for a job a caller runs through
@@ -205,11 +210,7 @@ class Worker(_Daemon):
                     return
                 job = self._queue.popleft()
                 self._running = True
-            try:
-                job.run()
-            finally:
-                with self._cv:
-                    self._running = False
+            self._run_marked(job)
 
     def stop(self, reason: str) -> None:
         """Refuses new jobs and drops the queued ones; the running job (if any) finishes."""
