@@ -74,7 +74,7 @@ _LEAKED_AGENTS: list = []
 #: thread is idle (`bridge.workers.Worker.run_if_idle`): handing a one-descriptor region write to
 #: the thread cost more than posting it. On one H200 (2026-12-04, the 32k region job, 3 requests
 #: per run, alternating on one machine start) posting inline took the whole request from 204.5 /
-#: 213.1 GB/s to 264.3 / 237.3 and a rank's first window landed 0.5 ms after its post, not 1.7 ms.
+#: 213.1 GB/s to 264.3 / 237.3 and the first window landed 0.5-0.7 ms after the first post, not 1.65-2.37.
 #: Big batches (a packed window: thousands) stay on the thread: posting them takes milliseconds.
 INLINE_MAX_DESCRIPTORS = 64
 
