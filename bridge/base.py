@@ -168,7 +168,8 @@ class TransferEngine(EngineCore):
         dcp_rank: int | None = None,
         chunk: int | None = None,
     ) -> TransferHandle:
-        """Validates one batch and starts it in the background as one engine submission.
+        """Validates one batch and starts it as one engine submission; returns without waiting
+        for its bytes (an adapter may post a small batch before returning: NIXL, <= 64 descriptors).
 
         Args:
             peer: a name returned by `add_peer`.
