@@ -143,7 +143,7 @@ def _resolve(backend: str, on_device: bool) -> str:
 
 def unpack_rows(pack, layers, indices, *, offset: int = 0, backend: str = "auto",
                 threads: int | None = None, checked: bool = False,
-                config: GatherConfig | None = None) -> None:
+                config: GatherConfig | None = None) -> int:
     """Write the rows of a layer-major pack region into rows `indices` of every layer, in place.
 
     The exact inverse of `pack_rows(layers, indices, pack, offset=offset)`: for entry l and
@@ -171,8 +171,9 @@ def unpack_rows(pack, layers, indices, *, offset: int = 0, backend: str = "auto"
         config: Pallas tuning knobs (`GatherConfig.default()` when None).
 
     Returns:
-        None. Host: the bytes are in `layers` on return. Device: the copy is enqueued; call
-        `synchronize(layers)` before another stream or process reads them.
+        Rows unpacked (n, as `RowUnpacker.unpack`). Host: the bytes are in `layers` on return.
+        Device: the copy is enqueued; call `synchronize(layers)` before another stream or
+        process reads them.
 
     Raises:
         ValueError: empty or non-2-D `layers`, a layer of 0-byte rows, a read-only layer, non-1-D
@@ -215,7 +216,7 @@ def unpack_rows(pack, layers, indices, *, offset: int = 0, backend: str = "auto"
               lambda: _check_disjoint([pack], "pack", layers, "layers"))
     _once("layers-distinct", layers, lambda: _check_no_overlap(layers, "layers"), host=True)
     if n == 0:
-        return
+        return 0
     if not checked or not on_device:  # host checks are cheap; they also keep numpy's -1 out
         check_range(idx, "indices", num_rows, "layers", unique=True)
     if backend == "numpy":
@@ -224,11 +225,12 @@ def unpack_rows(pack, layers, indices, *, offset: int = 0, backend: str = "auto"
         unpack_cupy(pack, layers, idx, offset, item_lens)
     else:
         unpack_pallas(pack, layers, idx, offset, item_lens, backend, config)
+    return n
 
 
 def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str = "auto",
               threads: int | None = None, checked: bool = False,
-              config: GatherConfig | None = None) -> None:
+              config: GatherConfig | None = None) -> int:
     """Copy rows between two sets of KV layers: `dst_layers[l][dst_indices[j]] =
     src_layers[l][src_indices[j]]` for every layer entry l and j < n, in place.
 
@@ -248,7 +250,8 @@ def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str 
         config: Pallas tuning knobs (`GatherConfig.default()` when None).
 
     Returns:
-        None. Host: the bytes are in `dst_layers` on return. Device: the copy is enqueued;
+        Rows copied (n, as `RowCopier.copy`). Host: the bytes are in `dst_layers` on return.
+        Device: the copy is enqueued;
         `synchronize(dst_layers)` waits until they are there (do so before telling another
         process the rows have landed).
 
@@ -286,7 +289,7 @@ def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str 
     _once("dst-distinct", dst_layers, lambda: _check_no_overlap(dst_layers, "dst_layers"),
           host=True)
     if sidx.shape[0] == 0:
-        return
+        return 0
     if not checked or not on_device:  # host checks are cheap; they also keep numpy's -1 out
         check_range(sidx, "src_indices", s_rows, "src_layers", unique=False)
         check_range(didx, "dst_indices", d_rows, "dst_layers", unique=True)
@@ -296,6 +299,7 @@ def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str 
         copy_cupy(src_layers, sidx, dst_layers, didx)
     else:
         copy_pallas(list(src_layers), sidx, list(dst_layers), didx, s_lens, backend, config)
+    return int(sidx.shape[0])
 
 
 def synchronize(arrays=None) -> None:
