@@ -59,6 +59,31 @@ def as_1d(values: Any, name: str) -> np.ndarray:
     return a
 
 
+def check_offset(offset: Any) -> int:
+    """A region's byte offset inside a pack, as an int.
+
+    Raises:
+        ValueError: not a non-negative int (a bool or a float included; names ``offset``).
+    """
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
+        raise ValueError(f"{offset=} must be a non-negative int (bytes)")
+    return int(offset)
+
+
+def check_fits(offset: int, n: int, item_lens, pack_bytes: int) -> int:
+    """The bytes of a layer-major region of ``n`` rows at byte ``offset``: ``n * sum(item_lens)``.
+
+    Raises:
+        ValueError: the region ends past the pack's ``pack_bytes`` (nothing is written then).
+    """
+    row = sum(item_lens)
+    total = n * row
+    if offset + total > pack_bytes:
+        raise ValueError(f"pack region overflow: {offset=} + {n} rows x {row} B = "
+                         f"{offset + total} B > pack of {pack_bytes} B")
+    return total
+
+
 def check_indices(values, name: str, *, device_ok: bool):
     """1-D integer row indices: the CuPy array itself when ``device_ok``, else a numpy array.
 

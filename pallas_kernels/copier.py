@@ -81,7 +81,6 @@ class RowCopier:
             skind, s_lens, s_rows = _check_layer_list(src_layers, "src_layers", writeable=False)
             if any(_is_jax(a) for a in src_layers):
                 raise TypeError("src_layers must be numpy or CuPy arrays (got a JAX array)")
-            _check_widths(s_lens, "src_layers")  # before PackSource, whose message names no list
             source = PackSource(src_layers)
         dkind, d_lens, d_rows = _check_layer_list(dst_layers, "dst_layers", writeable=True)
         if skind != dkind:
@@ -90,7 +89,6 @@ class RowCopier:
         check_item_lens_match(s_lens, d_lens)
         if config is not None and not isinstance(config, GatherConfig):
             raise TypeError(f"config must be a GatherConfig or None, got {type(config).__name__}")
-        _check_widths(d_lens, "dst_layers")
         check_threads(threads)
         _check_disjoint(list(source.layers), "src_layers", dst_layers, "dst_layers")
         _check_no_overlap(dst_layers, "dst_layers")
@@ -220,10 +218,3 @@ class RowCopier:
         state = "closed" if self.source is None else \
             f"{len(self.item_lens)} layers, item_lens={list(self.item_lens)}"
         return f"RowCopier({state}, backend={self.backend!r})"
-
-
-def _check_widths(lens, name: str) -> None:
-    """Every layer entry needs rows of at least one byte (the kernels' word size divides them)."""
-    if min(lens) <= 0:
-        raise ValueError(f"{name}[{list(lens).index(min(lens))}] has rows of 0 bytes: every layer "
-                         "entry needs kv_item_len > 0")

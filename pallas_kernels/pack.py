@@ -44,7 +44,8 @@ from pallas_kernels.config import (
 )
 from pallas_kernels._args import offset_arg
 from pallas_kernels._buffer_args import _check_disjoint as check_disjoint
-from pallas_kernels._buffer_args import check_indices, check_layers, check_range, check_word_offset, is_cupy
+from pallas_kernels._buffer_args import (check_fits, check_indices, check_layers, check_offset, check_range,
+                                         check_word_offset, is_cupy)
 # The names these checks had here (tests and `pallas_kernels.gather` import them from `pack`).
 from pallas_kernels._buffer_args import check_word_offset as _check_word_offset  # noqa: F401
 from pallas_kernels._buffer_args import is_cupy as _is_cupy  # noqa: F401
@@ -298,17 +299,11 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
     """
     source, key, entry, layers, on_device = _resolve(layers, pack, config)
     item_lens, num_rows = entry.item_lens, entry.num_rows
-    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
-        raise ValueError(f"{offset=} must be a non-negative int (bytes)")
-    offset = int(offset)
+    offset = check_offset(offset)
     check_threads(threads)
     idx = check_indices(indices, "indices", device_ok=on_device)
     n = int(idx.shape[0])
-    total = n * sum(item_lens)
-    if offset + total > pack.nbytes:
-        raise ValueError(
-            f"pack region overflow: {offset=} + {n} rows x {sum(item_lens)} B = "
-            f"{offset + total} B > pack of {pack.nbytes} B")
+    total = check_fits(offset, n, item_lens, pack.nbytes)
     if backend not in ("numpy",) + BACKENDS:  # select_backend's message would omit "numpy"
         raise ValueError(f"{backend=} must be one of {('numpy',) + BACKENDS}")
     if backend == "auto":

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pallas_kernels._buffer_args import check_fits, check_offset
 from pallas_kernels.config import word_dtype
 
 KINDS = ("numpy", "cupy", "jax")
@@ -221,8 +222,7 @@ def _check(layers, indices, pack, offset):
             raise TypeError(f"layers[{l}] dtype {a.dtype} must be uint8 (view rows as bytes)")
     if pack.ndim != 1 or np.dtype(pack.dtype) != np.uint8:
         raise ValueError(f"pack must be a 1-D uint8 array, got {pack.dtype}{list(pack.shape)}")
-    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
-        raise ValueError(f"{offset=} must be a non-negative int (bytes)")
+    check_offset(offset)
     if kind == "cupy":
         import cupy as cp
 
@@ -240,10 +240,7 @@ def _check(layers, indices, pack, offset):
     if idx.size and (idx.min() < 0 or idx.max() >= num_rows):
         raise ValueError(f"indices must be in [0, num_rows={num_rows}), got "
                          f"[{idx.min()}, {idx.max()}]")
-    total = idx.size * sum(item_lens)
-    if offset + total > pack.shape[0]:
-        raise ValueError(f"pack region overflow: {offset=} + {idx.size} rows x "
-                         f"{sum(item_lens)} B = {offset + total} B > pack of {pack.shape[0]} B")
+    check_fits(offset, idx.size, item_lens, pack.shape[0])
     return kind, idx.astype(np.int64), item_lens
 
 

@@ -37,7 +37,9 @@ from pallas_kernels._buffer_args import (  # noqa: F401  (_extent: its old home 
     _check_disjoint,
     _check_no_overlap,
     _extent,
+    check_fits,
     check_indices,
+    check_offset,
     check_range,
     is_cupy as _is_cupy,
 )
@@ -197,18 +199,13 @@ def unpack_rows(pack, layers, indices, *, offset: int = 0, backend: str = "auto"
         raise ValueError(f"pack must be a 1-D uint8 array, got {pack.dtype}{list(pack.shape)}")
     if pk != "jax" and not pack.flags.c_contiguous:
         raise ValueError("pack must be C-contiguous")
-    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
-        raise ValueError(f"{offset=} must be a non-negative int (bytes)")
-    offset = int(offset)
+    offset = check_offset(offset)
     check_threads(threads)
     backend = _resolve(backend, on_device)
     idx = check_indices(indices, "indices", device_ok=on_device)
     n = int(idx.shape[0])
-    total = n * sum(item_lens)
     size = int(pack.size)
-    if offset + total > size:
-        raise ValueError(f"pack region overflow: {offset=} + {n} rows x {sum(item_lens)} B = "
-                         f"{offset + total} B > pack of {size} B")
+    total = check_fits(offset, n, item_lens, size)
     if backend in ("triton", "interpret"):
         check_pallas_region(offset, total, item_lens, size, backend, pack)
     if pk != "jax":

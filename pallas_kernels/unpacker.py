@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_kernels import device
-from pallas_kernels._buffer_args import _check_no_overlap, check_indices, check_range
+from pallas_kernels._buffer_args import _check_no_overlap, check_fits, check_indices, check_offset, check_range
 from pallas_kernels.config import GatherConfig, word_dtype
 from pallas_kernels.host import check_threads, unpack_host
 from pallas_kernels.pack import _offset_align
@@ -124,15 +124,11 @@ class RowUnpacker:
             raise RuntimeError("this RowUnpacker is closed")
         if not isinstance(checked, (bool, np.bool_)):
             raise TypeError(f"checked must be a bool, got {type(checked).__name__}")
-        if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
-            raise ValueError(f"{offset=} must be a non-negative int (bytes)")
-        offset = int(offset)
+        offset = check_offset(offset)
         idx = check_indices(indices, "indices", device_ok=self.on_device)
         n = int(idx.shape[0])
-        total, size = n * sum(self.item_lens), int(self._pack.size)
-        if offset + total > size:
-            raise ValueError(f"pack region overflow: {offset=} + {n} rows x {sum(self.item_lens)} B = "
-                             f"{offset + total} B > pack of {size} B")
+        size = int(self._pack.size)
+        total = check_fits(offset, n, self.item_lens, size)
         if self.backend in ("triton", "interpret"):
             check_pallas_region(offset, total, self.item_lens, size, self.backend, None)
         if n == 0:

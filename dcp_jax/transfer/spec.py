@@ -168,7 +168,7 @@ class KVCacheSpec:
         set_("num_kv_heads", check_int("num_kv_heads", self.num_kv_heads, minimum=1))
         if self.head_dim is not None:
             set_("head_dim", check_int("head_dim", self.head_dim, minimum=1))
-        if not isinstance(self.dtype, str) and self.dtype is not None:
+        if self.dtype is not None:  # None stays: the check below names it
             set_("dtype", dtype_name(self.dtype))
         for name in ("dtype", "layout"):
             v = getattr(self, name)
