@@ -31,6 +31,15 @@ if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1; then
     fi
 fi
 
+# A fresh .venv takes about 6 GB (torch's CUDA wheels are most of it; the vLLM suite's venv adds
+# about 4.5 GB): say so up front rather than fail half-way with "No space left on device".
+if [ ! -x .venv/bin/python ]; then
+    free_gb=$(df -Pk . | awk 'NR==2 {print int($4 / 1048576)}')
+    if [ "${free_gb:-0}" -lt 11 ]; then
+        echo "warning: ${free_gb} GB free on $(df -P . | awk 'NR==2 {print $6}'); setup and the vLLM suite need about 11 GB" >&2
+    fi
+fi
+
 PY=$(find_python312)
 if [ ! -x .venv/bin/python ]; then
     $PY -m venv .venv

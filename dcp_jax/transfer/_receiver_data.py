@@ -83,7 +83,12 @@ class ReceiverData:
                 self._end(req, status, f"prefill rank {link.spec.dcp_rank}: {msg['reason']}", None)
         elif kind == "hello_nack":  # the sender no longer knows this connection (dropped, restarted)
             if link in self._links:
-                self._drop_link(link, f"prefill sender {link.client.address} refused the connection: {msg['message']}")
+                self._drop_link(link, f"prefill sender {link.client.address} refused the connection: {msg['message']}",
+                                tell=False)
+        elif kind == "bye":  # the sender closed or dropped this connection: no need to wait out its silence
+            if link in self._links:
+                self._drop_link(link, f"prefill sender {link.client.address} ended the connection: {msg['reason']}",
+                                tell=False)
         elif kind != "ping":
             self._counts["dropped_messages"] += 1
 

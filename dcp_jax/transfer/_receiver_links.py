@@ -19,7 +19,7 @@ import numpy as np
 from bridge import PeerInfo
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._region import host_info
-from dcp_jax.transfer.control import ControlClient
+from dcp_jax.transfer.control import BYE_LINGER_MS, ControlClient
 from dcp_jax.transfer.schedule import SideLayout
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
 from dcp_jax.transfer.status import TransferStatus
@@ -96,7 +96,7 @@ class ReceiverLinks:
             HandshakeError, TimeoutError, ValueError: as `KVReceiver.connect` (the socket is
                 closed then; nothing was registered with the peer).
         """
-        client = ControlClient(address, source=self.host)
+        client, reply = ControlClient(address, source=self.host), None
         try:
             client.send(proto.encode("hello", spec=self.spec.to_dict(), peer=self.engine.peer_info().to_dict(),
                                      group=self.group, direction=direction, name=self.engine.name,
@@ -129,8 +129,10 @@ class ReceiverLinks:
                 if flag is not None:
                     flag.close()
                 raise
-        except BaseException:
-            client.close()
+        except BaseException as exc:
+            if reply is not None and reply["k"] == "hello_ack":  # the sender took it: tell it at once
+                client.send(proto.encode("bye", reason=f"the receiver refused the handshake: {exc}"[:proto.MAX_TEXT]))
+            client.close(linger_ms=BYE_LINGER_MS)
             raise
         row_bytes, view = self.spec.row_bytes, None
         if uses_views(sender_spec, self.spec):  # only the heads this pair shares land here
@@ -147,7 +149,7 @@ class ReceiverLinks:
         the group (the ranks would own other tokens or heads than the plan assumes: rows never
         written, others written twice), ``"position"`` when a live link holds its (dcp_rank,
         tp_rank) (both would write its rows). A restarted sender is accepted once the old link
-        was dropped (silent for peer_timeout_s, or refused)."""
+        was dropped (it said bye, was silent for peer_timeout_s, or refused)."""
         for field in ("dcp_size", "interleave_size", "tp_size"):
             other = next((link for link in self._links if getattr(link.spec, field) != getattr(sender_spec, field)),
                          None)
@@ -161,7 +163,7 @@ class ReceiverLinks:
             raise HandshakeError("position", None, None, f"the sender at {address!r} is prefill dcp_rank "
                                  f"{sender_spec.dcp_rank}, tp_rank {sender_spec.tp_rank}, the position of "
                                  f"the live sender at {twin.client.address!r} this receiver is connected to "
-                                 "(a restarted sender is accepted once the old one is dropped as silent)")
+                                 "(a restarted sender is accepted once the old one said bye or was dropped as silent)")
 
     @staticmethod
     def _await_reply(client: ControlClient, timeout_s: float) -> dict:
@@ -213,7 +215,10 @@ class ReceiverLinks:
             ping = proto.encode("ping")
             self._outbox.extend((link, ping) for link in self._links)
 
-    def _drop_link(self, link: Link, reason: str) -> None:
+    def _drop_link(self, link: Link, reason: str, *, tell: bool = True) -> None:
+        """Fails the link's requests and forgets it; with ``tell`` a ``bye`` says why, so a sender
+        that still listens drops this connection now rather than after its ``peer_timeout_s``
+        (False when the sender itself ended it: a ``bye`` or a refusal from it)."""
         self._links.remove(link)
         self._last_drop = reason  # what `expect` says once no link is left
         self._by_peer.pop(link.peer, None)
@@ -230,12 +235,19 @@ class ReceiverLinks:
             # `drain_grace_s` passed.
             self._doubt[link.peer] = (time.monotonic(), link)
         self._worker.remove_socket(link.client.sock)
-        link.client.close()
+        self._say_bye(link, reason) if tell else link.client.close()
         link.close_flag()
         try:
             self.engine.remove_peer(link.peer)
         except Exception:  # noqa: BLE001 - already gone
             pass
+
+    def _say_bye(self, link: Link, reason: str) -> None:
+        """Sends the ``bye`` after what is queued for the link, then closes its socket (the
+        frames get `control.BYE_LINGER_MS` to leave, in the background)."""
+        self._flush()
+        link.client.send(proto.encode("bye", reason=reason[:proto.MAX_TEXT]))
+        link.client.close(linger_ms=BYE_LINGER_MS)
 
     def _clear_doubt(self, peer: str) -> None:
         """A dropped push sender can write no more: its ranges are free, its requests drained."""

@@ -2,8 +2,9 @@
 
 Only byte frames cross it; `dcp_jax.transfer.protocol` parses and validates them. A frame that
 fails validation is dropped and counted (`rejected`) and the connection lives on. Sockets are
-used by the thread that polls them (the owner's worker thread) and closed with ``linger=0``, so
-closing never waits for a peer.
+used by the thread that polls them (the owner's worker thread). Closing never waits for a peer:
+zmq's close returns at once, and ``linger_ms`` only lets the I/O thread try a little longer to
+deliver the last frames (a ``bye``) in the background.
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from dcp_jax.transfer import protocol
 __all__ = ["ControlServer", "ControlClient", "zmq_context", "engine_options_for", "make_side_engine"]
 
 logger = logging.getLogger(__name__)
+#: How long a closed socket's I/O thread still tries to deliver its last frames (the ``bye`` and
+#: the ``failed`` of live requests), in the background (ms).
+BYE_LINGER_MS = 500
 #: Refused frames logged per socket before the log goes quiet (a flood of garbage must not
 #: flood the log; every refusal is still counted in ``rejected``).
 MAX_LOGGED_REJECTIONS = 100
@@ -148,8 +152,9 @@ class ControlServer:
         except (zmq.Again, zmq.ZMQError):
             return False
 
-    def close(self) -> None:
-        self.sock.close(0)
+    def close(self, linger_ms: int = 0) -> None:
+        """Closes the socket at once; frames already queued get ``linger_ms`` more to leave."""
+        self.sock.close(linger=linger_ms)
 
 
 def _hello_of_another_version(frame: bytes):
@@ -219,5 +224,6 @@ class ControlClient:
                 self.last_error = str(exc)
                 _log_rejection(self, self.address, str(exc)[:300])
 
-    def close(self) -> None:
-        self.sock.close(0)
+    def close(self, linger_ms: int = 0) -> None:
+        """Closes the socket at once; frames already queued get ``linger_ms`` more to leave."""
+        self.sock.close(linger=linger_ms)

@@ -10,13 +10,15 @@ against the registrations before any byte moves.
 
 Kinds (receiver -> sender): ``hello``, ``expect``, ``abort``, ``failed``, ``pull_done``,
 ``region_grant`` (region path: where in this rank's registered receive region a window goes),
-``ping``.
+``ping``, ``bye``.
 Kinds (sender -> receiver): ``hello_ack``, ``hello_nack``, ``abort``, ``failed``, ``pull_ready``,
 ``sent`` (a batch with a ``done`` notification was just submitted: the receiver polls its engine
 while such batches are due, and idles otherwise), ``region_ask`` (region path: a packed window
 wants room in the receive region), ``fused_done`` (fused path: the sender's copy kernel into this
 rank's IPC-mapped pages has finished, or, gated, was launched and bumps the flag page to ``seq`` once it has), ``drained`` (after a request ended without success, no WRITE of the sender's into that rank's
-pages is in flight any more), ``ping``. Engine notification (sender -> receiver, delivered by the engine after the batch's
+pages is in flight any more), ``ping``, ``bye``. ``bye`` (either way, connection-level): the
+side closed this connection on purpose (``close()``, or it dropped the peer), so the other side
+drops it now instead of after ``peer_timeout_s`` of silence. Engine notification (sender -> receiver, delivered by the engine after the batch's
 bytes landed): ``done``.
 """
 from __future__ import annotations
@@ -32,7 +34,7 @@ __all__ = [
 ]
 
 #: Bumped on any change of a message's meaning; peers of another version are refused at hello.
-PROTOCOL_VERSION = 7  # 7: hello_ack offers the fused path's flag page, fused_done carries its sequence number; 6: (an IPC event instead); 5: hello states the receiver's cache pages; 4: hello and hello_ack state whether the side stages
+PROTOCOL_VERSION = 8  # 8: bye; 7: hello_ack offers the fused path's flag page, fused_done carries its sequence number; 6: (an IPC event instead); 5: hello states the receiver's cache pages; 4: hello and hello_ack state whether the side stages
 #: Path names a sender may answer a hello with (`dcp_jax.transfer._region.choose_path`).
 PATHS = ("direct", "packed", "region", "fused")
 MAX_IPC_HANDLES = 4096     # one CUDA IPC handle per KV layer entry at most (spec.MAX_LAYERS)
@@ -59,7 +61,7 @@ KINDS: dict[str, dict[str, tuple]] = {
     # of the KV layers; ipc: CUDA IPC handle dicts of the layers (bridge.cuda_ipc, checked by
     # IpcHandle.from_dict before use), [] when not offered; host: where the receiver runs;
     # heartbeat_ms / peer_timeout_ms: its ping interval and silence limit (each side's pings must
-    # come well inside the other's limit: `SenderPeers._check_liveness`); staged: the side's KV is
+    # come well inside the other's limit: `SenderHandshake._check_liveness`); staged: the side's KV is
     # not registered, it stages through host memory (`dcp_jax.transfer.staging`); num_pages: pages
     # of its layer caches (the per-head layouts' plane strides need it: `dcp_jax.transfer.views`).
     "hello": {"spec": (_DICT, 0), "peer": (_DICT, 0), "group": (_STR, 256), "direction": (_STR, 8),
@@ -86,6 +88,7 @@ KINDS: dict[str, dict[str, tuple]] = {
     "drained": {},
     "sent": {"chunk": (_INT, 0), "part": (_INT, 0)},
     "ping": {},
+    "bye": {"reason": (_STR, MAX_TEXT)},
 }
 
 

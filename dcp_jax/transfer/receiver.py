@@ -181,7 +181,10 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
         Raises:
             HandshakeError: a field differs or the geometry cannot be served (names the field
                 and both values); field ``"position"``: a live connected sender already holds the
-                sender's prefill (dcp_rank, tp_rank). Nothing was registered with the peer.
+                sender's prefill (dcp_rank, tp_rank); or, from the sender, another receiver of
+                this group that still pings holds this rank's (dcp_rank, tp_rank) (the sender
+                waits two of that receiver's ping intervals for it to say bye or fall silent
+                before refusing). Nothing was registered with the peer.
             TimeoutError: no answer within ``timeout_s``.
             ValueError: malformed address, unknown direction, or already connected there.
         """
@@ -373,9 +376,8 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
         self._layers.close()
 
     def _close_links(self) -> None:
-        self._flush()  # the "failed" frames of the live requests
-        for link in self._links:
-            link.client.close()
+        for link in self._links:  # after the "failed" frames of the live requests
+            self._say_bye(link, "receiver closed")
             link.close_flag()
         self._links.clear()  # stats say 0 connections once closed
         self._by_peer.clear()

@@ -33,12 +33,13 @@ from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import (ACTIVE, DEFAULT_HEARTBEAT_S, IDLE, PENDING, Worker, check_liveness,
                                       check_page_table, check_seconds, check_tokens, close_at_exit, shut_down)
 from dcp_jax.transfer.arena import PackArena
+from dcp_jax.transfer._sender_handshake import SenderHandshake
 from dcp_jax.transfer._sender_peers import SenderPeers
 from dcp_jax.transfer._region import SEND_MODES
 from dcp_jax.transfer._sender_region import SenderRegion
 from dcp_jax.transfer._sender_endings import SenderEndings
 from dcp_jax.transfer._sender_units import SenderUnits
-from dcp_jax.transfer.control import ControlServer, make_side_engine
+from dcp_jax.transfer.control import BYE_LINGER_MS, ControlServer, make_side_engine
 from dcp_jax.transfer.memory import CacheLayers
 from dcp_jax.transfer.requests import SendRequest, check_request_id
 from dcp_jax.transfer.schedule import SideLayout
@@ -54,7 +55,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_PACK_BYTES = 64 << 20
 
 
-class KVSender(SenderPeers, SenderUnits, SenderEndings, SenderRegion):
+class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderRegion):
     """Prefill-side connector over the caller's KV layers.
 
     Args:
@@ -173,8 +174,9 @@ class KVSender(SenderPeers, SenderUnits, SenderEndings, SenderRegion):
                             engine_calls=0, stalls=0, held_hellos=0)
         self._compile_count = compile_count
         # A worker stalled this long (SIGSTOP, a pause of the process) may have been dropped as
-        # silent by its receivers, who then reuse the pages: `SenderPeers._on_stall`.
-        self._stall_s = max(self.peer_timeout_s - 1.5 * self.heartbeat_s, self.peer_timeout_s / 2)
+        # silent by a receiver, which then reuses the pages: `SenderPeers._on_stall`. The shortest
+        # limit of the connections (`_update_stall_limit`), by each receiver's own peer_timeout_s.
+        self._stall_s = float("inf")
         self._last_round = time.monotonic()
         self._held_hellos: dict[bytes, tuple] = {}  # ident -> (hello, first seen): `_hold_hello`
         self._worker = Worker(f"dcp-sender-{spec.dcp_rank}", self._round, self._ctl.sock)
@@ -417,7 +419,10 @@ class KVSender(SenderPeers, SenderUnits, SenderEndings, SenderRegion):
         self._layers.close()
 
     def _close_conns(self) -> None:
-        self._ctl.close()
+        bye = proto.encode("bye", reason="sender closed")
+        for conn in self._conns.values():  # after the "failed" frames of the live requests
+            self._ctl.send(conn.ident, bye)
+        self._ctl.close(linger_ms=BYE_LINGER_MS)
         for conn in self._conns.values():
             conn.close_mapping()
         self._conns.clear()  # stats say 0 connections once closed

@@ -76,7 +76,9 @@ def test_close_with_a_short_timeout_leaves_the_teardown_to_a_daemon(two_connecte
     t0 = time.monotonic()
     eng.close(timeout_s=0.2)
     took = time.monotonic() - t0
-    assert took < 1.0, took
+    # Well under the teardown's own time (the join below waits for it); 1.0 s once read 1.02 s on
+    # a machine loaded by a second test run, so the bound leaves room for scheduling.
+    assert took < 2.0, took
     assert registered_bytes() == start
     mine = [t for t in threading.enumerate() if eng.name in t.name]
     assert all(t.daemon for t in mine), [(t.name, t.daemon) for t in mine]

@@ -12,7 +12,7 @@ import pytest
 
 import conftest
 from conftest import TransferStatus
-from dcp_jax.transfer import _sender_peers
+from dcp_jax.transfer import _sender_handshake
 from dcp_jax.transfer import receiver as receiver_mod
 from test_region import cluster, wait_for
 
@@ -41,10 +41,10 @@ def fused_on_host(monkeypatch):
         (h,) = handles
         return _HostMapping(layers_of[h["host_mapping"]])
 
-    real = _sender_peers.choose_path
+    real = _sender_handshake.choose_path
     monkeypatch.setattr(receiver_mod, "ipc_export", export)
-    monkeypatch.setattr(_sender_peers, "ipc_open", open_)
-    monkeypatch.setattr(_sender_peers, "choose_path",
+    monkeypatch.setattr(_sender_handshake, "ipc_open", open_)
+    monkeypatch.setattr(_sender_handshake, "choose_path",
                         lambda mode, **kw: "fused" if mode == "fused" else real(mode, **kw))
     return layers_of
 
@@ -86,8 +86,8 @@ def test_fused_mapping_is_closed_with_the_connection(engine, fused_on_host):
 
 def test_fused_page_table_past_the_mapped_rows_fails_before_any_write(engine, fused_on_host, monkeypatch):
     # The sender checks the rank's rows against what it mapped (no engine checks these addresses).
-    whole = _sender_peers.ipc_open
-    monkeypatch.setattr(_sender_peers, "ipc_open",  # the rank "exported" 4 pages of its 8
+    whole = _sender_handshake.ipc_open
+    monkeypatch.setattr(_sender_handshake, "ipc_open",  # the rank "exported" 4 pages of its 8
                         lambda handles, item_lens: _HostMapping([a[:16] for a in whole(handles, item_lens).arrays]))
     c = cluster(engine, dcp_size=1, mode="fused", region_bytes=0, pages=8)
     try:

@@ -207,13 +207,13 @@ def test_a_second_sender_of_one_prefill_position_is_refused_until_the_first_is_d
             np.testing.assert_array_equal(dst[layer][:4], src[0][layer][:4])
             assert (dst[layer][4:] == SENTINEL).all()
         r.release("a"), s0.release("a")
-        s0.close()  # the first sender goes away: dropped as silent after peer_timeout_s
+        s0.close()  # the first sender goes away: it says bye, the link is dropped at once
         deadline = time.monotonic() + 10
         while r.stats["connections"] and time.monotonic() < deadline:
             time.sleep(0.05)
         # Connected once: expect() says why no sender is left, not "before connect()".
         with pytest.raises(RuntimeError, match=r"no connected sender: the last link was dropped \(prefill "
-                                               r"sender tcp://\S+ silent for 1 s\); connect\(\) again"):
+                                               r"sender tcp://\S+ ended the connection: sender closed\); connect\(\) again"):
             r.expect("c", np.arange(4), 16)
         r.connect(s1.address)  # the same position, a new sender: accepted now
         _landed(r, s1, "b", 16)

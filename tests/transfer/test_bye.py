@@ -1,0 +1,142 @@
+"""A side that closes says ``bye``: its peers drop the connection at once, not after
+``peer_timeout_s``; a decode position is held by one live receiver at a time (real engines)."""
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import _peer
+from conftest import Cluster, TransferStatus
+from dcp_jax.transfer import HandshakeError, KVCacheSpec, KVReceiver
+
+S = TransferStatus
+LONG = 30.0  # peer_timeout_s far beyond every bound below: only a bye can explain a quick drop
+
+
+def _until(cond, timeout_s):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def _known(side, rid):
+    try:
+        side.poll(rid)
+        return True
+    except KeyError:
+        return False
+
+
+def _rank0_twin(c, engine, **kw):
+    """A second receiver of the cluster's group at dcp_rank 0 (its own pages)."""
+    spec = c.receivers[0].spec
+    kv = [np.zeros((c.pages, c.page_size, il), np.uint8) for il in c.item_lens]
+    return KVReceiver(spec, kv, engine=engine, timeout_s=20, peer_timeout_s=LONG, **kw), kv
+
+
+def test_a_closed_receiver_leaves_the_sender_at_once(engine):
+    c = Cluster(engine, dcp_size=2, peer_timeout_s=LONG)
+    try:
+        src, dst = c.tables(24)
+        c.expect("a", dst, 24)
+        assert _until(lambda: _known(c.sender, "a"), 5)  # the announcements arrived
+        t0 = time.monotonic()
+        c.receivers[0].close()
+        assert _until(lambda: c.sender.stats["connections"] == 1, 5), c.sender.stats
+        assert c.sender.poll("a") is S.FAILED
+        assert time.monotonic() - t0 < 5 < LONG
+        reason = c.sender.failure_reason("a")
+        assert "receiver closed" in reason and "decode rank 0" in reason, reason
+    finally:
+        c.close()
+
+
+def test_a_closed_sender_fails_the_receivers_at_once(engine):
+    c = Cluster(engine, dcp_size=2, peer_timeout_s=LONG)
+    try:
+        _, dst = c.tables(24)
+        c.expect("a", dst, 24)
+        t0 = time.monotonic()
+        c.sender.close()
+        for r in c.receivers:
+            assert _until(lambda: r.poll("a").terminal and r.stats["connections"] == 0, 5), r.stats
+            assert r.poll("a") is S.FAILED
+            assert "sender closed" in r.failure_reason("a"), r.failure_reason("a")
+        assert time.monotonic() - t0 < 5 < LONG
+        with pytest.raises(RuntimeError, match="sender closed"):  # expect() says why it has no sender
+            c.receivers[0].expect("b", dst[0], 24)
+    finally:
+        c.close()
+
+
+def test_a_second_live_receiver_at_a_position_is_refused(engine):
+    """A misconfigured twin of decode rank 0 must not take the healthy rank's place: it is
+    refused once the healthy one pinged on, and a request to the group still lands byte-exact."""
+    c = Cluster(engine, dcp_size=2, peer_timeout_s=LONG)
+    try:
+        twin, _ = _rank0_twin(c, engine)
+        with twin:
+            t0 = time.monotonic()
+            with pytest.raises(HandshakeError, match="dcp_rank 0, tp_rank 0 is held by the live receiver") as info:
+                twin.connect(c.sender.address, timeout_s=10)
+            assert info.value.field == "position"
+            assert time.monotonic() - t0 < 5
+        assert c.sender.stats["connections"] == 2 and c.receivers[0].stats["connections"] == 1
+        src, dst = c.tables(40)
+        c.expect("r", dst, 40)
+        c.sender.send("r", src, 0, 40)
+        assert c.wait("r") == [S.SUCCESS] * 3, c.reasons("r")
+        assert c.check_bytes(src, dst, 40) == 40
+    finally:
+        c.close()
+
+
+def test_a_restarted_receiver_takes_the_position_of_the_closed_one(engine):
+    c = Cluster(engine, dcp_size=2, peer_timeout_s=LONG)
+    try:
+        c.receivers[0].close()
+        new, kv = _rank0_twin(c, engine)
+        c.receivers[0], c.dst[0] = new, kv  # the cluster closes and checks it from now on
+        t0 = time.monotonic()
+        new.connect(c.sender.address, timeout_s=10)
+        assert time.monotonic() - t0 < 5
+        src, dst = c.tables(40)
+        c.expect("r", dst, 40)
+        c.sender.send("r", src, 0, 40)
+        assert c.wait("r") == [S.SUCCESS] * 3, c.reasons("r")
+        assert c.check_bytes(src, dst, 40) == 40
+        assert c.sender.stats["connections"] == 2
+    finally:
+        c.close()
+
+
+def test_a_killed_receiver_gives_its_position_to_a_new_one_once_silent(engine):
+    """No bye from a SIGKILLed rank: its replacement waits until the old connection is quiet
+    (two of its ping intervals), well inside peer_timeout_s, then takes the position."""
+    c = Cluster(engine, dcp_size=1, connect=False, peer_timeout_s=LONG)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_peer.receiver_main, args=(child, engine, c.sender.address, c.item_lens, c.page_size,
+                                                      "k", 40, LONG), daemon=True)
+    p.start()
+    try:
+        assert parent.poll(60) and parent.recv() == "ready"
+        assert _until(lambda: _known(c.sender, "k"), 10)  # its announcement arrived
+        os.kill(p.pid, signal.SIGKILL)
+        spec = c.sender_spec
+        kv = [np.zeros((64, c.page_size, il), np.uint8) for il in c.item_lens]
+        with KVReceiver(spec, kv, engine=engine, timeout_s=20, peer_timeout_s=LONG) as new:
+            t0 = time.monotonic()
+            new.connect(c.sender.address, timeout_s=10)
+            assert time.monotonic() - t0 < 5 < LONG
+            assert c.sender.poll("k") is S.FAILED and "reconnected" in c.sender.failure_reason("k")
+            assert c.sender.stats["connections"] == 1
+    finally:
+        p.kill()
+        c.close()
