@@ -204,6 +204,13 @@ class ReceiverLinks:
                                    f"tp_rank(s) {list(src)})" for r, h0, h1, src in gaps)
                                + " (connect() to those prefill TP ranks first)")
 
+    def _link_list(self) -> list[dict[str, Any]]:
+        """`KVReceiver.peers` (under the lock)."""
+        now = time.monotonic()
+        return [dict(address=link.client.address, name=link.peer, dcp_rank=link.spec.dcp_rank,
+                     tp_rank=link.spec.tp_rank, path=link.path, direction=link.direction, staged=link.staged,
+                     silent_s=now - link.last_seen) for link in self._links]
+
     # ---- silent senders and senders in doubt (worker thread) ------------------------------------
     def _heartbeat(self) -> None:
         now = time.monotonic()

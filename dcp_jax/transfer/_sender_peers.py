@@ -211,6 +211,14 @@ class SenderPeers:
         self._counts["requests"] += 1
         return req
 
+    def _peer_list(self) -> list[dict[str, Any]]:
+        """`KVSender.peers` (under the lock)."""
+        now = time.monotonic()
+        return [dict(name=c.name, group=c.group, dcp_rank=c.spec.dcp_rank, tp_rank=c.spec.tp_rank, path=c.path,
+                     direction=c.direction, staged=c.staged, silent_s=now - c.last_seen, heartbeat_s=c.heartbeat_s,
+                     peer_timeout_s=c.peer_timeout_s)
+                for c in sorted(self._conns.values(), key=lambda c: (c.group, c.spec.dcp_rank, c.spec.tp_rank))]
+
     def _heartbeat(self) -> None:
         now = time.monotonic()
         for conn in list(self._conns.values()):

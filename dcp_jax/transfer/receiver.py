@@ -339,6 +339,16 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
                        region_waiting=len(self._waiting))
         return out
 
+    @property
+    def peers(self) -> list[dict[str, Any]]:
+        """The connected prefill senders, one dict each, in connection order: ``address`` (what
+        `connect` was given), ``name`` (the sender's engine name), its prefill ``dcp_rank`` and
+        ``tp_rank``, ``path`` (what it chose at the handshake: "direct", "packed", "region" or
+        "fused"), ``direction`` ("push" / "pull"), ``staged`` (its KV is not registered) and
+        ``silent_s`` (seconds since its last message). Empty once closed."""
+        with self._lock:
+            return self._link_list()
+
     def request_stats(self, request_id: str) -> dict[str, Any]:
         """Per-request figures on this rank: ``status``, ``reason``, ``bytes`` landed,
         ``paths`` (the transfer path of each sender it was announced to, in connection order),

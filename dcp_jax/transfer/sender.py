@@ -410,6 +410,16 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
                        arena=dict(self._arena.stats), worker_errors=self._worker.errors)
         return out
 
+    @property
+    def peers(self) -> list[dict[str, Any]]:
+        """The connected decode ranks, one dict each, by (group, dcp_rank, tp_rank): ``name`` (the
+        receiver's engine name), ``group``, ``dcp_rank``, ``tp_rank``, ``path`` (chosen at the
+        handshake: "direct", "packed", "region" or "fused"), ``direction`` ("push" / "pull"),
+        ``staged`` (its KV is not registered), ``silent_s`` (seconds since its last message) and
+        its own ``heartbeat_s`` / ``peer_timeout_s`` (seconds, from its hello). Empty once closed."""
+        with self._lock:
+            return self._peer_list()
+
     def close(self, timeout_s: float = 5.0) -> None:
         """Stops the worker, fails what is live, closes the engine and sockets; releases every
         registration. Returns within ``timeout_s`` (+ a small margin) whatever the engine does.

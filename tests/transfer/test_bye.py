@@ -140,3 +140,27 @@ def test_a_killed_receiver_gives_its_position_to_a_new_one_once_silent(engine):
     finally:
         p.kill()
         c.close()
+
+
+def test_peers_list_the_live_connections_on_both_sides(engine):
+    c = Cluster(engine, dcp_size=2, peer_timeout_s=LONG)
+    try:
+        got = c.sender.peers
+        assert [(p["group"], p["dcp_rank"], p["tp_rank"]) for p in got] == [("default", 0, 0), ("default", 1, 0)]
+        for p, r in zip(got, c.receivers):
+            assert p["name"] == r.engine.name and p["direction"] == "push" and not p["staged"]
+            assert p["path"] in ("direct", "packed", "region") and 0 <= p["silent_s"] < 5
+            assert (p["heartbeat_s"], p["peer_timeout_s"]) == (r.heartbeat_s, LONG)
+        for r in c.receivers:
+            (link,) = r.peers
+            assert (link["address"], link["name"]) == (c.sender.address, c.sender.engine.name)
+            assert (link["dcp_rank"], link["tp_rank"], link["direction"]) == (0, 0, "push")
+            assert link["path"] == got[0]["path"] and 0 <= link["silent_s"] < 5
+        c.receivers[0].close()
+        assert c.receivers[0].peers == []
+        assert _until(lambda: [p["dcp_rank"] for p in c.sender.peers] == [1], 5), c.sender.peers
+        c.sender.close()
+        assert c.sender.peers == []
+        assert _until(lambda: c.receivers[1].peers == [], 5)
+    finally:
+        c.close()
