@@ -91,6 +91,16 @@ class Cluster:
             time.sleep(0.002)
         return [s.poll(rid) for s in sides]
 
+    def round_trip(self, rid, num_tokens):
+        """One whole request on fresh pages through every rank (expect, send, wait): asserts
+        SUCCESS on every side and every owned row byte-exact; returns the page tables."""
+        src, dst = self.tables(num_tokens)
+        self.expect(rid, dst, num_tokens)
+        self.sender.send(rid, src, 0, num_tokens)
+        assert self.wait(rid) == [TransferStatus.SUCCESS] * (1 + self.dcp_size), self.reasons(rid)
+        assert self.check_bytes(src, dst, num_tokens) == num_tokens
+        return src, dst
+
     def reasons(self, rid):
         """Every side's status and failure reason (for assertion messages)."""
         return [(s.poll(rid).name, s.failure_reason(rid)) for s in [self.sender] + self.receivers]

@@ -10,7 +10,7 @@ import pytest
 
 import _peer
 from conftest import Cluster, TransferStatus
-from dcp_jax.transfer import HandshakeError, KVCacheSpec, KVReceiver
+from dcp_jax.transfer import HandshakeError, KVReceiver
 
 S = TransferStatus
 LONG = 30.0  # peer_timeout_s far beyond every bound below: only a bye can explain a quick drop
@@ -88,11 +88,7 @@ def test_a_second_live_receiver_at_a_position_is_refused(engine):
             assert info.value.field == "position"
             assert time.monotonic() - t0 < 5
         assert c.sender.stats["connections"] == 2 and c.receivers[0].stats["connections"] == 1
-        src, dst = c.tables(40)
-        c.expect("r", dst, 40)
-        c.sender.send("r", src, 0, 40)
-        assert c.wait("r") == [S.SUCCESS] * 3, c.reasons("r")
-        assert c.check_bytes(src, dst, 40) == 40
+        c.round_trip("r", 40)
     finally:
         c.close()
 
@@ -106,11 +102,7 @@ def test_a_restarted_receiver_takes_the_position_of_the_closed_one(engine):
         t0 = time.monotonic()
         new.connect(c.sender.address, timeout_s=10)
         assert time.monotonic() - t0 < 5
-        src, dst = c.tables(40)
-        c.expect("r", dst, 40)
-        c.sender.send("r", src, 0, 40)
-        assert c.wait("r") == [S.SUCCESS] * 3, c.reasons("r")
-        assert c.check_bytes(src, dst, 40) == 40
+        c.round_trip("r", 40)
         assert c.sender.stats["connections"] == 2
     finally:
         c.close()
