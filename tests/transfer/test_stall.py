@@ -2,7 +2,6 @@
 dropped it meanwhile, by each receiver's own ``peer_timeout_s`` (real engines)."""
 import time
 
-
 from conftest import Cluster, TransferStatus
 from dcp_jax.transfer import KVReceiver
 
