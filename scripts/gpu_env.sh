@@ -46,6 +46,14 @@ for pkg in zmq msgpack; do  # the connector's control plane
             | grep -v -i "warning: running pip as"
     fi
 done
+# pytest-xdist for the GPU tests on several workers (GPU_TEST_WORKERS in scripts/gpu_suite.sh).
+if ! "$PY" -c "import xdist" 2>/dev/null; then
+    shopt -s nullglob
+    whl=(.whl/pytest_xdist-*.whl .whl/execnet-*.whl)
+    shopt -u nullglob
+    (( ${#whl[@]} == 2 )) && "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "${whl[@]}" 2>&1 \
+        | grep -v -i "warning: running pip as"
+fi
 # Mooncake's engine.so links libcudart.so.13: the image has it in nvidia/cu13/lib of site-packages.
 CUDART_DIR=$("$PY" - <<'EOF' 2>/dev/null
 import glob, os, site

@@ -8,6 +8,8 @@
 #   GIT_COMMIT=<sha> scripts/gpu_suite.sh      # recorded in the summary (else `git rev-parse HEAD`)
 #   BUNDLE=1 OUT=$OUT scripts/gpu_suite.sh ...  # on the device tool (8 files back at most): the steps'
 #                                              # files in one gpu_suite_steps.tgz beside the summary
+#   GPU_TEST_WORKERS=3 scripts/gpu_suite.sh    # the GPU tests on 3 pytest-xdist workers sharing the GPU
+#                                              # (.whl/ carries xdist; not yet run on the H200)
 #
 # Installs from .whl/ (no network): NIXL's CUDA build (nixl_cu13_site.tgz, a trimmed unpacked
 # wheel, or nixl_cu13-*.whl), Mooncake's CUDA build (mooncake_cu13_site.tgz: mooncake/engine.so and
@@ -84,7 +86,12 @@ source "$ROOT/scripts/gpu_env.sh"
 # The 32k DCP8 job test is the job_32k_* steps' own run: deselected here to keep the limits.
 # -v names each test as it runs and faulthandler dumps every thread of a test past 40 s: a hang
 # is named in the log even when the step's limit kills pytest.
+# GPU_TEST_WORKERS=N (N > 0, pytest-xdist from .whl/): N worker processes share the GPU, one test
+# file each at a time (XLA_PYTHON_CLIENT_PREALLOCATE=false keeps each to what it uses).
+XDIST=()
+(( ${GPU_TEST_WORKERS:-0} > 0 )) && XDIST=(-n "$GPU_TEST_WORKERS" --dist loadfile)
 step pytest_gpu ${PYTEST_LIMIT_S:-320} "$PY" -m pytest -v -m gpu ${PYTEST_TARGETS:-tests/gpu} -p no:cacheprovider \
+    ${XDIST[@]+"${XDIST[@]}"} \
     --durations=15 -o faulthandler_timeout=40 \
     --deselect tests/gpu/test_transfer_job_gpu.py::test_deepseek_32k_dcp8_on_device_memory
 step d2d_ceiling 25 "$PY" benchmarks/d2d_ceiling.py --prompt-tokens 32768 --prompt-tokens 131072 \

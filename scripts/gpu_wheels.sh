@@ -4,7 +4,8 @@
 # where scripts/gpu_env.sh unpacks it.
 #
 #   scripts/gpu_wheels.sh            # -> .whl/nixl_cu13_site.tgz, .whl/mooncake_cu13_site.tgz,
-#                                    #    .whl/pyzmq-*.whl, .whl/msgpack-*.whl (cp312, x86_64)
+#                                    #    .whl/pyzmq-*.whl, .whl/msgpack-*.whl (cp312, x86_64),
+#                                    #    .whl/pytest_xdist-*.whl, .whl/execnet-*.whl (pure Python)
 #
 # The CUDA 13 engine wheels are too big to carry whole (nixl-cu13 58.8 MB, Mooncake 49.7 MB), so
 # they are unpacked and trimmed (../shared/spec/platform.md, "GPU transfer between processes"):
@@ -22,13 +23,17 @@ LIMIT=$((64 << 20))
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 mkdir -p .whl
-rm -f .whl/nixl_cu13_site.tgz .whl/mooncake_cu13_site.tgz .whl/pyzmq-*.whl .whl/msgpack-*.whl
+rm -f .whl/nixl_cu13_site.tgz .whl/mooncake_cu13_site.tgz .whl/pyzmq-*.whl .whl/msgpack-*.whl \
+    .whl/pytest_xdist-*.whl .whl/execnet-*.whl
 
 # The device runs CPython 3.12 on x86_64 glibc >= 2.28: ask for exactly those wheels.
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_26_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$TMP/dl" "$NIXL" "$MOONCAKE" pyzmq msgpack
 cp "$TMP"/dl/pyzmq-*.whl "$TMP"/dl/msgpack-*.whl .whl/
+# pytest-xdist and execnet (pure Python): the suite's GPU tests on several workers (GPU_TEST_WORKERS).
+"$PY" -m pip download -q --no-deps --only-binary=:all: -d "$TMP/dl" pytest-xdist execnet
+cp "$TMP"/dl/pytest_xdist-*.whl "$TMP"/dl/execnet-*.whl .whl/
 
 # --- NIXL: drop nixl_ep (27.9 MB compressed) and the headers ---------------------------------------
 mkdir -p "$TMP/nixl"
