@@ -292,6 +292,12 @@ class EngineCore(abc.ABC):
                          "background (the engine may still use the memory of unfinished batches)",
                          self.name, timeout_s)
 
+    @property
+    def torn_down(self) -> bool:
+        """True once `close` finished the teardown within its wait: the engine reads and writes
+        no memory any more. False while open, and while a teardown left to a daemon still runs."""
+        return self._closed and (self._closer is None or not self._closer.is_alive())
+
     def _close_at_exit(self, regions: tuple[MemoryRegion, ...], peers: tuple[PeerInfo, ...],
                        timeout_s: float) -> None:
         # No teardown thread can start, so the caller waits (at most timeout_s) until no worker

@@ -86,9 +86,9 @@ class ReceiverData:
                 self._drop_link(link, f"prefill sender {link.client.address} refused the connection: {msg['message']}",
                                 tell=False)
         elif kind == "bye":  # the sender closed or dropped this connection: no need to wait out its silence
-            if link in self._links:
+            if link in self._links:  # drained: its engine is torn down, none of its writes can land
                 self._drop_link(link, f"prefill sender {link.client.address} ended the connection: {msg['reason']}",
-                                tell=False)
+                                tell=False, in_doubt=not msg["drained"])
         elif kind != "ping":
             self._counts["dropped_messages"] += 1
 
@@ -261,9 +261,7 @@ class ReceiverData:
         if now < self._next_timeout_check:
             return
         self._next_timeout_check = now + TIMEOUT_CHECK_S
-        for peer, (since, _) in list(self._doubt.items()):
-            if now - since > self.drain_grace_s:  # it never came back: its writes are long over
-                self._clear_doubt(peer)
+        self._expire_doubt(now)
         for req in list(self._requests.values()):
             if not req.status.terminal:
                 if req.state.stalled_for(now) > self.timeout_s:
@@ -271,6 +269,13 @@ class ReceiverData:
                               "failed")
             elif req.status is not TransferStatus.SUCCESS and req.state.stalled_for(now) > self.timeout_s:
                 self._ask_drained(req)
+
+    def _expire_doubt(self, now: float) -> None:
+        """Push senders in doubt for ``drain_grace_s`` are done: they never came back (or this
+        side closed), and their writes are long over."""
+        for peer, (since, _) in list(self._doubt.items()):
+            if now - since > self.drain_grace_s:
+                self._clear_doubt(peer)
 
     def _ask_drained(self, req: RecvRequest) -> None:
         """Asks again, once per ``timeout_s``, the push senders that have not said ``drained`` for

@@ -131,7 +131,8 @@ class ReceiverLinks:
                 raise
         except BaseException as exc:
             if reply is not None and reply["k"] == "hello_ack":  # the sender took it: tell it at once
-                client.send(proto.encode("bye", reason=f"the receiver refused the handshake: {exc}"[:proto.MAX_TEXT]))
+                client.send(proto.encode("bye", reason=f"the receiver refused the handshake: {exc}"[:proto.MAX_TEXT],
+                                         drained=False))
             client.close(linger_ms=BYE_LINGER_MS)
             raise
         row_bytes, view = self.spec.row_bytes, None
@@ -219,21 +220,25 @@ class ReceiverLinks:
                 self._drop_link(link, f"prefill sender {link.client.address} silent for {self.peer_timeout_s:g} s")
         if now - self._last_ping >= self.heartbeat_s:
             self._last_ping = now
-            ping = proto.encode("ping")
-            self._outbox.extend((link, ping) for link in self._links)
+            self._ping_peers()
 
-    def _drop_link(self, link: Link, reason: str, *, tell: bool = True) -> None:
+    def _ping_peers(self) -> None:
+        ping = proto.encode("ping")
+        self._outbox.extend((link, ping) for link in self._links)
+
+    def _drop_link(self, link: Link, reason: str, *, tell: bool = True, in_doubt: bool = True) -> None:
         """Fails the link's requests and forgets it; with ``tell`` a ``bye`` says why, so a sender
         that still listens drops this connection now rather than after its ``peer_timeout_s``
-        (False when the sender itself ended it: a ``bye`` or a refusal from it)."""
+        (False when the sender itself ended it: a ``bye`` or a refusal from it). ``in_doubt=False``:
+        the sender's engine is torn down (its ``bye`` said drained), none of its writes can land."""
         self._links.remove(link)
         self._last_drop = reason  # what `expect` says once no link is left
         self._by_peer.pop(link.peer, None)
         for req in list(self._requests.values()):
             if link in req.senders:
                 self._end(req, TransferStatus.FAILED, reason, "failed")
-        if link.direction == "pull":
-            self._free_grants(lambda key, g: g.link is link)  # this rank's own reads: none was granted
+        if link.direction == "pull" or not in_doubt:
+            self._free_grants(lambda key, g: g.link is link)  # nothing of the sender can land any more
         else:
             # A push sender dropped as silent may only be stopped (SIGSTOP, a stalled host): the
             # WRITEs its engine had taken still land when it resumes, whatever remove_peer did.
@@ -249,11 +254,12 @@ class ReceiverLinks:
         except Exception:  # noqa: BLE001 - already gone
             pass
 
-    def _say_bye(self, link: Link, reason: str) -> None:
+    def _say_bye(self, link: Link, reason: str, *, drained: bool = False) -> None:
         """Sends the ``bye`` after what is queued for the link, then closes its socket (the
-        frames get `control.BYE_LINGER_MS` to leave, in the background)."""
+        frames get `control.BYE_LINGER_MS` to leave, in the background). ``drained``: this
+        side's engine is torn down."""
         self._flush()
-        link.client.send(proto.encode("bye", reason=reason[:proto.MAX_TEXT]))
+        link.client.send(proto.encode("bye", reason=reason[:proto.MAX_TEXT], drained=drained))
         link.client.close(linger_ms=BYE_LINGER_MS)
 
     def _clear_doubt(self, peer: str) -> None:

@@ -117,19 +117,22 @@ class SenderEndings:
         if now < self._next_timeout_check:
             return
         self._next_timeout_check = now + TIMEOUT_CHECK_S
+        for rid in [rid for rid, gone in self._released_ended.items() if gone[0] <= now]:
+            del self._released_ended[rid]
         for req in list(self._requests.values()):
             if not req.status.terminal and req.state.stalled_for(now) > self.timeout_s:
                 self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s{_waiting_for(req)}",
                           notify="failed")
-            elif (req.status in (TransferStatus.FAILED, TransferStatus.ABORTED) and not req.chunks
+            elif (req.status.terminal and not req.chunks
                   and req.inflight == 0 and req.state.stalled_for(now) > self.timeout_s):
                 self._forget_unsent(req)
 
     def _forget_unsent(self, req: SendRequest) -> None:
-        """Drops a FAILED or ABORTED request this side never sent to (`send` was never called:
-        decode ranks announced it, then aborted or released it) `timeout_s` after it ended: the prefill does not
-        know its id, so nothing would `release` it and each decode-side cancel would be held
-        forever. A `send` for the id afterwards starts a new request (which fails after
+        """Drops a request this side never sent to (`send` was never called) `timeout_s` after it
+        ended: FAILED or ABORTED (decode ranks announced it, then aborted or released it), or
+        SUCCESS (every rank announced a full prefix hit: nothing to send, so a router skips the
+        prefill). The prefill does not know its id, so nothing would `release` it and each such
+        request would be held forever. A `send` for the id afterwards starts a new request (which fails after
         `timeout_s` if no rank announces it again)."""
         del self._requests[req.rid]
         for conn, msg in self._early.pop(req.rid, []):  # announcements of the id's next use

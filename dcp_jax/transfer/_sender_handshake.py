@@ -23,7 +23,10 @@ from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
 from dcp_jax.transfer.views import stream_view, uses_views, view_path
 from pallas_kernels import RowCopier
 
-__all__ = ["SenderHandshake"]
+__all__ = ["SenderHandshake", "MAX_TAKEN_HOLD_S"]
+
+#: Longest wait (s) of a hello whose place a live connection holds before it is refused.
+MAX_TAKEN_HOLD_S = 2.0
 
 _UNBOUNDED_PAGES = 1 << 40  # page-id bound for a staged rank (its own `expect` checks its cache)
 
@@ -182,7 +185,8 @@ class SenderHandshake:
         A connection that ended said ``bye`` and is gone already; one whose process crashed, or
         a handshake its receiver refused, goes quiet, and the hello is taken once it is not
         `Conn.live`. One that pings on through two of its ping intervals after the hello came is
-        alive: the hello is refused (``hello_nack``, field ``"connection"`` for the same
+        alive (the hold is at most `MAX_TAKEN_HOLD_S`, inside a `connect`'s default timeout): the
+        hello is refused (``hello_nack``, field ``"connection"`` for the same
         receiver, ``"position"`` for another one) and the live connection keeps its requests."""
         now = time.monotonic()
         same = [c for c in self._conns.values() if c.name == msg["name"] and c.ident != ident]
@@ -190,7 +194,9 @@ class SenderHandshake:
         if not live:
             return False
         first = self._held_hellos.get(ident, (msg, now))[1]
-        if now - first <= 2 * live[0].heartbeat_s:
+        if now - first <= min(2 * live[0].heartbeat_s, MAX_TAKEN_HOLD_S):
+            if ident not in self._held_hellos:
+                self._counts["held_hellos"] += 1
             self._held_hellos[ident] = (msg, first)
             return True
         self._held_hellos.pop(ident, None)
@@ -199,8 +205,9 @@ class SenderHandshake:
                                  f"receiver {msg['name']!r} is already connected (another address spelling?)")
         else:
             exc = HandshakeError("position", None, None, f"decode group {msg['group']!r} dcp_rank {spec.dcp_rank}, "
-                                 f"tp_rank {spec.tp_rank} is held by the live receiver {live[0].name!r}; a rank takes "
-                                 "a position once its previous holder closed (bye) or went silent")
+                                 f"tp_rank {spec.tp_rank} is held by the live receiver {live[0].name!r} (heard from "
+                                 f"{now - live[0].last_seen:.1f} s ago); a rank takes a position once its previous "
+                                 f"holder closed (bye) or was silent for two of its pings ({2 * live[0].heartbeat_s:g} s)")
         self._nack(ident, exc)
         return True
 

@@ -188,6 +188,16 @@ class SenderPeers:
                 self._ctl.send(conn.ident, proto.encode("drained", rid, msg["inc"]))  # nothing was sent
             return
         if req is None:
+            gone = self._released_ended.get(rid)
+            if gone is not None and time.monotonic() < gone[0] and rank not in gone[1]:
+                # Released here before this rank announced it: tell it how it ended, not a wait
+                # of timeout_s for a transfer nobody will send. (A rank that had announced it
+                # announces the id's next use: a new request.)
+                kind = "abort" if gone[2] is TransferStatus.ABORTED else "failed"
+                self._ctl.send(conn.ident, proto.encode(kind, rid, msg["inc"], reason=gone[3]))
+                self._ctl.send(conn.ident, proto.encode("drained", rid, msg["inc"]))  # nothing was sent
+                gone[1].add(rank)  # told: its next announcement of the id is a new use
+                return
             req = self._new_request(rid)
         old = req.targets.get(rank)
         if old is not None or (req.group is not None and req.group != conn.group):
@@ -219,6 +229,11 @@ class SenderPeers:
                      peer_timeout_s=c.peer_timeout_s)
                 for c in sorted(self._conns.values(), key=lambda c: (c.group, c.spec.dcp_rank, c.spec.tp_rank))]
 
+    def _ping_peers(self) -> None:
+        ping = proto.encode("ping")
+        for conn in list(self._conns.values()):
+            self._ctl.send(conn.ident, ping)
+
     def _heartbeat(self) -> None:
         now = time.monotonic()
         for conn in list(self._conns.values()):
@@ -226,15 +241,15 @@ class SenderPeers:
                 self._drop_conn(conn, f"decode rank {conn.spec.dcp_rank} silent for {self.peer_timeout_s:g} s")
         if now - self._last_ping >= self.heartbeat_s:
             self._last_ping = now
-            ping = proto.encode("ping")
-            for conn in list(self._conns.values()):
-                self._ctl.send(conn.ident, ping)
+            self._ping_peers()
 
     def _drop_conn(self, conn: Conn, reason: str, *, tell: bool = True) -> None:
         """A receiver is gone: fail its requests, forget its engine peer (its handles then end).
         With ``tell`` a ``bye`` (after the ``failed`` frames) tells a receiver that still listens,
         so it need not wait out its ``peer_timeout_s`` (False when the receiver said bye)."""
-        logger.warning("dropping the connection of decode rank %d (%s): %s", conn.spec.dcp_rank, conn.name, reason)
+        # A receiver that said bye closed in order: not a warning (every clean shutdown does it).
+        logger.log(logging.WARNING if tell else logging.INFO, "dropping the connection of decode rank %d (%s): %s",
+                   conn.spec.dcp_rank, conn.name, reason)
         self._conns.pop(conn.ident, None)
         self._update_stall_limit()
         for req in list(self._requests.values()):
@@ -247,7 +262,7 @@ class SenderPeers:
                 self._unit_finished(u, reason)
         self._drop_asks(lambda u: u.target.conn is conn)
         if tell:
-            self._ctl.send(conn.ident, proto.encode("bye", reason=reason[:proto.MAX_TEXT]))
+            self._ctl.send(conn.ident, proto.encode("bye", reason=reason[:proto.MAX_TEXT], drained=False))
         conn.close_mapping()
         try:
             self.engine.remove_peer(conn.peer)

@@ -199,12 +199,15 @@ def _close_live_sides() -> None:
             logger.exception("closing %s at interpreter exit failed", type(side).__name__)
 
 
-def shut_down(side: Any, timeout_s: Any, what: str, close_sockets: Callable[[], None]) -> None:
+def shut_down(side: Any, timeout_s: Any, what: str, close_sockets: Callable[[], None],
+              flush: Callable[[], None] = lambda: None) -> None:
     """The part of `KVSender.close` and `KVReceiver.close` both share: marks ``side`` closed,
-    stops its worker, FAILS its live requests (telling their peers), calls ``close_sockets``
-    under its lock, then closes its engine, all within ``timeout_s`` seconds (+ a small margin)
-    whatever the engine does. ``what`` ("sender" / "receiver") names the side in the reason and
-    the log. The caller releases its own memory afterwards.
+    stops its worker, FAILS its live requests and sends their ``failed`` frames (``flush``),
+    closes its engine (pinging its peers meanwhile: ``side._ping_peers``), then calls
+    ``close_sockets`` under its lock (the ``bye``s: they can say whether the engine is torn down,
+    `bridge` ``torn_down``), all within ``timeout_s`` seconds
+    (+ a small margin) whatever the engine does. ``what`` ("sender" / "receiver") names the side
+    in the reason and the log. The caller releases its own memory afterwards.
 
     Raises:
         TypeError, ValueError: ``timeout_s`` is not a number of seconds in (0, 86400].
@@ -217,8 +220,19 @@ def shut_down(side: Any, timeout_s: Any, what: str, close_sockets: Callable[[], 
     with side._lock:
         for req in list(side._requests.values()):
             side._end(req, TransferStatus.FAILED, f"{what} closed", notify="failed")
+        flush()
+    # The engine's close can outlast a peer's silence limit (Mooncake's took about a second): the
+    # side keeps pinging meanwhile, so its peers wait for the bye instead of dropping it as silent.
+    closer = threading.Thread(target=side.engine.close, kwargs=dict(timeout_s=max(0.1, deadline - time.monotonic())),
+                              name=f"dcp-{what}-close", daemon=True)
+    closer.start()
+    while closer.is_alive() and time.monotonic() < deadline + 1.0:
+        with side._lock:
+            side._ping_peers()
+            flush()
+        closer.join(min(side.heartbeat_s / 2, max(0.01, deadline + 1.0 - time.monotonic())))
+    with side._lock:
         close_sockets()
-    side.engine.close(timeout_s=max(0.1, deadline - time.monotonic()))
 
 
 def check_seconds(name: str, value: Any, *, zero_ok: bool = False) -> float:

@@ -18,7 +18,8 @@ wants room in the receive region), ``fused_done`` (fused path: the sender's copy
 rank's IPC-mapped pages has finished, or, gated, was launched and bumps the flag page to ``seq`` once it has), ``drained`` (after a request ended without success, no WRITE of the sender's into that rank's
 pages is in flight any more), ``ping``, ``bye``. ``bye`` (either way, connection-level): the
 side closed this connection on purpose (``close()``, or it dropped the peer), so the other side
-drops it now instead of after ``peer_timeout_s`` of silence. Engine notification (sender -> receiver, delivered by the engine after the batch's
+drops it now instead of after ``peer_timeout_s`` of silence; ``drained`` says its engine is torn
+down (sent after ``close()`` closed the engine), so nothing of it is in flight any more. Engine notification (sender -> receiver, delivered by the engine after the batch's
 bytes landed): ``done``.
 """
 from __future__ import annotations
@@ -88,7 +89,9 @@ KINDS: dict[str, dict[str, tuple]] = {
     "drained": {},
     "sent": {"chunk": (_INT, 0), "part": (_INT, 0)},
     "ping": {},
-    "bye": {"reason": (_STR, MAX_TEXT)},
+    # drained: the side's engine is torn down (`bridge` engine ``torn_down``): none of its writes
+    # or reads is in flight any more, so the peer may give back what it held for them at once.
+    "bye": {"reason": (_STR, MAX_TEXT), "drained": (_BOOL, 0)},
 }
 
 

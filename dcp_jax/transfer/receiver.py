@@ -270,7 +270,8 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
             raise RuntimeError("this KVReceiver is closed")
 
     def poll(self, request_id: str) -> TransferStatus:
-        """The request's `TransferStatus` on this rank. Raises KeyError if unknown."""
+        """The request's `TransferStatus` on this rank. Raises KeyError if unknown, TypeError if
+        ``request_id`` is not a str."""
         return self._get(request_id).status
 
     def wait(self, request_id: str, timeout_s: float) -> TransferStatus:
@@ -293,6 +294,9 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
         """Aborts the request here and tells its senders; reads in flight are cancelled and
         reported to the sender once the engine is done with them. Idempotent. The request's
         pages may be reused once `is_drained` says so (a push sender may still be writing).
+
+        Args:
+            reason: text for both sides' `failure_reason` (``str()`` of it, cut to 4096 characters).
 
         Returns:
             True if it moved to ABORTED now. Raises KeyError if unknown.
@@ -324,7 +328,10 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
         own reads (pull) finished and every push sender said it has no write in flight (or is
         gone: dropped, then reconnected or silent for ``drain_grace_s``). Raises KeyError if unknown."""
         with self._lock:
-            return self._drained(self._get(request_id))
+            req = self._get(request_id)
+            if self._closed:  # no worker any more: the senders in doubt expire here
+                self._expire_doubt(time.monotonic())
+            return self._drained(req)
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -379,16 +386,42 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stops the worker, fails live requests, closes the engine and sockets, releases the
-        registrations; returns within ``timeout_s`` (+ a small margin). Idempotent."""
-        shut_down(self, timeout_s, "receiver", self._close_links)
+        registrations; returns within ``timeout_s`` (+ a small margin). Idempotent.
+
+        A push sender's WRITEs already handed to its engine may still land after this returns
+        (closing this side's engine does not stop them: measured with NIXL over loopback). So a
+        request that was live at the close stays not `is_drained` until ``drain_grace_s`` after
+        it, and the receive region is freed only then (a daemon timer keeps it).
+
+        Raises:
+            TypeError, ValueError: ``timeout_s`` is not a number of seconds in (0, 86400].
+        """
+        if self._closed:
+            return
+        shut_down(self, timeout_s, "receiver", self._close_links, flush=self._flush)
         self._close_unpacker()  # before the region and the pages it holds go
-        self._region.close()
+        with self._lock:
+            doubt = any(not self._drained(r) for r in [*self._requests.values(), *self._released.values()])
+        if doubt:  # a late WRITE into freed memory would corrupt this process: free it after the grace
+            timer = threading.Timer(self.drain_grace_s, self._region.close)
+            timer.daemon = True
+            timer.start()
+        else:
+            self._region.close()
         self._layers.close()
 
     def _close_links(self) -> None:
+        torn = self.engine.torn_down
+        if torn:  # this side's reads are over: nothing of them lands any more
+            for req, *_ in self._reads.values():
+                req.inflight -= 1
+            self._reads.clear()
+        now = time.monotonic()
         for link in self._links:  # after the "failed" frames of the live requests
-            self._say_bye(link, "receiver closed")
+            self._say_bye(link, "receiver closed", drained=torn)
             link.close_flag()
+            if link.direction == "push":  # its WRITEs may still land: in doubt for drain_grace_s
+                self._doubt.setdefault(link.peer, (now, link))
         self._links.clear()  # stats say 0 connections once closed
         self._by_peer.clear()
 
@@ -443,8 +476,9 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
             link.client.send(frame)
 
     def _get(self, request_id: str) -> RecvRequest:
-        req = self._requests.get(request_id)
+        req = self._requests.get(request_id) if isinstance(request_id, str) else None
         if req is None:
+            check_request_id(request_id)  # not a str: TypeError naming request_id, not "unhashable"
             raise KeyError(f"request_id={request_id!r} is not known to this receiver")
         return req
 

@@ -159,6 +159,9 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
         self._to_plan: dict[SendRequest, None] = {}  # ordered set: chunks or ranks not planned yet
         self._next_timeout_check = 0.0
         self._early: dict[str, list] = {}     # expects for an id still held in a terminal state
+        # Released FAILED / ABORTED ids, for timeout_s: rid -> (until, ranks that had announced it,
+        # status, reason): a rank announcing it late is told how it ended (`_on_expect`).
+        self._released_ended: dict[str, tuple] = {}
         self._conns: dict[bytes, Any] = {}     # control identity -> _sender_peers.Conn
         self._queue: deque = deque()         # _sender_units.Unit, FIFO (per rank; see _submit_units)
         self._held: dict = {}                # Conn -> pack-arena bytes its windows hold
@@ -225,6 +228,7 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
         with self._lock:
             req = self._requests.get(rid)
             if req is None:
+                self._released_ended.pop(rid, None)  # the prefill uses the id again: a new request
                 req = self._new_request(rid)
             if req.status is TransferStatus.SUCCESS and req.page_table is None:
                 return  # every rank already held all of it (a full prefix hit): nothing to send
@@ -313,6 +317,7 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
 
         Raises:
             KeyError: unknown (never sent nor announced, or released) request id.
+            TypeError: ``request_id`` is not a str.
         """
         return self._get(request_id).status
 
@@ -339,6 +344,9 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
         engine can, and their pack regions stay quarantined until the engine reports them done.
         The request's source pages may be reused once `is_drained` says so.
 
+        Args:
+            reason: text for both sides' `failure_reason` (``str()`` of it, cut to 4096 characters).
+
         Returns:
             True if the request moved to ABORTED now, False if it was already terminal.
 
@@ -351,6 +359,9 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
 
     def release(self, request_id: str) -> None:
         """Forgets a request (aborting it first if it is still live); its id may then be reused.
+        For ``timeout_s`` after releasing a request that did not succeed, a decode rank that
+        announces it only now (it had not yet) is told how it ended instead of waiting for a
+        transfer nobody sends; a `send` of the id starts a new request and ends that.
 
         Raises:
             KeyError: unknown request id.
@@ -360,6 +371,9 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
             if not req.status.terminal:
                 self._end(req, TransferStatus.ABORTED, "released before completion", notify="abort")
             del self._requests[req.rid]
+            if req.status is not TransferStatus.SUCCESS:  # ranks that announce it late hear how it ended
+                self._released_ended[req.rid] = (time.monotonic() + self.timeout_s, set(req.targets),
+                                                 req.status, req.state.reason)
             early = self._early.pop(req.rid, [])
         for conn, msg in early:  # announcements that came for the next use of this id
             with self._lock:
@@ -423,13 +437,19 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
     def close(self, timeout_s: float = 5.0) -> None:
         """Stops the worker, fails what is live, closes the engine and sockets; releases every
         registration. Returns within ``timeout_s`` (+ a small margin) whatever the engine does.
-        Idempotent."""
+        Idempotent. The decode ranks hear ``bye`` after the engine's close, saying whether it was
+        torn down in time (then they give back the pages of the failed requests at once).
+
+        Raises:
+            TypeError, ValueError: ``timeout_s`` is not a number of seconds in (0, 86400].
+        """
         shut_down(self, timeout_s, "sender", self._close_conns)
         self._source = None
         self._layers.close()
 
     def _close_conns(self) -> None:
-        bye = proto.encode("bye", reason="sender closed")
+        # After the engine's close: drained says none of its writes can land any more.
+        bye = proto.encode("bye", reason="sender closed", drained=self.engine.torn_down)
         for conn in self._conns.values():  # after the "failed" frames of the live requests
             self._ctl.send(conn.ident, bye)
         self._ctl.close(linger_ms=BYE_LINGER_MS)
@@ -470,8 +490,9 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
             return PENDING if self._inflight or self._held_hellos else IDLE
 
     def _get(self, request_id: str) -> SendRequest:
-        req = self._requests.get(request_id)
+        req = self._requests.get(request_id) if isinstance(request_id, str) else None
         if req is None:
+            check_request_id(request_id)  # not a str: TypeError naming request_id, not "unhashable"
             raise KeyError(f"request_id={request_id!r} is not known to this sender")
         return req
 

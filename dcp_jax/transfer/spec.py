@@ -44,7 +44,7 @@ class HandshakeError(ValueError):
         super().__init__(msg + (f": {detail}" if detail else ""))
 
     def __reduce__(self):
-        return (type(self), (self.field, self.ours, self.theirs))
+        return (type(self), (self.field, self.ours, self.theirs, self.detail))
 
 
 # Element types numpy does not name but ml_dtypes (JAX) and torch do, with the same spelling.

@@ -156,3 +156,64 @@ def test_peers_list_the_live_connections_on_both_sides(engine):
         assert _until(lambda: c.receivers[1].peers == [], 5)
     finally:
         c.close()
+
+
+def test_a_closed_senders_requests_are_drained_at_once(engine):
+    """The sender's bye comes after its engine's close and says so (drained): the ranks may give
+    the pages of its failed requests to new ones at once, not after drain_grace_s."""
+    c = Cluster(engine, dcp_size=2, peer_timeout_s=LONG)
+    try:
+        _, dst = c.tables(24)
+        c.expect("a", dst, 24)
+        assert _until(lambda: _known(c.sender, "a"), 5)
+        c.sender.close()
+        for r in c.receivers:
+            assert _until(lambda: r.poll("a").terminal and r.is_drained("a"), 5), (r.poll("a"), r.stats)
+            assert r.drain_grace_s >= 2 * LONG  # the default: far beyond the wait above
+    finally:
+        c.close()
+
+
+def test_a_receiver_closed_mid_request_holds_its_pages_for_the_grace(engine):
+    """Closing this side's engine does not stop a push sender's WRITEs already posted (NIXL over
+    loopback still landed rows after close), so a request live at the close is not drained
+    until drain_grace_s has passed, and the receive region is freed only then."""
+    c = Cluster(engine, dcp_size=2, peer_timeout_s=LONG, receiver_kw=dict(drain_grace_s=1.5))
+    try:
+        _, dst = c.tables(24)
+        c.expect("a", dst, 24)
+        c.expect("done", *c.tables(8)[1:], 8, 8)  # a full prefix hit: SUCCESS, nothing to write
+        r = c.receivers[0]
+        assert _until(lambda: r.poll("done") is S.SUCCESS, 5)
+        region = r._region
+        r.close()
+        assert r.poll("a") is S.FAILED and not r.is_drained("a") and r.is_drained("done")
+        assert region.buffer is not None or region.nbytes == 0  # kept while a write may land
+        assert _until(lambda: r.is_drained("a"), 5)
+        assert _until(lambda: region.buffer is None, 5)
+    finally:
+        c.close()
+
+
+def test_a_rank_announcing_a_released_request_late_hears_how_it_ended(engine):
+    # Before: the prefill's release forgot the id, the late announcement started a new request
+    # nobody sends, and the rank waited timeout_s for it ("no progress").
+    c = Cluster(engine, dcp_size=2, timeout_s=20.0, peer_timeout_s=LONG)
+    try:
+        src, dst = c.tables(16)
+        c.sender.send("a", src, 0, 16)
+        assert c.sender.abort("a", "cancelled by the router")
+        c.sender.release("a")  # before either rank announced it
+        c.expect("a", dst, 16)
+        for r in c.receivers:
+            assert r.wait("a", 5) is S.ABORTED, r.failure_reason("a")
+            assert "cancelled by the router" in r.failure_reason("a")
+            assert _until(lambda: r.is_drained("a"), 5)
+            r.release("a")
+        c.receivers[0].expect("a", dst[0], 16)  # the id's next use, announced before the prefill sends
+        c.receivers[1].expect("a", dst[1], 16)
+        c.sender.send("a", src, 0, 16)
+        assert c.wait("a") == [S.SUCCESS] * 3, c.reasons("a")
+        assert c.check_bytes(src, dst, 16) == 16
+    finally:
+        c.close()

@@ -152,3 +152,25 @@ def test_a_closed_side_counts_no_connection(engine):
         assert c.sender.stats["connections"] == 0
     finally:
         c.close()
+
+
+def test_a_handshake_error_keeps_its_detail_through_pickle():
+    # Before: __reduce__ dropped the detail, so an error sent through multiprocessing lost its why.
+    import pickle
+
+    err = HandshakeError("position", None, None, "held by the live receiver 'r0'")
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.field, back.detail, str(back)) == ("position", err.detail, str(err))
+
+
+@pytest.mark.parametrize("bad", [5, ["x"], None])
+def test_poll_names_a_request_id_of_the_wrong_type(engine, bad):
+    c = Cluster(engine, dcp_size=1)
+    try:
+        for side in (c.sender, c.receivers[0]):
+            with pytest.raises(TypeError, match="request_id must be a str"):
+                side.poll(bad)
+            with pytest.raises(KeyError):
+                side.poll("never-seen")
+    finally:
+        c.close()
