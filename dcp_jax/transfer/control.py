@@ -16,7 +16,7 @@ import zmq
 
 from dcp_jax.transfer import protocol
 
-__all__ = ["ControlServer", "ControlClient", "zmq_context", "engine_options_for", "make_side_engine"]
+__all__ = ["ControlServer", "ControlClient", "check_local_host", "zmq_context", "engine_options_for", "make_side_engine"]
 
 logger = logging.getLogger(__name__)
 #: How long a closed socket's I/O thread still tries to deliver its last frames (the ``bye`` and
@@ -178,6 +178,18 @@ def check_address(address: Any) -> None:
         else ("", "", "")
     if not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         raise ValueError(f"address={address!r} must be 'tcp://host:port' with a port in 1..65535 (KVSender.address)")
+
+
+def check_local_host(host: str) -> None:
+    """Raises ValueError (naming ``host``) unless a socket can be bound to it: an address of this
+    machine. Otherwise connections made from it would only time out, pointing at the peer."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+    except OSError as exc:
+        raise ValueError(f"host={host!r} is not an address of this machine: {exc.strerror or exc}") from None
 
 
 class ControlClient:

@@ -34,7 +34,7 @@ from dcp_jax.transfer._receiver_data import ReceiverData
 from dcp_jax.transfer._receiver_links import Link, ReceiverLinks, missing_senders  # noqa: F401  (missing_senders: re-exported)
 from dcp_jax.transfer._receiver_region import ReceiverRegion
 from dcp_jax.transfer._region import DEFAULT_REGION_BYTES, ReceiveRegion, ipc_export
-from dcp_jax.transfer.control import make_side_engine
+from dcp_jax.transfer.control import check_local_host, make_side_engine
 from dcp_jax.transfer.memory import CacheLayers
 from dcp_jax.transfer.requests import RecvRequest, check_request_id
 from dcp_jax.transfer.schedule import SideLayout
@@ -89,7 +89,8 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
 
     Raises:
         TypeError, ValueError: bad spec, layers or options (``region_bytes`` above 0 but under
-            one token's ``spec.row_bytes``: no window would fit).
+            one token's ``spec.row_bytes``: no window would fit; a ``host`` no socket of this
+            machine can bind to).
         MemoryError: the receive region of ``region_bytes`` could not be allocated (names it;
             nothing is left open).
         bridge.BridgeError: the engine could not start or register (nothing is left open).
@@ -108,6 +109,8 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
             raise ValueError(f"group={group!r} must be a non-empty str of at most 256 characters")
         if host is not None and (not isinstance(host, str) or not 0 < len(host) <= 255 or any(c in host for c in ":;/ ")):
             raise ValueError(f"host={host!r} must be None or an IPv4 address / host name of this machine")
+        if host is not None:
+            check_local_host(host)
         self.spec, self.direction, self.group, self.host = spec, direction, group, host
         self.timeout_s = check_seconds("timeout_s", timeout_s)
         self.peer_timeout_s = check_seconds("peer_timeout_s", peer_timeout_s)

@@ -210,6 +210,8 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
                 request that FAILED or was ABORTED (here or by a decode rank) drops its later
                 chunks without raising (a decode-side cancel is no error of the scheduler's
                 loop): `poll` and `failure_reason` say why; `release` it before reusing its id.
+                Tokens past a decode rank's announced ``num_tokens`` are no error here: the
+                request FAILS on both sides, and no row lands past the rank's announced ones.
 
         Raises:
             RuntimeError: the sender is closed.

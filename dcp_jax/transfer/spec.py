@@ -22,6 +22,7 @@ __all__ = ["KVCacheSpec", "HandshakeError", "check_compatible", "dtype_name", "M
 MAX_DCP_SIZE = 1024      # DCP groups beyond this are not a serving configuration
 MAX_LAYERS = 4096        # layer entries per cache (one per layer for MLA; more for hybrid models)
 MAX_ITEM_LEN = 1 << 24   # bytes per token per layer entry (16 MiB)
+MAX_PAGE_SIZE = 1 << 20  # tokens per page (engines use 16..2048)
 _INT32_MAX = (1 << 31) - 1
 
 
@@ -96,7 +97,7 @@ class KVCacheSpec:
         num_layers: layer entries (registered KV buffers), >= 1.
         item_lens: bytes per token of each layer entry, ``num_layers`` ints > 0 (DeepSeek-V3
             MLA bf16: 576 x 2 = 1152).
-        page_size: tokens per page, >= 1.
+        page_size: tokens per page, 1..2**20.
         dcp_size: this side's DCP group size (prefill M, decode N), >= 1.
         dcp_rank: this side's rank in it, ``0 <= dcp_rank < dcp_size``.
         interleave_size: tokens per ownership block I (1 = token round-robin), >= 1.
@@ -141,9 +142,9 @@ class KVCacheSpec:
         set_("num_layers", check_int("num_layers", self.num_layers, minimum=1))
         if self.num_layers > MAX_LAYERS:
             raise ValueError(f"num_layers={self.num_layers} must be <= {MAX_LAYERS}")
-        if isinstance(self.item_lens, (str, bytes)) or not hasattr(self.item_lens, "__len__"):
-            raise TypeError(f"item_lens must be a sequence of ints (bytes per token), got "
-                            f"{type(self.item_lens).__name__}")
+        if isinstance(self.item_lens, (str, bytes, set, frozenset, dict)) or not hasattr(self.item_lens, "__len__"):
+            raise TypeError(f"item_lens must be a sequence of ints (bytes per token), one per layer entry in "
+                            f"order, got {type(self.item_lens).__name__}")
         lens = tuple(check_int(f"item_lens[{k}]", v, minimum=1) for k, v in enumerate(self.item_lens))
         if len(lens) != self.num_layers:
             raise ValueError(f"item_lens has {len(lens)} entries, num_layers={self.num_layers}")
@@ -151,6 +152,8 @@ class KVCacheSpec:
             raise ValueError(f"item_lens: {max(lens)} bytes per token exceeds {MAX_ITEM_LEN}")
         set_("item_lens", lens)
         set_("page_size", check_int("page_size", self.page_size, minimum=1))
+        if self.page_size > MAX_PAGE_SIZE:  # page x row byte offsets must stay far inside int64
+            raise ValueError(f"page_size={self.page_size} must be <= {MAX_PAGE_SIZE} tokens")
         set_("dcp_size", check_int("dcp_size", self.dcp_size, minimum=1))
         if self.dcp_size > MAX_DCP_SIZE:
             raise ValueError(f"dcp_size={self.dcp_size} must be <= {MAX_DCP_SIZE}")

@@ -309,6 +309,19 @@ def test_spec_takes_item_lens_as_bytes_whatever_the_dtype():
     assert KVCacheSpec(1, [6], 4, dtype="float32").row_bytes == 6
 
 
+def test_spec_refuses_unordered_item_lens_and_huge_pages():
+    # Before: a set was taken in its hash order, and page_size=2**62 was accepted (byte offsets of
+    # page x row overflow int64 long before).
+    from dcp_jax.transfer import KVCacheSpec
+
+    for bad in ({8, 16}, frozenset({8}), {0: 8}):
+        with pytest.raises(TypeError, match="item_lens must be a sequence"):
+            KVCacheSpec(len(bad), bad, 4)
+    assert KVCacheSpec(1, [8], 1 << 20).page_size == 1 << 20
+    with pytest.raises(ValueError, match="page_size=.* must be <= 1048576"):
+        KVCacheSpec(1, [8], (1 << 20) + 1)
+
+
 def test_spec_takes_dtype_objects_as_their_names():
     # A serving stack holds its cache dtype as an object, not a string: numpy, ml_dtypes (JAX)
     # and torch dtypes become the canonical name the handshake compares.

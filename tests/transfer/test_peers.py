@@ -174,3 +174,12 @@ def test_poll_names_a_request_id_of_the_wrong_type(engine, bad):
                 side.poll("never-seen")
     finally:
         c.close()
+
+
+def test_a_receiver_host_that_is_not_this_machine_is_refused_at_once():
+    # Before: accepted; connect() then timed out asking whether a KVSender listens there.
+    spec = KVCacheSpec(1, (16,), 4)
+    with pytest.raises(ValueError, match="host='10.255.255.1' is not an address of this machine"):
+        KVReceiver(spec, [np.zeros((2, 4, 16), np.uint8)], engine="auto", host="10.255.255.1")
+    with KVReceiver(spec, [np.zeros((2, 4, 16), np.uint8)], engine="auto", host="127.0.0.1") as recv:
+        assert recv.host == "127.0.0.1"
