@@ -27,6 +27,8 @@ logger = logging.getLogger("dcp_jax.transfer.sender")
 #: Refusals logged per process before the log goes quiet (each is still counted).
 MAX_LOGGED_REFUSALS = 1000
 _logged = [0]
+#: Longest wait (s) for a closing rank's WRITEs in flight before its connection is dropped anyway.
+BYE_DRAIN_S = 2.0
 
 
 def _warn(fmt: str, *args) -> None:
@@ -58,6 +60,7 @@ class Conn:
     staged: bool = False        # the rank stages: its KV is not registered (`dcp_jax.transfer.staging`)
     view: Any = None            # TP or layout pair: its `views.StreamView` (head pieces, both layouts)
     heartbeat_s: float = 0.5    # how often the rank pings (its hello)
+    closing: Any = None         # (reason, since) once the rank said bye: `SenderPeers._drop_closing`
     peer_timeout_s: float = 1.0  # how long the rank waits for our pings before it drops us (its hello)
 
     def stall_limit(self, our_heartbeat_s: float) -> float:
@@ -67,8 +70,9 @@ class Conn:
         return max(self.peer_timeout_s - 1.5 * our_heartbeat_s, self.peer_timeout_s / 2)
 
     def live(self, now: float) -> bool:
-        """Heard from within two of its own ping intervals (`_worker.pings_fit`'s margin)."""
-        return now - self.last_seen <= 2 * self.heartbeat_s
+        """Heard from within two of its own ping intervals (`_worker.pings_fit`'s margin), and
+        not closing (it said bye)."""
+        return self.closing is None and now - self.last_seen <= 2 * self.heartbeat_s
 
     def close_mapping(self) -> None:
         """Closes the IPC mapping (once; at close or when the connection is dropped), after
@@ -131,9 +135,10 @@ class SenderPeers:
                 return
             status = TransferStatus.ABORTED if kind == "abort" else TransferStatus.FAILED
             self._end(req, status, f"decode rank {conn.spec.dcp_rank}: {msg['reason']}", notify=kind)
-        elif kind == "bye":  # closed or dropped on purpose: its position is free at once
-            self._drop_conn(conn, f"decode rank {conn.spec.dcp_rank} ({conn.name}) ended the connection: "
-                            f"{msg['reason']}", tell=False)
+        elif kind == "bye":  # closed or dropped on purpose: dropped once its writes in flight ended
+            conn.closing = (f"decode rank {conn.spec.dcp_rank} ({conn.name}) ended the connection: {msg['reason']}",
+                            time.monotonic())
+            self._drop_closing()
         elif kind != "ping":
             self._counts["dropped_messages"] += 1
 
@@ -234,8 +239,21 @@ class SenderPeers:
         for conn in list(self._conns.values()):
             self._ctl.send(conn.ident, ping)
 
+    def _drop_closing(self) -> None:
+        """Drops the connections whose receivers said bye once none of their WRITEs is in flight
+        (or `BYE_DRAIN_S` passed): a rank that had every row of a request and closed at once
+        must not fail it here only because the engine's completion was not polled yet. Nothing
+        new is posted to a closing rank meanwhile (`SenderUnits._submit_units`)."""
+        now = time.monotonic()
+        for conn in [c for c in self._conns.values() if c.closing is not None]:
+            busy = any(u.target.conn is conn for u in self._inflight)
+            if not busy or now - conn.closing[1] > BYE_DRAIN_S:
+                self._drop_conn(conn, conn.closing[0], tell=False)
+
     def _heartbeat(self) -> None:
         now = time.monotonic()
+        if any(c.closing is not None for c in self._conns.values()):
+            self._drop_closing()
         for conn in list(self._conns.values()):
             if now - conn.last_seen > self.peer_timeout_s:
                 self._drop_conn(conn, f"decode rank {conn.spec.dcp_rank} silent for {self.peer_timeout_s:g} s")
@@ -254,7 +272,8 @@ class SenderPeers:
         self._update_stall_limit()
         for req in list(self._requests.values()):
             t = req.targets.get(conn.spec.group_rank)
-            if t is not None and t.conn is conn:
+            # A rank that has every row of the request (its windows all done) fails nothing.
+            if t is not None and t.conn is conn and not (t.complete and t.inflight == 0):
                 self._end(req, TransferStatus.FAILED, reason, notify="failed")
         for key, u in list(self._pulls.items()):
             if u.target.conn is conn:  # a dead reader reads no more: its regions are free

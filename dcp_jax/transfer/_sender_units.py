@@ -155,7 +155,7 @@ class SenderUnits:
                 del self._queue[i]
                 continue
             conn = u.target.conn
-            if conn in blocked:
+            if conn in blocked or conn.closing is not None:  # a closing rank gets nothing new
                 i += 1
                 continue
             lo, hi = u.rc.windows[u.w]

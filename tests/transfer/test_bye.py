@@ -217,3 +217,22 @@ def test_a_rank_announcing_a_released_request_late_hears_how_it_ended(engine):
         assert c.check_bytes(src, dst, 16) == 16
     finally:
         c.close()
+
+
+def test_a_rank_that_closes_right_after_its_success_does_not_fail_the_sender(engine):
+    """A rank with every row closes at once (a vLLM consumer that got its KV): its bye can come
+    before the sender polled the engine's completion of its last WRITE. The sender drops the
+    connection only once no WRITE to it is in flight, so the request ends SUCCESS there too."""
+    for k in range(3):
+        c = Cluster(engine, dcp_size=2, peer_timeout_s=LONG, mode="direct")
+        try:
+            src, dst = c.tables(64)
+            c.expect("a", dst, 64)
+            c.sender.send("a", src, 0, 64)
+            for r in c.receivers:
+                assert r.wait("a", 10) is S.SUCCESS, r.failure_reason("a")
+                r.close()
+            assert c.sender.wait("a", 10) is S.SUCCESS, c.sender.failure_reason("a")
+            assert c.sender.stats["failed"] == 0
+        finally:
+            c.close()
