@@ -225,7 +225,10 @@ def shut_down(side: Any, timeout_s: Any, what: str, close_sockets: Callable[[], 
     # side keeps pinging meanwhile, so its peers wait for the bye instead of dropping it as silent.
     closer = threading.Thread(target=side.engine.close, kwargs=dict(timeout_s=max(0.1, deadline - time.monotonic())),
                               name=f"dcp-{what}-close", daemon=True)
-    closer.start()
+    try:
+        closer.start()
+    except RuntimeError:  # interpreter exit: Python >= 3.12 starts no thread in atexit hooks
+        side.engine.close(timeout_s=max(0.1, deadline - time.monotonic()))
     while closer.is_alive() and time.monotonic() < deadline + 1.0:
         with side._lock:
             side._ping_peers()

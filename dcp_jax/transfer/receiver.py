@@ -408,7 +408,10 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
         if doubt:  # a late WRITE into freed memory would corrupt this process: free it after the grace
             timer = threading.Timer(self.drain_grace_s, self._region.close)
             timer.daemon = True
-            timer.start()
+            try:
+                timer.start()
+            except RuntimeError:  # interpreter exit (no thread starts): the region lives until the end
+                pass
         else:
             self._region.close()
         self._layers.close()
