@@ -247,7 +247,10 @@ class ReceiverLinks:
             # `drain_grace_s` passed.
             self._doubt[link.peer] = (time.monotonic(), link)
         self._worker.remove_socket(link.client.sock)
-        self._say_bye(link, reason) if tell else link.client.close()
+        if tell:
+            self._say_bye(link, reason)
+        else:
+            link.client.close()
         link.close_flag()
         try:
             self.engine.remove_peer(link.peer)

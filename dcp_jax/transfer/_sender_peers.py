@@ -188,9 +188,7 @@ class SenderPeers:
                 # This rank already had this id: the decode side released and reused it.
                 self._early.setdefault(rid, []).append((conn, msg))
             else:  # a late announcement of the request that ended: tell the rank how it ended
-                kind = "abort" if req.status is TransferStatus.ABORTED else "failed"
-                self._ctl.send(conn.ident, proto.encode(kind, rid, msg["inc"], reason=req.state.reason))
-                self._ctl.send(conn.ident, proto.encode("drained", rid, msg["inc"]))  # nothing was sent
+                self._tell_ended(conn, rid, msg["inc"], req.status, req.state.reason)
             return
         if req is None:
             gone = self._released_ended.get(rid)
@@ -198,9 +196,7 @@ class SenderPeers:
                 # Released here before this rank announced it: tell it how it ended, not a wait
                 # of timeout_s for a transfer nobody will send. (A rank that had announced it
                 # announces the id's next use: a new request.)
-                kind = "abort" if gone[2] is TransferStatus.ABORTED else "failed"
-                self._ctl.send(conn.ident, proto.encode(kind, rid, msg["inc"], reason=gone[3]))
-                self._ctl.send(conn.ident, proto.encode("drained", rid, msg["inc"]))  # nothing was sent
+                self._tell_ended(conn, rid, msg["inc"], gone[2], gone[3])
                 gone[1].add(rank)  # told: its next announcement of the id is a new use
                 return
             req = self._new_request(rid)
@@ -220,6 +216,13 @@ class SenderPeers:
         self._to_plan[req] = None
         req.state.touch()
         self._maybe_done(req)
+
+    def _tell_ended(self, conn: Conn, rid: str, inc: int, status: TransferStatus, reason: str) -> None:
+        """Answers a late announcement of a request that ended without success: how it ended,
+        then ``drained`` (nothing of it was sent to this rank)."""
+        kind = "abort" if status is TransferStatus.ABORTED else "failed"
+        self._ctl.send(conn.ident, proto.encode(kind, rid, inc, reason=reason))
+        self._ctl.send(conn.ident, proto.encode("drained", rid, inc))
 
     def _new_request(self, rid: str) -> SendRequest:
         req = self._requests[rid] = SendRequest(rid)
