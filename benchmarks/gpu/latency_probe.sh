@@ -40,6 +40,7 @@ want F_mc_all100 && case_run F_mc_all100$r mooncake region DCP_POLLER_MAX_US=100
 want G_poll100 && case_run G_poll100$r nixl region DCP_POLLER_MAX_US=100 DCP_WORKER_MAX_US=100
 want H_inline && case_run H_inline$r nixl region DCP_NIXL_INLINE=1
 want Q_queued && case_run Q_queued$r nixl region DCP_NIXL_QUEUED=1
+want S_switch100 && case_run S_switch100$r nixl region DCP_SWITCH_US=100
 want R_fused && case_run R_fused$r nixl fused
 want M_mc_region && case_run M_mc_region$r mooncake region
 done

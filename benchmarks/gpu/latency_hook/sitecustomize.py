@@ -10,6 +10,8 @@ Every process of the job (its children inherit PYTHONPATH) applies, where set:
 ``DCP_NIXL_INLINE=1`` NIXL batches posted in the caller's thread (``NixlEngine(async_submit=False)``)
 instead of handed to the engine's posting thread; ``DCP_NIXL_QUEUED=1`` every batch handed to that
 thread (`bridge.nixl.INLINE_MAX_DESCRIPTORS` = 0: the behaviour before small batches went inline).
+``DCP_SWITCH_US`` the interpreter's GIL switch interval (`sys.setswitchinterval`, default 5,000 us):
+how long a thread back from a GIL-free engine call may wait for another thread to yield.
 Tells which of the waits stacked between a write's end and its rank's notice cost the time.
 """
 import os
@@ -22,6 +24,10 @@ def _us(name):
 
 _prog, _poll, _work = _us("DCP_NIXL_PROGRESS_US"), _us("DCP_POLLER_MAX_US"), _us("DCP_WORKER_MAX_US")
 _inline = os.environ.get("DCP_NIXL_INLINE") == "1"
+if _us("DCP_SWITCH_US") is not None:
+    import sys as _sys
+
+    _sys.setswitchinterval(_us("DCP_SWITCH_US") * 1e-6)
 _queued = os.environ.get("DCP_NIXL_QUEUED") == "1"
 if _prog is not None or _poll is not None or _work is not None or _inline or _queued:
     try:
