@@ -1,6 +1,7 @@
 """Prints what benchmarks/gpu/time_hook recorded: per process and target, calls, median and p90 us.
 
-    python benchmarks/gpu/time_summary.py DIR [--skip N]   (N: each target's first N calls left out)
+    python benchmarks/gpu/time_summary.py DIR [--skip N]   (N: each target's first N calls left out;
+    a target called at most 2N times loses its first call only)
 """
 import argparse
 import glob
@@ -16,7 +17,8 @@ for f in sorted(glob.glob(os.path.join(a.dir, "times_*.json"))):
     d = json.load(open(f))
     print(f"== {os.path.basename(f)}")
     for target, calls in d.items():
-        xs = sorted(c[0] * 1e6 for c in calls[a.skip:])
+        skip = a.skip if len(calls) > 2 * a.skip else min(1, len(calls) - 1)  # few calls: the first out
+        xs = sorted(c[0] * 1e6 for c in calls[skip:])
         if not xs:
             continue
         threads = sorted({c[1] for c in calls})
