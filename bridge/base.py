@@ -334,8 +334,7 @@ def _mem_of(table: RegionTable, idx: np.ndarray, side: str) -> tuple[str, np.nda
     """(mem_type, i64[n] device ids) of the regions holding a batch; one mem_type per side."""
     if idx.size == 0:
         return "DRAM", np.zeros(0, dtype=np.int64)
-    kinds = np.array([r.mem_type == "VRAM" for r in table.regions], dtype=bool)[idx]
+    kinds = table.vram[idx]
     if kinds.any() and not kinds.all():
         raise DescriptorError(f"descs: the {side} ranges mix DRAM and VRAM regions; split the batch by memory kind")
-    devs = np.array([r.device_id for r in table.regions], dtype=np.int64)[idx]
-    return ("VRAM" if kinds[0] else "DRAM"), devs
+    return ("VRAM" if kinds[0] else "DRAM"), table.device_ids[idx]

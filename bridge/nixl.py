@@ -110,7 +110,8 @@ class NixlEngine(TransferEngine):
         self._reg_dlists: dict[MemoryRegion, object] = {}
         self._jobs: dict[int, Job] = {}  # handle.seq -> its posting; result (xfer or None, state)
         self._worker = Worker(f"nixl-{name}", inline=not async_submit)
-        self._poller = Poller(f"nixl-poll-{name}", self._poll_posted)  # follows posted transfers
+        # Follows posted transfers, oldest first (they end mostly in posting order).
+        self._poller = Poller(f"nixl-poll-{name}", self._poll_posted, in_order=True)
         # Held by the worker while it is inside a posting: `notifications` skips the agent then.
         self._posting = threading.Lock()
         self._stash: list[dict] = []  # notifications the worker collected after its postings

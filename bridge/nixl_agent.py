@@ -91,6 +91,10 @@ def xfer_desc_lists(agent, descs: np.ndarray, local_mem, remote_mem):
         local_mem, remote_mem: (mem_type "DRAM"/"VRAM", i64[n] device ids) of each side's regions.
     """
     (lkind, ldev), (rkind, rdev) = local_mem, remote_mem
+    if descs.shape[0] == 1:  # a region write: NIXL's tuple form skips two numpy stacks
+        la, ra, n = descs[0].tolist()
+        return (agent.get_xfer_descs([(la, n, int(ldev[0]))], lkind),
+                agent.get_xfer_descs([(ra, n, int(rdev[0]))], rkind))
     local = np.stack([descs[:, 0], descs[:, 2], ldev], axis=1)
     remote = np.stack([descs[:, 1], descs[:, 2], rdev], axis=1)
     return agent.get_xfer_descs(local, lkind), agent.get_xfer_descs(remote, rkind)

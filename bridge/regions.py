@@ -8,6 +8,7 @@ reaches an engine. All of it is re-exported unchanged by `bridge` and `bridge.ba
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Iterable
 from typing import Any
@@ -215,7 +216,9 @@ class RegionTable:
 
     Regions are sorted by start; with the running maximum of their ends, a range lies inside
     some region iff the largest end among regions starting at or before ``addr`` reaches
-    ``addr + n``. One ``np.searchsorted`` per batch, so 250k descriptors take milliseconds.
+    ``addr + n``. One ``np.searchsorted`` per batch, so 250k descriptors take milliseconds; a
+    one-descriptor batch (a region write) is answered with Python integers (`locate_one`).
+    ``vram`` / ``device_ids``: each region's memory kind and device, in ``regions`` order.
     """
 
     def __init__(self, regions: Iterable[MemoryRegion]):
@@ -238,9 +241,22 @@ class RegionTable:
         else:
             self._running_end = np.zeros(0, dtype=np.int64)
             self._best = np.zeros(0, dtype=np.int64)
+        # The same tables as Python lists, for `locate_one` (no numpy call per descriptor).
+        self._starts_l, self._running_l, self._best_l = (
+            self._starts.tolist(), self._running_end.tolist(), self._best.tolist())
+        self.vram = np.array([r.mem_type == "VRAM" for r in self.regions], dtype=bool)
+        self.device_ids = np.array([r.device_id for r in self.regions], dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.regions)
+
+    def locate_one(self, addr: int, length: int) -> int:
+        """`locate` for one range of Python ints (addr >= 0, length > 0): the index into
+        `regions` of a region holding it, or -1."""
+        pos = bisect.bisect_right(self._starts_l, addr) - 1
+        if pos < 0 or length > self._running_l[pos] - addr:
+            return -1
+        return self._best_l[pos]
 
     def locate(self, addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Index into `regions` of a region holding each range, or -1 where none does.
@@ -306,6 +322,10 @@ def validate_descriptors(
     if d.shape[0] == 0:
         empty = np.zeros(0, dtype=np.int64)
         return d, empty, empty
+    if d.shape[0] == 1:  # one descriptor (a region write): Python integers, same checks, same errors
+        one = _validate_one(d, local, remote, peer)
+        if one is not None:
+            return one
     la, ra, ln = d[:, 0], d[:, 1], d[:, 2]
     bad = ln <= 0
     if bad.any():
@@ -334,3 +354,15 @@ def validate_descriptors(
             f"{peer!r} advertised; first at row {i}: remote_addr={int(ra[i]):#x}, nbytes={int(ln[i])}"
         )
     return d, li, ri
+
+
+def _validate_one(d: np.ndarray, local: RegionTable, remote: RegionTable, peer: str):
+    """`validate_descriptors`' answer for one well-formed descriptor inside both tables, or None
+    (then the vectorised checks run and raise their usual errors)."""
+    la, ra, ln = d[0].tolist()
+    if ln <= 0 or la < 0 or ra < 0:
+        return None
+    li, ri = local.locate_one(la, ln), remote.locate_one(ra, ln)
+    if li < 0 or ri < 0:
+        return None
+    return d, np.array([li], np.int64), np.array([ri], np.int64)

@@ -142,6 +142,7 @@ class ReceiverRegion:
             g = Grant(region, req, link, done, self._rows_of(req, link, msg["start"], msg["stop"])[lo:lo + n])
             if kind == "ask":
                 self._grants[key] = g
+                req.due += 1  # its ``done`` is due (the sender sends no ``sent`` hint for region writes)
                 link.client.send(proto.encode("region_grant", req.rid, req.inc, chunk=msg["chunk"], part=msg["part"],
                                               offset=region.offset, nbytes=nbytes))
             else:
@@ -250,6 +251,7 @@ class ReceiverRegion:
             if pred(key, g):
                 del self._grants[key]
                 self._region.free(g.region)
+                g.req.due = max(0, g.req.due - 1)  # its ``done`` will not come
         self._grant_waiting()
 
     def _quarantine_grants(self, req: RecvRequest) -> None:

@@ -146,7 +146,8 @@ class SenderRegion:
         except Exception as exc:  # noqa: BLE001 - refused before a byte moved: the request fails
             return self._unit_finished(u, f"{type(exc).__name__}: {exc}")
         req.timeline.mark("post", conn.spec.group_rank)
-        self._ctl.send(conn.ident, proto.encode("sent", req.rid, t.inc, chunk=u.rc.chunk, part=u.w))
+        # No ``sent`` hint: the rank expects this window's ``done`` since it granted the range
+        # (one control frame less per write; the post is the region path's host cost per rank).
         self._inflight.append(u)  # inflight counts were taken at the ask
         self._count(t, 1, want, self._batch_calls(1))
 

@@ -48,6 +48,7 @@ class Unit:
     asked: bool = False        # region push: region_ask sent (in self._asks until written or dropped)
     packed: bool = False       # region push: the round's synchronisation found its pack complete
     grant: int | None = None   # region push: the granted offset in the rank's receive region
+    nbytes: int | None = None  # the window's bytes (`SenderUnits._window_bytes`, computed once)
 
 
 class SenderUnits:
@@ -126,11 +127,15 @@ class SenderUnits:
         return -(-n // self._index_block) * self._index_block
 
     def _window_bytes(self, u: Unit) -> int:
-        """Bytes of a unit's window: its rows' pack, or a view pair's wire block."""
-        if u.target.conn.view is None:
-            return u.rc.window_bytes(u.w, self._layers.item_lens)
-        lo, hi = u.rc.windows[u.w]
-        return (hi - lo) * self._wire_row_bytes(u.target.conn)
+        """Bytes of a unit's window: its rows' pack, or a view pair's wire block (computed once
+        per unit: a region write asks for it at its ask, its grant and its post)."""
+        if u.nbytes is None:
+            if u.target.conn.view is None:
+                u.nbytes = u.rc.window_bytes(u.w, self._layers.item_lens)
+            else:
+                lo, hi = u.rc.windows[u.w]
+                u.nbytes = (hi - lo) * self._wire_row_bytes(u.target.conn)
+        return u.nbytes
 
     def _batch_calls(self, descriptors: int) -> int:
         return batch_engine_calls(descriptors, getattr(self.engine, "window", None))

@@ -223,7 +223,7 @@ class RecvRequest:
         self.inflight = 0                                # pull reads submitted, not yet done
         self.drained: set[int] = set()                   # id(sender link) that said "drained"
         self.written_pages: list[int] = []               # pages the transfer writes (prefix pages excluded)
-        self.due = 0                                     # "sent" hints not yet matched by a "done"
+        self.due = 0                                     # "done"s expected: "sent" hints, region grants
         self.bytes = 0
         self.unpack_seconds = 0.0                        # region path: unpacks into the pages, waited for
         self.stage_seconds = 0.0  # staged on a GPU: host -> device window copies (part of unpack_seconds)

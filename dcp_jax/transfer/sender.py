@@ -482,6 +482,10 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
         with self._lock:
             self._plan_units()
             busy |= self._submit_units()
+            if self._asks:  # region windows packed and asked: their grants may already be here,
+                for ident, msg in self._ctl.recv():  # written now rather than a round later
+                    busy = True
+                    self._on_message(ident, msg)
             busy |= self._poll_inflight()
             self._retry_held_hellos()
             self._check_timeouts()

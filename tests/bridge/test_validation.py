@@ -1,5 +1,6 @@
 """Descriptor validation before anything is sent, on both engines, plus the pure range checks."""
 import pickle
+import re
 import time
 
 import numpy as np
@@ -52,6 +53,35 @@ def test_region_table_matches_brute_force(regions, queries):
             assert g in hits
         else:
             assert g == -1
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    regions=st.lists(st.tuples(st.integers(0, 400), st.integers(1, 120)), min_size=0, max_size=8),
+    remote=st.lists(st.tuples(st.integers(0, 400), st.integers(1, 120)), min_size=0, max_size=4),
+    desc=st.tuples(st.integers(-5, 600), st.integers(-5, 600), st.integers(-3, 150)),
+)
+def test_one_descriptor_path_answers_as_the_vectorised_one(regions, remote, desc):
+    """A one-descriptor batch (a region write) is checked with Python integers (`locate_one`):
+    the same region indices as `locate`, and the same DescriptorError where a check fails."""
+    lt, rt = RegionTable([MemoryRegion(a, n) for a, n in regions]), RegionTable([MemoryRegion(a, n) for a, n in remote])
+    la, ra, n = desc
+    if la >= 0 and n > 0:
+        want = lt.locate(np.array([la], np.int64), np.array([n], np.int64))[0]
+        assert lt.locate_one(la, n) == want
+    one = np.array([desc], np.int64)
+    two = np.array([desc, desc], np.int64)  # the vectorised path (two rows), as the reference
+    try:
+        ref = validate_descriptors(two, lt, rt)
+    except DescriptorError as exc:
+        with pytest.raises(DescriptorError) as got:
+            validate_descriptors(one, lt, rt)
+        digits = re.compile(r"\d+")  # counts differ (1 vs 2 rows); the check that failed does not
+        assert digits.sub("N", str(got.value)) == digits.sub("N", str(exc))
+        return
+    d, li, ri = validate_descriptors(one, lt, rt)
+    assert d.tolist() == [list(desc)] and li.tolist() == ref[1][:1].tolist() and ri.tolist() == ref[2][:1].tolist()
+    assert li.dtype == ri.dtype == np.int64
 
 
 def test_adjacent_regions_do_not_merge():

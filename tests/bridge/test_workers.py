@@ -58,6 +58,37 @@ def test_poller_reports_an_item_done_after_a_wait_promptly():
         p.stop()
 
 
+def test_in_order_poller_polls_the_oldest_and_all_of_them_every_few_rounds():
+    """in_order: a round stops at the first unfinished item; every FULL_ROUND_EVERY-th round
+    polls all, so a younger item that ends first is still seen (within a few rounds)."""
+    from bridge.workers import FULL_ROUND_EVERY
+
+    assert FULL_ROUND_EVERY == 4
+    polls = {"old": 0, "young": 0}
+    young_seen, old_done = threading.Event(), threading.Event()
+
+    def poll(item):
+        polls[item] += 1
+        if item == "young":
+            young_seen.set()
+            return True  # ended at once, before the older one
+        return old_done.is_set()
+
+    p = Poller("test-in-order", poll, in_order=True)
+    try:
+        p.add("old")
+        p.add("young")
+        assert young_seen.wait(5.0)
+        assert polls["young"] == 1
+        # Three rounds stopped at "old" before the fourth polled both (up to a round in flight).
+        assert FULL_ROUND_EVERY - 1 <= polls["old"] <= FULL_ROUND_EVERY + 1
+        assert p.pending == 1
+        old_done.set()
+        assert p.drain(2.0) and p.pending == 0
+    finally:
+        p.stop()
+
+
 def test_run_if_idle_runs_in_the_caller_only_when_nothing_is_queued_or_running():
     from bridge.workers import Job, Worker
 
