@@ -152,7 +152,8 @@ class Worker(_Daemon):
         finally:
             with self._cv:
                 self._running = False
-                self._cv.notify_all()
+                if self._queue or self._stopped:  # else no waiter has anything to do: wake none
+                    self._cv.notify_all()           # (a woken thread costs the caller a GIL handoff)
 
     def join(self, timeout_s: float | None = None) -> bool:
         """Waits for the thread to end after `stop`, and for a job a caller runs through
@@ -269,7 +270,8 @@ class Poller(_Daemon):
             if self._thread is None and not self._stopped:
                 self._thread = _started(self._loop, self.name)
             self._items.append(item)
-            self._cv.notify_all()
+            if len(self._items) == 1:  # the thread waits only with nothing to poll
+                self._cv.notify_all()
 
     @property
     def pending(self) -> int:

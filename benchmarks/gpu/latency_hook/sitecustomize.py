@@ -55,8 +55,8 @@ if _prog is not None or _poll is not None or _work is not None or _inline or _qu
 
             _orig_init = _w.Poller.__init__
 
-            def _init(self, name, poll, *, first_s=2e-5, max_s=2e-3):
-                _orig_init(self, name, poll, first_s=first_s, max_s=_poll * 1e-6)
+            def _init(self, name, poll, **kw):
+                _orig_init(self, name, poll, **{**kw, "max_s": _poll * 1e-6})
 
             _w.Poller.__init__ = _init
         if _work is not None:
