@@ -8,8 +8,9 @@
 #   GIT_COMMIT=<sha> scripts/gpu_suite.sh      # recorded in the summary (else `git rev-parse HEAD`)
 #   BUNDLE=1 OUT=$OUT scripts/gpu_suite.sh ...  # on the device tool (8 files back at most): the steps'
 #                                              # files in one gpu_suite_steps.tgz beside the summary
-#   GPU_TEST_WORKERS=3 scripts/gpu_suite.sh    # the GPU tests on 3 pytest-xdist workers sharing the GPU
-#                                              # (.whl/ carries xdist; not yet run on the H200)
+#   GPU_TEST_WORKERS=0 scripts/gpu_suite.sh    # the GPU tests in one process (default: 3 pytest-xdist
+#                                              # workers sharing the GPU, 101 s on the H200 against
+#                                              # 236-251 s in one, 2026-12-04; the image has xdist)
 #
 # Installs from .whl/ (no network): NIXL's CUDA build (nixl_cu13_site.tgz, a trimmed unpacked
 # wheel, or nixl_cu13-*.whl), Mooncake's CUDA build (mooncake_cu13_site.tgz: mooncake/engine.so and
@@ -89,7 +90,10 @@ source "$ROOT/scripts/gpu_env.sh"
 # GPU_TEST_WORKERS=N (N > 0, pytest-xdist from .whl/): N worker processes share the GPU, one test
 # file each at a time (XLA_PYTHON_CLIENT_PREALLOCATE=false keeps each to what it uses).
 XDIST=()
-(( ${GPU_TEST_WORKERS:-0} > 0 )) && XDIST=(-n "$GPU_TEST_WORKERS" --dist loadfile)
+if (( ${GPU_TEST_WORKERS:-3} > 0 )); then
+    if "$PY" -c "import xdist" 2>/dev/null; then XDIST=(-n "${GPU_TEST_WORKERS:-3}" --dist loadfile)
+    else echo "=== no pytest-xdist: the GPU tests run in one process"; fi
+fi
 step pytest_gpu ${PYTEST_LIMIT_S:-320} "$PY" -m pytest -v -m gpu ${PYTEST_TARGETS:-tests/gpu} -p no:cacheprovider \
     ${XDIST[@]+"${XDIST[@]}"} \
     --durations=15 -o faulthandler_timeout=40 \

@@ -13,7 +13,8 @@ Kinds (receiver -> sender): ``hello``, ``expect``, ``abort``, ``failed``, ``pull
 ``ping``, ``bye``.
 Kinds (sender -> receiver): ``hello_ack``, ``hello_nack``, ``abort``, ``failed``, ``pull_ready``,
 ``sent`` (a batch with a ``done`` notification was just submitted: the receiver polls its engine
-while such batches are due, and idles otherwise), ``region_ask`` (region path: a packed window
+while such batches are due, and idles otherwise; a region write sends none: its rank counts the
+``done`` as due from its own ``region_grant``), ``region_ask`` (region path: a packed window
 wants room in the receive region), ``fused_done`` (fused path: the sender's copy kernel into this
 rank's IPC-mapped pages has finished, or, gated, was launched and bumps the flag page to ``seq`` once it has), ``drained`` (after a request ended without success, no WRITE of the sender's into that rank's
 pages is in flight any more), ``ping``, ``bye``. ``bye`` (either way, connection-level): the
@@ -35,7 +36,7 @@ __all__ = [
 ]
 
 #: Bumped on any change of a message's meaning; peers of another version are refused at hello.
-PROTOCOL_VERSION = 8  # 8: bye; 7: hello_ack offers the fused path's flag page, fused_done carries its sequence number; 6: (an IPC event instead); 5: hello states the receiver's cache pages; 4: hello and hello_ack state whether the side stages
+PROTOCOL_VERSION = 9  # 9: no ``sent`` for a region write (the rank counts its grant as a done due); 8: bye; 7: hello_ack offers the fused path's flag page, fused_done carries its sequence number; 6: (an IPC event instead); 5: hello states the receiver's cache pages; 4: hello and hello_ack state whether the side stages
 #: Path names a sender may answer a hello with (`dcp_jax.transfer._region.choose_path`).
 PATHS = ("direct", "packed", "region", "fused")
 MAX_IPC_HANDLES = 4096     # one CUDA IPC handle per KV layer entry at most (spec.MAX_LAYERS)
