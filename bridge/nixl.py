@@ -244,8 +244,9 @@ class NixlEngine(TransferEngine):
         with self._posting:
             try:
                 xfer, state = self._post(handle, descs, local_mem, remote_mem, peer)
-            finally:  # collect notifications here too, so back-to-back postings never starve them
-                self._stash_notifs()
+            finally:  # on the thread, collect notifications too: back-to-back postings never starve
+                if self._worker.in_thread():  # them (a caller posting inline polls them itself)
+                    self._stash_notifs()
         rec = Posted(xfer)
         if state == "PROC":
             self._poller.add(rec)

@@ -144,6 +144,10 @@ class Worker(_Daemon):
         self._run_marked(job)
         return True
 
+    def in_thread(self) -> bool:
+        """Whether the caller is this worker's own thread (not a caller running a job inline)."""
+        return threading.current_thread() is self._thread
+
     def _run_marked(self, job: Job) -> None:
         """Runs a job `_running` was set for (under the lock), then clears it and wakes the
         waiters: the thread (a job queued meanwhile) and `join` (a stop)."""

@@ -41,6 +41,7 @@ want G_poll100 && case_run G_poll100$r nixl region DCP_POLLER_MAX_US=100 DCP_WOR
 want H_inline && case_run H_inline$r nixl region DCP_NIXL_INLINE=1
 want Q_queued && case_run Q_queued$r nixl region DCP_NIXL_QUEUED=1
 want S_switch100 && case_run S_switch100$r nixl region DCP_SWITCH_US=100
+want U_unpack5 && case_run U_unpack5$r nixl region DCP_UNPACK_DELAY_MS=5
 want R_fused && case_run R_fused$r nixl fused
 want M_mc_region && case_run M_mc_region$r mooncake region
 done

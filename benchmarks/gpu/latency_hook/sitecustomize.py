@@ -10,6 +10,8 @@ Every process of the job (its children inherit PYTHONPATH) applies, where set:
 ``DCP_NIXL_INLINE=1`` NIXL batches posted in the caller's thread (``NixlEngine(async_submit=False)``)
 instead of handed to the engine's posting thread; ``DCP_NIXL_QUEUED=1`` every batch handed to that
 thread (`bridge.nixl.INLINE_MAX_DESCRIPTORS` = 0: the behaviour before small batches went inline).
+``DCP_UNPACK_DELAY_MS`` a decode rank waits this long before each region unpack (diagnostic only:
+do the NIXL writes still land spread out when no rank's unpack runs among them?);
 ``DCP_SWITCH_US`` the interpreter's GIL switch interval (`sys.setswitchinterval`, default 5,000 us):
 how long a thread back from a GIL-free engine call may wait for another thread to yield.
 Tells which of the waits stacked between a write's end and its rank's notice cost the time.
@@ -24,6 +26,23 @@ def _us(name):
 
 _prog, _poll, _work = _us("DCP_NIXL_PROGRESS_US"), _us("DCP_POLLER_MAX_US"), _us("DCP_WORKER_MAX_US")
 _inline = os.environ.get("DCP_NIXL_INLINE") == "1"
+if _us("DCP_UNPACK_DELAY_MS") is not None:
+    try:
+        import time as _time
+
+        from dcp_jax.transfer import _receiver_region as _rr
+
+        _orig_unpack, _delay = _rr.ReceiverRegion._unpack, _us("DCP_UNPACK_DELAY_MS") * 1e-3
+
+        def _late_unpack(self, g):
+            _time.sleep(_delay)
+            return _orig_unpack(self, g)
+
+        _rr.ReceiverRegion._unpack = _late_unpack
+    except Exception as exc:  # noqa: BLE001 - a diagnostic must not stop the job
+        import sys as _s
+
+        print(f"latency_hook: DCP_UNPACK_DELAY_MS not applied: {exc!r}", file=_s.stderr)
 if _us("DCP_SWITCH_US") is not None:
     import sys as _sys
 
