@@ -64,6 +64,7 @@ class ReceiverData:
             req = self._requests.get(msg["rid"])
             if req is not None and req.inc == msg["inc"] and not req.status.terminal:
                 req.due += 1
+                req.state.advance(TransferStatus.TRANSFERRING)  # its bytes are on their way
             return
         if kind == "drained":
             req = self._requests.get(msg["rid"])

@@ -136,7 +136,9 @@ class CacheLayers:
                 raise ValueError(f"kv_layers[{l}] holds {nbytes // n} bytes per token, "
                                  f"spec.item_lens[{l}]={spec.item_lens[l]}")
             if self.kind in ("numpy", "cupy") and not a.flags.c_contiguous:
-                raise ValueError(f"kv_layers[{l}] must be C-contiguous")
+                read_only = writable and self.kind == "numpy" and not a.flags.writeable
+                raise ValueError(f"kv_layers[{l}] must be C-contiguous" + (
+                    " and writeable (it is a read-only view, such as np.broadcast_to gives)" if read_only else ""))
             if writable and self.kind == "numpy" and not a.flags.writeable:
                 raise ValueError(f"kv_layers[{l}] is read-only; a receiver's layers are written into")
             if np.dtype(a.dtype).hasobject:

@@ -248,8 +248,12 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
             written = [int(p) for p in table[lo // s.page_size: -(-rows // s.page_size)]]
             clash = next((p for p in written if p in self._page_owner), None)
             if clash is not None:
-                raise ValueError(f"page_table: page {clash} is written by request {self._page_owner[clash]!r}, "
-                                 "still held (requests must write disjoint pages; release that one first)")
+                owner = self._page_owner[clash]
+                if owner in self._requests:
+                    raise ValueError(f"page_table: page {clash} is written by request {owner!r}, still held "
+                                     "(requests must write disjoint pages; release that one first)")
+                raise ValueError(f"page_table: page {clash} belongs to request {owner}: a sender's write may "
+                                 "still land there; it is free once its sender says drained, or after drain_grace_s")
             self._layers.check_pages(written, self._page_owner)  # entries viewing one buffer
             # Only the senders that move this rank something (`views.pair_moves`): a pair with
             # no head in common has nothing to send, and its sender does not wait for this rank.

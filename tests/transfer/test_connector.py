@@ -276,6 +276,10 @@ def test_closed_sides_refuse_calls_and_duplicate_links_are_refused(engine):
         with pytest.raises(ValueError, match="read-only"):
             ro = np.frombuffer(bytes(4 * 4 * 48), np.uint8).reshape(4, 4, 48)
             KVReceiver(c.receivers[0].spec, [ro, np.zeros((4, 4, 16), np.uint8)], engine=engine)
+        # A broadcast view is both strided and read-only: the error names both.
+        with pytest.raises(ValueError, match=r"kv_layers\[0\] must be C-contiguous and writeable"):
+            bc = np.broadcast_to(np.zeros((1, 4, 48), np.uint8), (4, 4, 48))
+            KVReceiver(c.receivers[0].spec, [bc, np.zeros((4, 4, 16), np.uint8)], engine=engine)
         src, dst = c.tables(4)
         c.close()
         with pytest.raises(RuntimeError, match="closed"):
