@@ -4,7 +4,8 @@
     DCP_TIME_TARGETS=dcp_jax.transfer._sender_region:SenderRegion._write_region,bridge.nixl:NixlEngine._post \\
     python -m dcp_jax.cli transfer --device gpu --path region ...
 
-Each target (``module:Class.method``) is wrapped to record every call's perf_counter duration and
+Each target (``module:Class.method``, or ``module:function`` for a module-level callable that its
+callers look up in that module at call time) is wrapped to record every call's perf_counter duration and
 thread name; at exit each process writes ``$DCP_TIME_DIR/times_<pid>.json``: {target: [[seconds,
 thread], ...]} for the targets it called. benchmarks/gpu/time_summary.py prints medians.
 Targets import lazily: one whose module is not imported yet is wrapped when it is first imported.
@@ -26,7 +27,10 @@ def _wrap(target: str) -> bool:
     if module not in sys.modules:
         return False
     cls_name, _, meth = attr.partition(".")
-    cls = getattr(sys.modules[module], cls_name)
+    if not meth:  # "module:function": a module-level callable (callers must look it up there)
+        cls, meth = sys.modules[module], cls_name
+    else:
+        cls = getattr(sys.modules[module], cls_name)
     orig = getattr(cls, meth)
     rec = _calls.setdefault(target, [])
     cur = threading.current_thread
