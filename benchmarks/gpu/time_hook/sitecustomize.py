@@ -26,6 +26,8 @@ def _wrap(target: str) -> bool:
     module, _, attr = target.partition(":")
     if module not in sys.modules:
         return False
+    if target == _PJIT:  # JAX's Python dispatch path, recorded per jitted function's name
+        return _wrap_pjit(sys.modules[module])
     cls_name, _, meth = attr.partition(".")
     if not meth:  # "module:function": a module-level callable (callers must look it up there)
         cls, meth = sys.modules[module], cls_name
@@ -45,6 +47,28 @@ def _wrap(target: str) -> bool:
                 _start_dumper()
 
     setattr(cls, meth, wrapped)
+    return True
+
+
+#: With DCP_TIME_PJIT=1: every call of JAX's Python dispatch (a jitted call the C++ fast path did
+#: not take) is recorded as "pjit:<function name>".
+_PJIT = "jax._src.pjit:_run_python_pjit"
+
+
+def _wrap_pjit(mod) -> bool:
+    orig, cur = mod._run_python_pjit, threading.current_thread
+
+    def wrapped(p, args_flat, fun, args, kwargs):
+        t0 = time.perf_counter()
+        try:
+            return orig(p, args_flat, fun, args, kwargs)
+        finally:
+            name = "pjit:" + str(getattr(fun, "__name__", fun))
+            _calls.setdefault(name, []).append((time.perf_counter() - t0, cur().name))
+            if _dumper[0] != os.getpid():
+                _start_dumper()
+
+    mod._run_python_pjit = wrapped
     return True
 
 
@@ -110,6 +134,9 @@ if _DIR and _TARGETS:
     import importlib.util
 
     os.makedirs(_DIR, exist_ok=True)
-    sys.meta_path.insert(0, _Finder([t for t in _TARGETS.split(",") if t]))
+    _targets = [t for t in _TARGETS.split(",") if t]
+    if os.environ.get("DCP_TIME_PJIT") == "1":
+        _targets.append(_PJIT)
+    sys.meta_path.insert(0, _Finder(_targets))
     atexit.register(_dump)
     os.register_at_fork(after_in_child=lambda: [v.clear() for v in _calls.values()])
