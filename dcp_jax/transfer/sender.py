@@ -203,7 +203,11 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
             request_id: the request's id (str, 1..256 characters), the same on both sides.
             page_table: int[pages]: ``page_table[k]`` is the physical page holding this prefill
                 rank's local tokens ``[k*page_size, (k+1)*page_size)`` (spec section 10); it must
-                cover local rows up to ``stop`` and may grow between chunks.
+                cover local rows up to ``stop`` and may grow between chunks, but the pages an
+                earlier chunk's table gave stay as they were: a table that moves one raises
+                ValueError and FAILS the request here and at its ranks (such a send is most
+                likely a late chunk of a request released meanwhile, whose id named a new
+                request from then on: `release` it and send the new one again).
             start, stop: token positions, ``0 <= start < stop <= 2**62`` (`_worker.MAX_TOKENS`).
                 A request every decode rank already holds in full (``prefix_tokens == num_tokens``)
                 is SUCCESS as soon as they announced it; a `send` for it then does nothing. A
@@ -216,8 +220,8 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
         Raises:
             RuntimeError: the sender is closed.
             TypeError, ValueError: bad id, range or page table (page ids outside the cache, too
-                few pages), a range overlapping one already sent, or the id of a SUCCESS request
-                that was not released yet.
+                few pages, a page an earlier chunk gave moved), a range overlapping one already
+                sent, or the id of a SUCCESS request that was not released yet.
         """
         self._check_open()
         rid = check_request_id(request_id)
@@ -240,6 +244,10 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
                 raise ValueError(f"request_id={rid!r} is {req.status.name}; release() it before reusing the id")
             if req.sent.overlaps(start, stop):
                 raise ValueError(f"tokens [{start}, {stop}) of request_id={rid!r} overlap a range already sent")
+            moved = _moved_page(rid, req.page_table, table) if req.page_table is not None else None
+            if moved is not None:  # the request's rows are no longer one request's: it fails here and at the ranks
+                self._end(req, TransferStatus.FAILED, moved, notify="failed")
+                raise ValueError(moved)
             req.sent.add(start, stop)
             self._to_plan[req] = None
             req.chunks.append((start, stop, table))  # each chunk is planned on its own table
@@ -363,7 +371,10 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
         """Forgets a request (aborting it first if it is still live); its id may then be reused.
         For ``timeout_s`` after releasing a request that did not succeed, a decode rank that
         announces it only now (it had not yet) is told how it ended instead of waiting for a
-        transfer nobody sends; a `send` of the id starts a new request and ends that.
+        transfer nobody sends; a `send` of the id starts a new request and ends that. So a
+        scheduler must not `send` chunks of a request it released (this side cannot tell such a
+        late chunk from the first chunk of a reused id; one whose pages differ from the new
+        request's later chunks makes those refused, `send`'s ``page_table``).
 
         Raises:
             KeyError: unknown request id.
@@ -505,6 +516,20 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
     def __repr__(self) -> str:
         return (f"KVSender(address={self.address!r}, engine={self.engine.kind!r}, "
                 f"requests={len(self._requests)}, connections={len(self._conns)})")
+
+
+def _moved_page(rid: str, before: np.ndarray, table: np.ndarray) -> str | None:
+    """Why a chunk's page table cannot be this request's (it gives another page than the
+    request's earlier chunks did for the same local tokens; tables only grow, as vLLM's and
+    sglang's block tables do), or None."""
+    n = min(len(before), len(table))
+    moved = np.flatnonzero(before[:n] != table[:n])
+    if not len(moved):
+        return None
+    k = int(moved[0])
+    return (f"page_table[{k}]={int(table[k])} but an earlier send of request_id={rid!r} gave page {int(before[k])}: "
+            "a request's pages do not move between chunks (a late send of a request released meanwhile? "
+            "its id named a new request from that send on)")
 
 
 def _alloc_pack(nbytes: int, layers: CacheLayers, staged: bool):

@@ -358,3 +358,37 @@ def test_receive_region_under_one_token_is_refused_not_dropped(engine):
     for ok in (0, 32):  # none, and exactly one token
         with KVReceiver(spec, kv, engine=engine, region_bytes=ok) as r:
             assert r.stats["region"]["capacity"] == ok
+
+
+@pytest.mark.parametrize("mode", ["region", "packed"])
+def test_a_late_chunk_of_a_released_request_never_passes_for_the_reused_id(engine, mode):
+    """The fresh-user trial of 2026-12-04: a scheduler sent a chunk of a request it had released
+    (the id then names a new request), and reused the id for another prompt. Before, both sides
+    ended SUCCESS with rows 20-39 from the released request's pages. Now the new prompt's first
+    send moves a page the late chunk gave: it raises, the request FAILS on both sides, and the
+    new prompt, sent again after a release, lands byte-exact."""
+    kw = dict(receiver_kw=dict(region_bytes=4 * 64)) if mode == "region" else {}  # 4 tokens: windows reuse it
+    with cluster(engine, dcp_size=1, mode=mode, seed=11, **kw) as c:
+        r0 = c.receivers[0]
+        old_src, old_dst = c.tables(40)
+        c.expect("z", old_dst, 40)
+        c.sender.send("z", old_src, 0, 20)
+        c.sender.release("z")  # the scheduler dropped it; one of its chunks is still on its way
+        assert c.wait("z", sides=[r0]) == [TransferStatus.ABORTED]
+        r0.release("z")
+        c.sender.send("z", old_src, 20, 40)  # the late chunk: a new request "z" here
+        new_src, new_dst = c.tables(40)
+        c.expect("z", new_dst, 40)
+        with pytest.raises(ValueError, match=r"page_table\[0\]=\d+ but an earlier send of request_id='z' "
+                                             r"gave page \d+: a request's pages do not move"):
+            c.sender.send("z", new_src, 0, 20)
+        assert c.wait("z") == [TransferStatus.FAILED] * 2, c.reasons("z")
+        assert "pages do not move" in c.sender.failure_reason("z")
+        c.sender.release("z")
+        r0.release("z")
+        fresh_dst = c.tables(40)[1]  # the failed request's pages may still be held: fresh ones
+        c.expect("z", fresh_dst, 40)
+        c.sender.send("z", new_src, 0, 20)
+        c.sender.send("z", new_src, 20, 40)
+        assert c.wait("z") == [TransferStatus.SUCCESS] * 2, c.reasons("z")
+        assert c.check_bytes(new_src, fresh_dst, 40) == 40
