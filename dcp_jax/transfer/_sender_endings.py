@@ -119,6 +119,8 @@ class SenderEndings:
         self._next_timeout_check = now + TIMEOUT_CHECK_S
         for rid in [rid for rid, gone in self._released_ended.items() if gone[0] <= now]:
             del self._released_ended[rid]
+        for rid in [rid for rid, until in self._released_at.items() if until <= now]:
+            del self._released_at[rid]
         for req in list(self._requests.values()):
             if not req.status.terminal and req.state.stalled_for(now) > self.timeout_s:
                 self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s{_waiting_for(req)}",

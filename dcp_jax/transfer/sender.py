@@ -162,6 +162,9 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
         # Released FAILED / ABORTED ids, for timeout_s: rid -> (until, ranks that had announced it,
         # status, reason): a rank announcing it late is told how it ended (`_on_expect`).
         self._released_ended: dict[str, tuple] = {}
+        # Every released id, for timeout_s: rid -> until. A request a `send` starts under such an
+        # id is "reborn": its first chunk may be a late one of the released request.
+        self._released_at: dict[str, float] = {}
         self._conns: dict[bytes, Any] = {}     # control identity -> _sender_peers.Conn
         self._queue: deque = deque()         # _sender_units.Unit, FIFO (per rank; see _submit_units)
         self._held: dict = {}                # Conn -> pack-arena bytes its windows hold
@@ -203,11 +206,12 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
             request_id: the request's id (str, 1..256 characters), the same on both sides.
             page_table: int[pages]: ``page_table[k]`` is the physical page holding this prefill
                 rank's local tokens ``[k*page_size, (k+1)*page_size)`` (spec section 10); it must
-                cover local rows up to ``stop`` and may grow between chunks, but the pages an
-                earlier chunk's table gave stay as they were: a table that moves one raises
-                ValueError and FAILS the request here and at its ranks (such a send is most
-                likely a late chunk of a request released meanwhile, whose id named a new
-                request from then on: `release` it and send the new one again).
+                cover local rows up to ``stop`` and may grow between chunks; each chunk is moved
+                from the table it came with. For an id released less than ``timeout_s`` ago, a
+                later chunk's table must keep the pages the request's first chunks gave: one that
+                moves a page raises ValueError and FAILS the request here and at its ranks (its
+                first chunk was most likely a late one of the released request, under an id that
+                named a new request from then on: `release` it and send the new one again).
             start, stop: token positions, ``0 <= start < stop <= 2**62`` (`_worker.MAX_TOKENS`).
                 A request every decode rank already holds in full (``prefix_tokens == num_tokens``)
                 is SUCCESS as soon as they announced it; a `send` for it then does nothing. A
@@ -220,8 +224,8 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
         Raises:
             RuntimeError: the sender is closed.
             TypeError, ValueError: bad id, range or page table (page ids outside the cache, too
-                few pages, a page an earlier chunk gave moved), a range overlapping one already
-                sent, or the id of a SUCCESS request that was not released yet.
+                few pages, a page moved under a recently released id), a range overlapping one
+                already sent, or the id of a SUCCESS request that was not released yet.
         """
         self._check_open()
         rid = check_request_id(request_id)
@@ -235,7 +239,9 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
             req = self._requests.get(rid)
             if req is None:
                 self._released_ended.pop(rid, None)  # the prefill uses the id again: a new request
+                reborn = self._released_at.pop(rid, 0.0) > time.monotonic()
                 req = self._new_request(rid)
+                req.reborn = reborn
             if req.status is TransferStatus.SUCCESS and req.page_table is None:
                 return  # every rank already held all of it (a full prefix hit): nothing to send
             if req.status in (TransferStatus.FAILED, TransferStatus.ABORTED):
@@ -244,8 +250,8 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
                 raise ValueError(f"request_id={rid!r} is {req.status.name}; release() it before reusing the id")
             if req.sent.overlaps(start, stop):
                 raise ValueError(f"tokens [{start}, {stop}) of request_id={rid!r} overlap a range already sent")
-            moved = _moved_page(rid, req.page_table, table) if req.page_table is not None else None
-            if moved is not None:  # the request's rows are no longer one request's: it fails here and at the ranks
+            moved = _moved_page(rid, req.page_table, table) if req.reborn and req.page_table is not None else None
+            if moved is not None:  # two requests' chunks under one id: it fails here and at the ranks
                 self._end(req, TransferStatus.FAILED, moved, notify="failed")
                 raise ValueError(moved)
             req.sent.add(start, stop)
@@ -373,8 +379,8 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
         announces it only now (it had not yet) is told how it ended instead of waiting for a
         transfer nobody sends; a `send` of the id starts a new request and ends that. So a
         scheduler must not `send` chunks of a request it released (this side cannot tell such a
-        late chunk from the first chunk of a reused id; one whose pages differ from the new
-        request's later chunks makes those refused, `send`'s ``page_table``).
+        late chunk from the first chunk of a reused id; for ``timeout_s`` after the release, one
+        whose pages differ from the new request's later chunks FAILS it, `send`'s ``page_table``).
 
         Raises:
             KeyError: unknown request id.
@@ -384,6 +390,7 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
             if not req.status.terminal:
                 self._end(req, TransferStatus.ABORTED, "released before completion", notify="abort")
             del self._requests[req.rid]
+            self._released_at[req.rid] = time.monotonic() + self.timeout_s
             if req.status is not TransferStatus.SUCCESS:  # ranks that announce it late hear how it ended
                 self._released_ended[req.rid] = (time.monotonic() + self.timeout_s, set(req.targets),
                                                  req.status, req.state.reason)

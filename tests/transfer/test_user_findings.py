@@ -364,9 +364,10 @@ def test_receive_region_under_one_token_is_refused_not_dropped(engine):
 def test_a_late_chunk_of_a_released_request_never_passes_for_the_reused_id(engine, mode):
     """The fresh-user trial of 2026-12-04: a scheduler sent a chunk of a request it had released
     (the id then names a new request), and reused the id for another prompt. Before, both sides
-    ended SUCCESS with rows 20-39 from the released request's pages. Now the new prompt's first
-    send moves a page the late chunk gave: it raises, the request FAILS on both sides, and the
-    new prompt, sent again after a release, lands byte-exact."""
+    ended SUCCESS with rows 20-39 from the released request's pages. Now (the id was released
+    less than timeout_s before the late chunk) the new prompt's first send moves a page the late
+    chunk gave: it raises, the request FAILS on both sides, and the new prompt, sent again after
+    a release, lands byte-exact."""
     kw = dict(receiver_kw=dict(region_bytes=4 * 64)) if mode == "region" else {}  # 4 tokens: windows reuse it
     with cluster(engine, dcp_size=1, mode=mode, seed=11, **kw) as c:
         r0 = c.receivers[0]
