@@ -13,10 +13,4 @@ T="$S._write_region,$S._on_region_grant,$S._ask_regions,$U._post_packed,$U._pack
 T="$T,bridge.base:TransferEngine.transfer_batch,bridge.nixl:NixlEngine._post,bridge.nixl:NixlEngine._stash_notifs"
 T="$T,$API:nixl_agent.transfer,$API:nixl_agent.initialize_xfer,dcp_jax.transfer.control:ControlServer.send"
 T="$T,$R._region_landed,$R._unpack,$R._on_region_ask"
-rm -rf /tmp/time_region
-PYTHONPATH="$PWD/benchmarks/gpu/time_hook:$PWD${PYTHONPATH:+:$PYTHONPATH}" DCP_TIME_DIR=/tmp/time_region DCP_TIME_TARGETS="$T" \
-    timeout 150 "$PY" -m dcp_jax.cli transfer --device gpu --no-progress --timeout-s 60 --engine "${ENGINE:-nixl}" \
-    --path region --prompt-tokens 32768 --requests "${N:-4}" --json "$OUT/time_region.json" > "$OUT/time_region.log" 2>&1
-echo "time_region rc=$?"
-sleep 1
-"$PY" benchmarks/gpu/time_summary.py /tmp/time_region --skip 8
+T="$T" bash benchmarks/gpu/time_job.sh time_region region "${ENGINE:-nixl}" "${N:-4}" 8
