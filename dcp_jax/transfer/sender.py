@@ -208,10 +208,12 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
                 rank's local tokens ``[k*page_size, (k+1)*page_size)`` (spec section 10); it must
                 cover local rows up to ``stop`` and may grow between chunks; each chunk is moved
                 from the table it came with. For an id released less than ``timeout_s`` ago, a
-                later chunk's table must keep the pages the request's first chunks gave: one that
-                moves a page raises ValueError and FAILS the request here and at its ranks (its
-                first chunk was most likely a late one of the released request, under an id that
-                named a new request from then on: `release` it and send the new one again).
+                later chunk's table must keep the pages that hold the rows earlier chunks sent:
+                one that moves such a page raises ValueError and FAILS the request here and at
+                its ranks (its first chunk was most likely a late one of the released request,
+                under an id that named a new request from then on: `release` it and send the new
+                one again). This catches only such a late chunk whose pages the next table moves:
+                a scheduler must not send chunks of requests it released (`release`).
             start, stop: token positions, ``0 <= start < stop <= 2**62`` (`_worker.MAX_TOKENS`).
                 A request every decode rank already holds in full (``prefix_tokens == num_tokens``)
                 is SUCCESS as soon as they announced it; a `send` for it then does nothing. A
@@ -250,7 +252,7 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
                 raise ValueError(f"request_id={rid!r} is {req.status.name}; release() it before reusing the id")
             if req.sent.overlaps(start, stop):
                 raise ValueError(f"tokens [{start}, {stop}) of request_id={rid!r} overlap a range already sent")
-            moved = _moved_page(rid, req.page_table, table) if req.reborn and req.page_table is not None else None
+            moved = _moved_page(rid, req.chunks, table, self.spec) if req.reborn else None
             if moved is not None:  # two requests' chunks under one id: it fails here and at the ranks
                 self._end(req, TransferStatus.FAILED, moved, notify="failed")
                 raise ValueError(moved)
@@ -380,7 +382,8 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
         transfer nobody sends; a `send` of the id starts a new request and ends that. So a
         scheduler must not `send` chunks of a request it released (this side cannot tell such a
         late chunk from the first chunk of a reused id; for ``timeout_s`` after the release, one
-        whose pages differ from the new request's later chunks FAILS it, `send`'s ``page_table``).
+        whose pages the new request's later tables move FAILS it, `send`'s ``page_table``, but
+        one on pages they share is not caught).
 
         Raises:
             KeyError: unknown request id.
@@ -525,18 +528,21 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
                 f"requests={len(self._requests)}, connections={len(self._conns)})")
 
 
-def _moved_page(rid: str, before: np.ndarray, table: np.ndarray) -> str | None:
-    """Why a chunk's page table cannot be this request's (it gives another page than the
-    request's earlier chunks did for the same local tokens; tables only grow, as vLLM's and
-    sglang's block tables do), or None."""
-    n = min(len(before), len(table))
-    moved = np.flatnonzero(before[:n] != table[:n])
-    if not len(moved):
-        return None
-    k = int(moved[0])
-    return (f"page_table[{k}]={int(table[k])} but an earlier send of request_id={rid!r} gave page {int(before[k])}: "
-            "a request's pages do not move between chunks (a late send of a request released meanwhile? "
-            "its id named a new request from that send on)")
+def _moved_page(rid: str, chunks: list, table: np.ndarray, spec) -> str | None:
+    """Why a chunk's page table cannot be this request's: it gives another page than an earlier
+    chunk's table did for local rows that chunk sent (those rows' KV is in that page; entries
+    past them, such as a fixed-width table's padding, are not compared); or None."""
+    for start, stop, before in chunks:
+        lo = int(local_len_np(start, spec.dcp_size, spec.dcp_rank, spec.interleave_size)) // spec.page_size
+        hi = -(-int(local_len_np(stop, spec.dcp_size, spec.dcp_rank, spec.interleave_size)) // spec.page_size)
+        hi = min(hi, len(before), len(table))
+        moved = np.flatnonzero(before[lo:hi] != table[lo:hi])
+        if len(moved):
+            k = lo + int(moved[0])
+            return (f"page_table[{k}]={int(table[k])} but an earlier send of request_id={rid!r} gave page "
+                    f"{int(before[k])} for tokens it sent: a request's pages do not move between chunks (a late "
+                    "send of a request released meanwhile? its id named a new request from that send on)")
+    return None
 
 
 def _alloc_pack(nbytes: int, layers: CacheLayers, staged: bool):
