@@ -204,17 +204,23 @@ class _Sender(_Side):
                 self.conn.send(("armed", r.plan.index))
             r.phase = "wait"
             return True
-        if r.phase == "wait":
-            status = s.poll(rid)
-            if not status.terminal:
+        try:
+            if r.phase == "wait":
+                status = s.poll(rid)
+                if not status.terminal:
+                    return False
+                r.status, r.reason, r.t_term = status, s.failure_reason(rid), time.monotonic()
+                r.transfer_s = s.request_stats(rid).get("transfer_seconds")
+                r.phase = "drain"
+            if not s.is_drained(rid):  # an aborted request's window may still be moving
                 return False
-            r.status, r.reason, r.t_term = status, s.failure_reason(rid), time.monotonic()
-            r.transfer_s = s.request_stats(rid).get("transfer_seconds")
-            r.phase = "drain"
-        if not s.is_drained(rid):  # an aborted request's window may still be moving
-            return False
-        r.drain_s = time.monotonic() - r.t_term
-        s.release(rid)
+            r.drain_s = time.monotonic() - r.t_term
+            s.release(rid)
+        except KeyError:  # the sender forgot it: it ended before any chunk was sent, timeout_s ago
+            if r.status is None:  # (`KVSender` drops such requests itself; nothing of it is in flight)
+                r.status, r.reason = self.S.ABORTED, "ended unsent; forgotten by the sender"
+            r.t_term = r.t_term or time.monotonic()
+            r.drain_s = time.monotonic() - r.t_term
         bad, sv = self.pool.verify(r.table, r.tokens, r.plan.seed, count=False, want=r.want)  # nobody writes our KV
         self.pool.give_back(r.table)
         del self.live[r.plan.index]
