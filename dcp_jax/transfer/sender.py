@@ -334,7 +334,9 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
         """The request's `TransferStatus` on this side.
 
         Raises:
-            KeyError: unknown (never sent nor announced, or released) request id.
+            KeyError: unknown (never sent nor announced, or released) request id; also one that
+                ended before any chunk of it was sent, ``timeout_s`` after it ended (the sender
+                drops those itself: a prefill that never sent usually never knew the id).
             TypeError: ``request_id`` is not a str.
         """
         return self._get(request_id).status
