@@ -225,7 +225,10 @@ class SenderPeers:
         self._ctl.send(conn.ident, proto.encode("drained", rid, inc))
 
     def _new_request(self, rid: str) -> SendRequest:
+        """A new request record, "reborn" when its id was released less than timeout_s ago
+        (whether a `send` or a rank's announcement starts it: `KVSender.send`'s page check)."""
         req = self._requests[rid] = SendRequest(rid)
+        req.reborn = self._released_at.pop(rid, 0.0) > time.monotonic()
         self._counts["requests"] += 1
         return req
 

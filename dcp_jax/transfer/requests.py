@@ -172,7 +172,7 @@ class SendRequest:
         self.rid = request_id
         self.state = RequestState()
         self.page_table: np.ndarray | None = None
-        self.reborn = False  # started by a send under an id released < timeout_s ago (`KVSender.send`)
+        self.reborn = False  # started under an id released < timeout_s ago (`KVSender.send`'s page check)
         self.chunks: list[tuple[int, int]] = []
         self.sent = Coverage()
         self.group: str | None = None

@@ -162,8 +162,8 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
         # Released FAILED / ABORTED ids, for timeout_s: rid -> (until, ranks that had announced it,
         # status, reason): a rank announcing it late is told how it ended (`_on_expect`).
         self._released_ended: dict[str, tuple] = {}
-        # Every released id, for timeout_s: rid -> until. A request a `send` starts under such an
-        # id is "reborn": its first chunk may be a late one of the released request.
+        # Every released id, for timeout_s: rid -> until. A request started under such an id (by a
+        # `send` or an announcement) is "reborn": a chunk of it may be a late one of the released request.
         self._released_at: dict[str, float] = {}
         self._conns: dict[bytes, Any] = {}     # control identity -> _sender_peers.Conn
         self._queue: deque = deque()         # _sender_units.Unit, FIFO (per rank; see _submit_units)
@@ -241,9 +241,7 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
             req = self._requests.get(rid)
             if req is None:
                 self._released_ended.pop(rid, None)  # the prefill uses the id again: a new request
-                reborn = self._released_at.pop(rid, 0.0) > time.monotonic()
                 req = self._new_request(rid)
-                req.reborn = reborn
             if req.status is TransferStatus.SUCCESS and req.page_table is None:
                 return  # every rank already held all of it (a full prefix hit): nothing to send
             if req.status in (TransferStatus.FAILED, TransferStatus.ABORTED):

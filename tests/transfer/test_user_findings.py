@@ -360,14 +360,16 @@ def test_receive_region_under_one_token_is_refused_not_dropped(engine):
             assert r.stats["region"]["capacity"] == ok
 
 
+@pytest.mark.parametrize("announce_first", [False, True])
 @pytest.mark.parametrize("mode", ["region", "packed"])
-def test_a_late_chunk_of_a_released_request_never_passes_for_the_reused_id(engine, mode):
+def test_a_late_chunk_of_a_released_request_never_passes_for_the_reused_id(engine, mode, announce_first):
     """The fresh-user trial of 2026-12-04: a scheduler sent a chunk of a request it had released
     (the id then names a new request), and reused the id for another prompt. Before, both sides
     ended SUCCESS with rows 20-39 from the released request's pages. Now (the id was released
     less than timeout_s before the late chunk) the new prompt's first send moves a page the late
     chunk gave: it raises, the request FAILS on both sides, and the new prompt, sent again after
-    a release, lands byte-exact."""
+    a release, lands byte-exact. Whether the late chunk or the rank's announcement of the next use
+    reaches the sender first."""
     kw = dict(receiver_kw=dict(region_bytes=4 * 64)) if mode == "region" else {}  # 4 tokens: windows reuse it
     with cluster(engine, dcp_size=1, mode=mode, seed=11, **kw) as c:
         r0 = c.receivers[0]
@@ -377,9 +379,20 @@ def test_a_late_chunk_of_a_released_request_never_passes_for_the_reused_id(engin
         c.sender.release("z")  # the scheduler dropped it; one of its chunks is still on its way
         assert c.wait("z", sides=[r0]) == [TransferStatus.ABORTED]
         r0.release("z")
-        c.sender.send("z", old_src, 20, 40)  # the late chunk: a new request "z" here
         new_src, new_dst = c.tables(40)
-        c.expect("z", new_dst, 40)
+        if announce_first:  # the rank's announcement of the id's next use starts the request here
+            c.expect("z", new_dst, 40)
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    c.sender.poll("z")
+                    break
+                except KeyError:
+                    assert time.monotonic() < deadline, "the announcement never reached the sender"
+                    time.sleep(0.005)
+        c.sender.send("z", old_src, 20, 40)  # the late chunk (without an announcement: a new request here)
+        if not announce_first:
+            c.expect("z", new_dst, 40)
         with pytest.raises(ValueError, match=r"page_table\[5\]=\d+ but an earlier send of request_id='z' "
                                              r"gave page \d+ for tokens it sent: a request's pages do not move"):
             c.sender.send("z", new_src, 0, 20)
