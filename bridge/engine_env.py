@@ -10,7 +10,9 @@ own settings win: nothing set is overwritten).
 """
 from __future__ import annotations
 
+import logging
 import os
+import sys
 
 __all__ = ["QUIET_ENV", "LOOPBACK_ENV", "quiet_engines"]
 
@@ -22,11 +24,17 @@ LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo"}
 
 def quiet_engines(loopback: bool = False) -> dict[str, str]:
     """Sets `QUIET_ENV` (and `LOOPBACK_ENV` when ``loopback``) in ``os.environ`` where the
-    variable is not set yet; returns what was set now (name -> value)."""
+    variable is not set yet; returns what was set now (name -> value).
+
+    NIXL's Python wrapper reads ``NIXL_LOG_LEVEL`` once, when it is imported, into its ``nixl``
+    logger (which writes to stdout): if it was imported before this call and the variable is set
+    now, that logger's level is set here too, so its INFO lines stop in this process as well."""
     wanted = {**QUIET_ENV, **(LOOPBACK_ENV if loopback else {})}
     done = {}
     for k, v in wanted.items():
         if k not in os.environ:
             os.environ[k] = v
             done[k] = v
+    if "NIXL_LOG_LEVEL" in done and any(m.startswith("nixl") for m in list(sys.modules)):
+        logging.getLogger("nixl").setLevel(logging.WARNING)
     return done
