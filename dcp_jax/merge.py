@@ -8,7 +8,7 @@ Each DCP rank ``r`` attends the KV it holds and returns ``out_r`` (normalised ov
     lse = m + log(sum_r exp(lse_r - m))    (-inf if every shard is empty)
     out = sum_r exp(lse_r - lse) * out_r
 
-Conventions everywhere in this module:
+Conventions everywhere in this module (and the two it is built from):
 
 - the state (shard) axis comes first: ``out [N, T, H, D]``, ``lse [N, T, H]``;
 - the LSE is token-major ``[T, H]`` by default; ``lse_layout="HT"`` selects head-major ``[H, T]``
@@ -21,23 +21,47 @@ Conventions everywhere in this module:
 - arithmetic in float32 (or wider if the input is wider); ``out`` comes back in the input dtype,
   ``lse`` in float32.
 
-There is ONE merge core, :func:`_merge_weights` + :func:`_weighted`: the flat forms
-(:func:`merge_states`, :func:`merge_state`) and the collective forms (:func:`merge_ag_rs`,
-:func:`merge_ag_ar`, :func:`merge_a2a` inside ``shard_map``; :func:`ag_rs`, :func:`ag_ar`,
-:func:`a2a` on a mesh) all call it.
+There is ONE merge core, :func:`_merge_weights` + :func:`_weighted` (:mod:`dcp_jax.merge_core`,
+with the argument checks): the flat forms (:func:`merge_states`, :func:`merge_state`, here) and
+the collective forms (:func:`merge_ag_rs`, :func:`merge_ag_ar`, :func:`merge_a2a` inside
+``shard_map``, :mod:`dcp_jax.merge_collectives`; :func:`ag_rs`, :func:`ag_ar`, :func:`a2a` on a
+mesh, here) all call it. Every name stays importable from this module.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from dcp_jax.merge_collectives import (  # noqa: F401  (re-exported)
+    _LOCAL_FORMS,
+    _check_local,
+    local_merge_fn,
+    merge_a2a,
+    merge_ag_ar,
+    merge_ag_rs,
+)
+from dcp_jax.merge_core import (  # noqa: F401  (re-exported)
+    _UNROLL_MAX_SHARDS,
+    BASES,
+    DEFAULT_AXIS_NAME,
+    LSE_LAYOUTS,
+    MERGE_FORMS,
+    _as_float_array,
+    _check_base,
+    _check_layout,
+    _check_stacked,
+    _compute_dtype,
+    _merge_core,
+    _merge_weights,
+    _weighted,
+)
 
 __all__ = [
     "BASES",
@@ -56,131 +80,10 @@ __all__ = [
     "merge_states_reference",
 ]
 
-BASES = ("e", "2")
-LSE_LAYOUTS = ("TH", "HT")
-MERGE_FORMS = ("ag_rs", "ag_ar", "a2a")
-DEFAULT_AXIS_NAME = "dcp"
-_UNROLL_MAX_SHARDS = 16  # up to this many partials the N-way sum is unrolled (see _merge_core)
-
 
 # --------------------------------------------------------------------------------------------
-# Validation (trace-time, static shapes and knobs)
+# Flat forms: N stacked partial states in, one merged state out
 # --------------------------------------------------------------------------------------------
-
-
-def _check_base(base) -> str:
-    # Accept the int 2 as a courtesy; anything else must be spelled "e" or "2".
-    if isinstance(base, int) and not isinstance(base, bool) and base == 2:
-        return "2"
-    if base not in BASES:
-        raise ValueError(f"{base=} must be one of {BASES} (natural log or base 2)")
-    return base
-
-
-def _check_layout(lse_layout) -> str:
-    if lse_layout not in LSE_LAYOUTS:
-        raise ValueError(f"{lse_layout=} must be 'TH' (token-major) or 'HT' (head-major)")
-    return lse_layout
-
-
-def _as_float_array(x, name: str) -> jax.Array:
-    if isinstance(x, (jax.Array, np.ndarray)):
-        arr = x if isinstance(x, jax.Array) else jnp.asarray(x)
-    else:
-        try:
-            arr = jnp.asarray(x, dtype=jnp.float32)
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"{name} must be an array of floats, got {type(x).__name__}") from e
-    if not jnp.issubdtype(arr.dtype, jnp.floating):
-        raise TypeError(f"{name} must have a floating dtype, got {name}.dtype={arr.dtype}")
-    return arr
-
-
-def _check_stacked(out, lse, lse_layout: str) -> tuple[jax.Array, jax.Array]:
-    """Checks out [N, T, H, D] and lse [N, T, H] (or [N, H, T]) and returns them as arrays."""
-    out = _as_float_array(out, "out")
-    lse = _as_float_array(lse, "lse")
-    if out.ndim != 4:
-        raise ValueError(f"out must be [N, T, H, D] (4-D), got {out.shape=}")
-    if lse.ndim != 3:
-        raise ValueError(f"lse must be [N, T, H] or [N, H, T] (3-D), got {lse.shape=}")
-    n, t, h, _ = out.shape
-    want = (n, t, h) if lse_layout == "TH" else (n, h, t)
-    if lse.shape != want:
-        raise ValueError(
-            f"lse.shape={lse.shape} does not match out.shape={out.shape} for "
-            f"{lse_layout=} (expected {want})"
-        )
-    if n == 0:
-        raise ValueError(f"need at least one partial state, got {out.shape=}")
-    return out, lse
-
-
-def _compute_dtype(dtype) -> jnp.dtype:
-    # "Arithmetic in float32": bf16 / f16 are promoted; a float64 input (x64 mode) stays float64.
-    return jnp.promote_types(jnp.float32, dtype)
-
-
-# --------------------------------------------------------------------------------------------
-# The merge core
-# --------------------------------------------------------------------------------------------
-
-
-def _merge_weights(lse: jax.Array, *, base: str) -> tuple[jax.Array, jax.Array]:
-    """The one merge core: per-shard weights and the merged LSE.
-
-    Args:
-      lse: f32[N, ...] LSEs of N partial states (natural log for ``base="e"``, log2 for "2").
-        Non-finite entries (-inf, +inf, NaN) mark empty shards.
-      base: "e" or "2".
-
-    Returns:
-      ``(weights f32[N, ...], lse f32[...])``: ``weights[r] = exp(lse_r - lse)`` for non-empty
-      shards and exactly 0 for empty ones (they sum to 1 unless all are empty); the merged LSE
-      is ``-inf`` when all shards are empty.
-    """
-    exp, log = (jnp.exp, jnp.log) if base == "e" else (jnp.exp2, jnp.log2)
-    valid = jnp.isfinite(lse)
-    lse_v = jnp.where(valid, lse, -jnp.inf)
-    m = jnp.max(lse_v, axis=0)
-    # All shards empty: m = -inf and (-inf) - (-inf) would be NaN; use 0 as the pivot instead.
-    m = jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))
-    # exp(-inf - m) = 0 already, but select anyway so no NaN pivot can reach the sum.
-    w = jnp.where(valid, exp(lse_v - m), jnp.zeros_like(lse_v))
-    s = jnp.sum(w, axis=0)
-    any_valid = s > 0  # the max shard contributes exp(0) = 1, so s >= 1 when any is valid
-    s_safe = jnp.where(any_valid, s, jnp.ones_like(s))  # 0/0 guard for the all-empty case
-    merged = jnp.where(any_valid, m + log(s_safe), -jnp.inf)
-    return w / s_safe, merged
-
-
-def _weighted(out: jax.Array, w: jax.Array) -> jax.Array:
-    """``w * out`` selected so that a zero weight gives exactly 0 even if ``out`` is NaN/inf.
-
-    Args:
-      out: [..., D] partial outputs (any float dtype; computed in ``w.dtype``).
-      w: [...] weights from :func:`_merge_weights`.
-    """
-    w = w[..., None]
-    return jnp.where(w > 0, w * out.astype(w.dtype), jnp.zeros((), w.dtype))
-
-
-def _merge_core(out: jax.Array, lse: jax.Array, *, base: str) -> tuple[jax.Array, jax.Array]:
-    """N-way merge of token-major stacked states; out [N, T, H, D], lse [N, T, H] -> cdtype."""
-    cdtype = _compute_dtype(out.dtype)
-    w, merged = _merge_weights(lse.astype(cdtype), base=base)
-    # Materialise the small [N, T, H] weights: otherwise XLA may fuse exp/log into the big
-    # [T, H, D] pass and recompute them for every element of D.
-    w = jax.lax.optimization_barrier(w)
-    n = out.shape[0]
-    if n > _UNROLL_MAX_SHARDS:
-        return jnp.sum(_weighted(out, w), axis=0), merged
-    # Few shards: an unrolled sum is one elementwise, memory-bound pass reading each partial
-    # once (a predictable lowering on GPU, unlike a reduction over the outermost axis).
-    acc = _weighted(out[0], w[0])
-    for r in range(1, n):
-        acc = acc + _weighted(out[r], w[r])
-    return acc, merged
 
 
 @functools.partial(jax.jit, static_argnames=("base", "lse_layout"))
@@ -297,138 +200,6 @@ def merge_states_reference(out, lse, *, base: str = "e"):
             for r in live:
                 res[i, j] += b ** (lse[r, i, j] - res_lse[i, j]) * out[r, i, j]
     return res, res_lse
-
-
-# --------------------------------------------------------------------------------------------
-# Collective forms, to be called INSIDE jax.shard_map over the DCP axis
-# --------------------------------------------------------------------------------------------
-
-
-def _check_local(out, lse, axis_name: str, form: str) -> int:
-    if out.ndim != 3 or lse.ndim != 2 or out.shape[:2] != lse.shape:
-        raise ValueError(
-            f"{form}: per-rank out must be [T, H, D] and lse [T, H], got {out.shape=} {lse.shape=}"
-        )
-    n = jax.lax.axis_size(axis_name)
-    h = out.shape[1]
-    if h % n != 0:
-        raise ValueError(f"{form}: heads H={h} must divide by the {axis_name!r} axis size N={n}")
-    return n
-
-
-def merge_ag_rs(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"):
-    """AG+RS merge inside ``shard_map``: rank r ends with heads ``[r*H/N, (r+1)*H/N)``.
-
-    Steps: (1) all-gather the LSEs over ``axis_name`` (``[N, T, H]``, small); (2) merge core ->
-    this rank's weight ``exp(lse_r - lse)``; (3) correct the local output (empty -> exact 0);
-    (4) reduce-scatter the corrected ``[T, H, D]`` over heads. vLLM / sglang DCP combine.
-
-    Args:
-      out: [T, H, D] this rank's partial output over its local KV (any float dtype).
-      lse: f32[T, H] this rank's LSE (token-major) in ``base``.
-      axis_name: the DCP mesh axis (default "dcp").
-      base: "e" (default) or "2".
-
-    Returns:
-      ``(out [T, H/N, D] in out's dtype, lse f32[T, H/N])``; N = 1 returns the inputs unchanged.
-
-    Raises:
-      ValueError: H not divisible by N, bad shapes or ``base`` (at trace time).
-    """
-    base = _check_base(base)
-    n = _check_local(out, lse, axis_name, "merge_ag_rs")
-    if n == 1:
-        return out, lse
-    cdtype = _compute_dtype(out.dtype)
-    lse_all = jax.lax.all_gather(lse.astype(cdtype), axis_name, axis=0)  # [N, T, H]
-    w_all, merged = _merge_weights(lse_all, base=base)
-    r = jax.lax.axis_index(axis_name)
-    w_local = jax.lax.dynamic_index_in_dim(w_all, r, axis=0, keepdims=False)  # [T, H]
-    corrected = _weighted(out, w_local)  # [T, H, D] in cdtype
-    o = jax.lax.psum_scatter(corrected, axis_name, scatter_dimension=1, tiled=True)
-    hs = out.shape[1] // n
-    l = jax.lax.dynamic_slice_in_dim(merged, r * hs, hs, axis=1)
-    return o.astype(out.dtype), l.astype(jnp.promote_types(jnp.float32, lse.dtype))
-
-
-def merge_ag_ar(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"):
-    """AG+AR merge inside ``shard_map``: every rank ends with all heads.
-
-    Like :func:`merge_ag_rs` but step (4) is an all-reduce (``psum``) of the corrected output.
-
-    Args:
-      out: [T, H, D] this rank's partial output (any float dtype).
-      lse: f32[T, H] this rank's LSE in ``base``.
-      axis_name: the DCP mesh axis (default "dcp").
-      base: "e" (default) or "2".
-
-    Returns:
-      ``(out [T, H, D] in out's dtype, lse f32[T, H])``, the same on every rank.
-
-    Raises:
-      ValueError: H not divisible by N, bad shapes or ``base``.
-    """
-    base = _check_base(base)
-    n = _check_local(out, lse, axis_name, "merge_ag_ar")
-    if n == 1:
-        # Unchanged values; a psum over one rank is the identity and marks them replicated
-        # (invariant over the axis) as an all-heads result must be.
-        return jax.lax.psum(out, axis_name), jax.lax.psum(lse, axis_name)
-    cdtype = _compute_dtype(out.dtype)
-    lse_all = jax.lax.all_gather(lse.astype(cdtype), axis_name, axis=0, to="invarying")
-    w_all, merged = _merge_weights(lse_all, base=base)
-    r = jax.lax.axis_index(axis_name)
-    w_local = jax.lax.dynamic_index_in_dim(w_all, r, axis=0, keepdims=False)
-    o = jax.lax.psum(_weighted(out, w_local), axis_name)
-    return o.astype(out.dtype), merged.astype(jnp.promote_types(jnp.float32, lse.dtype))
-
-
-def merge_a2a(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"):
-    """All-to-all merge inside ``shard_map``: rank r ends with heads ``[r*H/N, (r+1)*H/N)``.
-
-    Each rank sends head slice j of its partial (out and LSE) to rank j, receives the N partials
-    of its own heads ``[N, T, H/N, D]`` and merges them locally with the merge core
-    (tpu-inference's ``_dcp_a2a_reduce`` pattern: one collective, N-way local merge).
-
-    Args:
-      out: [T, H, D] this rank's partial output (any float dtype).
-      lse: f32[T, H] this rank's LSE in ``base``.
-      axis_name: the DCP mesh axis (default "dcp").
-      base: "e" (default) or "2".
-
-    Returns:
-      ``(out [T, H/N, D] in out's dtype, lse f32[T, H/N])``.
-
-    Raises:
-      ValueError: H not divisible by N, bad shapes or ``base``.
-    """
-    base = _check_base(base)
-    n = _check_local(out, lse, axis_name, "merge_a2a")
-    if n == 1:
-        return out, lse
-    t, h, d = out.shape
-    hs = h // n
-    # [T, H, D] -> [N(dest), T, H/N, D]; after all_to_all axis 0 indexes the source rank.
-    o_split = jnp.moveaxis(out.reshape(t, n, hs, d), 1, 0)
-    l_split = jnp.moveaxis(lse.reshape(t, n, hs), 1, 0)
-    o_recv = jax.lax.all_to_all(o_split, axis_name, split_axis=0, concat_axis=0, tiled=True)
-    l_recv = jax.lax.all_to_all(l_split, axis_name, split_axis=0, concat_axis=0, tiled=True)
-    o, l = _merge_core(o_recv, l_recv, base=base)
-    return o.astype(out.dtype), l.astype(jnp.promote_types(jnp.float32, lse.dtype))
-
-
-_LOCAL_FORMS: dict[str, Callable] = {"ag_rs": merge_ag_rs, "ag_ar": merge_ag_ar, "a2a": merge_a2a}
-
-
-def local_merge_fn(form: str) -> Callable:
-    """Returns the in-``shard_map`` merge for ``form`` in ``MERGE_FORMS``.
-
-    Raises:
-      ValueError: unknown ``form``.
-    """
-    if form not in _LOCAL_FORMS:
-        raise ValueError(f"{form=} must be one of {MERGE_FORMS}")
-    return _LOCAL_FORMS[form]
 
 
 # --------------------------------------------------------------------------------------------

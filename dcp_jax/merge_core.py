@@ -1,0 +1,142 @@
+"""The one merge core of the exact LSE merge, and the checks every merge form shares.
+
+:func:`_merge_weights` (per-shard weights ``exp(lse_r - lse)`` and the merged LSE) and
+:func:`_weighted` (weights selected, never multiplied by 0) are the formula of spec section 7;
+:func:`_merge_core` is the N-way merge of stacked states. Also the trace-time argument checks
+and the constants (``BASES``, ``LSE_LAYOUTS``, ``MERGE_FORMS``, ``DEFAULT_AXIS_NAME``). The
+formula and conventions are in :mod:`dcp_jax.merge`, which re-exports every name.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["BASES", "LSE_LAYOUTS", "MERGE_FORMS", "DEFAULT_AXIS_NAME"]
+
+BASES = ("e", "2")
+LSE_LAYOUTS = ("TH", "HT")
+MERGE_FORMS = ("ag_rs", "ag_ar", "a2a")
+DEFAULT_AXIS_NAME = "dcp"
+_UNROLL_MAX_SHARDS = 16  # up to this many partials the N-way sum is unrolled (see _merge_core)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation (trace-time, static shapes and knobs)
+# --------------------------------------------------------------------------------------------
+
+
+def _check_base(base) -> str:
+    # Accept the int 2 as a courtesy; anything else must be spelled "e" or "2".
+    if isinstance(base, int) and not isinstance(base, bool) and base == 2:
+        return "2"
+    if base not in BASES:
+        raise ValueError(f"{base=} must be one of {BASES} (natural log or base 2)")
+    return base
+
+
+def _check_layout(lse_layout) -> str:
+    if lse_layout not in LSE_LAYOUTS:
+        raise ValueError(f"{lse_layout=} must be 'TH' (token-major) or 'HT' (head-major)")
+    return lse_layout
+
+
+def _as_float_array(x, name: str) -> jax.Array:
+    if isinstance(x, (jax.Array, np.ndarray)):
+        arr = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    else:
+        try:
+            arr = jnp.asarray(x, dtype=jnp.float32)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{name} must be an array of floats, got {type(x).__name__}") from e
+    if not jnp.issubdtype(arr.dtype, jnp.floating):
+        raise TypeError(f"{name} must have a floating dtype, got {name}.dtype={arr.dtype}")
+    return arr
+
+
+def _check_stacked(out, lse, lse_layout: str) -> tuple[jax.Array, jax.Array]:
+    """Checks out [N, T, H, D] and lse [N, T, H] (or [N, H, T]) and returns them as arrays."""
+    out = _as_float_array(out, "out")
+    lse = _as_float_array(lse, "lse")
+    if out.ndim != 4:
+        raise ValueError(f"out must be [N, T, H, D] (4-D), got {out.shape=}")
+    if lse.ndim != 3:
+        raise ValueError(f"lse must be [N, T, H] or [N, H, T] (3-D), got {lse.shape=}")
+    n, t, h, _ = out.shape
+    want = (n, t, h) if lse_layout == "TH" else (n, h, t)
+    if lse.shape != want:
+        raise ValueError(
+            f"lse.shape={lse.shape} does not match out.shape={out.shape} for "
+            f"{lse_layout=} (expected {want})"
+        )
+    if n == 0:
+        raise ValueError(f"need at least one partial state, got {out.shape=}")
+    return out, lse
+
+
+def _compute_dtype(dtype) -> jnp.dtype:
+    # "Arithmetic in float32": bf16 / f16 are promoted; a float64 input (x64 mode) stays float64.
+    return jnp.promote_types(jnp.float32, dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# The merge core
+# --------------------------------------------------------------------------------------------
+
+
+def _merge_weights(lse: jax.Array, *, base: str) -> tuple[jax.Array, jax.Array]:
+    """The one merge core: per-shard weights and the merged LSE.
+
+    Args:
+      lse: f32[N, ...] LSEs of N partial states (natural log for ``base="e"``, log2 for "2").
+        Non-finite entries (-inf, +inf, NaN) mark empty shards.
+      base: "e" or "2".
+
+    Returns:
+      ``(weights f32[N, ...], lse f32[...])``: ``weights[r] = exp(lse_r - lse)`` for non-empty
+      shards and exactly 0 for empty ones (they sum to 1 unless all are empty); the merged LSE
+      is ``-inf`` when all shards are empty.
+    """
+    exp, log = (jnp.exp, jnp.log) if base == "e" else (jnp.exp2, jnp.log2)
+    valid = jnp.isfinite(lse)
+    lse_v = jnp.where(valid, lse, -jnp.inf)
+    m = jnp.max(lse_v, axis=0)
+    # All shards empty: m = -inf and (-inf) - (-inf) would be NaN; use 0 as the pivot instead.
+    m = jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))
+    # exp(-inf - m) = 0 already, but select anyway so no NaN pivot can reach the sum.
+    w = jnp.where(valid, exp(lse_v - m), jnp.zeros_like(lse_v))
+    s = jnp.sum(w, axis=0)
+    any_valid = s > 0  # the max shard contributes exp(0) = 1, so s >= 1 when any is valid
+    s_safe = jnp.where(any_valid, s, jnp.ones_like(s))  # 0/0 guard for the all-empty case
+    merged = jnp.where(any_valid, m + log(s_safe), -jnp.inf)
+    return w / s_safe, merged
+
+
+def _weighted(out: jax.Array, w: jax.Array) -> jax.Array:
+    """``w * out`` selected so that a zero weight gives exactly 0 even if ``out`` is NaN/inf.
+
+    Args:
+      out: [..., D] partial outputs (any float dtype; computed in ``w.dtype``).
+      w: [...] weights from :func:`_merge_weights`.
+    """
+    w = w[..., None]
+    return jnp.where(w > 0, w * out.astype(w.dtype), jnp.zeros((), w.dtype))
+
+
+def _merge_core(out: jax.Array, lse: jax.Array, *, base: str) -> tuple[jax.Array, jax.Array]:
+    """N-way merge of token-major stacked states; out [N, T, H, D], lse [N, T, H] -> cdtype."""
+    cdtype = _compute_dtype(out.dtype)
+    w, merged = _merge_weights(lse.astype(cdtype), base=base)
+    # Materialise the small [N, T, H] weights: otherwise XLA may fuse exp/log into the big
+    # [T, H, D] pass and recompute them for every element of D.
+    w = jax.lax.optimization_barrier(w)
+    n = out.shape[0]
+    if n > _UNROLL_MAX_SHARDS:
+        return jnp.sum(_weighted(out, w), axis=0), merged
+    # Few shards: an unrolled sum is one elementwise, memory-bound pass reading each partial
+    # once (a predictable lowering on GPU, unlike a reduction over the outermost axis).
+    acc = _weighted(out[0], w[0])
+    for r in range(1, n):
+        acc = acc + _weighted(out[r], w[r])
+    return acc, merged
