@@ -216,7 +216,7 @@ class _Sender(_Side):
                 return False
             r.drain_s = time.monotonic() - r.t_term
             s.release(rid)
-        except KeyError:  # the sender forgot it: it ended before any chunk was sent, timeout_s ago
+        except KeyError:  # the sender forgot it: it ended before any chunk was sent, 2 * timeout_s ago
             if r.status is None:  # (`KVSender` drops such requests itself; nothing of it is in flight)
                 r.status, r.reason = self.S.ABORTED, "ended unsent; forgotten by the sender"
             r.t_term = r.t_term or time.monotonic()

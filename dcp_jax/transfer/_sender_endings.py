@@ -121,6 +121,8 @@ class SenderEndings:
             del self._released_ended[rid]
         for rid in [rid for rid, until in self._released_at.items() if until <= now]:
             del self._released_at[rid]
+        for rid in [rid for rid, gone in self._forgotten.items() if gone[0] <= now]:
+            del self._forgotten[rid]
         for req in list(self._requests.values()):
             if not req.status.terminal and req.state.stalled_for(now) > self.timeout_s:
                 self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s{_waiting_for(req)}",
@@ -135,8 +137,10 @@ class SenderEndings:
         SUCCESS (every rank announced a full prefix hit: nothing to send, so a router skips the
         prefill). The prefill does not know its id, so nothing would `release` it and each such
         request would be held forever. A `send` for the id afterwards starts a new request (which fails after
-        `timeout_s` if no rank announces it again)."""
+        `timeout_s` if no rank announces it again). Its record answers `poll` and the like for
+        `timeout_s` more (`KVSender._forgotten`), unless the id starts a new request first."""
         del self._requests[req.rid]
+        self._forgotten[req.rid] = (time.monotonic() + self.timeout_s, req)
         for conn, msg in self._early.pop(req.rid, []):  # announcements of the id's next use
             self._on_expect(conn, msg)
 

@@ -228,6 +228,7 @@ class SenderPeers:
         """A new request record, "reborn" when its id was released less than timeout_s ago
         (whether a `send` or a rank's announcement starts it: `KVSender.send`'s page check)."""
         req = self._requests[rid] = SendRequest(rid)
+        self._forgotten.pop(rid, None)  # the dropped request's record: the id names this one now
         req.reborn = self._released_at.pop(rid, 0.0) > time.monotonic()
         self._counts["requests"] += 1
         return req

@@ -165,6 +165,9 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
         # Every released id, for timeout_s: rid -> until. A request started under such an id (by a
         # `send` or an announcement) is "reborn": a chunk of it may be a late one of the released request.
         self._released_at: dict[str, float] = {}
+        # Requests dropped unsent (`_forget_unsent`), for timeout_s more: rid -> (until, request).
+        # `poll`, `wait`, `failure_reason`, `request_stats` and `release` still answer for them.
+        self._forgotten: dict[str, tuple[float, SendRequest]] = {}
         self._conns: dict[bytes, Any] = {}     # control identity -> _sender_peers.Conn
         self._queue: deque = deque()         # _sender_units.Unit, FIFO (per rank; see _submit_units)
         self._held: dict = {}                # Conn -> pack-arena bytes its windows hold
@@ -333,8 +336,11 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
 
         Raises:
             KeyError: unknown (never sent nor announced, or released) request id; also one that
-                ended before any chunk of it was sent, ``timeout_s`` after it ended (the sender
-                drops those itself: a prefill that never sent usually never knew the id).
+                ended before any chunk of it was sent, ``2 * timeout_s`` after it ended (the
+                sender drops those itself, as a prefill that never sent usually never knew the id;
+                for the second ``timeout_s`` it still answers for them here, in `wait`,
+                `failure_reason`, `request_stats` and `release`, so a caller that knew the id
+                and polls it, then releases it, meets no KeyError in between).
             TypeError: ``request_id`` is not a str.
         """
         return self._get(request_id).status
@@ -390,6 +396,9 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
         """
         with self._lock:
             req = self._get(request_id)
+            if self._requests.get(req.rid) is not req:  # dropped unsent already: its record only
+                del self._forgotten[req.rid]
+                return
             if not req.status.terminal:
                 self._end(req, TransferStatus.ABORTED, "released before completion", notify="abort")
             del self._requests[req.rid]
@@ -518,6 +527,8 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
 
     def _get(self, request_id: str) -> SendRequest:
         req = self._requests.get(request_id) if isinstance(request_id, str) else None
+        if req is None and isinstance(request_id, str) and request_id in self._forgotten:
+            req = self._forgotten[request_id][1]
         if req is None:
             check_request_id(request_id)  # not a str: TypeError naming request_id, not "unhashable"
             raise KeyError(f"request_id={request_id!r} is not known to this sender")

@@ -183,12 +183,29 @@ def test_requests_the_prefill_never_sent_are_forgotten_after_timeout_s(engine):
             r.release(f"c{i}")  # the decode side cancels before the prefill sends
         s.send("kept", np.arange(4), 0, 16)  # sent to, never announced: FAILED, but held (known id)
         deadline = time.monotonic() + 10
+        while s.stats["requests"] < 4 and time.monotonic() < deadline:  # the announcements arrived
+            time.sleep(0.01)
         while s.stats["live_requests"] > 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert s.stats["live_requests"] == 1
         assert s.poll("kept") in (TransferStatus.WAITING, TransferStatus.FAILED)  # its own id: held until release
+        # Dropped, but for timeout_s more a caller that knew the id still gets its answer (before:
+        # KeyError at once, so a poll then a release raced the drop) and may release it.
+        assert s.poll("c1") is TransferStatus.ABORTED and "released" in s.failure_reason("c1")
+        assert s.wait("c2", 0) is TransferStatus.ABORTED and s.request_stats("c2")["status"] == "aborted"
+        s.release("c1")
         with pytest.raises(KeyError):
-            s.poll("c0")
+            s.poll("c1")  # released: gone at once
+        while time.monotonic() < deadline:
+            try:
+                s.poll("c0")
+            except KeyError:
+                break
+            time.sleep(0.05)
+        with pytest.raises(KeyError):
+            s.poll("c0")  # timeout_s after the drop: unknown
+        with pytest.raises(KeyError):
+            s.release("c2")
 
 
 def test_a_full_prefix_hit_the_prefill_never_sent_is_forgotten_after_timeout_s(engine):
@@ -209,6 +226,14 @@ def test_a_full_prefix_hit_the_prefill_never_sent_is_forgotten_after_timeout_s(e
         while s.stats["live_requests"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert s.stats["live_requests"] == 0, s.stats
+        assert s.poll("hit") is TransferStatus.SUCCESS  # dropped; its answer kept for timeout_s more
+        # The id used again meanwhile: a new request, not the dropped record.
+        r.release("hit")
+        r.expect("hit", np.arange(4), 16)
+        s.send("hit", np.arange(4), 0, 16)
+        assert s.wait("hit", 5) is TransferStatus.SUCCESS and r.wait("hit", 5) is TransferStatus.SUCCESS
+        assert s.request_stats("hit")["ranks"][0]["rows"] == 16
+        s.release("hit")
         with pytest.raises(KeyError):
             s.poll("hit")
 
