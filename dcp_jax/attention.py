@@ -23,6 +23,12 @@ not a shifted final length. ``kv_lens = 0`` (a padding slot) gives ``out = 0``, 
 All LSEs are natural log of the scaled scores, token-major ``[B, Q, H]``. Arithmetic in float32
 (matmuls at ``Precision.HIGHEST`` so GPUs do not fall back to TF32); partial and merged outputs
 come back in the query dtype.
+
+Where things are: the per-rank partial attention (:func:`mla_partial`, :func:`gqa_partial`) and
+:func:`local_kv_lens` in :mod:`dcp_jax.attention_partial`; :func:`paginate_kv` and the float64
+references in :mod:`dcp_jax.attention_reference`; the argument checks and the DCP forms
+(:func:`dcp_mla_decode`, :func:`dcp_gqa_decode` and their ``_emulated`` twins) here. Every name
+stays importable from this module.
 """
 
 from __future__ import annotations
@@ -32,11 +38,26 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dcp_jax import layout
+from dcp_jax.attention_partial import (  # noqa: F401  (re-exported)
+    _HIGHEST,
+    _gather_local,
+    _masks,
+    _softmax_partial,
+    _zero_unused,
+    gqa_partial,
+    local_kv_lens,
+    mla_partial,
+)
+from dcp_jax.attention_reference import (  # noqa: F401  (re-exported)
+    _softmax_ref,
+    gqa_decode_reference,
+    mla_decode_reference,
+    paginate_kv,
+)
 from dcp_jax.merge import (
     DEFAULT_AXIS_NAME,
     MERGE_FORMS,
@@ -58,149 +79,10 @@ __all__ = [
     "paginate_kv",
 ]
 
-_HIGHEST = jax.lax.Precision.HIGHEST
-
 
 # --------------------------------------------------------------------------------------------
-# Per-rank partial attention (no collectives)
+# Validation
 # --------------------------------------------------------------------------------------------
-
-
-def _gather_local(pages, page_table):
-    """pages [num_pages, P, ...], page_table i32[B, max_pages] -> rows [B, max_pages*P, ...]."""
-    g = jnp.take(pages, page_table, axis=0, mode="clip")  # padding ids are masked later
-    b, mp, ps = g.shape[:3]
-    return g.reshape((b, mp * ps) + g.shape[3:])
-
-
-def _masks(local_lens, s: int):
-    """local_lens i32[B, Q] -> (mask bool[B, Q, S] per query, any bool[B, S] over queries)."""
-    idx = jnp.arange(s, dtype=jnp.int32)
-    mask = idx[None, None, :] < local_lens[:, :, None]
-    return mask, idx[None, :] < jnp.max(local_lens, axis=1, initial=0)[:, None]
-
-
-def _zero_unused(x, used):
-    """Zeroes rows no query may read (NaN/garbage in free slots must not reach a matmul)."""
-    used = used.reshape(used.shape + (1,) * (x.ndim - used.ndim))
-    return jnp.where(used, x, jnp.zeros((), x.dtype))
-
-
-def _softmax_partial(scores, mask):
-    """Normalised probabilities and natural-log LSE over the masked keys.
-
-    Args:
-      scores: f32[B, Q, H, S] scaled scores.
-      mask: bool[B, Q, S], True where query (b, j) may see local key s.
-
-    Returns:
-      ``(p f32[B, Q, H, S], lse f32[B, Q, H])``; a query with no visible key gets p = 0 and
-      lse = -inf (not NaN).
-    """
-    mask = mask[:, :, None, :]
-    s = jnp.where(mask, scores, -jnp.inf)
-    m = jnp.max(s, axis=-1)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)  # no visible key: (-inf) - (-inf) would be NaN
-    e = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
-    tot = jnp.sum(e, axis=-1)
-    live = tot > 0
-    tot_safe = jnp.where(live, tot, 1.0)  # 0/0 guard
-    lse = jnp.where(live, m + jnp.log(tot_safe), -jnp.inf)
-    return e / tot_safe[..., None], lse
-
-
-def mla_partial(q_latent, q_rope, kv_pages, page_table, local_lens, *, softmax_scale: float):
-    """Absorbed MLA attention of all heads against ONE rank's paged local KV.
-
-    Args:
-      q_latent: [B, Q, H, Dl] absorbed queries (Dl = kv_lora_rank, 512 for DeepSeek-V3).
-      q_rope: [B, Q, H, Dr] rope queries (Dr = 64).
-      kv_pages: [num_pages, page_size, Dl + Dr] this rank's KV pages (latent | rope).
-      page_table: i32[B, max_pages] this rank's page ids per request (local index j lives at
-        row ``page_table[b, j // page_size] * page_size + j % page_size``).
-      local_lens: i32[B, Q] local tokens (of this rank) visible to each query.
-      softmax_scale: multiplies the raw scores (e.g. ``1/sqrt(192)`` for DeepSeek-V3).
-
-    Returns:
-      ``(out [B, Q, H, Dl] in q_latent's dtype, lse f32[B, Q, H] natural log)``; no visible
-      key gives out = 0, lse = -inf.
-    """
-    dl = q_latent.shape[-1]
-    kv = _gather_local(kv_pages, page_table)  # [B, S, Dl + Dr]
-    mask, used = _masks(local_lens, kv.shape[1])
-    kv = _zero_unused(kv, used)
-    k_lat, k_rope = kv[..., :dl], kv[..., dl:]
-    f32 = jnp.float32
-    scores = jnp.einsum("bqhc,bsc->bqhs", q_latent, k_lat, precision=_HIGHEST,
-                        preferred_element_type=f32)
-    scores = scores + jnp.einsum("bqhc,bsc->bqhs", q_rope, k_rope, precision=_HIGHEST,
-                                 preferred_element_type=f32)
-    p, lse = _softmax_partial(scores * softmax_scale, mask)
-    out = jnp.einsum("bqhs,bsc->bqhc", p, k_lat.astype(f32), precision=_HIGHEST)
-    return out.astype(q_latent.dtype), lse
-
-
-def gqa_partial(q, k_pages, v_pages, page_table, local_lens, *, softmax_scale: float):
-    """GQA/MHA attention of all query heads against ONE rank's paged local K and V.
-
-    KV heads are replicated inside the DCP group: every rank holds all ``Hkv`` KV heads of the
-    tokens it owns. Query head h uses KV head ``h // (H / Hkv)`` (MHA: ``Hkv = H``).
-
-    Args:
-      q: [B, Q, H, D] queries.
-      k_pages: [num_pages, page_size, Hkv, D] this rank's key pages.
-      v_pages: [num_pages, page_size, Hkv, Dv] this rank's value pages.
-      page_table: i32[B, max_pages] this rank's page ids per request.
-      local_lens: i32[B, Q] local tokens visible to each query.
-      softmax_scale: multiplies the raw scores (usually ``1/sqrt(D)``).
-
-    Returns:
-      ``(out [B, Q, H, Dv] in q's dtype, lse f32[B, Q, H] natural log)``.
-    """
-    b, qn, h, d = q.shape
-    hkv = k_pages.shape[2]
-    k = _gather_local(k_pages, page_table)  # [B, S, Hkv, D]
-    v = _gather_local(v_pages, page_table)
-    mask, used = _masks(local_lens, k.shape[1])
-    k, v = _zero_unused(k, used), _zero_unused(v, used)
-    qg = q.reshape(b, qn, hkv, h // hkv, d)
-    f32 = jnp.float32
-    scores = jnp.einsum("bqkgd,bskd->bqkgs", qg, k, precision=_HIGHEST, preferred_element_type=f32)
-    p, lse = _softmax_partial(scores.reshape(b, qn, h, -1) * softmax_scale, mask)
-    pg = p.reshape(b, qn, hkv, h // hkv, -1)
-    out = jnp.einsum("bqkgs,bskd->bqkgd", pg, v.astype(f32), precision=_HIGHEST)
-    return out.reshape(b, qn, h, -1).astype(q.dtype), lse
-
-
-# --------------------------------------------------------------------------------------------
-# Lengths and validation
-# --------------------------------------------------------------------------------------------
-
-
-def local_kv_lens(kv_lens, query_len: int, *, dcp_size: int, interleave_size: int = 1):
-    """Local tokens each query sees on each rank: ``local_len(kv_lens - Q + j + 1, r)``.
-
-    Args:
-      kv_lens: i32[B] cached tokens per request including its ``query_len`` query tokens.
-      query_len: Q, query tokens per request (static).
-      dcp_size: N (static).
-      interleave_size: I (static).
-
-    Returns:
-      i32[N, B, Q]: entry (r, b, j) is the number of tokens of rank r that query j of request b
-      attends (its visible prefix is clamped at 0 tokens).
-
-    Raises:
-      ValueError / TypeError: bad static ints (from ``dcp_jax.layout``).
-    """
-    layout.check_layout_args(dcp_size, interleave_size)
-    kv_lens = jnp.asarray(kv_lens, dtype=jnp.int32)
-    visible = kv_lens[:, None] - query_len + 1 + jnp.arange(query_len, dtype=jnp.int32)[None, :]
-    visible = jnp.maximum(visible, 0)  # layout's formulas want non-negative lengths
-    return jnp.stack([
-        jnp.asarray(layout.local_len(visible, dcp_size, r, interleave_size), dtype=jnp.int32)
-        for r in range(dcp_size)
-    ])
 
 
 def _check_common(q, page_table, kv_lens, n_ranks, num_pages_axis_len, name_cache):
@@ -449,132 +331,3 @@ def dcp_gqa_decode_emulated(q, k_cache, v_cache, page_table, kv_lens, *, softmax
     q, k_cache, v_cache, page_table, kv_lens = _check_gqa(q, k_cache, v_cache, page_table, kv_lens)
     return _emulated("gqa", (q,), (k_cache, v_cache), page_table, kv_lens, interleave_size,
                      softmax_scale)
-
-
-# --------------------------------------------------------------------------------------------
-# Building the per-rank paged layout, and float64 references over the full KV
-# --------------------------------------------------------------------------------------------
-
-
-def paginate_kv(kv, kv_lens, *, dcp_size: int, page_size: int, interleave_size: int = 1,
-                fill=0.0, shuffle_seed: int | None = None, extra_pages: int = 0,
-                shared_page_table: bool = False):
-    """Lays out contiguous per-request KV as N per-rank paged caches (spec sections 2-3).
-
-    Token t of request b goes to rank ``owner(t)``, local index ``j = local_index(t)``, row
-    ``page_table[r, b, j // P] * P + j % P`` of that rank's pages.
-
-    Args:
-      kv: [B, S, ...] KV rows of each request in token order (only ``kv[b, :kv_lens[b]]`` used).
-      kv_lens: i64[B] tokens per request (each <= S).
-      dcp_size: N ranks.
-      page_size: P tokens per page.
-      interleave_size: I tokens per ownership block.
-      fill: value of every unused row (tests pass NaN to poison free slots).
-      shuffle_seed: if given, page ids are randomly permuted per rank (else allocated in order).
-      extra_pages: spare pages per rank (left at ``fill``).
-      shared_page_table: every rank uses the same page ids (sglang's convention, spec section
-        3); the table is then returned as ``[B, max_pages]``.
-
-    Returns:
-      ``(cache np[N, num_pages, P, ...] in kv's dtype, page_table np.int32[N, B, max_pages])``
-      (``[B, max_pages]`` with ``shared_page_table``)
-      with ``max_pages = max(1, ceil(max_r,b local_len / P))`` and ``num_pages = B * max_pages +
-      extra_pages``.
-
-    Raises:
-      ValueError: bad layout ints, ``page_size < 1``, ``kv_lens`` outside ``[0, S]`` or not [B].
-    """
-    kv = np.asarray(kv)
-    kv_lens = np.asarray(kv_lens, dtype=np.int64)
-    n, i, _ = layout.check_layout_args(dcp_size, interleave_size)
-    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
-        raise ValueError(f"{page_size=} must be a positive int")
-    if kv.ndim < 2 or kv_lens.shape != (kv.shape[0],):
-        raise ValueError(f"kv must be [B, S, ...] and kv_lens [B], got {kv.shape=} {kv_lens.shape=}")
-    if (kv_lens < 0).any() or (kv_lens > kv.shape[1]).any():
-        raise ValueError(f"kv_lens must lie in [0, S={kv.shape[1]}], got {kv_lens=}")
-    if isinstance(extra_pages, bool) or not isinstance(extra_pages, (int, np.integer)) or extra_pages < 0:
-        raise ValueError(f"{extra_pages=} must be a non-negative int")
-    b = kv.shape[0]
-    lens = np.stack([layout.local_len_np(kv_lens, n, r, i) for r in range(n)])  # [N, B]
-    max_pages = max(1, int(-(-lens.max(initial=0) // page_size)))
-    num_pages = b * max_pages + extra_pages
-    cache = np.full((n, num_pages, page_size) + kv.shape[2:], fill, dtype=kv.dtype)
-    rng = None if shuffle_seed is None else np.random.default_rng(shuffle_seed)
-    page_table = np.empty((n, b, max_pages), dtype=np.int32)
-    for r in range(n):
-        if r == 0 or not shared_page_table:
-            ids = np.arange(num_pages) if rng is None else rng.permutation(num_pages)
-        page_table[r] = ids[: b * max_pages].reshape(b, max_pages)
-    for bi in range(b):
-        t = np.arange(kv_lens[bi])
-        if t.size == 0:
-            continue
-        own = layout.owner_np(t, n, i)
-        j = layout.local_index_np(t, n, i)
-        pages = page_table[own, bi, j // page_size]
-        cache[own, pages, j % page_size] = kv[bi, t]
-    return cache, (page_table[0] if shared_page_table else page_table)
-
-
-def _softmax_ref(scores):
-    """f64 scores [H, S] -> (p [H, S], lse [H]) with S possibly 0."""
-    if scores.shape[-1] == 0:
-        return np.zeros_like(scores), np.full(scores.shape[:-1], -np.inf)
-    m = scores.max(axis=-1, keepdims=True)
-    e = np.exp(scores - m)
-    tot = e.sum(axis=-1, keepdims=True)
-    return e / tot, (m + np.log(tot))[..., 0]
-
-
-def mla_decode_reference(q_latent, q_rope, kv, kv_lens, *, softmax_scale: float):
-    """Single-device absorbed MLA over each request's FULL KV, float64 numpy (the oracle).
-
-    Args:
-      q_latent: [B, Q, H, Dl]; q_rope: [B, Q, H, Dr].
-      kv: [B, S, Dl + Dr] contiguous KV per request in token order.
-      kv_lens: [B] tokens per request including its Q query tokens.
-      softmax_scale: score multiplier.
-
-    Returns:
-      ``(out f64[B, Q, H, Dl], lse f64[B, Q, H])``; query j sees ``kv_lens - Q + j + 1`` tokens.
-    """
-    ql, qr, kv = (np.asarray(x, dtype=np.float64) for x in (q_latent, q_rope, kv))
-    b, qn, h, dl = ql.shape
-    out = np.zeros((b, qn, h, dl))
-    lse = np.zeros((b, qn, h))
-    for bi in range(b):
-        for j in range(qn):
-            vis = max(0, int(kv_lens[bi]) - qn + j + 1)
-            k = kv[bi, :vis]
-            s = softmax_scale * (ql[bi, j] @ k[:, :dl].T + qr[bi, j] @ k[:, dl:].T)
-            p, lse[bi, j] = _softmax_ref(s)
-            out[bi, j] = p @ k[:, :dl]
-    return out, lse
-
-
-def gqa_decode_reference(q, k, v, kv_lens, *, softmax_scale: float):
-    """Single-device GQA/MHA over each request's full K/V, float64 numpy.
-
-    Args:
-      q: [B, Q, H, D]; k: [B, S, Hkv, D]; v: [B, S, Hkv, Dv]; kv_lens: [B].
-      softmax_scale: score multiplier.
-
-    Returns:
-      ``(out f64[B, Q, H, Dv], lse f64[B, Q, H])``.
-    """
-    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
-    b, qn, h, _ = q.shape
-    g = h // k.shape[2]
-    out = np.zeros((b, qn, h, v.shape[-1]))
-    lse = np.zeros((b, qn, h))
-    for bi in range(b):
-        for j in range(qn):
-            vis = max(0, int(kv_lens[bi]) - qn + j + 1)
-            for hh in range(h):
-                s = softmax_scale * (k[bi, :vis, hh // g] @ q[bi, j, hh])
-                p, l = _softmax_ref(s[None])
-                lse[bi, j, hh] = l[0]
-                out[bi, j, hh] = p[0] @ v[bi, :vis, hh // g]
-    return out, lse

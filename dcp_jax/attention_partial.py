@@ -1,0 +1,161 @@
+"""Per-rank partial attention (no collectives): one rank's queries against its paged local KV.
+
+:func:`mla_partial` (absorbed MLA) and :func:`gqa_partial` (GQA/MHA) return the rank's partial
+``(out, lse)``, natural-log LSE, over the ``local_len`` tokens it owns (spec section 8, step 2);
+:func:`local_kv_lens` says how many local tokens each query sees on each rank. The DCP forms that
+all-gather the queries and merge the partials are in :mod:`dcp_jax.attention`, which re-exports
+every name.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dcp_jax import layout
+
+__all__ = ["gqa_partial", "local_kv_lens", "mla_partial"]
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+# --------------------------------------------------------------------------------------------
+# Per-rank partial attention (no collectives)
+# --------------------------------------------------------------------------------------------
+
+
+def _gather_local(pages, page_table):
+    """pages [num_pages, P, ...], page_table i32[B, max_pages] -> rows [B, max_pages*P, ...]."""
+    g = jnp.take(pages, page_table, axis=0, mode="clip")  # padding ids are masked later
+    b, mp, ps = g.shape[:3]
+    return g.reshape((b, mp * ps) + g.shape[3:])
+
+
+def _masks(local_lens, s: int):
+    """local_lens i32[B, Q] -> (mask bool[B, Q, S] per query, any bool[B, S] over queries)."""
+    idx = jnp.arange(s, dtype=jnp.int32)
+    mask = idx[None, None, :] < local_lens[:, :, None]
+    return mask, idx[None, :] < jnp.max(local_lens, axis=1, initial=0)[:, None]
+
+
+def _zero_unused(x, used):
+    """Zeroes rows no query may read (NaN/garbage in free slots must not reach a matmul)."""
+    used = used.reshape(used.shape + (1,) * (x.ndim - used.ndim))
+    return jnp.where(used, x, jnp.zeros((), x.dtype))
+
+
+def _softmax_partial(scores, mask):
+    """Normalised probabilities and natural-log LSE over the masked keys.
+
+    Args:
+      scores: f32[B, Q, H, S] scaled scores.
+      mask: bool[B, Q, S], True where query (b, j) may see local key s.
+
+    Returns:
+      ``(p f32[B, Q, H, S], lse f32[B, Q, H])``; a query with no visible key gets p = 0 and
+      lse = -inf (not NaN).
+    """
+    mask = mask[:, :, None, :]
+    s = jnp.where(mask, scores, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # no visible key: (-inf) - (-inf) would be NaN
+    e = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
+    tot = jnp.sum(e, axis=-1)
+    live = tot > 0
+    tot_safe = jnp.where(live, tot, 1.0)  # 0/0 guard
+    lse = jnp.where(live, m + jnp.log(tot_safe), -jnp.inf)
+    return e / tot_safe[..., None], lse
+
+
+def mla_partial(q_latent, q_rope, kv_pages, page_table, local_lens, *, softmax_scale: float):
+    """Absorbed MLA attention of all heads against ONE rank's paged local KV.
+
+    Args:
+      q_latent: [B, Q, H, Dl] absorbed queries (Dl = kv_lora_rank, 512 for DeepSeek-V3).
+      q_rope: [B, Q, H, Dr] rope queries (Dr = 64).
+      kv_pages: [num_pages, page_size, Dl + Dr] this rank's KV pages (latent | rope).
+      page_table: i32[B, max_pages] this rank's page ids per request (local index j lives at
+        row ``page_table[b, j // page_size] * page_size + j % page_size``).
+      local_lens: i32[B, Q] local tokens (of this rank) visible to each query.
+      softmax_scale: multiplies the raw scores (e.g. ``1/sqrt(192)`` for DeepSeek-V3).
+
+    Returns:
+      ``(out [B, Q, H, Dl] in q_latent's dtype, lse f32[B, Q, H] natural log)``; no visible
+      key gives out = 0, lse = -inf.
+    """
+    dl = q_latent.shape[-1]
+    kv = _gather_local(kv_pages, page_table)  # [B, S, Dl + Dr]
+    mask, used = _masks(local_lens, kv.shape[1])
+    kv = _zero_unused(kv, used)
+    k_lat, k_rope = kv[..., :dl], kv[..., dl:]
+    f32 = jnp.float32
+    scores = jnp.einsum("bqhc,bsc->bqhs", q_latent, k_lat, precision=_HIGHEST,
+                        preferred_element_type=f32)
+    scores = scores + jnp.einsum("bqhc,bsc->bqhs", q_rope, k_rope, precision=_HIGHEST,
+                                 preferred_element_type=f32)
+    p, lse = _softmax_partial(scores * softmax_scale, mask)
+    out = jnp.einsum("bqhs,bsc->bqhc", p, k_lat.astype(f32), precision=_HIGHEST)
+    return out.astype(q_latent.dtype), lse
+
+
+def gqa_partial(q, k_pages, v_pages, page_table, local_lens, *, softmax_scale: float):
+    """GQA/MHA attention of all query heads against ONE rank's paged local K and V.
+
+    KV heads are replicated inside the DCP group: every rank holds all ``Hkv`` KV heads of the
+    tokens it owns. Query head h uses KV head ``h // (H / Hkv)`` (MHA: ``Hkv = H``).
+
+    Args:
+      q: [B, Q, H, D] queries.
+      k_pages: [num_pages, page_size, Hkv, D] this rank's key pages.
+      v_pages: [num_pages, page_size, Hkv, Dv] this rank's value pages.
+      page_table: i32[B, max_pages] this rank's page ids per request.
+      local_lens: i32[B, Q] local tokens visible to each query.
+      softmax_scale: multiplies the raw scores (usually ``1/sqrt(D)``).
+
+    Returns:
+      ``(out [B, Q, H, Dv] in q's dtype, lse f32[B, Q, H] natural log)``.
+    """
+    b, qn, h, d = q.shape
+    hkv = k_pages.shape[2]
+    k = _gather_local(k_pages, page_table)  # [B, S, Hkv, D]
+    v = _gather_local(v_pages, page_table)
+    mask, used = _masks(local_lens, k.shape[1])
+    k, v = _zero_unused(k, used), _zero_unused(v, used)
+    qg = q.reshape(b, qn, hkv, h // hkv, d)
+    f32 = jnp.float32
+    scores = jnp.einsum("bqkgd,bskd->bqkgs", qg, k, precision=_HIGHEST, preferred_element_type=f32)
+    p, lse = _softmax_partial(scores.reshape(b, qn, h, -1) * softmax_scale, mask)
+    pg = p.reshape(b, qn, hkv, h // hkv, -1)
+    out = jnp.einsum("bqkgs,bskd->bqkgd", pg, v.astype(f32), precision=_HIGHEST)
+    return out.reshape(b, qn, h, -1).astype(q.dtype), lse
+
+
+# --------------------------------------------------------------------------------------------
+# Local lengths
+# --------------------------------------------------------------------------------------------
+
+
+def local_kv_lens(kv_lens, query_len: int, *, dcp_size: int, interleave_size: int = 1):
+    """Local tokens each query sees on each rank: ``local_len(kv_lens - Q + j + 1, r)``.
+
+    Args:
+      kv_lens: i32[B] cached tokens per request including its ``query_len`` query tokens.
+      query_len: Q, query tokens per request (static).
+      dcp_size: N (static).
+      interleave_size: I (static).
+
+    Returns:
+      i32[N, B, Q]: entry (r, b, j) is the number of tokens of rank r that query j of request b
+      attends (its visible prefix is clamped at 0 tokens).
+
+    Raises:
+      ValueError / TypeError: bad static ints (from ``dcp_jax.layout``).
+    """
+    layout.check_layout_args(dcp_size, interleave_size)
+    kv_lens = jnp.asarray(kv_lens, dtype=jnp.int32)
+    visible = kv_lens[:, None] - query_len + 1 + jnp.arange(query_len, dtype=jnp.int32)[None, :]
+    visible = jnp.maximum(visible, 0)  # layout's formulas want non-negative lengths
+    return jnp.stack([
+        jnp.asarray(layout.local_len(visible, dcp_size, r, interleave_size), dtype=jnp.int32)
+        for r in range(dcp_size)
+    ])
