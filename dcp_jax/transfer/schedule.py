@@ -175,7 +175,8 @@ def _token_rows(tokens, side: SideLayout, page_table, name: str, check_table: bo
     return rows_from_page_table(local - lo * p, table[lo:hi], p, name=name)
 
 
-def token_rows(tokens, side: SideLayout, page_table, *, check_table: bool = True) -> np.ndarray:
+def token_rows(tokens, side: SideLayout, page_table, *, check_table: bool = True,
+               validated: bool = False) -> np.ndarray:
     """Rows of ``tokens`` in ``side``'s cache: local row ``local_index(t)`` through its page table.
 
     Args:
@@ -184,6 +185,9 @@ def token_rows(tokens, side: SideLayout, page_table, *, check_table: bool = True
         page_table: i64[pages] the rank's page table from its local row 0 (section 10).
         check_table: validate the whole table (ids >= 0, none repeated); False checks only the
             pages the tokens touch (for a table validated once per request).
+        validated: with ``check_table=False``: the tokens are ascending and ``side``'s by
+            construction (`owned_tokens`) and the table was validated once: nothing but the
+            table's length is checked (the pages' duplicate check sorts them).
 
     Returns:
         i64[n] buffer rows (``page_table[j // P] * P + j % P``).
@@ -193,7 +197,8 @@ def token_rows(tokens, side: SideLayout, page_table, *, check_table: bool = True
         ValueError: a token the rank does not own; negative or repeated page ids; a
             ``page_table`` too short (the message says how many pages are required).
     """
-    return _token_rows(tokens, side, page_table, "page_table", bool(check_table))
+    return _token_rows(tokens, side, page_table, "page_table", bool(check_table),
+                       validated=bool(validated) and not check_table)
 
 
 def chunk_rows(start: int, stop: int, *, src: SideLayout, dst: SideLayout, src_page_table,

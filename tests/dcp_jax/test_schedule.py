@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dcp_jax.layout import local_index_np
+from dcp_jax.layout import local_index_np, local_len_np
 from dcp_jax.transfer.schedule import (
     SideLayout,
     TransferSchedule,
@@ -299,6 +299,25 @@ def test_token_rows_errors():
         chunk_rows(0, 40, src=SideLayout(1, 0, 1, 4), dst=side, src_page_table=range(10), dst_page_table=[0])
     with pytest.raises(ValueError, match="stop"):
         owned_tokens(5, 4, dst=side)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 8), i=st.sampled_from([1, 2, 4, 16]), p=st.sampled_from([1, 4, 16]),
+       m=st.integers(1, 3), data=st.data())
+def test_token_rows_validated_matches_the_checked_lookup(n, i, p, m, data):
+    """The receiver's grant path skips the table checks (`validated=True`) for tokens
+    `owned_tokens` lists: the rows must be the ones the checked lookup and the formula give."""
+    rank = data.draw(st.integers(0, n - 1))
+    dst, src = SideLayout(n, rank, i, p), SideLayout(m, data.draw(st.integers(0, m - 1)), 1, p)
+    start = data.draw(st.integers(0, 200))
+    stop = data.draw(st.integers(start, start + 300))
+    toks = owned_tokens(start, stop, dst=dst, src=src)
+    pages = -(-int(local_len_np(stop, n, rank, i)) // p)  # the rank's pages for tokens [0, stop)
+    table = np.random.default_rng(data.draw(st.integers(0, 2**31))).permutation(pages + 5)[:pages].astype(np.int64)
+    fast = token_rows(toks, dst, table, check_table=False, validated=True)
+    assert fast.tolist() == token_rows(toks, dst, table).tolist()
+    j = local_index_np(toks, n, i)
+    assert fast.tolist() == (table[j // p] * p + j % p).tolist()
 
 
 def test_side_layout_checks_and_of_spec():
