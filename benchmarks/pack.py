@@ -22,6 +22,9 @@ are timed in interleaved rounds, so drift of clocks or temperature hits all of t
 Every variant's pack is poisoned first, then compared word for word against `jnp.take`, before
 and after timing, and the words past the region must keep the poison. Needs jax[cuda], cupy,
 torch and triton (all on the H200 image).
+
+Beside this CLI (`main`): the geometries and index patterns in `pack_geometries.py`, `Timer` in
+`pack_timer.py`, `--profile-e2e` in `pack_profile.py`, the claims and tables in `pack_report.py`.
 """
 
 from __future__ import annotations
@@ -41,98 +44,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from benchmarks.pack_e2e import e2e_claims, e2e_variants  # noqa: E402
+from benchmarks.pack_geometries import geometries, make_indices  # noqa: E402
+from benchmarks.pack_profile import profile_e2e  # noqa: E402
+from benchmarks.pack_report import claims, markdown, print_table  # noqa: E402
+from benchmarks.pack_timer import Timer  # noqa: E402
 from benchmarks.triton_peer import row_gather_kernel  # noqa: E402
 
 POISON = 0xA5A5A5A5
 TAIL_WORDS = 4096  # poisoned words after the region: an overrun shows up
-
-
-def geometries(quick: bool):
-    """(name, layers, item_len bytes, rows n, src rows R, index pattern)."""
-    R = 32768 if quick else 262144
-    n_full = 4096 if quick else 32768
-    return [
-        ("deepseek-v3/32768", 61, 1152, n_full, R, "stride8"),
-        ("deepseek-v3/rank-4096", 61, 1152, n_full // 8, R, "rank-pages"),
-        ("kimi-k2/32768", 61, 1152, n_full, R, "shuffled-pages"),
-        ("deepseek-v3-fp8/32768", 61, 576, n_full, R, "stride8"),
-    ]
-
-
-def make_indices(pattern: str, n: int, R: int, seed: int = 0) -> np.ndarray:
-    """Source rows: stride 8 (token round-robin, DCP 8), or rank 3's tokens of a request whose
-    64-token pages were drawn from a shuffled free list (what a real allocator leaves)."""
-    rng = np.random.default_rng(seed)
-    if pattern == "stride8":
-        return (np.arange(n, dtype=np.int64) * 8).astype(np.int32)
-    page = 64
-    tokens = n * 8 if pattern == "rank-pages" else n
-    pages = rng.permutation(R // page)[: -(-tokens // page)]
-    rows = (pages[:, None] * page + np.arange(page)[None, :]).reshape(-1)[:tokens]
-    if pattern == "rank-pages":
-        rows = rows[3::8]
-    return rows.astype(np.int32)
-
-
-class Timer:
-    """Times one variant two ways, on one device (every stream synchronised).
-
-    - kernel: the durations of the kernels (and device copies) one call launched, as CUPTI
-      records them (torch.profiler sees every kernel of the process, JAX's and CuPy's too):
-      the kernel's own speed, the same clock for every launcher. Samples of `calls` calls.
-    - wall: host clock over back-to-back calls (each sample at least `min_sample_s`), divided
-      by the calls: what a caller waits per call in steady state, launch costs included.
-    """
-
-    def __init__(self, device_sync, calls=10, min_sample_s=0.05):
-        self.device_sync, self.calls, self.min_sample_s = device_sync, calls, min_sample_s
-
-    def _done(self, sync):
-        if sync is not None:
-            sync()  # e.g. block_until_ready: JAX may enqueue from another thread
-        self.device_sync()
-
-    def kernel(self, step, sync=None, samples=5):
-        """[ms per call] per sample, and kernels per call."""
-        from torch.autograd import DeviceType
-        from torch.profiler import ProfilerActivity, profile
-
-        step()
-        self._done(sync)
-        total = self.calls * samples
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(total):
-                step()
-            self._done(sync)
-        evs = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
-        if not evs:
-            raise RuntimeError("the profiler recorded no device activity")
-        per_call = len(evs) / total
-        chunk = len(evs) // samples
-        ms = [sum(e.time_range.end - e.time_range.start
-                  for e in evs[i * chunk:(i + 1) * chunk]) / 1e3 / (chunk / per_call)
-              for i in range(samples)]
-        return ms, per_call
-
-    def wall(self, step, sync=None, samples=3):
-        """[ms per call] per sample of back-to-back calls."""
-        step()
-        self._done(sync)
-        t0 = time.perf_counter()
-        for _ in range(3):
-            step()
-        self._done(sync)
-        est = (time.perf_counter() - t0) / 3
-        iters = int(min(1000, max(self.calls, self.min_sample_s / max(est, 1e-6))))
-        out = []
-        for _ in range(samples):
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                step()
-            self._done(sync)
-            out.append((time.perf_counter() - t0) / iters * 1e3)
-        return out
 
 
 def main(argv=None):
@@ -510,151 +429,6 @@ def main(argv=None):
         with open(args.md, "w") as f:
             f.write(markdown(report))
     return report
-
-
-def profile_e2e(L=61, R=32768, item=1152, n=4096, reps=50):
-    """Median milliseconds of each step of `pack_rows` on CuPy buffers (per-rank pack)."""
-    import cupy as cp
-    import jax
-
-    from pallas_kernels import GatherConfig, bucket_rows, gather_rows, pack_rows
-
-    rs = cp.random.RandomState(0)
-    layers = [rs.randint(0, 256, size=(R, item), dtype=cp.int32).astype(cp.uint8)
-              for _ in range(L)]
-    idx_np = make_indices("rank-pages", n, R)
-    idx_cp = cp.asarray(idx_np)
-    pack = cp.zeros(L * n * item, cp.uint8)
-    words = pack.view(cp.uint32)
-
-    def med(fn):
-        fn()
-        cp.cuda.runtime.deviceSynchronize()
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            cp.cuda.runtime.deviceSynchronize()
-            ts.append(time.perf_counter() - t0)
-        return 1e3 * float(np.median(ts))
-
-    srcs = [jax.dlpack.from_dlpack(a.view(cp.uint32)) for a in layers]
-    m = bucket_rows(n)
-    idx_pad = jax.numpy.zeros(m, jax.numpy.int32).at[:n].set(jax.numpy.asarray(idx_np))
-    n_dev = jax.numpy.asarray(n, jax.numpy.int32)
-    cfg = GatherConfig()
-    out = {}
-    out["pack_rows cupy idx"] = med(lambda: pack_rows(layers, idx_cp, pack, config=cfg))
-    out["pack_rows numpy idx"] = med(lambda: pack_rows(layers, idx_np, pack, config=cfg))
-    out["import pack (dlpack)"] = med(lambda: jax.dlpack.from_dlpack(words))
-    out["idx min/max sync"] = med(lambda: cp.stack([idx_cp.min(), idx_cp.max()]).get())
-
-    def kernel_only():
-        gather_rows(srcs, idx_pad, jax.dlpack.from_dlpack(words), n_dev,
-                    config=cfg).block_until_ready()
-    out["import + kernel + sync"] = med(kernel_only)
-    state = {"p": jax.numpy.zeros(L * n * item // 4, jax.numpy.uint32)}
-
-    def chained():
-        state["p"] = gather_rows(srcs, idx_pad, state["p"], n_dev, config=cfg)
-        state["p"].block_until_ready()
-    out["kernel + sync (jax-owned pack)"] = med(chained)
-
-    def chained_pyint():
-        state["p"] = gather_rows(srcs, idx_pad, state["p"], n, config=cfg)
-        state["p"].block_until_ready()
-    out["kernel + sync, n as python int"] = med(chained_pyint)
-    for k, v in out.items():
-        print(f"  {k:<36} {v:8.3f} ms", flush=True)
-    return out
-
-
-def claims(results, key="gbps"):
-    """The issue's targets, evaluated on this run (`key`: "gbps" kernel time, "wall_gbps")."""
-    out = {}
-    by = {g["geometry"]: g for g in results}
-    pct = "pct_of_copy" if key == "gbps" else "wall_pct_of_copy"
-
-    def ok(r):
-        return r.get("bit_exact") and key in r
-
-    g = by.get("deepseek-v3/32768")
-    if g:
-        ours = [r for r in g["rows_out"] if r.get("kind") == "ours" and ok(r)
-                and "stacked" in r["variant"]]
-        best = max(ours, key=lambda r: r[key]) if ours else None
-        peers = [r for r in g["rows_out"] if r.get("kind") == "peer" and key in r]
-        out["best_stacked"] = best and {"variant": best["variant"], "gbps": best[key]}
-        out["best_peer"] = peers and {"variant": max(peers, key=lambda r: r[key])["variant"],
-                                      "gbps": max(r[key] for r in peers)}
-        out["best_stacked_ge_4000_gbps"] = bool(best and best[key] >= 4000)
-        out["faster_than_every_peer"] = bool(best and all(best[key] > p[key] for p in peers))
-        # Like with like: each form's best row (JAX-owned or CuPy pack).
-        st = max((r[key] for r in ours), default=None)
-        li = max((r[key] for r in g["rows_out"] if r.get("kind") == "ours" and ok(r)
-                  and r["variant"].startswith("pallas-triton list")), default=None)
-        if st and li:
-            out["list_over_stacked"] = li / st
-            out["list_within_10pct"] = li >= 0.9 * st
-    g = by.get("deepseek-v3/rank-4096")
-    if g:
-        ours = [r for r in g["rows_out"] if r.get("kind") == "ours" and ok(r)]
-        best = max(ours, key=lambda r: r[key]) if ours else None
-        if best:
-            out["rank4096_best"] = {"variant": best["variant"], "pct_of_copy": best[pct]}
-            out["rank4096_ge_85pct_of_copy"] = best[pct] >= 85.0
-    return out
-
-
-def print_table(results, claims_):
-    print()
-    for g in results:
-        print(f"{g['geometry']}: {g['layers']} x {g['rows']} x {g['item_len']} B, "
-              f"{g['bytes_rw'] / 1e9:.2f} GB r+w, copy ceiling {g['copy_ceiling_gbps']:.0f} GB/s "
-              f"(kernel) / {g['wall_copy_ceiling_gbps']:.0f} GB/s (wall)")
-        print(f"  {'variant':<34} {'kind':<8} {'kernel ms':>9} {'GB/s':>6} {'% copy':>7} "
-              f"{'wall GB/s':>9} {'wall/k':>6} exact")
-        for r in sorted(g["rows_out"], key=lambda r: -r.get("gbps", 0)):
-            if "gbps" not in r:
-                print(f"  {r['variant']:<34} {r['kind']:<8} error: {r['error'][:60]}")
-                continue
-            print(f"  {r['variant']:<34} {r['kind']:<8} {r['ms']:9.4f} {r['gbps']:6.0f} "
-                  f"{r['pct_of_copy']:6.1f}% {r['wall_gbps']:9.0f} "
-                  f"{r.get('wall_over_kernel', 0):6.2f} {r['bit_exact']}")
-        print("  end to end:", json.dumps(g.get("e2e", {}), indent=1))
-    print("claims (kernel time):", json.dumps(claims_["kernel"], indent=1))
-    print("claims (wall clock):", json.dumps(claims_["wall"], indent=1))
-
-
-def markdown(report):
-    lines = [f"# Pack kernel benchmark ({report['device']}, {report['date']})", "",
-             "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()), "",
-             report["method"] + ".", ""]
-    for g in report["geometries"]:
-        lines += [f"## {g['geometry']}: {g['layers']} x {g['rows']:,} rows x {g['item_len']} B "
-                  f"({g['pattern']}, from {g['src_rows']:,} rows), "
-                  f"{g['bytes_rw'] / 1e9:.2f} GB read + written", "",
-                  "| variant | kind | kernel ms | GB/s (r+w) | % of copy | wall GB/s | "
-                  "wall / kernel | bit-exact | note |",
-                  "|---|---|---:|---:|---:|---:|---:|---|---|"]
-        for r in sorted(g["rows_out"], key=lambda r: -r.get("gbps", 0)):
-            if "gbps" not in r:
-                lines.append(f"| {r['variant']} | {r['kind']} | error | | | | | "
-                             f"{r['error'][:80]} | |")
-                continue
-            lines.append(f"| {r['variant']} | {r['kind']} | {r['ms']:.4f} | {r['gbps']:.0f} | "
-                         f"{r['pct_of_copy']:.1f} | {r['wall_gbps']:.0f} | "
-                         f"{r.get('wall_over_kernel', 0):.2f} | {r['bit_exact']} | "
-                         f"{r.get('note', '')} |")
-        cfgs = g.get("configs") or {}
-        if cfgs:
-            lines += [""] + [f"- {form}: `{c}`" for form, c in cfgs.items()]
-        lines.append("")
-    lines += ["## Targets (issue 4)", "", "Kernel time (the claims):", "", "```",
-              json.dumps(report["claims"]["kernel"], indent=1), "```", "",
-              "Wall clock per call, for reference:", "", "```",
-              json.dumps(report["claims"]["wall"], indent=1), "```", ""]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":
