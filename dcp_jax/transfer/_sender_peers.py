@@ -19,7 +19,7 @@ from dcp_jax.transfer._worker import check_page_table
 from dcp_jax.transfer.requests import RankTarget, SendRequest, check_request_id
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec
 from dcp_jax.transfer.status import TransferStatus
-from dcp_jax.transfer.views import served_group_ranks
+from dcp_jax.transfer.views import pair_moves, served_group_ranks
 
 __all__ = ["SenderPeers", "Conn"]
 
@@ -123,6 +123,9 @@ class SenderPeers:
             t = req.targets.get(conn.spec.group_rank) if req is not None else None
             if t is None or t.inc != msg["inc"] or t.conn is not conn:
                 # Nothing of ours is in flight for that incarnation: the rank may reuse its pages.
+                # An announcement of it parked for the id's next use is void: replayed at the
+                # release, it would send into pages the rank has given to another request.
+                self._drop_early(msg["rid"], lambda c, m: c is conn and m["inc"] == msg["inc"])
                 self._ctl.send(conn.ident, proto.encode("drained", msg["rid"], msg["inc"]))
                 self._counts["dropped_messages"] += 1
                 if t is not None and t.conn is not conn:  # another connection's request
@@ -184,11 +187,13 @@ class SenderPeers:
             return
         req = self._requests.get(rid)
         if req is not None and req.status.terminal:
-            if rank in req.targets or req.status is TransferStatus.SUCCESS:
+            told = req.told.get(rank)
+            if rank in req.targets or req.status is TransferStatus.SUCCESS or told not in (None, msg["inc"]):
                 # This rank already had this id: the decode side released and reused it.
                 self._early.setdefault(rid, []).append((conn, msg))
             else:  # a late announcement of the request that ended: tell the rank how it ended
                 self._tell_ended(conn, rid, msg["inc"], req.status, req.state.reason)
+                req.told[rank] = msg["inc"]  # (`release` files it with the targets: its next use is new)
             return
         if req is None:
             gone = self._released_ended.get(rid)
@@ -217,6 +222,15 @@ class SenderPeers:
         req.state.touch()
         self._maybe_done(req)
 
+    def _drop_early(self, rid: str, pred) -> None:
+        """Forgets the announcements parked for ``rid``'s next use (`_early`) that ``pred(conn,
+        msg)`` names: cancelled by their rank, or of a connection that is gone."""
+        parked = self._early.get(rid)
+        if parked:
+            parked[:] = [(c, m) for c, m in parked if not pred(c, m)]
+            if not parked:
+                del self._early[rid]
+
     def _tell_ended(self, conn: Conn, rid: str, inc: int, status: TransferStatus, reason: str) -> None:
         """Answers a late announcement of a request that ended without success: how it ended,
         then ``drained`` (nothing of it was sent to this rank)."""
@@ -233,10 +247,16 @@ class SenderPeers:
         self._counts["requests"] += 1
         return req
 
+    def _path_of(self, conn: Conn) -> str:
+        """The connection's path as `peers` and `request_stats` report it: "none" for a TP pair
+        that shares no KV head (nothing moves, whatever the handshake chose)."""
+        return conn.path if pair_moves(self.spec, conn.spec) else "none"
+
     def _peer_list(self) -> list[dict[str, Any]]:
         """`KVSender.peers` (under the lock)."""
         now = time.monotonic()
-        return [dict(name=c.name, group=c.group, dcp_rank=c.spec.dcp_rank, tp_rank=c.spec.tp_rank, path=c.path,
+        return [dict(name=c.name, group=c.group, dcp_rank=c.spec.dcp_rank, tp_rank=c.spec.tp_rank,
+                     path=self._path_of(c),
                      direction=c.direction, staged=c.staged, silent_s=now - c.last_seen, heartbeat_s=c.heartbeat_s,
                      peer_timeout_s=c.peer_timeout_s)
                 for c in sorted(self._conns.values(), key=lambda c: (c.group, c.spec.dcp_rank, c.spec.tp_rank))]
@@ -287,6 +307,8 @@ class SenderPeers:
                 del self._pulls[key]
                 self._unit_finished(u, reason)
         self._drop_asks(lambda u: u.target.conn is conn)
+        for rid in list(self._early):  # its parked announcements: a gone rank's pages are not ours
+            self._drop_early(rid, lambda c, m: c is conn)
         if tell:
             self._ctl.send(conn.ident, proto.encode("bye", reason=reason[:proto.MAX_TEXT], drained=False))
         conn.close_mapping()

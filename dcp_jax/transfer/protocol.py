@@ -44,7 +44,9 @@ MAX_IPC_HANDLES = 4096     # one CUDA IPC handle per KV layer entry at most (spe
 MAX_CONTROL_BYTES = 16 << 20
 #: Largest engine notification accepted (bytes).
 MAX_NOTIF_BYTES = 1024
-MAX_REQUEST_ID = 256       # characters
+#: Longest request id in UTF-8 bytes (256 ASCII characters): a ``done`` notification carrying it
+#: stays within `MAX_NOTIF_BYTES`.
+MAX_REQUEST_ID = 256
 MAX_TEXT = 4096            # characters of a reason / message
 _I64 = (1 << 63) - 1
 
@@ -104,7 +106,10 @@ def encode(kind: str, rid: str = "", inc: int = 0, **fields: Any) -> bytes:
     """
     msg = {"v": PROTOCOL_VERSION, "k": kind, "rid": rid, "inc": inc, **fields}
     _check(msg)
-    return msgpack.packb(msg, use_bin_type=True)
+    # Free text (a reason, an exception's words) may hold lone surrogates (`os.fsdecode`'s): sent
+    # escaped, never raising here, after the state change the message reports. Ids and group
+    # names are checked to be UTF-8 at the API (`check_request_id`), so escaping never alters one.
+    return msgpack.packb(msg, use_bin_type=True, unicode_errors="backslashreplace")
 
 
 def decode(data: Any, *, max_bytes: int = MAX_CONTROL_BYTES) -> dict[str, Any]:

@@ -105,8 +105,9 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
             raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
         if direction not in DIRECTIONS:
             raise ValueError(f"direction={direction!r} must be one of {DIRECTIONS}")
-        if not isinstance(group, str) or not 0 < len(group) <= 256:
-            raise ValueError(f"group={group!r} must be a non-empty str of at most 256 characters")
+        if not isinstance(group, str):
+            raise ValueError(f"group={group!r} must be a non-empty str of at most 256 UTF-8 bytes")
+        check_request_id(group, "group")  # the same rule: non-empty, at most 256 UTF-8 bytes
         if host is not None and (not isinstance(host, str) or not 0 < len(host) <= 255 or any(c in host for c in ":;/ ")):
             raise ValueError(f"host={host!r} must be None or an IPv4 address / host name of this machine")
         if host is not None:
@@ -358,7 +359,7 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
         """The connected prefill senders, one dict each, in connection order: ``address`` (what
         `connect` was given), ``name`` (the sender's engine name), its prefill ``dcp_rank`` and
         ``tp_rank``, ``path`` (what it chose at the handshake: "direct", "packed", "region" or
-        "fused"), ``direction`` ("push" / "pull"), ``staged`` (its KV is not registered) and
+        "fused"; "none" for a TP pair that shares no KV head: nothing moves), ``direction`` ("push" / "pull"), ``staged`` (its KV is not registered) and
         ``silent_s`` (seconds since its last message). Empty once closed."""
         with self._lock:
             return self._link_list()

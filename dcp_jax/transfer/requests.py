@@ -12,23 +12,32 @@ from typing import Any
 
 import numpy as np
 
+from dcp_jax.transfer.protocol import MAX_REQUEST_ID
 from dcp_jax.transfer.status import RequestState, TransferStatus
 
 __all__ = ["Coverage", "RankCounters", "RankTarget", "SendRequest", "RecvRequest", "check_request_id"]
 
-MAX_REQUEST_ID = 256
-
-
-def check_request_id(request_id: Any) -> str:
-    """Request ids are non-empty strings of at most 256 characters.
+def check_request_id(request_id: Any, name: str = "request_id") -> str:
+    """Request ids are non-empty strings of at most `protocol.MAX_REQUEST_ID` (256) bytes in
+    UTF-8: 256 ASCII characters, fewer of others (each side's engine notification carries the id).
 
     Raises:
-        TypeError: not a str.  ValueError: empty or too long.
+        TypeError: not a str.  ValueError: empty, too long, or not encodable as UTF-8 (a lone
+            surrogate, as `os.fsdecode` makes); the message names ``name``.
     """
     if not isinstance(request_id, str):
-        raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-    if not 0 < len(request_id) <= MAX_REQUEST_ID:
-        raise ValueError(f"request_id must have 1..{MAX_REQUEST_ID} characters, got {len(request_id)}")
+        raise TypeError(f"{name} must be a str, got {type(request_id).__name__}")
+    if not 0 < len(request_id) <= MAX_REQUEST_ID:  # (cheap first: most ids are ASCII)
+        raise ValueError(f"{name} must have 1..{MAX_REQUEST_ID} characters, got {len(request_id)}")
+    if not request_id.isascii():
+        try:
+            n = len(request_id.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{name}={request_id!r} is not valid UTF-8 text ({exc.reason} at "
+                             f"position {exc.start})") from None
+        if n > MAX_REQUEST_ID:
+            raise ValueError(f"{name} must have at most {MAX_REQUEST_ID} bytes in UTF-8, got {n} "
+                             f"({len(request_id)} characters)")
     return request_id
 
 
@@ -180,6 +189,9 @@ class SendRequest:
         # the first announcement: the ranks the request waits for here.
         self.needed: frozenset[int] | None = None
         self.targets: dict[int, RankTarget] = {}
+        # Ranks that announced the request only after it ended and were told how (not targets):
+        # their next announcement of the id, once it is released, is its next use.
+        self.told: dict[int, int] = {}  # rank -> the incarnation it was told of
         self.inflight = 0          # units submitted and not yet reported done by the engine
         self.plan_seconds = 0.0
         self.pack_seconds = 0.0

@@ -110,12 +110,15 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
         if mode not in SEND_MODES:
             raise ValueError(f"mode={mode!r} must be one of {SEND_MODES}")
         pack_bytes = DEFAULT_PACK_BYTES if pack_bytes is None else pack_bytes
-        if isinstance(pack_bytes, bool) or not isinstance(pack_bytes, int) or pack_bytes < spec.row_bytes:
+        if isinstance(pack_bytes, bool) or not isinstance(pack_bytes, (int, np.integer)) or pack_bytes < spec.row_bytes:
             raise ValueError(f"pack_bytes={pack_bytes!r} must be an int >= one token's "
                              f"{spec.row_bytes} bytes")
-        if max_batch_indices is not None and (isinstance(max_batch_indices, bool) or not isinstance(max_batch_indices, int)
+        pack_bytes = int(pack_bytes)  # (a numpy int too, as region_bytes and page tables take)
+        if max_batch_indices is not None and (isinstance(max_batch_indices, bool)
+                                              or not isinstance(max_batch_indices, (int, np.integer))
                                               or max_batch_indices < 1):
             raise ValueError(f"max_batch_indices={max_batch_indices!r} must be None or an int >= 1")
+        max_batch_indices = None if max_batch_indices is None else int(max_batch_indices)
         self.spec, self.mode = spec, mode
         self.timeout_s = check_seconds("timeout_s", timeout_s)
         self.peer_timeout_s = check_seconds("peer_timeout_s", peer_timeout_s)
@@ -206,7 +209,7 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
         have not announced the request yet (`KVReceiver.expect`) get it when they do.
 
         Args:
-            request_id: the request's id (str, 1..256 characters), the same on both sides.
+            request_id: the request's id (str of 1..256 bytes in UTF-8), the same on both sides.
             page_table: int[pages]: ``page_table[k]`` is the physical page holding this prefill
                 rank's local tokens ``[k*page_size, (k+1)*page_size)`` (spec section 10); it must
                 cover local rows up to ``stop`` and may grow between chunks; each chunk is moved
@@ -219,7 +222,10 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
                 a scheduler must not send chunks of requests it released (`release`).
             start, stop: token positions, ``0 <= start < stop <= 2**62`` (`_worker.MAX_TOKENS`).
                 A request every decode rank already holds in full (``prefix_tokens == num_tokens``)
-                is SUCCESS as soon as they announced it; a `send` for it then does nothing. A
+                is SUCCESS as soon as they announced it; a `send` for it then does nothing, as a
+                chunk of any SUCCESS request does when it lies within the ranks' ``num_tokens``
+                and overlaps no chunk sent before (e.g. a chunk inside their prefix, sent after
+                the tail completed the request). A
                 request that FAILED or was ABORTED (here or by a decode rank) drops its later
                 chunks without raising (a decode-side cancel is no error of the scheduler's
                 loop): `poll` and `failure_reason` say why; `release` it before reusing its id.
@@ -230,7 +236,8 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
             RuntimeError: the sender is closed.
             TypeError, ValueError: bad id, range or page table (page ids outside the cache, too
                 few pages, a page moved under a recently released id), a range overlapping one
-                already sent, or the id of a SUCCESS request that was not released yet.
+                already sent, or the id of a SUCCESS request that was not released yet (a chunk
+                past the ranks' tokens or over a range already sent).
         """
         self._check_open()
         rid = check_request_id(request_id)
@@ -245,8 +252,8 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
             if req is None:
                 self._released_ended.pop(rid, None)  # the prefill uses the id again: a new request
                 req = self._new_request(rid)
-            if req.status is TransferStatus.SUCCESS and req.page_table is None:
-                return  # every rank already held all of it (a full prefix hit): nothing to send
+            if req.status is TransferStatus.SUCCESS and (req.page_table is None or _redundant(req, start, stop)):
+                return  # every rank already holds these tokens (a prefix hit, or the chunks sent): nothing to send
             if req.status in (TransferStatus.FAILED, TransferStatus.ABORTED):
                 return  # ended (a rank aborted, a peer failed): later chunks are dropped, `poll` says why
             if req.status.terminal:
@@ -404,7 +411,7 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
             del self._requests[req.rid]
             self._released_at[req.rid] = time.monotonic() + self.timeout_s
             if req.status is not TransferStatus.SUCCESS:  # ranks that announce it late hear how it ended
-                self._released_ended[req.rid] = (time.monotonic() + self.timeout_s, set(req.targets),
+                self._released_ended[req.rid] = (time.monotonic() + self.timeout_s, set(req.targets) | set(req.told),
                                                  req.status, req.state.reason)
             early = self._early.pop(req.rid, [])
         for conn, msg in early:  # announcements that came for the next use of this id
@@ -420,7 +427,8 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
             return req.status.terminal and req.inflight == 0
 
     def request_stats(self, request_id: str) -> dict[str, Any]:
-        """Per-request figures: status, per-rank ``path`` (the connection's transfer path),
+        """Per-request figures: status, per-rank ``path`` (the connection's transfer path, as in
+        `peers`: "none" for a TP pair sharing no KV head),
         rows/descriptors/bytes/batches/engine calls and strategies, plan/pack/copy (fused kernel)
         seconds, ``transfer_seconds`` (first submit to this side's completion) and
         ``first_byte_at`` (`time.monotonic()` when the first byte was packed, or sent on the
@@ -440,7 +448,7 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
                         transfer_seconds=(t1 - t0) if t0 is not None and t1 is not None else None,
                         pack_backend=self.pack_backend, stage_seconds=req.stage_seconds,
                         timeline=req.timeline.as_list(), timeline_dropped=req.timeline.dropped,
-                        ranks={r: dict(t.counters.as_dict(), path=t.conn.path,
+                        ranks={r: dict(t.counters.as_dict(), path=self._path_of(t.conn),
                                        staging=dict(prefill=mine, decode="staged" if t.conn.staged else "direct"))
                                for r, t in sorted(req.targets.items())})
 
@@ -460,7 +468,8 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
     def peers(self) -> list[dict[str, Any]]:
         """The connected decode ranks, one dict each, by (group, dcp_rank, tp_rank): ``name`` (the
         receiver's engine name), ``group``, ``dcp_rank``, ``tp_rank``, ``path`` (chosen at the
-        handshake: "direct", "packed", "region" or "fused"), ``direction`` ("push" / "pull"),
+        handshake: "direct", "packed", "region" or "fused"; "none" for a TP pair that shares no
+        KV head, between which nothing moves), ``direction`` ("push" / "pull"),
         ``staged`` (its KV is not registered), ``silent_s`` (seconds since its last message) and
         its own ``heartbeat_s`` / ``peer_timeout_s`` (seconds, from its hello). Empty once closed."""
         with self._lock:
@@ -537,6 +546,14 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
     def __repr__(self) -> str:
         return (f"KVSender(address={self.address!r}, engine={self.engine.kind!r}, "
                 f"requests={len(self._requests)}, connections={len(self._conns)})")
+
+
+def _redundant(req: SendRequest, start: int, stop: int) -> bool:
+    """Whether a chunk of a SUCCESS request is one its ranks need not get: within every rank's
+    announced tokens and overlapping no chunk already sent (they hold those tokens, by prefix or
+    by transfer). A chunk past them, or sent twice, is more likely a reused id's: refused."""
+    return (bool(req.targets) and stop <= min(t.num_tokens for t in req.targets.values())
+            and not req.sent.overlaps(start, stop))
 
 
 def _moved_page(rid: str, chunks: list, table: np.ndarray, spec) -> str | None:

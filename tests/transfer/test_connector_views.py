@@ -18,7 +18,7 @@ from dcp_jax.hetero.layouts import cache_shape
 from dcp_jax.hetero.plan import HeteroSide
 from dcp_jax.transfer import HandshakeError, KVReceiver, KVSender, TransferStatus
 from dcp_jax.transfer.spec import check_compatible
-from dcp_jax.transfer.views import served_group_ranks, stream_view, uncovered_heads
+from dcp_jax.transfer.views import pair_moves, served_group_ranks, stream_view, uncovered_heads
 
 LAYERS = 2
 
@@ -71,6 +71,14 @@ def _run_pair(engine, p: HeteroSide, d: HeteroSide, tokens: int, seed: int = 0, 
             want = expected_cache(d, k[0], k[1], dpages[k[0]], LAYERS, tokens, dtables[k[0]])
             for layer in range(LAYERS):
                 np.testing.assert_array_equal(caches[k][layer], want[layer], err_msg=f"decode rank {k} layer {layer}")
+        # Both sides label a TP pair that shares no KV head "none" (nothing moves), alike.
+        for k, s in senders:
+            for peer in s.peers:
+                key = (peer["dcp_rank"], peer["tp_rank"])
+                moves = pair_moves(spec_of(p, *k, LAYERS), spec_of(d, *key, LAYERS))
+                assert (peer["path"] == "none") == (not moves), (k, peer)
+                link = next(x for x in dict(receivers)[key].peers if (x["dcp_rank"], x["tp_rank"]) == k)
+                assert link["path"] == peer["path"], (k, key, link, peer)
         return [s.request_stats("q") for _, s in senders]
     finally:
         for _, x in receivers:
@@ -144,7 +152,7 @@ def test_views_region_path_byte_exact(engine):
         # region push: each window's ask before its packed, its post after both.
         asked = check_region_timeline(st["timeline"])
         for key, v in st["ranks"].items():
-            assert v["path"] == ("region" if v["bytes"] else "direct")  # a pair sharing no head: direct, empty
+            assert v["path"] == ("region" if v["bytes"] else "none")  # a pair sharing no head: nothing moves
             if v["bytes"]:  # one descriptor per window, a window at most the region's 4,096 bytes
                 assert v["descriptors"] == v["batches"] >= -(-v["bytes"] // 4096)
                 assert asked[key] == v["descriptors"]
