@@ -20,7 +20,7 @@ from dcp_jax.hetero.layouts import GQA_LAYOUTS, cache_pages
 from dcp_jax.transfer.spec import KVCacheSpec
 from pallas_kernels.registry import array_kind as _array_type
 
-__all__ = ["CacheLayers", "array_kind"]
+__all__ = ["CacheLayers", "alloc_pack", "array_kind"]
 
 
 def array_kind(a: Any) -> str:
@@ -287,3 +287,18 @@ def _union(regions: list[MemoryRegion]) -> tuple[MemoryRegion, ...]:
         else:
             out.append(r)
     return tuple(out)
+
+
+def alloc_pack(nbytes: int, layers: CacheLayers, staged: bool):
+    """The sender's registered pack buffer of ``nbytes`` bytes: pinned host memory when the side
+    stages (`staging.host_buffer`), host memory for host KV (zero-filled now: no page fault per
+    4 KiB in the first packs), else device memory on the KV's device."""
+    from bridge.buffers import DeviceBuffer, HostBuffer
+    from dcp_jax.transfer.staging import host_buffer
+
+    if staged:  # the only memory the engine sees: pinned host for GPU KV
+        return host_buffer(nbytes, layers.mem_type, fill=0)
+    if layers.mem_type == "DRAM":
+        # Written once now, so the first packs do not pay a page fault per 4 KiB of the buffer.
+        return HostBuffer(nbytes, fill=0)
+    return DeviceBuffer(nbytes, device_id=layers.device_id)

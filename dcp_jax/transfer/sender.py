@@ -39,12 +39,14 @@ from dcp_jax.transfer._region import SEND_MODES
 from dcp_jax.transfer._sender_region import SenderRegion
 from dcp_jax.transfer._sender_endings import SenderEndings
 from dcp_jax.transfer._sender_units import SenderUnits
+from dcp_jax.transfer._sender_reuse import moved_page, redundant
+from dcp_jax.transfer._sender_warm import SenderWarmUp
 from dcp_jax.transfer.control import BYE_LINGER_MS, ControlServer, make_side_engine
-from dcp_jax.transfer.memory import CacheLayers
+from dcp_jax.transfer.memory import CacheLayers, alloc_pack
 from dcp_jax.transfer.requests import SendRequest, check_request_id
 from dcp_jax.transfer.schedule import SideLayout
 from dcp_jax.transfer.spec import KVCacheSpec
-from dcp_jax.transfer.staging import Packer, host_buffer, side_staged
+from dcp_jax.transfer.staging import Packer, side_staged
 from dcp_jax.transfer.status import TransferStatus
 from dcp_jax.layout import local_len_np
 
@@ -55,7 +57,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_PACK_BYTES = 64 << 20
 
 
-class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderRegion):
+class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderRegion, SenderWarmUp):
     """Prefill-side connector over the caller's KV layers.
 
     Args:
@@ -144,7 +146,7 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
                                  f"(staging={staging!r}, {self.engine.kind} engine, {self._layers.mem_type} KV): "
                                  "use mode 'packed', 'region' or 'auto'")
             try:
-                self._pack = _alloc_pack(pack_bytes, self._layers, self.staged)
+                self._pack = alloc_pack(pack_bytes, self._layers, self.staged)
             except (MemoryError, OSError) as exc:  # the allocator's own words do not say which buffer
                 raise MemoryError(f"pack_bytes={pack_bytes:,}: cannot allocate the pack buffer "
                                   f"({type(exc).__name__}: {exc})") from exc
@@ -252,7 +254,7 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
             if req is None:
                 self._released_ended.pop(rid, None)  # the prefill uses the id again: a new request
                 req = self._new_request(rid)
-            if req.status is TransferStatus.SUCCESS and (req.page_table is None or _redundant(req, start, stop)):
+            if req.status is TransferStatus.SUCCESS and (req.page_table is None or redundant(req, start, stop)):
                 return  # every rank already holds these tokens (a prefix hit, or the chunks sent): nothing to send
             if req.status in (TransferStatus.FAILED, TransferStatus.ABORTED):
                 return  # ended (a rank aborted, a peer failed): later chunks are dropped, `poll` says why
@@ -260,7 +262,7 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
                 raise ValueError(f"request_id={rid!r} is {req.status.name}; release() it before reusing the id")
             if req.sent.overlaps(start, stop):
                 raise ValueError(f"tokens [{start}, {stop}) of request_id={rid!r} overlap a range already sent")
-            moved = _moved_page(rid, req.chunks, table, self.spec) if req.reborn else None
+            moved = moved_page(rid, req.chunks, table, self.spec) if req.reborn else None
             if moved is not None:  # two requests' chunks under one id: it fails here and at the ranks
                 self._end(req, TransferStatus.FAILED, moved, notify="failed")
                 raise ValueError(moved)
@@ -274,69 +276,6 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this KVSender is closed")
-
-    def warm_up(self, max_rows: int | None = None) -> dict[str, list[int]]:
-        """Compiles, before serving, the device kernels this sender's rounds launch, for every
-        index bucket a round can reach, writing nothing (no KV page, no live region): the
-        one-launch pack (`pallas_kernels.warm_pack_windows`) and, with fused decode ranks, the
-        fan-out copy into all of them (`pallas_kernels.warm_copy_fanout`) and the bump of the
-        fused path's flag page (`bridge.host_flag`). From then on each
-        launch of a round stays within the largest bucket compiled (a round with more windows
-        goes on in the next round), so no round compiles: which bucket a round reaches depends
-        on which ranks announced a request before it began and on how many requests are
-        queued, not only on a request's size. Without it, a round that first reaches a bucket
-        compiles it then (~0.5 s on an H200), stalling the sender's rounds meanwhile.
-
-        Call it once the decode ranks have connected (the fused launch is compiled for the
-        ranks connected now) and again after more connect. The compiles run on the caller's
-        thread, not under the sender's lock: rounds, heartbeats and handshakes go on. Host
-        (numpy) KV compiles nothing.
-
-        Args:
-            max_rows: the most token rows one window carries (an int >= 1; e.g. the serving
-                loop's largest prefill chunk). None, or more than fits: as many as the pack
-                buffer holds (pack) and as the KV cache holds (fused). A window larger than
-                ``max_rows`` still goes out, in a round of its own, compiling its bucket once.
-
-        Returns:
-            ``{"pack": buckets, "fused": buckets}``: the index buckets (rows) now compiled.
-
-        Raises:
-            RuntimeError: the sender is closed.
-            ValueError: ``max_rows`` not an int >= 1.
-        """
-        from pallas_kernels import bucket_rows, warm_copy_fanout
-
-        self._check_open()
-        if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer))
-                                     or max_rows < 1):
-            raise ValueError(f"max_rows={max_rows!r} must be an int >= 1 or None")
-        br = self._index_block
-        with self._lock:  # a snapshot: the compiles below run without the lock
-            copiers = [c.copier for c in self._conns.values() if c.copier is not None]
-            self._packer.prepare()  # (a staged pack's device scratch: made where rounds make it)
-        rows = self._max_region_rows if max_rows is None else min(int(max_rows), self._max_region_rows)
-        cap = bucket_rows(max(1, rows) + br, br)  # a lone window of `rows` rows, block-rounded
-        pack = self._packer.warm_up(cap)
-        fused = []
-        if copiers:
-            rows = self._layers.min_rows if max_rows is None else min(int(max_rows), self._layers.min_rows)
-            fcap = bucket_rows(rows + br * len(copiers), br)
-            try:
-                fused = warm_copy_fanout(copiers, fcap)
-            except RuntimeError as exc:  # a link dropped meanwhile closed its copier: next call
-                logger.warning("warm_up: the fused copy was not compiled: %s", exc)
-            if not fused:
-                logger.warning("warm_up: the fused copiers cannot share one launch (%d links); "
-                               "each copies on its own and compiles its buckets on first use", len(copiers))
-            else:
-                self._index_cap["fused"] = fused[-1]
-                # The flag's bump, compiled as rounds call it (after one launch); it runs after
-                # every copy enqueued so far, so it credits no rank early.
-                self._bump_flag(copiers[:1])
-        if pack:
-            self._index_cap["pack"] = pack[-1]
-        return {"pack": pack, "fused": fused}
 
     def poll(self, request_id: str) -> TransferStatus:
         """The request's `TransferStatus` on this side.
@@ -546,39 +485,3 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
     def __repr__(self) -> str:
         return (f"KVSender(address={self.address!r}, engine={self.engine.kind!r}, "
                 f"requests={len(self._requests)}, connections={len(self._conns)})")
-
-
-def _redundant(req: SendRequest, start: int, stop: int) -> bool:
-    """Whether a chunk of a SUCCESS request is one its ranks need not get: within every rank's
-    announced tokens and overlapping no chunk already sent (they hold those tokens, by prefix or
-    by transfer). A chunk past them, or sent twice, is more likely a reused id's: refused."""
-    return (bool(req.targets) and stop <= min(t.num_tokens for t in req.targets.values())
-            and not req.sent.overlaps(start, stop))
-
-
-def _moved_page(rid: str, chunks: list, table: np.ndarray, spec) -> str | None:
-    """Why a chunk's page table cannot be this request's: it gives another page than an earlier
-    chunk's table did for local rows that chunk sent (those rows' KV is in that page; entries
-    past them, such as a fixed-width table's padding, are not compared); or None."""
-    for start, stop, before in chunks:
-        lo = int(local_len_np(start, spec.dcp_size, spec.dcp_rank, spec.interleave_size)) // spec.page_size
-        hi = -(-int(local_len_np(stop, spec.dcp_size, spec.dcp_rank, spec.interleave_size)) // spec.page_size)
-        hi = min(hi, len(before), len(table))
-        moved = np.flatnonzero(before[lo:hi] != table[lo:hi])
-        if len(moved):
-            k = lo + int(moved[0])
-            return (f"page_table[{k}]={int(table[k])} but an earlier send of request_id={rid!r} gave page "
-                    f"{int(before[k])} for tokens it sent: a request's pages do not move between chunks (a late "
-                    "send of a request released meanwhile? its id named a new request from that send on)")
-    return None
-
-
-def _alloc_pack(nbytes: int, layers: CacheLayers, staged: bool):
-    from bridge.buffers import DeviceBuffer, HostBuffer
-
-    if staged:  # the only memory the engine sees: pinned host for GPU KV
-        return host_buffer(nbytes, layers.mem_type, fill=0)
-    if layers.mem_type == "DRAM":
-        # Written once now, so the first packs do not pay a page fault per 4 KiB of the buffer.
-        return HostBuffer(nbytes, fill=0)
-    return DeviceBuffer(nbytes, device_id=layers.device_id)
