@@ -81,7 +81,10 @@ class ReceiverData:
             req = self._live(link, msg)
             if req is not None:
                 status = TransferStatus.ABORTED if kind == "abort" else TransferStatus.FAILED
-                self._end(req, status, f"prefill rank {link.spec.dcp_rank}: {msg['reason']}", None)
+                # The request's other senders (prefill DCP/TP > 1) hear it from this rank: else one
+                # that finished its part ends SUCCESS and never says drained (the pages stay held),
+                # and one still live goes on and keeps the id from its next use.
+                self._end(req, status, f"prefill rank {link.spec.dcp_rank}: {msg['reason']}", kind, skip=link)
         elif kind == "hello_nack":  # the sender no longer knows this connection (dropped, restarted)
             if link in self._links:
                 self._drop_link(link, f"prefill sender {link.client.address} refused the connection: {msg['message']}",
@@ -247,7 +250,10 @@ class ReceiverData:
                 self._counts["succeeded"] += 1
 
     # ---- endings: aborts, failures, timeouts ----------------------------------------------------
-    def _end(self, req: RecvRequest, status: TransferStatus, reason: str, notify: str | None) -> bool:
+    def _end(self, req: RecvRequest, status: TransferStatus, reason: str, notify: str | None,
+             skip: Any = None) -> bool:
+        """Ends the request here; with ``notify`` ("abort" / "failed") tells its senders, all but
+        ``skip`` (the one whose word ended it). False if it had ended already."""
         if not req.finish(status, reason):
             return False
         self._counts["failed" if status is TransferStatus.FAILED else "aborted"] += 1
@@ -257,7 +263,7 @@ class ReceiverData:
         self._quarantine_grants(req)  # held until the sender says drained (or is gone)
         if notify:
             frame = proto.encode(notify, req.rid, req.inc, reason=reason[:proto.MAX_TEXT])
-            self._outbox.extend((link, frame) for link in req.senders if link in self._links)
+            self._outbox.extend((link, frame) for link in req.senders if link in self._links and link is not skip)
         return True
 
     def _check_timeouts(self) -> None:

@@ -222,14 +222,18 @@ class SenderPeers:
         req.state.touch()
         self._maybe_done(req)
 
-    def _drop_early(self, rid: str, pred) -> None:
+    def _drop_early(self, rid: str, pred) -> bool:
         """Forgets the announcements parked for ``rid``'s next use (`_early`) that ``pred(conn,
-        msg)`` names: cancelled by their rank, or of a connection that is gone."""
+        msg)`` names: cancelled by their rank, or of a connection that is gone. True if any."""
         parked = self._early.get(rid)
-        if parked:
-            parked[:] = [(c, m) for c, m in parked if not pred(c, m)]
-            if not parked:
-                del self._early[rid]
+        if not parked:
+            return False
+        kept = [(c, m) for c, m in parked if not pred(c, m)]
+        if kept:
+            self._early[rid] = kept
+        else:
+            del self._early[rid]
+        return len(kept) < len(parked)
 
     def _tell_ended(self, conn: Conn, rid: str, inc: int, status: TransferStatus, reason: str) -> None:
         """Answers a late announcement of a request that ended without success: how it ended,
@@ -242,6 +246,9 @@ class SenderPeers:
         """A new request record, "reborn" when its id was released less than timeout_s ago
         (whether a `send` or a rank's announcement starts it: `KVSender.send`'s page check)."""
         req = self._requests[rid] = SendRequest(rid)
+        # The id names this request from now on: an older use's ending is answered no more (its
+        # late announcements join this one, as any announcement of a live id does).
+        self._released_ended.pop(rid, None)
         self._forgotten.pop(rid, None)  # the dropped request's record: the id names this one now
         req.reborn = self._released_at.pop(rid, 0.0) > time.monotonic()
         self._counts["requests"] += 1

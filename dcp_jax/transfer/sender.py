@@ -251,8 +251,14 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
                                  self._layers.min_rows // self.spec.page_size)
         with self._lock:
             req = self._requests.get(rid)
-            if req is None:
-                self._released_ended.pop(rid, None)  # the prefill uses the id again: a new request
+            if (req is not None and req.status in (TransferStatus.FAILED, TransferStatus.ABORTED)
+                    and not req.chunks and req.inflight == 0 and self._early.get(rid)):
+                # Ended before this prefill sent it anything (it started from announcements a
+                # cancel then caught up with), while the ranks already announced the id's next
+                # use: this chunk is that use's. Drop the old record, take up the parked ones.
+                self._forget_unsent(req)
+                req = self._requests.get(rid)
+            if req is None:  # the prefill uses the id again: a new request
                 req = self._new_request(rid)
             if req.status is TransferStatus.SUCCESS and (req.page_table is None or redundant(req, start, stop)):
                 return  # every rank already holds these tokens (a prefix hit, or the chunks sent): nothing to send

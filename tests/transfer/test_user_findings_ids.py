@@ -166,3 +166,84 @@ def test_sender_sizes_take_numpy_ints(engine):
     for bad in (np.int64(W - 1), 1.5e6, True):
         with pytest.raises(ValueError, match="pack_bytes"):
             KVSender(spec, _page_bytes(4), engine=engine, pack_bytes=bad)
+
+
+def _group(engine, m, n, src, dst, timeout_s=4):
+    """``m`` senders (prefill DCP ranks) and ``n`` receivers, every receiver connected to all."""
+    ss = [KVSender(KVCacheSpec(1, [W], P, m, k), src[k], engine=engine, timeout_s=timeout_s) for k in range(m)]
+    rs = [KVReceiver(KVCacheSpec(1, [W], P, n, k), dst[k], engine=engine, timeout_s=timeout_s) for k in range(n)]
+    for r in rs:
+        for s in ss:
+            r.connect(s.address)
+    return ss, rs
+
+
+def test_one_prefill_ranks_abort_reaches_the_others_and_frees_the_pages(engine):
+    """Second trial (2026-12-04): prefill DCP 2; rank 0 aborts, rank 1 finishes its part. Before:
+    the decode ranks did not tell prefill rank 1, which never said drained: the released pages
+    stayed held (30 s and more); the id's next use, announced while rank 1 still held the old
+    one live, was dropped as a duplicate and failed."""
+    src = [[np.full((8, P, W), 10 + m, np.uint8)] for m in range(2)]
+    dst = [[np.zeros((8, P, W), np.uint8)] for _ in range(2)]
+    ss, rs = _group(engine, 2, 2, src, dst)
+    try:
+        for r in rs:
+            r.expect("X", [0, 1], 16)
+        time.sleep(0.2)
+        ss[1].send("X", [2], 0, 8)  # prefill rank 1: its first chunk only
+        ss[0].abort("X", "prefill rank 0 cancelled")
+        assert all(r.wait("X", 5) is S.ABORTED for r in rs)
+        assert ss[1].wait("X", 5) is S.ABORTED and "prefill rank 0 cancelled" in ss[1].failure_reason("X")
+        for r in rs:
+            _wait_drained(r, "X", 5.0)  # (before: after timeout_s, and never once released)
+            r.release("X")
+            r.expect("X", [2, 3], 16)  # the id's next use
+        time.sleep(0.2)
+        for s in ss:
+            s.release("X")
+        kv = [np.random.default_rng().integers(0, 256, (8, P, W), dtype=np.uint8) for _ in range(2)]
+        for m, s in enumerate(ss):
+            src[m][0][4:6] = kv[m][4:6]
+            s.send("X", [4, 5], 0, 16)
+        assert [s.wait("X", 8) for s in ss] == [S.SUCCESS] * 2, [s.failure_reason("X") for s in ss]
+        assert [r.wait("X", 8) for r in rs] == [S.SUCCESS] * 2
+        for k in range(2):  # token t: prefill rank t % 2 (its local row t // 2); decode rank t % 2
+            want = np.stack([kv[t % 2][4:6].reshape(-1, W)[t // 2] for t in range(k, 16, 2)])
+            assert np.array_equal(dst[k][0][2:4].reshape(-1, W), want)
+            assert (dst[k][0][4:] == 0).all()  # (pages 0, 1 were the first use's: its chunk may have landed)
+    finally:
+        for x in rs + ss:
+            x.close()
+
+
+def test_an_older_uses_ending_is_not_answered_after_a_later_use(engine):
+    """Second trial: use 1 ended ABORTED, use 2 SUCCESS (started by announcements), both
+    released; use 3's first announcement came from a rank use 1's record did not list. Before:
+    that rank was told use 1's ending, and the sender's use 3 FAILED."""
+    dst = [[np.zeros((8, P, W), np.uint8)] for _ in range(2)]
+    ss, (r0, r1) = _group(engine, 1, 2, [_page_bytes(8)], dst, timeout_s=10)
+    s = ss[0]
+    try:
+        r0.expect("X", [0], 8)
+        time.sleep(0.1)
+        r0.abort("X", "use 1")
+        s.send("X", [0, 1], 0, 8)
+        assert s.wait("X", 5) is S.ABORTED
+        _wait_drained(r0, "X")
+        r0.release("X"), s.release("X")
+        r0.expect("X", [1], 8), r1.expect("X", [1], 8)
+        time.sleep(0.2)
+        s.send("X", [2, 3], 0, 8)
+        assert [x.wait("X", 5) for x in (s, r0, r1)] == [S.SUCCESS] * 3
+        for x in (s, r0, r1):
+            x.release("X")
+        r1.expect("X", [2], 8)  # use 3: rank 1 first
+        time.sleep(0.2)
+        r0.expect("X", [2], 8)
+        s.send("X", [4, 5], 0, 8)
+        assert [x.wait("X", 8) for x in (s, r0, r1)] == [S.SUCCESS] * 3, r1.failure_reason("X")
+        for k in range(2):  # rank k: tokens k, k+2, k+4, k+6 (prefill pages 4, 5: bytes 14, 15) in page 2
+            assert np.array_equal(dst[k][0][2], np.repeat(np.array([14, 14, 15, 15], np.uint8), W).reshape(P, W))
+    finally:
+        for x in (r0, r1, s):
+            x.close()
