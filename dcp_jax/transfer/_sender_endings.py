@@ -141,8 +141,7 @@ class SenderEndings:
         `timeout_s` more (`KVSender._forgotten`), unless the id starts a new request first."""
         del self._requests[req.rid]
         self._forgotten[req.rid] = (time.monotonic() + self.timeout_s, req)
-        for conn, msg in self._early.pop(req.rid, []):  # announcements of the id's next use
-            self._on_expect(conn, msg)
+        self._replay_early(req.rid)  # announcements of the id's next use
 
 
 def _waiting_for(req: SendRequest) -> str:

@@ -125,7 +125,8 @@ class SenderPeers:
                 # Nothing of ours is in flight for that incarnation: the rank may reuse its pages.
                 # An announcement of it parked for the id's next use is void: replayed at the
                 # release, it would send into pages the rank has given to another request.
-                self._drop_early(msg["rid"], lambda c, m: c is conn and m["inc"] == msg["inc"])
+                if self._drop_early(msg["rid"], lambda c, m: c is conn and m["inc"] == msg["inc"]):
+                    self._cancelled_early.setdefault(msg["rid"], {})[conn.spec.group_rank] = msg["inc"]
                 self._ctl.send(conn.ident, proto.encode("drained", msg["rid"], msg["inc"]))
                 self._counts["dropped_messages"] += 1
                 if t is not None and t.conn is not conn:  # another connection's request
@@ -205,6 +206,11 @@ class SenderPeers:
                 gone[1].add(rank)  # told: its next announcement of the id is a new use
                 return
             req = self._new_request(rid)
+        elif req.told.get(rank) not in (None, msg["inc"]):
+            # A rank that had another incarnation of this id (its parked announcement cancelled):
+            # this one is the id's next use, parked until this request is released or dropped.
+            self._early.setdefault(rid, []).append((conn, msg))
+            return
         old = req.targets.get(rank)
         if old is not None or (req.group is not None and req.group != conn.group):
             self._counts["dropped_messages"] += 1  # a duplicate or a second group: not ours
@@ -221,6 +227,20 @@ class SenderPeers:
         self._to_plan[req] = None
         req.state.touch()
         self._maybe_done(req)
+
+    def _replay_early(self, rid: str) -> None:
+        """The announcements parked for ``rid``'s next use, taken up now that the request holding
+        the id is gone (released, or dropped unsent). Ranks whose parked announcement was
+        cancelled meanwhile are marked on the request the rest start as having had the id: their
+        next announcement is a later use, not a late one of this (`_on_expect`)."""
+        cancelled = self._cancelled_early.pop(rid, {})
+        for conn, msg in self._early.pop(rid, []):
+            self._on_expect(conn, msg)
+        req = self._requests.get(rid)
+        if req is not None and cancelled:
+            for rank, inc in cancelled.items():
+                if rank not in req.targets:
+                    req.told.setdefault(rank, inc)
 
     def _drop_early(self, rid: str, pred) -> bool:
         """Forgets the announcements parked for ``rid``'s next use (`_early`) that ``pred(conn,

@@ -173,6 +173,9 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
         # Requests dropped unsent (`_forget_unsent`), for timeout_s more: rid -> (until, request).
         # `poll`, `wait`, `failure_reason`, `request_stats` and `release` still answer for them.
         self._forgotten: dict[str, tuple[float, SendRequest]] = {}
+        # rid -> {rank: inc} of announcements parked in `_early` that their ranks cancelled: the
+        # request the parked rest start (`_replay_early`) must know those ranks had the id.
+        self._cancelled_early: dict[str, dict[int, int]] = {}
         self._conns: dict[bytes, Any] = {}     # control identity -> _sender_peers.Conn
         self._queue: deque = deque()         # _sender_units.Unit, FIFO (per rank; see _submit_units)
         self._held: dict = {}                # Conn -> pack-arena bytes its windows hold
@@ -358,10 +361,7 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
             if req.status is not TransferStatus.SUCCESS:  # ranks that announce it late hear how it ended
                 self._released_ended[req.rid] = (time.monotonic() + self.timeout_s, set(req.targets) | set(req.told),
                                                  req.status, req.state.reason)
-            early = self._early.pop(req.rid, [])
-        for conn, msg in early:  # announcements that came for the next use of this id
-            with self._lock:
-                self._on_expect(conn, msg)
+            self._replay_early(req.rid)  # announcements that came for the next use of this id
 
     def is_drained(self, request_id: str) -> bool:
         """True when no engine operation of this request reads its pages any more (its source

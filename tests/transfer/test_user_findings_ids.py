@@ -247,3 +247,52 @@ def test_an_older_uses_ending_is_not_answered_after_a_later_use(engine):
     finally:
         for x in (r0, r1, s):
             x.close()
+
+
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_a_cancel_that_crosses_a_release_does_not_take_the_ids_next_use(engine, direction):
+    """Second trial: use A of X done; prefill rank 0 keeps it while the ranks announce use B
+    (parked there); prefill rank 1 aborts B; prefill rank 0 releases A while the ranks' word of
+    B's end may still be on the way. Before: B came back at prefill rank 0 from its parked
+    announcements, and use C's announcements were taken for late ones of B (told its ending)
+    or dropped: C failed (7 of 24 runs), or its rows went to B's page (push, before the forwarding)."""
+    src = [[np.stack([np.full((P, W), 16 * m + p, np.uint8) for p in range(8)])] for m in range(2)]
+    dst = [[np.zeros((8, P, W), np.uint8)] for _ in range(2)]
+    ss = [KVSender(KVCacheSpec(1, [W], P, 2, m), src[m], engine=engine, timeout_s=3) for m in range(2)]
+    rs = [KVReceiver(KVCacheSpec(1, [W], P, 2, k), dst[k], engine=engine, timeout_s=3, direction=direction)
+          for k in range(2)]
+    try:
+        for r in rs:
+            for s in ss:
+                r.connect(s.address)
+        for page in (0,):  # use A
+            for r in rs:
+                r.expect("X", [page], 8)
+        for s in ss:
+            s.send("X", [1], 0, 8)
+        assert [x.wait("X", 5) for x in ss + rs] == [S.SUCCESS] * 4
+        for r in rs:
+            r.release("X")
+        ss[1].release("X")  # prefill rank 0 keeps use A a while
+        for r in rs:  # use B
+            r.expect("X", [2], 8)
+        time.sleep(0.3)
+        ss[1].abort("X", "client went away")
+        assert [r.wait("X", 5) for r in rs] == [S.ABORTED] * 2
+        for r in rs:
+            r.release("X")
+        ss[1].release("X")
+        ss[0].release("X")
+        time.sleep(0.2)
+        for r in rs:  # use C
+            r.expect("X", [4], 8)
+        time.sleep(0.2)
+        for s in ss:
+            s.send("X", [4], 0, 8)
+        assert [s.wait("X", 6) for s in ss] == [S.SUCCESS] * 2, [s.failure_reason("X") for s in ss]
+        assert [r.wait("X", 6) for r in rs] == [S.SUCCESS] * 2, [r.failure_reason("X") for r in rs]
+        for k in range(2):  # decode rank k's tokens are prefill rank k's (t % 2): page 4 holds 16k + 4
+            assert (dst[k][0][4] == 16 * k + 4).all() and (dst[k][0][[3, 5, 6, 7]] == 0).all()
+    finally:
+        for x in rs + ss:
+            x.close()
