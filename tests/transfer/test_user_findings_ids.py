@@ -231,7 +231,11 @@ def test_an_older_uses_ending_is_not_answered_after_a_later_use(engine):
         assert s.wait("X", 5) is S.ABORTED
         _wait_drained(r0, "X")
         r0.release("X"), s.release("X")
-        r0.expect("X", [1], 8), r1.expect("X", [1], 8)
+        # Use 2: rank 0 first. (Rank 1 never announced use 1: were its announcement to reach the
+        # sender first, it would be told use 1's ending, as documented for timeout_s after the release.)
+        r0.expect("X", [1], 8)
+        time.sleep(0.2)
+        r1.expect("X", [1], 8)
         time.sleep(0.2)
         s.send("X", [2, 3], 0, 8)
         assert [x.wait("X", 5) for x in (s, r0, r1)] == [S.SUCCESS] * 3
