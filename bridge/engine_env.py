@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 __all__ = ["QUIET_ENV", "LOOPBACK_ENV", "quiet_engines"]
 
@@ -27,14 +26,14 @@ def quiet_engines(loopback: bool = False) -> dict[str, str]:
     variable is not set yet; returns what was set now (name -> value).
 
     NIXL's Python wrapper reads ``NIXL_LOG_LEVEL`` once, when it is imported, into its ``nixl``
-    logger (which writes to stdout): if it was imported before this call and the variable is set
-    now, that logger's level is set here too, so its INFO lines stop in this process as well."""
+    logger (which writes to stdout): when the variable is set now, that logger's level is set here
+    too, so its INFO lines stop also in a process that imported NIXL before this call."""
     wanted = {**QUIET_ENV, **(LOOPBACK_ENV if loopback else {})}
     done = {}
     for k, v in wanted.items():
         if k not in os.environ:
             os.environ[k] = v
             done[k] = v
-    if "NIXL_LOG_LEVEL" in done and any(m.startswith("nixl") for m in list(sys.modules)):
+    if "NIXL_LOG_LEVEL" in done:  # (a later first import sets the same level from the variable)
         logging.getLogger("nixl").setLevel(logging.WARNING)
     return done

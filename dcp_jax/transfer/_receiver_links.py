@@ -23,7 +23,7 @@ from dcp_jax.transfer.control import BYE_LINGER_MS, ControlClient
 from dcp_jax.transfer.schedule import SideLayout
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
 from dcp_jax.transfer.status import TransferStatus
-from dcp_jax.transfer.views import pair_moves, stream_view, uncovered_heads, uses_views
+from dcp_jax.transfer.views import reported_path, stream_view, uncovered_heads, uses_views
 
 __all__ = ["Link", "ReceiverLinks", "missing_senders"]
 
@@ -209,7 +209,7 @@ class ReceiverLinks:
         """`KVReceiver.peers` (under the lock)."""
         now = time.monotonic()
         return [dict(address=link.client.address, name=link.peer, dcp_rank=link.spec.dcp_rank,
-                     tp_rank=link.spec.tp_rank, path=link.path if pair_moves(link.spec, self.spec) else "none",
+                     tp_rank=link.spec.tp_rank, path=reported_path(link.path, link.spec, self.spec),
                      direction=link.direction, staged=link.staged,
                      silent_s=now - link.last_seen) for link in self._links]
 

@@ -19,7 +19,7 @@ from dcp_jax.transfer._worker import check_page_table
 from dcp_jax.transfer.requests import RankTarget, SendRequest, check_request_id
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec
 from dcp_jax.transfer.status import TransferStatus
-from dcp_jax.transfer.views import pair_moves, served_group_ranks
+from dcp_jax.transfer.views import reported_path, served_group_ranks
 
 __all__ = ["SenderPeers", "Conn"]
 
@@ -187,9 +187,13 @@ class SenderPeers:
             self._counts["dropped_messages"] += 1
             return
         req = self._requests.get(rid)
+        if req is not None and req.told.get(rank) not in (None, msg["inc"]):
+            # A rank told of, or cancelled, another incarnation of this id: this one is the id's
+            # next use, parked until this request is released or dropped.
+            self._early.setdefault(rid, []).append((conn, msg))
+            return
         if req is not None and req.status.terminal:
-            told = req.told.get(rank)
-            if rank in req.targets or req.status is TransferStatus.SUCCESS or told not in (None, msg["inc"]):
+            if rank in req.targets or req.status is TransferStatus.SUCCESS:
                 # This rank already had this id: the decode side released and reused it.
                 self._early.setdefault(rid, []).append((conn, msg))
             else:  # a late announcement of the request that ended: tell the rank how it ended
@@ -206,11 +210,6 @@ class SenderPeers:
                 gone[1].add(rank)  # told: its next announcement of the id is a new use
                 return
             req = self._new_request(rid)
-        elif req.told.get(rank) not in (None, msg["inc"]):
-            # A rank that had another incarnation of this id (its parked announcement cancelled):
-            # this one is the id's next use, parked until this request is released or dropped.
-            self._early.setdefault(rid, []).append((conn, msg))
-            return
         old = req.targets.get(rank)
         if old is not None or (req.group is not None and req.group != conn.group):
             self._counts["dropped_messages"] += 1  # a duplicate or a second group: not ours
@@ -274,16 +273,11 @@ class SenderPeers:
         self._counts["requests"] += 1
         return req
 
-    def _path_of(self, conn: Conn) -> str:
-        """The connection's path as `peers` and `request_stats` report it: "none" for a TP pair
-        that shares no KV head (nothing moves, whatever the handshake chose)."""
-        return conn.path if pair_moves(self.spec, conn.spec) else "none"
-
     def _peer_list(self) -> list[dict[str, Any]]:
         """`KVSender.peers` (under the lock)."""
         now = time.monotonic()
         return [dict(name=c.name, group=c.group, dcp_rank=c.spec.dcp_rank, tp_rank=c.spec.tp_rank,
-                     path=self._path_of(c),
+                     path=reported_path(c.path, self.spec, c.spec),
                      direction=c.direction, staged=c.staged, silent_s=now - c.last_seen, heartbeat_s=c.heartbeat_s,
                      peer_timeout_s=c.peer_timeout_s)
                 for c in sorted(self._conns.values(), key=lambda c: (c.group, c.spec.dcp_rank, c.spec.tp_rank))]

@@ -17,6 +17,7 @@ from dcp_jax.transfer.status import RequestState, TransferStatus
 
 __all__ = ["Coverage", "RankCounters", "RankTarget", "SendRequest", "RecvRequest", "check_request_id"]
 
+
 def check_request_id(request_id: Any, name: str = "request_id") -> str:
     """Request ids are non-empty strings of at most `protocol.MAX_REQUEST_ID` (256) bytes in
     UTF-8: 256 ASCII characters, fewer of others (each side's engine notification carries the id).

@@ -48,6 +48,7 @@ from dcp_jax.transfer.schedule import SideLayout
 from dcp_jax.transfer.spec import KVCacheSpec
 from dcp_jax.transfer.staging import Packer, side_staged
 from dcp_jax.transfer.status import TransferStatus
+from dcp_jax.transfer.views import reported_path
 from dcp_jax.layout import local_len_np
 
 __all__ = ["KVSender", "SEND_MODES", "DEFAULT_PACK_BYTES"]
@@ -393,7 +394,7 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
                         transfer_seconds=(t1 - t0) if t0 is not None and t1 is not None else None,
                         pack_backend=self.pack_backend, stage_seconds=req.stage_seconds,
                         timeline=req.timeline.as_list(), timeline_dropped=req.timeline.dropped,
-                        ranks={r: dict(t.counters.as_dict(), path=self._path_of(t.conn),
+                        ranks={r: dict(t.counters.as_dict(), path=reported_path(t.conn.path, self.spec, t.conn.spec),
                                        staging=dict(prefill=mine, decode="staged" if t.conn.staged else "direct"))
                                for r, t in sorted(req.targets.items())})
 

@@ -238,6 +238,12 @@ def pair_moves(prefill: KVCacheSpec, decode: KVCacheSpec) -> bool:
     return not uses_views(prefill, decode) or len(pair_pieces(prefill, decode)) > 0
 
 
+def reported_path(path: str, prefill: KVCacheSpec, decode: KVCacheSpec) -> str:
+    """A connection's path as `KVSender.peers` / `KVReceiver.peers` and `request_stats` report it:
+    the handshake's ``path``, or "none" for a pair that moves nothing (`pair_moves`)."""
+    return path if pair_moves(prefill, decode) else "none"
+
+
 @functools.lru_cache(maxsize=256)
 def served_group_ranks(prefill: KVCacheSpec, decode: KVCacheSpec) -> frozenset[int]:
     """The decode group ranks (``tp_rank * dcp_size + dcp_rank``, `KVCacheSpec.group_rank`) the
