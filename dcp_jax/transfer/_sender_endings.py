@@ -96,7 +96,7 @@ class SenderEndings:
         if notify:
             for t in req.targets.values():
                 if t.conn.ident in self._conns:
-                    self._ctl.send(t.conn.ident, proto.encode(notify, req.rid, t.inc, reason=reason[:proto.MAX_TEXT]))
+                    self._tell(t.conn.ident, proto.encode(notify, req.rid, t.inc, reason=reason[:proto.MAX_TEXT]))
         self._drop_asks(lambda u: u.req is req)  # waiting for a grant: no engine reads their regions
         for t in req.targets.values():
             self._maybe_drained(req, t)
@@ -110,7 +110,7 @@ class SenderEndings:
         if (req.status.terminal and (asked or (req.status is not TransferStatus.SUCCESS and not t.drained))
                 and t.inflight == 0 and t.conn.ident in self._conns):
             t.drained = True
-            self._ctl.send(t.conn.ident, proto.encode("drained", req.rid, t.inc))
+            self._tell(t.conn.ident, proto.encode("drained", req.rid, t.inc))
 
     def _check_timeouts(self) -> None:
         now = time.monotonic()

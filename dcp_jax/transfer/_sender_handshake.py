@@ -123,7 +123,7 @@ class SenderHandshake:
         for req in self._requests.values():  # sent before any rank connected: may need nobody here
             if req.needed is None and req.chunks and not req.status.terminal:
                 self._to_plan[req] = None
-        self._ctl.send(ident, proto.encode(
+        self._tell(ident, proto.encode(
             "hello_ack", spec=self.spec.to_dict(), peer=self.engine.peer_info().to_dict(),
             layer_bases=proto.pack_i64(self._layers.bases), name=self.engine.name, path=path, staged=self.staged,
             flag=self._flag_name() if path == "fused" else ""))
@@ -223,5 +223,5 @@ class SenderHandshake:
                 return list(v)
             return v if isinstance(v, (int, str, float, bool, type(None))) else repr(v)
 
-        self._ctl.send(ident, proto.encode("hello_nack", field=exc.field, ours=plain(exc.ours),
-                                           theirs=plain(exc.theirs), message=exc.detail[:proto.MAX_TEXT]))
+        self._tell(ident, proto.encode("hello_nack", field=exc.field, ours=plain(exc.ours),
+                                      theirs=plain(exc.theirs), message=exc.detail[:proto.MAX_TEXT]))

@@ -2,7 +2,8 @@
 
 Part of the worker-thread machinery of `dcp_jax.transfer.KVSender` (a mixin: the state it works
 on is created in ``KVSender.__init__``; `SenderHandshake` makes the connections, `SenderUnits`
-moves the windows). Every method runs on the worker thread under the sender's lock.
+moves the windows). Every method runs under the sender's lock, on the worker thread unless
+named (an abort or a release ends a request on the caller's thread: `_tell` queues its frames).
 """
 from __future__ import annotations
 
@@ -91,6 +92,26 @@ class Conn:
 class SenderPeers:
     """Handshakes, announcements, aborts from decode ranks, heartbeats and lost peers."""
 
+    def _tell(self, ident: bytes, frame: bytes) -> None:
+        """Sends one control frame to a receiver: every frame of the sender goes out here.
+
+        The worker polls the control socket outside the lock and zmq sockets are not thread-safe,
+        so only the thread that owns the socket (`Worker.owns_sockets`) sends; a frame made on a
+        caller's thread (an `abort`, a `release`) is queued and the worker woken. The queue goes
+        first, so frames leave in the order they were made (all are made under the lock)."""
+        if self._worker.owns_sockets():
+            if self._outbox:
+                self._flush_ctl()
+            self._ctl.send(ident, frame)
+        else:
+            self._outbox.append((ident, frame))
+            self._worker.wake()
+
+    def _flush_ctl(self) -> None:
+        """Sends the frames `_tell` queued (on the thread that owns the socket, under the lock)."""
+        while self._outbox:
+            self._ctl.send(*self._outbox.popleft())
+
     def _on_message(self, ident: bytes, msg: dict) -> None:
         kind = msg["k"]
         if kind == "hello":
@@ -107,9 +128,9 @@ class SenderPeers:
                   kind, msg.get("rid", ""), ident.hex())
             # A receiver this side dropped (silent too long) or never knew (it restarted) learns
             # it at once, instead of announcing requests nobody serves until its peer timeout.
-            self._ctl.send(ident, proto.encode("hello_nack", field="connection", ours="handshaked",
-                                               theirs="unknown", message="this sender holds no connection "
-                                               "from you (dropped or restarted): connect again"))
+            self._tell(ident, proto.encode("hello_nack", field="connection", ours="handshaked",
+                                          theirs="unknown", message="this sender holds no connection "
+                                          "from you (dropped or restarted): connect again"))
             return
         conn.last_seen = time.monotonic()
         if kind == "expect":
@@ -127,7 +148,7 @@ class SenderPeers:
                 # release, it would send into pages the rank has given to another request.
                 if self._drop_early(msg["rid"], lambda c, m: c is conn and m["inc"] == msg["inc"]):
                     self._cancelled_early.setdefault(msg["rid"], {})[conn.spec.group_rank] = msg["inc"]
-                self._ctl.send(conn.ident, proto.encode("drained", msg["rid"], msg["inc"]))
+                self._tell(conn.ident, proto.encode("drained", msg["rid"], msg["inc"]))
                 self._counts["dropped_messages"] += 1
                 if t is not None and t.conn is not conn:  # another connection's request
                     _warn("dropped a %r for request %r from decode rank %d (%s): not its request", kind,
@@ -258,8 +279,8 @@ class SenderPeers:
         """Answers a late announcement of a request that ended without success: how it ended,
         then ``drained`` (nothing of it was sent to this rank)."""
         kind = "abort" if status is TransferStatus.ABORTED else "failed"
-        self._ctl.send(conn.ident, proto.encode(kind, rid, inc, reason=reason))
-        self._ctl.send(conn.ident, proto.encode("drained", rid, inc))
+        self._tell(conn.ident, proto.encode(kind, rid, inc, reason=reason))
+        self._tell(conn.ident, proto.encode("drained", rid, inc))
 
     def _new_request(self, rid: str) -> SendRequest:
         """A new request record, "reborn" when its id was released less than timeout_s ago
@@ -285,7 +306,7 @@ class SenderPeers:
     def _ping_peers(self) -> None:
         ping = proto.encode("ping")
         for conn in list(self._conns.values()):
-            self._ctl.send(conn.ident, ping)
+            self._tell(conn.ident, ping)
 
     def _drop_closing(self) -> None:
         """Drops the connections whose receivers said bye once none of their WRITEs is in flight
@@ -331,7 +352,7 @@ class SenderPeers:
         for rid in list(self._early):  # its parked announcements: a gone rank's pages are not ours
             self._drop_early(rid, lambda c, m: c is conn)
         if tell:
-            self._ctl.send(conn.ident, proto.encode("bye", reason=reason[:proto.MAX_TEXT], drained=False))
+            self._tell(conn.ident, proto.encode("bye", reason=reason[:proto.MAX_TEXT], drained=False))
         conn.close_mapping()
         try:
             self.engine.remove_peer(conn.peer)

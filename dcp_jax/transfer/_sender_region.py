@@ -103,7 +103,7 @@ class SenderRegion:
         u.req.inflight += 1
         t.inflight += 1
         u.req.timeline.mark("ask", t.conn.spec.group_rank)
-        self._ctl.send(t.conn.ident, frame)
+        self._tell(t.conn.ident, frame)
 
     def _region_packed(self, u: Any) -> None:
         """The round synchronised a region-push window's pack: written now if its grant is
@@ -326,7 +326,7 @@ class SenderRegion:
                 continue
             frame = frames[u] if frames else proto.encode("fused_done", u.req.rid, u.target.inc, gated=True,
                                                               seq=seq, **head)
-            self._ctl.send(u.target.conn.ident, frame)
+            self._tell(u.target.conn.ident, frame)
             u.req.timeline.mark("told", u.target.conn.spec.group_rank)
             told.add(u)
         return told

@@ -312,8 +312,8 @@ class SenderUnits:
             ndesc = rc.descriptors_per_window(self.spec.num_layers)[u.w] if n else 0
             self._count(t, ndesc, rc.window_bytes(u.w, self._layers.item_lens) if n else 0,
                         self._batch_calls(ndesc) if n else 0)
-            self._ctl.send(t.conn.ident, proto.encode("pull_ready", req.rid, t.inc, lo=lo, src_addr=region_addr or 0,
-                                                      src_rows=src_rows, **head))
+            self._tell(t.conn.ident, proto.encode("pull_ready", req.rid, t.inc, lo=lo, src_addr=region_addr or 0,
+                                                 src_rows=src_rows, **head))
             req.timeline.mark("post", t.conn.spec.group_rank)  # the pull's post: the rank may read now
             return
         if rc.strategy == "region":
@@ -329,7 +329,7 @@ class SenderUnits:
         req.timeline.mark("post", t.conn.spec.group_rank)
         # Engine notifications wake no socket: this tells the rank one is due, so it polls its
         # engine only while completions are on their way.
-        self._ctl.send(t.conn.ident, proto.encode("sent", req.rid, t.inc, chunk=rc.chunk, part=u.w))
+        self._tell(t.conn.ident, proto.encode("sent", req.rid, t.inc, chunk=rc.chunk, part=u.w))
         req.inflight += 1
         t.inflight += 1
         self._inflight.append(u)

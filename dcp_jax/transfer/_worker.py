@@ -104,6 +104,12 @@ class Worker:
     def start(self) -> None:
         self._thread.start()
 
+    def owns_sockets(self) -> bool:
+        """True on the worker's own thread, and on any thread once the worker is not running
+        (before `start`, after `stop`): whoever may use the sockets it polls. A zmq socket is not
+        thread-safe, and the worker polls its registered sockets outside any lock."""
+        return threading.current_thread() is self._thread or not self._thread.is_alive()
+
     def wake(self) -> None:
         """Ends the worker's idle wait now (any thread)."""
         with self._tx_lock:

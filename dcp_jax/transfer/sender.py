@@ -178,6 +178,7 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
         # request the parked rest start (`_replay_early`) must know those ranks had the id.
         self._cancelled_early: dict[str, dict[int, int]] = {}
         self._conns: dict[bytes, Any] = {}     # control identity -> _sender_peers.Conn
+        self._outbox: deque = deque()        # (identity, frame) made off the worker thread: `_tell`
         self._queue: deque = deque()         # _sender_units.Unit, FIFO (per rank; see _submit_units)
         self._held: dict = {}                # Conn -> pack-arena bytes its windows hold
         self._inflight: list = []      # push windows the engine has not reported yet
@@ -437,6 +438,7 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
     def _close_conns(self) -> None:
         # After the engine's close: drained says none of its writes can land any more.
         bye = proto.encode("bye", reason="sender closed", drained=self.engine.torn_down)
+        self._flush_ctl()  # the worker has stopped: this thread owns the socket now
         for conn in self._conns.values():  # after the "failed" frames of the live requests
             self._ctl.send(conn.ident, bye)
         self._ctl.close(linger_ms=BYE_LINGER_MS)
@@ -460,6 +462,9 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
         if gap > self._stall_s and self._conns:  # before reading or posting anything
             with self._lock:
                 self._on_stall(gap)
+        if self._outbox:  # frames an abort or a release made on a caller's thread
+            with self._lock:
+                self._flush_ctl()
         for ident, msg in self._ctl.recv():
             busy = True
             with self._lock:
