@@ -41,7 +41,7 @@ from dcp_jax.transfer.schedule import SideLayout
 from dcp_jax.transfer.spec import KVCacheSpec
 from dcp_jax.transfer.staging import side_staged
 from dcp_jax.transfer.status import TransferStatus
-from dcp_jax.transfer.views import pair_moves
+from dcp_jax.transfer.views import pair_moves, reported_path
 
 __all__ = ["KVReceiver", "DIRECTIONS"]
 
@@ -366,23 +366,30 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
 
     def request_stats(self, request_id: str) -> dict[str, Any]:
         """Per-request figures on this rank: ``status``, ``reason``, ``bytes`` landed,
-        ``paths`` (the transfer path of each sender it was announced to, in connection order),
+        ``senders`` (one dict per sender it was announced to, in connection order: ``address``,
+        prefill ``dcp_rank`` and ``tp_rank``, ``path`` as `peers` says it, ``staging``:
+        ``{"prefill": "direct"|"staged", "decode": ...}``; the
+        sender's own `KVSender.request_stats` keys its figures by decode rank the same way),
+        ``paths`` and ``staging`` (those senders' paths and stagings, in the same order),
         ``unpacks`` and ``unpack_seconds`` (region path: windows placed from the receive region
         into the pages, kernels waited for), ``latency_seconds`` (`expect` to the end, None
         while live) and ``done_at`` (`time.monotonic()` of the end, None while live: a clock
-        every process of the host shares, for whole-request timings), ``staging`` per sender
-        (``{"prefill": "direct"|"staged", "decode": ...}``, in connection order),
+        every process of the host shares, for whole-request timings),
         ``stage_seconds`` (staged on a GPU: host -> device window copies, part of
         ``unpack_seconds``) and ``timeline`` (``[event, rank, time.monotonic()]`` lists, rank this
         rank's group rank: `requests.Timeline`). Raises KeyError if unknown."""
         with self._lock:
             req = self._get(request_id)
             end = req.t_done
-            return dict(status=req.status.value, reason=req.state.reason, bytes=req.bytes,
-                        paths=[link.path for link in req.senders], unpacks=req.unpacks,
+            mine = "staged" if self.staged else "direct"
+            senders = [dict(address=link.client.address, dcp_rank=link.spec.dcp_rank, tp_rank=link.spec.tp_rank,
+                            path=reported_path(link.path, link.spec, self.spec),
+                            staging=dict(prefill="staged" if link.staged else "direct", decode=mine))
+                       for link in req.senders]
+            return dict(status=req.status.value, reason=req.state.reason, bytes=req.bytes, senders=senders,
+                        paths=[s["path"] for s in senders], unpacks=req.unpacks,
                         unpack_seconds=req.unpack_seconds, stage_seconds=req.stage_seconds,
-                        staging=[dict(prefill="staged" if link.staged else "direct",
-                                      decode="staged" if self.staged else "direct") for link in req.senders],
+                        staging=[s["staging"] for s in senders],
                         latency_seconds=None if end is None else end - req.created,
                         timeline=req.timeline.as_list(), timeline_dropped=req.timeline.dropped,
                         done_at=None if end is None else time.monotonic() - (time.perf_counter() - end))

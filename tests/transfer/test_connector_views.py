@@ -79,7 +79,18 @@ def _run_pair(engine, p: HeteroSide, d: HeteroSide, tokens: int, seed: int = 0, 
                 assert (peer["path"] == "none") == (not moves), (k, peer)
                 link = next(x for x in dict(receivers)[key].peers if (x["dcp_rank"], x["tp_rank"]) == k)
                 assert link["path"] == peer["path"], (k, key, link, peer)
-        return [s.request_stats("q") for _, s in senders]
+        # A rank's request_stats names each sender it announced to, with the path both sides report.
+        sender_stats = {k: s.request_stats("q") for k, s in senders}
+        for key, recv in receivers:
+            rs = recv.request_stats("q")
+            assert [x["path"] for x in rs["senders"]] == rs["paths"] and len(rs["senders"]) == len(rs["staging"])
+            group_rank = key[1] * d.dcp_size + key[0]
+            for x in rs["senders"]:
+                by_sender = sender_stats[(x["dcp_rank"], x["tp_rank"])]["ranks"][group_rank]
+                assert x["path"] == by_sender["path"] != "none", (key, x, by_sender)
+            announced = {(x["dcp_rank"], x["tp_rank"]) for x in rs["senders"]}
+            assert announced == {k for k, s in senders if group_rank in sender_stats[k]["ranks"]}, key
+        return [sender_stats[k] for k, _ in senders]
     finally:
         for _, x in receivers:
             x.close()
