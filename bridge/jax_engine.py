@@ -20,7 +20,8 @@ transfer server's address travels in `PeerInfo.metadata`); requests come from on
 peer, owned by that peer's worker thread. Every message is a msgpack map checked field by field
 (`bridge._jax_parts.check`), never pickle; a request naming a range outside this engine's registrations (any
 engine may ask, as any NIXL agent holding our metadata may write) is refused with an "error"
-answer and counted (`rejected_messages`) before any memory is touched.
+answer and counted (`rejected_messages`) before any memory is touched. The initiator's side
+(one batch on the peer's worker, its DEALER, waiting for the answer) is in `bridge.jax_initiator`.
 
 Staging: sglang-jax documents that unpinned host staging corrupts bf16 strides in this engine.
 Bytes move here as flat uint8 arrays, whatever the caches' dtype, staged in ``pinned_host``;
@@ -45,22 +46,22 @@ import zmq
 
 from bridge._jax_parts import (
     MAX_MESSAGE_BYTES, MAX_RANGES, PROTOCOL_VERSION,  # noqa: F401 - the first two re-exported
-    REPLIES, REQUESTS, HostMemory, Refused, check, encode,
+    REPLIES, REQUESTS, HostMemory, Refused, check, encode,  # noqa: F401 - REPLIES: bridge.jax_initiator's
     is_address, ranges_of)
-from bridge.base import (
+from bridge.base import (  # noqa: F401 - the last three used in bridge.jax_initiator, kept importable here
     BridgeError, DescriptorError, MemoryRegion, PeerError, PeerInfo, RegistrationError, TransferEngine,
     TransferError, TransferHandle, TransferTimeout)
 from bridge.handles import Job, JobCompletion, Worker, check_timeout
 from bridge.jax_transfer import KIND, STAGINGS, JaxTransferServer
+from bridge.jax_initiator import _WAIT_SLICE_MS, JaxInitiator  # noqa: F401 - _WAIT_SLICE_MS kept importable here
 
 __all__ = ["JaxTransferEngine", "PROTOCOL_VERSION", "MAX_MESSAGE_BYTES", "MAX_RANGES"]
 
 _log = logging.getLogger("bridge")
-_WAIT_SLICE_MS = 50  # a worker waiting for an answer looks at cancel / deadline this often
 #: Most requesting engines served at once (one worker thread each; a "from" name is only a claim).
 MAX_SERVED_PEERS = 256
 
-class JaxTransferEngine(JobCompletion, HostMemory, TransferEngine):
+class JaxTransferEngine(JaxInitiator, JobCompletion, HostMemory, TransferEngine):
     """`TransferEngine` over `jax.experimental.transfer`: host memory, every batch a pull.
 
     Args:
@@ -166,105 +167,6 @@ class JaxTransferEngine(JobCompletion, HostMemory, TransferEngine):
             if worker is not None:
                 worker.stop(reason)
                 self._retired.append(worker)
-
-    # ---- the initiator's side --------------------------------------------------------------
-    def _engine_submit(self, handle, descs, local_mem, remote_mem, info) -> None:
-        job = Job(self._run, handle, descs.copy(), info.session, tag=handle.peer)
-        self._submit_job(handle, job)
-
-    def _run(self, job: Job, handle: TransferHandle, descs: np.ndarray, session: str) -> None:
-        """Worker thread: one batch, start to end (see the module docstring)."""
-        sock = self._dealer(handle.peer, session)
-        seq, deadline = handle.seq, time.monotonic() + self.timeout_s
-        if len(descs) == 0:
-            if handle.notif is not None:
-                self._send(sock, handle, encode("notify", seq=seq, notif=handle.notif, **{"from": self.name}))
-                self._answer(sock, job, handle, deadline, "written")
-            return
-        remote = np.ascontiguousarray(descs[:, [1, 2]], dtype="<i8").tobytes()
-        if handle.op == "WRITE":
-            data = self._gather(descs[:, 0], descs[:, 2])
-            uuid = secrets.randbits(63)
-            self._xfer.offer(uuid, [data], copy=False)
-            del data
-            self._count_engine_call()
-            try:
-                self._send(sock, handle, encode("write", seq=seq, uuid=uuid, ranges=remote, notif=handle.notif,
-                                                 address=self._xfer.address, **{"from": self.name}))
-                self._answer(sock, job, handle, deadline, "written", cancel_msg=True)
-            finally:
-                self._xfer.release(uuid)
-            return
-        self._send(sock, handle, encode("read", seq=seq, ranges=remote, **{"from": self.name}))
-        msg = self._answer(sock, job, handle, deadline, "offered")
-        ok = False
-        try:
-            if msg["nbytes"] != handle.nbytes:
-                raise handle.error(TransferError, "peer staged the wrong size",
-                                   f"offered {msg['nbytes']} bytes for a {handle.nbytes}-byte READ")
-            out = self._xfer.pull(self._peer_xfer[handle.peer], msg["uuid"], [((handle.nbytes,), np.uint8)],
-                                  timeout_s=max(deadline - time.monotonic(), 1e-3), peer=handle.peer,
-                                  should_stop=lambda: job.cancel_reason)
-            self._count_engine_call()
-            if job.cancel_reason is not None:
-                raise handle.error(TransferError, "READ cancelled", job.cancel_reason)
-            self._scatter(descs[:, 0], descs[:, 2], np.asarray(out[0]))
-            ok = True
-        finally:
-            self._send(sock, handle, encode("read_done", seq=seq, uuid=msg["uuid"], ok=ok,
-                              notif=handle.notif if ok else None, **{"from": self.name}))
-
-    @staticmethod
-    def _send(sock: zmq.Socket, handle: TransferHandle, data: bytes) -> None:
-        try:
-            sock.send(data, zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # queue full: the peer has not taken anything for a long while
-            raise handle.error(TransferError, "side channel to the peer is full", str(exc)) from None
-
-    def _dealer(self, peer: str, session: str) -> zmq.Socket:
-        """This peer's request socket (made in, and used only by, the peer's worker thread)."""
-        key = (peer, threading.get_ident())
-        old = self._dealers.get(key)
-        if old is not None and old[0] == session:
-            return old[1]
-        if old is not None:  # the peer's info was refreshed with a new session
-            old[1].close(0)
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_MESSAGE_BYTES)
-        sock.connect(f"tcp://{session}")
-        self._dealers[key] = (session, sock)
-        return sock
-
-    def _answer(self, sock: zmq.Socket, job: Job, handle: TransferHandle, deadline: float, want: str,
-                cancel_msg: bool = False) -> dict:
-        """Waits for the peer's answer to request `handle.seq` (older answers are skipped)."""
-        told = False
-        while True:
-            if job.cancel_reason is not None and not told:
-                if not cancel_msg:
-                    raise handle.error(TransferError, f"{handle.op} cancelled", job.cancel_reason)
-                self._send(sock, handle, encode("cancel", seq=handle.seq, **{"from": self.name}))
-                told = True  # the peer stops before writing, or finishes: its answer says which
-            if time.monotonic() > deadline:
-                raise handle.error(TransferTimeout, f"no answer from the peer within {self.timeout_s:g} s",
-                                   f"waiting for {want!r}")
-            if not sock.poll(_WAIT_SLICE_MS):
-                continue
-            try:
-                msg = check(sock.recv(), REPLIES)
-            except Refused as exc:
-                self.rejected_messages += 1
-                _log.warning("jax-transfer engine %r: refused an answer from %r: %s", self.name, handle.peer, exc)
-                continue
-            if msg["seq"] != handle.seq:
-                continue  # the answer to a batch that already gave up
-            if msg["op"] == "error":
-                raise handle.error(TransferError, f"peer refused the {handle.op}", msg["msg"])
-            if msg["op"] != want:
-                raise handle.error(TransferError, f"peer answered {msg['op']!r}", f"expected {want!r}")
-            return msg
-
 
     # ---- the serving side -------------------------------------------------------------------
     def _serve(self) -> None:
