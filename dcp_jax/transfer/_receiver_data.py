@@ -20,7 +20,7 @@ from bridge import TransferError
 from dcp_jax import plan as planmod
 from dcp_jax.packing import layer_offsets
 from dcp_jax.transfer import protocol as proto
-from dcp_jax.transfer._worker import TIMEOUT_CHECK_S
+from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, SPIN, TIMEOUT_CHECK_S
 from dcp_jax.transfer.requests import RecvRequest
 from dcp_jax.transfer.schedule import SideLayout, owned_count, owned_tokens, token_rows
 from dcp_jax.transfer.status import TransferStatus
@@ -29,7 +29,51 @@ __all__ = ["ReceiverData"]
 
 
 class ReceiverData:
-    """Notifications, pull reads, parts and chunks landing, SUCCESS."""
+    """The worker's round; notifications, pull reads, parts and chunks landing, SUCCESS."""
+
+    # ---- the worker's round -------------------------------------------------------------------
+    def _round(self) -> int:
+        with self._lock:
+            busy = False
+            for link in self._links:
+                if not link.registered:
+                    self._worker.add_socket(link.client.sock)
+                    link.registered = True
+            self._flush()
+            busy |= self._poll_gated()  # first: a flag seen by the spin ends its request now
+            for link in list(self._links):
+                for msg in link.client.recv():
+                    busy = True
+                    link.last_seen = time.monotonic()
+                    self._on_message(link, msg)
+            # Rounds follow the busy backoff only while a notification is due (a "sent" hint came)
+            # or a read is in flight; otherwise the worker idles until a control message wakes it.
+            live = [r for r in self._requests.values() if not r.status.terminal]
+            pending = any(r.due > 0 for r in live)
+            if live or self._reads:  # idle rounds still come every IDLE_POLL_MS: no note is missed
+                for peer, notes in self.engine.notifications().items():
+                    for note in notes:
+                        busy = True
+                        self._on_notification(peer, note)
+            busy |= self._poll_reads()
+            busy |= self._poll_gated()  # gated parts that arrived in this round
+            if self._waiting:  # room freed, or a waiting window's request ended
+                busy |= self._grant_waiting()
+            self._check_timeouts()
+            if self._released:
+                self._reap_released()
+            self._heartbeat()
+            self._flush()
+            if busy:
+                return ACTIVE
+            if self._gated:
+                return SPIN if self._gated_waiting() else PENDING
+            return PENDING if pending or self._reads else IDLE
+
+    def _flush(self) -> None:
+        while self._outbox:
+            link, frame = self._outbox.popleft()
+            link.client.send(frame)
 
     # ---- control messages from the senders ----------------------------------------------------
     def _live(self, link: Any, msg: dict) -> RecvRequest | None:

@@ -20,7 +20,7 @@ from dcp_jax.transfer._worker import check_page_table
 from dcp_jax.transfer.requests import RankTarget, SendRequest, check_request_id
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec
 from dcp_jax.transfer.status import TransferStatus
-from dcp_jax.transfer.views import reported_path, served_group_ranks
+from dcp_jax.transfer.views import served_group_ranks
 
 __all__ = ["SenderPeers", "Conn"]
 
@@ -91,26 +91,6 @@ class Conn:
 
 class SenderPeers:
     """Handshakes, announcements, aborts from decode ranks, heartbeats and lost peers."""
-
-    def _tell(self, ident: bytes, frame: bytes) -> None:
-        """Sends one control frame to a receiver: every frame of the sender goes out here.
-
-        The worker polls the control socket outside the lock and zmq sockets are not thread-safe,
-        so only the thread that owns the socket (`Worker.owns_sockets`) sends; a frame made on a
-        caller's thread (an `abort`, a `release`) is queued and the worker woken. The queue goes
-        first, so frames leave in the order they were made (all are made under the lock)."""
-        if self._worker.owns_sockets():
-            if self._outbox:
-                self._flush_ctl()
-            self._ctl.send(ident, frame)
-        else:
-            self._outbox.append((ident, frame))
-            self._worker.wake()
-
-    def _flush_ctl(self) -> None:
-        """Sends the frames `_tell` queued (on the thread that owns the socket, under the lock)."""
-        while self._outbox:
-            self._ctl.send(*self._outbox.popleft())
 
     def _on_message(self, ident: bytes, msg: dict) -> None:
         kind = msg["k"]
@@ -293,15 +273,6 @@ class SenderPeers:
         req.reborn = self._released_at.pop(rid, 0.0) > time.monotonic()
         self._counts["requests"] += 1
         return req
-
-    def _peer_list(self) -> list[dict[str, Any]]:
-        """`KVSender.peers` (under the lock)."""
-        now = time.monotonic()
-        return [dict(name=c.name, group=c.group, dcp_rank=c.spec.dcp_rank, tp_rank=c.spec.tp_rank,
-                     path=reported_path(c.path, self.spec, c.spec),
-                     direction=c.direction, staged=c.staged, silent_s=now - c.last_seen, heartbeat_s=c.heartbeat_s,
-                     peer_timeout_s=c.peer_timeout_s)
-                for c in sorted(self._conns.values(), key=lambda c: (c.group, c.spec.dcp_rank, c.spec.tp_rank))]
 
     def _ping_peers(self) -> None:
         ping = proto.encode("ping")

@@ -9,8 +9,9 @@ num_tokens)``. Messages that do not belong to a live request of the right incarn
 dropped and counted, never credited to another request.
 
 Module map (mixins of `KVReceiver`): the handshake, links and coverage checks in
-`_receiver_links`, what arrives (notifications, reads, endings) in `_receiver_data`, the region
-and fused paths in `_receiver_region`.
+`_receiver_links`, the worker's round and what arrives (notifications, reads, endings) in
+`_receiver_data`, the region and fused paths in `_receiver_region`, the figures it reports
+(`stats`, `peers`, `request_stats`) in `_receiver_stats`.
 """
 from __future__ import annotations
 
@@ -28,11 +29,12 @@ import numpy as np
 
 from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
-from dcp_jax.transfer._worker import (ACTIVE, DEFAULT_HEARTBEAT_S, IDLE, PENDING, SPIN, Worker, check_liveness,
+from dcp_jax.transfer._worker import (DEFAULT_HEARTBEAT_S, Worker, check_liveness,
                                       check_page_table, check_seconds, check_tokens, close_at_exit, shut_down)
 from dcp_jax.transfer._receiver_data import ReceiverData
 from dcp_jax.transfer._receiver_links import Link, ReceiverLinks, missing_senders  # noqa: F401  (missing_senders: re-exported)
 from dcp_jax.transfer._receiver_region import ReceiverRegion
+from dcp_jax.transfer._receiver_stats import ReceiverStats
 from dcp_jax.transfer._region import DEFAULT_REGION_BYTES, ReceiveRegion, ipc_export
 from dcp_jax.transfer.control import check_local_host, make_side_engine
 from dcp_jax.transfer.memory import CacheLayers
@@ -41,7 +43,7 @@ from dcp_jax.transfer.schedule import SideLayout
 from dcp_jax.transfer.spec import KVCacheSpec
 from dcp_jax.transfer.staging import side_staged
 from dcp_jax.transfer.status import TransferStatus
-from dcp_jax.transfer.views import pair_moves, reported_path
+from dcp_jax.transfer.views import pair_moves
 
 __all__ = ["KVReceiver", "DIRECTIONS"]
 
@@ -50,7 +52,7 @@ logger = logging.getLogger(__name__)
 DIRECTIONS = ("push", "pull")
 
 
-class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
+class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
     """Decode-rank connector over the caller's KV layers.
 
     Args:
@@ -341,64 +343,6 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
                 self._expire_doubt(time.monotonic())
             return self._drained(req)
 
-    @property
-    def stats(self) -> dict[str, Any]:
-        """Counters: requests by outcome, bytes landed, reads, dropped/rejected/inconsistent
-        messages, connections."""
-        with self._lock:
-            out = dict(self._counts)
-            out.update(rejected_messages=sum(link.client.rejected for link in self._links),
-                       live_requests=len(self._requests), inflight_reads=len(self._reads),
-                       connections=len(self._links), worker_errors=self._worker.errors,
-                       region=dict(self._region.arena.stats), region_grants=len(self._grants) + len(self._read_grants),
-                       region_waiting=len(self._waiting))
-        return out
-
-    @property
-    def peers(self) -> list[dict[str, Any]]:
-        """The connected prefill senders, one dict each, in connection order: ``address`` (what
-        `connect` was given), ``name`` (the sender's engine name), its prefill ``dcp_rank`` and
-        ``tp_rank``, ``path`` (what it chose at the handshake: "direct", "packed", "region" or
-        "fused"; "none" for a TP pair that shares no KV head: nothing moves), ``direction`` ("push" / "pull"), ``staged`` (its KV is not registered) and
-        ``silent_s`` (seconds since its last message). Empty once closed."""
-        with self._lock:
-            return self._link_list()
-
-    def request_stats(self, request_id: str) -> dict[str, Any]:
-        """Per-request figures on this rank: ``status``, ``reason``, ``bytes`` landed,
-        ``senders`` (one dict per sender it was announced to, in connection order: ``address``,
-        prefill ``dcp_rank`` and ``tp_rank``, ``path`` as `peers` says it, ``staging``:
-        ``{"prefill": "direct"|"staged", "decode": ...}``; the
-        sender's own `KVSender.request_stats` keys its figures by decode rank the same way),
-        ``paths`` and ``staging`` (those senders' paths and stagings, in the same order),
-        ``unpacks`` and ``unpack_seconds`` (region path: windows placed from the receive region
-        into the pages, kernels waited for), ``latency_seconds`` (`expect` to the end, None
-        while live) and ``done_at`` (`time.monotonic()` of the end, None while live: a clock
-        every process of the host shares, for whole-request timings),
-        ``stage_seconds`` (staged on a GPU: host -> device window copies, part of
-        ``unpack_seconds``) and ``timeline`` (``[event, rank, time.monotonic()]`` lists, rank this
-        rank's group rank: `requests.Timeline`). Raises KeyError if unknown."""
-        with self._lock:
-            req = self._get(request_id)
-            end = req.t_done
-            mine = "staged" if self.staged else "direct"
-            senders = [dict(address=link.client.address, dcp_rank=link.spec.dcp_rank, tp_rank=link.spec.tp_rank,
-                            path=reported_path(link.path, link.spec, self.spec),
-                            staging=dict(prefill="staged" if link.staged else "direct", decode=mine))
-                       for link in req.senders]
-            return dict(status=req.status.value, reason=req.state.reason, bytes=req.bytes, senders=senders,
-                        paths=[s["path"] for s in senders], unpacks=req.unpacks,
-                        unpack_seconds=req.unpack_seconds, stage_seconds=req.stage_seconds,
-                        staging=[s["staging"] for s in senders],
-                        latency_seconds=None if end is None else end - req.created,
-                        timeline=req.timeline.as_list(), timeline_dropped=req.timeline.dropped,
-                        done_at=None if end is None else time.monotonic() - (time.perf_counter() - end))
-
-    def request_latency(self, request_id: str) -> float | None:
-        """Seconds from `expect` to SUCCESS/FAILED/ABORTED (None while live)."""
-        req = self._get(request_id)
-        return None if req.t_done is None else req.t_done - req.created
-
     def close(self, timeout_s: float = 5.0) -> None:
         """Stops the worker, fails live requests, closes the engine and sockets, releases the
         registrations; returns within ``timeout_s`` (+ a small margin). Idempotent.
@@ -448,50 +392,6 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # ---- the worker's round -------------------------------------------------------------------
-    def _round(self) -> int:
-        with self._lock:
-            busy = False
-            for link in self._links:
-                if not link.registered:
-                    self._worker.add_socket(link.client.sock)
-                    link.registered = True
-            self._flush()
-            busy |= self._poll_gated()  # first: a flag seen by the spin ends its request now
-            for link in list(self._links):
-                for msg in link.client.recv():
-                    busy = True
-                    link.last_seen = time.monotonic()
-                    self._on_message(link, msg)
-            # Rounds follow the busy backoff only while a notification is due (a "sent" hint came)
-            # or a read is in flight; otherwise the worker idles until a control message wakes it.
-            live = [r for r in self._requests.values() if not r.status.terminal]
-            pending = any(r.due > 0 for r in live)
-            if live or self._reads:  # idle rounds still come every IDLE_POLL_MS: no note is missed
-                for peer, notes in self.engine.notifications().items():
-                    for note in notes:
-                        busy = True
-                        self._on_notification(peer, note)
-            busy |= self._poll_reads()
-            busy |= self._poll_gated()  # gated parts that arrived in this round
-            if self._waiting:  # room freed, or a waiting window's request ended
-                busy |= self._grant_waiting()
-            self._check_timeouts()
-            if self._released:
-                self._reap_released()
-            self._heartbeat()
-            self._flush()
-            if busy:
-                return ACTIVE
-            if self._gated:
-                return SPIN if self._gated_waiting() else PENDING
-            return PENDING if pending or self._reads else IDLE
-
-    def _flush(self) -> None:
-        while self._outbox:
-            link, frame = self._outbox.popleft()
-            link.client.send(frame)
 
     def _get(self, request_id: str) -> RecvRequest:
         req = self._requests.get(request_id) if isinstance(request_id, str) else None

@@ -5,7 +5,8 @@ transfer, completion and failure reporting for any number of concurrent requests
 calls never block on the network: `send` queues a chunk, `poll` reads a status. One worker
 thread does the rest, in this order each round: control messages, planning of newly possible
 (chunk, rank) units, submission while the `PackArena` has room (FIFO, so nobody starves),
-polling the engine for finished batches, timeouts and heartbeats.
+polling the engine for finished batches, timeouts and heartbeats (`_sender_round`; the
+figures it reports are in `_sender_stats`).
 
 Push (default; sglang's and NixlPushConnector's direction): the sender WRITEs each window to the
 decode rank and attaches a ``done`` notification that the engine delivers after the bytes
@@ -30,7 +31,7 @@ import numpy as np
 
 from pallas_kernels import GatherConfig, PackSource, compile_count
 from dcp_jax.transfer import protocol as proto
-from dcp_jax.transfer._worker import (ACTIVE, DEFAULT_HEARTBEAT_S, IDLE, PENDING, Worker, check_liveness,
+from dcp_jax.transfer._worker import (DEFAULT_HEARTBEAT_S, Worker, check_liveness,
                                       check_page_table, check_seconds, check_tokens, close_at_exit, shut_down)
 from dcp_jax.transfer.arena import PackArena
 from dcp_jax.transfer._sender_handshake import SenderHandshake
@@ -41,14 +42,15 @@ from dcp_jax.transfer._sender_endings import SenderEndings
 from dcp_jax.transfer._sender_units import SenderUnits
 from dcp_jax.transfer._sender_reuse import moved_page, redundant
 from dcp_jax.transfer._sender_warm import SenderWarmUp
-from dcp_jax.transfer.control import BYE_LINGER_MS, ControlServer, make_side_engine
+from dcp_jax.transfer._sender_round import SenderRound
+from dcp_jax.transfer._sender_stats import SenderStats
+from dcp_jax.transfer.control import ControlServer, make_side_engine
 from dcp_jax.transfer.memory import CacheLayers, alloc_pack
 from dcp_jax.transfer.requests import SendRequest, check_request_id
 from dcp_jax.transfer.schedule import SideLayout
 from dcp_jax.transfer.spec import KVCacheSpec
 from dcp_jax.transfer.staging import Packer, side_staged
 from dcp_jax.transfer.status import TransferStatus
-from dcp_jax.transfer.views import reported_path
 from dcp_jax.layout import local_len_np
 
 __all__ = ["KVSender", "SEND_MODES", "DEFAULT_PACK_BYTES"]
@@ -58,7 +60,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_PACK_BYTES = 64 << 20
 
 
-class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderRegion, SenderWarmUp):
+class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderRegion, SenderWarmUp,
+               SenderStats):
     """Prefill-side connector over the caller's KV layers.
 
     Args:
@@ -373,55 +376,6 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
             req = self._get(request_id)
             return req.status.terminal and req.inflight == 0
 
-    def request_stats(self, request_id: str) -> dict[str, Any]:
-        """Per-request figures: status, per-rank ``path`` (the connection's transfer path, as in
-        `peers`: "none" for a TP pair sharing no KV head),
-        rows/descriptors/bytes/batches/engine calls and strategies, plan/pack/copy (fused kernel)
-        seconds, ``transfer_seconds`` (first submit to this side's completion) and
-        ``first_byte_at`` (`time.monotonic()` when the first byte was packed, or sent on the
-        unpacked paths: a clock every process of the host shares, for whole-request timings),
-        ``pack_backend`` (registry name), ``stage_seconds`` (device -> host staging copies, part
-        of ``pack_seconds``), per rank ``staging``: ``{"prefill": "direct"|"staged",
-        "decode": "direct"|"staged"}`` (what each side of that connection registers) and
-        ``timeline`` (``[event, rank, time.monotonic()]`` lists, rank the decode rank's group rank:
-        `requests.Timeline`; at most `requests.MAX_EVENTS`, ``timeline_dropped`` counts the rest)."""
-        with self._lock:
-            req = self._get(request_id)
-            t0, t1 = req.t_first_submit, req.t_done
-            mine = "staged" if self.staged else "direct"
-            return dict(status=req.status.value, reason=req.state.reason, inflight=req.inflight,
-                        plan_seconds=req.plan_seconds, pack_seconds=req.pack_seconds,
-                        copy_seconds=req.copy_seconds, first_byte_at=req.first_byte_at,
-                        transfer_seconds=(t1 - t0) if t0 is not None and t1 is not None else None,
-                        pack_backend=self.pack_backend, stage_seconds=req.stage_seconds,
-                        timeline=req.timeline.as_list(), timeline_dropped=req.timeline.dropped,
-                        ranks={r: dict(t.counters.as_dict(), path=reported_path(t.conn.path, self.spec, t.conn.spec),
-                                       staging=dict(prefill=mine, decode="staged" if t.conn.staged else "direct"))
-                               for r, t in sorted(req.targets.items())})
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        """Counters of this sender: requests by outcome, bytes/descriptors/batches/engine calls
-        submitted, dropped and rejected messages, kernel compiles, pack arena, connections."""
-        with self._lock:
-            out = dict(self._counts)
-            out.update(rejected_messages=self._ctl.rejected, live_requests=len(self._requests),
-                       queued_windows=len(self._queue), inflight_windows=len(self._inflight) + len(self._pulls),
-                       connections=len(self._conns), kernel_compiles=self._compile_count(),
-                       arena=dict(self._arena.stats), worker_errors=self._worker.errors)
-        return out
-
-    @property
-    def peers(self) -> list[dict[str, Any]]:
-        """The connected decode ranks, one dict each, by (group, dcp_rank, tp_rank): ``name`` (the
-        receiver's engine name), ``group``, ``dcp_rank``, ``tp_rank``, ``path`` (chosen at the
-        handshake: "direct", "packed", "region" or "fused"; "none" for a TP pair that shares no
-        KV head, between which nothing moves), ``direction`` ("push" / "pull"),
-        ``staged`` (its KV is not registered), ``silent_s`` (seconds since its last message) and
-        its own ``heartbeat_s`` / ``peer_timeout_s`` (seconds, from its hello). Empty once closed."""
-        with self._lock:
-            return self._peer_list()
-
     def close(self, timeout_s: float = 5.0) -> None:
         """Stops the worker, fails what is live, closes the engine and sockets; releases every
         registration. Returns within ``timeout_s`` (+ a small margin) whatever the engine does.
@@ -435,55 +389,11 @@ class KVSender(SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderR
         self._source = None
         self._layers.close()
 
-    def _close_conns(self) -> None:
-        # After the engine's close: drained says none of its writes can land any more.
-        bye = proto.encode("bye", reason="sender closed", drained=self.engine.torn_down)
-        self._flush_ctl()  # the worker has stopped: this thread owns the socket now
-        for conn in self._conns.values():  # after the "failed" frames of the live requests
-            self._ctl.send(conn.ident, bye)
-        self._ctl.close(linger_ms=BYE_LINGER_MS)
-        for conn in self._conns.values():
-            conn.close_mapping()
-        self._conns.clear()  # stats say 0 connections once closed
-        if self._flag is not None:
-            self._flag.close()
-
     def __enter__(self) -> "KVSender":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # ---- the worker's round ---------------------------------------------------------------------
-    def _round(self) -> int:
-        busy = False
-        now = time.monotonic()
-        gap, self._last_round = now - self._last_round, now
-        if gap > self._stall_s and self._conns:  # before reading or posting anything
-            with self._lock:
-                self._on_stall(gap)
-        if self._outbox:  # frames an abort or a release made on a caller's thread
-            with self._lock:
-                self._flush_ctl()
-        for ident, msg in self._ctl.recv():
-            busy = True
-            with self._lock:
-                self._on_message(ident, msg)
-        with self._lock:
-            self._plan_units()
-            busy |= self._submit_units()
-            if self._asks:  # region windows packed and asked: their grants may already be here,
-                for ident, msg in self._ctl.recv():  # written now rather than a round later
-                    busy = True
-                    self._on_message(ident, msg)
-            busy |= self._poll_inflight()
-            self._retry_held_hellos()
-            self._check_timeouts()
-            self._heartbeat()
-            if busy:
-                return ACTIVE
-            # Grants arrive on the control socket; a held hello waits for the engine's completions.
-            return PENDING if self._inflight or self._held_hellos else IDLE
 
     def _get(self, request_id: str) -> SendRequest:
         req = self._requests.get(request_id) if isinstance(request_id, str) else None

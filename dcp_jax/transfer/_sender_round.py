@@ -1,0 +1,84 @@
+"""The sender's worker round, and the one owner of its control socket.
+
+A mixin of `dcp_jax.transfer.KVSender`. The worker thread runs `_round` (read the receivers'
+frames, plan and post windows, poll completions, timeouts, heartbeats) and owns the ROUTER
+socket while it runs: zmq sockets are not thread-safe and the worker polls it outside the lock,
+so every frame goes out through `_tell`, which queues what a caller's thread makes (an `abort`,
+a `release`). Once the worker has stopped, the closing thread owns it (`_close_conns`).
+"""
+from __future__ import annotations
+
+import time
+
+from dcp_jax.transfer import protocol as proto
+from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING
+from dcp_jax.transfer.control import BYE_LINGER_MS
+
+__all__ = ["SenderRound"]
+
+
+class SenderRound:
+    """`_round`, `_tell`, `_flush_ctl`, `_close_conns`."""
+
+    def _round(self) -> int:
+        busy = False
+        now = time.monotonic()
+        gap, self._last_round = now - self._last_round, now
+        if gap > self._stall_s and self._conns:  # before reading or posting anything
+            with self._lock:
+                self._on_stall(gap)
+        if self._outbox:  # frames an abort or a release made on a caller's thread
+            with self._lock:
+                self._flush_ctl()
+        for ident, msg in self._ctl.recv():
+            busy = True
+            with self._lock:
+                self._on_message(ident, msg)
+        with self._lock:
+            self._plan_units()
+            busy |= self._submit_units()
+            if self._asks:  # region windows packed and asked: their grants may already be here,
+                for ident, msg in self._ctl.recv():  # written now rather than a round later
+                    busy = True
+                    self._on_message(ident, msg)
+            busy |= self._poll_inflight()
+            self._retry_held_hellos()
+            self._check_timeouts()
+            self._heartbeat()
+            if busy:
+                return ACTIVE
+            # Grants arrive on the control socket; a held hello waits for the engine's completions.
+            return PENDING if self._inflight or self._held_hellos else IDLE
+
+    def _tell(self, ident: bytes, frame: bytes) -> None:
+        """Sends one control frame to a receiver: every frame of the sender goes out here.
+
+        The worker polls the control socket outside the lock and zmq sockets are not thread-safe,
+        so only the thread that owns the socket (`Worker.owns_sockets`) sends; a frame made on a
+        caller's thread (an `abort`, a `release`) is queued and the worker woken. The queue goes
+        first, so frames leave in the order they were made (all are made under the lock)."""
+        if self._worker.owns_sockets():
+            if self._outbox:
+                self._flush_ctl()
+            self._ctl.send(ident, frame)
+        else:
+            self._outbox.append((ident, frame))
+            self._worker.wake()
+
+    def _flush_ctl(self) -> None:
+        """Sends the frames `_tell` queued (on the thread that owns the socket, under the lock)."""
+        while self._outbox:
+            self._ctl.send(*self._outbox.popleft())
+
+    def _close_conns(self) -> None:
+        # After the engine's close: drained says none of its writes can land any more.
+        bye = proto.encode("bye", reason="sender closed", drained=self.engine.torn_down)
+        self._flush_ctl()  # the worker has stopped: this thread owns the socket now
+        for conn in self._conns.values():  # after the "failed" frames of the live requests
+            self._ctl.send(conn.ident, bye)
+        self._ctl.close(linger_ms=BYE_LINGER_MS)
+        for conn in self._conns.values():
+            conn.close_mapping()
+        self._conns.clear()  # stats say 0 connections once closed
+        if self._flag is not None:
+            self._flag.close()
