@@ -17,7 +17,8 @@ import numpy as np
 from dcp_jax._validate import check_int
 from dcp_jax.packing import pack_bytes
 from dcp_jax.plan import rows_from_page_table
-from dcp_jax.transfer.schedule import _EMPTY, RankChunk, SideLayout, _plan, _positive_or_none, _range
+from dcp_jax.transfer.rank_chunk import RankChunk, _plan, _positive_or_none
+from dcp_jax.transfer.schedule import _EMPTY, SideLayout, _range
 
 __all__ = ["ScheduleCounts", "TransferSchedule"]
 
