@@ -24,7 +24,8 @@ and after timing, and the words past the region must keep the poison. Needs jax[
 torch and triton (all on the H200 image).
 
 Beside this CLI (`main`): the geometries and index patterns in `pack_geometries.py`, `Timer` in
-`pack_timer.py`, `--profile-e2e` in `pack_profile.py`, the claims and tables in `pack_report.py`.
+`pack_timer.py`, `--profile-e2e` in `pack_profile.py`, the claims and tables in `pack_report.py`,
+the final variants' interleaved rounds in `pack_rounds.py`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from benchmarks.pack_e2e import e2e_claims, e2e_variants  # noqa: E402
 from benchmarks.pack_geometries import geometries, make_indices  # noqa: E402
 from benchmarks.pack_profile import profile_e2e  # noqa: E402
 from benchmarks.pack_report import claims, markdown, print_table  # noqa: E402
+from benchmarks.pack_rounds import time_finals  # noqa: E402
 from benchmarks.pack_timer import Timer  # noqa: E402
 from benchmarks.triton_peer import row_gather_kernel  # noqa: E402
 
@@ -343,64 +345,9 @@ def main(argv=None):
         finals.append(("copy cupy (ceiling)", "ceiling", None, "", lambda: copy_variant("cupy")))
         finals.append(("copy torch (ceiling)", "ceiling", None, "", lambda: copy_variant("torch")))
 
-        if args.skip:
-            finals = [f for f in finals
-                      if not any(f[0].startswith(p) for p in args.skip.split(","))]
-        built = []
-        geo_rows = []
-        for variant, kind, cfg, note, make in finals:
-            try:
-                step, sync, final = make()
-                step()
-                exact = bool(final())
-                built.append({"variant": variant, "kind": kind, "config": cfg, "note": note,
-                              "step": step, "sync": sync, "final": final, "exact": exact,
-                              "kernel": [], "wall": [], "per_call": None})
-            except Exception as e:
-                msg = f"{type(e).__name__}: {e}"[:300]
-                geo_rows.append({"variant": variant, "kind": kind, "error": msg})
-                print(f"  {variant}: {msg}", flush=True)
-        for rnd in range(args.rounds):
-            for b in built:
-                try:
-                    ks, b["per_call"] = timer.kernel(b["step"], b["sync"], samples=3)
-                    b["kernel"] += ks
-                    b["wall"] += timer.wall(b["step"], b["sync"], samples=1)
-                except Exception as e:
-                    b["error"] = f"{type(e).__name__}: {e}"[:300]
-            print(f"  round {rnd + 1}/{args.rounds} done", flush=True)
-        for b in built:
-            exact = b["exact"]
-            try:
-                exact = exact and bool(b["final"]())  # still exact (and in place) after timing
-            except Exception as e:
-                b["error"] = f"final check: {type(e).__name__}: {e}"[:300]
-                exact = False
-            if not b["kernel"]:
-                geo_rows.append({"variant": b["variant"], "kind": b["kind"],
-                                 "error": b.get("error", "not timed")})
-                continue
-            k_ms = float(np.median(b["kernel"]))
-            w_ms = float(np.median(b["wall"]))
-            row = {"variant": b["variant"], "kind": b["kind"], "ms": k_ms,
-                   "ms_min": float(np.min(b["kernel"])), "ms_max": float(np.max(b["kernel"])),
-                   "gbps": bytes_rw / k_ms / 1e6, "wall_ms": w_ms,
-                   "wall_gbps": bytes_rw / w_ms / 1e6, "kernels_per_call": b["per_call"],
-                   "wall_over_kernel": w_ms / k_ms,
-                   "bit_exact": exact, "config": b["config"], "note": b["note"]}
-            geo_rows.append(row)
-            print(f"  {row['variant']:<34} kernel {k_ms:7.4f} ms {row['gbps']:6.0f} GB/s | wall "
-                  f"{w_ms:7.4f} ms {row['wall_gbps']:6.0f} GB/s | wall/kernel "
-                  f"{w_ms / k_ms:5.2f} | {b['per_call']:.0f} kernel(s) exact={exact}", flush=True)
-        del built, finals
-
-        ceiling = max((r["gbps"] for r in geo_rows if r.get("kind") == "ceiling"), default=None)
-        wall_ceiling = max((r["wall_gbps"] for r in geo_rows if r.get("kind") == "ceiling"),
-                           default=None)
-        for r in geo_rows:
-            if "gbps" in r and ceiling:
-                r["pct_of_copy"] = 100.0 * r["gbps"] / ceiling
-                r["wall_pct_of_copy"] = 100.0 * r["wall_gbps"] / wall_ceiling
+        geo_rows, ceiling, wall_ceiling = time_finals(finals, rounds=args.rounds, skip=args.skip,
+                                                      timer=timer, bytes_rw=bytes_rw)
+        del finals
         results.append({"geometry": name, "layers": L, "item_len": item, "rows": n,
                         "src_rows": R, "pattern": pattern, "pack_bytes": region * 4,
                         "bytes_rw": bytes_rw, "copy_ceiling_gbps": ceiling,
