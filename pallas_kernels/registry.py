@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pallas_kernels._buffer_args import check_fits, check_offset
+from pallas_kernels._buffer_args import _check_disjoint, check_fits, check_offset
 from pallas_kernels.config import word_dtype
 
 KINDS = ("numpy", "cupy", "jax")
@@ -222,6 +222,12 @@ def _check(layers, indices, pack, offset):
             raise TypeError(f"layers[{l}] dtype {a.dtype} must be uint8 (view rows as bytes)")
     if pack.ndim != 1 or np.dtype(pack.dtype) != np.uint8:
         raise ValueError(f"pack must be a 1-D uint8 array, got {pack.dtype}{list(pack.shape)}")
+    if kind in ("numpy", "cupy"):  # written in place: the same rules on every backend
+        if not pack.flags.c_contiguous:
+            raise ValueError("pack must be C-contiguous (a registered buffer, not a strided view)")
+        if kind == "numpy" and not pack.flags.writeable:
+            raise ValueError("pack must be writeable (a registered buffer, not a read-only view)")
+        _check_disjoint(list(layers), "layers", [pack], "pack")
     check_offset(offset)
     if kind == "cupy":
         import cupy as cp
@@ -274,7 +280,9 @@ def pack_region(layers: Sequence, indices, pack, *, offset: int = 0, backend: st
 
     Raises:
         ValueError: bad shapes, `indices` out of range, a negative `offset`, a region past the
-            end of `pack`, an unknown or unfit `backend` (the message says why).
+            end of `pack`, an unknown or unfit `backend` (the message says why); a numpy or CuPy
+            `pack` that is not C-contiguous, is read-only, or shares memory with a layer (on
+            every backend alike).
         TypeError: non-uint8 buffers, mixed kinds, non-integer `indices`.
     """
     kind, idx, _ = _check(layers, indices, pack, offset)

@@ -100,6 +100,26 @@ def test_auto_picks_by_platform():
                                                                     offset=offset))
 
 
+@pytest.mark.parametrize("backend", NUMPY_BACKENDS)
+def test_every_backend_refuses_a_pack_it_cannot_write_in_place(backend):
+    """A numpy pack is written in place by every backend, so every backend refuses the same
+    packs (strided, read-only, aliasing a layer) before writing anything."""
+    rng = np.random.default_rng()
+    layers = [rng.integers(0, 256, (10, 16), dtype=np.uint8), rng.integers(0, 256, (12, 32), dtype=np.uint8)]
+    before = [a.copy() for a in layers]
+    strided = np.zeros(400, np.uint8)
+    with pytest.raises(ValueError, match="pack must be C-contiguous"):
+        pack_region(layers, [0, 3], strided[::2], backend=backend)
+    readonly = np.frombuffer(bytes(200), np.uint8)
+    with pytest.raises(ValueError, match="pack must be writeable"):
+        pack_region(layers, [0, 3], readonly, backend=backend)
+    with pytest.raises(ValueError, match="pack shares memory with layers\\[1\\]"):
+        pack_region(layers, [0, 3], layers[1].reshape(-1), backend=backend)
+    assert (strided == 0).all()  # nothing written anywhere
+    for a, b in zip(layers, before):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_registry_names_and_availability():
     names = registry.backend_names()
     for n in ("tpu", "tpu-interpret", "gpu-mosaic", "gpu-triton", "xla", "host"):
