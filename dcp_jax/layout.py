@@ -280,6 +280,16 @@ def count(start, length, dcp_size: int, dcp_rank: int, interleave_size: int = 1)
 # --------------------------------------------------------------------------------------------
 
 
+def _np_layout_args(dcp_size: Any, interleave_size: Any = 1) -> tuple[int, int]:
+    """`check_layout_args`, plus: the numpy twins compute ``t // (I * N)`` in int64, so ``I * N``
+    must fit int64 (numpy would raise a bare OverflowError)."""
+    n, i, _ = check_layout_args(dcp_size, interleave_size)
+    if n * i > np.iinfo(np.int64).max:
+        raise ValueError(f"dcp_size * interleave_size = {n * i} does not fit int64, got {dcp_size=}, "
+                         f"{interleave_size=} (use count_int for sizes this large)")
+    return n, i
+
+
 def _as_np_positions(name: str, x) -> np.ndarray:
     arr = np.asarray(x)
     if arr.size == 0:
@@ -294,13 +304,13 @@ def _as_np_positions(name: str, x) -> np.ndarray:
 
 def owner_np(t, dcp_size: int, interleave_size: int = 1) -> np.ndarray:
     """numpy twin of :func:`owner` (int64). Raises ``ValueError`` for negative ``t`` as well."""
-    n, i, _ = check_layout_args(dcp_size, interleave_size)
+    n, i = _np_layout_args(dcp_size, interleave_size)
     return _owner(np, _as_np_positions("t", t), n, i)
 
 
 def local_index_np(t, dcp_size: int, interleave_size: int = 1) -> np.ndarray:
     """numpy twin of :func:`local_index` (int64). Raises ``ValueError`` for negative ``t``."""
-    n, i, _ = check_layout_args(dcp_size, interleave_size)
+    n, i = _np_layout_args(dcp_size, interleave_size)
     return _local_index(np, _as_np_positions("t", t), n, i)
 
 
@@ -320,9 +330,10 @@ def local_len_np(length, dcp_size: int, dcp_rank, interleave_size: int = 1) -> n
     broadcast with ``length``); every entry must lie in ``[0, dcp_size)``.
 
     Raises:
-        ValueError: as :func:`local_len`, or negative ``length``.
+        ValueError: as :func:`local_len`, negative ``length``, or ``dcp_size * interleave_size``
+            past int64 (as every numpy twin).
     """
-    n, i, _ = check_layout_args(dcp_size, interleave_size)
+    n, i = _np_layout_args(dcp_size, interleave_size)
     return _local_len(np, _as_np_positions("length", length), n, _np_rank(n, i, dcp_rank), i)
 
 
@@ -333,7 +344,7 @@ def count_np(start, length, dcp_size: int, dcp_rank, interleave_size: int = 1) -
         ValueError: as :func:`count`, or ``start + length`` past int64 (`count_int` is exact
             for any size).
     """
-    n, i, _ = check_layout_args(dcp_size, interleave_size)
+    n, i = _np_layout_args(dcp_size, interleave_size)
     start = _as_np_positions("start", start)
     length = _as_np_positions("length", length)
     if start.size and length.size and int(start.max()) + int(length.max()) > np.iinfo(np.int64).max:

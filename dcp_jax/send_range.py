@@ -19,6 +19,8 @@ from dcp_jax._validate import check_int as _int
 
 from dcp_jax.layout import check_layout_args, local_len_np
 
+_I64_MAX = int(np.iinfo(np.int64).max)
+
 __all__ = [
     "prefix_alignment",
     "send_rows_per_rank",
@@ -41,6 +43,16 @@ def _int_array(name: str, value: Any) -> np.ndarray:
         raise TypeError(f"{name} must be integers, got dtype {arr.dtype}")
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
+    return _as_int64(name, arr)
+
+
+def _as_int64(name: str, arr: np.ndarray) -> np.ndarray:
+    """An integer array as int64; an unsigned value past int64 (it would wrap negative) is refused
+    with the value given, e.g. ``src_pages[0]=9223372036854775808``."""
+    if arr.dtype.kind == "u" and arr.size and arr.max() > _I64_MAX:
+        bad = np.unravel_index(int(np.argmax(arr > _I64_MAX)), arr.shape)
+        where = ", ".join(str(int(k)) for k in bad)
+        raise ValueError(f"{name} must hold values <= 2**63 - 1 (int64), got {name}[{where}]={int(arr[bad])}")
     return arr.astype(np.int64, copy=False)
 
 

@@ -1,0 +1,49 @@
+"""Argument checks of the planning layer: the exception type, and a message that names the
+argument and the value given (fresh-user trial findings)."""
+
+import numpy as np
+import pytest
+
+from dcp_jax import layout
+from dcp_jax.plan import build_descriptors, build_token_transfer_plan
+
+# --------------------------------------------------------------------------------------------
+# Values past int64.
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arg", ["src_pages", "dst_pages"])
+def test_uint64_page_id_past_int64_is_reported_as_given(arg):
+    pages = {"src_pages": [0], "dst_pages": [0]}
+    pages[arg] = np.array([2**63], np.uint64)  # int64 would read it as -2**63
+    with pytest.raises(ValueError) as e:
+        build_token_transfer_plan(pages["src_pages"], pages["dst_pages"], page_size=4, dcp_size=2, dcp_rank=0)
+    assert f"{arg}[0]=9223372036854775808" in str(e.value)
+    assert "-9223372036854775808" not in str(e.value)
+
+
+def test_uint64_page_ids_within_int64_still_plan():
+    got = build_token_transfer_plan(np.array([2], np.uint64), np.array([3], np.uint64),
+                                    page_size=4, dcp_size=2, dcp_rank=0)
+    assert got.src_token_indices.tolist() == [8, 10] and got.dst_token_indices.tolist() == [12, 13]
+
+
+@pytest.mark.parametrize("fn", [layout.local_len_np, layout.count_np])
+def test_numpy_twins_refuse_interleave_times_dcp_past_int64(fn):
+    args = (5, 2**40, 0, 2**40) if fn is layout.local_len_np else (0, 5, 2**40, 0, 2**40)
+    with pytest.raises(ValueError) as e:  # was numpy's bare OverflowError
+        fn(*args)
+    msg = str(e.value)
+    assert "dcp_size=1099511627776" in msg and "interleave_size=1099511627776" in msg and str(2**80) in msg
+
+
+@pytest.mark.parametrize("fn", [layout.owner_np, layout.local_index_np])
+def test_position_twins_refuse_interleave_times_dcp_past_int64(fn):
+    with pytest.raises(ValueError, match="does not fit int64"):
+        fn(5, 2**40, 2**40)
+
+
+def test_numpy_twins_at_the_int64_edge_still_compute():
+    n, i = 2, 2**62 - 1  # I * N = 2**63 - 2: rank 0 holds [0, I), rank 1 [I, 2I)
+    assert layout.local_len_np(np.array([5, 2**62]), n, 0, i).tolist() == [5, 2**62 - 1]
+    assert layout.local_len_np(np.array([5, 2**62]), n, 1, i).tolist() == [0, 1]
