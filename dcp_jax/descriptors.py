@@ -15,7 +15,7 @@ import numpy as np
 from dcp_jax._validate import check_int as _int
 
 from dcp_jax.packing import layer_offsets
-from dcp_jax.send_range import _int_array
+from dcp_jax.send_range import _I64_MAX, _as_int64, _int_array
 
 if TYPE_CHECKING:  # annotation only: dcp_jax.token_plan imports this module
     from dcp_jax.token_plan import TokenTransferPlan
@@ -87,7 +87,10 @@ def build_descriptors(runs, src_bases, dst_bases, item_lens) -> np.ndarray:
 
     Raises:
         ValueError: shapes disagree, negative bases, non-positive ``item_lens``, runs not
-            ``[k, 3]``.
+            ``[k, 3]``, a run with a negative start or a length < 1, or a descriptor whose
+            end (``base + (start + n) * item_len``) passes int64 (the message names the run,
+            entry and base). The check costs O(k + L) beside the O(L * k) result.
+        TypeError: non-integer arguments.
     """
     runs_arr = np.asarray(runs)
     if runs_arr.size == 0:
@@ -96,7 +99,7 @@ def build_descriptors(runs, src_bases, dst_bases, item_lens) -> np.ndarray:
         raise ValueError(f"runs must have shape [k, 3], got {runs_arr.shape}")
     if not np.issubdtype(runs_arr.dtype, np.integer):
         raise TypeError(f"runs must be integers, got dtype {runs_arr.dtype}")
-    runs_arr = runs_arr.astype(np.int64, copy=False)
+    runs_arr = _as_int64("runs", runs_arr)
     src_b = _per_entry("src_bases", src_bases, None)
     num = src_b.size
     dst_b = _per_entry("dst_bases", dst_bases, None)
@@ -105,15 +108,51 @@ def build_descriptors(runs, src_bases, dst_bases, item_lens) -> np.ndarray:
         raise ValueError(
             f"src_bases, dst_bases and item_lens need one entry per layer entry, got {num}, {dst_b.size}, {lens.size}"
         )
-    if (src_b < 0).any() or (dst_b < 0).any():
-        raise ValueError("src_bases and dst_bases must be >= 0 addresses")
-    if (lens <= 0).any():
-        raise ValueError(f"item_lens must be > 0 bytes, got min item_lens={int(lens.min())}")
+    if num:  # whole-array min / max: the cheapest numpy reductions (this is a per-chunk path)
+        for name, arr in (("src_bases", src_b), ("dst_bases", dst_b)):
+            if arr.min() < 0:
+                bad = int(np.argmax(arr < 0))
+                raise ValueError(f"{name} must be >= 0 addresses, got {name}[{bad}]={int(arr[bad])}")
+        if lens.min() <= 0:
+            raise ValueError(f"item_lens must be > 0 bytes, got min item_lens={int(lens.min())}")
+        if runs_arr.shape[0]:
+            _check_runs(runs_arr, src_b, dst_b, lens)
     out = np.empty((num, runs_arr.shape[0], 3), np.int64)
     out[:, :, 0] = src_b[:, None] + runs_arr[None, :, 0] * lens[:, None]
     out[:, :, 1] = dst_b[:, None] + runs_arr[None, :, 1] * lens[:, None]
     out[:, :, 2] = runs_arr[None, :, 2] * lens[:, None]
     return out.reshape(-1, 3)
+
+
+def _check_runs(runs: np.ndarray, src_b: np.ndarray, dst_b: np.ndarray, lens: np.ndarray) -> None:
+    """Starts >= 0, lengths >= 1, and every descriptor's end ``base + (start + n) * item_len``
+    within int64, checked without overflowing.
+
+    Hot path (a sender builds descriptors per chunk): whole-array or one-column min / max only (an
+    ``axis=0`` reduction of a ``[k, 3]`` array costs ~30x more), and the bound ``end <= 2 * max(runs)``
+    in Python ints; only a table near the limit takes the exact per-run check.
+    """
+    lo = int(runs.min())
+    if lo < 1 and (lo < 0 or int(runs[:, 2].min()) < 1):
+        for col, what, least in ((0, "src_start", 0), (1, "dst_start", 0), (2, "length", 1)):
+            if runs[:, col].min() < least:
+                bad = int(np.argmax(runs[:, col] < least))
+                raise ValueError(f"runs must hold {what} >= {least}, got runs[{bad}]={runs[bad].tolist()}")
+    top = int(max(src_b.max(), dst_b.max())) + 2 * int(runs.max()) * int(lens.max())
+    if top <= _I64_MAX:
+        return
+    ends = runs[:, :2] + runs[:, 2:]  # two non-negative int64s wrap negative iff past int64
+    if ends.min() < 0:
+        bad = int(np.argmax((ends < 0).any(axis=1)))
+        raise ValueError(f"runs[{bad}]={runs[bad].tolist()} ends past int64 rows")
+    end_rows = ends.max(axis=0)
+    for col, name, bases in ((0, "src_bases", src_b), (1, "dst_bases", dst_b)):
+        over = (_I64_MAX - bases) // lens < end_rows[col]
+        if over.any():
+            l, k = int(np.argmax(over)), int(np.argmax(ends[:, col]))
+            end = int(bases[l]) + int(end_rows[col]) * int(lens[l])
+            raise ValueError(f"runs[{k}]={runs[k].tolist()} with {name}[{l}]={int(bases[l])} and "
+                             f"item_lens[{l}]={int(lens[l])} ends at byte {end}, past int64")
 
 
 def packed_src_bases(region_addr: int, num_rows: int, item_lens) -> np.ndarray:
