@@ -26,6 +26,7 @@ import numpy as np
 
 from dcp_jax._validate import check_int
 from dcp_jax.layout import check_layout_args, local_index_np, local_len_np, owner_np
+from dcp_jax.send_range import _pages
 from dcp_jax.hetero.layouts import CacheGeometry, dtype_itemsize, layout_kind, run_descriptors
 
 __all__ = ["HeteroSide", "HeteroPlan", "HeteroPlanError", "tp_head_range", "head_pieces", "build_hetero_plan",
@@ -173,16 +174,12 @@ def head_pieces(prefill: HeteroSide, decode: HeteroSide, *, mla_source_tp_rank: 
     return np.array(rows, np.int64).reshape(-1, 5)
 
 
-def _tables(name: str, tables: Sequence, dcp_size: int) -> np.ndarray:
-    """Per-DCP-rank page tables as one int64 ``[dcp_size, max_len]`` array padded with -1."""
+def _tables(name: str, tables: Sequence, dcp_size: int, page_size: int) -> np.ndarray:
+    """Per-DCP-rank page tables as one int64 ``[dcp_size, max_len]`` array padded with -1; each
+    checked as the DCP plans check theirs (1-D integers, ids >= 0, no id twice, rows in int64)."""
     if len(tables) != dcp_size:
         raise ValueError(f"{name} must hold one page table per DCP rank ({dcp_size}), got {len(tables)}")
-    arrs = [np.asarray(t) for t in tables]
-    for r, a in enumerate(arrs):
-        if a.ndim != 1 or (a.size and not np.issubdtype(a.dtype, np.integer)):
-            raise TypeError(f"{name}[{r}] must be a 1-D integer array, got dtype {a.dtype}, shape {a.shape}")
-        if a.size and a.min() < 0:
-            raise ValueError(f"{name}[{r}] must hold page ids >= 0, got {int(a.min())}")
+    arrs = [_pages(f"{name}[{r}]", t, page_size) for r, t in enumerate(tables)]
     out = np.full((dcp_size, max([a.size for a in arrs] + [1])), -1, np.int64)
     for r, a in enumerate(arrs):
         out[r, :a.size] = a
@@ -191,7 +188,7 @@ def _tables(name: str, tables: Sequence, dcp_size: int) -> np.ndarray:
 
 def _locate(name: str, side: HeteroSide, tables, t: np.ndarray, stop: int):
     n, i, p = side.dcp_size, side.interleave_size, side.page_size
-    table = _tables(name, tables, n)
+    table = _tables(name, tables, n, p)
     need = -(-local_len_np(stop, n, np.arange(n), i) // p)
     have = (table >= 0).sum(axis=1)
     for r in np.flatnonzero(have < need):
@@ -277,7 +274,8 @@ def build_hetero_plan(prefill: HeteroSide, decode: HeteroSide, start: int, stop:
 
     Raises:
         HeteroPlanError: the sides cannot be paired (dtype mismatch, ...).
-        TypeError, ValueError: bad range, page tables too short or negative (named).
+        TypeError, ValueError: bad range; a page table too short, negative, not 1-D or repeating
+            a page id (two tokens would land in one slot), named as the DCP plans name theirs.
     """
     start = check_int("start", start, minimum=0)
     stop = check_int("stop", stop, minimum=0)

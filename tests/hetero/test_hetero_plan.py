@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from dcp_jax.hetero import (HeteroPlanError, HeteroSide, build_hetero_plan, cache_shape, descriptor_counts,
                             execute_plan, head_pieces, tp_head_range)
 from dcp_jax.layout import local_len_np
-from dcp_jax.plan import build_mxn_transfer_plans
+from dcp_jax.plan import build_mxn_transfer_plans, build_token_transfer_plan
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from hetero_reference import reference_move, reference_rows  # noqa: E402
@@ -122,6 +122,29 @@ def test_bad_inputs_named():
         build_hetero_plan(HeteroSide(4), HeteroSide(4), 0, 4, [[-1]], [[0]])
     with pytest.raises(ValueError, match="by must be"):
         descriptor_counts(build_hetero_plan(HeteroSide(4), HeteroSide(4), 0, 0, [[]], [[]]), 1, by="x")
+
+
+@pytest.mark.parametrize("arg, src, dst, dup, where", [
+    ("dst_page_tables[0]", [[0, 1]], [[5, 5]], 5, "[0, 1]"),       # tokens 0-3 and 4-7 into page 5
+    ("src_page_tables[1]", [[0], [3, 2, 3]], [[0, 1]], 3, "[0, 2]"),
+    ("dst_page_tables[1]", [[0, 1]], [[7], [4, 4]], 4, "[0, 1]"),  # rank 1's table, not rank 0's
+])
+def test_build_hetero_plan_refuses_repeated_page_ids_like_the_dcp_plans(arg, src, dst, dup, where):
+    p = HeteroSide(4, dcp_size=len(src))
+    d = HeteroSide(4, dcp_size=len(dst))
+    with pytest.raises(ValueError) as e:
+        build_hetero_plan(p, d, 0, 8, src, dst)
+    assert str(e.value) == f"{arg} holds page id {dup} twice (at {where}); a page table must not repeat pages"
+    # The DCP planner words the same table the same way (one check, shared).
+    with pytest.raises(ValueError, match="must not repeat pages"):
+        build_token_transfer_plan([0, 1], [5, 5], page_size=4, dcp_size=1, dcp_rank=0)
+
+
+def test_build_hetero_plan_same_page_id_on_two_ranks_is_fine():
+    # Page ids are per rank (each rank has its own cache): rank 0 and rank 1 may both use page 5.
+    plan = build_hetero_plan(HeteroSide(4), HeteroSide(4, dcp_size=2), 0, 8, [[0, 1]], [[5], [5]])
+    assert sorted(zip(plan.token.tolist(), plan.dst_dcp.tolist(), plan.dst_page.tolist(), plan.dst_slot.tolist())) == [
+        (t, t % 2, 5, t // 2) for t in range(8)]
 
 
 # ---------------------------------------------------------------------------- the property
