@@ -33,8 +33,8 @@ def plan(
     plot: Optional[Path] = typer.Option(None, help="Also draw descriptors per rank vs prompt length "
                                                    "(1k-256k tokens, log scale) to this image."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the per-rank rows as JSON to this path."),
-    prefill_page_size: Optional[int] = typer.Option(None, help="Heterogeneous pair: prefill page size "
-                                                               "(default --page-size)."),
+    prefill_page_size: Optional[int] = typer.Option(None, help="Tokens per KV page on the prefill side "
+                                                               "(default: --page-size)."),
     prefill_tp_size: int = typer.Option(1, help="Heterogeneous pair: prefill TP ranks."),
     tp_size: int = typer.Option(1, help="Heterogeneous pair: decode TP ranks."),
     prefill_layout: Optional[str] = typer.Option(None, help="Heterogeneous pair: prefill cache layout "
@@ -43,20 +43,22 @@ def plan(
 ) -> None:
     """Cost report from the real plans: descriptors, engine calls and bytes per destination rank.
 
-    With any heterogeneous option (--prefill-page-size, --prefill-tp-size, --tp-size,
-    --prefill-layout, --decode-layout) or a model only the heterogeneous plan knows
-    (llama-3.1-8b), it prints the heterogeneous plan's descriptors per decode (DCP, TP) rank with
-    per-layer caches beside the cross-layer page layout's.
-
     Same options, validation, page tables (the job's seeded allocators) and pack regions as
-    ``transfer``, so for one configuration and --seed it prints the counts ``transfer`` reports.
+    ``transfer``, so for one configuration and --seed it prints the counts ``transfer`` reports
+    (--prefill-page-size included: the connector's plan between the two page sizes).
+
+    With a TP or layout option (--prefill-tp-size, --tp-size, --prefill-layout, --decode-layout)
+    or a model only the heterogeneous plan knows (llama-3.1-8b), it prints, as ``transfer`` then
+    runs, the heterogeneous plan's descriptors per decode (DCP, TP) rank with per-layer caches
+    beside the cross-layer page layout's.
     """
     from dcp_jax.cost import plan_command
 
     from dcp_jax.hetero.cost import HETERO_MODELS
 
-    hetero = (prefill_page_size is not None or prefill_tp_size != 1 or tp_size != 1 or prefill_layout
-              or decode_layout or (model in HETERO_MODELS and model not in geometry_names()))
+    # The same switch as ``transfer``'s: a differing page size alone stays on the main job's plan.
+    hetero = (prefill_tp_size != 1 or tp_size != 1 or prefill_layout or decode_layout
+              or (model in HETERO_MODELS and model not in geometry_names()))
     if hetero:
         from dcp_jax.cli_hetero import hetero_plan
 
@@ -79,7 +81,7 @@ def plan(
         mode, model=model, prompt_tokens=prompt_tokens, page_size=page_size, dcp_size=dcp_size,
         prefill_dcp_size=prefill_dcp_size, interleave_size=interleave_size,
         prefill_interleave_size=prefill_interleave_size, chunk_tokens=chunk_tokens, prefix_tokens=prefix_tokens,
-        max_batch_indices=max_batch_indices, pack_tokens=pack_tokens, seed=seed,
+        max_batch_indices=max_batch_indices, pack_tokens=pack_tokens, seed=seed, prefill_page_size=prefill_page_size,
     )
     _check_out_path(plot, "--plot")
     _check_out_path(json_path, "--json")
@@ -89,7 +91,7 @@ def plan(
             prefill_dcp_size=prefill_dcp_size, prefill_interleave_size=prefill_interleave_size,
             decode_prefix_len=prefix_tokens, chunk_tokens=chunk_tokens, mode=mode,
             max_batch_indices=max_batch_indices, pack_max_tokens=pack_tokens, seed=seed,
-            plot=str(plot) if plot else None, console=Console(),
+            prefill_page_size=prefill_page_size, plot=str(plot) if plot else None, console=Console(),
         )
     except (ValueError, TypeError) as exc:
         _fail(str(exc))

@@ -227,6 +227,7 @@ def plot_descriptors_vs_prompt(
     chunk_tokens: int | None = None,
     title: str | None = None,
     seed: int = 0,
+    prefill_page_size: int | None = None,
 ) -> dict[str, list[int]]:
     """Draws descriptors per destination rank (busiest rank) against prompt length, log-log.
 
@@ -241,6 +242,7 @@ def plot_descriptors_vs_prompt(
         chunk_tokens: chunked prefill (None: one chunk).
         title: plot title.
         seed: page-table seed.
+        prefill_page_size: the prefill side's page size (None: ``page_size``).
 
     Returns:
         ``{series label: [descriptors per rank for each prompt length]}``.
@@ -265,7 +267,7 @@ def plot_descriptors_vs_prompt(
             rows = cost_report(
                 num_layers=num_layers, item_lens=tuple(item_lens), prompt_tokens=int(tokens), page_size=page_size,
                 dcp_size=dcp_size, prefill_dcp_size=prefill_dcp_size, interleave_size=inter,
-                chunk_tokens=chunk_tokens, seed=seed,
+                chunk_tokens=chunk_tokens, seed=seed, prefill_page_size=prefill_page_size,
             )
             summary = cost_summary(rows)
             for label, i, mode in series_cfg:
@@ -318,6 +320,7 @@ def plan_command(
     item_lens: Sequence[int] | None = None,
     console=None,
     engine_window: int | None = None,
+    prefill_page_size: int | None = None,
 ) -> list[dict]:
     """The ``dcp-jax plan`` command: print the cost table (and optionally draw the plot).
 
@@ -328,6 +331,8 @@ def plan_command(
         page_size, dcp_size, interleave_size, prefill_dcp_size, prefill_interleave_size,
         decode_prefix_len, chunk_tokens, max_batch_indices, pack_max_tokens, seed: as
             :class:`CostConfig`.
+        prefill_page_size: the prefill side's page size (None: ``page_size``), as
+            :class:`CostConfig` and the job's ``--prefill-page-size``.
         mode: ``"direct"``, ``"packed"`` or ``"both"``.
         plot: when given, also write :func:`plot_descriptors_vs_prompt` to this path.
         num_layers, item_lens: explicit geometry.
@@ -353,14 +358,15 @@ def plan_command(
         decode_prefix_len=decode_prefix_len, chunk_tokens=chunk_tokens, page_size=page_size,
         prefill_dcp_size=prefill_dcp_size, prefill_interleave_size=prefill_interleave_size, dcp_size=dcp_size,
         interleave_size=interleave_size, max_batch_indices=max_batch_indices, pack_max_tokens=pack_max_tokens,
-        seed=seed, modes=modes, engine_window=engine_window,
+        seed=seed, modes=modes, engine_window=engine_window, prefill_page_size=prefill_page_size,
     )
     if console is None:
         from rich.console import Console
 
         console = Console()
     title = (
-        f"{model}: {prompt_tokens:,} tokens (prefix {decode_prefix_len:,}), page {page_size}, "
+        f"{model}: {prompt_tokens:,} tokens (prefix {decode_prefix_len:,}), page {page_size}"
+        + (f" (prefill {prefill_page_size})" if prefill_page_size not in (None, page_size) else "") + ", "
         f"DCP{prefill_dcp_size} (I={prefill_interleave_size}) -> DCP{dcp_size} (I={interleave_size})"
         + (f", chunks of {chunk_tokens:,}" if chunk_tokens else "")
     )
@@ -369,6 +375,7 @@ def plan_command(
         plot_descriptors_vs_prompt(
             plot, num_layers=num_layers, item_lens=item_lens, page_size=page_size, dcp_size=dcp_size,
             prefill_dcp_size=prefill_dcp_size, chunk_tokens=chunk_tokens, seed=seed,
+            prefill_page_size=prefill_page_size,
             title=f"{model}: descriptors per decode rank, page {page_size}, DCP{prefill_dcp_size} -> DCP{dcp_size}",
         )
         console.print(f"plot written to {plot}")

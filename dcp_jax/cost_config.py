@@ -38,7 +38,8 @@ class CostConfig:
         decode_prefix_len: tokens decode already holds (multiple of ``lcm(P*N, I*N)``); the send
             range is ``[decode_prefix_len, prompt_tokens)``.
         chunk_tokens: tokens per chunk of the send range (chunked prefill); None = one chunk.
-        page_size: P, tokens per page on both sides.
+        page_size: P, tokens per page of the decode side (and of the prefill side unless
+            ``prefill_page_size``).
         prefill_dcp_size: M.
         prefill_interleave_size: I_p.
         dcp_size: N.
@@ -51,6 +52,9 @@ class CostConfig:
         seed: seed of the page allocators (the job's ``--seed``).
         pool_slack: each page pool is this many times the pages a rank needs (the job's
             ``pool_slack``).
+        prefill_page_size: tokens per page of the prefill side (the job's
+            ``--prefill-page-size``); None = ``page_size``. The connector moves rows between
+            the two page sizes; the prefill tables are drawn with it.
 
     Raises:
         ValueError, TypeError: invalid values (named).
@@ -70,6 +74,7 @@ class CostConfig:
     pack_max_tokens: int | None = None
     seed: int = 0
     pool_slack: float = 1.25
+    prefill_page_size: int | None = None
 
     def __post_init__(self) -> None:
         _int("num_layers", self.num_layers, minimum=1)
@@ -92,6 +97,8 @@ class CostConfig:
         if self.pack_max_tokens is not None:
             _int("pack_max_tokens", self.pack_max_tokens, minimum=0)
         _int("page_size", self.page_size, minimum=1)
+        if self.prefill_page_size is not None:
+            _int("prefill_page_size", self.prefill_page_size, minimum=1)
         _int("prefill_dcp_size", self.prefill_dcp_size, minimum=1)
         _int("prefill_interleave_size", self.prefill_interleave_size, minimum=1)
         check_layout_args(self.dcp_size, self.interleave_size)
@@ -103,6 +110,11 @@ class CostConfig:
         if isinstance(self.pool_slack, bool) or not isinstance(self.pool_slack, (int, float)) \
                 or not self.pool_slack >= 1.0:
             raise ValueError(f"pool_slack={self.pool_slack!r} must be a number >= 1.0")
+
+    @property
+    def src_page_size(self) -> int:
+        """Tokens per page of the prefill side: ``prefill_page_size``, else ``page_size``."""
+        return self.page_size if self.prefill_page_size is None else self.prefill_page_size
 
     @property
     def send_tokens(self) -> int:
@@ -118,8 +130,9 @@ class CostConfig:
 
 
     def layouts(self) -> tuple[list[SideLayout], list[SideLayout]]:
-        """``(prefill, decode)`` :class:`SideLayout` of every rank (page size P on both sides)."""
-        return ([SideLayout(self.prefill_dcp_size, k, self.prefill_interleave_size, self.page_size)
+        """``(prefill, decode)`` :class:`SideLayout` of every rank (the prefill side's page size is
+        :attr:`src_page_size`)."""
+        return ([SideLayout(self.prefill_dcp_size, k, self.prefill_interleave_size, self.src_page_size)
                  for k in range(self.prefill_dcp_size)],
                 [SideLayout(self.dcp_size, d, self.interleave_size, self.page_size) for d in range(self.dcp_size)])
 
@@ -132,7 +145,8 @@ def _rows(tokens: int, size: int, inter: int) -> list[int]:
 def job_page_tables(config: CostConfig) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """The page tables the main job (``dcp-jax transfer``) draws, for the *send range* only.
 
-    Every rank pops ``ceil(rows / P)`` pages from its own seeded, shuffled free list
+    Every rank pops ``ceil(rows / page size)`` pages (a prefill rank's pages hold
+    ``src_page_size`` tokens, a decode rank's ``page_size``) from its own seeded, shuffled free list
     (:func:`dcp_jax.kv_data.draw_page_table`) for its rows of ``[decode_prefix_len,
     prompt_tokens)``: a prefill rank from a pool of ``pool_pages_for(its pages, pool_slack)``
     pages, keyed ``(seed, PREFILL_SIDE, rank)``; a decode rank from a pool sized for the largest
@@ -146,7 +160,7 @@ def job_page_tables(config: CostConfig) -> tuple[list[np.ndarray], list[np.ndarr
         ``(src_tables, dst_tables)``: one i64[pages] table per prefill rank and per decode rank
         (empty tables when nothing is sent).
     """
-    cfg, p = config, config.page_size
+    cfg, p, ps = config, config.page_size, config.src_page_size
     if cfg.send_tokens == 0:
         empty = np.zeros(0, np.int64)
         return [empty] * cfg.prefill_dcp_size, [empty] * cfg.dcp_size
@@ -154,7 +168,7 @@ def job_page_tables(config: CostConfig) -> tuple[list[np.ndarray], list[np.ndarr
                                      _rows(cfg.decode_prefix_len, cfg.prefill_dcp_size, cfg.prefill_interleave_size))]
     send_d = [a - b for a, b in zip(_rows(cfg.prompt_tokens, cfg.dcp_size, cfg.interleave_size),
                                      _rows(cfg.decode_prefix_len, cfg.dcp_size, cfg.interleave_size))]
-    src = [draw_page_table(r, p, pool_pages_for(-(-r // p), cfg.pool_slack), cfg.seed, PREFILL_SIDE, k)
+    src = [draw_page_table(r, ps, pool_pages_for(-(-r // ps), cfg.pool_slack), cfg.seed, PREFILL_SIDE, k)
            for k, r in enumerate(send_s)]
     pool = pool_pages_for(-(-max(send_d) // p), cfg.pool_slack)
     return src, [draw_page_table(r, p, pool, cfg.seed, DECODE_SIDE, d, 0) for d, r in enumerate(send_d)]
@@ -165,21 +179,23 @@ def page_tables(config: CostConfig) -> tuple[list[np.ndarray], list[np.ndarray]]
 
     Each table covers its rank's local rows from token 0: the prefix's rows sit on pages past
     the drawn pool (never read), then come the job's send-range pages (:func:`job_page_tables`),
-    so the counts are the job's. Where a prefill rank's prefix rows do not fill whole pages
-    (M > 1 with a prefix that is not a multiple of ``P * M``), the job's layout has no section-10
+    so the counts are the job's. Where a prefill rank's prefix rows do not fill whole pages of
+    its page size (M > 1 with a prefix that is not a multiple of ``P * M``, or a prefill page
+    size the prefix is not a multiple of), the job's layout has no section-10
     form: that rank's table is drawn for all its rows ``[0, prompt_tokens)`` instead (same seed
     and pool rule).
 
     Returns:
         ``(src_tables, dst_tables)``: ``prefill_dcp_size`` and ``dcp_size`` i64 page tables.
     """
-    cfg, p = config, config.page_size
+    cfg = config
     src, dst = job_page_tables(cfg)
     # Prefix pages get ids past every drawn id: distinct from the send range's, never read.
     pool = 1 + max([int(t.max()) for t in (*src, *dst) if t.size] + [-1])
     out = []
-    for tables, size, inter, side in ((src, cfg.prefill_dcp_size, cfg.prefill_interleave_size, PREFILL_SIDE),
-                                      (dst, cfg.dcp_size, cfg.interleave_size, DECODE_SIDE)):
+    for tables, size, inter, side, p in (
+            (src, cfg.prefill_dcp_size, cfg.prefill_interleave_size, PREFILL_SIDE, cfg.src_page_size),
+            (dst, cfg.dcp_size, cfg.interleave_size, DECODE_SIDE, cfg.page_size)):
         prefix, total = _rows(cfg.decode_prefix_len, size, inter), _rows(cfg.prompt_tokens, size, inter)
         full = []
         for k, t in enumerate(tables):

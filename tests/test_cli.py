@@ -148,7 +148,14 @@ def test_help_documents_verify():
 @pytest.mark.parametrize("extra", [
     ["--dcp-size", "3"],
     ["--dcp-size", "4", "--prefill-dcp-size", "2", "--chunk-tokens", "256", "--seed", "5"],
-], ids=["m1", "m2-chunked"])
+    # A prefill page size of its own: plan took the heterogeneous planner (other counts, and
+    # "no heterogeneous cache entry" for tiny-mixed) while transfer ran the main job.
+    ["--dcp-size", "2", "--prefill-page-size", "64"],
+    ["--dcp-size", "4", "--prefill-dcp-size", "2", "--prefill-page-size", "8", "--chunk-tokens", "256"],
+    ["--dcp-size", "2", "--prefill-page-size", "32", "--prefix-tokens", "64", "--seed", "3"],
+    ["--dcp-size", "2", "--prefill-page-size", "128", "--prefix-tokens", "96"],  # prefix ends mid prefill page
+], ids=["m1", "m2-chunked", "prefill-page-64", "prefill-page-8-m2-chunked", "prefill-page-32-prefix",
+        "prefill-page-128-prefix-96"])
 def test_plan_prints_the_counts_transfer_reports(tmp_path, extra):
     """`plan` and `transfer` plan on the same allocator-drawn page tables and pack regions."""
     cfg = ["--model", "tiny-mixed", "--prompt-tokens", "700", "--page-size", "16", *extra]

@@ -283,3 +283,25 @@ def test_bad_mode_and_model():
         plan_command("no-such-model", 64, console=Console(file=io.StringIO()))
     with pytest.raises(ValueError, match="decode_prefix_len"):
         cost_report(num_layers=1, item_lens=(4,), prompt_tokens=64, decode_prefix_len=8, page_size=4, dcp_size=4)
+
+
+def test_prefill_page_size_plans_the_jobs_tables_and_counts():
+    # What `dcp-jax transfer --prefill-page-size 64` reported for this request (fresh-user trial 07):
+    # direct 15,616 descriptors per rank (one per token per layer: 256 x 61), packed 915 / 854.
+    cfg = CostConfig(**DSV3, prompt_tokens=512, page_size=16, dcp_size=2, prefill_page_size=64)
+    assert cfg.src_page_size == 64 and [s.page_size for s in cfg.layouts()[0]] == [64]
+    assert [s.page_size for s in cfg.layouts()[1]] == [16, 16]
+    src, dst = job_page_tables(cfg)
+    assert [t.size for t in src] == [8] and [t.size for t in dst] == [16, 16]  # 512/64; 256/16 each
+    assert src[0].tolist() == draw_page_table(512, 64, pool_pages_for(8, 1.25), 0, PREFILL_SIDE, 0).tolist()
+    rows = cost_report(cfg)
+    assert [(r["mode"], r["descriptors"]) for r in rows] == [
+        ("direct", 15616), ("direct", 15616), ("packed", 915), ("packed", 854)]
+    same = CostConfig(**DSV3, prompt_tokens=512, page_size=16, dcp_size=2, prefill_page_size=16)
+    assert cost_report(same) == cost_report(dataclasses.replace(same, prefill_page_size=None))
+
+
+@pytest.mark.parametrize("value, exc", [(0, ValueError), (2.0, TypeError)])
+def test_prefill_page_size_is_checked_by_name(value, exc):
+    with pytest.raises(exc, match=f"prefill_page_size.*{value}"):
+        CostConfig(**DSV3, prompt_tokens=512, prefill_page_size=value)
