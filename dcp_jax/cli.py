@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dcp_jax.cli_load import load
-from dcp_jax.cli_options import _MODES, _check_out_path, _fail, _job_config, _json_default
+from dcp_jax.cli_options import _MODES, _check_out_path, _fail, _job_config, _json_default, uses_hetero_job
 from dcp_jax.cli_plan import plan
 from dcp_jax.generate.cli import generate
 from dcp_jax.geometry import DEFAULT_GEOMETRY, geometry_names
@@ -124,10 +124,8 @@ def transfer(
     from dcp_jax.job import DEVICES, check_device, check_host_memory, run_job
     from dcp_jax.job.gpus import check_gpus, parse_gpu_list
 
-    from dcp_jax.hetero.cost import HETERO_MODELS
-
-    if prefill_tp_size != 1 or tp_size != 1 or prefill_layout or decode_layout or (
-            model in HETERO_MODELS and model not in geometry_names()):
+    if uses_hetero_job(model, prefill_tp_size=prefill_tp_size, tp_size=tp_size, prefill_layout=prefill_layout,
+                       decode_layout=decode_layout):
         # TP / layout pairs: through the connector, one process per rank (dcp_jax.hetero.connector_job)
         from dcp_jax.cli_hetero import hetero_transfer
 

@@ -14,6 +14,18 @@ __all__ = ["check_out_path"]
 _MODES = {"direct": ("direct",), "packed": ("packed",), "both": ("direct", "packed")}
 
 
+def uses_hetero_job(model: str, *, prefill_tp_size: int, tp_size: int, prefill_layout, decode_layout) -> bool:
+    """The one switch ``transfer`` and ``plan`` share: True when the options need the
+    heterogeneous (TP / cache layout) job and plan, `dcp_jax.cli_hetero`: a TP size other than 1
+    on either side, a named cache layout, or a model only that plan knows. A differing page size
+    alone stays on the main job (its prefill side takes its own page size)."""
+    from dcp_jax.geometry import geometry_names
+    from dcp_jax.hetero.cost import HETERO_MODELS
+
+    return bool(prefill_tp_size != 1 or tp_size != 1 or prefill_layout or decode_layout
+                or (model in HETERO_MODELS and model not in geometry_names()))
+
+
 def _fail(msg: str) -> None:
     raise typer.BadParameter(msg)
 

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from dcp_jax.cli_options import _check_out_path, _fail, _job_config, _json_default
+from dcp_jax.cli_options import _check_out_path, _fail, _job_config, _json_default, uses_hetero_job
 from dcp_jax.geometry import DEFAULT_GEOMETRY, geometry_names
 
 __all__ = ["plan"]
@@ -54,12 +54,9 @@ def plan(
     """
     from dcp_jax.cost import plan_command
 
-    from dcp_jax.hetero.cost import HETERO_MODELS
-
     # The same switch as ``transfer``'s: a differing page size alone stays on the main job's plan.
-    hetero = (prefill_tp_size != 1 or tp_size != 1 or prefill_layout or decode_layout
-              or (model in HETERO_MODELS and model not in geometry_names()))
-    if hetero:
+    if uses_hetero_job(model, prefill_tp_size=prefill_tp_size, tp_size=tp_size, prefill_layout=prefill_layout,
+                       decode_layout=decode_layout):
         from dcp_jax.cli_hetero import hetero_plan
 
         # Options the heterogeneous plan does not take: refused, not silently ignored.
