@@ -157,8 +157,12 @@ def dcp_mla_decode(q_latent, q_rope, kv_cache, page_table, kv_lens, *, softmax_s
       q_rope: [B, Q, H, Dr] rope queries (Dr = 64).
       kv_cache: [N, num_pages, page_size, Dl + Dr] per-rank KV pages; slice r lives on rank r.
       page_table: i32[N, B, max_pages] per-rank page ids per request (see :func:`paginate_kv`),
-        or one shared i32[B, max_pages] table for every rank (sglang's virtual pages).
-      kv_lens: i32[B] cached tokens per request including its Q query tokens (0 = empty slot).
+        or one shared i32[B, max_pages] table for every rank (sglang's virtual pages). Rank r
+        reads the first ``ceil(local_len(kv_lens[b], r) / page_size)`` entries of request b
+        (``dcp_jax.layout``); those must be pages of the cache (``0 <= id < num_pages``), the
+        entries past them are padding and may hold anything (-1, 0, stale ids).
+      kv_lens: i32[B] cached tokens per request including its Q query tokens (0 = empty slot);
+        ``>= 0`` and within what the table holds on every rank.
       softmax_scale: score multiplier (DeepSeek-V3: ``1/sqrt(192)`` times the YaRN mscale^2).
       mesh: a mesh with an ``axis_name`` axis of size N (e.g. ``merge.make_dcp_mesh(N)``).
       interleave_size: I, tokens per ownership block (1 = token round-robin).
@@ -169,13 +173,24 @@ def dcp_mla_decode(q_latent, q_rope, kv_cache, page_table, kv_lens, *, softmax_s
       ``(out [B, Q, H, Dl] in q_latent's dtype, lse f32[B, Q, H] natural log)``; heads sharded
       over ``axis_name`` for ag_rs / a2a, replicated for ag_ar. Empty queries: out 0, lse -inf.
 
+    Checks: concrete ``page_table`` and ``kv_lens`` are checked on the host before anything
+    runs (one vectorised numpy pass; it copies both to the host, a small transfer and a sync).
+    Traced ones (the call inside ``jax.jit``, or ``vmap`` over them) cannot be checked, and
+    then bad values are NOT reported: a page id outside ``[0, num_pages)`` is clamped to page 0
+    or ``num_pages - 1`` (``jnp.take(mode="clip")``), so another page's KV is read; a
+    ``kv_lens`` past the table's capacity attends only the ``max_pages * page_size`` local
+    tokens the table holds; a negative ``kv_lens`` attends nothing (out 0, lse -inf).
+
     Raises:
       ValueError: shapes disagree, ``H % N != 0``, N != mesh axis size, bad ``merge``,
-        ``softmax_scale`` or layout ints.
+        ``softmax_scale`` or layout ints; concrete ``kv_lens < 0``, a ``kv_lens`` past the
+        table (message names ``kv_lens[b]``), a page id read outside ``[0, num_pages)``
+        (message names ``page_table[r, b, k]``, or ``page_table[b, k]`` when shared).
       TypeError: integer arguments of the wrong dtype.
     """
     q_latent, q_rope, kv_cache, page_table, kv_lens = _check_mla(q_latent, q_rope, kv_cache,
-                                                                 page_table, kv_lens)
+                                                                 page_table, kv_lens,
+                                                                 interleave_size)
     return _dcp_call("mla", (q_latent, q_rope), (kv_cache,), page_table, kv_lens, mesh=mesh,
                      axis_name=axis_name, merge=merge, interleave_size=interleave_size,
                      softmax_scale=softmax_scale)
@@ -192,7 +207,8 @@ def dcp_gqa_decode(q, k_cache, v_cache, page_table, kv_lens, *, softmax_scale: f
       q: [B, Q, H, D] queries, head-sharded over ``axis_name``; H must divide by N and by Hkv.
       k_cache: [N, num_pages, page_size, Hkv, D] per-rank key pages.
       v_cache: [N, num_pages, page_size, Hkv, Dv] per-rank value pages.
-      page_table: i32[N, B, max_pages] per-rank page ids per request, or shared [B, max_pages].
+      page_table: i32[N, B, max_pages] per-rank page ids per request, or shared [B, max_pages];
+        the entries read must be pages of the cache, as :func:`dcp_mla_decode`.
       kv_lens: i32[B] cached tokens per request including its Q query tokens.
       softmax_scale: score multiplier (usually ``1/sqrt(D)``).
       mesh, interleave_size, axis_name, merge: as :func:`dcp_mla_decode`.
@@ -201,9 +217,11 @@ def dcp_gqa_decode(q, k_cache, v_cache, page_table, kv_lens, *, softmax_scale: f
       ``(out [B, Q, H, Dv] in q's dtype, lse f32[B, Q, H] natural log)``.
 
     Raises:
-      ValueError / TypeError: as :func:`dcp_mla_decode`, plus ``H % Hkv != 0``.
+      ValueError / TypeError: as :func:`dcp_mla_decode` (the same host checks of concrete
+        ``page_table`` / ``kv_lens``, none under a trace), plus ``H % Hkv != 0``.
     """
-    q, k_cache, v_cache, page_table, kv_lens = _check_gqa(q, k_cache, v_cache, page_table, kv_lens)
+    q, k_cache, v_cache, page_table, kv_lens = _check_gqa(q, k_cache, v_cache, page_table, kv_lens,
+                                                          interleave_size)
     return _dcp_call("gqa", (q,), (k_cache, v_cache), page_table, kv_lens, mesh=mesh,
                      axis_name=axis_name, merge=merge, interleave_size=interleave_size,
                      softmax_scale=softmax_scale)
@@ -234,18 +252,20 @@ def dcp_mla_decode_emulated(q_latent, q_rope, kv_cache, page_table, kv_lens, *,
     """:func:`dcp_mla_decode` with all N ranks on ONE device (vmap over ranks + ``merge_states``).
 
     Same numbers without a mesh: for single-GPU tests and benchmarks of the N-rank layout.
-    Args, Returns and Raises as :func:`dcp_mla_decode` (no mesh; N = ``kv_cache.shape[0]``,
-    output replicated).
+    Args, Returns, Raises and the host checks of concrete ``page_table`` / ``kv_lens`` as
+    :func:`dcp_mla_decode` (no mesh; N = ``kv_cache.shape[0]``, output replicated).
     """
     q_latent, q_rope, kv_cache, page_table, kv_lens = _check_mla(q_latent, q_rope, kv_cache,
-                                                                 page_table, kv_lens)
+                                                                 page_table, kv_lens,
+                                                                 interleave_size)
     return _emulated("mla", (q_latent, q_rope), (kv_cache,), page_table, kv_lens,
                      interleave_size, softmax_scale)
 
 
 def dcp_gqa_decode_emulated(q, k_cache, v_cache, page_table, kv_lens, *, softmax_scale: float,
                             interleave_size: int = 1):
-    """:func:`dcp_gqa_decode` with all N ranks on one device. Args as :func:`dcp_gqa_decode`."""
-    q, k_cache, v_cache, page_table, kv_lens = _check_gqa(q, k_cache, v_cache, page_table, kv_lens)
+    """:func:`dcp_gqa_decode` with all N ranks on one device. Args, checks as :func:`dcp_gqa_decode`."""
+    q, k_cache, v_cache, page_table, kv_lens = _check_gqa(q, k_cache, v_cache, page_table, kv_lens,
+                                                          interleave_size)
     return _emulated("gqa", (q,), (k_cache, v_cache), page_table, kv_lens, interleave_size,
                      softmax_scale)

@@ -9,15 +9,31 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
+from dcp_jax import layout
 from dcp_jax.merge import MERGE_FORMS
 
 
-def _check_common(q, page_table, kv_lens, n_ranks, num_pages_axis_len, name_cache):
-    """Checks the shared arguments; returns the page table as i32[N, B, max_pages]."""
+def _concrete(x):
+    """``x`` as a numpy array when it holds values, None when it is traced (jit, vmap, grad)."""
+    return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
+
+
+def _check_common(q, page_table, kv_lens, cache_shape, name_cache, interleave_size):
+    """Checks the shared arguments; returns (page table i32[N, B, max_pages], kv_lens i32[B]).
+
+    Concrete ``page_table`` / ``kv_lens`` are also checked against the cache on the host
+    (:func:`_check_pages`); traced ones cannot be (see the attention forms' docstrings).
+    """
+    pt_host, lens_host = _concrete(page_table), _concrete(kv_lens)
+    page_table, kv_lens = jnp.asarray(page_table), jnp.asarray(kv_lens)
     b = q.shape[0]
-    if page_table.ndim == 2 and page_table.shape[0] == b:
+    n_ranks, num_pages, page_size = cache_shape[:3]
+    shared = page_table.ndim == 2 and page_table.shape[0] == b
+    if shared:
         # sglang's convention (spec section 3): one table of virtual page ids for every rank.
         page_table = jnp.broadcast_to(page_table, (n_ranks,) + page_table.shape)
     if page_table.ndim != 3 or page_table.shape[:2] != (n_ranks, b):
@@ -31,9 +47,56 @@ def _check_common(q, page_table, kv_lens, n_ranks, num_pages_axis_len, name_cach
         raise ValueError(f"kv_lens must be [B] = [{b}], got {kv_lens.shape=}")
     if not jnp.issubdtype(kv_lens.dtype, jnp.integer):
         raise TypeError(f"kv_lens must be integer, got {kv_lens.dtype=}")
-    if num_pages_axis_len < 1:
+    if num_pages < 1:
         raise ValueError(f"{name_cache} needs at least one page")
-    return page_table.astype(jnp.int32)
+    if page_size < 1:
+        raise ValueError(f"{name_cache} pages must hold at least one token, got page_size={page_size}")
+    n_ranks, interleave_size, _ = layout.check_layout_args(n_ranks, interleave_size)
+    _check_pages(pt_host, lens_host, max_pages=page_table.shape[-1], shared=shared, n=n_ranks,
+                 interleave_size=interleave_size, page_size=page_size, num_pages=num_pages,
+                 name_cache=name_cache)
+    return page_table.astype(jnp.int32), kv_lens.astype(jnp.int32)
+
+
+def _check_pages(pt, lens, *, max_pages, shared, n, interleave_size, page_size, num_pages,
+                 name_cache):
+    """Host check of what the attention will read: one vectorised numpy pass.
+
+    ``lens`` (kv_lens, None when traced) must be >= 0 and fit the table: rank r reads
+    ``ceil(local_len(kv_lens[b], r) / page_size)`` pages of request b (``dcp_jax.layout``).
+    Those entries of ``pt`` (None when traced; [B, max_pages] when ``shared``) must be pages of
+    the cache, ``0 <= id < num_pages``; entries past them are padding and are not looked at.
+    """
+    if lens is None:
+        return
+    lens = lens.astype(np.int64)
+    if lens.size and lens.min() < 0:
+        bi = int(np.argmin(lens))
+        raise ValueError(f"kv_lens[{bi}]={int(lens[bi])} must be >= 0 tokens")
+    local = layout.local_len_np(lens[None, :], n, np.arange(n)[:, None], interleave_size)  # [N, B]
+    need = -(-local // page_size)  # pages rank r reads for request b
+    over = need > max_pages
+    if over.any():
+        r, bi = (int(v) for v in np.argwhere(over)[0])
+        raise ValueError(
+            f"kv_lens[{bi}]={int(lens[bi])} does not fit the page table: rank {r} holds "
+            f"{int(local[r, bi])} of its tokens, {int(need[r, bi])} pages of {page_size}, but "
+            f"page_table has max_pages={max_pages}"
+        )
+    if pt is None:
+        return
+    if shared:
+        pt = pt[None]  # [1, B, max_pages]; rank 0 reads the most pages of every rank
+        need = need.max(axis=0, keepdims=True)
+    used = np.arange(max_pages) < need[..., None]  # [N, B, max_pages]
+    bad = used & ((pt < 0) | (pt >= num_pages))
+    if bad.any():
+        r, bi, k = (int(v) for v in np.argwhere(bad)[0])
+        where = f"page_table[{bi}, {k}]" if shared else f"page_table[{r}, {bi}, {k}]"
+        raise ValueError(
+            f"{where}={int(pt[r, bi, k])} is not a page of the cache ({name_cache} has "
+            f"num_pages={num_pages}); it is read for kv_lens[{bi}]={int(lens[bi])}"
+        )
 
 
 def _check_scale(softmax_scale):
@@ -44,9 +107,8 @@ def _check_scale(softmax_scale):
     return float(softmax_scale)
 
 
-def _check_mla(q_latent, q_rope, kv_cache, page_table, kv_lens):
+def _check_mla(q_latent, q_rope, kv_cache, page_table, kv_lens, interleave_size):
     q_latent, q_rope, kv_cache = map(jnp.asarray, (q_latent, q_rope, kv_cache))
-    page_table, kv_lens = jnp.asarray(page_table), jnp.asarray(kv_lens)
     if q_latent.ndim != 4 or q_rope.ndim != 4 or q_latent.shape[:3] != q_rope.shape[:3]:
         raise ValueError(
             f"q_latent [B, Q, H, Dl] and q_rope [B, Q, H, Dr] must agree, got "
@@ -57,14 +119,13 @@ def _check_mla(q_latent, q_rope, kv_cache, page_table, kv_lens):
         raise ValueError(
             f"kv_cache must be [N, num_pages, page_size, Dl + Dr = {dl + dr}], got {kv_cache.shape=}"
         )
-    page_table = _check_common(q_latent, page_table, kv_lens, kv_cache.shape[0], kv_cache.shape[1],
-                               "kv_cache")
-    return q_latent, q_rope, kv_cache, page_table, kv_lens.astype(jnp.int32)
+    page_table, kv_lens = _check_common(q_latent, page_table, kv_lens, kv_cache.shape, "kv_cache",
+                                        interleave_size)
+    return q_latent, q_rope, kv_cache, page_table, kv_lens
 
 
-def _check_gqa(q, k_cache, v_cache, page_table, kv_lens):
+def _check_gqa(q, k_cache, v_cache, page_table, kv_lens, interleave_size):
     q, k_cache, v_cache = map(jnp.asarray, (q, k_cache, v_cache))
-    page_table, kv_lens = jnp.asarray(page_table), jnp.asarray(kv_lens)
     if q.ndim != 4:
         raise ValueError(f"q must be [B, Q, H, D], got {q.shape=}")
     if k_cache.ndim != 5 or k_cache.shape[-1] != q.shape[-1]:
@@ -78,8 +139,9 @@ def _check_gqa(q, k_cache, v_cache, page_table, kv_lens):
     hkv = k_cache.shape[3]
     if q.shape[2] % hkv != 0:
         raise ValueError(f"query heads H={q.shape[2]} must be a multiple of KV heads Hkv={hkv}")
-    page_table = _check_common(q, page_table, kv_lens, k_cache.shape[0], k_cache.shape[1], "k_cache")
-    return q, k_cache, v_cache, page_table, kv_lens.astype(jnp.int32)
+    page_table, kv_lens = _check_common(q, page_table, kv_lens, k_cache.shape, "k_cache",
+                                        interleave_size)
+    return q, k_cache, v_cache, page_table, kv_lens
 
 
 def _check_form(merge, h, n, axis_name):

@@ -1,0 +1,158 @@
+"""Argument checks of the DCP attention forms: page tables, kv_lens (host checks of concrete
+values; nothing under a trace), checked on 2 and 4 of the 8 CPU devices against float64."""
+
+import jax
+import numpy as np
+import pytest
+
+from dcp_jax import layout
+from dcp_jax.attention import (
+    dcp_gqa_decode,
+    dcp_gqa_decode_emulated,
+    dcp_mla_decode,
+    dcp_mla_decode_emulated,
+    gqa_decode_reference,
+    mla_decode_reference,
+    paginate_kv,
+)
+from dcp_jax.merge import make_dcp_mesh
+
+pytestmark = pytest.mark.skipif(
+    len(jax.devices()) != 8,
+    reason="needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py)",
+)
+
+FORMS = ["mla", "mla_emulated", "gqa", "gqa_emulated"]
+PAGE = 4
+
+
+def _case(form, seed, kv_lens, *, n, interleave=1, q_len=1, shared=False):
+    """Fresh random inputs for ``form``: (call(page_table, kv_lens, **kw), reference(kv_lens),
+    cache num_pages, page_table)."""
+    rng = np.random.default_rng(seed)
+    b, s, h = len(kv_lens), max(kv_lens), 4
+    kv_lens = np.asarray(kv_lens)
+    paged = dict(dcp_size=n, page_size=PAGE, interleave_size=interleave, fill=np.nan,
+                 shuffle_seed=seed, extra_pages=1, shared_page_table=shared)
+    scale = float(rng.uniform(0.1, 0.5))
+    if form.startswith("mla"):
+        ql, qr = (rng.standard_normal((b, q_len, h, d)).astype(np.float32) for d in (8, 4))
+        kv = rng.standard_normal((b, s, 12)).astype(np.float32)
+        cache, pt = paginate_kv(kv, kv_lens, **paged)
+        caches = (cache,)
+        qs = (ql, qr)
+        ref = lambda lens: mla_decode_reference(ql, qr, kv, lens, softmax_scale=scale)  # noqa: E731
+        fn = dcp_mla_decode if form == "mla" else dcp_mla_decode_emulated
+    else:
+        q = rng.standard_normal((b, q_len, h, 8)).astype(np.float32)
+        k = rng.standard_normal((b, s, 2, 8)).astype(np.float32)
+        v = rng.standard_normal((b, s, 2, 6)).astype(np.float32)
+        kc, pt = paginate_kv(k, kv_lens, **paged)
+        vc, _ = paginate_kv(v, kv_lens, **paged)
+        caches = (kc, vc)
+        qs = (q,)
+        ref = lambda lens: gqa_decode_reference(q, k, v, lens, softmax_scale=scale)  # noqa: E731
+        fn = dcp_gqa_decode if form == "gqa" else dcp_gqa_decode_emulated
+    extra = {} if form.endswith("emulated") else {"mesh": make_dcp_mesh(n)}
+
+    def call(page_table, lens, **kw):
+        return fn(*qs, *caches, page_table, lens, softmax_scale=scale, interleave_size=interleave,
+                  **extra, **kw)
+
+    return call, ref, caches[0].shape[1], pt
+
+
+def _pages_read(kv_lens, n, interleave):
+    """[N, B] pages each rank reads, from the library's own local_len."""
+    return np.stack([-(-layout.local_len_np(np.asarray(kv_lens), n, r, interleave) // PAGE)
+                     for r in range(n)])
+
+
+def _assert_matches(got, ref):
+    o, l = (np.asarray(x, np.float64) for x in got)
+    ref_o, ref_l = ref
+    np.testing.assert_allclose(o, ref_o, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.isneginf(l), np.isneginf(ref_l))
+    fin = np.isfinite(ref_l)
+    np.testing.assert_allclose(l[fin], ref_l[fin], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- page ids and kv_lens
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("form", FORMS)
+def test_page_id_past_the_cache_is_refused(form, n):
+    kv_lens = [3, 21, 9]
+    call, _, num_pages, pt = _case(form, 100 + n, kv_lens, n=n, interleave=2)
+    bad = pt.copy()
+    bad[n - 1, 1, 0] = num_pages + 6  # rank N-1 reads page 0 of request 1 (21 tokens)
+    with pytest.raises(ValueError, match=rf"page_table\[{n - 1}, 1, 0\]={num_pages + 6} is not "
+                                         rf"a page of the cache .*num_pages={num_pages}"):
+        call(bad, np.asarray(kv_lens))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_negative_page_id_is_refused(form):
+    kv_lens = [13, 2]
+    call, _, _, pt = _case(form, 200, kv_lens, n=2)
+    bad = pt.copy()
+    bad[0, 0, 1] = -1  # rank 0 holds 7 of 13 tokens: pages 0 and 1 are read
+    with pytest.raises(ValueError, match=r"page_table\[0, 0, 1\]=-1 is not a page"):
+        call(bad, np.asarray(kv_lens))
+
+
+@pytest.mark.parametrize("form", ["mla", "gqa_emulated"])
+def test_shared_table_names_the_shared_entry(form):
+    kv_lens = [5, 17]
+    call, _, num_pages, pt = _case(form, 300, kv_lens, n=4, shared=True)
+    assert pt.ndim == 2
+    bad = pt.copy()
+    bad[1, 1] = num_pages
+    with pytest.raises(ValueError, match=rf"page_table\[1, 1\]={num_pages} is not a page"):
+        call(bad, np.asarray(kv_lens))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("form", FORMS)
+def test_padding_past_the_pages_read_is_accepted(form, n):
+    # Serving stacks pad a request's row past its used pages with -1 or 0 (or stale ids).
+    kv_lens = [1, 26, 7, 0]
+    call, ref, num_pages, pt = _case(form, 400 + n, kv_lens, n=n, interleave=3, q_len=2)
+    read = _pages_read(kv_lens, n, 3)
+    padded = pt.copy()
+    rng = np.random.default_rng(401 + n)
+    for r in range(n):
+        for b in range(len(kv_lens)):
+            tail = padded[r, b, read[r, b]:]
+            tail[:] = rng.choice([-1, 0, num_pages, 10**6], size=tail.shape)
+    assert (padded != pt).any()
+    _assert_matches(call(padded, np.asarray(kv_lens)), ref(np.asarray(kv_lens)))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_kv_lens_past_the_table_is_refused(form):
+    kv_lens = [6, 16]
+    call, _, _, pt = _case(form, 500, kv_lens, n=2)
+    assert pt.shape[-1] == 2  # 8 local tokens per rank, 2 pages of 4
+    with pytest.raises(ValueError, match=r"kv_lens\[1\]=20 does not fit the page table.*max_pages=2"):
+        call(pt, np.array([6, 20]))
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_negative_kv_lens_is_refused(form):
+    call, _, _, pt = _case(form, 600, [4, 9], n=2)
+    with pytest.raises(ValueError, match=r"kv_lens\[1\]=-5 must be >= 0"):
+        call(pt, np.array([4, -5]))
+
+
+@pytest.mark.parametrize("form", ["mla", "gqa_emulated"])
+def test_under_jit_nothing_is_checked_and_ids_are_clamped(form):
+    # The documented behaviour under a trace: an out-of-range id reads the clamped page.
+    kv_lens = np.array([16])
+    call, _, num_pages, pt = _case(form, 700, [16], n=2)
+    bad, clamped = pt.copy(), pt.copy()
+    bad[1, 0, 1], clamped[1, 0, 1] = num_pages + 4, num_pages - 1
+    got = jax.jit(call)(bad, kv_lens)
+    want = call(clamped, kv_lens)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
