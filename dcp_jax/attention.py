@@ -163,7 +163,9 @@ def dcp_mla_decode(q_latent, q_rope, kv_cache, page_table, kv_lens, *, softmax_s
         entries past them are padding and may hold anything (-1, 0, stale ids).
       kv_lens: i32[B] cached tokens per request including its Q query tokens (0 = empty slot);
         ``>= 0`` and within what the table holds on every rank.
-      softmax_scale: score multiplier (DeepSeek-V3: ``1/sqrt(192)`` times the YaRN mscale^2).
+      softmax_scale: score multiplier (DeepSeek-V3: ``1/sqrt(192)`` times the YaRN mscale^2): any
+        positive finite real scalar (Python float or int, numpy scalar, 0-d numpy/JAX array),
+        concrete (it is compiled in as a constant).
       mesh: a mesh with an ``axis_name`` axis of size N (e.g. ``merge.make_dcp_mesh(N)``).
       interleave_size: I, tokens per ownership block (1 = token round-robin).
       axis_name: the DCP mesh axis (default "dcp").
@@ -186,7 +188,8 @@ def dcp_mla_decode(q_latent, q_rope, kv_cache, page_table, kv_lens, *, softmax_s
         ``softmax_scale`` or layout ints; concrete ``kv_lens < 0``, a ``kv_lens`` past the
         table (message names ``kv_lens[b]``), a page id read outside ``[0, num_pages)``
         (message names ``page_table[r, b, k]``, or ``page_table[b, k]`` when shared).
-      TypeError: integer arguments of the wrong dtype.
+      TypeError: integer arguments of the wrong dtype; a ``softmax_scale`` that is not a real
+        scalar (bool, complex, str) or is traced.
     """
     q_latent, q_rope, kv_cache, page_table, kv_lens = _check_mla(q_latent, q_rope, kv_cache,
                                                                  page_table, kv_lens,

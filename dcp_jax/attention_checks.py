@@ -99,12 +99,31 @@ def _check_pages(pt, lens, *, max_pages, shared, n, interleave_size, page_size, 
         )
 
 
-def _check_scale(softmax_scale):
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not (
-        math.isfinite(softmax_scale) and softmax_scale > 0
-    ):
-        raise ValueError(f"{softmax_scale=} must be a positive finite float")
-    return float(softmax_scale)
+def _check_scale(softmax_scale) -> float:
+    """``softmax_scale`` as a Python float: any real scalar (Python int/float, numpy scalar,
+    0-d numpy or JAX array); not bool, complex, a string, a non-scalar, non-finite or <= 0.
+
+    It is compiled into the kernel as a constant, so a traced value (the call inside
+    ``jax.jit`` with the scale as a jitted argument) is refused too.
+    """
+    x = softmax_scale
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError("softmax_scale must be a concrete real scalar (it is a compile-time "
+                        "constant), got a traced value: pass it as a Python float or mark it static")
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        value = float(x)
+    else:
+        arr = np.asarray(x) if isinstance(x, (np.ndarray, np.generic, jax.Array)) else None
+        if arr is None or not (np.issubdtype(arr.dtype, np.floating)
+                               or np.issubdtype(arr.dtype, np.integer)):
+            raise TypeError(f"softmax_scale must be a real scalar (float, int, numpy or 0-d array), "
+                            f"got {type(x).__name__} ({softmax_scale=!r})")
+        if arr.shape != ():
+            raise ValueError(f"softmax_scale must be a scalar, got an array of shape {arr.shape}")
+        value = float(arr)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"softmax_scale must be positive and finite, got softmax_scale={value}")
+    return value
 
 
 def _check_mla(q_latent, q_rope, kv_cache, page_table, kv_lens, interleave_size):

@@ -56,8 +56,8 @@ def _case(form, seed, kv_lens, *, n, interleave=1, q_len=1, shared=False):
     extra = {} if form.endswith("emulated") else {"mesh": make_dcp_mesh(n)}
 
     def call(page_table, lens, **kw):
-        return fn(*qs, *caches, page_table, lens, softmax_scale=scale, interleave_size=interleave,
-                  **extra, **kw)
+        kw = {"softmax_scale": scale, "interleave_size": interleave, **extra, **kw}
+        return fn(*qs, *caches, page_table, lens, **kw)
 
     return call, ref, caches[0].shape[1], pt
 
@@ -156,3 +156,47 @@ def test_under_jit_nothing_is_checked_and_ids_are_clamped(form):
     got = jax.jit(call)(bad, kv_lens)
     want = call(clamped, kv_lens)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
+# ---------------------------------------------------------------- softmax_scale
+
+
+def _scale_case(form, seed):
+    rng = np.random.default_rng(seed)
+    scale = float(np.float32(rng.uniform(0.1, 0.5)))  # exact in float32 as well
+    call, _, _, pt = _case(form, seed, [5, 11], n=2)
+    lens = np.array([5, 11])
+    return (lambda s: call(pt, lens, softmax_scale=s)), scale
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_softmax_scale_accepts_any_real_scalar(form):
+    call, scale = _scale_case(form, 800)
+    want = [np.asarray(x) for x in call(scale)]
+    for s in (np.float32(scale), np.float64(scale), np.asarray(scale, np.float32), np.asarray(scale),
+              jax.numpy.asarray(scale), jax.numpy.float32(scale)):
+        got = call(s)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), w)
+    # An int scale is the float of the same value; 1 / sqrt(np.float32(192)) is the usual spelling.
+    for s, f in ((1, 1.0), (np.int64(2), 2.0), (1 / np.sqrt(np.float32(192)), float(1 / np.sqrt(np.float32(192))))):
+        np.testing.assert_array_equal(np.asarray(call(s)[0]), np.asarray(call(f)[0]))
+
+
+@pytest.mark.parametrize("form", ["mla", "gqa_emulated"])
+@pytest.mark.parametrize("bad, exc", [
+    (True, TypeError), (np.bool_(True), TypeError), ("0.5", TypeError), (0.5 + 0j, TypeError),
+    (np.array([0.5, 0.5]), ValueError), (np.array([0.5]), ValueError), (0.0, ValueError),
+    (-0.25, ValueError), (np.float32(-1), ValueError), (float("nan"), ValueError),
+    (np.float32("inf"), ValueError), (np.asarray(np.nan), ValueError), (None, TypeError),
+], ids=repr)
+def test_softmax_scale_refused(form, bad, exc):
+    call, _ = _scale_case(form, 801)
+    with pytest.raises(exc, match="softmax_scale"):
+        call(bad)
+
+
+def test_softmax_scale_traced_is_refused_by_name():
+    call, scale = _scale_case("mla", 802)
+    with pytest.raises(TypeError, match="softmax_scale .*traced"):
+        jax.jit(call)(scale)
