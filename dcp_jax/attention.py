@@ -24,6 +24,14 @@ All LSEs are natural log of the scaled scores, token-major ``[B, Q, H]``. Arithm
 (matmuls at ``Precision.HIGHEST`` so GPUs do not fall back to TF32); partial and merged outputs
 come back in the query dtype.
 
+Dtypes: queries and caches must be floating (float32, bfloat16, float16); integer queries or an
+integer (int8 / quantised) cache are a ``TypeError`` naming the argument: there is no
+dequantisation here, so dequantise the cache first. The float dtypes may differ: ``q_latent``
+and ``q_rope`` (and the cache) are each used as given, every score term is computed in float32
+and ``out`` comes back in ``q_latent``'s (GQA: ``q``'s) dtype. Empty batches (``B = 0``) or no
+query tokens (``Q = 0``) give empty ``out`` / ``lse`` of those shapes; ``H = 0``, ``Hkv = 0``
+and ``max_pages = 0`` are ``ValueError``.
+
 Where things are: the per-rank partial attention (:func:`mla_partial`, :func:`gqa_partial`) and
 :func:`local_kv_lens` in :mod:`dcp_jax.attention_partial`; :func:`paginate_kv` and the float64
 references in :mod:`dcp_jax.attention_reference`; the argument checks in
@@ -102,10 +110,11 @@ def _dcp_fn(kind: str, mesh: Mesh, axis_name: str, merge: str, query_len: int,
         # (2) local attention over this rank's local_len tokens.
         out, lse = partial(*qs, *caches_local, pt_local, lens_local, softmax_scale=softmax_scale)
         b, qn, h = lse.shape
+        dv = out.shape[-1]  # explicit sizes, no -1: B = 0 or Q = 0 gives empty arrays
         # (3) merge across ranks (head-sliced for ag_rs / a2a).
-        o, l = merge_local(out.reshape(b * qn, h, -1), lse.reshape(b * qn, h),
+        o, l = merge_local(out.reshape(b * qn, h, dv), lse.reshape(b * qn, h),
                            axis_name=axis_name, base="e")
-        return o.reshape(b, qn, o.shape[1], -1), l.reshape(b, qn, -1)
+        return o.reshape(b, qn, o.shape[1], dv), l.reshape(b, qn, l.shape[1])
 
     rank = P(axis_name)
     out_specs = (heads, P(None, None, axis_name)) if merge != "ag_ar" else (P(), P())
@@ -154,7 +163,8 @@ def dcp_mla_decode(q_latent, q_rope, kv_cache, page_table, kv_lens, *, softmax_s
     Args:
       q_latent: [B, Q, H, Dl] absorbed queries (Dl = 512), head-sharded over ``axis_name`` (a
         replicated array is resharded); H must divide by N.
-      q_rope: [B, Q, H, Dr] rope queries (Dr = 64).
+      q_rope: [B, Q, H, Dr] rope queries (Dr = 64); any float dtype, it may differ from
+        ``q_latent``'s (scores are float32 either way; out takes ``q_latent``'s dtype).
       kv_cache: [N, num_pages, page_size, Dl + Dr] per-rank KV pages; slice r lives on rank r.
       page_table: i32[N, B, max_pages] per-rank page ids per request (see :func:`paginate_kv`),
         or one shared i32[B, max_pages] table for every rank (sglang's virtual pages). Rank r
@@ -174,6 +184,7 @@ def dcp_mla_decode(q_latent, q_rope, kv_cache, page_table, kv_lens, *, softmax_s
     Returns:
       ``(out [B, Q, H, Dl] in q_latent's dtype, lse f32[B, Q, H] natural log)``; heads sharded
       over ``axis_name`` for ag_rs / a2a, replicated for ag_ar. Empty queries: out 0, lse -inf.
+      ``B = 0`` or ``Q = 0``: empty arrays of those shapes.
 
     Checks: concrete ``page_table`` and ``kv_lens`` are checked on the host before anything
     runs (one vectorised numpy pass; it copies both to the host, a small transfer and a sync).
@@ -188,8 +199,8 @@ def dcp_mla_decode(q_latent, q_rope, kv_cache, page_table, kv_lens, *, softmax_s
         ``softmax_scale`` or layout ints; concrete ``kv_lens < 0``, a ``kv_lens`` past the
         table (message names ``kv_lens[b]``), a page id read outside ``[0, num_pages)``
         (message names ``page_table[r, b, k]``, or ``page_table[b, k]`` when shared).
-      TypeError: integer arguments of the wrong dtype; a ``softmax_scale`` that is not a real
-        scalar (bool, complex, str) or is traced.
+      TypeError: integer arguments of the wrong dtype; a non-floating query or cache (named);
+        a ``softmax_scale`` that is not a real scalar (bool, complex, str) or is traced.
     """
     q_latent, q_rope, kv_cache, page_table, kv_lens = _check_mla(q_latent, q_rope, kv_cache,
                                                                  page_table, kv_lens,

@@ -22,7 +22,7 @@ def _concrete(x):
     return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
 
 
-def _check_common(q, page_table, kv_lens, cache_shape, name_cache, interleave_size):
+def _check_common(q, q_name, page_table, kv_lens, cache_shape, name_cache, interleave_size):
     """Checks the shared arguments; returns (page table i32[N, B, max_pages], kv_lens i32[B]).
 
     Concrete ``page_table`` / ``kv_lens`` are also checked against the cache on the host
@@ -47,6 +47,11 @@ def _check_common(q, page_table, kv_lens, cache_shape, name_cache, interleave_si
         raise ValueError(f"kv_lens must be [B] = [{b}], got {kv_lens.shape=}")
     if not jnp.issubdtype(kv_lens.dtype, jnp.integer):
         raise TypeError(f"kv_lens must be integer, got {kv_lens.dtype=}")
+    if q.shape[2] < 1:
+        raise ValueError(f"{q_name} needs at least one head, got {q_name}.shape={q.shape}")
+    if page_table.shape[-1] < 1:
+        raise ValueError(f"page_table needs at least one page per request (max_pages >= 1), "
+                         f"got {page_table.shape=}")
     if num_pages < 1:
         raise ValueError(f"{name_cache} needs at least one page")
     if page_size < 1:
@@ -126,8 +131,18 @@ def _check_scale(softmax_scale) -> float:
     return value
 
 
+def _check_float(**arrays):
+    """Queries and caches must hold floats: an integer query would give a truncated integer
+    output, an integer cache raw (not dequantised) values."""
+    for name, x in arrays.items():
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must have a floating dtype (float32, bfloat16, float16; "
+                            f"dequantise an integer cache first), got {name}.dtype={x.dtype}")
+
+
 def _check_mla(q_latent, q_rope, kv_cache, page_table, kv_lens, interleave_size):
     q_latent, q_rope, kv_cache = map(jnp.asarray, (q_latent, q_rope, kv_cache))
+    _check_float(q_latent=q_latent, q_rope=q_rope, kv_cache=kv_cache)
     if q_latent.ndim != 4 or q_rope.ndim != 4 or q_latent.shape[:3] != q_rope.shape[:3]:
         raise ValueError(
             f"q_latent [B, Q, H, Dl] and q_rope [B, Q, H, Dr] must agree, got "
@@ -138,13 +153,14 @@ def _check_mla(q_latent, q_rope, kv_cache, page_table, kv_lens, interleave_size)
         raise ValueError(
             f"kv_cache must be [N, num_pages, page_size, Dl + Dr = {dl + dr}], got {kv_cache.shape=}"
         )
-    page_table, kv_lens = _check_common(q_latent, page_table, kv_lens, kv_cache.shape, "kv_cache",
-                                        interleave_size)
+    page_table, kv_lens = _check_common(q_latent, "q_latent", page_table, kv_lens, kv_cache.shape,
+                                        "kv_cache", interleave_size)
     return q_latent, q_rope, kv_cache, page_table, kv_lens
 
 
 def _check_gqa(q, k_cache, v_cache, page_table, kv_lens, interleave_size):
     q, k_cache, v_cache = map(jnp.asarray, (q, k_cache, v_cache))
+    _check_float(q=q, k_cache=k_cache, v_cache=v_cache)
     if q.ndim != 4:
         raise ValueError(f"q must be [B, Q, H, D], got {q.shape=}")
     if k_cache.ndim != 5 or k_cache.shape[-1] != q.shape[-1]:
@@ -156,9 +172,11 @@ def _check_gqa(q, k_cache, v_cache, page_table, kv_lens, interleave_size):
             f"v_cache must be [N, num_pages, page_size, Hkv, Dv] like k_cache, got {v_cache.shape=}"
         )
     hkv = k_cache.shape[3]
+    if hkv < 1:
+        raise ValueError(f"k_cache needs at least one KV head (Hkv >= 1), got {k_cache.shape=}")
     if q.shape[2] % hkv != 0:
         raise ValueError(f"query heads H={q.shape[2]} must be a multiple of KV heads Hkv={hkv}")
-    page_table, kv_lens = _check_common(q, page_table, kv_lens, k_cache.shape, "k_cache",
+    page_table, kv_lens = _check_common(q, "q", page_table, kv_lens, k_cache.shape, "k_cache",
                                         interleave_size)
     return q, k_cache, v_cache, page_table, kv_lens
 

@@ -116,7 +116,7 @@ def gqa_partial(q, k_pages, v_pages, page_table, local_lens, *, softmax_scale: f
       ``(out [B, Q, H, Dv] in q's dtype, lse f32[B, Q, H] natural log)``.
     """
     b, qn, h, d = q.shape
-    hkv = k_pages.shape[2]
+    hkv, dv = k_pages.shape[2], v_pages.shape[-1]  # explicit sizes, no -1: B or Q may be 0
     k = _gather_local(k_pages, page_table)  # [B, S, Hkv, D]
     v = _gather_local(v_pages, page_table)
     mask, used = _masks(local_lens, k.shape[1])
@@ -124,10 +124,11 @@ def gqa_partial(q, k_pages, v_pages, page_table, local_lens, *, softmax_scale: f
     qg = q.reshape(b, qn, hkv, h // hkv, d)
     f32 = jnp.float32
     scores = jnp.einsum("bqkgd,bskd->bqkgs", qg, k, precision=_HIGHEST, preferred_element_type=f32)
-    p, lse = _softmax_partial(scores.reshape(b, qn, h, -1) * softmax_scale, mask)
-    pg = p.reshape(b, qn, hkv, h // hkv, -1)
+    s = k.shape[1]
+    p, lse = _softmax_partial(scores.reshape(b, qn, h, s) * softmax_scale, mask)
+    pg = p.reshape(b, qn, hkv, h // hkv, s)
     out = jnp.einsum("bqkgs,bskd->bqkgd", pg, v.astype(f32), precision=_HIGHEST)
-    return out.reshape(b, qn, h, -1).astype(q.dtype), lse
+    return out.reshape(b, qn, h, dv).astype(q.dtype), lse
 
 
 # --------------------------------------------------------------------------------------------

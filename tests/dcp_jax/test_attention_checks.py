@@ -200,3 +200,109 @@ def test_softmax_scale_traced_is_refused_by_name():
     call, scale = _scale_case("mla", 802)
     with pytest.raises(TypeError, match="softmax_scale .*traced"):
         jax.jit(call)(scale)
+
+
+# ---------------------------------------------------------------- dtypes and empty shapes
+
+
+def _mla_args(seed, *, b=2, q_len=1, h=4, n=2):
+    rng = np.random.default_rng(seed)
+    kv_lens = rng.integers(1, 12, size=b)
+    kv = rng.standard_normal((b, 12, 12)).astype(np.float32)
+    cache, pt = paginate_kv(kv, kv_lens, dcp_size=n, page_size=PAGE, fill=np.nan, shuffle_seed=seed)
+    ql = rng.standard_normal((b, q_len, h, 8)).astype(np.float32)
+    qr = rng.standard_normal((b, q_len, h, 4)).astype(np.float32)
+    return ql, qr, kv, cache, pt, kv_lens
+
+
+def _gqa_args(seed, *, b=2, q_len=1, h=4, n=2):
+    rng = np.random.default_rng(seed)
+    kv_lens = rng.integers(1, 12, size=b)
+    k = rng.standard_normal((b, 12, 2, 8)).astype(np.float32)
+    kc, pt = paginate_kv(k, kv_lens, dcp_size=n, page_size=PAGE, fill=np.nan, shuffle_seed=seed)
+    q = rng.standard_normal((b, q_len, h, 8)).astype(np.float32)
+    return q, kc, pt, kv_lens
+
+
+def _mla_forms(n=2):
+    return [lambda *a, **k: dcp_mla_decode(*a, mesh=make_dcp_mesh(n), **k), dcp_mla_decode_emulated]
+
+
+def _gqa_forms(n=2):
+    return [lambda *a, **k: dcp_gqa_decode(*a, mesh=make_dcp_mesh(n), **k), dcp_gqa_decode_emulated]
+
+
+@pytest.mark.parametrize("emulated", [False, True])
+@pytest.mark.parametrize("bad", ["q_latent", "q_rope", "kv_cache"])
+@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.bool_, np.complex64], ids=lambda d: d.__name__)
+def test_mla_non_float_dtype_is_refused_by_name(bad, dtype, emulated):
+    ql, qr, _, cache, pt, lens = _mla_args(900)
+    args = {"q_latent": ql, "q_rope": qr, "kv_cache": cache}
+    args[bad] = (np.nan_to_num(args[bad]) * 10).astype(dtype)
+    fn = _mla_forms()[emulated]
+    with pytest.raises(TypeError, match=rf"{bad} must have a floating dtype"):
+        fn(args["q_latent"], args["q_rope"], args["kv_cache"], pt, lens, softmax_scale=0.3)
+
+
+@pytest.mark.parametrize("emulated", [False, True])
+@pytest.mark.parametrize("bad", ["q", "k_cache", "v_cache"])
+def test_gqa_non_float_dtype_is_refused_by_name(bad, emulated):
+    q, kc, pt, lens = _gqa_args(901)
+    args = {"q": q, "k_cache": kc, "v_cache": kc}
+    args[bad] = (np.nan_to_num(args[bad]) * 10).astype(np.int8)
+    fn = _gqa_forms()[emulated]
+    with pytest.raises(TypeError, match=rf"{bad} must have a floating dtype"):
+        fn(args["q"], args["k_cache"], args["v_cache"], pt, lens, softmax_scale=0.3)
+
+
+@pytest.mark.parametrize("emulated", [False, True])
+def test_mla_mixed_query_dtypes_use_each_as_given(emulated):
+    # Documented: q_latent f32 and q_rope bf16 are each used as given, scores in float32, out in
+    # q_latent's dtype; a bf16 cache likewise.
+    ql, qr, kv, cache, pt, lens = _mla_args(902, q_len=2)
+    qr16 = jax.numpy.asarray(qr, jax.numpy.bfloat16)
+    cache16 = jax.numpy.asarray(cache, jax.numpy.bfloat16)
+    out, lse = _mla_forms()[emulated](ql, qr16, cache16, pt, lens, softmax_scale=0.3)
+    assert out.dtype == np.float32 and lse.dtype == np.float32
+    kv16 = np.asarray(jax.numpy.asarray(kv, jax.numpy.bfloat16), np.float64)
+    ref_o, ref_l = mla_decode_reference(ql, np.asarray(qr16, np.float64), kv16, lens, softmax_scale=0.3)
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref_o, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse, np.float64), ref_l, rtol=1e-5, atol=1e-5)
+    # And the other way round: bf16 q_latent gives bf16 out (q_latent's dtype), same values.
+    out_b, _ = _mla_forms()[emulated](jax.numpy.asarray(ql, jax.numpy.bfloat16), qr, cache, pt, lens,
+                                      softmax_scale=0.3)
+    assert out_b.dtype == jax.numpy.bfloat16
+    ref_b, _ = mla_decode_reference(np.asarray(jax.numpy.asarray(ql, jax.numpy.bfloat16), np.float64),
+                                    qr, kv, lens, softmax_scale=0.3)
+    np.testing.assert_allclose(np.asarray(out_b, np.float64), ref_b, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("form", ["mla", "mla_emulated", "gqa", "gqa_emulated"])
+@pytest.mark.parametrize("b, q_len", [(0, 1), (3, 0), (0, 0)])
+def test_empty_batch_or_queries_give_empty_results(form, n, b, q_len):
+    h = 4
+    if form.startswith("mla"):
+        ql, qr, _, cache, pt, lens = _mla_args(903 + n, b=3, n=n)
+        qs, caches, dv = (ql[:b, :q_len], qr[:b, :q_len]), (cache,), 8
+        fn = _mla_forms(n)[form.endswith("emulated")]
+    else:
+        q, kc, pt, lens = _gqa_args(903 + n, b=3, n=n)
+        qs, caches, dv = (q[:b, :q_len],), (kc, kc), 8
+        fn = _gqa_forms(n)[form.endswith("emulated")]
+    out, lse = fn(*qs, *caches, pt[:, :b], lens[:b], softmax_scale=0.3)
+    assert out.shape == (b, q_len, h, dv) and out.dtype == np.float32
+    assert lse.shape == (b, q_len, h) and lse.dtype == np.float32
+
+
+@pytest.mark.parametrize("emulated", [False, True])
+def test_zero_heads_or_pages_are_refused_by_name(emulated):
+    ql, qr, _, cache, pt, lens = _mla_args(906)
+    fn = _mla_forms()[emulated]
+    with pytest.raises(ValueError, match="q_latent needs at least one head"):
+        fn(ql[:, :, :0], qr[:, :, :0], cache, pt, lens, softmax_scale=0.3)
+    with pytest.raises(ValueError, match=r"page_table needs at least one page per request"):
+        fn(ql, qr, cache, pt[:, :, :0], lens * 0, softmax_scale=0.3)
+    q, kc, pt, lens = _gqa_args(907)
+    with pytest.raises(ValueError, match="k_cache needs at least one KV head"):
+        _gqa_forms()[emulated](q, kc[:, :, :, :0], kc[:, :, :, :0], pt, lens, softmax_scale=0.3)
