@@ -68,6 +68,7 @@ from dcp_jax.attention_reference import (  # noqa: F401  (re-exported)
 from dcp_jax.merge import (
     DEFAULT_AXIS_NAME,
     _mesh_axis_size,
+    _place,
     local_merge_fn,
     merge_states,
 )
@@ -145,7 +146,7 @@ def _dcp_call(kind, qs, caches, page_table, kv_lens, *, mesh, axis_name, merge, 
     layout.check_layout_args(n, interleave_size)
     fn = _dcp_fn(kind, mesh, axis_name, merge, qs[0].shape[1], int(interleave_size),
                  _check_scale(softmax_scale))
-    shard = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    shard = lambda x, spec: _place(x, NamedSharding(mesh, spec))  # noqa: E731  (vmap-safe)
     qs = [shard(x, P(None, None, axis_name)) for x in qs]
     caches = [shard(c, P(axis_name)) for c in caches]
     return fn(*qs, *caches, shard(page_table, P(axis_name)), kv_lens)
@@ -159,6 +160,8 @@ def dcp_mla_decode(q_latent, q_rope, kv_cache, page_table, kv_lens, *, softmax_s
     Steps inside ``shard_map`` (rank r): (1) all-gather the ``H/N`` local query heads to all H;
     (2) :func:`mla_partial` over rank r's ``local_len`` tokens (query j of request b sees
     ``local_len(kv_lens[b] - Q + j + 1, r)``); (3) merge the N partials with ``merge``.
+    Works under ``jax.jit`` and ``jax.vmap`` over any of the arrays (a vmapped axis stays
+    unsharded; each batch entry equals the unbatched call).
 
     Args:
       q_latent: [B, Q, H, Dl] absorbed queries (Dl = 512), head-sharded over ``axis_name`` (a

@@ -230,6 +230,16 @@ def make_dcp_mesh(dcp_size: int | None = None, *, axis_name: str = DEFAULT_AXIS_
     return Mesh(np.array(devs[:n]), (axis_name,), axis_types=(AxisType.Auto,))
 
 
+def _place(x, sharding: NamedSharding):
+    """Puts ``x`` on ``sharding``: ``device_put`` for a concrete array; a sharding constraint
+    for a traced one. Under ``jax.vmap`` ``device_put`` applies the spec to the BATCHED array,
+    so ``P(axis)`` partitioned the vmap axis (IndivisibleError unless it divided by N); the
+    constraint's batching rule adds the vmap axis unsharded. Inside ``jit`` the two agree."""
+    if isinstance(x, jax.core.Tracer):
+        return jax.lax.with_sharding_constraint(x, sharding)
+    return jax.device_put(x, sharding)
+
+
 def _mesh_axis_size(mesh: Mesh, axis_name: str) -> int:
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -281,7 +291,7 @@ def _mesh_merge(out, lse, *, mesh, axis_name, base, lse_layout, form):
     else:
         sharding = NamedSharding(mesh, P(axis_name))
         o, l = _mesh_merge_fn(mesh, axis_name, form, base)(
-            jax.device_put(out, sharding), jax.device_put(lse, sharding)
+            _place(out, sharding), _place(lse, sharding)
         )
     if lse_layout == "HT":
         l = l.T
@@ -293,7 +303,9 @@ def ag_rs(out, lse, *, mesh: Mesh | None = None, axis_name: str = DEFAULT_AXIS_N
     """AG+RS merge of N stacked partials, one per device of the ``axis_name`` mesh axis.
 
     Runs :func:`merge_ag_rs` under ``jax.shard_map``: partial r lives on rank r; rank r ends with
-    heads ``[r*H/N, (r+1)*H/N)``, so the global result is sharded over heads.
+    heads ``[r*H/N, (r+1)*H/N)``, so the global result is sharded over heads. Works under
+    ``jax.jit`` and ``jax.vmap`` (any batch size, any ``in_axes``): a vmapped axis stays
+    unsharded and each batch entry is merged as an unbatched call would.
 
     Args:
       out: [N, T, H, D] partial outputs (state axis first), any float dtype.
