@@ -19,7 +19,12 @@ Conventions everywhere in this module (and the two it is built from):
   when its ``out`` holds NaN (weights are *selected* with ``jnp.where``, never multiplied by 0,
   because ``0 * NaN = NaN``); all shards empty gives ``out = 0``, ``lse = -inf``;
 - arithmetic in float32 (or wider if the input is wider); ``out`` comes back in the input dtype,
-  ``lse`` in float32.
+  ``lse`` in float32;
+- the one exception: the collective forms on a ONE-device axis (N = 1: :func:`ag_rs`,
+  :func:`ag_ar`, :func:`a2a`, and :func:`merge_ag_rs` & co. inside ``shard_map``) return the
+  inputs unchanged, as spec section 7 requires: no empty-shard normalisation (an LSE of +inf or
+  NaN and a NaN ``out`` come back as they are) and ``lse`` keeps its dtype. The two rules above
+  apply to them for N >= 2; :func:`merge_states` applies them at every N, N = 1 included.
 
 There is ONE merge core, :func:`_merge_weights` + :func:`_weighted` (:mod:`dcp_jax.merge_core`,
 with the argument checks): the flat forms (:func:`merge_states`, :func:`merge_state`, here) and
@@ -317,7 +322,11 @@ def ag_rs(out, lse, *, mesh: Mesh | None = None, axis_name: str = DEFAULT_AXIS_N
 
     Returns:
       ``(out [T, H, D] in out's dtype, sharded over heads; lse f32[T, H] or [H, T])``.
-      N = 1 returns ``(out[0], lse[0])`` unchanged.
+      Empty shards (LSE -inf, +inf or NaN) contribute exactly zero for N >= 2 only. N = 1 (a
+      one-device axis) returns ``(out[0], lse[0])`` UNCHANGED, as spec section 7 requires: no
+      empty-shard normalisation (an LSE of +inf or NaN and a NaN ``out`` come back as given,
+      where :func:`merge_states` would give out 0, lse -inf) and ``lse`` keeps its dtype (bf16
+      stays bf16). Use :func:`merge_states` for the normalised single-shard result.
 
     Raises:
       ValueError: ``H % N != 0`` (before tracing), N != mesh axis size, bad shapes / knobs.
@@ -330,7 +339,9 @@ def ag_ar(out, lse, *, mesh: Mesh | None = None, axis_name: str = DEFAULT_AXIS_N
           base: str = "e", lse_layout: str = "TH"):
     """AG+AR merge of N stacked partials over a mesh axis; every rank holds all heads.
 
-    Args, Returns and Raises as :func:`ag_rs`, except that the result is replicated.
+    Args, Returns and Raises as :func:`ag_rs`, except that the result is replicated. As there,
+    N = 1 returns ``(out[0], lse[0])`` unchanged (no empty-shard normalisation, ``lse`` dtype
+    kept); empty shards count as zero for N >= 2.
     """
     return _mesh_merge(out, lse, mesh=mesh, axis_name=axis_name, base=base,
                        lse_layout=lse_layout, form="ag_ar")
@@ -340,7 +351,9 @@ def a2a(out, lse, *, mesh: Mesh | None = None, axis_name: str = DEFAULT_AXIS_NAM
         base: str = "e", lse_layout: str = "TH"):
     """All-to-all merge of N stacked partials over a mesh axis (heads sharded like ``ag_rs``).
 
-    Args, Returns and Raises as :func:`ag_rs`.
+    Args, Returns and Raises as :func:`ag_rs`. As there, N = 1 returns ``(out[0], lse[0])``
+    unchanged (no empty-shard normalisation, ``lse`` dtype kept); empty shards count as zero
+    for N >= 2.
     """
     return _mesh_merge(out, lse, mesh=mesh, axis_name=axis_name, base=base,
                        lse_layout=lse_layout, form="a2a")

@@ -58,7 +58,8 @@ def merge_ag_rs(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"
       base: "e" (default) or "2".
 
     Returns:
-      ``(out [T, H/N, D] in out's dtype, lse f32[T, H/N])``; N = 1 returns the inputs unchanged.
+      ``(out [T, H/N, D] in out's dtype, lse f32[T, H/N])``. N = 1 (a one-rank axis) returns the inputs
+      unchanged (spec section 7): no empty-shard normalisation, ``lse`` keeps its dtype.
 
     Raises:
       ValueError: H not divisible by N, bad shapes or ``base`` (at trace time).
@@ -91,7 +92,8 @@ def merge_ag_ar(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"
       base: "e" (default) or "2".
 
     Returns:
-      ``(out [T, H, D] in out's dtype, lse f32[T, H])``, the same on every rank.
+      ``(out [T, H, D] in out's dtype, lse f32[T, H])``, the same on every rank. N = 1 (a one-rank axis) returns the inputs
+      unchanged (spec section 7): no empty-shard normalisation, ``lse`` keeps its dtype.
 
     Raises:
       ValueError: H not divisible by N, bad shapes or ``base``.
@@ -125,7 +127,8 @@ def merge_a2a(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"):
       base: "e" (default) or "2".
 
     Returns:
-      ``(out [T, H/N, D] in out's dtype, lse f32[T, H/N])``.
+      ``(out [T, H/N, D] in out's dtype, lse f32[T, H/N])``. N = 1 (a one-rank axis) returns the inputs
+      unchanged (spec section 7): no empty-shard normalisation, ``lse`` keeps its dtype.
 
     Raises:
       ValueError: H not divisible by N, bad shapes or ``base``.
