@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from dcp_jax import layout
+from dcp_jax._validate import check_int
 
 __all__ = ["gqa_partial", "local_kv_lens", "mla_partial"]
 
@@ -150,9 +151,13 @@ def local_kv_lens(kv_lens, query_len: int, *, dcp_size: int, interleave_size: in
       attends (its visible prefix is clamped at 0 tokens).
 
     Raises:
-      ValueError / TypeError: bad static ints (from ``dcp_jax.layout``).
+      ValueError / TypeError: bad static ints (from ``dcp_jax.layout``), ``query_len`` not an
+        int >= 0, concrete ``kv_lens`` not integers.
     """
     layout.check_layout_args(dcp_size, interleave_size)
+    query_len = check_int("query_len", query_len, minimum=0)
+    if not isinstance(kv_lens, jax.core.Tracer) and jnp.asarray(kv_lens).dtype.kind not in "iu":
+        raise TypeError(f"kv_lens must hold integers (tokens per request), got dtype {jnp.asarray(kv_lens).dtype}")
     kv_lens = jnp.asarray(kv_lens, dtype=jnp.int32)
     visible = kv_lens[:, None] - query_len + 1 + jnp.arange(query_len, dtype=jnp.int32)[None, :]
     visible = jnp.maximum(visible, 0)  # layout's formulas want non-negative lengths

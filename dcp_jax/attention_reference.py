@@ -42,9 +42,13 @@ def paginate_kv(kv, kv_lens, *, dcp_size: int, page_size: int, interleave_size: 
 
     Raises:
       ValueError: bad layout ints, ``page_size < 1``, ``kv_lens`` outside ``[0, S]`` or not [B].
+      TypeError: ``kv_lens`` not integers.
     """
     kv = np.asarray(kv)
-    kv_lens = np.asarray(kv_lens, dtype=np.int64)
+    given = np.asarray(kv_lens)
+    if given.size and given.dtype.kind not in "iu":  # 2.7 would silently become 2
+        raise TypeError(f"kv_lens must hold integers (tokens per request), got dtype {given.dtype}: {given!r}")
+    kv_lens = given.astype(np.int64)
     n, i, _ = layout.check_layout_args(dcp_size, interleave_size)
     if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
         raise ValueError(f"{page_size=} must be a positive int")

@@ -306,3 +306,26 @@ def test_zero_heads_or_pages_are_refused_by_name(emulated):
     q, kc, pt, lens = _gqa_args(907)
     with pytest.raises(ValueError, match="k_cache needs at least one KV head"):
         _gqa_forms()[emulated](q, kc[:, :, :, :0], kc[:, :, :, :0], pt, lens, softmax_scale=0.3)
+
+
+def test_paginate_kv_and_local_kv_lens_refuse_non_integers_and_negative_query_len():
+    """kv_lens=[2.7] became 2 and query_len=-1 was taken (fresh-user trial 3)."""
+    import numpy as np
+    import pytest
+
+    from dcp_jax.attention_partial import local_kv_lens
+    from dcp_jax.attention_reference import paginate_kv
+
+    kv = np.random.default_rng().standard_normal((1, 8, 4)).astype(np.float32)
+    with pytest.raises(TypeError, match="kv_lens must hold integers.*float64"):
+        paginate_kv(kv, [2.7], dcp_size=2, page_size=4)
+    cache, table = paginate_kv(kv, np.array([3], np.int32), dcp_size=2, page_size=4)  # integers still fine
+    assert table.shape[:2] == (2, 1)
+    with pytest.raises(ValueError, match="query_len must be >= 0, got query_len=-1"):
+        local_kv_lens(np.array([5]), -1, dcp_size=2)
+    with pytest.raises(TypeError, match="query_len must be an int"):
+        local_kv_lens(np.array([5]), 1.0, dcp_size=2)
+    with pytest.raises(TypeError, match="kv_lens must hold integers"):
+        local_kv_lens(np.array([5.5]), 1, dcp_size=2)
+    # tokens 0..4 over 2 ranks (I = 1): the one query sees 3 on rank 0 and 2 on rank 1
+    assert local_kv_lens(np.array([5]), 1, dcp_size=2).tolist() == [[[3]], [[2]]]
