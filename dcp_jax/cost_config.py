@@ -45,8 +45,8 @@ class CostConfig:
         dcp_size: N.
         interleave_size: I.
         max_batch_indices: rows per engine batch (None: one batch per unit or region-full).
-        pack_max_tokens: tokens the pack buffer is sized for (``ceil(max/N)`` rows per
-            destination rank, spec section 6); None = the main job's default
+        pack_max_tokens: tokens the pack buffer is sized for (``N * ceil(max/N)`` rows, spec
+            section 6; one window may use all of them: :func:`region_rows`); None = the main job's default
             (:func:`region_rows`: the most rows one prefill rank sends to one decode rank, so
             nothing is sliced).
         seed: seed of the page allocators (the job's ``--seed``).
@@ -213,8 +213,10 @@ def region_rows(config: CostConfig, prefill_rank: int) -> int:
 
     The most rows the prefill rank sends to any one decode rank over the send range, and never
     fewer than ``ceil(its rows / N)`` (spec section 6), so the default pack never slices;
-    ``pack_max_tokens`` overrides it with ``ceil(pack_max_tokens / N)`` (smaller values force
-    sliced packing, 0 the direct fallback).
+    ``pack_max_tokens`` overrides it with the rows of the whole buffer, ``N * ceil(pack_max_tokens
+    / N)``: `KVSender` packs windows into one shared arena (`transfer.arena.PackArena`) rather
+    than spec section 6's fixed region per rank, and a window may take all of it (smaller values
+    force sliced packing, 0 the direct fallback).
 
     Raises:
         ValueError: ``prefill_rank`` out of range.
@@ -223,8 +225,8 @@ def region_rows(config: CostConfig, prefill_rank: int) -> int:
     srcs, dsts = cfg.layouts()
     if _int("prefill_rank", prefill_rank, minimum=0) >= len(srcs):
         raise ValueError(f"prefill_rank={prefill_rank} must be < prefill_dcp_size={len(srcs)}")
-    if cfg.pack_max_tokens is not None:
-        return -(-cfg.pack_max_tokens // n)
+    if cfg.pack_max_tokens is not None:  # the connector's arena: one window may fill the whole buffer
+        return n * -(-cfg.pack_max_tokens // n)
     a, b = cfg.decode_prefix_len, cfg.prompt_tokens
     shares = [owned_tokens(a, b, dst=d, src=srcs[prefill_rank]).size for d in dsts]
     return max(-(-sum(shares) // n), max(shares))

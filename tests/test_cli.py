@@ -154,8 +154,12 @@ def test_help_documents_verify():
     ["--dcp-size", "4", "--prefill-dcp-size", "2", "--prefill-page-size", "8", "--chunk-tokens", "256"],
     ["--dcp-size", "2", "--prefill-page-size", "32", "--prefix-tokens", "64", "--seed", "3"],
     ["--dcp-size", "2", "--prefill-page-size", "128", "--prefix-tokens", "96"],  # prefix ends mid prefill page
+    # A pack smaller than a rank's share (sliced): the sender's windows may fill the whole shared
+    # arena (N * ceil(T / N) rows); plan gave each rank ceil(T / N) and counted twice the windows.
+    ["--dcp-size", "2", "--pack-tokens", "100"],
+    ["--dcp-size", "3", "--pack-tokens", "70", "--chunk-tokens", "256", "--prefill-page-size", "32"],
 ], ids=["m1", "m2-chunked", "prefill-page-64", "prefill-page-8-m2-chunked", "prefill-page-32-prefix",
-        "prefill-page-128-prefix-96"])
+        "prefill-page-128-prefix-96", "sliced", "sliced-chunked-prefill-page-32"])
 def test_plan_prints_the_counts_transfer_reports(tmp_path, extra):
     """`plan` and `transfer` plan on the same allocator-drawn page tables and pack regions."""
     cfg = ["--model", "tiny-mixed", "--prompt-tokens", "700", "--page-size", "16", *extra]
