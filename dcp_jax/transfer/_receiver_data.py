@@ -75,6 +75,19 @@ class ReceiverData:
             link, frame = self._outbox.popleft()
             link.client.send(frame)
 
+    def _send(self, link: Any, frame: bytes) -> None:
+        """Sends one frame to ``link``'s sender now, after the frames queued before it (an
+        ``abort`` passed on to this request's other senders must reach a sender before this
+        rank's answer to its late ``pull_ready``, or it fails on that answer instead of ending
+        ABORTED). Off the worker thread (which alone uses the sockets) it is queued instead."""
+        if not self._worker.owns_sockets():
+            self._outbox.append((link, frame))
+            self._worker.wake()
+            return
+        if self._outbox:
+            self._flush()
+        link.client.send(frame)
+
     # ---- control messages from the senders ----------------------------------------------------
     def _live(self, link: Any, msg: dict) -> RecvRequest | None:
         req = self._requests.get(msg["rid"])
@@ -93,12 +106,12 @@ class ReceiverData:
                     and done.status is TransferStatus.SUCCESS):
                 # An empty window (a chunk inside the prefix) announced after the request already
                 # completed: nothing to read and nothing owed, so the sender's request may succeed.
-                link.client.send(proto.encode("pull_done", msg["rid"], msg["inc"], chunk=msg["chunk"],
+                self._send(link, proto.encode("pull_done", msg["rid"], msg["inc"], chunk=msg["chunk"],
                                               part=msg["part"], ok=True, reason=""))
                 return
             req = self._live(link, msg)
             if req is None:  # the sender holds a region for it: let it go at once
-                link.client.send(proto.encode("pull_done", msg["rid"], msg["inc"], chunk=msg["chunk"],
+                self._send(link, proto.encode("pull_done", msg["rid"], msg["inc"], chunk=msg["chunk"],
                                               part=msg["part"], ok=False, reason="request not live here"))
                 return
             if link.path == "region" and msg["nrows"]:
@@ -232,7 +245,7 @@ class ReceiverData:
         done = dict(chunk=msg["chunk"], part=msg["part"], nparts=msg["nparts"], start=msg["start"],
                     stop=msg["stop"], nrows=n)
         if n == 0:
-            link.client.send(proto.encode("pull_done", req.rid, req.inc, chunk=msg["chunk"], part=msg["part"],
+            self._send(link, proto.encode("pull_done", req.rid, req.inc, chunk=msg["chunk"], part=msg["part"],
                                           ok=True, reason=""))
             return self._part_landed(req, link, {"rid": req.rid, "inc": req.inc, **done})
         dst = rows[lo:lo + n]
@@ -251,7 +264,7 @@ class ReceiverData:
             h = self.engine.transfer_batch(link.peer, descs[:, [1, 0, 2]], op="READ",
                                            dcp_rank=self.spec.dcp_rank, chunk=msg["chunk"])
         except Exception as exc:  # noqa: BLE001 - refused before a byte moved
-            link.client.send(proto.encode("pull_done", req.rid, req.inc, chunk=msg["chunk"], part=msg["part"],
+            self._send(link, proto.encode("pull_done", req.rid, req.inc, chunk=msg["chunk"], part=msg["part"],
                                           ok=False, reason=str(exc)[:proto.MAX_TEXT]))
             self._end(req, TransferStatus.FAILED, f"pull refused: {exc}", "failed")
             return
@@ -272,7 +285,7 @@ class ReceiverData:
             busy = True
             del self._reads[seq]
             req.inflight -= 1
-            link.client.send(proto.encode("pull_done", req.rid, req.inc, chunk=done["chunk"], part=done["part"],
+            self._send(link, proto.encode("pull_done", req.rid, req.inc, chunk=done["chunk"], part=done["part"],
                                           ok=err is None and not req.status.terminal, reason=(err or "")[:proto.MAX_TEXT]))
             live = not req.status.terminal and self._requests.get(req.rid) is req
             # A region read: unpack into the pages (when it landed for a live request); the

@@ -120,7 +120,7 @@ class ReceiverRegion:
             if req.status.terminal or link not in self._links or self._requests.get(req.rid) is not req:
                 self._waiting.popleft()
                 if kind == "pull":  # the sender holds its pack region for this: let it go
-                    link.client.send(proto.encode("pull_done", msg["rid"], msg["inc"], chunk=msg["chunk"],
+                    self._send(link, proto.encode("pull_done", msg["rid"], msg["inc"], chunk=msg["chunk"],
                                                   part=msg["part"], ok=False, reason="request not live here"))
                 continue
             nbytes = msg["nrows"] * link.row_bytes
@@ -144,7 +144,7 @@ class ReceiverRegion:
                 self._grants[key] = g
                 req.due += 1  # its ``done`` is due (the sender sends no ``sent`` hint for region writes)
                 req.state.advance(TransferStatus.TRANSFERRING)  # a write into this range may start now
-                link.client.send(proto.encode("region_grant", req.rid, req.inc, chunk=msg["chunk"], part=msg["part"],
+                self._send(link, proto.encode("region_grant", req.rid, req.inc, chunk=msg["chunk"], part=msg["part"],
                                               offset=region.offset, nbytes=nbytes))
             else:
                 self._read_region(g, msg)
@@ -159,7 +159,7 @@ class ReceiverRegion:
                                            chunk=msg["chunk"])
         except Exception as exc:  # noqa: BLE001 - refused before a byte moved
             self._region.free(g.region)
-            link.client.send(proto.encode("pull_done", req.rid, req.inc, chunk=msg["chunk"], part=msg["part"],
+            self._send(link, proto.encode("pull_done", req.rid, req.inc, chunk=msg["chunk"], part=msg["part"],
                                           ok=False, reason=str(exc)[:proto.MAX_TEXT]))
             self._end(req, TransferStatus.FAILED, f"pull refused: {exc}", "failed")
             return
