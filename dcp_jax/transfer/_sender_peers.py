@@ -188,6 +188,17 @@ class SenderPeers:
             self._counts["dropped_messages"] += 1
             return
         req = self._requests.get(rid)
+        if req is not None and req.group is not None and req.group != conn.group:
+            # One id names one request here, held by the group that announced it first until this
+            # side releases it: another decode group's use is refused at once (nothing is written
+            # to that rank), not left to wait out its timeout_s.
+            self._counts["dropped_messages"] += 1
+            reason = (f"request id {rid!r} is taken on this prefill sender by decode group {req.group!r}: "
+                      f"one id names one request (give each decode instance's request its own id)")
+            _warn("refused an announcement of request %r from decode rank %d (%s) of group %r: %s", rid, rank,
+                  conn.name, conn.group, reason)
+            self._tell_ended(conn, rid, msg["inc"], TransferStatus.FAILED, reason)
+            return
         if req is not None and req.told.get(rank) not in (None, msg["inc"]):
             # A rank told of, or cancelled, another incarnation of this id: this one is the id's
             # next use, parked until this request is released or dropped.
@@ -212,10 +223,10 @@ class SenderPeers:
                 return
             req = self._new_request(rid)
         old = req.targets.get(rank)
-        if old is not None or (req.group is not None and req.group != conn.group):
-            self._counts["dropped_messages"] += 1  # a duplicate or a second group: not ours
-            _warn("dropped an announcement of request %r from decode rank %d (%s): a duplicate or "
-                  "another group's", rid, rank, conn.name)
+        if old is not None:
+            self._counts["dropped_messages"] += 1  # a duplicate: not ours
+            _warn("dropped an announcement of request %r from decode rank %d (%s): a duplicate", rid, rank,
+                  conn.name)
             return
         if req.needed is None:
             try:
