@@ -90,11 +90,6 @@ def transfer(
                                                   "staged or not: auto, xla, host, tpu, tpu-interpret, "
                                                   "gpu-triton, gpu-triton-interpret, gpu-mosaic, "
                                                   "gpu-mosaic-interpret."),
-    region_notify: str = typer.Option("auto", help="When a region write tells its decode rank (KVSender("
-                                                   "region_notify=...)): each (with the write), round (once "
-                                                   "the sender's writes in flight ended, at most 4 ms: the "
-                                                   "ranks' unpacks then do not share the GPU with its copies), "
-                                                   "auto (round for ranks on the sender's GPU)."),
     max_batch_indices: Optional[int] = typer.Option(None, help="Split each (chunk, rank) batch into windows "
                                                                "of at most this many rows."),
     pack_tokens: Optional[int] = typer.Option(None, help="Size the pack buffer for this many tokens "
@@ -140,7 +135,6 @@ def transfer(
             ("--device", device != "cpu"), ("--prefill-gpus", prefill_gpus is not None),
             ("--decode-gpus", decode_gpus is not None), ("--direction", direction != "push"),
             ("--staging", staging not in ("auto", "none")), ("--pack-backend", pack_backend != "auto"),
-            ("--region-notify", region_notify != "auto"),
             ("--chunk-tokens", chunk_tokens is not None), ("--prefix-tokens", prefix_tokens != 0),
             ("--mode", mode != "both"), ("--max-batch-indices", max_batch_indices is not None),
             ("--pack-tokens", pack_tokens is not None), ("--verify", verify),
@@ -172,7 +166,7 @@ def transfer(
         prefix_tokens=prefix_tokens, engine=engine, max_batch_indices=max_batch_indices,
         pack_tokens=pack_tokens, verify=verify, seed=seed, timeout_s=timeout_s, corrupt_rank=corrupt_rank,
         requests=requests, device=device, staging=staging, pack_backend=pack_backend, direction=direction,
-        region_notify=region_notify, prefill_page_size=prefill_page_size, **placed,
+        prefill_page_size=prefill_page_size, **placed,
     )
     try:
         check_device(cfg.device)

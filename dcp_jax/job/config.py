@@ -13,7 +13,6 @@ import math
 import os
 
 from dcp_jax.geometry import ModelGeometry, get_geometry
-from dcp_jax.transfer._sender_notify import NOTIFY_POLICIES
 
 __all__ = ["MODES", "PATHS", "ENGINES", "DEVICES", "STAGINGS", "engine_registers", "MAX_RANKS", "MAX_TIMEOUT_S", "JobConfig", "check_device",
            "engine_env"]
@@ -113,8 +112,6 @@ class JobConfig:
             and sglang-jax use jax.experimental.transfer).
         pack_backend: registry backend (``pallas_kernels.registry``) of the senders' pack
             (``KVSender(pack_backend=...)``), staged or not; ``"auto"``.
-        region_notify: when the senders' region writes tell their ranks (``KVSender(region_notify=...)``,
-            ``--region-notify``): ``"auto"``, ``"each"`` or ``"round"``.
         prefill_gpus: GPU ordinals of the prefill ranks, round-robin (``--prefill-gpus``); None:
             the inherited device 0. Needs ``device="gpu"``. See :mod:`dcp_jax.job.gpus`.
         decode_gpus: GPU ordinals of the decode processes, round-robin (``--decode-gpus``).
@@ -148,7 +145,6 @@ class JobConfig:
     staging: str = "auto"
     pack_backend: str = "auto"
     direction: str = "push"
-    region_notify: str = "auto"
     prefill_page_size: int | None = None
     prefill_gpus: tuple[int, ...] | None = None
     decode_gpus: tuple[int, ...] | None = None
@@ -235,8 +231,6 @@ class JobConfig:
         if self.device == "gpu" and self.engine == "jax-transfer" and self.staging == "none":
             raise ValueError("engine='jax-transfer' (--engine) moves host memory only: with --device gpu "
                              "use --staging auto or host (or --engine nixl / mooncake)")
-        if self.region_notify not in NOTIFY_POLICIES:
-            raise ValueError(f"region_notify={self.region_notify!r} (--region-notify) must be one of {NOTIFY_POLICIES}")
         if self.pack_backend != "auto":
             from pallas_kernels.registry import get_backend
 

@@ -97,8 +97,6 @@ def _report(cfg: JobConfig, mode: str, engine: str | None, n: int, stats: dict, 
                      decode=",".join(sorted({x.get("staging", "direct") for x in rank_rows if "status" in x}))),
         pack_backend=",".join(sorted({s.get("pack_backend") or cfg.pack_backend for s in good.values()}))
         or cfg.pack_backend, stage_seconds=slowest("stage_seconds"),
-        # when region writes told their ranks (KVSender region_notify, per connection): "each" / "round"
-        region_notify=",".join(sorted({n for s in good.values() for n in s.get("notify") or ()})),
         unstage_seconds=max((x.get("unstage_seconds") or 0.0 for x in rank_rows), default=0.0),
         unpack_seconds=max((x.get("unpack_seconds") or 0.0 for x in rank_rows), default=0.0),
         descriptors=sum(x["descriptors"] for x in rank_rows), bytes=total_bytes,

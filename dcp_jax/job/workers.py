@@ -147,7 +147,7 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection, gpu_env: dict | No
         state["sender"] = KVSender(spec, layers, engine=cfg.engine_kind, mode=arg["mode"], pack_bytes=pack,
                                    max_batch_indices=cfg.max_batch_indices, timeout_s=cfg.timeout_s,
                                    peer_timeout_s=min(cfg.timeout_s, PEER_TIMEOUT_S), staging=cfg.staging,
-                                   pack_backend=cfg.pack_backend, region_notify=cfg.region_notify)
+                                   pack_backend=cfg.pack_backend)
         conn.send(("opened", dict(address=state["sender"].address, engine=state["sender"].engine.kind,
                                   checks=state["checks"].get(n))))
 
@@ -175,7 +175,6 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection, gpu_env: dict | No
                                 timeline=st["timeline"],
                                 staging="staged" if sender.staged else "direct", pack_backend=st["pack_backend"],
                                 stage_seconds=st["stage_seconds"],
-                                notify=sorted({p["notify"] for p in sender.peers}),
                                 unit_rows=verify.unit_rows(cfg, rank, arg["dcp_size"], arg["chunks"]))))
 
     _serve(inbox, dict(open=open_, send=send), state, "sender")

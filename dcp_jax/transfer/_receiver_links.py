@@ -102,7 +102,7 @@ class ReceiverLinks:
                                      group=self.group, direction=direction, name=self.engine.name,
                                      layer_bases=proto.pack_i64(self._layers.bases),
                                      region_addr=self._region.addr, region_bytes=self._region.nbytes,
-                                     mem=self._layers.mem_type, ipc=self._ipc, host=self._host_info(),
+                                     mem=self._layers.mem_type, ipc=self._ipc, host=host_info(),
                                      heartbeat_ms=max(1, round(self.heartbeat_s * 1000)),
                                      peer_timeout_ms=max(1, round(self.peer_timeout_s * 1000)), staged=self.staged,
                                      num_pages=self._layers.min_rows // self.spec.page_size))
@@ -143,14 +143,6 @@ class ReceiverLinks:
         return Link(client, sender_spec, peer, bases, direction, time.monotonic(), path=reply["path"],
                     staged=reply["staged"], row_bytes=row_bytes, view=view, flag=flag,
                     src_layout=SideLayout.of(sender_spec))
-
-    def _host_info(self) -> dict[str, str]:
-        """The hello's ``host``: `host_info`, plus ``"gpu"`` (`CacheLayers.gpu_key`) when the KV
-        is on a GPU: a sender on that GPU holds region writes' ``done`` (`region_notify`)."""
-        info = dict(host_info())
-        if self._layers.gpu_key:
-            info["gpu"] = self._layers.gpu_key
-        return info
 
     def _refuse_twin(self, address: str, sender_spec: KVCacheSpec) -> None:
         """HandshakeError if the sender does not fit the prefill group of the live links: field

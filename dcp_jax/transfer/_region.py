@@ -87,23 +87,6 @@ def host_info() -> dict:
     return {"hostname": socket.gethostname(), "boot_id": boot}
 
 
-def same_host(host: Any, mine: dict | None = None) -> bool:
-    """True when a peer's ``host`` dict (its hello's `host_info`) names this very host and boot
-    (`bridge.cuda_ipc.same_host` when that module is there); a malformed dict is not.
-    ``mine``: this host's `host_info` when known (else read here)."""
-    if not isinstance(host, dict):
-        return False
-    try:
-        from bridge import cuda_ipc
-
-        return bool(cuda_ipc.same_host(host))
-    except (ImportError, AttributeError):
-        pass
-    mine = host_info() if mine is None else mine
-    return (bool(host) and host.get("hostname") == mine.get("hostname")
-            and host.get("boot_id") == mine.get("boot_id") and bool(mine.get("boot_id")))
-
-
 def fused_refusal(sender_mem: str, offer: PeerOffer, sender_host: dict | None = None) -> str:
     """Why the fused path cannot serve this peer ("" when it can).
 
@@ -117,7 +100,16 @@ def fused_refusal(sender_mem: str, offer: PeerOffer, sender_host: dict | None = 
     if not offer.ipc:
         return "the receiver exported no CUDA IPC handles"
     mine = host_info() if sender_host is None else sender_host
-    if not same_host(offer.host, mine):
+    try:
+        from bridge import cuda_ipc
+
+        same = bool(cuda_ipc.same_host(offer.host))
+    except (ImportError, AttributeError):
+        same = None
+    if same is None:
+        same = bool(offer.host) and offer.host.get("hostname") == mine.get("hostname") \
+            and offer.host.get("boot_id") == mine.get("boot_id") and bool(mine.get("boot_id"))
+    if not same:
         return (f"the receiver is on another host ({offer.host.get('hostname')!r}, this sender on "
                 f"{mine.get('hostname')!r}): CUDA IPC works within one host only")
     return ""

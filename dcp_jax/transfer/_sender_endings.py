@@ -27,11 +27,8 @@ class SenderEndings:
     """Completions, credits and the endings of requests."""
 
     def _poll_inflight(self) -> bool:
-        busy, keep, now = False, [], time.monotonic()
+        busy, keep = False, []
         for u in self._inflight:
-            if u.landed_at is not None:  # written, its ``done`` held (`SenderNotify`)
-                keep.append(u)
-                continue
             err = None
             try:
                 done = self.engine.check(u.handle)
@@ -41,13 +38,9 @@ class SenderEndings:
                 keep.append(u)
                 continue
             busy = True
-            if err is None and u.note is not None:  # a held-policy write's bytes are there
-                self._held_write_done(u, now)
-                keep.append(u)
-                continue
             u.req.timeline.mark("complete", u.target.conn.spec.group_rank)
             self._unit_finished(u, None if err is None else f"engine: {err}")
-        self._inflight = self._release_notes(keep, now)
+        self._inflight = keep
         return busy
 
     def _unit_finished(self, u: Unit, error: str | None, *, free: bool = True) -> None:

@@ -16,8 +16,7 @@ import numpy as np
 
 from bridge import PeerInfo
 from dcp_jax.transfer import protocol as proto
-from dcp_jax.transfer._region import PeerOffer, choose_path, ipc_open, same_host
-from dcp_jax.transfer._sender_notify import notify_policy
+from dcp_jax.transfer._region import PeerOffer, choose_path, ipc_open
 from dcp_jax.transfer._sender_peers import Conn, _warn, logger
 from dcp_jax.transfer._worker import pings_fit
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec, check_compatible
@@ -120,9 +119,6 @@ class SenderHandshake:
         self._update_stall_limit()
         self._conns[ident].copier = copier
         self._conns[ident].view = view
-        self._conns[ident].notify = notify_policy(self.region_notify, path=path, direction=msg["direction"],
-                                                  sender_gpu=self._layers.gpu_key, peer_host=offer.host,
-                                                  same_host=same_host(offer.host))
         self._counts["handshakes"] += 1
         for req in self._requests.values():  # sent before any rank connected: may need nobody here
             if req.needed is None and req.chunks and not req.status.terminal:

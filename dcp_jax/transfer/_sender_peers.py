@@ -63,7 +63,6 @@ class Conn:
     heartbeat_s: float = 0.5    # how often the rank pings (its hello)
     closing: Any = None         # (reason, since) once the rank said bye: `SenderPeers._drop_closing`
     peer_timeout_s: float = 1.0  # how long the rank waits for our pings before it drops us (its hello)
-    notify: str = "each"        # region push: when a write's ``done`` goes (`_sender_notify.notify_policy`)
 
     def stall_limit(self, our_heartbeat_s: float) -> float:
         """Seconds this sender's worker may stand still before the rank may have dropped it as

@@ -140,8 +140,8 @@ class SenderRegion:
         conn, want = t.conn, self._window_bytes(u)
         descs = np.array([[self._pack.addr + u.region.offset, conn.region_addr + u.grant, want]], np.int64)
         try:
-            notif = self._write_notif(u, proto.encode("done", req.rid, t.inc, **self._window_head(u)))
-            u.handle = self.engine.transfer_batch(conn.peer, descs, notif=notif,
+            u.handle = self.engine.transfer_batch(conn.peer, descs,
+                                                  notif=proto.encode("done", req.rid, t.inc, **self._window_head(u)),
                                                   dcp_rank=conn.spec.dcp_rank, chunk=u.rc.chunk)
         except Exception as exc:  # noqa: BLE001 - refused before a byte moved: the request fails
             return self._unit_finished(u, f"{type(exc).__name__}: {exc}")

@@ -61,9 +61,7 @@ class SenderStats:
         receiver's engine name), ``group``, ``dcp_rank``, ``tp_rank``, ``path`` (chosen at the
         handshake: "direct", "packed", "region" or "fused"; "none" for a TP pair that shares no
         KV head, between which nothing moves), ``direction`` ("push" / "pull"),
-        ``staged`` (its KV is not registered), ``notify`` (when its region writes' ``done``
-        goes: "each" or "round", `KVSender` ``region_notify``; "each" off the pushed region
-        path), ``silent_s`` (seconds since its last message) and
+        ``staged`` (its KV is not registered), ``silent_s`` (seconds since its last message) and
         its own ``heartbeat_s`` / ``peer_timeout_s`` (seconds, from its hello). Empty once closed."""
         with self._lock:
             return self._peer_list()
@@ -73,6 +71,6 @@ class SenderStats:
         now = time.monotonic()
         return [dict(name=c.name, group=c.group, dcp_rank=c.spec.dcp_rank, tp_rank=c.spec.tp_rank,
                      path=reported_path(c.path, self.spec, c.spec),
-                     direction=c.direction, staged=c.staged, notify=c.notify, silent_s=now - c.last_seen, heartbeat_s=c.heartbeat_s,
+                     direction=c.direction, staged=c.staged, silent_s=now - c.last_seen, heartbeat_s=c.heartbeat_s,
                      peer_timeout_s=c.peer_timeout_s)
                 for c in sorted(self._conns.values(), key=lambda c: (c.group, c.spec.dcp_rank, c.spec.tp_rank))]

@@ -49,8 +49,6 @@ class Unit:
     packed: bool = False       # region push: the round's synchronisation found its pack complete
     grant: int | None = None   # region push: the granted offset in the rank's receive region
     nbytes: int | None = None  # the window's bytes (`SenderUnits._window_bytes`, computed once)
-    note: bytes | None = None  # region push, `Conn.notify` "round": its ``done``, held while it writes
-    landed_at: float | None = None  # ... and once its write completed (monotonic s), until sent
 
 
 class SenderUnits:

@@ -204,24 +204,6 @@ class CacheLayers:
         """Rows every layer has (page ids must stay below ``min_rows // page_size``)."""
         return int(self.num_rows.min())
 
-    @property
-    def gpu_key(self) -> str:
-        """The GPU holding these layers as another process can recognise it: its PCI bus id
-        (``"0000:3B:00.0"``, from CUDA, independent of each process's device numbering); ""
-        for host memory or when CUDA cannot say. Read once."""
-        key = getattr(self, "_gpu_key", None)
-        if key is None:
-            key = ""
-            if self.mem_type == "VRAM":
-                try:
-                    import cupy as cp
-
-                    key = str(cp.cuda.runtime.deviceGetPCIBusId(self.device_id))
-                except Exception:  # noqa: BLE001 - no CuPy or no CUDA answer: no identity to compare
-                    key = ""
-            self._gpu_key = key
-        return key
-
     def close(self) -> None:
         """Drops the references to the caller's arrays (after the engine deregistered them)."""
         self._arrays = ()

@@ -39,7 +39,6 @@ from dcp_jax.transfer._sender_peers import SenderPeers
 from dcp_jax.transfer._region import SEND_MODES
 from dcp_jax.transfer._sender_region import SenderRegion
 from dcp_jax.transfer._sender_endings import SenderEndings
-from dcp_jax.transfer._sender_notify import NOTIFY_POLICIES, SenderNotify
 from dcp_jax.transfer._sender_units import SenderUnits
 from dcp_jax.transfer._sender_reuse import moved_page, redundant
 from dcp_jax.transfer._sender_warm import SenderWarmUp
@@ -61,8 +60,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_PACK_BYTES = 64 << 20
 
 
-class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderRegion, SenderNotify,
-               SenderWarmUp, SenderStats):
+class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderRegion, SenderWarmUp,
+               SenderStats):
     """Prefill-side connector over the caller's KV layers.
 
     Args:
@@ -95,12 +94,6 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
         pack_backend: ``"auto"`` or a `pallas_kernels.registry` backend name (``"xla"``,
             ``"host"``, ``"gpu-triton"``, ``"gpu-mosaic"``, ...) that gathers the windows
             (`dcp_jax.transfer.staging.Packer`); `request_stats` names it.
-        region_notify: when a pushed region write's ``done`` reaches its rank (which then
-            unpacks): ``"each"`` (with the write), ``"round"`` (held until none of this
-            sender's held writes is in flight, at most 4 ms: the ranks' unpacks then do not
-            share the GPU with the copies still moving), or ``"auto"`` (``"round"`` for a rank
-            whose KV is on this sender's GPU, same host and PCI bus id, else ``"each"``);
-            `peers` says which each rank got (`dcp_jax.transfer._sender_notify`).
 
     Attributes:
         staged: True when this side stages (its KV is not registered).
@@ -117,15 +110,11 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
                  host: str = "127.0.0.1", port: int = 0, mode: str = "auto",
                  pack_bytes: int | None = None, max_batch_indices: int | None = None,
                  timeout_s: float = 30.0, peer_timeout_s: float = 5.0, heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-                 engine_options: dict | None = None, staging: str = "auto", pack_backend: str = "auto",
-                 region_notify: str = "auto"):
+                 engine_options: dict | None = None, staging: str = "auto", pack_backend: str = "auto"):
         if not isinstance(spec, KVCacheSpec):
             raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
         if mode not in SEND_MODES:
             raise ValueError(f"mode={mode!r} must be one of {SEND_MODES}")
-        if region_notify not in NOTIFY_POLICIES:
-            raise ValueError(f"region_notify={region_notify!r} must be one of {NOTIFY_POLICIES}")
-        self.region_notify = region_notify
         pack_bytes = DEFAULT_PACK_BYTES if pack_bytes is None else pack_bytes
         if isinstance(pack_bytes, bool) or not isinstance(pack_bytes, (int, np.integer)) or pack_bytes < spec.row_bytes:
             raise ValueError(f"pack_bytes={pack_bytes!r} must be an int >= one token's "
