@@ -294,7 +294,7 @@ def main(argv=None):
         # The public calls as the connector makes them (pack_rows, unpack_rows, copy_rows).
         finals += e2e_variants(cp=cp, jax=jax, layers_cp=layers_cp, idx_np=idx_np, P=P, n=n,
                                L=L, W=W, cfg=best.get("list", GatherConfig.default()),
-                               poison=POISON, check_words=check_words)
+                               poison=POISON, check_words=check_words, stacked=stacked_j)
 
         take = jax.jit(lambda s, i: jnp.take(s, i, axis=1))
 

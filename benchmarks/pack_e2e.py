@@ -13,8 +13,11 @@ from __future__ import annotations
 import numpy as np
 
 
-def e2e_variants(*, cp, jax, layers_cp, idx_np, P, n, L, W, cfg, poison, check_words):
-    """The end-to-end entries for one geometry (layers_cp: CuPy u8[R, 4W] per layer)."""
+def e2e_variants(*, cp, jax, layers_cp, idx_np, P, n, L, W, cfg, poison, check_words, stacked=None):
+    """The end-to-end entries for one geometry (layers_cp: CuPy u8[R, 4W] per layer; ``stacked``:
+    the same rows as one [L, R, W] u32 device array, viewed (not copied) for the one-buffer
+    variants: a copy of a 61-layer DeepSeek-V3 cache is 18.4 GB, past an 80 GB H100's memory
+    beside the others)."""
     from pallas_kernels import copy_rows, pack_rows, synchronize, unpack_rows
 
     finals = []
@@ -89,7 +92,10 @@ def e2e_variants(*, cp, jax, layers_cp, idx_np, P, n, L, W, cfg, poison, check_w
     # into a one-buffer destination through one flat handle (the fused path's per-rank call).
     from pallas_kernels import RowCopier
 
-    one = cp.concatenate([a.reshape(-1) for a in layers_cp])
+    if stacked is not None:  # read only: the one-buffer variants never write their source
+        one = cp.from_dlpack(stacked).view(cp.uint8).reshape(-1)
+    else:
+        one = cp.concatenate([a.reshape(-1) for a in layers_cp])
     layers_one = [one[l * R * item:(l + 1) * R * item].reshape(R, item) for l in range(L)]
     finals.append(("pack_rows e2e, one-buffer layers, host idx, async", "e2e", repr(cfg),
                    "layers are views of one buffer: one stacked source argument",
