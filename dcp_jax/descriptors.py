@@ -103,10 +103,12 @@ def build_descriptors(runs, src_bases, dst_bases, item_lens) -> np.ndarray:
     src_b = _per_entry("src_bases", src_bases, None)
     num = src_b.size
     dst_b = _per_entry("dst_bases", dst_bases, None)
+    given = np.size(item_lens)  # as given: a single value broadcasts, so report what the caller passed
     lens = _per_entry("item_lens", item_lens, num)
     if not (dst_b.size == num and lens.size == num):
         raise ValueError(
-            f"src_bases, dst_bases and item_lens need one entry per layer entry, got {num}, {dst_b.size}, {lens.size}"
+            f"src_bases, dst_bases and item_lens need one entry per layer entry (item_lens may be one value), "
+            f"got {num}, {dst_b.size}, {given}"
         )
     if num:  # whole-array min / max: the cheapest numpy reductions (this is a per-chunk path)
         for name, arr in (("src_bases", src_b), ("dst_bases", dst_b)):

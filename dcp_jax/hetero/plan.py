@@ -186,13 +186,22 @@ def _tables(name: str, tables: Sequence, dcp_size: int, page_size: int) -> np.nd
     return out
 
 
-def _locate(name: str, side: HeteroSide, tables, t: np.ndarray, stop: int):
+def _checked_tables(name: str, side: HeteroSide, tables, stop: int) -> np.ndarray:
+    """The side's page tables as one array, each checked to cover its rank's tokens below
+    ``stop`` (before any per-token array is made: a huge ``stop`` fails here, not in an
+    allocation of ``stop - start`` rows)."""
     n, i, p = side.dcp_size, side.interleave_size, side.page_size
     table = _tables(name, tables, n, p)
     need = -(-local_len_np(stop, n, np.arange(n), i) // p)
     have = (table >= 0).sum(axis=1)
     for r in np.flatnonzero(have < need):
-        raise ValueError(f"{name}[{r}] has {int(have[r])} pages, {int(need[r])} required for tokens up to {stop}")
+        raise ValueError(f"{name}[{r}] has {int(have[r])} pages, {int(need[r])} required for tokens up to "
+                         f"stop={stop}")
+    return table
+
+
+def _locate(side: HeteroSide, table: np.ndarray, t: np.ndarray):
+    n, i, p = side.dcp_size, side.interleave_size, side.page_size
     rank, j = owner_np(t, n, i), local_index_np(t, n, i)
     return rank, table[rank, j // p], j % p
 
@@ -282,9 +291,11 @@ def build_hetero_plan(prefill: HeteroSide, decode: HeteroSide, start: int, stop:
     if stop < start:
         raise ValueError(f"stop must be >= start, got {start=}, {stop=}")
     pieces = head_pieces(prefill, decode, mla_source_tp_rank=mla_source_tp_rank)
+    src_table = _checked_tables("src_page_tables", prefill, src_page_tables, stop)
+    dst_table = _checked_tables("dst_page_tables", decode, dst_page_tables, stop)
     t = np.arange(start, stop, dtype=np.int64)
-    src = _locate("src_page_tables", prefill, src_page_tables, t, stop)
-    dst = _locate("dst_page_tables", decode, dst_page_tables, t, stop)
+    src = _locate(prefill, src_table, t)
+    dst = _locate(decode, dst_table, t)
     k, n = len(pieces), t.size
     ti = np.tile(np.arange(n), k)            # token index of each row
     pi = np.repeat(np.arange(k), n)          # piece index of each row

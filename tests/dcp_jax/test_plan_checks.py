@@ -66,6 +66,9 @@ def test_numpy_twins_at_the_int64_edge_still_compute():
     ([[0, 0, 3], [0, 1, 0]], [0], [0], [4], ["length >= 1", "runs[1]=[0, 1, 0]"]),
     ([[0, 0, 1]], [0, 0], [5, -3], [4, 4], ["dst_bases[1]=-3"]),
     (np.array([[2**63, 0, 1]], np.uint64), [0], [0], [1], ["runs[0, 0]=9223372036854775808"]),
+    # one item_lens value broadcasts: the count reported is the one given, not the broadcast one
+    ([[0, 0, 1]], [0, 0, 0], [0, 0], [4], ["got 3, 2, 1"]),
+    ([[0, 0, 1]], [0, 0], [0, 0], [4, 4, 4], ["got 2, 2, 3"]),
 ])
 def test_build_descriptors_refuses_bad_runs_naming_them(runs, src_bases, dst_bases, item_lens, want):
     with pytest.raises(ValueError) as e:

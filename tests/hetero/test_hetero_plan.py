@@ -265,3 +265,19 @@ def test_homogeneous_tp_matches_the_mxn_plan(m, n, ip, i, pp, pd, length, seed):
     for (sd, _, dd, _, _, _, _), rows in groups:
         assert (plan.src_page[rows] * pp + plan.src_slot[rows]).tolist() == mxn[(sd, dd)].src_token_indices.tolist()
         assert (plan.dst_page[rows] * pd + plan.dst_slot[rows]).tolist() == mxn[(sd, dd)].dst_token_indices.tolist()
+
+
+def test_build_hetero_plan_huge_stop_fails_on_the_tables_before_allocating():
+    # stop = 2**40 tokens: the tables cover 8, so the check names stop before any per-token array
+    # (2**40 int64 rows) is made; tracemalloc sees no large allocation on the way.
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"src_page_tables\[0\] has 2 pages, \d+ required for tokens up to "
+                                             r"stop=1099511627776"):
+            build_hetero_plan(HeteroSide(4), HeteroSide(4), 0, 2**40, [[0, 1]], [[0, 1]])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
