@@ -44,10 +44,14 @@ def e2e_variants(*, cp, jax, layers_cp, idx_np, P, n, L, W, cfg, poison, check_w
                    "CuPy indices: checked on the device (one sync)",
                    lambda: pack_variant(True, False)))
 
-    # Destinations: separate CuPy buffers viewed through UnownedMemory, as IPC-mapped pages
-    # of another process arrive (bridge.cuda_ipc.IpcMapping); rows idx of each are written.
+    # Destinations: layers of ONE CuPy buffer (as a decode rank's cache is allocated), each viewed
+    # through UnownedMemory as IPC-mapped pages of another process arrive
+    # (bridge.cuda_ipc.IpcMapping); rows idx of each are written. Every variant below writes the
+    # same rows with the same bytes, so they share it (a second 18.4 GB buffer for the RowCopier
+    # ran an 80 GB H100 out of memory).
     R = int(layers_cp[0].shape[0])
-    owners = [cp.full((R, item), 0x5A, cp.uint8) for _ in range(L)]
+    dst_owner = cp.full(L * R * item, 0x5A, cp.uint8)
+    owners = [dst_owner[l * R * item:(l + 1) * R * item].reshape(R, item) for l in range(L)]
 
     def foreign(a):
         mem = cp.cuda.UnownedMemory(a.data.ptr, a.nbytes, a, a.device.id)
@@ -107,9 +111,7 @@ def e2e_variants(*, cp, jax, layers_cp, idx_np, P, n, L, W, cfg, poison, check_w
                    "a PackSource (checked and imported once, as the connector holds its cache): "
                    "the per-call work is the indices, the offset and the dispatch",
                    lambda: pack_variant(False, True, source_one)))
-    dst_owner = cp.full(L * R * item, 0x5A, cp.uint8)
-    dst_one = [foreign(dst_owner[l * R * item:(l + 1) * R * item].reshape(R, item))
-               for l in range(L)]
+    dst_one = dst  # the layers of the one buffer above
 
     def copier_variant():
         copier = RowCopier(layers_one, dst_one, config=cfg)

@@ -153,6 +153,9 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection, gpu_env: dict | No
 
     def send(arg: dict) -> None:
         sender, rid = state["sender"], arg["rid"]
+        from pallas_kernels import compile_count, compile_log
+
+        traces0 = compile_count()  # a kernel traced inside a timed request: the compile is in its time
         t0 = time.perf_counter()
         for start, stop in arg["chunks"]:  # one send per chunk; each returns at once
             try:
@@ -166,6 +169,7 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection, gpu_env: dict | No
             if reason is not None:
                 sender.abort(rid, f"aborted by the job: {reason}")
         total = time.perf_counter() - t0
+        traced = compile_count() - traces0
         st = sender.request_stats(rid)
         conn.send(("sent", dict(status=status.value, ok=status is TransferStatus.SUCCESS,
                                 reason=sender.failure_reason(rid), total_seconds=total,
@@ -175,6 +179,7 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection, gpu_env: dict | No
                                 timeline=st["timeline"],
                                 staging="staged" if sender.staged else "direct", pack_backend=st["pack_backend"],
                                 stage_seconds=st["stage_seconds"],
+                                kernel_traces=traced, trace_log=compile_log()[-traced:] if traced else [],
                                 unit_rows=verify.unit_rows(cfg, rank, arg["dcp_size"], arg["chunks"]))))
 
     _serve(inbox, dict(open=open_, send=send), state, "sender")
