@@ -24,6 +24,23 @@ All LSEs are natural log of the scaled scores, token-major ``[B, Q, H]``. Arithm
 (matmuls at ``Precision.HIGHEST`` so GPUs do not fall back to TF32); partial and merged outputs
 come back in the query dtype.
 
+NaN in, NaN out (the convention of plain softmax attention, FlashAttention and vLLM's
+``merge_attn_states``; the float64 references of :mod:`dcp_jax.attention_reference` are the
+oracle): a NaN in a query, or in a key or value row that query sees (its causal, valid range;
+rows past ``kv_lens`` and the pages no query reads are masked on purpose and never poison),
+gives NaN for that (query, head) exactly where the reference does: ``out`` and ``lse`` for a
+NaN score (NaN query or key entry; MLA's latent part is key and value both), ``out`` alone, in
+the columns of the NaN, for a NaN in a GQA value row. Other queries and heads stay exact. How:
+the rank holding the NaN returns lse = NaN (:func:`mla_partial`), and the merge step runs the
+merge core with ``propagate_nan=True`` (a NaN LSE on any rank poisons the merged state, weights
+are multiplied, never selected; ``dcp_jax.merge_core``), at every N, N = 1 included. The
+standalone merges (``dcp_jax.merge``) keep their documented empty-shard rule. Inf in the KV
+follows the reference as well: a +inf score (an inf key entry times the query) gives NaN, a
+-inf score a zero weight, an inf value entry an inf (or ``0 * inf`` = NaN) in its column; the
+one difference: a query whose every visible score is -inf gets the no-visible-key result (out
+0, lse -inf) where the reference's ``-inf - -inf`` gives NaN. Scores are float32: a finite
+score past float32's range counts as inf.
+
 Dtypes: queries and caches must be floating (float32, bfloat16, float16); integer queries or an
 integer (int8 / quantised) cache are a ``TypeError`` naming the argument: there is no
 dequantisation here, so dequantise the cache first. The float dtypes may differ: ``q_latent``
@@ -67,10 +84,10 @@ from dcp_jax.attention_reference import (  # noqa: F401  (re-exported)
 )
 from dcp_jax.merge import (
     DEFAULT_AXIS_NAME,
+    _merge_core,
     _mesh_axis_size,
     _place,
     local_merge_fn,
-    merge_states,
 )
 
 __all__ = [
@@ -114,7 +131,7 @@ def _dcp_fn(kind: str, mesh: Mesh, axis_name: str, merge: str, query_len: int,
         dv = out.shape[-1]  # explicit sizes, no -1: B = 0 or Q = 0 gives empty arrays
         # (3) merge across ranks (head-sliced for ag_rs / a2a).
         o, l = merge_local(out.reshape(b * qn, h, dv), lse.reshape(b * qn, h),
-                           axis_name=axis_name, base="e")
+                           axis_name=axis_name, base="e", propagate_nan=True)
         return o.reshape(b, qn, o.shape[1], dv), l.reshape(b, qn, l.shape[1])
 
     rank = P(axis_name)
@@ -187,7 +204,9 @@ def dcp_mla_decode(q_latent, q_rope, kv_cache, page_table, kv_lens, *, softmax_s
     Returns:
       ``(out [B, Q, H, Dl] in q_latent's dtype, lse f32[B, Q, H] natural log)``; heads sharded
       over ``axis_name`` for ag_rs / a2a, replicated for ag_ar. Empty queries: out 0, lse -inf.
-      ``B = 0`` or ``Q = 0``: empty arrays of those shapes.
+      ``B = 0`` or ``Q = 0``: empty arrays of those shapes. NaN in, NaN out: a NaN in a query
+      or in a KV row it sees gives NaN where the float64 reference does (module docstring);
+      NaN in rows it does not see (free slots past ``kv_lens``, later tokens) is harmless.
 
     Checks: concrete ``page_table`` and ``kv_lens`` are checked on the host before anything
     runs (one vectorised numpy pass; it copies both to the host, a small transfer and a sync).
@@ -231,7 +250,8 @@ def dcp_gqa_decode(q, k_cache, v_cache, page_table, kv_lens, *, softmax_scale: f
       mesh, interleave_size, axis_name, merge: as :func:`dcp_mla_decode`.
 
     Returns:
-      ``(out [B, Q, H, Dv] in q's dtype, lse f32[B, Q, H] natural log)``.
+      ``(out [B, Q, H, Dv] in q's dtype, lse f32[B, Q, H] natural log)``; NaN in, NaN out as
+      :func:`dcp_mla_decode` (a NaN value entry: ``out`` NaN in its column, ``lse`` finite).
 
     Raises:
       ValueError / TypeError: as :func:`dcp_mla_decode` (the same host checks of concrete
@@ -251,22 +271,23 @@ def _emulated_jit(qs, caches, page_table, kv_lens, *, kind, interleave_size, sof
     partial = functools.partial(mla_partial if kind == "mla" else gqa_partial,
                                 softmax_scale=softmax_scale)
     outs, lses = jax.vmap(lambda c, pt, ll: partial(*qs, *c, pt, ll))(caches, page_table, lens)
-    return outs, lses  # [N, B, Q, H, Dv], [N, B, Q, H]
+    n, b, qn, h, dv = outs.shape  # [N, B, Q, H, Dv], [N, B, Q, H]
+    # The merge of merge_states, with the NaN-propagating rule of the attention forms.
+    o, l = _merge_core(outs.reshape(n, b * qn, h, dv), lses.reshape(n, b * qn, h), base="e",
+                       propagate_nan=True)
+    return o.reshape(b, qn, h, dv).astype(outs.dtype), l.reshape(b, qn, h)
 
 
 def _emulated(kind, qs, caches, page_table, kv_lens, interleave_size, softmax_scale):
     layout.check_layout_args(caches[0].shape[0], interleave_size)
-    outs, lses = _emulated_jit(tuple(qs), tuple(caches), page_table, kv_lens, kind=kind,
-                               interleave_size=int(interleave_size),
-                               softmax_scale=_check_scale(softmax_scale))
-    n, b, qn, h, dv = outs.shape
-    o, l = merge_states(outs.reshape(n, b * qn, h, dv), lses.reshape(n, b * qn, h))
-    return o.reshape(b, qn, h, dv), l.reshape(b, qn, h)
+    return _emulated_jit(tuple(qs), tuple(caches), page_table, kv_lens, kind=kind,
+                         interleave_size=int(interleave_size),
+                         softmax_scale=_check_scale(softmax_scale))
 
 
 def dcp_mla_decode_emulated(q_latent, q_rope, kv_cache, page_table, kv_lens, *,
                             softmax_scale: float, interleave_size: int = 1):
-    """:func:`dcp_mla_decode` with all N ranks on ONE device (vmap over ranks + ``merge_states``).
+    """:func:`dcp_mla_decode` with all N ranks on ONE device (vmap over ranks + the merge core).
 
     Same numbers without a mesh: for single-GPU tests and benchmarks of the N-rank layout.
     Args, Returns, Raises and the host checks of concrete ``page_table`` / ``kv_lens`` as

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dcp_jax import layout
 from dcp_jax._validate import check_int
@@ -54,18 +55,65 @@ def _softmax_partial(scores, mask):
 
     Returns:
       ``(p f32[B, Q, H, S], lse f32[B, Q, H])``; a query with no visible key gets p = 0 and
-      lse = -inf (not NaN).
+      lse = -inf (not NaN). NaN in, NaN out, as the float64 reference (IEEE softmax with the max
+      subtracted): a NaN or +inf score among the visible keys (a NaN in the query or in a key
+      row it sees; +inf from an inf key entry) gives p = NaN and lse = NaN for that (query,
+      head); a -inf score is a zero weight, like a masked key (all visible scores -inf: the
+      no-visible-key result, where the reference's ``-inf - -inf`` gives NaN). Scores of
+      masked keys never matter.
     """
     mask = mask[:, :, None, :]
     s = jnp.where(mask, scores, -jnp.inf)
-    m = jnp.max(s, axis=-1)
+    m = jnp.max(s, axis=-1)  # NaN if a visible score is NaN, +inf if one is +inf
+    poisoned = jnp.isnan(m) | (m == jnp.inf)
     m = jnp.where(jnp.isfinite(m), m, 0.0)  # no visible key: (-inf) - (-inf) would be NaN
     e = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
     tot = jnp.sum(e, axis=-1)
     live = tot > 0
     tot_safe = jnp.where(live, tot, 1.0)  # 0/0 guard
     lse = jnp.where(live, m + jnp.log(tot_safe), -jnp.inf)
-    return e / tot_safe[..., None], lse
+    lse = jnp.where(poisoned, jnp.nan, lse)
+    p = jnp.where(poisoned[..., None], jnp.nan, e / tot_safe[..., None])
+    return p, lse
+
+
+def _attend(p, v, local_lens, eq: str, eq_band: str):
+    """``p @ v`` over the rows each query sees, with IEEE semantics for non-finite values.
+
+    Rows no query sees are zero already (:func:`_zero_unused`), so for ``Q <= 1`` this is one
+    einsum. For ``Q > 1`` a row seen by a later query but not an earlier one (causal, the
+    ``Q - 1`` rows ``[lo, lo + Q - 1)`` past the ``lo`` rows every query of the request sees)
+    would reach the earlier query's sum as ``0 * v``, and ``0 * NaN`` is NaN: those rows are
+    zeroed in the shared product and added per query, selected by visibility.
+    (``local_kv_lens`` gives that causal staircase; other ``local_lens`` stay exact for finite
+    values, only a non-finite row past the band may reach a query that does not see it.)
+
+    Args:
+      p: f32[B, Q, ..., S] probabilities (0 on masked keys).
+      v: [B, S, ...] value rows (cast to float32).
+      local_lens: i32[B, Q] visible local rows per query.
+      eq: the einsum of ``p`` and ``v`` (e.g. ``"bqhs,bsc->bqhc"``).
+      eq_band: the same with a per-query ``v`` (``"bqhs,bqsc->bqhc"``).
+    """
+    f32 = jnp.float32
+    v = v.astype(f32)
+    b, qn, s = p.shape[0], p.shape[1], v.shape[1]
+    if qn <= 1:
+        return jnp.einsum(eq, p, v, precision=_HIGHEST)
+    lo = jnp.min(local_lens, axis=1)  # [B]
+    idx = lo[:, None] + jnp.arange(qn - 1, dtype=jnp.int32)[None, :]  # [B, W] band rows
+    rows = jnp.arange(s, dtype=jnp.int32)[None, :]
+    out = jnp.einsum(eq, p, _zero_unused(v, (rows < lo[:, None]) | (rows >= idx[:, -1:] + 1)),
+                     precision=_HIGHEST)
+    seen = (idx[:, None, :] < local_lens[:, :, None]) & (idx < s)[:, None, :]  # [B, Q, W]
+    vi = idx.reshape(idx.shape + (1,) * (v.ndim - 2))
+    vb = jnp.take_along_axis(v, jnp.broadcast_to(vi, idx.shape + v.shape[2:]), axis=1,
+                             mode="clip")  # [B, W, ...]
+    vb = _zero_unused(jnp.broadcast_to(vb[:, None], (b, qn) + vb.shape[1:]), seen)
+    pi = idx.reshape((b, 1) + (1,) * (p.ndim - 3) + (qn - 1,))
+    pb = jnp.take_along_axis(p, jnp.broadcast_to(pi, p.shape[:-1] + (qn - 1,)), axis=-1,
+                             mode="clip")  # [B, Q, ..., W]
+    return out + jnp.einsum(eq_band, pb, vb, precision=_HIGHEST)
 
 
 def mla_partial(q_latent, q_rope, kv_pages, page_table, local_lens, *, softmax_scale: float):
@@ -82,7 +130,10 @@ def mla_partial(q_latent, q_rope, kv_pages, page_table, local_lens, *, softmax_s
 
     Returns:
       ``(out [B, Q, H, Dl] in q_latent's dtype, lse f32[B, Q, H] natural log)``; no visible
-      key gives out = 0, lse = -inf.
+      key gives out = 0, lse = -inf. NaN in, NaN out (:func:`_softmax_partial`,
+      :func:`_attend`): a NaN in the query or in a row it sees gives out = NaN, lse = NaN (so
+      the DCP merge, run with ``propagate_nan``, poisons the merged state); NaN in rows it does
+      not see never reaches it.
     """
     dl = q_latent.shape[-1]
     kv = _gather_local(kv_pages, page_table)  # [B, S, Dl + Dr]
@@ -95,7 +146,7 @@ def mla_partial(q_latent, q_rope, kv_pages, page_table, local_lens, *, softmax_s
     scores = scores + jnp.einsum("bqhc,bsc->bqhs", q_rope, k_rope, precision=_HIGHEST,
                                  preferred_element_type=f32)
     p, lse = _softmax_partial(scores * softmax_scale, mask)
-    out = jnp.einsum("bqhs,bsc->bqhc", p, k_lat.astype(f32), precision=_HIGHEST)
+    out = _attend(p, k_lat, local_lens, "bqhs,bsc->bqhc", "bqhs,bqsc->bqhc")
     return out.astype(q_latent.dtype), lse
 
 
@@ -114,7 +165,8 @@ def gqa_partial(q, k_pages, v_pages, page_table, local_lens, *, softmax_scale: f
       softmax_scale: multiplies the raw scores (usually ``1/sqrt(D)``).
 
     Returns:
-      ``(out [B, Q, H, Dv] in q's dtype, lse f32[B, Q, H] natural log)``.
+      ``(out [B, Q, H, Dv] in q's dtype, lse f32[B, Q, H] natural log)``; NaN as
+      :func:`mla_partial` (a NaN value entry: out NaN in its column, lse finite).
     """
     b, qn, h, d = q.shape
     hkv, dv = k_pages.shape[2], v_pages.shape[-1]  # explicit sizes, no -1: B or Q may be 0
@@ -128,7 +180,7 @@ def gqa_partial(q, k_pages, v_pages, page_table, local_lens, *, softmax_scale: f
     s = k.shape[1]
     p, lse = _softmax_partial(scores.reshape(b, qn, h, s) * softmax_scale, mask)
     pg = p.reshape(b, qn, hkv, h // hkv, s)
-    out = jnp.einsum("bqkgs,bskd->bqkgd", pg, v.astype(f32), precision=_HIGHEST)
+    out = _attend(pg, v, local_lens, "bqkgs,bskd->bqkgd", "bqkgs,bqskd->bqkgd")
     return out.reshape(b, qn, h, dv).astype(q.dtype), lse
 
 
@@ -156,8 +208,10 @@ def local_kv_lens(kv_lens, query_len: int, *, dcp_size: int, interleave_size: in
     """
     layout.check_layout_args(dcp_size, interleave_size)
     query_len = check_int("query_len", query_len, minimum=0)
-    if not isinstance(kv_lens, jax.core.Tracer) and jnp.asarray(kv_lens).dtype.kind not in "iu":
-        raise TypeError(f"kv_lens must hold integers (tokens per request), got dtype {jnp.asarray(kv_lens).dtype}")
+    if not isinstance(kv_lens, jax.core.Tracer):  # as given: jnp.asarray would call a float64 float32
+        dtype = kv_lens.dtype if hasattr(kv_lens, "dtype") else np.asarray(kv_lens).dtype  # no device read
+        if np.dtype(dtype).kind not in "iu":
+            raise TypeError(f"kv_lens must hold integers (tokens per request), got dtype {dtype}")
     kv_lens = jnp.asarray(kv_lens, dtype=jnp.int32)
     visible = kv_lens[:, None] - query_len + 1 + jnp.arange(query_len, dtype=jnp.int32)[None, :]
     visible = jnp.maximum(visible, 0)  # layout's formulas want non-negative lengths

@@ -18,6 +18,8 @@ Conventions everywhere in this module (and the two it is built from):
 - an empty shard is one whose LSE is ``-inf``, ``+inf`` or NaN; it contributes exactly zero even
   when its ``out`` holds NaN (weights are *selected* with ``jnp.where``, never multiplied by 0,
   because ``0 * NaN = NaN``); all shards empty gives ``out = 0``, ``lse = -inf``;
+  the in-``shard_map`` forms take ``propagate_nan=True`` for the IEEE rule instead (a NaN or
+  +inf LSE poisons the merged state; -inf stays empty): the DCP attention forms merge that way;
 - arithmetic in float32 (or wider if the input is wider); ``out`` comes back in the input dtype,
   ``lse`` in float32;
 - the one exception: the collective forms on a ONE-device axis (N = 1: :func:`ag_rs`,

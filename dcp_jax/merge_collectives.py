@@ -44,7 +44,8 @@ def _check_local(out, lse, axis_name: str, form: str) -> int:
     return n
 
 
-def merge_ag_rs(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"):
+def merge_ag_rs(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e",
+                propagate_nan: bool = False):
     """AG+RS merge inside ``shard_map``: rank r ends with heads ``[r*H/N, (r+1)*H/N)``.
 
     Steps: (1) all-gather the LSEs over ``axis_name`` (``[N, T, H]``, small); (2) merge core ->
@@ -56,6 +57,9 @@ def merge_ag_rs(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"
       lse: f32[T, H] this rank's LSE (token-major) in ``base``.
       axis_name: the DCP mesh axis (default "dcp").
       base: "e" (default) or "2".
+      propagate_nan: NaN in, NaN out (off by default): a NaN or +inf LSE on any rank makes that
+        (token, head) NaN and partial outputs are multiplied by their weights, never selected
+        (``merge_core._merge_weights``); the DCP attention forms pass True.
 
     Returns:
       ``(out [T, H/N, D] in out's dtype, lse f32[T, H/N])``. N = 1 (a one-rank axis) returns the inputs
@@ -70,17 +74,18 @@ def merge_ag_rs(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"
         return out, lse
     cdtype = _compute_dtype(out.dtype)
     lse_all = jax.lax.all_gather(lse.astype(cdtype), axis_name, axis=0)  # [N, T, H]
-    w_all, merged = _merge_weights(lse_all, base=base)
+    w_all, merged = _merge_weights(lse_all, base=base, propagate_nan=propagate_nan)
     r = jax.lax.axis_index(axis_name)
     w_local = jax.lax.dynamic_index_in_dim(w_all, r, axis=0, keepdims=False)  # [T, H]
-    corrected = _weighted(out, w_local)  # [T, H, D] in cdtype
+    corrected = _weighted(out, w_local, propagate_nan=propagate_nan)  # [T, H, D] in cdtype
     o = jax.lax.psum_scatter(corrected, axis_name, scatter_dimension=1, tiled=True)
     hs = out.shape[1] // n
     l = jax.lax.dynamic_slice_in_dim(merged, r * hs, hs, axis=1)
     return o.astype(out.dtype), l.astype(jnp.promote_types(jnp.float32, lse.dtype))
 
 
-def merge_ag_ar(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"):
+def merge_ag_ar(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e",
+                propagate_nan: bool = False):
     """AG+AR merge inside ``shard_map``: every rank ends with all heads.
 
     Like :func:`merge_ag_rs` but step (4) is an all-reduce (``psum``) of the corrected output.
@@ -90,6 +95,9 @@ def merge_ag_ar(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"
       lse: f32[T, H] this rank's LSE in ``base``.
       axis_name: the DCP mesh axis (default "dcp").
       base: "e" (default) or "2".
+      propagate_nan: NaN in, NaN out (off by default): a NaN or +inf LSE on any rank makes that
+        (token, head) NaN and partial outputs are multiplied by their weights, never selected
+        (``merge_core._merge_weights``); the DCP attention forms pass True.
 
     Returns:
       ``(out [T, H, D] in out's dtype, lse f32[T, H])``, the same on every rank. N = 1 (a one-rank axis) returns the inputs
@@ -106,14 +114,15 @@ def merge_ag_ar(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"
         return jax.lax.psum(out, axis_name), jax.lax.psum(lse, axis_name)
     cdtype = _compute_dtype(out.dtype)
     lse_all = jax.lax.all_gather(lse.astype(cdtype), axis_name, axis=0, to="invarying")
-    w_all, merged = _merge_weights(lse_all, base=base)
+    w_all, merged = _merge_weights(lse_all, base=base, propagate_nan=propagate_nan)
     r = jax.lax.axis_index(axis_name)
     w_local = jax.lax.dynamic_index_in_dim(w_all, r, axis=0, keepdims=False)
-    o = jax.lax.psum(_weighted(out, w_local), axis_name)
+    o = jax.lax.psum(_weighted(out, w_local, propagate_nan=propagate_nan), axis_name)
     return o.astype(out.dtype), merged.astype(jnp.promote_types(jnp.float32, lse.dtype))
 
 
-def merge_a2a(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"):
+def merge_a2a(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e",
+              propagate_nan: bool = False):
     """All-to-all merge inside ``shard_map``: rank r ends with heads ``[r*H/N, (r+1)*H/N)``.
 
     Each rank sends head slice j of its partial (out and LSE) to rank j, receives the N partials
@@ -125,6 +134,9 @@ def merge_a2a(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"):
       lse: f32[T, H] this rank's LSE in ``base``.
       axis_name: the DCP mesh axis (default "dcp").
       base: "e" (default) or "2".
+      propagate_nan: NaN in, NaN out (off by default): a NaN or +inf LSE on any rank makes that
+        (token, head) NaN and partial outputs are multiplied by their weights, never selected
+        (``merge_core._merge_weights``); the DCP attention forms pass True.
 
     Returns:
       ``(out [T, H/N, D] in out's dtype, lse f32[T, H/N])``. N = 1 (a one-rank axis) returns the inputs
@@ -144,7 +156,7 @@ def merge_a2a(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"):
     l_split = jnp.moveaxis(lse.reshape(t, n, hs), 1, 0)
     o_recv = jax.lax.all_to_all(o_split, axis_name, split_axis=0, concat_axis=0, tiled=True)
     l_recv = jax.lax.all_to_all(l_split, axis_name, split_axis=0, concat_axis=0, tiled=True)
-    o, l = _merge_core(o_recv, l_recv, base=base)
+    o, l = _merge_core(o_recv, l_recv, base=base, propagate_nan=propagate_nan)
     return o.astype(out.dtype), l.astype(jnp.promote_types(jnp.float32, lse.dtype))
 
 

@@ -2,12 +2,16 @@
 
 :func:`_merge_weights` (per-shard weights ``exp(lse_r - lse)`` and the merged LSE) and
 :func:`_weighted` (weights selected, never multiplied by 0) are the formula of spec section 7;
-:func:`_merge_core` is the N-way merge of stacked states. Also the trace-time argument checks
+:func:`_merge_core` is the N-way merge of stacked states. Their ``propagate_nan`` option (off by
+default; the DCP attention forms turn it on) swaps the empty-shard rule for NaN / +inf LSEs and the
+selection for IEEE products, so NaN in gives NaN out. Also the trace-time argument checks
 and the constants (``BASES``, ``LSE_LAYOUTS``, ``MERGE_FORMS``, ``DEFAULT_AXIS_NAME``). The
 formula and conventions are in :mod:`dcp_jax.merge`, which re-exports every name.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -85,18 +89,23 @@ def _compute_dtype(dtype) -> jnp.dtype:
 # --------------------------------------------------------------------------------------------
 
 
-def _merge_weights(lse: jax.Array, *, base: str) -> tuple[jax.Array, jax.Array]:
+def _merge_weights(lse: jax.Array, *, base: str,
+                   propagate_nan: bool = False) -> tuple[jax.Array, jax.Array]:
     """The one merge core: per-shard weights and the merged LSE.
 
     Args:
       lse: f32[N, ...] LSEs of N partial states (natural log for ``base="e"``, log2 for "2").
-        Non-finite entries (-inf, +inf, NaN) mark empty shards.
+        Non-finite entries (-inf, +inf, NaN) mark empty shards, unless ``propagate_nan``.
       base: "e" or "2".
+      propagate_nan: IEEE rule instead of the empty-shard rule for NaN and +inf: a NaN or +inf
+        LSE in any shard (``exp(inf - inf)`` is NaN) makes every weight and the merged LSE of
+        that position NaN; -inf still marks an empty shard (weight 0). The DCP attention forms
+        use it (``dcp_jax.attention``: NaN in, NaN out); the merge forms default to False.
 
     Returns:
       ``(weights f32[N, ...], lse f32[...])``: ``weights[r] = exp(lse_r - lse)`` for non-empty
       shards and exactly 0 for empty ones (they sum to 1 unless all are empty); the merged LSE
-      is ``-inf`` when all shards are empty.
+      is ``-inf`` when all shards are empty. With ``propagate_nan``, NaN where poisoned.
     """
     exp, log = (jnp.exp, jnp.log) if base == "e" else (jnp.exp2, jnp.log2)
     valid = jnp.isfinite(lse)
@@ -110,33 +119,49 @@ def _merge_weights(lse: jax.Array, *, base: str) -> tuple[jax.Array, jax.Array]:
     any_valid = s > 0  # the max shard contributes exp(0) = 1, so s >= 1 when any is valid
     s_safe = jnp.where(any_valid, s, jnp.ones_like(s))  # 0/0 guard for the all-empty case
     merged = jnp.where(any_valid, m + log(s_safe), -jnp.inf)
-    return w / s_safe, merged
+    w = w / s_safe
+    if propagate_nan:
+        poisoned = jnp.any(jnp.isnan(lse) | (lse == jnp.inf), axis=0)
+        w = jnp.where(poisoned, jnp.nan, w)
+        merged = jnp.where(poisoned, jnp.nan, merged)
+    return w, merged
 
 
-def _weighted(out: jax.Array, w: jax.Array) -> jax.Array:
+def _weighted(out: jax.Array, w: jax.Array, *, propagate_nan: bool = False) -> jax.Array:
     """``w * out`` selected so that a zero weight gives exactly 0 even if ``out`` is NaN/inf.
 
     Args:
       out: [..., D] partial outputs (any float dtype; computed in ``w.dtype``).
       w: [...] weights from :func:`_merge_weights`.
+      propagate_nan: multiply, never select (IEEE: ``0 * NaN = NaN``), as the float64
+        reference of attention does: a NaN in ``out`` survives a zero (or underflowed) weight,
+        and a NaN weight poisons. An empty shard's ``out`` must then be finite (the attention
+        partials give exactly 0 for a query with no visible key).
     """
     w = w[..., None]
+    if propagate_nan:
+        return w * out.astype(w.dtype)
     return jnp.where(w > 0, w * out.astype(w.dtype), jnp.zeros((), w.dtype))
 
 
-def _merge_core(out: jax.Array, lse: jax.Array, *, base: str) -> tuple[jax.Array, jax.Array]:
-    """N-way merge of token-major stacked states; out [N, T, H, D], lse [N, T, H] -> cdtype."""
+def _merge_core(out: jax.Array, lse: jax.Array, *, base: str,
+                propagate_nan: bool = False) -> tuple[jax.Array, jax.Array]:
+    """N-way merge of token-major stacked states; out [N, T, H, D], lse [N, T, H] -> cdtype.
+
+    ``propagate_nan``: the IEEE rule of :func:`_merge_weights` and :func:`_weighted`.
+    """
     cdtype = _compute_dtype(out.dtype)
-    w, merged = _merge_weights(lse.astype(cdtype), base=base)
+    w, merged = _merge_weights(lse.astype(cdtype), base=base, propagate_nan=propagate_nan)
     # Materialise the small [N, T, H] weights: otherwise XLA may fuse exp/log into the big
     # [T, H, D] pass and recompute them for every element of D.
     w = jax.lax.optimization_barrier(w)
     n = out.shape[0]
+    weighted = functools.partial(_weighted, propagate_nan=propagate_nan)
     if n > _UNROLL_MAX_SHARDS:
-        return jnp.sum(_weighted(out, w), axis=0), merged
+        return jnp.sum(weighted(out, w), axis=0), merged
     # Few shards: an unrolled sum is one elementwise, memory-bound pass reading each partial
     # once (a predictable lowering on GPU, unlike a reduction over the outermost axis).
-    acc = _weighted(out[0], w[0])
+    acc = weighted(out[0], w[0])
     for r in range(1, n):
-        acc = acc + _weighted(out[r], w[r])
+        acc = acc + weighted(out[r], w[r])
     return acc, merged

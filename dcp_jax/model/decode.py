@@ -130,7 +130,7 @@ def make_decode_step(cfg: ModelConfig, mesh: Mesh, geo: DecodeGeometry, axis_nam
                 vc = _append(caches[2 * l + 1], v, pos, pt, r, n, geo)
                 out, lse = gqa_partial(q[None], kc, vc, pt[None], lens, softmax_scale=cfg.softmax_scale)
                 new += [kc, vc]
-            o, _ = merge_local(out[0], lse[0], axis_name=axis_name, base="e")
+            o, _ = merge_local(out[0], lse[0], axis_name=axis_name, base="e", propagate_nan=True)
             x = x + _out_proj(cfg, lp, o, r, n, geo, axis_name)
             x = x + mlp(lp, x)
         logits = jnp.einsum("td,dv->tv", rmsnorm(x, params["final_norm"]), params["lm_head"], precision=_HI,

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from dcp_jax.attention import _softmax_partial
-from dcp_jax.merge import merge_state
+from dcp_jax.merge_core import _merge_core
 from dcp_jax.model.config import ModelConfig
 
 __all__ = ["rmsnorm", "rope", "mlp", "project_mla", "project_gqa", "prefill", "prefill_logits",
@@ -109,7 +109,7 @@ def _causal_attention(q, k, v, scale):
 
     q, k: [S, H, Dq]; v: [S, H, Dv]; S a multiple of PREFILL_CHUNK. Query block i visits key
     blocks 0..i only (causal), folding each partial into the running state with
-    `dcp_jax.merge.merge_state` (the same merge formula as DCP). Returns [S, H, Dv] in q's dtype.
+    the DCP merge core (`dcp_jax.merge_core._merge_core`, NaN propagated). Returns [S, H, Dv] in q's dtype.
     """
     c = PREFILL_CHUNK
     s, h, dv = q.shape[0], q.shape[1], v.shape[-1]
@@ -119,7 +119,9 @@ def _causal_attention(q, k, v, scale):
     def one_query_block(i):
         def body(j, state):
             o, l = _block_attention(qb[i], kb[j], vb[j], i * c, j * c, scale)
-            return merge_state(state[0], state[1], o, l)
+            # NaN in, NaN out (as the DCP attention forms): a poisoned block is not an empty one.
+            return _merge_core(jnp.stack([state[0], o]), jnp.stack([state[1], l]), base="e",
+                               propagate_nan=True)
 
         init = (jnp.zeros((c, h, dv), jnp.float32), jnp.full((c, h), -jnp.inf, jnp.float32))
         return jax.lax.fori_loop(0, i + 1, body, init)[0]

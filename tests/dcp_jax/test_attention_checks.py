@@ -325,7 +325,7 @@ def test_paginate_kv_and_local_kv_lens_refuse_non_integers_and_negative_query_le
         local_kv_lens(np.array([5]), -1, dcp_size=2)
     with pytest.raises(TypeError, match="query_len must be an int"):
         local_kv_lens(np.array([5]), 1.0, dcp_size=2)
-    with pytest.raises(TypeError, match="kv_lens must hold integers"):
-        local_kv_lens(np.array([5.5]), 1, dcp_size=2)
+    with pytest.raises(TypeError, match="kv_lens must hold integers.*got dtype float64"):
+        local_kv_lens(np.array([5.5]), 1, dcp_size=2)  # named as given (float32 before)
     # tokens 0..4 over 2 ranks (I = 1): the one query sees 3 on rank 0 and 2 on rank 1
     assert local_kv_lens(np.array([5]), 1, dcp_size=2).tolist() == [[[3]], [[2]]]
