@@ -22,6 +22,17 @@ def _concrete(x):
     return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
 
 
+def _check_integer_dtype(name, given):
+    """Refuses a non-integer ``given`` (the caller's array as given: a host copy of a concrete
+    one, so a float64 is named float64, not the float32 ``jnp.asarray`` would make of it).
+
+    Raises:
+        TypeError: naming ``name`` and the given dtype.
+    """
+    if not jnp.issubdtype(given.dtype, jnp.integer):
+        raise TypeError(f"{name} must be integer, got {name}.dtype={given.dtype}")
+
+
 def _check_common(q, q_name, page_table, kv_lens, cache_shape, name_cache, interleave_size):
     """Checks the shared arguments; returns (page table i32[N, B, max_pages], kv_lens i32[B]).
 
@@ -41,12 +52,10 @@ def _check_common(q, q_name, page_table, kv_lens, cache_shape, name_cache, inter
             f"page_table must be [N, B, max_pages] = [{n_ranks}, {b}, ...] or shared "
             f"[B, max_pages], got {page_table.shape=}"
         )
-    if not jnp.issubdtype(page_table.dtype, jnp.integer):
-        raise TypeError(f"page_table must be integer, got {page_table.dtype=}")
+    _check_integer_dtype("page_table", page_table if pt_host is None else pt_host)
     if kv_lens.shape != (b,):
         raise ValueError(f"kv_lens must be [B] = [{b}], got {kv_lens.shape=}")
-    if not jnp.issubdtype(kv_lens.dtype, jnp.integer):
-        raise TypeError(f"kv_lens must be integer, got {kv_lens.dtype=}")
+    _check_integer_dtype("kv_lens", kv_lens if lens_host is None else lens_host)
     if q.shape[2] < 1:
         raise ValueError(f"{q_name} needs at least one head, got {q_name}.shape={q.shape}")
     if page_table.shape[-1] < 1:

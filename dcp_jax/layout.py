@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dcp_jax._validate import as_int64
+
 __all__ = [
     "owner",
     "local_index",
@@ -296,7 +298,7 @@ def _as_np_positions(name: str, x) -> np.ndarray:
         return arr.astype(np.int64)
     if not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must be integers, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
+    arr = as_int64(name, arr)  # a uint64 past int64 is refused as given, not wrapped negative
     if (arr < 0).any():
         raise ValueError(f"{name} must be >= 0, got min {name}={int(arr.min())}")
     return arr

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dcp_jax._validate import check_int as _int
+from dcp_jax._validate import pages_required_text
 
 from dcp_jax.layout import check_layout_args, local_index_np, local_len_np, owner_np
 from dcp_jax.send_range import _check_prefix, _pages
@@ -56,7 +57,7 @@ def _side_rows(
                 required = last // page_size + 1
                 if tables[k].size < required:
                     raise ValueError(
-                        f"too few pages in {name}[{k}]: {required} pages of {page_size} tokens are required"
+                        f"too few pages in {name}[{k}]: {pages_required_text(required, page_size)}"
                         f" for local row {last}, got {tables[k].size}"
                     )
     lengths = np.array([tab.size for tab in tables], dtype=np.int64)

@@ -15,11 +15,13 @@ from typing import Any
 
 import numpy as np
 
+from dcp_jax._validate import I64_MAX as _I64_MAX
+from dcp_jax._validate import as_int64 as _as_int64  # noqa: F401 - dcp_jax.descriptors imports it from here
 from dcp_jax._validate import check_int as _int
+from dcp_jax._validate import pages_required_text
 
 from dcp_jax.layout import check_layout_args, local_len_np
 
-_I64_MAX = int(np.iinfo(np.int64).max)
 
 __all__ = [
     "prefix_alignment",
@@ -44,16 +46,6 @@ def _int_array(name: str, value: Any) -> np.ndarray:
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {arr.shape}")
     return _as_int64(name, arr)
-
-
-def _as_int64(name: str, arr: np.ndarray) -> np.ndarray:
-    """An integer array as int64; an unsigned value past int64 (it would wrap negative) is refused
-    with the value given, e.g. ``src_pages[0]=9223372036854775808``."""
-    if arr.dtype.kind == "u" and arr.size and arr.max() > _I64_MAX:
-        bad = np.unravel_index(int(np.argmax(arr > _I64_MAX)), arr.shape)
-        where = ", ".join(str(int(k)) for k in bad)
-        raise ValueError(f"{name} must hold values <= 2**63 - 1 (int64), got {name}[{where}]={int(arr[bad])}")
-    return arr.astype(np.int64, copy=False)
 
 
 def _pages(name: str, value: Any, page_size: int | None = None) -> np.ndarray:
@@ -159,7 +151,7 @@ def rows_from_page_table(local_indices, pages, page_size: int, *, name: str = "p
     required = int(j.max()) // page_size + 1
     if pages.size < required:
         raise ValueError(
-            f"too few {name}: {required} pages of {page_size} tokens are required for local row "
+            f"too few {name}: {pages_required_text(required, page_size)} for local row "
             f"{int(j.max())}, got {len(pages)}"
         )
     return pages[j // page_size] * page_size + j % page_size

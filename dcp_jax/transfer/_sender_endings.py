@@ -6,6 +6,15 @@ method runs on the worker thread under the sender's lock. A window (`Unit`) ends
 batch completes (push) or its reader says so (pull); a request ends SUCCESS once every rank's
 coverage is complete and nothing is in flight, or FAILED/ABORTED (`_end`), after which each rank
 is told ``drained`` once no write of ours into its pages is in flight.
+
+Timeouts (`_check_timeouts`): a live request with no progress (a chunk, an announcement, a
+window completed) for ``timeout_s`` FAILS, unless one of its engine batches is still moving:
+the engine cannot report progress inside a batch, so a batch it still reports live (neither
+completed nor failed) keeps its request alive for ``timeout_s`` plus the batch's size allowance
+(`batch_allowance`), counted from its post or from the completion of the last batch posted
+before it to the same decode rank (Mooncake works through one rank's batches in order, so a
+batch queued behind another starts its clock only then). Past that bound it FAILS all the same,
+and `_end` cancels its batches as far as the engine can.
 """
 
 from __future__ import annotations
@@ -20,14 +29,44 @@ from dcp_jax.transfer._worker import TIMEOUT_CHECK_S
 from dcp_jax.transfer.requests import RankTarget, SendRequest, ranges_text
 from dcp_jax.transfer.status import TransferStatus
 
-__all__ = ["SenderEndings"]
+__all__ = ["SenderEndings", "BATCH_DESCRIPTOR_S", "BATCH_BYTES_PER_S", "batch_allowance"]
+
+#: Seconds per descriptor an engine batch in flight is allowed beyond ``timeout_s`` before it
+#: counts as stuck: 1 ms, i.e. a floor of 1,000 descriptors a second. Measured here (2-core CPU
+#: machine, loopback, one batch alone): Mooncake ~34 us a descriptor (80,000 in 2.7 s), NIXL
+#: ~3 us; 8 ranks' batches sharing the machine, and a loaded one, are several times slower.
+BATCH_DESCRIPTOR_S = 1e-3
+#: Bytes a second an engine batch in flight is allowed at least (10 MB/s: a 64 MiB window 6.7 s).
+BATCH_BYTES_PER_S = 10e6
+
+
+def batch_allowance(descriptors: int, nbytes: int) -> float:
+    """Seconds an engine batch of ``descriptors`` and ``nbytes`` may stay in flight beyond the
+    sender's ``timeout_s`` before its request FAILS as stuck (`SenderEndings._check_timeouts`)."""
+    return descriptors * BATCH_DESCRIPTOR_S + nbytes / BATCH_BYTES_PER_S
 
 
 class SenderEndings:
     """Completions, credits and the endings of requests."""
 
+    def _posted(self, u: Unit, descriptors: int, nbytes: int) -> None:
+        """A window's engine batch (or pull) was posted: its stall clock starts now."""
+        self._post_seq += 1
+        u.seq, u.clock, u.descriptors, u.batch_bytes = self._post_seq, time.monotonic(), descriptors, nbytes
+        u.allow_s = batch_allowance(descriptors, nbytes)
+
+    def _restart_clocks(self, ended: dict, units: Any) -> None:
+        """Batches ended on these connections (``ended``: conn -> the smallest post number that
+        ended): every batch in ``units`` posted after it to the same rank may only have started
+        now (Mooncake works through one rank's batches in order), so its stall clock restarts."""
+        now = time.monotonic()
+        for v in units:
+            seq = ended.get(v.target.conn)
+            if seq is not None and v.seq > seq and v.clock is not None:
+                v.clock = now
+
     def _poll_inflight(self) -> bool:
-        busy, keep = False, []
+        busy, keep, ended = False, [], {}
         for u in self._inflight:
             err = None
             try:
@@ -38,9 +77,13 @@ class SenderEndings:
                 keep.append(u)
                 continue
             busy = True
-            u.req.timeline.mark("complete", u.target.conn.spec.group_rank)
+            conn = u.target.conn
+            ended[conn] = min(ended.get(conn, u.seq), u.seq)
+            u.req.timeline.mark("complete", conn.spec.group_rank)
             self._unit_finished(u, None if err is None else f"engine: {err}")
         self._inflight = keep
+        if ended:
+            self._restart_clocks(ended, keep)
         return busy
 
     def _unit_finished(self, u: Unit, error: str | None, *, free: bool = True) -> None:
@@ -81,6 +124,7 @@ class SenderEndings:
             self._counts["dropped_messages"] += 1
             return
         u.req.timeline.mark("complete", conn.spec.group_rank)  # the reader said its READ ended
+        self._restart_clocks({conn: u.seq}, self._pulls.values())
         self._unit_finished(u, None if msg["ok"] else f"reader: {msg['reason']}")
 
     def _end(self, req: SendRequest, status: TransferStatus, reason: str, *, notify: str | None) -> bool:
@@ -89,10 +133,12 @@ class SenderEndings:
             return False
         self._counts["failed" if status is TransferStatus.FAILED else "aborted"] += 1
         for u in self._inflight + list(self._pulls.values()):
-            if u.req is req and u.region is not None and u.region.state != "quarantined":
+            if u.req is not req:
+                continue
+            if u.region is not None and u.region.state != "quarantined":
                 self._arena.quarantine(u.region)
-                if u.handle is not None:
-                    self.engine.cancel(u.handle)
+            if u.handle is not None:  # direct windows too (no region): the engine stops what it can
+                self.engine.cancel(u.handle)
         if notify:
             for t in req.targets.values():
                 if t.conn.ident in self._conns:
@@ -123,13 +169,27 @@ class SenderEndings:
             del self._released_at[rid]
         for rid in [rid for rid, gone in self._forgotten.items() if gone[0] <= now]:
             del self._forgotten[rid]
+        moving = None  # req -> its engine batches in flight, built once a request looks stalled
         for req in list(self._requests.values()):
             if not req.status.terminal and req.state.stalled_for(now) > self.timeout_s:
-                self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s{_waiting_for(req)}",
-                          notify="failed")
+                if moving is None:
+                    moving = self._batches_in_flight()
+                batches = moving.get(req, ())
+                if any(now < u.clock + self.timeout_s + u.allow_s for u in batches):
+                    continue  # a batch the engine still moves, within its bound: no stall
+                self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s"
+                          f"{_stuck_batch(batches, now, self.timeout_s) or _waiting_for(req)}", notify="failed")
             elif (req.status.terminal and not req.chunks
                   and req.inflight == 0 and req.state.stalled_for(now) > self.timeout_s):
                 self._forget_unsent(req)
+
+    def _batches_in_flight(self) -> dict:
+        """Every request's posted engine batches (push) and pulls not yet reported done."""
+        out: dict = {}
+        for u in self._inflight + list(self._pulls.values()):
+            if u.clock is not None:
+                out.setdefault(u.req, []).append(u)
+        return out
 
     def _forget_unsent(self, req: SendRequest) -> None:
         """Drops a request this side never sent to (`send` was never called) `timeout_s` after it
@@ -142,6 +202,19 @@ class SenderEndings:
         del self._requests[req.rid]
         self._forgotten[req.rid] = (time.monotonic() + self.timeout_s, req)
         self._replay_early(req.rid)  # announcements of the id's next use
+
+
+def _stuck_batch(batches: list, now: float, timeout_s: float) -> str:
+    """The failure reason's tail for a request whose oldest engine batch in flight ran past its
+    bound (``timeout_s`` + `batch_allowance`), or "" when none is in flight."""
+    if not batches:
+        return ""
+    u = min(batches, key=lambda v: v.clock)
+    what = "a pull (the rank's READ)" if u.target.conn.direction == "pull" else "an engine batch"
+    return (f"; {what} to decode rank {u.target.conn.spec.dcp_rank} ({u.descriptors:,} descriptors, "
+            f"{u.batch_bytes:,} bytes, chunk {u.rc.chunk}) has not completed in {now - u.clock:.1f} s, past its "
+            f"bound of {timeout_s + u.allow_s:.1f} s (timeout_s + {BATCH_DESCRIPTOR_S * 1e3:g} ms a descriptor "
+            f"+ 1 s per {BATCH_BYTES_PER_S / 1e6:g} MB)")
 
 
 def _waiting_for(req: SendRequest) -> str:

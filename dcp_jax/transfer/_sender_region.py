@@ -150,6 +150,7 @@ class SenderRegion:
         # (one control frame less per write; the post is the region path's host cost per rank).
         self._inflight.append(u)  # inflight counts were taken at the ask
         self._count(t, 1, want, self._batch_calls(1))
+        self._posted(u, 1, want)
 
     @staticmethod
     def _fused_rows_error(t: Any, rc: Any) -> str | None:

@@ -49,6 +49,14 @@ class Unit:
     packed: bool = False       # region push: the round's synchronisation found its pack complete
     grant: int | None = None   # region push: the granted offset in the rank's receive region
     nbytes: int | None = None  # the window's bytes (`SenderUnits._window_bytes`, computed once)
+    # Its engine batch (push) or pull, once posted (`SenderEndings._posted`): the post's number
+    # (post order on this sender), when its stall clock started (the post, or the completion of
+    # a batch posted before it to the same rank) and its size allowance (`batch_allowance`).
+    seq: int = 0
+    clock: float | None = None
+    allow_s: float = 0.0
+    descriptors: int = 0
+    batch_bytes: int = 0
 
 
 class SenderUnits:
@@ -310,8 +318,9 @@ class SenderUnits:
             t.inflight += 1
             # The reader builds these very descriptors (same rows, same runs): count them here.
             ndesc = rc.descriptors_per_window(self.spec.num_layers)[u.w] if n else 0
-            self._count(t, ndesc, rc.window_bytes(u.w, self._layers.item_lens) if n else 0,
-                        self._batch_calls(ndesc) if n else 0)
+            nbytes = rc.window_bytes(u.w, self._layers.item_lens) if n else 0
+            self._count(t, ndesc, nbytes, self._batch_calls(ndesc) if n else 0)
+            self._posted(u, ndesc, nbytes)
             self._tell(t.conn.ident, proto.encode("pull_ready", req.rid, t.inc, lo=lo, src_addr=region_addr or 0,
                                                  src_rows=src_rows, **head))
             req.timeline.mark("post", t.conn.spec.group_rank)  # the pull's post: the rank may read now
@@ -333,7 +342,9 @@ class SenderUnits:
         req.inflight += 1
         t.inflight += 1
         self._inflight.append(u)
-        self._count(t, len(descs), int(descs[:, 2].sum()) if len(descs) else 0, self._batch_calls(len(descs)))
+        nbytes = int(descs[:, 2].sum()) if len(descs) else 0
+        self._count(t, len(descs), nbytes, self._batch_calls(len(descs)))
+        self._posted(u, len(descs), nbytes)
 
     def _count(self, t: RankTarget, descriptors: int, nbytes: int, calls: int) -> None:
         """Adds one batch to the rank's and the sender's counters (a notification-only batch

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
+from dcp_jax._validate import check_int_type
 
 __all__ = ["SenderWarmUp"]
 
@@ -45,13 +45,12 @@ class SenderWarmUp:
 
         Raises:
             RuntimeError: the sender is closed.
-            ValueError: ``max_rows`` not an int >= 1.
+            TypeError: ``max_rows`` not an int (``1.0`` too); ValueError: ``max_rows`` < 1.
         """
         from pallas_kernels import bucket_rows, warm_copy_fanout
 
         self._check_open()
-        if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer))
-                                     or max_rows < 1):
+        if max_rows is not None and check_int_type("max_rows", max_rows) < 1:
             raise ValueError(f"max_rows={max_rows!r} must be an int >= 1 or None")
         br = self._index_block
         with self._lock:  # a snapshot: the compiles below run without the lock

@@ -16,6 +16,7 @@ import zmq
 
 import bridge.core  # noqa: F401 - registers the engines' atexit hook before `_close_live_sides`
 from bridge.workers import next_backoff
+from dcp_jax._validate import check_int_type, pages_required_text, plural
 from dcp_jax.transfer.control import zmq_context
 from dcp_jax.transfer.status import TransferStatus
 from pallas_kernels._buffer_args import as_1d
@@ -259,10 +260,10 @@ def check_tokens(name: str, value: Any) -> int:
     """A token position or count: an int in ``[0, MAX_TOKENS]``, returned as a Python int.
 
     Raises:
-        ValueError: not an int (bools refused), negative or beyond `MAX_TOKENS` (names ``name``).
+        TypeError: not an int (bools and floats such as ``8.0`` refused; names ``name``).
+        ValueError: negative or beyond `MAX_TOKENS` (names ``name``).
     """
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name}={value!r} must be an int >= 0 (tokens)")
+    value = check_int_type(name, value)
     if not 0 <= value <= MAX_TOKENS:
         raise ValueError(f"{name}={value!r} must be an int in [0, 2**62] (tokens)")
     return int(value)
@@ -318,8 +319,8 @@ def check_page_table(page_table: Any, rows: int, page_size: int, num_pages: int,
     a = a.astype(np.int64)
     need = -(-rows // page_size)
     if a.size < need:
-        raise ValueError(f"{name} has {a.size} pages; {need} are required for {rows} local rows "
-                         f"of page_size={page_size}")
+        raise ValueError(f"{name} has {plural(a.size, 'page')}; {pages_required_text(need)} for "
+                         f"{plural(rows, 'local row')} of page_size={page_size}")
     used = a[:need]
     if used.size:
         if int(used.min()) < 0 or int(used.max()) >= num_pages:

@@ -14,6 +14,7 @@ from typing import Any
 
 import zmq
 
+from dcp_jax._validate import check_int_type
 from dcp_jax.transfer import protocol
 
 __all__ = ["ControlServer", "ControlClient", "check_local_host", "zmq_context", "engine_options_for", "make_side_engine"]
@@ -106,7 +107,8 @@ class ControlServer:
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        port = check_int_type("port", port)  # TypeError for 1.5 or True, as every int argument
+        if not 0 <= port <= 65535:
             raise ValueError(f"port={port!r} must be an int in [0, 65535] (0: any free port)")
         self.sock = _socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises, not drops

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from dcp_jax._validate import check_int_type
 from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import (DEFAULT_HEARTBEAT_S, Worker, check_liveness,
@@ -121,8 +122,7 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
         check_liveness(self.heartbeat_s, self.peer_timeout_s)
         self.drain_grace_s = self.timeout_s + 2 * self.peer_timeout_s if drain_grace_s is None else \
             check_seconds("drain_grace_s", drain_grace_s)
-        if region_bytes is not None and (isinstance(region_bytes, bool) or not isinstance(region_bytes, (int, np.integer))
-                                         or region_bytes < 0):
+        if region_bytes is not None and check_int_type("region_bytes", region_bytes) < 0:
             raise ValueError(f"region_bytes={region_bytes!r} must be None or an int >= 0 (bytes)")
         self._layers = CacheLayers(spec, kv_layers, writable=True)
         self._layout = SideLayout.of(spec)

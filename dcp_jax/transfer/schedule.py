@@ -22,7 +22,7 @@ import dataclasses
 
 import numpy as np
 
-from dcp_jax._validate import check_int
+from dcp_jax._validate import check_int, pages_required_text
 from dcp_jax.layout import check_layout_args, count_int, local_index_np, local_len_np, owner_np
 from dcp_jax.plan import rows_from_page_table
 
@@ -160,7 +160,7 @@ def _token_rows(tokens, side: SideLayout, page_table, name: str, check_table: bo
     if check_table:
         rows_from_page_table(_EMPTY, table, p, name=name)  # validates the whole table once
     if table.ndim != 1 or table.size < hi:
-        raise ValueError(f"{name} is too short: {hi} pages of {p} tokens are required for local row "
+        raise ValueError(f"{name} is too short: {pages_required_text(hi, p)} for local row "
                          f"{top} of dcp_rank={side.dcp_rank}, got {table.size}")
     if validated:  # the duplicate check sorts the table: on every chunk it cost more than the lookup
         return rows_from_page_table(local, table, p, name=name, validated=True)

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from pallas_kernels import GatherConfig, PackSource, compile_count
+from dcp_jax._validate import check_int_type
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import (DEFAULT_HEARTBEAT_S, Worker, check_liveness,
                                       check_page_table, check_seconds, check_tokens, close_at_exit, shut_down)
@@ -83,7 +84,17 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
         pack_bytes: size of the registered pack buffer (bytes); windows larger than it are
             sliced; default `DEFAULT_PACK_BYTES`.
         max_batch_indices: at most this many rows per engine batch (None: no limit).
-        timeout_s: a request with no progress for this long FAILS (seconds).
+        timeout_s: a request with no progress for this long FAILS (seconds). Progress is a chunk
+            (`send`), a rank's announcement or a window completed. An engine batch (or pull) the
+            engine still reports live (neither completed nor failed) is no stall, as the engine
+            cannot report progress inside one batch: it keeps its request alive for
+            ``timeout_s`` + its size allowance (`_sender_endings.batch_allowance`: 1 ms a
+            descriptor + 1 s per 10 MB; 120,000 descriptors: 120 s more), counted from its post
+            or from the completion of the batch posted before it to the same rank. Past that
+            bound it FAILS as stuck (the reason names the batch); a dead rank still ends it after
+            ``peer_timeout_s``. The decode ranks' own ``timeout_s`` sees no batch in flight, only
+            windows landed: keep it above the longest batch, or bound batches with
+            ``max_batch_indices``.
         peer_timeout_s: a receiver silent for this long is dropped and its requests FAIL.
         heartbeat_s: interval of the pings that keep connections alive (seconds).
         engine_options: keyword arguments for the engine adapter (`bridge.make_engine`).
@@ -115,15 +126,14 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
             raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
         if mode not in SEND_MODES:
             raise ValueError(f"mode={mode!r} must be one of {SEND_MODES}")
-        pack_bytes = DEFAULT_PACK_BYTES if pack_bytes is None else pack_bytes
-        if isinstance(pack_bytes, bool) or not isinstance(pack_bytes, (int, np.integer)) or pack_bytes < spec.row_bytes:
+        pack_bytes = check_int_type("pack_bytes", DEFAULT_PACK_BYTES if pack_bytes is None else pack_bytes)
+        if pack_bytes < spec.row_bytes:
             raise ValueError(f"pack_bytes={pack_bytes!r} must be an int >= one token's "
                              f"{spec.row_bytes} bytes")
-        pack_bytes = int(pack_bytes)  # (a numpy int too, as region_bytes and page tables take)
-        if max_batch_indices is not None and (isinstance(max_batch_indices, bool)
-                                              or not isinstance(max_batch_indices, (int, np.integer))
-                                              or max_batch_indices < 1):
-            raise ValueError(f"max_batch_indices={max_batch_indices!r} must be None or an int >= 1")
+        if max_batch_indices is not None:
+            max_batch_indices = check_int_type("max_batch_indices", max_batch_indices)
+            if max_batch_indices < 1:
+                raise ValueError(f"max_batch_indices={max_batch_indices!r} must be None or an int >= 1")
         max_batch_indices = None if max_batch_indices is None else int(max_batch_indices)
         self.spec, self.mode = spec, mode
         self.timeout_s = check_seconds("timeout_s", timeout_s)
@@ -185,6 +195,7 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
         self._queue: deque = deque()         # _sender_units.Unit, FIFO (per rank; see _submit_units)
         self._held: dict = {}                # Conn -> pack-arena bytes its windows hold
         self._inflight: list = []      # push windows the engine has not reported yet
+        self._post_seq = 0             # engine batches and pulls posted so far (`Unit.seq`)
         self._pulls: dict[tuple, Any] = {}  # pull windows the reader has not reported yet
         self._fused: list = []              # fused copies enqueued this round, waited for at its end
         self._fused_launched: tuple = ({}, [])  # their launch's (errors by unit, one copier per launch)
@@ -247,7 +258,8 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
             TypeError, ValueError: bad id, range or page table (page ids outside the cache, too
                 few pages, a page moved under a recently released id), a range overlapping one
                 already sent, or the id of a SUCCESS request that was not released yet (a chunk
-                past the ranks' tokens or over a range already sent).
+                past the ranks' tokens, naming ``stop``, also on a full prefix hit nothing was
+                sent for; or a chunk over a range already sent).
         """
         self._check_open()
         rid = check_request_id(request_id)
@@ -268,8 +280,13 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
                 req = self._requests.get(rid)
             if req is None:  # the prefill uses the id again: a new request
                 req = self._new_request(rid)
-            if req.status is TransferStatus.SUCCESS and (req.page_table is None or redundant(req, start, stop)):
-                return  # every rank already holds these tokens (a prefix hit, or the chunks sent): nothing to send
+            if req.status is TransferStatus.SUCCESS:
+                if redundant(req, start, stop):
+                    return  # every rank already holds these tokens (a prefix hit, or the chunks sent): nothing to send
+                held = min((t.num_tokens for t in req.targets.values()), default=None)
+                if held is not None and stop > held:  # also on a full prefix hit nothing was sent for
+                    raise ValueError(f"stop={stop} passes the {held} tokens the decode ranks announced for "
+                                     f"request_id={rid!r}, which is SUCCESS; release() it before reusing the id")
             if req.status in (TransferStatus.FAILED, TransferStatus.ABORTED):
                 return  # ended (a rank aborted, a peer failed): later chunks are dropped, `poll` says why
             if req.status.terminal:

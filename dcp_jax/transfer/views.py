@@ -29,7 +29,7 @@ import functools
 import numpy as np
 
 from dcp_jax.hetero.engine_path import pair_descriptors
-from dcp_jax.hetero.layouts import CacheGeometry, cache_shape, gather_to_wire, place_from_wire, wire_bytes
+from dcp_jax.hetero.layouts import LAYOUTS, CacheGeometry, cache_shape, gather_to_wire, place_from_wire, wire_bytes
 from dcp_jax.hetero.plan import HeteroPlanError, HeteroSide, head_pieces
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec
 
@@ -57,6 +57,31 @@ def _side(spec: KVCacheSpec, who: str) -> HeteroSide:
                              f"and layout: {exc}") from None
 
 
+#: Layout names the views pair by heads (the connector's ``"mla"`` is ``"sglang_mla"``); any other
+#: `KVCacheSpec.layout` is a custom label, served only as whole rows between equal labels.
+VIEW_LAYOUTS = ("mla",) + LAYOUTS
+
+
+def _check_labels(prefill_layout: str, decode_layout: str) -> None:
+    """Refuses two different layout labels when either is custom (not in `VIEW_LAYOUTS`): such a
+    label means whole rows, which need the same label on both sides. Both labels are named;
+    an unknown label on one side says so, with the names the views know.
+
+    Raises:
+        HandshakeError: field ``"layout"``, ``ours`` the prefill label, ``theirs`` the decode one.
+    """
+    if prefill_layout == decode_layout:
+        return
+    custom = [x for x in (prefill_layout, decode_layout) if x not in VIEW_LAYOUTS]
+    if not custom:
+        return
+    detail = ("the layout labels differ: a custom label moves whole rows and needs the same label on both "
+              "sides")
+    if len(custom) == 1:
+        detail += f"; {custom[0]!r} is not a layout the views pair by heads (one of {VIEW_LAYOUTS})"
+    raise HandshakeError("layout", prefill_layout, decode_layout, detail)
+
+
 def _token_bytes(side: HeteroSide, tp_rank: int) -> int:
     """Cache bytes per token per layer on ``tp_rank`` (padding included: ``tpu_mla`` lanes)."""
     g = side.geometry(tp_rank, 1)
@@ -76,6 +101,7 @@ def check_view_pair(prefill: KVCacheSpec, decode: KVCacheSpec) -> tuple[HeteroSi
         if a != b:
             raise HandshakeError(field, a, b, "" if field == "num_layers" else
                                  "the connector moves bytes and never converts them")
+    _check_labels(prefill.layout, decode.layout)
     p, d = _side(prefill, "prefill"), _side(decode, "decode")
     try:
         head_pieces(p, d)

@@ -104,7 +104,7 @@ BASE = dict(src_pages=[1, 2], dst_pages=[3, 4], page_size=4, dcp_size=2, dcp_ran
         (dict(decode_prefix_len=8, interleave_size=8), r"decode_prefix_len.*= 16 tokens"),
         (dict(num_kv_tokens=-1), "num_kv_tokens"),
         (dict(num_kv_tokens=9), r"num_kv_tokens must be <= .* = 8"),
-        (dict(dst_pages=[]), r"dst_pages.*1 pages .* required"),
+        (dict(dst_pages=[]), r"dst_pages.*1 page .* is required"),
         (dict(src_pages=[1, 2, 3, 4, 5], dst_pages=[1, 2]), r"dst_pages: 3 pages .* required"),
         (dict(src_pages=[1, -2]), r"src_pages.*src_pages\[1\]=-2"),
         (dict(dst_pages=[-3, 4]), r"dst_pages"),

@@ -250,7 +250,7 @@ BASE = dict(
         (dict(dst_page_tables=[[5], [6]]), r"dst_page_tables.*dcp_size=1"),
         (dict(src_page_tables=[[1, 2], [3, -4]]), r"src_page_tables\[1\]"),
         (dict(dst_page_tables=[[]]), r"dst_page_tables\[0\]: 2 pages"),
-        (dict(src_page_tables=[[1], []]), r"src_page_tables\[1\]: 1 pages"),
+        (dict(src_page_tables=[[1], []]), r"src_page_tables\[1\]: 1 page of 4 tokens is required"),
         (dict(decode_prefix_len=2), r"decode_prefix_len.*= 4 tokens"),
         (dict(decode_prefix_len=8, chunk_start=4), "chunk_start"),
         (dict(num_kv_tokens=-1), "num_kv_tokens"),

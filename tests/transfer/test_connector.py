@@ -379,11 +379,14 @@ def test_pings_must_fit_twice_into_each_sides_peer_timeout(engine):
         c.close()
 
 
-@pytest.mark.parametrize("port", [-1, 70000, 1.5, True])
-def test_sender_port_out_of_range_is_refused(port):
+@pytest.mark.parametrize("port, exc, match", [(-1, ValueError, r"port=-1 must be an int in \[0, 65535\]"),
+                                              (70000, ValueError, r"port=70000 must be an int in \[0, 65535\]"),
+                                              (1.5, TypeError, r"port must be an int, got float \(port=1.5\)"),
+                                              (True, TypeError, r"port must be an int, got bool \(port=True\)")])
+def test_sender_port_out_of_range_is_refused(port, exc, match):
     from dcp_jax.transfer import KVCacheSpec, KVSender
 
-    with pytest.raises(ValueError, match=r"port=.* must be an int in \[0, 65535\]"):
+    with pytest.raises(exc, match=match):
         KVSender(KVCacheSpec(1, [16], 4), [np.zeros((4, 4, 16), np.uint8)], engine="nixl", port=port)
 
 

@@ -223,6 +223,8 @@ def test_region_bytes_is_checked():
 
     spec = KVCacheSpec(1, [16], 4)
     layers = [np.zeros((2, 4, 16), np.uint8)]
-    for bad in (-1, 1.5, True, "64"):
-        with pytest.raises(ValueError, match="region_bytes"):
+    with pytest.raises(ValueError, match="region_bytes=-1"):
+        KVReceiver(spec, layers, region_bytes=-1)
+    for bad in (1.5, True, "64"):  # not an int: a TypeError, as every int argument
+        with pytest.raises(TypeError, match=rf"region_bytes must be an int, got {type(bad).__name__}"):
             KVReceiver(spec, layers, region_bytes=bad)

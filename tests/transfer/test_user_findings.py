@@ -325,7 +325,7 @@ def test_sender_options_a_fresh_user_got_unnamed_errors_for(engine):
     with pytest.raises(MemoryError, match=r"pack_bytes=1,125,899,906,842,624: cannot allocate the pack buffer"):
         KVSender(spec, kv, engine=engine, pack_bytes=2**50)
     # Before: True was taken for 1.
-    with pytest.raises(ValueError, match=r"max_batch_indices=True must be None or an int >= 1"):
+    with pytest.raises(TypeError, match=r"max_batch_indices must be an int, got bool \(max_batch_indices=True\)"):
         KVSender(spec, kv, engine=engine, max_batch_indices=True)
     # Before: "NixlEngine.__init__() got an unexpected keyword argument 'foo'" (whose argument?).
     for side in (lambda: KVSender(spec, kv, engine=engine, engine_options={"foo": 1}),

@@ -163,9 +163,14 @@ def test_sender_sizes_take_numpy_ints(engine):
     with KVSender(spec, _page_bytes(4), engine=engine, pack_bytes=np.int64(4096),
                   max_batch_indices=np.int32(8)) as s:
         assert s.max_batch_indices == 8 and type(s.max_batch_indices) is int
-    for bad in (np.int64(W - 1), 1.5e6, True):
-        with pytest.raises(ValueError, match="pack_bytes"):
+    with pytest.raises(ValueError, match="pack_bytes"):
+        KVSender(spec, _page_bytes(4), engine=engine, pack_bytes=np.int64(W - 1))
+    for bad in (1.5e6, 4096.0, True):  # a float or a bool is the wrong type, whatever its value
+        with pytest.raises(TypeError, match="pack_bytes"):
             KVSender(spec, _page_bytes(4), engine=engine, pack_bytes=bad)
+    for bad in (8.0, True):
+        with pytest.raises(TypeError, match="max_batch_indices"):
+            KVSender(spec, _page_bytes(4), engine=engine, max_batch_indices=bad)
 
 
 def _group(engine, m, n, src, dst, timeout_s=4):

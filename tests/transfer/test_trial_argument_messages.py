@@ -1,0 +1,96 @@
+"""Argument messages a fresh-user trial found wrong (2027): two different custom layout labels
+reported as an unknown layout, a float token count refused with ValueError, "1 are required",
+and the same rules at the other int arguments of the connector (one helper per rule)."""
+import numpy as np
+import pytest
+
+from conftest import Cluster
+from dcp_jax.transfer import HandshakeError, KVCacheSpec, KVReceiver, KVSender, check_compatible
+from dcp_jax.transfer._worker import check_page_table, check_tokens
+
+ITEMS = (48, 16)
+
+
+def _spec(layout, **kw):
+    return KVCacheSpec(2, ITEMS, 4, layout=layout, **kw)
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_two_different_custom_labels_say_the_labels_differ(side):
+    # Before: "layout must be one of ('sglang_mla', ...), got layout='foo'" (the views' list).
+    with pytest.raises(HandshakeError, match="layout labels differ") as e:
+        check_compatible(_spec("foo"), _spec("bar"), side=side)
+    ours, theirs = ("foo", "bar") if side == "prefill" else ("bar", "foo")
+    assert (e.value.field, e.value.ours, e.value.theirs) == ("layout", ours, theirs)
+    assert "this side 'foo', peer 'bar'" in str(e.value) if side == "prefill" else \
+        "this side 'bar', peer 'foo'" in str(e.value)
+    assert "must be one of" not in str(e.value)
+
+
+def test_custom_label_against_a_known_layout_names_both_and_the_known_ones():
+    with pytest.raises(HandshakeError, match=r"layout labels differ.*'vllm-cpu' is not a layout") as e:
+        check_compatible(_spec("vllm-cpu"), _spec("mla"))
+    assert (e.value.ours, e.value.theirs) == ("vllm-cpu", "mla") and "'tpu_gqa'" in str(e.value)
+
+
+def test_equal_custom_labels_pass_and_an_unknown_label_with_tp_keeps_its_message():
+    check_compatible(_spec("foo"), _spec("foo"))  # whole rows between equal labels: allowed
+    # tp_size > 1 needs the views, which know only their layouts: the unknown label is named.
+    with pytest.raises(HandshakeError, match=r"layout must be one of .*got layout='foo'"):
+        check_compatible(_spec("foo", tp_size=2), _spec("foo", tp_size=2))
+
+
+def test_different_custom_labels_are_refused_at_the_connect():
+    src = [np.zeros((8, 4, il), np.uint8) for il in ITEMS]
+    dst = [np.zeros((8, 4, il), np.uint8) for il in ITEMS]
+    with KVSender(_spec("foo"), src, engine="nixl") as s, KVReceiver(_spec("bar"), dst, engine="nixl") as r:
+        with pytest.raises(HandshakeError, match="layout labels differ") as e:
+            r.connect(s.address)
+        assert (e.value.ours, e.value.theirs) == ("bar", "foo")
+
+
+@pytest.mark.parametrize("value", [8.0, "8", None, True])
+def test_check_tokens_refuses_non_ints_with_type_error(value):
+    with pytest.raises(TypeError, match=rf"num_tokens must be an int, got {type(value).__name__} "
+                                        rf"\(num_tokens={value!r}\)"):
+        check_tokens("num_tokens", value)
+    assert check_tokens("num_tokens", np.int32(8)) == 8
+    with pytest.raises(ValueError, match=r"num_tokens=-1 must be an int in \[0, 2\*\*62\]"):
+        check_tokens("num_tokens", -1)
+
+
+def test_expect_and_send_refuse_float_token_counts_with_type_error():
+    # Before: ValueError "num_tokens=8.0 must be an int >= 0 (tokens)".
+    c = Cluster("nixl", dcp_size=1, page_size=4, seed=3)
+    try:
+        src, dst = c.tables(8)
+        r = c.receivers[0]
+        with pytest.raises(TypeError, match=r"num_tokens must be an int, got float \(num_tokens=8\.0\)"):
+            r.expect("q", dst[0], num_tokens=8.0)
+        with pytest.raises(TypeError, match=r"prefix_tokens must be an int, got float \(prefix_tokens=4\.0\)"):
+            r.expect("q", dst[0], 8, prefix_tokens=4.0)
+        with pytest.raises(TypeError, match=r"stop must be an int, got float \(stop=8\.0\)"):
+            c.sender.send("q", src, 0, 8.0)
+    finally:
+        c.close()
+
+
+def test_region_bytes_and_port_refuse_floats_with_type_error():
+    dst = [np.zeros((8, 4, il), np.uint8) for il in ITEMS]
+    with pytest.raises(TypeError, match=r"region_bytes must be an int, got float \(region_bytes=4096\.0\)"):
+        KVReceiver(KVCacheSpec(2, ITEMS, 4), dst, engine="nixl", region_bytes=4096.0)
+    with pytest.raises(ValueError, match=r"region_bytes=-1 must be None or an int >= 0"):
+        KVReceiver(KVCacheSpec(2, ITEMS, 4), dst, engine="nixl", region_bytes=-1)
+    with pytest.raises(TypeError, match=r"port must be an int, got float \(port=5555\.0\)"):
+        KVSender(KVCacheSpec(2, ITEMS, 4), [a.copy() for a in dst], engine="nixl", port=5555.0)
+
+
+def test_too_short_page_table_says_1_page_is_required():
+    # Before: "page_table has 0 pages; 1 are required for 3 local rows of page_size=4".
+    for table, rows, page_size, want in (
+            ([], 3, 4, "page_table has 0 pages; 1 page is required for 3 local rows of page_size=4"),
+            ([], 1, 1, "page_table has 0 pages; 1 page is required for 1 local row of page_size=1"),
+            ([0], 2, 1, "page_table has 1 page; 2 pages are required for 2 local rows of page_size=1")):
+        with pytest.raises(ValueError) as e:
+            check_page_table(table, rows, page_size, 16)
+        assert str(e.value) == want
