@@ -6,7 +6,9 @@ query and head stays exact. Before the fix the LSE merge took the poisoned shard
 for an empty shard and dropped it: N = 2 lost rank 0's good tokens too, N = 4 only the bad
 token's shard, N = 1 gave a finite out with lse = -inf, a NaN query gave out 0, lse -inf.
 Free slots (rows past kv_len, here all NaN) are masked on purpose and must stay harmless.
-Inf in the KV follows the reference too (a +inf score gives NaN, a -inf one a zero weight).
+Inf in the KV follows the reference too (a +inf score gives NaN, a -inf one a zero weight), with one
+exception the partials document: a query whose every visible score is -inf gets out 0, lse -inf (the
+reference: NaN), as a rank with no key for it does.
 Fresh random inputs each case; N = 1, 2, 4; every form (shard_map, under jit, emulated).
 """
 
