@@ -10,11 +10,14 @@ import numpy as np
 
 def check_int_type(name: str, value: Any) -> int:
     """Return ``value`` as a Python int, refusing bools and non-integers (``8.0`` too): the type
-    rule of every int argument; the caller checks the range with its own message.
+    rule of every int argument; the caller checks the range with its own message. Python and
+    numpy integers and 0-d integer arrays (``np.array(8)``) are ints here.
 
     Raises:
         TypeError: ``value`` is not an integer (the message names ``name`` and the value as given).
     """
+    if isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iu":
+        value = value[()]  # a 0-d integer array, as numpy reductions return: its scalar
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({name}={value!r})")
     return operator.index(value)

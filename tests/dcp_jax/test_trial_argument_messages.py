@@ -84,3 +84,15 @@ def test_page_table_messages_agree_in_number():
     with pytest.raises(ValueError, match=r"too few pages in dst_page_tables\[1\]: 1 page of 4 tokens is required "
                                          r"for local row 0, got 0"):
         build_mxn_transfer_plans([[0]], [[0], []], page_size=4, prefill_dcp_size=1, dcp_size=2, num_kv_tokens=2)
+
+
+def test_int_arguments_take_0d_integer_arrays_and_refuse_0d_float_ones():
+    """np.array(8) (a numpy reduction's result) was refused as 'got ndarray' (final trial)."""
+    from dcp_jax._validate import check_int, check_int_type
+
+    for v in (np.array(8), np.array(8, np.uint16), np.int64(8), 8):
+        assert check_int_type("num_tokens", v) == 8 and type(check_int_type("num_tokens", v)) is int
+    assert check_int("pack_bytes", np.array(4096), minimum=1) == 4096
+    for bad in (np.array(8.0), np.array([8]), np.array(True)):
+        with pytest.raises(TypeError, match="num_tokens must be an int"):
+            check_int_type("num_tokens", bad)
