@@ -64,8 +64,10 @@ def _softmax_partial(scores, mask):
     """
     mask = mask[:, :, None, :]
     s = jnp.where(mask, scores, -jnp.inf)
-    m = jnp.max(s, axis=-1)  # NaN if a visible score is NaN, +inf if one is +inf
-    poisoned = jnp.isnan(m) | (m == jnp.inf)
+    m = jnp.max(s, axis=-1)
+    # Asked explicitly, not read off the max: XLA:CPU's vectorised max drops NaN on larger
+    # arrays (a (576, 8) max with one NaN gave 1.3), which left lse finite or -inf.
+    poisoned = jnp.any(mask & (jnp.isnan(scores) | (scores == jnp.inf)), axis=-1)
     m = jnp.where(jnp.isfinite(m), m, 0.0)  # no visible key: (-inf) - (-inf) would be NaN
     e = jnp.where(mask, jnp.exp(s - m[..., None]), 0.0)
     tot = jnp.sum(e, axis=-1)

@@ -198,3 +198,25 @@ def test_partials_stay_exact_for_any_local_lens():
                                                 softmax_scale=0.5)
             _assert_like_reference(np.asarray(g_out)[b, j], ref_o[0, 0], "gqa out")
             _assert_like_reference(np.asarray(g_lse)[b, j], ref_l[0, 0], "gqa lse")
+
+
+@pytest.mark.parametrize("n", [2, 8])
+def test_nan_reaches_lse_at_a_realistic_batch(n):
+    """B = 8, H = 16: XLA:CPU's max over the scores dropped the NaN, and the poisoned heads got a
+    finite lse (the NaN query's head -inf) while out was NaN (final fresh-user trial)."""
+    rng = np.random.default_rng()
+    b, h, lens = 8, 16, np.full(8, 40)
+    ql = rng.standard_normal((b, 1, h, 512)).astype(np.float32)
+    qr = rng.standard_normal((b, 1, h, 64)).astype(np.float32)
+    kv = rng.standard_normal((b, 48, 576)).astype(np.float32)
+    kv[0, 7, 3] = np.nan
+    ql[b - 1, 0, h - 1, 5] = np.nan
+    ro, rl = mla_decode_reference(ql, qr, kv, lens, softmax_scale=0.05)
+    cache, pt = paginate_kv(kv, lens, dcp_size=n, page_size=16)
+    for fn in (dcp_mla_decode, dcp_mla_decode_emulated):
+        kw = dict(mesh=make_dcp_mesh(n)) if fn is dcp_mla_decode else {}  # emulated: N from pt
+        o, l = fn(ql, qr, cache, pt, lens, softmax_scale=0.05, **kw)
+        assert np.isnan(rl).sum() == h + 1
+        np.testing.assert_array_equal(np.isnan(np.asarray(l)), np.isnan(rl))
+        np.testing.assert_array_equal(np.isnan(np.asarray(o)), np.isnan(ro))
+        np.testing.assert_allclose(np.asarray(l), rl, rtol=1e-4, atol=1e-4)
