@@ -98,6 +98,8 @@ class ReceiverData:
 
     def _on_message(self, link: Any, msg: dict) -> None:
         kind = msg["k"]
+        if kind == "moving":
+            return self._on_moving(link, msg)
         if kind in ("region_ask", "fused_done"):
             return self._on_region_ask(link, msg) if kind == "region_ask" else self._on_fused_done(link, msg)
         if kind == "pull_ready":
@@ -152,6 +154,20 @@ class ReceiverData:
                                 tell=False, in_doubt=not msg["drained"])
         elif kind != "ping":
             self._counts["dropped_messages"] += 1
+
+    def _on_moving(self, link: Any, msg: dict) -> None:
+        """A sender's report (``moving``, validated by `protocol.decode`) of this rank's requests
+        with an engine batch or a pull it still sees in flight within its bound: each such live
+        request, of that incarnation and announced to that sender, counts as progressing until
+        the entry's lease ends (a lease of at most this side's ``peer_timeout_s``: a sender silent
+        that long is dropped anyway); its ``timeout_s`` runs from then. Entries of a request
+        ended or released here meanwhile (a race) are ignored."""
+        now = time.monotonic()
+        for rid, inc, lease_ms in msg["reqs"]:
+            req = self._requests.get(rid)
+            if req is None or req.inc != inc or req.status.terminal or link not in req.senders:
+                continue
+            req.moving_until = max(req.moving_until, now + min(lease_ms / 1000, self.peer_timeout_s))
 
     # ---- engine notifications and reads -------------------------------------------------------
     def _on_notification(self, peer: str, note: bytes) -> None:
@@ -331,9 +347,13 @@ class ReceiverData:
         self._expire_doubt(now)
         for req in list(self._requests.values()):
             if not req.status.terminal:
-                if req.state.stalled_for(now) > self.timeout_s:
-                    self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s{req.missing()}",
-                              "failed")
+                # A sender's ``moving`` lease is progress up to its end (a batch of it in flight
+                # within its bound): the clock runs from the later of that and the last landing.
+                if now - max(req.state.last_progress, req.moving_until) > self.timeout_s:
+                    lapsed = (f"; its sender's last report of an engine batch in flight lapsed "
+                              f"{now - req.moving_until:.1f} s ago" if req.moving_until else "")
+                    self._end(req, TransferStatus.FAILED,
+                              f"no progress for {self.timeout_s:g} s{req.missing()}{lapsed}", "failed")
             elif req.status is not TransferStatus.SUCCESS and req.state.stalled_for(now) > self.timeout_s:
                 self._ask_drained(req)
 

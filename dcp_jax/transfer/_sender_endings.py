@@ -15,6 +15,15 @@ completed nor failed) keeps its request alive for ``timeout_s`` plus the batch's
 before it to the same decode rank (Mooncake works through one rank's batches in order, so a
 batch queued behind another starts its clock only then). Past that bound it FAILS all the same,
 and `_end` cancels its batches as far as the engine can.
+
+The decode ranks agree (`_tell_moving`): a rank only sees windows land, so each rank is told, in a
+``moving`` frame, which of its requests have such a batch in flight within its bound, each with a
+lease (the time left to that bound, at most the rank's ``peer_timeout_s``) during which the rank
+counts the request as progressing. A rank hears this once a batch has been in flight for
+`MOVING_AFTER_S` and then at most once per ``heartbeat_s`` while such batches exist (sooner only
+for a request not in the last frame). A batch past its bound is reported no more: this side
+FAILS the request and says so, and the rank, should that word be lost, FAILS it its own
+``timeout_s`` after the last lease ran out; a sender gone silent is dropped after ``peer_timeout_s``.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from dcp_jax.transfer._worker import TIMEOUT_CHECK_S
 from dcp_jax.transfer.requests import RankTarget, SendRequest, ranges_text
 from dcp_jax.transfer.status import TransferStatus
 
-__all__ = ["SenderEndings", "BATCH_DESCRIPTOR_S", "BATCH_BYTES_PER_S", "batch_allowance"]
+__all__ = ["SenderEndings", "BATCH_DESCRIPTOR_S", "BATCH_BYTES_PER_S", "MOVING_AFTER_S", "batch_allowance"]
 
 #: Seconds per descriptor an engine batch in flight is allowed beyond ``timeout_s`` before it
 #: counts as stuck: 1 ms, i.e. a floor of 1,000 descriptors a second. Measured here (2-core CPU
@@ -38,6 +47,10 @@ __all__ = ["SenderEndings", "BATCH_DESCRIPTOR_S", "BATCH_BYTES_PER_S", "batch_al
 BATCH_DESCRIPTOR_S = 1e-3
 #: Bytes a second an engine batch in flight is allowed at least (10 MB/s: a 64 MiB window 6.7 s).
 BATCH_BYTES_PER_S = 10e6
+#: Seconds an engine batch (or pull) must have been in flight before its rank hears of it in a
+#: ``moving`` frame (one timeout check, `TIMEOUT_CHECK_S`): shorter ones send nothing. A rank's
+#: ``timeout_s`` well above this and the worker's delays is what lets the first report come in time.
+MOVING_AFTER_S = TIMEOUT_CHECK_S
 
 
 def batch_allowance(descriptors: int, nbytes: int) -> float:
@@ -169,12 +182,11 @@ class SenderEndings:
             del self._released_at[rid]
         for rid in [rid for rid, gone in self._forgotten.items() if gone[0] <= now]:
             del self._forgotten[rid]
-        moving = None  # req -> its engine batches in flight, built once a request looks stalled
+        # req -> its engine batches in flight, built once a request looks stalled or a batch is out
+        moving = self._batches_in_flight() if self._inflight or self._pulls else None
         for req in list(self._requests.values()):
             if not req.status.terminal and req.state.stalled_for(now) > self.timeout_s:
-                if moving is None:
-                    moving = self._batches_in_flight()
-                batches = moving.get(req, ())
+                batches = (moving or {}).get(req, ())
                 if any(now < u.clock + self.timeout_s + u.allow_s for u in batches):
                     continue  # a batch the engine still moves, within its bound: no stall
                 self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s"
@@ -182,6 +194,41 @@ class SenderEndings:
             elif (req.status.terminal and not req.chunks
                   and req.inflight == 0 and req.state.stalled_for(now) > self.timeout_s):
                 self._forget_unsent(req)
+        self._tell_moving(now, moving or {})
+
+    def _tell_moving(self, now: float, moving: dict) -> None:
+        """Tells each decode rank which of its live requests have an engine batch (push) or a
+        pull in flight here past `MOVING_AFTER_S` and within its bound (``timeout_s`` + its
+        allowance), in ``moving`` frames of ``[rid, inc, lease_ms]``: the lease is the time left
+        to the latest such bound, at most the rank's ``peer_timeout_s``. A rank gets a frame at most
+        once per ``heartbeat_s`` while it has such requests (the lease outlasts the gap to the next),
+        sooner only when one is not in its last frame; none when it has none."""
+        per_conn: dict = {}
+        for req, batches in moving.items():
+            if req.status.terminal or self._requests.get(req.rid) is not req:
+                continue
+            for u in batches:
+                left = u.clock + self.timeout_s + u.allow_s - now
+                if now - u.clock < MOVING_AFTER_S or left <= 0:
+                    continue  # short so far (no frame), or past its bound: stuck, reported no more
+                conn = u.target.conn
+                key = (req.rid, u.target.inc)
+                lease = min(left, conn.peer_timeout_s)
+                entries = per_conn.setdefault(conn, {})
+                entries[key] = max(entries.get(key, 0.0), lease)
+        for conn in self._conns.values():
+            entries = per_conn.get(conn)
+            if not entries:
+                if conn.moving_told:
+                    conn.moving_told = set()
+                continue
+            conn.moving_told &= entries.keys()
+            if now - conn.moving_at < self.heartbeat_s and entries.keys() <= conn.moving_told:
+                continue
+            conn.moving_at, conn.moving_told = now, set(entries)
+            reqs = [[rid, inc, min(proto.MAX_LEASE_MS, int(lease * 1000))] for (rid, inc), lease in entries.items()]
+            for i in range(0, len(reqs), proto.MAX_MOVING):
+                self._tell(conn.ident, proto.encode("moving", reqs=reqs[i:i + proto.MAX_MOVING]))
 
     def _batches_in_flight(self) -> dict:
         """Every request's posted engine batches (push) and pulls not yet reported done."""

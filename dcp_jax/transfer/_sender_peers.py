@@ -63,6 +63,8 @@ class Conn:
     heartbeat_s: float = 0.5    # how often the rank pings (its hello)
     closing: Any = None         # (reason, since) once the rank said bye: `SenderPeers._drop_closing`
     peer_timeout_s: float = 1.0  # how long the rank waits for our pings before it drops us (its hello)
+    moving_at: float = 0.0      # when the last ``moving`` frame went to it (`SenderEndings._tell_moving`)
+    moving_told: set = dataclasses.field(default_factory=set)  # (rid, inc) that frame held, still in flight
 
     def stall_limit(self, our_heartbeat_s: float) -> float:
         """Seconds this sender's worker may stand still before the rank may have dropped it as

@@ -17,7 +17,11 @@ while such batches are due, and idles otherwise; a region write sends none: its 
 ``done`` as due from its own ``region_grant``), ``region_ask`` (region path: a packed window
 wants room in the receive region), ``fused_done`` (fused path: the sender's copy kernel into this
 rank's IPC-mapped pages has finished, or, gated, was launched and bumps the flag page to ``seq`` once it has), ``drained`` (after a request ended without success, no WRITE of the sender's into that rank's
-pages is in flight any more), ``ping``, ``bye``. ``bye`` (either way, connection-level): the
+pages is in flight any more), ``moving`` (connection-level: which of that rank's requests have
+an engine batch or a pull the sender still sees in flight within its bound, each with a lease:
+at most `MAX_MOVING` entries ``[rid, inc, lease_ms]``, a lease at most `MAX_LEASE_MS`; the rank
+counts such a request as progressing until its lease runs out: `KVReceiver`'s docstring),
+``ping``, ``bye``. ``bye`` (either way, connection-level): the
 side closed this connection on purpose (``close()``, or it dropped the peer), so the other side
 drops it now instead of after ``peer_timeout_s`` of silence; ``drained`` says its engine is torn
 down (sent after ``close()`` closed the engine), so nothing of it is in flight any more. Engine notification (sender -> receiver, delivered by the engine after the batch's
@@ -32,11 +36,11 @@ import numpy as np
 
 __all__ = [
     "PROTOCOL_VERSION", "MAX_CONTROL_BYTES", "MAX_NOTIF_BYTES", "ProtocolError", "encode",
-    "decode", "pack_i64", "unpack_i64", "KINDS", "PATHS",
+    "decode", "pack_i64", "unpack_i64", "KINDS", "PATHS", "MAX_MOVING", "MAX_LEASE_MS",
 ]
 
 #: Bumped on any change of a message's meaning; peers of another version are refused at hello.
-PROTOCOL_VERSION = 9  # 9: no ``sent`` for a region write (the rank counts its grant as a done due); 8: bye; 7: hello_ack offers the fused path's flag page, fused_done carries its sequence number; 6: (an IPC event instead); 5: hello states the receiver's cache pages; 4: hello and hello_ack state whether the side stages
+PROTOCOL_VERSION = 10  # 10: moving (a rank's requests with a batch in flight keep their clock); 9: no ``sent`` for a region write (the rank counts its grant as a done due); 8: bye; 7: hello_ack offers the fused path's flag page, fused_done carries its sequence number; 6: (an IPC event instead); 5: hello states the receiver's cache pages; 4: hello and hello_ack state whether the side stages
 #: Path names a sender may answer a hello with (`dcp_jax.transfer._region.choose_path`).
 PATHS = ("direct", "packed", "region", "fused")
 MAX_IPC_HANDLES = 4096     # one CUDA IPC handle per KV layer entry at most (spec.MAX_LAYERS)
@@ -48,6 +52,10 @@ MAX_NOTIF_BYTES = 1024
 #: stays within `MAX_NOTIF_BYTES`.
 MAX_REQUEST_ID = 256
 MAX_TEXT = 4096            # characters of a reason / message
+#: Entries of one ``moving`` frame at most (a sender with more such requests to one rank sends several).
+MAX_MOVING = 1024
+#: Longest lease a ``moving`` entry may give (ms): a day, the longest ``peer_timeout_s`` a side takes.
+MAX_LEASE_MS = 86_400_000
 _I64 = (1 << 63) - 1
 
 
@@ -91,6 +99,10 @@ KINDS: dict[str, dict[str, tuple]] = {
     "fused_done": {**_CHUNK, "gated": (_BOOL, 0), "seq": (_INT, 0)},
     "drained": {},
     "sent": {"chunk": (_INT, 0), "part": (_INT, 0)},
+    # reqs: [[rid, inc, lease_ms], ...] (`_check_moving`): requests of the receiving rank with an
+    # engine batch (push) or pull in flight on the sender within its bound; rid/inc of the frame
+    # itself are "" / 0 (connection-level).
+    "moving": {"reqs": (_LIST, MAX_MOVING)},
     "ping": {},
     # drained: the side's engine is torn down (`bridge` engine ``torn_down``): none of its writes
     # or reads is in flight any more, so the peer may give back what it held for them at once.
@@ -177,6 +189,28 @@ def _check(msg: Any) -> None:
         raise ProtocolError(f"hello.mem={msg['mem']!r} must be 'DRAM' or 'VRAM'")
     if kind == "hello" and (msg["region_bytes"] == 0) != (msg["region_addr"] == 0):
         raise ProtocolError("hello: region_addr and region_bytes must both be 0 (no receive region) or both set")
+    if kind == "moving":
+        _check_moving(msg)
+
+
+def _check_moving(msg: dict) -> None:
+    """A ``moving`` frame: connection-level (rid "", inc 0), at least one entry, each exactly
+    ``[rid, inc, lease_ms]``: a request id of 1 to `MAX_REQUEST_ID` UTF-8 bytes, an int
+    incarnation in [0, 2^63), an int lease in [0, `MAX_LEASE_MS`]."""
+    if msg["rid"] or msg["inc"]:
+        raise ProtocolError("moving: a connection-level message (rid must be '' and inc 0)")
+    if not msg["reqs"]:
+        raise ProtocolError("moving: reqs is empty")
+    for i, e in enumerate(msg["reqs"]):
+        if not isinstance(e, list) or len(e) != 3:
+            raise ProtocolError(f"moving.reqs[{i}] must be [rid, inc, lease_ms]")
+        rid, inc, lease = e
+        if not isinstance(rid, str) or not 0 < len(rid.encode("utf-8", "surrogatepass")) <= MAX_REQUEST_ID:
+            raise ProtocolError(f"moving.reqs[{i}]: rid must be a str of 1 to {MAX_REQUEST_ID} UTF-8 bytes")
+        if isinstance(inc, bool) or not isinstance(inc, int) or not 0 <= inc <= _I64:
+            raise ProtocolError(f"moving.reqs[{i}]: inc={inc!r} must be an int in [0, 2^63)")
+        if isinstance(lease, bool) or not isinstance(lease, int) or not 0 <= lease <= MAX_LEASE_MS:
+            raise ProtocolError(f"moving.reqs[{i}]: lease_ms={lease!r} must be an int in [0, {MAX_LEASE_MS}]")
 
 
 def pack_i64(a: Any) -> bytes:

@@ -65,7 +65,19 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
         direction: default direction of `connect`: ``"push"`` (the sender WRITEs) or ``"pull"``
             (this rank READs).
         group: name of this decode DCP group (every rank of a group gives the same name).
-        timeout_s: a request with no progress for this long FAILS (seconds).
+        timeout_s: a request with no progress for this long FAILS (seconds). Progress is a part
+            landing (a window written, read or unpacked), the move to TRANSFERRING, or a
+            sender's report that an engine batch (push) or pull of the request is still in
+            flight within the sender's bound (``moving``, protocol 10: the engine reports no
+            progress inside a batch, and a batch may take longer than this): such a report
+            counts as progress until its lease ends (the time left to that bound, at most this
+            rank's ``peer_timeout_s``), and this clock runs from then. So a request whose one
+            batch moves for longer than ``timeout_s`` ends SUCCESS here as on the sender; a
+            batch past its bound is reported no more (the sender FAILS it and says so; should
+            that word be lost, this rank FAILS it ``timeout_s`` after the last lease ended), and
+            a sender gone silent is dropped after ``peer_timeout_s``. Reports are taken only for
+            a live request of the same incarnation from a sender it was announced to; a
+            malformed one is refused and counted (``stats["rejected_messages"]``) and changes nothing.
         peer_timeout_s: a sender silent for this long is dropped and its requests FAIL.
         heartbeat_s: ping interval (seconds).
         engine_options: keyword arguments for `bridge.make_engine`.

@@ -238,6 +238,9 @@ class RecvRequest:
         self.drained: set[int] = set()                   # id(sender link) that said "drained"
         self.written_pages: list[int] = []               # pages the transfer writes (prefix pages excluded)
         self.due = 0                                     # "done"s expected: "sent" hints, region grants
+        # `time.monotonic()` until which a sender's ``moving`` report holds this request as
+        # progressing (an engine batch of it in flight within its bound); 0.0: none came.
+        self.moving_until = 0.0
         self.bytes = 0
         self.unpack_seconds = 0.0                        # region path: unpacks into the pages, waited for
         self.stage_seconds = 0.0  # staged on a GPU: host -> device window copies (part of unpack_seconds)

@@ -92,9 +92,11 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
             descriptor + 1 s per 10 MB; 120,000 descriptors: 120 s more), counted from its post
             or from the completion of the batch posted before it to the same rank. Past that
             bound it FAILS as stuck (the reason names the batch); a dead rank still ends it after
-            ``peer_timeout_s``. The decode ranks' own ``timeout_s`` sees no batch in flight, only
-            windows landed: keep it above the longest batch, or bound batches with
-            ``max_batch_indices``.
+            ``peer_timeout_s``. Each decode rank is told which of its requests have such a batch
+            in flight within its bound (``moving`` frames, at most one per ``heartbeat_s`` a rank
+            while there are such, each entry with a lease up to that bound): its own
+            ``timeout_s`` counts the request as progressing until the lease ends, so both sides
+            agree (`KVReceiver`).
         peer_timeout_s: a receiver silent for this long is dropped and its requests FAIL.
         heartbeat_s: interval of the pings that keep connections alive (seconds).
         engine_options: keyword arguments for the engine adapter (`bridge.make_engine`).

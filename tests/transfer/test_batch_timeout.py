@@ -14,38 +14,15 @@ import time
 import numpy as np
 import pytest
 
-from bridge.mooncake import mooncake_available
-from conftest import Cluster
+from _long_batch import DESCRIPTORS, TIMEOUT_S, TOKENS, batch_seconds, check_bytes, long_batch_cluster, needs_mooncake
 from dcp_jax.transfer import KVCacheSpec, KVReceiver, KVSender, TransferStatus
 from dcp_jax.transfer import _sender_endings
 
 S = TransferStatus
 
-# page_size 1, dcp 1: every token of every layer is its own page run, so its own descriptor.
-TOKENS, LAYERS = 10000, 4
-DESCRIPTORS = TOKENS * LAYERS  # 40,000 in ONE batch (no max_batch_indices): Mooncake ~1.3 s here
-TIMEOUT_S = 0.3
-
-needs_mooncake = pytest.mark.skipif(not mooncake_available(), reason="Mooncake is not installed")
-
 
 def _long_batch_cluster(direction):
-    c = Cluster("mooncake", dcp_size=1, item_lens=(8,) * LAYERS, page_size=1, pages=TOKENS, mode="direct",
-                direction=direction, timeout_s=30.0, seed=3)
-    c.sender.timeout_s = TIMEOUT_S  # the sender's clock only: the rank keeps its 30 s
-    return c
-
-
-def _check_bytes(c, src, dst):
-    """Every token byte-exact at the one rank (vectorised: page_size 1, one rank, one row a page)."""
-    for layer in range(LAYERS):
-        np.testing.assert_array_equal(c.dst[0][layer][dst[0], 0], c.src[layer][src, 0], err_msg=f"layer {layer}")
-
-
-def _batch_seconds(timeline):
-    """Seconds from the batch's post to its completion, from the sender's timeline."""
-    at = {name: t for name, _, t in timeline}
-    return at["complete"] - at["post"]
+    return long_batch_cluster(direction, rank_timeout_s=30.0)  # the sender's clock only
 
 
 @needs_mooncake
@@ -62,8 +39,8 @@ def test_one_batch_longer_than_timeout_s_ends_success_byte_exact(direction):
         stats = c.sender.request_stats("long")
         assert stats["ranks"][0]["descriptors"] == DESCRIPTORS and stats["ranks"][0]["batches"] == 1
         # The test means something only if the one batch outlived the sender's timeout_s.
-        assert _batch_seconds(stats["timeline"]) > 2 * TIMEOUT_S, stats["timeline"]
-        _check_bytes(c, src, dst)
+        assert batch_seconds(stats["timeline"]) > 2 * TIMEOUT_S, stats["timeline"]
+        check_bytes(c, src, dst)
     finally:
         c.close()
 

@@ -1,0 +1,254 @@
+"""A decode rank's own ``timeout_s`` against one long engine batch (real engines on loopback).
+
+The sender counts an engine batch it still sees in flight as progress (within ``timeout_s`` + its
+size allowance, `_sender_endings.batch_allowance`), but a rank only saw windows land: a rank with
+``timeout_s=0.3`` FAILED a request whose one Mooncake direct batch (40,000 descriptors, ~1-3 s
+here) was still moving, push and pull ("no progress for 0.3 s; tokens [0, 10000) have not
+landed"), while the sender would have waited it out. Now the sender tells each rank, in a
+``moving`` frame, which of its requests have such a batch in flight within its bound, with a lease
+during which the rank counts the request as progressing. A batch past its bound, a lost ``failed``
+or a frozen sender still end the rank's request FAILED within a bound; a malformed ``moving``
+frame is refused and touches nothing.
+"""
+import threading
+import time
+
+import msgpack
+import pytest
+
+from _long_batch import DESCRIPTORS, TIMEOUT_S, TOKENS, batch_seconds, check_bytes, long_batch_cluster, needs_mooncake
+from conftest import Cluster
+from dcp_jax.transfer import TransferStatus
+from dcp_jax.transfer import _sender_endings
+from dcp_jax.transfer import protocol as proto
+
+S = TransferStatus
+
+def _ended_at(side, rid, deadline_s):
+    """Polls ``side`` until ``rid`` is terminal; ``time.monotonic()`` then (None past the deadline)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if side.poll(rid).terminal:
+            return time.monotonic()
+        time.sleep(0.002)
+    return None
+
+
+@needs_mooncake
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_a_rank_with_a_short_timeout_keeps_a_long_batch_and_ends_success_byte_exact(direction):
+    # Before: the rank FAILED after ~0.34 s ("no progress for 0.3 s; tokens [0, 10000) have not
+    # landed"), and told the sender, while the engine was still moving the one batch.
+    c = long_batch_cluster(direction)
+    try:
+        src, dst = c.tables(TOKENS)
+        c.expect("long", dst, TOKENS)
+        c.sender.send("long", src, 0, TOKENS)
+        assert c.wait("long", timeout_s=60) == [S.SUCCESS, S.SUCCESS], c.reasons("long")
+        stats = c.sender.request_stats("long")
+        assert stats["ranks"][0]["descriptors"] == DESCRIPTORS and stats["ranks"][0]["batches"] == 1
+        # Meaningful only if the one batch outlived both sides' timeout_s.
+        assert batch_seconds(stats["timeline"]) > 2 * TIMEOUT_S, stats["timeline"]
+        assert c.receivers[0]._requests["long"].moving_until > 0  # the sender's word held it
+        check_bytes(c, src, dst)
+    finally:
+        c.close()
+
+
+@needs_mooncake
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_a_batch_past_its_bound_still_fails_on_the_rank_within_a_bound(monkeypatch, direction):
+    # A test-only allowance of 10 us a descriptor: bound = 0.3 + 0.4 s, long before the batch
+    # completes. The rank is held by the sender's word up to that bound; the sender FAILS the
+    # request there and tells it (the rank's own clock would end it timeout_s later).
+    monkeypatch.setattr(_sender_endings, "BATCH_DESCRIPTOR_S", 1e-5)
+    bound = TIMEOUT_S + DESCRIPTORS * 1e-5
+    c = long_batch_cluster(direction)
+    try:
+        src, dst = c.tables(TOKENS)
+        c.expect("stuck", dst, TOKENS)
+        t0 = time.monotonic()
+        c.sender.send("stuck", src, 0, TOKENS)
+        end = _ended_at(c.receivers[0], "stuck", 30)
+        assert end is not None and end - t0 < bound + TIMEOUT_S + 3.0, (end and end - t0, c.reasons("stuck"))
+        assert c.wait("stuck", timeout_s=30) == [S.FAILED, S.FAILED], c.reasons("stuck")
+        assert "past its bound of 0.7 s" in c.sender.failure_reason("stuck"), c.reasons("stuck")
+        deadline = time.monotonic() + 30
+        while not (c.sender.is_drained("stuck") and c.receivers[0].is_drained("stuck")) \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert c.sender.is_drained("stuck") and c.receivers[0].is_drained("stuck")
+    finally:
+        c.close()
+
+
+@needs_mooncake
+def test_a_lost_failed_frame_the_rank_ends_the_request_itself_when_the_lease_lapses(monkeypatch):
+    # The sender FAILS the stuck batch at its bound, but its "failed" never reaches the rank: the
+    # rank's own timeout_s ends the request, counted from the end of the last lease (at most that
+    # bound).
+    monkeypatch.setattr(_sender_endings, "BATCH_DESCRIPTOR_S", 1e-5)
+    bound = TIMEOUT_S + DESCRIPTORS * 1e-5
+    c = long_batch_cluster("push")
+    try:
+        real = c.sender._ctl.send
+
+        def send(ident, frame):
+            if proto.decode(frame)["k"] == "failed":
+                return True  # lost
+            return real(ident, frame)
+
+        c.sender._ctl.send = send
+        src, dst = c.tables(TOKENS)
+        c.expect("lost", dst, TOKENS)
+        t0 = time.monotonic()
+        c.sender.send("lost", src, 0, TOKENS)
+        end = _ended_at(c.receivers[0], "lost", 30)
+        assert end is not None and end - t0 < bound + TIMEOUT_S + 3.0, (end and end - t0, c.reasons("lost"))
+        reason = c.receivers[0].failure_reason("lost")
+        assert c.receivers[0].poll("lost") is S.FAILED and reason.startswith(f"no progress for {TIMEOUT_S:g} s"), reason
+        assert "its sender's last report of an engine batch in flight lapsed" in reason, reason
+        # Held by the leases up to the bound, then its own timeout_s.
+        assert end - t0 > bound + TIMEOUT_S - 0.1, (end - t0, reason)
+        assert c.sender.poll("lost") is S.FAILED and "past its bound" in c.sender.failure_reason("lost")
+    finally:
+        c.close()
+
+
+@needs_mooncake
+def test_a_frozen_sender_still_ends_the_rank_request_after_peer_timeout_s():
+    # The sender's worker stands still (its lock held) while its engine moves the batch: no ping,
+    # no moving frame. The rank drops it after its peer_timeout_s and FAILS the request. (The
+    # engine's own threads deliver the batch's done: 80,000 descriptors, ~2.7-6 s here, outlast
+    # the 1.5 s.)
+    tokens = 2 * TOKENS
+    c = long_batch_cluster("push", tokens=tokens, peer_timeout_s=1.5)
+    release = threading.Event()
+    try:
+        src, dst = c.tables(tokens)
+        c.expect("frozen", dst, tokens)
+        c.sender.send("frozen", src, 0, tokens)
+        deadline = time.monotonic() + 10  # the batch is posted and reported once
+        while c.receivers[0]._requests["frozen"].moving_until == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert c.receivers[0]._requests["frozen"].moving_until > 0, c.reasons("frozen")
+        held = threading.Event()
+
+        def freeze():
+            with c.sender._lock:
+                held.set()
+                release.wait(10)
+
+        threading.Thread(target=freeze, daemon=True).start()
+        held.wait(5)
+        t0 = time.monotonic()
+        end = _ended_at(c.receivers[0], "frozen", 10)
+        assert end is not None and end - t0 < 1.5 + 1.5, (end and end - t0, c.reasons("frozen"))
+        assert c.receivers[0].poll("frozen") is S.FAILED, c.reasons("frozen")
+        assert "silent for 1.5 s" in c.receivers[0].failure_reason("frozen"), c.reasons("frozen")
+    finally:
+        release.set()
+        c.close()
+
+
+# ---- the moving frame itself ------------------------------------------------------------------
+def _raw(**fields):
+    """A moving frame built by hand (not through `proto.encode`, which would refuse a bad one)."""
+    msg = {"v": proto.PROTOCOL_VERSION, "k": "moving", "rid": "", "inc": 0, "reqs": [["r", 1, 1000]]}
+    msg.update(fields)
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+BAD = {
+    "no entries": _raw(reqs=[]),
+    "an entry of 2": _raw(reqs=[["r", 1]]),
+    "an entry of 4": _raw(reqs=[["r", 1, 1000, 0]]),
+    "an entry not a list": _raw(reqs=[{"r": 1}]),
+    "rid not a str": _raw(reqs=[[7, 1, 1000]]),
+    "rid empty": _raw(reqs=[["", 1, 1000]]),
+    "rid too long": _raw(reqs=[["x" * 257, 1, 1000]]),
+    "inc negative": _raw(reqs=[["r", -1, 1000]]),
+    "inc a bool": _raw(reqs=[["r", True, 1000]]),
+    "inc a float": _raw(reqs=[["r", 1.0, 1000]]),
+    "lease negative": _raw(reqs=[["r", 1, -5]]),
+    "lease past a day": _raw(reqs=[["r", 1, proto.MAX_LEASE_MS + 1]]),
+    "lease a float": _raw(reqs=[["r", 1, 1.5]]),
+    "too many entries": _raw(reqs=[["r", 1, 1000]] * (proto.MAX_MOVING + 1)),
+    "rid set on the frame": _raw(rid="r"),
+    "inc set on the frame": _raw(inc=3),
+    "reqs not a list": _raw(reqs=b"r"),
+    "an extra field": _raw(lease_ms=5),
+}
+
+
+@pytest.mark.parametrize("why", list(BAD))
+def test_decode_refuses_a_malformed_moving_frame(why):
+    with pytest.raises(proto.ProtocolError, match="moving"):
+        proto.decode(BAD[why])
+
+
+def test_decode_takes_a_well_formed_moving_frame():
+    msg = proto.decode(proto.encode("moving", reqs=[["r", 1, 0], ["é" * 128, (1 << 63) - 1, proto.MAX_LEASE_MS]]))
+    assert msg["reqs"] == [["r", 1, 0], ["é" * 128, (1 << 63) - 1, proto.MAX_LEASE_MS]]
+
+
+def _inject(c, frame):
+    """Sends a raw frame from the sender to its one rank (through the sender's own queue, under its lock)."""
+    with c.sender._lock:
+        c.sender._tell(next(iter(c.sender._conns)), frame)
+
+
+def test_a_malformed_moving_frame_from_the_sender_is_refused_without_touching_state(engine):
+    c = Cluster(engine, dcp_size=1, timeout_s=1.0, seed=4)
+    c.sender.timeout_s = 60.0  # its own clock never ends these (no send): only the rank's does
+    try:
+        r = c.receivers[0]
+        client = r._links[0].client
+        src, dst = c.tables(16)
+        c.expect("m", dst, 16)  # never sent: only the rank's own clock can end it
+        inc = r._requests["m"].inc
+        bad = [_raw(reqs=[["m", inc, 60_000, 0]]), _raw(reqs=[["m", inc, -1]]), _raw(reqs=[["m", True, 60_000]]),
+               _raw(rid="m", inc=inc, reqs=[["m", inc, 60_000]]), _raw(reqs=[["m", inc, 60_000.0]])]
+        # Well-formed, but not of this request: another incarnation, another id.
+        stray = [proto.encode("moving", reqs=[["m", inc + 1, 60_000]]), proto.encode("moving", reqs=[["n", inc, 60_000]])]
+        before = client.rejected
+        for frame in bad + stray:
+            _inject(c, frame)
+        deadline = time.monotonic() + 5
+        while client.rejected < before + len(bad) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.rejected == before + len(bad)
+        assert r._requests["m"].moving_until == 0.0 and r.stats["dropped_messages"] == 0
+        t0 = time.monotonic()
+        end = _ended_at(r, "m", 10)
+        assert end is not None and end - t0 < 1.5, c.reasons("m")
+        assert r.poll("m") is S.FAILED and r.failure_reason("m").startswith("no progress for 1 s; tokens [0, 16)")
+        assert "lapsed" not in r.failure_reason("m")
+
+        # The control: a well-formed report of the live request holds it for its lease (2 s here),
+        # then its timeout_s of 1 s runs and it FAILS naming the lapse.
+        c.expect("h", c.tables(16)[1], 16)
+        t0 = time.monotonic()
+        _inject(c, proto.encode("moving", reqs=[["h", r._requests["h"].inc, 2000]]))
+        end = _ended_at(r, "h", 10)
+        assert end is not None and 2.9 < end - t0 < 4.0, (end and end - t0, c.reasons("h"))
+        assert "its sender's last report of an engine batch in flight lapsed" in r.failure_reason("h")
+    finally:
+        c.close()
+
+
+def test_a_rank_caps_a_lease_at_its_peer_timeout_s(engine):
+    # A lease of a day counts for no longer than the rank's peer_timeout_s (3 s here; its
+    # timeout_s of 0.5 s runs after it): a sender gone silent that long is dropped anyway.
+    c = Cluster(engine, dcp_size=1, timeout_s=0.5, peer_timeout_s=3.0, seed=5)
+    c.sender.timeout_s = 60.0
+    try:
+        r = c.receivers[0]
+        c.expect("cap", c.tables(16)[1], 16)
+        t0 = time.monotonic()
+        _inject(c, proto.encode("moving", reqs=[["cap", r._requests["cap"].inc, proto.MAX_LEASE_MS]]))
+        end = _ended_at(r, "cap", 10)
+        assert end is not None and 3.4 < end - t0 < 5.0, (end and end - t0, c.reasons("cap"))
+        assert r.poll("cap") is S.FAILED and "lapsed" in r.failure_reason("cap"), c.reasons("cap")
+    finally:
+        c.close()
