@@ -111,6 +111,7 @@ class _PointerTensor:
                                        _DLDataType(_KDLUINT, 32, 1), self._shape, None, 0)
         self._mt.deleter = _NO_DELETE
         self._device_id = device_id
+        self.ptr = ptr
 
     def __dlpack_device__(self):
         return (_KDLCUDA, self._device_id)
@@ -119,6 +120,15 @@ class _PointerTensor:
         new = ctypes.pythonapi.PyCapsule_New
         new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
         return new(ctypes.addressof(self._mt), _CAPSULE_NAME, None)
+
+
+# `bump_on_stream`: store the number, then make it visible to the host's readers.
+_SET_SRC = r"""
+extern "C" __global__ void dcp_flag_set(unsigned long long flag, unsigned int value) {
+    *reinterpret_cast<volatile unsigned int*>(flag) = value;
+    __threadfence_system();
+}
+"""
 
 
 def _bump_fn():
@@ -147,6 +157,8 @@ class SharedFlag:
         self._lock = threading.Lock()
         self._view = self._bump = self._tensor = None
         self._registered: int | None = None
+        self._set_kernel = None  # `bump_on_stream`'s kernel (compiled on first use)
+        self._streams: set = set()  # the streams `bump_on_stream` enqueued on
         self.route = "host"
 
     @classmethod
@@ -208,6 +220,13 @@ class SharedFlag:
         if view.unsafe_buffer_pointer() != dptr or view.dtype != np.uint32:
             raise FlagError("JAX copied the mapped flag page instead of viewing it")
         self._view, self._bump, self.route = view, _bump_fn(), "device"
+        try:  # `bump_on_stream`'s kernel, built now (NVRTC) rather than in a request's first round
+            kernel = cp.RawKernel(_SET_SRC, "dcp_flag_set")
+            with cp.cuda.Device(dev):
+                kernel.compile()
+            self._set_kernel = kernel
+        except Exception:  # noqa: BLE001 - built on first use instead (or refused there)
+            pass
 
     def bump_after(self, dep: Any = None) -> int:
         """Enqueues "flag = seq + 1" after whatever produced `dep`; returns that number.
@@ -234,6 +253,36 @@ class SharedFlag:
             self.seq = nxt
             return nxt
 
+    def bump_on_stream(self, stream: Any) -> int:
+        """Enqueues "flag = seq + 1" on a CUDA stream, after what it already holds (the fused
+        fan-out launched without JAX, `pallas_kernels.triton_launch`); returns that number. A
+        one-thread kernel stores the number into the mapped page and fences it to the system.
+
+        Args:
+            stream: a CuPy stream on this flag's device.
+
+        Raises:
+            RuntimeError: `close()`d. FlagError: a host flag, or CUDA refused the kernel (the flag
+                then stays behind: tell the ranks after a host wait instead).
+        """
+        with self._lock:
+            if self._mm is None:
+                raise RuntimeError("this SharedFlag is closed")
+            if self._tensor is None:
+                raise FlagError("a host flag is bumped by bump_after, not on a stream")
+            nxt = (self.seq + 1) % _MOD
+            try:
+                import cupy as cp
+
+                if self._set_kernel is None:
+                    self._set_kernel = cp.RawKernel(_SET_SRC, "dcp_flag_set")
+                self._set_kernel((1,), (1,), (np.uint64(self._tensor.ptr), np.uint32(nxt)), stream=stream)
+            except Exception as exc:  # noqa: BLE001 - CuPy raises its own CUDA errors
+                raise FlagError(f"cannot enqueue the flag bump: {type(exc).__name__}: {exc}") from exc
+            self._streams.add(stream)
+            self.seq = nxt
+            return nxt
+
     def value(self) -> int:
         """The page's word as it is now (host read)."""
         with self._lock:
@@ -246,6 +295,8 @@ class SharedFlag:
         with self._lock:
             if self._view is not None:
                 self._view.block_until_ready()
+            for stream in self._streams:  # bumps enqueued by `bump_on_stream`
+                stream.synchronize()
 
     def describe(self) -> dict:
         return dict(name=self.name, route=self.route, seq=self.seq)

@@ -176,6 +176,9 @@ class RowCopier:
             copy_pallas(src, sidx, list(self._dst), didx, self.item_lens, self.backend, self.config)
         else:
             dests = self.destinations()
+            if dests.direct is not None:  # a fan-out launched without JAX ends first (one order)
+                dests.direct.synchronize()
+                dests.direct = None
             try:
                 enqueue_copy(copy_sources(src, self.source.device_views(), self._word), sidx,
                              dests, didx, self._flat, self.config, self.backend)

@@ -244,6 +244,9 @@ class Destinations:
         self.handles = handles
         self.verified = False
         self.lock = threading.Lock()
+        # The CuPy stream the last fan-out into these went on when `triton_launch` launched it
+        # (None: JAX's stream); a flag bump after it goes there.
+        self.direct = None
         self.calls = 0  # kernels enqueued on these destinations through an IndexRing
         self.done = 0  # of which known to have finished
         self.rings: dict = {}

@@ -316,6 +316,9 @@ def synchronize(arrays=None) -> None:
         return
     import cupy as cp
 
+    from pallas_kernels import triton_launch
+
+    triton_launch.synchronize()  # fan-outs launched without JAX, on its streams
     devices = {a.device.id for a in arrays if _is_cupy(a)} if arrays is not None else None
     for dev in devices if devices is not None else range(cp.cuda.runtime.getDeviceCount()):
         with cp.cuda.Device(dev):

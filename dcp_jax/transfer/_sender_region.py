@@ -348,8 +348,12 @@ class SenderRegion:
             # A launch's outputs are its destinations' current JAX handles (one event for all).
             # The LAST launch's output only (the launches run in order on one stream): one bump
             # signature whatever the number of launches, so a round never compiles it anew.
-            return flag.bump_after((copiers[-1].destinations().handles[0],)
-                                   if flag.route == "device" else None)
+            if flag.route != "device":
+                return flag.bump_after(None)
+            dest = copiers[-1].destinations()
+            if dest.direct is not None:  # launched without JAX (`pallas_kernels.triton_launch`): on its stream
+                return flag.bump_on_stream(dest.direct)
+            return flag.bump_after((dest.handles[0],))
         except Exception:  # noqa: BLE001 - fall back to telling after the wait
             logger.warning("fused copy: the flag bump could not be enqueued; telling the ranks after the wait",
                            exc_info=True)

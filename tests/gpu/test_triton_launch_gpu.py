@@ -1,0 +1,126 @@
+"""GPU: the fused fan-out launched without JAX's dispatch (`pallas_kernels.triton_launch`): the same
+Pallas kernel, compiled by Triton from the module JAX lowered, on its own CuPy stream.
+
+Byte-exact against CuPy fancy indexing over rounds of any sizes (JAX's launch too, once turned
+off); the flag page bumped on that stream reads the round's number only once every row landed
+(the host spins on it while the copy runs); a `RowCopier.copy` through JAX after a direct launch
+into the same rows lands last (one order across the two streams).
+
+Run on a CUDA machine: `python -m pytest tests/gpu -q` (skipped without a GPU).
+"""
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+jax = pytest.importorskip("jax")
+cp = pytest.importorskip("cupy")
+pytest.importorskip("triton")
+
+from bridge.host_flag import SharedFlag, seq_done  # noqa: E402
+from pallas_kernels import PackSource, RowCopier, copy_fanout, synchronize, triton_launch  # noqa: E402
+
+if jax.default_backend() != "gpu":
+    pytest.skip("needs a CUDA GPU (JAX sees none)", allow_module_level=True)
+
+
+def _layers(rows, item, L, fill=None, seed=0):
+    """L layers u8[rows, item], back to back in one allocation."""
+    if fill is None:
+        buf = cp.random.RandomState(seed).randint(0, 256, L * rows * item, dtype=cp.int32).astype(cp.uint8)
+    else:
+        buf = cp.full(L * rows * item, fill, cp.uint8)
+    return [buf[l * rows * item:(l + 1) * rows * item].reshape(rows, item) for l in range(L)]
+
+
+def _round(copiers, src, dsts, want, sizes, rng):
+    jobs = []
+    for c, d, w, n in zip(copiers, dsts, want, sizes):
+        sidx = rng.integers(0, src[0].shape[0], n)
+        didx = rng.permutation(d[0].shape[0])[:n]
+        for s_, w_ in zip(src, w):
+            w_[cp.asarray(didx)] = s_[cp.asarray(sidx)]
+        jobs.append((c, sidx, didx))
+    return jobs
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["triton launcher", "jax dispatch"])
+def test_fanout_byte_exact_over_rounds(direct, monkeypatch):
+    if not direct:
+        monkeypatch.setitem(triton_launch._STATE, "off", True)
+    elif triton_launch._STATE["off"]:
+        pytest.fail(f"direct launches are off in this process: {triton_launch._STATE['why']}")
+    L, item = 6, 1152
+    src = _layers(700, item, L, seed=5)
+    dsts = [_layers(rows, item, L, fill=0x30 + k) for k, rows in enumerate((300, 256, 64))]
+    source = PackSource(src)
+    copiers = [RowCopier(source, d) for d in dsts]  # one source: one launch
+    want = [[cp.array(a) for a in d] for d in dsts]
+    rng = np.random.default_rng()
+    for sizes in [(300, 0, 64), (1, 256, 0), (150, 100, 33)]:
+        assert copy_fanout(_round(copiers, src, dsts, want, sizes, rng), checked=True) == sum(sizes)
+        assert (copiers[0].destinations().direct is not None) == direct
+    synchronize([d[0] for d in dsts])
+    for d, w in zip(dsts, want):
+        for a, b in zip(d, w):
+            assert bool(cp.array_equal(a, b))
+    for c in copiers:
+        c.close()
+
+
+def test_flag_bumped_on_the_launch_stream_reads_done_only_after_every_row():
+    if triton_launch._STATE["off"]:
+        pytest.fail(f"direct launches are off in this process: {triton_launch._STATE['why']}")
+    L, item, R = 61, 1152, 16384  # ~1.1 GB read and written: a copy of ~1 ms
+    src = _layers(R, item, L, seed=9)
+    source = PackSource(src)
+    dsts = [_layers(R // 2, item, L, fill=0) for _ in range(2)]
+    copiers = [RowCopier(source, d) for d in dsts]
+    flag = SharedFlag.create(device=True)
+    try:
+        for trial in range(4):
+            perm = np.random.default_rng().permutation(R)
+            jobs = [(copiers[0], perm[:R // 2], np.arange(R // 2)), (copiers[1], perm[R // 2:], np.arange(R // 2))]
+            copy_fanout(jobs, checked=True)
+            stream = copiers[0].destinations().direct
+            assert stream is not None
+            seq = flag.bump_on_stream(stream)
+            pending = not seq_done(flag.value(), seq)
+            while not seq_done(flag.value(), seq):  # the host sees the page as a rank would
+                pass
+            with cp.cuda.Stream(non_blocking=True):  # not ordered after the copy by any stream
+                for k, d in enumerate(dsts):
+                    rows = cp.asarray(perm[k * R // 2:(k + 1) * R // 2])
+                    for l in (0, L // 2, L - 1):
+                        assert bool(cp.array_equal(d[l], src[l][rows])), (trial, k, l)
+            assert seq == trial + 1
+            if trial:  # compiled by now: the copy still runs right after the bump
+                assert pending
+            for d in dsts:
+                for a in d:
+                    a.fill(0)
+            cp.cuda.runtime.deviceSynchronize()
+        flag.synchronize()
+        assert flag.value() == 4
+    finally:
+        flag.close()
+        for c in copiers:
+            c.close()
+
+
+def test_a_jax_copy_after_a_direct_launch_lands_last():
+    L, item = 4, 1152
+    src = _layers(4096, item, L, seed=2)
+    source = PackSource(src)
+    dsts = [_layers(4096, item, L, fill=0) for _ in range(2)]
+    copiers = [RowCopier(source, d) for d in dsts]
+    rows = np.arange(4096)
+    copy_fanout([(copiers[0], rows, rows), (copiers[1], rows, rows)], checked=True)  # direct
+    assert copiers[0].destinations().direct is not None or triton_launch._STATE["off"]
+    rev = rows[::-1].copy()
+    copiers[0].copy(rev, rows, checked=True)  # JAX's stream: must not be overtaken by the fan-out
+    synchronize([d[0] for d in dsts])
+    for l in range(L):
+        assert bool(cp.array_equal(dsts[0][l], src[l][cp.asarray(rev)]))
+        assert bool(cp.array_equal(dsts[1][l], src[l]))
+    assert copiers[0].destinations().direct is None

@@ -1,0 +1,92 @@
+"""CPU: what the fused fan-out's launch without JAX (`pallas_kernels.triton_launch`) needs from JAX
+and Triton, checked without a GPU: the fan-out's Triton module is captured at JAX's lowering (for
+an abstract H200, as XLA would get it) and the ``triton`` package compiles it for sm_90 into a
+kernel whose parameters are the ``pallas_call``'s operands then its aliased outputs; the launch
+stays off where it cannot run; a host flag refuses a stream bump. The launch itself is tested on
+the GPU (`tests/gpu/test_triton_launch_gpu.py`)."""
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import triton_launch
+from pallas_kernels.config import GatherConfig
+from pallas_kernels.fanout_kernel import _fanout_jit
+
+triton = pytest.importorskip("triton")
+
+
+def _abstract_h200():
+    from jax._src.mesh import AbstractDevice
+
+    return jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                                     abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132,
+                                                                    platform="cuda"))
+
+
+@pytest.mark.parametrize("D,L,first", [(8, 61, 0), (3, 5, 31)])
+def test_the_fanout_module_is_captured_and_compiles_for_sm90(D, L, first):
+    config = GatherConfig(block_rows=32, num_warps=8)
+    R, W, m = 4096, 288, 1024
+    sds = jax.ShapeDtypeStruct
+    with triton_launch.capture_triton_modules() as got, jax.sharding.use_abstract_mesh(_abstract_h200()), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        _fanout_jit.trace(sds((L, R, W), jnp.uint32), sds((m,), jnp.int32),
+                          tuple(sds(((first + L) * 512 * W,), jnp.uint32) for _ in range(D)),
+                          sds((m,), jnp.int32), sds((4 * m // 32,), jnp.int32), first_layer=first,
+                          dst_rows=(512,) * D, config=config, backend="triton").lower(lowering_platforms=("cuda",))
+    assert len(got) == 1
+    text, grid = got[0]
+    assert grid == (m // 32, L)  # (row blocks, layers): what the launch passes
+    assert f"kv_copy_fanout_br=32_D={D}_L={L}".replace("=", "_") in text.replace("=", "_")
+    from triton.backends.compiler import GPUTarget
+
+    kernel = triton_launch.compile_module(text, num_warps=8, num_stages=1, target=GPUTarget("cuda", 90, 32))
+    ptx = kernel.asm["ptx"]
+    entry = re.search(r"\.entry\s+(\w+)\(([^)]*)\)", ptx)
+    params = re.findall(r"\.param \.u64 \.ptr", entry.group(2))
+    # table, sidx, didx, source, D destinations in, D destinations out (aliased): all pointers.
+    assert len(params) >= 4 + 2 * D, entry.group(2)[:400]
+    assert len(kernel.asm["cubin"]) > 0
+    assert kernel.metadata.num_warps == 8
+    # The capture is undone after the block.
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    assert reg.lowering.lower_jaxpr_to_triton_module.__name__ == "lower_jaxpr_to_triton_module"
+
+
+def test_no_direct_launch_where_it_cannot_run(monkeypatch):
+    # On CPU the fan-out's backend is "interpret" (or numpy): JAX's launch (or the host) serves.
+    assert not triton_launch.enabled("interpret") and not triton_launch.enabled("numpy")
+    monkeypatch.setitem(triton_launch._STATE, "off", True)
+    assert not triton_launch.enabled("triton")
+    monkeypatch.setitem(triton_launch._STATE, "off", False)
+    assert triton_launch.enabled("triton")  # triton importable here: only the backend decides
+    triton_launch.synchronize()  # no stream made: nothing to wait for
+
+
+def test_disable_turns_it_off_for_the_process_and_says_why(monkeypatch, caplog):
+    monkeypatch.setitem(triton_launch._STATE, "off", False)
+    monkeypatch.setitem(triton_launch._STATE, "why", "")
+    with caplog.at_level("WARNING"):
+        triton_launch.disable("RuntimeError: no luck")
+        triton_launch.disable("again")  # logged once
+    assert not triton_launch.enabled("triton")
+    assert triton_launch._STATE["why"] == "again"
+    assert [r.getMessage() for r in caplog.records].count(
+        "fan-out: launching through JAX from now on (RuntimeError: no luck)") == 1
+
+
+def test_a_host_flag_refuses_a_stream_bump():
+    from bridge.host_flag import FlagError, SharedFlag
+
+    with SharedFlag.create() as flag:
+        with pytest.raises(FlagError, match="host flag"):
+            flag.bump_on_stream(object())
+        assert flag.seq == 0 and flag.value() == 0
+        assert flag.bump_after() == 1 and flag.value() == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        flag.bump_on_stream(object())
