@@ -7,6 +7,8 @@ takes ~1.3-3 s on this 2-core machine: far longer than ``TIMEOUT_S``.
 import numpy as np
 import pytest
 
+from dcp_jax.transfer import TransferStatus
+
 from bridge.mooncake import mooncake_available
 from conftest import Cluster
 
@@ -35,3 +37,18 @@ def batch_seconds(timeline):
     """Seconds from the batch's post to its completion, from the sender's timeline."""
     at = {name: t for name, _, t in timeline}
     return at["complete"] - at["post"]
+
+
+def ship_one_long_batch(c, rid="long"):
+    """Sends ``TOKENS`` tokens to the one rank as ONE engine batch and checks the outcome: both
+    sides SUCCESS, every byte exact, and the batch outlived twice ``TIMEOUT_S`` (else the test
+    meant nothing). Returns the sender's `request_stats`."""
+    src, dst = c.tables(TOKENS)
+    c.expect(rid, dst, TOKENS)
+    c.sender.send(rid, src, 0, TOKENS)
+    assert c.wait(rid, timeout_s=60) == [TransferStatus.SUCCESS] * 2, c.reasons(rid)
+    stats = c.sender.request_stats(rid)
+    assert stats["ranks"][0]["descriptors"] == DESCRIPTORS and stats["ranks"][0]["batches"] == 1
+    assert batch_seconds(stats["timeline"]) > 2 * TIMEOUT_S, stats["timeline"]
+    check_bytes(c, src, dst)
+    return stats

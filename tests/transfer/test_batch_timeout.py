@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from _long_batch import DESCRIPTORS, TIMEOUT_S, TOKENS, batch_seconds, check_bytes, long_batch_cluster, needs_mooncake
+from _long_batch import DESCRIPTORS, TIMEOUT_S, TOKENS, long_batch_cluster, needs_mooncake, ship_one_long_batch
 from dcp_jax.transfer import KVCacheSpec, KVReceiver, KVSender, TransferStatus
 from dcp_jax.transfer import _sender_endings
 
@@ -32,15 +32,7 @@ def test_one_batch_longer_than_timeout_s_ends_success_byte_exact(direction):
     # completion from the engine) to decode rank(s) 0 (1)", while the engine was moving the batch.
     c = _long_batch_cluster(direction)
     try:
-        src, dst = c.tables(TOKENS)
-        c.expect("long", dst, TOKENS)
-        c.sender.send("long", src, 0, TOKENS)
-        assert c.wait("long", timeout_s=60) == [S.SUCCESS, S.SUCCESS], c.reasons("long")
-        stats = c.sender.request_stats("long")
-        assert stats["ranks"][0]["descriptors"] == DESCRIPTORS and stats["ranks"][0]["batches"] == 1
-        # The test means something only if the one batch outlived the sender's timeout_s.
-        assert batch_seconds(stats["timeline"]) > 2 * TIMEOUT_S, stats["timeline"]
-        check_bytes(c, src, dst)
+        ship_one_long_batch(c)  # longer than the sender's timeout_s: SUCCESS, byte-exact
     finally:
         c.close()
 

@@ -16,7 +16,7 @@ import time
 import msgpack
 import pytest
 
-from _long_batch import DESCRIPTORS, TIMEOUT_S, TOKENS, batch_seconds, check_bytes, long_batch_cluster, needs_mooncake
+from _long_batch import DESCRIPTORS, TIMEOUT_S, TOKENS, long_batch_cluster, needs_mooncake, ship_one_long_batch
 from conftest import Cluster
 from dcp_jax.transfer import TransferStatus
 from dcp_jax.transfer import _sender_endings
@@ -41,16 +41,8 @@ def test_a_rank_with_a_short_timeout_keeps_a_long_batch_and_ends_success_byte_ex
     # landed"), and told the sender, while the engine was still moving the one batch.
     c = long_batch_cluster(direction)
     try:
-        src, dst = c.tables(TOKENS)
-        c.expect("long", dst, TOKENS)
-        c.sender.send("long", src, 0, TOKENS)
-        assert c.wait("long", timeout_s=60) == [S.SUCCESS, S.SUCCESS], c.reasons("long")
-        stats = c.sender.request_stats("long")
-        assert stats["ranks"][0]["descriptors"] == DESCRIPTORS and stats["ranks"][0]["batches"] == 1
-        # Meaningful only if the one batch outlived both sides' timeout_s.
-        assert batch_seconds(stats["timeline"]) > 2 * TIMEOUT_S, stats["timeline"]
+        ship_one_long_batch(c)  # a batch longer than both sides' timeout_s: SUCCESS, byte-exact
         assert c.receivers[0]._requests["long"].moving_until > 0  # the sender's word held it
-        check_bytes(c, src, dst)
     finally:
         c.close()
 
