@@ -165,6 +165,9 @@ class _SlotRing:
     def __init__(self):
         self.slots: list = [None] * _SLOTS_PER_DEVICE
         self.next = 0
+        # Held from a slot's claim to its event's record: launches of two sources (each under its
+        # own ring lock in `fanout`) on one device never share a slot.
+        self.lock = threading.Lock()
 
     def claim(self, size: int):
         import cupy as cp
@@ -251,19 +254,28 @@ def launch_fanout(plan: FanoutPlan, m: int, table_len: int, fill, on_phase=None)
 
     stride, size = slot_layout(m, 2, table_len)
     kernels = plan.kernels_for(m, table_len)
-    dst_ptrs = plan.dst_ptrs
     with cp.cuda.Device(plan.device_id):
         ring = _SLOTS.setdefault(plan.device_id, _SlotRing())
-        host, dev, done, _ = ring.claim(size)
-        fill((host[:m], host[stride:stride + m]), host[2 * stride:2 * stride + table_len])
-        stream = stream_for(plan.device_id)
-        nbytes = (2 * stride + table_len) * 4
-        cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, nbytes,
-                                    cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
-        if on_phase is not None:
-            on_phase("staged")
-        base = int(dev.data.ptr)
-        for (kernel, grid), src in zip(kernels, plan.src_ptrs):
-            kernel[grid](base + 8 * stride, base, base + 4 * stride, src, *dst_ptrs, *dst_ptrs, stream=stream.ptr)
-        done.record(stream)
+        with ring.lock:
+            stream = _launch_in_slot(ring.claim(size), plan, kernels, m, stride, table_len, fill, on_phase)
+    return stream
+
+
+def _launch_in_slot(slot, plan, kernels, m, stride, table_len, fill, on_phase):
+    """Fills `slot` (pinned words, device words, event), copies it to the device and launches
+    the kernels after it on the plan's stream, then records the slot's event there."""
+    import cupy as cp
+
+    host, dev, done, _ = slot
+    fill((host[:m], host[stride:stride + m]), host[2 * stride:2 * stride + table_len])
+    stream = stream_for(plan.device_id)
+    nbytes = (2 * stride + table_len) * 4
+    cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, nbytes,
+                                cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+    if on_phase is not None:
+        on_phase("staged")
+    base, dst_ptrs = int(dev.data.ptr), plan.dst_ptrs
+    for (kernel, grid), src in zip(kernels, plan.src_ptrs):
+        kernel[grid](base + 8 * stride, base, base + 4 * stride, src, *dst_ptrs, *dst_ptrs, stream=stream.ptr)
+    done.record(stream)
     return stream
