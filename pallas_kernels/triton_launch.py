@@ -165,6 +165,9 @@ class _SlotRing:
     def __init__(self):
         self.slots: list = [None] * _SLOTS_PER_DEVICE
         self.next = 0
+        # True once `synchronize` saw every launch end and none came since: a claim then skips
+        # its event wait (a driver call that costs tens of microseconds on a host that idled).
+        self.clean = True
         # Held from a slot's claim to its event's record: launches of two sources (each under its
         # own ring lock in `fanout`) on one device never share a slot.
         self.lock = threading.Lock()
@@ -175,8 +178,9 @@ class _SlotRing:
         k = self.next
         self.next = (k + 1) % len(self.slots)
         slot = self.slots[k]
-        if slot is not None:
+        if slot is not None and not self.clean:
             slot[2].synchronize()  # the launch that last read it has run
+        self.clean = False
         if slot is None or slot[0].size < size:
             mem = cp.cuda.alloc_pinned_memory(size * 4)
             slot = (np.frombuffer(mem, np.int32, size), cp.empty(size, cp.int32), cp.cuda.Event(), mem)
@@ -197,8 +201,14 @@ def stream_for(device_id: int):
 
 def synchronize() -> None:
     """Waits until every launch (and what followed it on the streams) has finished."""
-    for s in list(_STREAMS.values()):
-        s.synchronize()
+    for dev, s in list(_STREAMS.items()):
+        ring = _SLOTS.get(dev)
+        if ring is None:
+            s.synchronize()
+            continue
+        with ring.lock:  # no launch between the wait and the mark
+            s.synchronize()
+            ring.clean = True
 
 
 class FanoutPlan:
@@ -255,7 +265,7 @@ def launch_fanout(plan: FanoutPlan, m: int, table_len: int, fill, on_phase=None)
     stride, size = slot_layout(m, 2, table_len)
     kernels = plan.kernels_for(m, table_len)
     with cp.cuda.Device(plan.device_id):
-        ring = _SLOTS.setdefault(plan.device_id, _SlotRing())
+        ring = _SLOTS.get(plan.device_id) or _SLOTS.setdefault(plan.device_id, _SlotRing())
         with ring.lock:
             stream = _launch_in_slot(ring.claim(size), plan, kernels, m, stride, table_len, fill, on_phase)
     return stream
