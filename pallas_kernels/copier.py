@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pallas_kernels import device
+from pallas_kernels import device, triton_launch
 from pallas_kernels._buffer_args import _check_no_overlap, _extent, check_indices, check_range
 from pallas_kernels.config import GatherConfig, word_dtype
 from pallas_kernels.host import check_threads, copy_host
@@ -176,9 +176,7 @@ class RowCopier:
             copy_pallas(src, sidx, list(self._dst), didx, self.item_lens, self.backend, self.config)
         else:
             dests = self.destinations()
-            if dests.direct is not None:  # a fan-out launched without JAX ends first (one order)
-                dests.direct.synchronize()
-                dests.direct = None
+            triton_launch.after_direct([dests])  # a fan-out launched without JAX ends first
             try:
                 enqueue_copy(copy_sources(src, self.source.device_views(), self._word), sidx,
                              dests, didx, self._flat, self.config, self.backend)

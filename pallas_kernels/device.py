@@ -247,6 +247,7 @@ class Destinations:
         # The CuPy stream the last fan-out into these went on when `triton_launch` launched it
         # (None: JAX's stream); a flag bump after it goes there.
         self.direct = None
+        self.jax_last = False  # the last launch into these went through JAX (`keep`)
         self.calls = 0  # kernels enqueued on these destinations through an IndexRing
         self.done = 0  # of which known to have finished
         self.rings: dict = {}
@@ -264,6 +265,7 @@ class Destinations:
                                    "copied them); are they referenced elsewhere in JAX?")
             self.verified = True
         self.handles = outs
+        self.jax_last = True
 
 
 def destinations(arrays, word, nbytes=None, flat=False) -> Destinations:

@@ -26,6 +26,7 @@ import weakref
 import numpy as np
 
 from pallas_kernels import mapped_ring, triton_launch
+from pallas_kernels.triton_plans import FanoutPlan
 # The kernel (re-exported: tests and tools use these names). `_enqueue_fanout` and `_launch` read
 # `_blocks` and `_fanout_groups` here, so a wrapper set on this module's name is the one called.
 from pallas_kernels.fanout_kernel import (  # noqa: F401
@@ -70,7 +71,7 @@ class _Ring:
         self.handles = [_DeviceSync()]
         self.calls = self.done = 0
         self.lock = threading.Lock()
-        self.plans = {}  # tuple of Destinations -> triton_launch.FanoutPlan (direct launches)
+        self.plans = {}  # weak refs to Destinations -> triton_plans.FanoutPlan (direct launches)
 
 
 _RINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -201,10 +202,7 @@ def _launch(source, copiers, m, table_len, fill, on_phase=None) -> None:
         try:
             if triton_launch.enabled(backend) and _launch_direct(ring, src, dests, copiers, m, table_len, fill, on_phase):
                 return
-            for d in dests:  # a direct launch before (this round's, then turned off) ends first
-                if d.direct is not None:
-                    d.direct.synchronize()
-                    d.direct = None
+            triton_launch.after_direct(dests)
             static = dict(dst_rows=tuple(c.uniform_rows for c in copiers), config=config, backend=backend)
             sv, staged = mapped_ring.stage_indices(ring, m, 2, table_len, fill, backend)
             if staged is None:  # a mapped slot: the host filled it, the call reads it
@@ -229,7 +227,7 @@ def _launch(source, copiers, m, table_len, fill, on_phase=None) -> None:
 
 def _launch_direct(ring, srcs, dests, copiers, m, table_len, fill, on_phase) -> bool:
     """The fan-out through `triton_launch` (the same kernel, without JAX's dispatch; locks held),
-    its `triton_launch.FanoutPlan` made once per copier set (kept on the source's ring). Each
+    its `triton_plans.FanoutPlan` made once per copier set (kept on the source's ring). Each
     destination's ``direct`` then names the stream it went on (a flag bump follows there).
     False, with direct launches turned off for the process, if it cannot launch: the caller
     launches through JAX (a copy already enqueued is only repeated: same rows, same bytes)."""
@@ -241,12 +239,13 @@ def _launch_direct(ring, srcs, dests, copiers, m, table_len, fill, on_phase) -> 
         if plan is None:
             while len(ring.plans) >= 4:
                 ring.plans.pop(next(iter(ring.plans)))
-            plan = ring.plans[key] = triton_launch.FanoutPlan(
+            plan = ring.plans[key] = FanoutPlan(
                 srcs, [d.ptrs[0] for d in dests], [d.handles[0].shape[0] for d in dests],
                 [c.uniform_rows for c in copiers], copiers[0].config)
-        stream = triton_launch.launch_fanout(plan, m, table_len, fill, on_phase)
+        triton_launch.after_jax(dests)
+        stream = plan.launch(m, table_len, fill, on_phase)
     except Exception as exc:  # noqa: BLE001 - any failure: the JAX launch serves from now on
-        triton_launch.disable(f"{type(exc).__name__}: {exc}")
+        triton_launch.disable(f"{type(exc).__name__}: {exc}", "fanout")
         return False
     for d in dests:
         d.direct = stream

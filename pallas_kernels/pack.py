@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import device
+from pallas_kernels import device, triton_launch
 from pallas_kernels.config import (
     BACKENDS,
     GatherConfig,
@@ -58,6 +58,7 @@ from pallas_kernels.mapped_ring import fill_padded, stage_indices
 # `kernel_sources` here, so a wrapper set on this module's name is the one called).
 from pallas_kernels.pack_source import PackSource, _copy_view, _device_views, kernel_sources  # noqa: F401
 from pallas_kernels.row_copy import preload_lowering
+from pallas_kernels.triton_plans import GatherPlan
 from pallas_kernels.host import (  # noqa: F401  (re-exported: tests and callers use these names)
     _HOST_POOL,
     HOST_MAX_THREADS,
@@ -324,9 +325,13 @@ def _pack_rows_device(layers, views, idx, pack, offset, word, backend, config, s
     with dests.lock:
         try:
             if isinstance(idx, np.ndarray):
+                units, ok = offset_arg(offset // ws, align, backend, ws)
+                if triton_launch.enabled(backend, "gather") and _pack_rows_direct(
+                        views, srcs, dests, idx, m, (n, int(units), int(ok)), align, config, sync):
+                    return
+                triton_launch.after_direct([dests])
                 # Host indices: staged in a device slot (no PJRT transfer, no wait on the
                 # kernel in flight), the jitted kernel called with its persistent views.
-                units, ok = offset_arg(offset // ws, align, backend, ws)
                 slot, staged = stage_indices(dests, m, 1, 3, fill_padded([idx], (n, int(units), int(ok))),
                                              backend)
                 preload_lowering(backend)
@@ -339,6 +344,7 @@ def _pack_rows_device(layers, views, idx, pack, offset, word, backend, config, s
             else:
                 import cupy as cp
 
+                triton_launch.after_direct([dests])
                 idx_cp = cp.zeros(m, cp.int32)
                 idx_cp[:n] = idx
                 out = gather_rows(srcs, jax.dlpack.from_dlpack(idx_cp), dests.handles[0], n,
@@ -350,6 +356,38 @@ def _pack_rows_device(layers, views, idx, pack, offset, word, backend, config, s
             raise
     if sync:
         out.block_until_ready()
+
+
+_GATHER_PLANS: list = []  # (views, weak ref to the pack's Destinations, GatherPlan), newest last
+
+
+def _pack_rows_direct(views, srcs, dests, idx, m, meta, align, config, sync) -> bool:
+    """`pack_rows` through `triton_launch` (the same kernel without JAX's dispatch; the pack's
+    lock held). Its `triton_plans.GatherPlan` is kept per (views, pack) for the last few: only
+    sources that are cached views (`views` itself, or a list of them without a per-call copy).
+    False where it does not apply (the JAX path serves) or cannot launch (then off for the
+    process, with one warning)."""
+    if isinstance(views, list) and any(v is None for v in views):
+        return False  # a layer is copied per call: its address changes
+    plan = None
+    for v, ref, p in _GATHER_PLANS:
+        if v is views and ref() is dests:
+            plan = p
+            break
+    try:
+        if plan is None or plan.config != config:
+            plan = GatherPlan(srcs, dests.ptrs[0], dests.handles[0].shape[0], config)
+            del _GATHER_PLANS[:-7]
+            _GATHER_PLANS.append((views, weakref.ref(dests), plan))
+        triton_launch.after_jax([dests])
+        stream = plan.launch(idx, m, meta, align)
+    except Exception as exc:  # noqa: BLE001 - any failure: the JAX launch serves from now on
+        triton_launch.disable(f"{type(exc).__name__}: {exc}", "gather")
+        return False
+    dests.direct = stream
+    if sync:
+        stream.synchronize()
+    return True
 
 
 def clear_import_cache() -> None:

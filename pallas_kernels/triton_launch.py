@@ -1,29 +1,32 @@
-"""The fused fan-out's Pallas kernel, launched without JAX's dispatch (Triton's own launcher).
+"""Pallas kernels launched without JAX's dispatch (Triton's own launcher): the fused fan-out
+(`copy_fanout`) and `pack_rows` with host indices.
 
 Why: the fused path's whole request at 32,768 tokens is one ~1.1-1.6 ms kernel (H200 / H100)
 plus the host time before it is enqueued. Through JAX, `copy_fanout` cost 850 us of host time
 after the sender idled 0.3 s (495 us back to back), most of it the jitted dispatch; the SAME
 kernel launched here cost 256 us cold (38 us back to back), indices staged included, and the
 kernel ended 590 us sooner (`benchmarks/gpu/direct_launch_probe.py`, H100, 2026-12-05).
+`pack_rows` of one rank's rows (a ~0.15-0.2 ms kernel) paid the same dispatch on every call.
 
-How: JAX lowers the fan-out's ``pallas_call`` as it would for XLA (`fanout_kernel._fanout_jit`,
-traced on shapes only), and the Triton module its Triton lowering builds
-(``lower_jaxpr_to_triton_module``, what JAX hands XLA as the custom call's IR) is captured and
-compiled by the ``triton`` package (the one torch brings; compiled once per shape, then from
-Triton's cache) for the device's compute capability. A launch stages the indices into a pinned
-slot, copies them to a device slot and launches the kernel on this module's CuPy stream, with raw
-device pointers in the ``pallas_call``'s argument order: its operands (table, source rows,
-destination rows, source, the destinations) then its outputs (the destinations again: aliased).
-Completion: `synchronize` or the stream (`stream_for`), on which a flag bump may follow
-(`bridge.host_flag.SharedFlag.bump_on_stream`).
+How: JAX lowers the kernel's ``pallas_call`` as it would for XLA (its jitted function traced on
+shapes only), and the Triton module its Triton lowering builds (``lower_jaxpr_to_triton_module``,
+what JAX hands XLA as the custom call's IR) is captured and compiled by the ``triton`` package
+(the one torch brings; once per shape, then from Triton's cache) for the device's compute
+capability (`kernel_for`). A launch (`enqueue`) stages the indices into a pinned slot, copies them
+to a device slot and launches the kernel on this module's CuPy stream with raw device pointers in
+the ``pallas_call``'s argument order (`pallas_kernels.triton_plans` holds them per buffer set).
+Completion: `synchronize` (which `pallas_kernels.synchronize` calls) or the stream (`stream_for`),
+on which a flag bump may follow (`bridge.host_flag.SharedFlag.bump_on_stream`).
 
-Ordering: the kernel runs on this module's stream, not JAX's, so the source's rows must be
-written before `copy_fanout` is called (as for the JAX launch of CuPy sources); each index slot is
-rewritten only after the launch that last read it has finished (an event per slot).
+Ordering: the kernels run on this module's stream, not JAX's. The source's rows must be written
+before the call (as for the JAX launch of CuPy sources); a launch into buffers JAX wrote last
+waits for that kernel first (`after_jax`), and a JAX launch after a direct one waits for it
+(`after_direct`), so the later copy lands last. Each index slot is rewritten only after the
+launch that last read it has finished (an event per slot).
 
-Used by `pallas_kernels.fanout` when `enabled()`: a CUDA GPU, the ``triton`` package, and
-``DCP_JAX_DIRECT_LAUNCH`` not "0". Anything that fails here (capture, compile, first launch) turns
-it off for the process with one warning, and the JAX launch serves.
+Used when `enabled()`: a CUDA GPU, the ``triton`` package, and ``DCP_JAX_DIRECT_LAUNCH`` not "0".
+Anything that fails here (capture, compile, first launch) turns that kind off for the process
+with one warning, and the JAX launch serves.
 """
 from __future__ import annotations
 
@@ -36,23 +39,24 @@ import warnings
 
 import numpy as np
 
-__all__ = ["FanoutPlan", "capture_triton_modules", "compile_module", "enabled", "launch_fanout",
-           "stream_for", "synchronize", "disable"]
+__all__ = ["after_direct", "after_jax", "capture_triton_modules", "compile_module", "disable", "enabled",
+           "enqueue", "kernel_for", "stream_for", "synchronize"]
 
 logger = logging.getLogger(__name__)
 
 _LOCK = threading.RLock()
-_STATE = {"off": os.environ.get("DCP_JAX_DIRECT_LAUNCH", "1") == "0", "why": ""}
+_STATE = {"off": os.environ.get("DCP_JAX_DIRECT_LAUNCH", "1") == "0", "why": "", "off_kinds": set()}
 _KERNELS: dict = {}   # compile key -> (CompiledKernel, grid)
 _STREAMS: dict = {}   # device id -> cupy Stream
 _SLOTS: dict = {}     # device id -> _SlotRing
 _SLOTS_PER_DEVICE = 4
 
 
-def enabled(backend: str) -> bool:
-    """Whether `copy_fanout` launches its kernel here: `backend` "triton" (a CUDA GPU), the
-    ``triton`` package importable, not turned off (``DCP_JAX_DIRECT_LAUNCH=0`` or `disable`)."""
-    if _STATE["off"] or backend != "triton":
+def enabled(backend: str, kind: str = "fanout") -> bool:
+    """Whether a kernel of `kind` ("fanout": `copy_fanout`; "gather": `pack_rows` with host
+    indices) launches here: `backend` "triton" (a CUDA GPU), the ``triton`` package importable,
+    not turned off (``DCP_JAX_DIRECT_LAUNCH=0``, or `disable` for this kind or all)."""
+    if _STATE["off"] or backend != "triton" or kind in _STATE["off_kinds"]:
         return False
     try:
         import triton  # noqa: F401
@@ -62,12 +66,19 @@ def enabled(backend: str) -> bool:
     return True
 
 
-def disable(why: str) -> None:
-    """Turns direct launches off for this process (the JAX launch serves); logs `why` once."""
+def disable(why: str, kind: str | None = None) -> None:
+    """Turns direct launches of `kind` (None: every kind) off for this process (the JAX launch
+    serves); logs `why` once per kind."""
     with _LOCK:
-        if not _STATE["off"]:
-            logger.warning("fan-out: launching through JAX from now on (%s)", why)
-        _STATE["off"], _STATE["why"] = True, why
+        if kind is None:
+            if not _STATE["off"]:
+                logger.warning("direct launches: through JAX from now on (%s)", why)
+            _STATE["off"], _STATE["why"] = True, why
+        else:
+            if kind not in _STATE["off_kinds"] and not _STATE["off"]:
+                logger.warning("%s: launching through JAX from now on (%s)", kind, why)
+            _STATE["off_kinds"].add(kind)
+            _STATE["why"] = why
 
 
 @contextlib.contextmanager
@@ -120,30 +131,27 @@ def compile_module(text: str, *, num_warps: int, num_stages: int, target=None):
         return triton.compile(path, target=target, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def _fanout_kernel(src_shape, word, first_layer, dst_rows, dst_words, m, table_len, config, device_id):
-    """(CompiledKernel, grid) of the fan-out for these static shapes, loaded on `device_id`
-    (compiled once per process; Triton's own cache keeps the binary across processes)."""
-    key = (src_shape, word, first_layer, dst_rows, dst_words, m, table_len, config, device_id)
+def kernel_for(key, trace, tag: str, config, device_id: int):
+    """(CompiledKernel, grid) of the ONE ``pallas_call`` whose Triton module's text holds `tag`
+    that ``trace()`` lowers (a jitted function traced and lowered on shapes only), compiled by
+    Triton for `device_id` and loaded there; cached under `key` for the process (Triton's own
+    cache keeps the binary across processes).
+
+    Raises:
+        RuntimeError: not exactly one such module was captured; whatever JAX or Triton raise.
+    """
     hit = _KERNELS.get(key)
     if hit is not None:
         return hit
     with _LOCK:
         if key in _KERNELS:
             return _KERNELS[key]
-        import jax
-
-        from pallas_kernels.fanout_kernel import _fanout_jit
-
-        sds = jax.ShapeDtypeStruct
         with capture_triton_modules() as got, warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # Pallas' Triton lowering (0.11)
-            _fanout_jit.trace(sds(src_shape, word), sds((m,), np.int32),
-                              tuple(sds((w,), word) for w in dst_words), sds((m,), np.int32),
-                              sds((table_len,), np.int32), first_layer=first_layer, dst_rows=dst_rows,
-                              config=config, backend="triton").lower()
-        mods = [g for g in got if "kv_copy_fanout" in g[0]]
+            trace()
+        mods = [g for g in got if tag in g[0]]
         if len(mods) != 1:
-            raise RuntimeError(f"expected one fan-out Triton module at lowering, captured {len(mods)}")
+            raise RuntimeError(f"expected one {tag} Triton module at lowering, captured {len(mods)}")
         text, grid = mods[0]
         import cupy as cp
         import torch  # Triton's CUDA driver asks torch for the current device when it loads a kernel
@@ -211,81 +219,49 @@ def synchronize() -> None:
             ring.clean = True
 
 
-class FanoutPlan:
-    """What the fan-out of one set of copiers needs besides its indices, read once (a JAX
-    attribute read or pointer query costs tens of microseconds on a host that has idled).
-
-    Args:
-        srcs: the stacked source groups (JAX u-word[L_j, R, W] views: pointer, shape, dtype read).
-        dst_ptrs: the D flat destinations' device addresses; dst_words: their sizes in words.
-        dst_rows: rows per destination layer; config: the copiers' `GatherConfig`.
-    """
-
-    __slots__ = ("src_ptrs", "src_shapes", "word", "first_layers", "dst_ptrs", "dst_words", "dst_rows",
-                 "config", "device_id", "kernels")
-
-    def __init__(self, srcs, dst_ptrs, dst_words, dst_rows, config):
-        self.src_ptrs = [int(s.unsafe_buffer_pointer()) for s in srcs]
-        self.src_shapes = [tuple(int(x) for x in s.shape) for s in srcs]
-        self.word = np.dtype(srcs[0].dtype)
-        self.first_layers = np.cumsum([0] + [sh[0] for sh in self.src_shapes[:-1]]).tolist()
-        self.dst_ptrs, self.dst_words = [int(p) for p in dst_ptrs], tuple(int(w) for w in dst_words)
-        self.dst_rows, self.config = tuple(dst_rows), config
-        self.device_id = next(iter(srcs[0].devices())).id
-        self.kernels: dict = {}  # (m, table_len) -> [(CompiledKernel, grid)] per group
-
-    def kernels_for(self, m: int, table_len: int) -> list:
-        got = self.kernels.get((m, table_len))
-        if got is None:
-            got = self.kernels[(m, table_len)] = [
-                _fanout_kernel(sh, self.word, f, self.dst_rows, self.dst_words, m, table_len, self.config,
-                               self.device_id) for sh, f in zip(self.src_shapes, self.first_layers)]
-        return got
+def after_jax(dests) -> None:
+    """Before a direct launch into these `device.Destinations`: a JAX kernel that last wrote
+    one of them has ended (it ran on JAX's stream, which this module's streams do not follow:
+    the later copy must land last). A host wait only when the previous launch went through JAX."""
+    for d in dests:
+        if d.jax_last:
+            d.handles[0].block_until_ready()
+            d.jax_last = False
 
 
-def launch_fanout(plan: FanoutPlan, m: int, table_len: int, fill, on_phase=None):
-    """Enqueues the fan-out on `stream_for(plan.device_id)`: one launch per source layer group.
+def after_direct(dests) -> None:
+    """Before a JAX launch into these `device.Destinations`: the direct launch that last wrote
+    one of them has ended (its stream is not JAX's); their ``direct`` is cleared."""
+    for d in dests:
+        if d.direct is not None:
+            d.direct.synchronize()
+            d.direct = None
 
-    Args:
-        plan: the copiers' `FanoutPlan`.
-        m, table_len: index bucket rows and table words (`fanout._blocks`); fill: ``fill((sv, dv),
-            meta)`` writes the indices and the table (as for `mapped_ring.stage_indices`).
-        on_phase: as `copy_fanout` (``"staged"`` once the indices are enqueued to the device).
 
-    Returns:
-        The stream it went on.
+def enqueue(device_id: int, size: int, fill, launches, on_phase=None):
+    """One direct launch: claims an index slot of `size` int32 words on `device_id`, lets
+    ``fill(words)`` write it (pinned host memory), copies it to the device and calls each
+    ``launch(slot_address, stream_address)`` (Triton launches reading the device slot), all on
+    `stream_for(device_id)`, then records the slot's event. ``on_phase("staged")`` once the copy
+    is enqueued. Returns the stream.
 
     Raises:
-        Whatever Triton, CuPy or JAX raise (the caller falls back to the JAX launch).
+        Whatever Triton or CuPy raise (the callers fall back to the JAX launch).
     """
     import cupy as cp
 
-    from pallas_kernels.mapped_ring import slot_layout
-
-    stride, size = slot_layout(m, 2, table_len)
-    kernels = plan.kernels_for(m, table_len)
-    with cp.cuda.Device(plan.device_id):
-        ring = _SLOTS.get(plan.device_id) or _SLOTS.setdefault(plan.device_id, _SlotRing())
+    with cp.cuda.Device(device_id):
+        ring = _SLOTS.get(device_id) or _SLOTS.setdefault(device_id, _SlotRing())
         with ring.lock:
-            stream = _launch_in_slot(ring.claim(size), plan, kernels, m, stride, table_len, fill, on_phase)
-    return stream
-
-
-def _launch_in_slot(slot, plan, kernels, m, stride, table_len, fill, on_phase):
-    """Fills `slot` (pinned words, device words, event), copies it to the device and launches
-    the kernels after it on the plan's stream, then records the slot's event there."""
-    import cupy as cp
-
-    host, dev, done, _ = slot
-    fill((host[:m], host[stride:stride + m]), host[2 * stride:2 * stride + table_len])
-    stream = stream_for(plan.device_id)
-    nbytes = (2 * stride + table_len) * 4
-    cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, nbytes,
-                                cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
-    if on_phase is not None:
-        on_phase("staged")
-    base, dst_ptrs = int(dev.data.ptr), plan.dst_ptrs
-    for (kernel, grid), src in zip(kernels, plan.src_ptrs):
-        kernel[grid](base + 8 * stride, base, base + 4 * stride, src, *dst_ptrs, *dst_ptrs, stream=stream.ptr)
-    done.record(stream)
+            host, dev, done, _ = ring.claim(size)
+            fill(host)
+            stream = stream_for(device_id)
+            cp.cuda.runtime.memcpyAsync(dev.data.ptr, host.ctypes.data, size * 4,
+                                        cp.cuda.runtime.memcpyHostToDevice, stream.ptr)
+            if on_phase is not None:
+                on_phase("staged")
+            base = int(dev.data.ptr)
+            for launch in launches:
+                launch(base, stream.ptr)
+            done.record(stream)
     return stream

@@ -1,5 +1,6 @@
-"""GPU: the fused fan-out launched without JAX's dispatch (`pallas_kernels.triton_launch`): the same
-Pallas kernel, compiled by Triton from the module JAX lowered, on its own CuPy stream.
+"""GPU: the fused fan-out and `pack_rows` launched without JAX's dispatch
+(`pallas_kernels.triton_launch`): the same Pallas kernels, compiled by Triton from the modules JAX
+lowered, on their own CuPy stream.
 
 Byte-exact against CuPy fancy indexing over rounds of any sizes (JAX's launch too, once turned
 off); the flag page bumped on that stream reads the round's number only once every row landed
@@ -18,7 +19,8 @@ cp = pytest.importorskip("cupy")
 pytest.importorskip("triton")
 
 from bridge.host_flag import SharedFlag, seq_done  # noqa: E402
-from pallas_kernels import PackSource, RowCopier, copy_fanout, synchronize, triton_launch  # noqa: E402
+from pallas_kernels import PackSource, RowCopier, copy_fanout, pack_rows, synchronize, triton_launch  # noqa: E402
+from pallas_kernels import device  # noqa: E402
 
 if jax.default_backend() != "gpu":
     pytest.skip("needs a CUDA GPU (JAX sees none)", allow_module_level=True)
@@ -161,3 +163,56 @@ def test_two_sources_launching_from_two_threads_never_share_an_index_slot():
     for t in threads:
         t.join(300)
     assert not errors, errors[:5]
+
+
+def _packed(layers, idx, offset, total):
+    """The pack region `pack_rows` writes: layer-major, each layer's rows back to back."""
+    parts = [cp.asnumpy(a[cp.asarray(idx)]).reshape(-1) for a in layers]
+    out = np.concatenate(parts)
+    assert out.size == total
+    return out
+
+
+@pytest.mark.parametrize("form", ["PackSource", "layer list"])
+@pytest.mark.parametrize("direct", [True, False], ids=["triton launcher", "jax dispatch"])
+def test_pack_rows_byte_exact_at_any_offset(form, direct, monkeypatch):
+    if not direct:
+        monkeypatch.setitem(triton_launch._STATE, "off", True)
+    elif triton_launch._STATE["off"] or "gather" in triton_launch._STATE["off_kinds"]:
+        pytest.fail(f"direct launches are off in this process: {triton_launch._STATE['why']}")
+    L, item, R = 5, 1152, 600
+    layers = _layers(R, item, L, seed=3) if form == "PackSource" else \
+        [cp.random.RandomState(l).randint(0, 256, (R, item), dtype=cp.int32).astype(cp.uint8) for l in range(L)]
+    src = PackSource(layers) if form == "PackSource" else layers
+    pack = cp.full(3 * 300 * L * item + 8192, 0xEE, cp.uint8)
+    rng = np.random.default_rng()
+    want = np.full(pack.size, 0xEE, np.uint8)
+    for n, offset in [(300, 0), (1, 300 * L * item), (257, 301 * L * item + 64), (64, 2 * 300 * L * item + 4096)]:
+        idx = rng.integers(0, R, n)
+        total = n * L * item
+        assert pack_rows(src, idx, pack, offset=offset, sync=False) == total
+        want[offset:offset + total] = _packed(layers, idx, offset, total)
+        dests = device.destinations([pack], np.dtype(np.uint32), [pack.nbytes // 4 * 4])
+        assert (dests.direct is not None) == direct
+    synchronize([pack])
+    np.testing.assert_array_equal(cp.asnumpy(pack), want)
+
+
+def test_pack_rows_direct_then_jax_then_direct_into_one_region_the_last_lands():
+    """Host indices go direct, device (CuPy) indices through JAX: three packs of the same region,
+    no synchronisation between them; the last one's rows are what the region holds."""
+    L, item, R, n = 4, 1152, 4096, 2048
+    layers = _layers(R, item, L, seed=8)
+    source = PackSource(layers)
+    pack = cp.zeros(n * L * item, cp.uint8)
+    rng = np.random.default_rng()
+    for round_ in range(3):
+        a, b, c = (rng.permutation(R)[:n] for _ in range(3))
+        pack_rows(source, a, pack, sync=False)              # direct
+        pack_rows(source, cp.asarray(b), pack, sync=False)  # JAX (device indices)
+        pack_rows(source, c, pack, sync=False)              # direct again
+        synchronize([pack])
+        np.testing.assert_array_equal(cp.asnumpy(pack), _packed(layers, c, 0, n * L * item), err_msg=str(round_))
+        pack_rows(source, cp.asarray(a), pack, sync=True)   # JAX last
+        synchronize([pack])
+        np.testing.assert_array_equal(cp.asnumpy(pack), _packed(layers, a, 0, n * L * item), err_msg=str(round_))

@@ -61,6 +61,7 @@ def test_the_fanout_module_is_captured_and_compiles_for_sm90(D, L, first):
 def test_no_direct_launch_where_it_cannot_run(monkeypatch):
     # On CPU the fan-out's backend is "interpret" (or numpy): JAX's launch (or the host) serves.
     assert not triton_launch.enabled("interpret") and not triton_launch.enabled("numpy")
+    monkeypatch.setitem(triton_launch._STATE, "off_kinds", set())
     monkeypatch.setitem(triton_launch._STATE, "off", True)
     assert not triton_launch.enabled("triton")
     monkeypatch.setitem(triton_launch._STATE, "off", False)
@@ -68,16 +69,45 @@ def test_no_direct_launch_where_it_cannot_run(monkeypatch):
     triton_launch.synchronize()  # no stream made: nothing to wait for
 
 
-def test_disable_turns_it_off_for_the_process_and_says_why(monkeypatch, caplog):
+def test_disable_turns_a_kind_or_all_off_for_the_process_and_says_why(monkeypatch, caplog):
     monkeypatch.setitem(triton_launch._STATE, "off", False)
     monkeypatch.setitem(triton_launch._STATE, "why", "")
+    monkeypatch.setitem(triton_launch._STATE, "off_kinds", set())
     with caplog.at_level("WARNING"):
-        triton_launch.disable("RuntimeError: no luck")
-        triton_launch.disable("again")  # logged once
-    assert not triton_launch.enabled("triton")
-    assert triton_launch._STATE["why"] == "again"
-    assert [r.getMessage() for r in caplog.records].count(
-        "fan-out: launching through JAX from now on (RuntimeError: no luck)") == 1
+        triton_launch.disable("RuntimeError: no luck", "gather")
+        triton_launch.disable("again", "gather")  # logged once per kind
+    assert not triton_launch.enabled("triton", "gather") and triton_launch.enabled("triton", "fanout")
+    with caplog.at_level("WARNING"):
+        triton_launch.disable("ImportError: no torch")
+    assert not triton_launch.enabled("triton", "fanout")
+    assert triton_launch._STATE["why"] == "ImportError: no torch"
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["gather: launching through JAX from now on (RuntimeError: no luck)",
+                        "direct launches: through JAX from now on (ImportError: no torch)"], messages
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked source", "61 layer views"])
+def test_the_pack_rows_gather_module_is_captured_and_compiles_for_sm90(stacked):
+    """`pack_rows`' kernel (`_gather_rows_jit`, Triton backend): ONE module, whose parameters are
+    meta, indices, the sources (one stacked view or 61), the pack, and the pack again (aliased)."""
+    from triton.backends.compiler import GPUTarget
+
+    from pallas_kernels.gather import _gather_rows_jit
+
+    config, L, R, W, m = GatherConfig.default(), 61, 4096, 288, 256
+    sds = jax.ShapeDtypeStruct
+    srcs = sds((L, R, W), jnp.uint32) if stacked else [sds((R, W), jnp.uint32)] * L
+    with triton_launch.capture_triton_modules() as got, jax.sharding.use_abstract_mesh(_abstract_h200()), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        _gather_rows_jit.trace(srcs, sds((m,), jnp.int32), sds((m * L * W + 64,), jnp.uint32), sds((3,), jnp.int32),
+                               config=config, backend="triton", offset_align=4).lower(lowering_platforms=("cuda",))
+    assert len(got) == 1 and "kv_gather_" in got[0][0]
+    kernel = triton_launch.compile_module(got[0][0], num_warps=config.num_warps, num_stages=config.num_stages,
+                                          target=GPUTarget("cuda", 90, 32))
+    entry = re.search(r"\.entry\s+(\w+)\(([^)]*)\)", kernel.asm["ptx"])
+    params = re.findall(r"\.param \.u64 \.ptr", entry.group(2))
+    assert len(params) >= 2 + (1 if stacked else L) + 2, entry.group(2)[:400]
 
 
 def test_a_host_flag_refuses_a_stream_bump():

@@ -1,0 +1,141 @@
+"""What each Pallas kernel's launch without JAX needs (`pallas_kernels.triton_launch`): a plan per
+set of buffers, read once (a JAX pointer or device query costs tens of microseconds on a host
+that has idled), and the kernel's pointer arguments in its ``pallas_call``'s order: operands,
+then the aliased outputs again.
+
+- `FanoutPlan`: `copy_fanout`'s kernel (`fanout_kernel._fanout_call`): table, source rows,
+  destination rows, one stacked source group, D flat destinations; then the D destinations.
+- `GatherPlan`: `pack_rows`' kernel (`gather._gather_rows_jit` on the Triton backend): meta
+  (rows, offset units, ok), indices, the sources (one stacked view or one per layer), the pack;
+  then the pack.
+
+Both stage their indices in one slot of `triton_launch.enqueue` laid out as `mapped_ring`'s
+(`slot_layout`: index vectors on 256-byte lines, then the metadata).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pallas_kernels import triton_launch
+from pallas_kernels.mapped_ring import slot_layout
+
+__all__ = ["FanoutPlan", "GatherPlan"]
+
+
+def _sds(shape, dtype):
+    import jax
+
+    return jax.ShapeDtypeStruct(tuple(int(x) for x in shape), dtype)
+
+
+class FanoutPlan:
+    """The fan-out of one set of copiers.
+
+    Args:
+        srcs: the stacked source groups (JAX u-word[L_j, R, W] views: pointer, shape, dtype read).
+        dst_ptrs: the D flat destinations' device addresses; dst_words: their sizes in words.
+        dst_rows: rows per destination layer; config: the copiers' `GatherConfig`.
+    """
+
+    __slots__ = ("src_ptrs", "src_shapes", "word", "first_layers", "dst_ptrs", "dst_words", "dst_rows",
+                 "config", "device_id", "kernels")
+
+    def __init__(self, srcs, dst_ptrs, dst_words, dst_rows, config):
+        self.src_ptrs = [int(s.unsafe_buffer_pointer()) for s in srcs]
+        self.src_shapes = [tuple(int(x) for x in s.shape) for s in srcs]
+        self.word = np.dtype(srcs[0].dtype)
+        self.first_layers = np.cumsum([0] + [sh[0] for sh in self.src_shapes[:-1]]).tolist()
+        self.dst_ptrs, self.dst_words = [int(p) for p in dst_ptrs], tuple(int(w) for w in dst_words)
+        self.dst_rows, self.config = tuple(dst_rows), config
+        self.device_id = next(iter(srcs[0].devices())).id
+        self.kernels: dict = {}  # (m, table_len) -> [(CompiledKernel, grid)] per group
+
+    def _kernel(self, shape, first, m, table_len):
+        from pallas_kernels.fanout_kernel import _fanout_jit
+
+        def trace():
+            _fanout_jit.trace(_sds(shape, self.word), _sds((m,), np.int32),
+                              tuple(_sds((w,), self.word) for w in self.dst_words), _sds((m,), np.int32),
+                              _sds((table_len,), np.int32), first_layer=first, dst_rows=self.dst_rows,
+                              config=self.config, backend="triton").lower()
+
+        key = ("fanout", shape, self.word, first, self.dst_rows, self.dst_words, m, table_len, self.config,
+               self.device_id)
+        return triton_launch.kernel_for(key, trace, "kv_copy_fanout", self.config, self.device_id)
+
+    def launch(self, m: int, table_len: int, fill, on_phase=None):
+        """Enqueues the fan-out, one launch per source group; ``fill((sv, dv), meta)`` writes
+        the indices and the table (as for `mapped_ring.stage_indices`). Returns the stream."""
+        kernels = self.kernels.get((m, table_len))
+        if kernels is None:
+            kernels = self.kernels[(m, table_len)] = [
+                self._kernel(sh, f, m, table_len) for sh, f in zip(self.src_shapes, self.first_layers)]
+        stride, size = slot_layout(m, 2, table_len)
+        dst = self.dst_ptrs
+
+        def fill_slot(host):
+            fill((host[:m], host[stride:stride + m]), host[2 * stride:2 * stride + table_len])
+
+        def launcher(kernel, grid, src):
+            def launch(base, stream):
+                kernel[grid](base + 8 * stride, base, base + 4 * stride, src, *dst, *dst, stream=stream)
+            return launch
+
+        return triton_launch.enqueue(self.device_id, size, fill_slot,
+                                     [launcher(k, g, s) for (k, g), s in zip(kernels, self.src_ptrs)], on_phase)
+
+
+class GatherPlan:
+    """`pack_rows` of one source form into one pack buffer.
+
+    Args:
+        srcs: what the kernel reads (`pack_source.kernel_sources`: one stacked JAX view, or one
+            view per layer; pointers, shapes and dtype read); pack_ptr: the pack's device address;
+        pack_words: its size in words (as the JAX path's handle); config: `GatherConfig`.
+    """
+
+    __slots__ = ("src_ptrs", "src_shapes", "word", "pack_ptr", "pack_words", "config", "device_id", "kernels")
+
+    def __init__(self, srcs, pack_ptr, pack_words, config):
+        srcs = srcs if isinstance(srcs, (list, tuple)) else [srcs]
+        self.src_ptrs = [int(s.unsafe_buffer_pointer()) for s in srcs]
+        self.src_shapes = [tuple(int(x) for x in s.shape) for s in srcs]
+        self.word = np.dtype(srcs[0].dtype)
+        self.pack_ptr, self.pack_words, self.config = int(pack_ptr), int(pack_words), config
+        self.device_id = next(iter(srcs[0].devices())).id
+        self.kernels: dict = {}  # (m, offset_align) -> (CompiledKernel, grid)
+
+    def _kernel(self, m, offset_align):
+        from pallas_kernels.gather import _gather_rows_jit
+
+        one = len(self.src_shapes) == 1 and len(self.src_shapes[0]) == 3  # a stacked view
+
+        def trace():
+            srcs = _sds(self.src_shapes[0], self.word) if one else [_sds(s, self.word) for s in self.src_shapes]
+            _gather_rows_jit.trace(srcs, _sds((m,), np.int32), _sds((self.pack_words,), self.word),
+                                   _sds((3,), np.int32), config=self.config, backend="triton",
+                                   offset_align=offset_align).lower()
+
+        key = ("gather", tuple(self.src_shapes), self.word, self.pack_words, m, offset_align, self.config,
+               self.device_id)
+        return triton_launch.kernel_for(key, trace, "kv_gather_", self.config, self.device_id)
+
+    def launch(self, idx: np.ndarray, m: int, meta, offset_align: int):
+        """Enqueues the gather of the host indices `idx` (int, n <= m; zero-padded to the bucket
+        `m`) with ``meta = (n, offset units, ok)``. Returns the stream."""
+        got = self.kernels.get((m, offset_align))
+        if got is None:
+            got = self.kernels[(m, offset_align)] = self._kernel(m, offset_align)
+        kernel, grid = got
+        stride, size = slot_layout(m, 1, 3)
+        n, srcs, pack = len(idx), self.src_ptrs, self.pack_ptr
+
+        def fill_slot(host):
+            host[:n] = idx
+            host[n:m] = 0
+            host[stride:stride + 3] = meta
+
+        def launch(base, stream):
+            kernel[grid](base + 4 * stride, base, *srcs, pack, pack, stream=stream)
+
+        return triton_launch.enqueue(self.device_id, size, fill_slot, [launch])
