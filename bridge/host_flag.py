@@ -274,9 +274,10 @@ class SharedFlag:
             try:
                 import cupy as cp
 
-                if self._set_kernel is None:
-                    self._set_kernel = cp.RawKernel(_SET_SRC, "dcp_flag_set")
-                self._set_kernel((1,), (1,), (np.uint64(self._tensor.ptr), np.uint32(nxt)), stream=stream)
+                with cp.cuda.Device(self._tensor._device_id):  # the page's device, whatever is current
+                    if self._set_kernel is None:
+                        self._set_kernel = cp.RawKernel(_SET_SRC, "dcp_flag_set")
+                    self._set_kernel((1,), (1,), (np.uint64(self._tensor.ptr), np.uint32(nxt)), stream=stream)
             except Exception as exc:  # noqa: BLE001 - CuPy raises its own CUDA errors
                 raise FlagError(f"cannot enqueue the flag bump: {type(exc).__name__}: {exc}") from exc
             self._streams.add(stream)
@@ -309,6 +310,11 @@ class SharedFlag:
         except Exception:  # noqa: BLE001 - a failed context: release what can be released
             pass
         with self._lock:
+            for stream in self._streams:  # a bump enqueued between the wait above and this lock
+                try:
+                    stream.synchronize()
+                except Exception:  # noqa: BLE001 - a failed context: release what can be released
+                    pass
             mm, self._mm = self._mm, None
             self._view = self._bump = None
             if mm is None:

@@ -246,6 +246,7 @@ def _launch_direct(ring, srcs, dests, copiers, m, table_len, fill, on_phase) -> 
         stream = plan.launch(m, table_len, fill, on_phase)
     except Exception as exc:  # noqa: BLE001 - any failure: the JAX launch serves from now on
         triton_launch.disable(f"{type(exc).__name__}: {exc}", "fanout")
+        triton_launch.synchronize()  # a kernel it enqueued before failing ends before the JAX one
         return False
     for d in dests:
         d.direct = stream

@@ -383,6 +383,7 @@ def _pack_rows_direct(views, srcs, dests, idx, m, meta, align, config, sync) -> 
         stream = plan.launch(idx, m, meta, align)
     except Exception as exc:  # noqa: BLE001 - any failure: the JAX launch serves from now on
         triton_launch.disable(f"{type(exc).__name__}: {exc}", "gather")
+        triton_launch.synchronize()  # a kernel it enqueued before failing ends before the JAX one
         return False
     dests.direct = stream
     if sync:

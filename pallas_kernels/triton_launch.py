@@ -116,10 +116,15 @@ def compile_module(text: str, *, num_warps: int, num_stages: int, target=None):
 
     Returns:
         The ``triton.compiler.CompiledKernel`` (its ``asm`` holds the PTX and cubin).
+
+    Raises:
+        ValueError: `text` holds no kernel; whatever Triton raises.
     """
     import triton
     from triton.backends.compiler import GPUTarget
 
+    if not isinstance(text, str) or "tt.func" not in text:  # Triton 3.6 crashes on a module without one
+        raise ValueError("text must be a Triton module with a kernel (tt.func), as captured at lowering")
     if target is None:
         import cupy as cp
 

@@ -22,6 +22,18 @@ from pallas_kernels.mapped_ring import slot_layout
 __all__ = ["FanoutPlan", "GatherPlan"]
 
 
+def _fresh_jit(fn, **static):
+    """``jax.jit`` of `fn` with its static arguments bound in a NEW callable: JAX caches a
+    function's traces and lowerings by the callable, so the jitted entry point would not lower
+    (and `triton_launch.capture_triton_modules` would capture nothing) for shapes it has lowered
+    before (the JAX launch, another device)."""
+    import functools
+
+    import jax
+
+    return jax.jit(functools.partial(fn, **static))
+
+
 def _sds(shape, dtype):
     import jax
 
@@ -51,13 +63,13 @@ class FanoutPlan:
         self.kernels: dict = {}  # (m, table_len) -> [(CompiledKernel, grid)] per group
 
     def _kernel(self, shape, first, m, table_len):
-        from pallas_kernels.fanout_kernel import _fanout_jit
+        from pallas_kernels.fanout_kernel import _fanout_call
 
         def trace():
-            _fanout_jit.trace(_sds(shape, self.word), _sds((m,), np.int32),
-                              tuple(_sds((w,), self.word) for w in self.dst_words), _sds((m,), np.int32),
-                              _sds((table_len,), np.int32), first_layer=first, dst_rows=self.dst_rows,
-                              config=self.config, backend="triton").lower()
+            fn = _fresh_jit(_fanout_call, first_layer=first, dst_rows=self.dst_rows, config=self.config,
+                            backend="triton")
+            fn.trace(_sds(shape, self.word), _sds((m,), np.int32), tuple(_sds((w,), self.word) for w in self.dst_words),
+                     _sds((m,), np.int32), _sds((table_len,), np.int32)).lower()
 
         key = ("fanout", shape, self.word, first, self.dst_rows, self.dst_words, m, table_len, self.config,
                self.device_id)
@@ -112,9 +124,9 @@ class GatherPlan:
 
         def trace():
             srcs = _sds(self.src_shapes[0], self.word) if one else [_sds(s, self.word) for s in self.src_shapes]
-            _gather_rows_jit.trace(srcs, _sds((m,), np.int32), _sds((self.pack_words,), self.word),
-                                   _sds((3,), np.int32), config=self.config, backend="triton",
-                                   offset_align=offset_align).lower()
+            fn = _fresh_jit(_gather_rows_jit.__wrapped__, config=self.config, backend="triton",
+                            offset_align=offset_align)
+            fn.trace(srcs, _sds((m,), np.int32), _sds((self.pack_words,), self.word), _sds((3,), np.int32)).lower()
 
         key = ("gather", tuple(self.src_shapes), self.word, self.pack_words, m, offset_align, self.config,
                self.device_id)

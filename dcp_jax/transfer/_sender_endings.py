@@ -12,9 +12,11 @@ window completed) for ``timeout_s`` FAILS, unless one of its engine batches is s
 the engine cannot report progress inside a batch, so a batch it still reports live (neither
 completed nor failed) keeps its request alive for ``timeout_s`` plus the batch's size allowance
 (`batch_allowance`), counted from its post or from the completion of the last batch posted
-before it to the same decode rank (Mooncake works through one rank's batches in order, so a
-batch queued behind another starts its clock only then). Past that bound it FAILS all the same,
-and `_end` cancels its batches as far as the engine can.
+before it to the same decode rank (the engines work through one rank's batches in order, so a
+batch queued behind another starts its clock only then); while it waits behind an earlier batch
+to that rank that is still in flight, its bound is no sooner than that batch's
+(`_batch_deadlines`): a short request queued behind a long prompt's batch is not stuck. Past
+that bound it FAILS all the same, and `_end` cancels its batches as far as the engine can.
 
 The decode ranks agree (`_tell_moving`): a rank only sees windows land, so each rank is told, in a
 ``moving`` frame, which of its requests have such a batch in flight within its bound, each with a
@@ -184,19 +186,38 @@ class SenderEndings:
             del self._forgotten[rid]
         # req -> its engine batches in flight, built once a request looks stalled or a batch is out
         moving = self._batches_in_flight() if self._inflight or self._pulls else None
+        due = self._batch_deadlines(moving) if moving else {}
         for req in list(self._requests.values()):
             if not req.status.terminal and req.state.stalled_for(now) > self.timeout_s:
                 batches = (moving or {}).get(req, ())
-                if any(now < u.clock + self.timeout_s + u.allow_s for u in batches):
+                if any(now < due[u] for u in batches):
                     continue  # a batch the engine still moves, within its bound: no stall
                 self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s"
-                          f"{_stuck_batch(batches, now, self.timeout_s) or _waiting_for(req)}", notify="failed")
+                          f"{_stuck_batch(batches, now, self.timeout_s, due) or _waiting_for(req)}", notify="failed")
             elif (req.status.terminal and not req.chunks
                   and req.inflight == 0 and req.state.stalled_for(now) > self.timeout_s):
                 self._forget_unsent(req)
-        self._tell_moving(now, moving or {})
+        self._tell_moving(now, moving or {}, due)
 
-    def _tell_moving(self, now: float, moving: dict) -> None:
+    def _batch_deadlines(self, moving: dict) -> dict:
+        """Each batch in flight (``moving``: req -> its batches) -> when it counts as stuck:
+        ``timeout_s`` + its allowance after its clock (its post, or the completion of the batch
+        before it to the same rank: `_restart_clocks`), and no sooner than the deadline of any
+        batch posted before it to the same rank that is still in flight: the engines work
+        through one rank's batches in order, so a batch waiting its turn behind a long one has
+        not started, and is within its bound while the one ahead is."""
+        per_conn: dict = {}
+        for batches in moving.values():
+            for u in batches:
+                per_conn.setdefault(u.target.conn, []).append(u)
+        due = {}
+        for units in per_conn.values():
+            ahead = float("-inf")
+            for u in sorted(units, key=lambda v: v.seq):
+                ahead = due[u] = max(ahead, u.clock + self.timeout_s + u.allow_s)
+        return due
+
+    def _tell_moving(self, now: float, moving: dict, due: dict) -> None:
         """Tells each decode rank which of its live requests have an engine batch (push) or a
         pull in flight here past `MOVING_AFTER_S` and within its bound (``timeout_s`` + its
         allowance), in ``moving`` frames of ``[rid, inc, lease_ms]``: the lease is the time left
@@ -208,7 +229,7 @@ class SenderEndings:
             if req.status.terminal or self._requests.get(req.rid) is not req:
                 continue
             for u in batches:
-                left = u.clock + self.timeout_s + u.allow_s - now
+                left = due[u] - now
                 if now - u.clock < MOVING_AFTER_S or left <= 0:
                     continue  # short so far (no frame), or past its bound: stuck, reported no more
                 conn = u.target.conn
@@ -251,17 +272,19 @@ class SenderEndings:
         self._replay_early(req.rid)  # announcements of the id's next use
 
 
-def _stuck_batch(batches: list, now: float, timeout_s: float) -> str:
+def _stuck_batch(batches: list, now: float, timeout_s: float, due: dict) -> str:
     """The failure reason's tail for a request whose oldest engine batch in flight ran past its
-    bound (``timeout_s`` + `batch_allowance`), or "" when none is in flight."""
+    bound (``timeout_s`` + `batch_allowance`, or later behind another batch to the same rank:
+    ``due``, `SenderEndings._batch_deadlines`), or "" when none is in flight."""
     if not batches:
         return ""
     u = min(batches, key=lambda v: v.clock)
+    behind = due[u] > u.clock + timeout_s + u.allow_s + 1e-9
     what = "a pull (the rank's READ)" if u.target.conn.direction == "pull" else "an engine batch"
     return (f"; {what} to decode rank {u.target.conn.spec.dcp_rank} ({u.descriptors:,} descriptors, "
             f"{u.batch_bytes:,} bytes, chunk {u.rc.chunk}) has not completed in {now - u.clock:.1f} s, past its "
-            f"bound of {timeout_s + u.allow_s:.1f} s (timeout_s + {BATCH_DESCRIPTOR_S * 1e3:g} ms a descriptor "
-            f"+ 1 s per {BATCH_BYTES_PER_S / 1e6:g} MB)")
+            f"bound of {due[u] - u.clock:.1f} s (timeout_s + {BATCH_DESCRIPTOR_S * 1e3:g} ms a descriptor "
+            f"+ 1 s per {BATCH_BYTES_PER_S / 1e6:g} MB{', behind an earlier batch to that rank' if behind else ''})")
 
 
 def _waiting_for(req: SendRequest) -> str:

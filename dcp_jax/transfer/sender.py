@@ -90,8 +90,9 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
             cannot report progress inside one batch: it keeps its request alive for
             ``timeout_s`` + its size allowance (`_sender_endings.batch_allowance`: 1 ms a
             descriptor + 1 s per 10 MB; 120,000 descriptors: 120 s more), counted from its post
-            or from the completion of the batch posted before it to the same rank. Past that
-            bound it FAILS as stuck (the reason names the batch); a dead rank still ends it after
+            or from the completion of the batch posted before it to the same rank, and no
+            sooner than the bound of an earlier batch to that rank still in flight (it waits its
+            turn behind it). Past that bound it FAILS as stuck (the reason names the batch); a dead rank still ends it after
             ``peer_timeout_s``. Each decode rank is told which of its requests have such a batch
             in flight within its bound (``moving`` frames, at most one per ``heartbeat_s`` a rank
             while there are such, each entry with a lease up to that bound): its own

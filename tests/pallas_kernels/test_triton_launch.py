@@ -120,3 +120,33 @@ def test_a_host_flag_refuses_a_stream_bump():
         assert flag.bump_after() == 1 and flag.value() == 1
     with pytest.raises(RuntimeError, match="closed"):
         flag.bump_on_stream(object())
+
+
+def test_the_same_shapes_lower_again_for_every_capture():
+    """JAX caches a jitted function's lowering: the jitted entry point lowered twice on the same
+    shapes reaches the Pallas lowering only once, so a second capture (another device, or shapes
+    the JAX launch lowered first) found no module and turned direct launches off. The plans trace
+    a fresh callable every time (`triton_plans._fresh_jit`)."""
+    from pallas_kernels.fanout_kernel import _fanout_call
+    from pallas_kernels.triton_plans import _fresh_jit
+
+    config, sds = GatherConfig(block_rows=32, num_warps=8), jax.ShapeDtypeStruct
+    args = (sds((2, 256, 288), jnp.uint32), sds((64,), jnp.int32), (sds((2 * 128 * 288,), jnp.uint32),) * 2,
+            sds((64,), jnp.int32), sds((8,), jnp.int32))
+    static = dict(first_layer=0, dst_rows=(128, 128), config=config, backend="triton")
+    counts = []
+    with jax.sharding.use_abstract_mesh(_abstract_h200()), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        for fresh in (False, False, True, True):
+            with triton_launch.capture_triton_modules() as got:
+                fn = _fresh_jit(_fanout_call, **static).trace(*args) if fresh else _fanout_jit.trace(*args, **static)
+                fn.lower(lowering_platforms=("cuda",))
+            counts.append(len(got))
+    assert counts == [1, 0, 1, 1], counts  # the cached entry point lowers once; a fresh one always
+
+
+@pytest.mark.parametrize("text", ["module {}", "", None])
+def test_compile_module_refuses_text_without_a_kernel(text):
+    # Triton 3.6 ends the process (SIGSEGV) on a module without a tt.func.
+    with pytest.raises(ValueError, match="tt.func"):
+        triton_launch.compile_module(text, num_warps=4, num_stages=1)

@@ -244,3 +244,28 @@ def test_a_rank_caps_a_lease_at_its_peer_timeout_s(engine):
         assert r.poll("cap") is S.FAILED and "lapsed" in r.failure_reason("cap"), c.reasons("cap")
     finally:
         c.close()
+
+
+@needs_mooncake
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_a_short_request_queued_behind_a_long_batch_to_the_same_rank_ends_success(direction):
+    # Found by a fresh-user trial: B (4 tokens, 16 descriptors) posted 5 ms after A's one batch
+    # of 40,000 descriptors to the same rank waited its turn in the engine, and its own bound
+    # (timeout_s + a few ms from its post) ran out long before A completed: FAILED on both sides
+    # ("... has not completed in 0.4 s, past its bound of 0.3 s") while A ended SUCCESS.
+    c = long_batch_cluster(direction, tokens=TOKENS + 4)
+    try:
+        sa, da = c.tables(TOKENS)
+        sb, db = c.tables(4)
+        c.expect("A", da, TOKENS)
+        c.expect("B", db, 4)
+        c.sender.send("A", sa, 0, TOKENS)
+        time.sleep(0.005)
+        c.sender.send("B", sb, 0, 4)
+        assert c.wait("A", timeout_s=60) == [S.SUCCESS, S.SUCCESS], c.reasons("A")
+        assert c.wait("B", timeout_s=60) == [S.SUCCESS, S.SUCCESS], c.reasons("B")
+        at = {name: t for name, _, t in c.sender.request_stats("A")["timeline"]}
+        assert at["complete"] - at["post"] > 2 * TIMEOUT_S  # B really waited behind a long batch
+        assert c.check_bytes(sa, da, TOKENS) == TOKENS and c.check_bytes(sb, db, 4) == 4
+    finally:
+        c.close()
