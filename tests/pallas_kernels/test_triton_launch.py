@@ -93,6 +93,7 @@ def test_the_pack_rows_gather_module_is_captured_and_compiles_for_sm90(stacked):
     from triton.backends.compiler import GPUTarget
 
     from pallas_kernels.gather import _gather_rows_jit
+    from pallas_kernels.triton_plans import _fresh_jit
 
     config, L, R, W, m = GatherConfig.default(), 61, 4096, 288, 256
     sds = jax.ShapeDtypeStruct
@@ -100,8 +101,10 @@ def test_the_pack_rows_gather_module_is_captured_and_compiles_for_sm90(stacked):
     with triton_launch.capture_triton_modules() as got, jax.sharding.use_abstract_mesh(_abstract_h200()), \
             warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        _gather_rows_jit.trace(srcs, sds((m,), jnp.int32), sds((m * L * W + 64,), jnp.uint32), sds((3,), jnp.int32),
-                               config=config, backend="triton", offset_align=4).lower(lowering_platforms=("cuda",))
+        # As `triton_plans.GatherPlan` traces it: a fresh callable with the static arguments bound.
+        _fresh_jit(_gather_rows_jit.__wrapped__, config=config, backend="triton", offset_align=4).trace(
+            srcs, sds((m,), jnp.int32), sds((m * L * W + 64,), jnp.uint32), sds((3,), jnp.int32)).lower(
+            lowering_platforms=("cuda",))
     assert len(got) == 1 and "kv_gather_" in got[0][0]
     kernel = triton_launch.compile_module(got[0][0], num_warps=config.num_warps, num_stages=config.num_stages,
                                           target=GPUTarget("cuda", 90, 32))
