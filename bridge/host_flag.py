@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from bridge.dlpack_pointer import PointerTensor
 from bridge.errors import BridgeError
 
 __all__ = ["FLAG_BYTES", "FlagError", "OpenedFlag", "SharedFlag", "check_flag_name", "seq_done"]
@@ -73,53 +74,6 @@ def seq_done(value: int, seq: int) -> bool:
     """Whether a flag holding `value` has reached sequence number `seq` (both uint32; RFC 1982
     serial-number order, so the counter may wrap)."""
     return (int(value) - int(seq)) % _MOD < (_MOD >> 1)
-
-
-# --- a zero-copy JAX view of a device pointer (DLPack capsule of device type kDLCUDA) ---------------
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
-                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
-                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    pass
-
-
-_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
-_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
-_NO_DELETE = _DELETER(lambda _p: None)  # the page's owner (SharedFlag) releases it, not the consumer
-_CAPSULE_NAME = b"dltensor"
-_KDLCUDA, _KDLUINT = 2, 1
-
-
-class _PointerTensor:
-    """``__dlpack__`` for one uint32 word at a device pointer (kept alive by its owner)."""
-
-    def __init__(self, ptr: int, device_id: int):
-        self._shape = (ctypes.c_int64 * 1)(1)
-        self._mt = _DLManagedTensor()
-        self._mt.dl_tensor = _DLTensor(ctypes.c_void_p(ptr), _DLDevice(_KDLCUDA, device_id), 1,
-                                       _DLDataType(_KDLUINT, 32, 1), self._shape, None, 0)
-        self._mt.deleter = _NO_DELETE
-        self._device_id = device_id
-        self.ptr = ptr
-
-    def __dlpack_device__(self):
-        return (_KDLCUDA, self._device_id)
-
-    def __dlpack__(self, stream=None, **_):  # noqa: ARG002 - nothing to wait for: the page is idle
-        new = ctypes.pythonapi.PyCapsule_New
-        new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-        return new(ctypes.addressof(self._mt), _CAPSULE_NAME, None)
 
 
 # `bump_on_stream`: store the number, then make it visible to the host's readers.
@@ -212,7 +166,7 @@ class SharedFlag:
                 dptr = int(rt.pointerGetAttributes(host).devicePointer)  # cudaHostGetDevicePointer's answer
         except Exception as exc:  # noqa: BLE001 - CuPy raises its CUDARuntimeError
             raise FlagError(f"cannot register the flag page with CUDA: {type(exc).__name__}: {exc}") from exc
-        self._tensor = _PointerTensor(dptr, dev)
+        self._tensor = PointerTensor(dptr, dev)
         try:
             view = jax.dlpack.from_dlpack(self._tensor)
         except Exception as exc:  # noqa: BLE001 - XLA refused the pointer
@@ -274,7 +228,7 @@ class SharedFlag:
             try:
                 import cupy as cp
 
-                with cp.cuda.Device(self._tensor._device_id):  # the page's device, whatever is current
+                with cp.cuda.Device(self._tensor.device_id):  # the page's device, whatever is current
                     if self._set_kernel is None:
                         self._set_kernel = cp.RawKernel(_SET_SRC, "dcp_flag_set")
                     self._set_kernel((1,), (1,), (np.uint64(self._tensor.ptr), np.uint32(nxt)), stream=stream)

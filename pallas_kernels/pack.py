@@ -58,7 +58,7 @@ from pallas_kernels.mapped_ring import fill_padded, stage_indices
 # `kernel_sources` here, so a wrapper set on this module's name is the one called).
 from pallas_kernels.pack_source import PackSource, _copy_view, _device_views, kernel_sources  # noqa: F401
 from pallas_kernels.row_copy import preload_lowering
-from pallas_kernels.triton_plans import GatherPlan
+from pallas_kernels.triton_plans import pack_rows_direct
 from pallas_kernels.host import (  # noqa: F401  (re-exported: tests and callers use these names)
     _HOST_POOL,
     HOST_MAX_THREADS,
@@ -326,7 +326,7 @@ def _pack_rows_device(layers, views, idx, pack, offset, word, backend, config, s
         try:
             if isinstance(idx, np.ndarray):
                 units, ok = offset_arg(offset // ws, align, backend, ws)
-                if triton_launch.enabled(backend, "gather") and _pack_rows_direct(
+                if triton_launch.enabled(backend, "gather") and pack_rows_direct(
                         views, srcs, dests, idx, m, (n, int(units), int(ok)), align, config, sync):
                     return
                 triton_launch.after_direct([dests])
@@ -356,39 +356,6 @@ def _pack_rows_device(layers, views, idx, pack, offset, word, backend, config, s
             raise
     if sync:
         out.block_until_ready()
-
-
-_GATHER_PLANS: list = []  # (views, weak ref to the pack's Destinations, GatherPlan), newest last
-
-
-def _pack_rows_direct(views, srcs, dests, idx, m, meta, align, config, sync) -> bool:
-    """`pack_rows` through `triton_launch` (the same kernel without JAX's dispatch; the pack's
-    lock held). Its `triton_plans.GatherPlan` is kept per (views, pack) for the last few: only
-    sources that are cached views (`views` itself, or a list of them without a per-call copy).
-    False where it does not apply (the JAX path serves) or cannot launch (then off for the
-    process, with one warning)."""
-    if isinstance(views, list) and any(v is None for v in views):
-        return False  # a layer is copied per call: its address changes
-    plan = None
-    for v, ref, p in _GATHER_PLANS:
-        if v is views and ref() is dests:
-            plan = p
-            break
-    try:
-        if plan is None or plan.config != config:
-            plan = GatherPlan(srcs, dests.ptrs[0], dests.handles[0].shape[0], config)
-            del _GATHER_PLANS[:-7]
-            _GATHER_PLANS.append((views, weakref.ref(dests), plan))
-        triton_launch.after_jax([dests])
-        stream = plan.launch(idx, m, meta, align)
-    except Exception as exc:  # noqa: BLE001 - any failure: the JAX launch serves from now on
-        triton_launch.disable(f"{type(exc).__name__}: {exc}", "gather")
-        triton_launch.synchronize()  # a kernel it enqueued before failing ends before the JAX one
-        return False
-    dests.direct = stream
-    if sync:
-        stream.synchronize()
-    return True
 
 
 def clear_import_cache() -> None:

@@ -14,12 +14,14 @@ Both stage their indices in one slot of `triton_launch.enqueue` laid out as `map
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from pallas_kernels import triton_launch
 from pallas_kernels.mapped_ring import slot_layout
 
-__all__ = ["FanoutPlan", "GatherPlan"]
+__all__ = ["FanoutPlan", "GatherPlan", "pack_rows_direct"]
 
 
 def _fresh_jit(fn, **static):
@@ -151,3 +153,36 @@ class GatherPlan:
             kernel[grid](base + 4 * stride, base, *srcs, pack, pack, stream=stream)
 
         return triton_launch.enqueue(self.device_id, size, fill_slot, [launch])
+
+
+_GATHER_PLANS: list = []  # (views, weak ref to the pack's Destinations, GatherPlan), newest last
+
+
+def pack_rows_direct(views, srcs, dests, idx, m, meta, align, config, sync) -> bool:
+    """`pack_rows` through `triton_launch` (the same kernel without JAX's dispatch; the pack's
+    lock held; `pack._pack_rows_device`). Its `GatherPlan` is kept per (views, pack) for the last few: only
+    sources that are cached views (`views` itself, or a list of them without a per-call copy).
+    False where it does not apply (the JAX path serves) or cannot launch (then off for the
+    process, with one warning)."""
+    if isinstance(views, list) and any(v is None for v in views):
+        return False  # a layer is copied per call: its address changes
+    plan = None
+    for v, ref, p in _GATHER_PLANS:
+        if v is views and ref() is dests:
+            plan = p
+            break
+    try:
+        if plan is None or plan.config != config:
+            plan = GatherPlan(srcs, dests.ptrs[0], dests.handles[0].shape[0], config)
+            del _GATHER_PLANS[:-7]
+            _GATHER_PLANS.append((views, weakref.ref(dests), plan))
+        triton_launch.after_jax([dests])
+        stream = plan.launch(idx, m, meta, align)
+    except Exception as exc:  # noqa: BLE001 - any failure: the JAX launch serves from now on
+        triton_launch.disable(f"{type(exc).__name__}: {exc}", "gather")
+        triton_launch.synchronize()  # a kernel it enqueued before failing ends before the JAX one
+        return False
+    dests.direct = stream
+    if sync:
+        stream.synchronize()
+    return True
