@@ -324,8 +324,12 @@ def check_page_table(page_table: Any, rows: int, page_size: int, num_pages: int,
     used = a[:need]
     if used.size:
         if int(used.min()) < 0 or int(used.max()) >= num_pages:
-            raise ValueError(f"{name} holds page ids outside [0, {num_pages}) (min {int(used.min())}, "
-                             f"max {int(used.max())})")
-        if np.unique(used).size != used.size:
-            raise ValueError(f"{name} repeats a page id")
+            k = int(np.flatnonzero((used < 0) | (used >= num_pages))[0])
+            raise ValueError(f"{name}[{k}]={int(used[k])} is outside [0, {num_pages}) (the cache's pages; "
+                             f"min {int(used.min())}, max {int(used.max())})")
+        ids, counts = np.unique(used, return_counts=True)
+        if ids.size != used.size:
+            dup = int(ids[counts > 1][0])
+            at = np.flatnonzero(used == dup)[:2].tolist()
+            raise ValueError(f"{name} repeats page id {dup} (at {name}[{at[0]}] and {name}[{at[1]}])")
     return a

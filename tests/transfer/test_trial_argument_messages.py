@@ -94,3 +94,15 @@ def test_too_short_page_table_says_1_page_is_required():
         with pytest.raises(ValueError) as e:
             check_page_table(table, rows, page_size, 16)
         assert str(e.value) == want
+
+
+def test_a_bad_page_id_is_named_by_its_index():
+    # Before: "page_table holds page ids outside [0, 16) (min -1, max 7)": which entry?
+    with pytest.raises(ValueError, match=r"^page_table\[2\]=-1 is outside \[0, 16\) \(the cache's pages; min -1, max 7\)$"):
+        check_page_table([7, 3, -1, 5], 4, 1, 16)
+    with pytest.raises(ValueError, match=r"^page_table\[1\]=16 is outside \[0, 16\)"):
+        check_page_table(np.array([0, 16, 99]), 3, 1, 16)
+    with pytest.raises(ValueError, match=r"^page_table repeats page id 3 \(at page_table\[1\] and page_table\[3\]\)$"):
+        check_page_table([5, 3, 4, 3, 3], 5, 1, 16)
+    # Entries past the pages the rows need are not checked (a table may be longer than needed).
+    assert check_page_table([1, 2, -5], 2, 1, 16).tolist() == [1, 2, -5]
