@@ -63,3 +63,12 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("gpu"):
                 item.add_marker(skip)
+    eight = [item for item in items if item.get_closest_marker("needs_8_devices")]
+    if eight:
+        import jax
+
+        if len(jax.devices()) != 8:
+            skip = pytest.mark.skip(reason="needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 "
+                                           "(set above unless XLA_FLAGS already names a count)")
+            for item in eight:
+                item.add_marker(skip)

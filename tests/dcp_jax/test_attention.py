@@ -1,6 +1,5 @@
 """DCP decode attention (MLA absorbed, GQA/MHA) on 8 CPU devices vs float64 full-KV attention."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,10 +17,7 @@ from dcp_jax.attention import (
 )
 from dcp_jax.merge import MERGE_FORMS, make_dcp_mesh
 
-pytestmark = pytest.mark.skipif(
-    len(jax.devices()) != 8,
-    reason="needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py)",
-)
+pytestmark = pytest.mark.needs_8_devices
 
 N = 8
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}

@@ -17,10 +17,7 @@ from dcp_jax.attention import (
 )
 from dcp_jax.merge import make_dcp_mesh
 
-pytestmark = pytest.mark.skipif(
-    len(jax.devices()) != 8,
-    reason="needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py)",
-)
+pytestmark = pytest.mark.needs_8_devices
 
 FORMS = ["mla", "mla_emulated", "gqa", "gqa_emulated"]
 PAGE = 4

@@ -31,10 +31,7 @@ from dcp_jax.attention import (
 )
 from dcp_jax.merge import make_dcp_mesh
 
-pytestmark = pytest.mark.skipif(
-    len(jax.devices()) != 8,
-    reason="needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py)",
-)
+pytestmark = pytest.mark.needs_8_devices
 
 Q = 2  # two query tokens (speculative verify): query 0 does not see request 0's last token
 KV_LENS = np.array([13, 6, 0])  # request 2 is a padding slot (kv_len 0)

@@ -18,10 +18,7 @@ from dcp_jax.attention import (
 )
 from dcp_jax.merge import MERGE_FORMS, make_dcp_mesh
 
-pytestmark = pytest.mark.skipif(
-    len(jax.devices()) != 8,
-    reason="needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py)",
-)
+pytestmark = pytest.mark.needs_8_devices
 
 BATCH = 3
 KV_LENS = np.array([2, 19, 0, 11])

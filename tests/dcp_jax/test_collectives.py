@@ -19,10 +19,7 @@ from dcp_jax.merge import (
     merge_states_reference,
 )
 
-pytestmark = pytest.mark.skipif(
-    len(jax.devices()) != 8,
-    reason="needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py)",
-)
+pytestmark = pytest.mark.needs_8_devices
 
 FORMS = {"ag_rs": ag_rs, "ag_ar": ag_ar, "a2a": a2a}
 LOCAL = {"ag_rs": merge_ag_rs, "ag_ar": merge_ag_ar, "a2a": merge_a2a}

@@ -4,7 +4,6 @@ merge_states, which normalises empty shards at every N; the docs say so where th
 import pathlib
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,10 +11,7 @@ import pytest
 from dcp_jax import merge
 from dcp_jax.merge import MERGE_FORMS, make_dcp_mesh, merge_states_reference
 
-pytestmark = pytest.mark.skipif(
-    len(jax.devices()) != 8,
-    reason="needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py)",
-)
+pytestmark = pytest.mark.needs_8_devices
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 

@@ -8,10 +8,7 @@ import pytest
 from dcp_jax import merge
 from dcp_jax.merge import MERGE_FORMS, make_dcp_mesh, merge_states_reference
 
-pytestmark = pytest.mark.skipif(
-    len(jax.devices()) != 8,
-    reason="needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 (tests/conftest.py)",
-)
+pytestmark = pytest.mark.needs_8_devices
 
 BATCH = 3  # divides by neither 2 nor 4
 
