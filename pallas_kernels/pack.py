@@ -58,7 +58,7 @@ from pallas_kernels.mapped_ring import fill_padded, stage_indices
 # `kernel_sources` here, so a wrapper set on this module's name is the one called).
 from pallas_kernels.pack_source import PackSource, _copy_view, _device_views, kernel_sources  # noqa: F401
 from pallas_kernels.row_copy import preload_lowering
-from pallas_kernels.triton_plans import pack_rows_direct
+from pallas_kernels.triton_plans import clear_plans, pack_rows_direct
 from pallas_kernels.host import (  # noqa: F401  (re-exported: tests and callers use these names)
     _HOST_POOL,
     HOST_MAX_THREADS,
@@ -239,7 +239,10 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
     if on_device:
         views = source.device_views() if source is not None else \
             _cached_device_views(layers, key, entry)
-        _pack_rows_device(layers, views, idx, pack, offset, entry.word, backend, config, sync)
+        # What a direct launch's plan is kept under: the PackSource (weakly), or the layer list's
+        # check token (an object() that dies with the cache entry; holds no buffer).
+        owner = weakref.ref(source) if source is not None else entry.token
+        _pack_rows_device(layers, views, idx, pack, offset, entry.word, backend, config, sync, owner)
     else:
         _pack_rows_host_pallas(layers, idx, pack, offset, entry.word, backend, config)
     return total
@@ -313,7 +316,7 @@ def _pack_rows_host_pallas(layers, idx, pack, offset, word, backend, config):
     pack[offset:offset + total] = np.asarray(out).view(np.uint8)[offset:offset + total]
 
 
-def _pack_rows_device(layers, views, idx, pack, offset, word, backend, config, sync):
+def _pack_rows_device(layers, views, idx, pack, offset, word, backend, config, sync, owner=None):
     """CuPy buffers through the jitted kernel, written into the CuPy pack in place."""
     ws = word.itemsize
     srcs = kernel_sources(layers, views, word)
@@ -326,8 +329,8 @@ def _pack_rows_device(layers, views, idx, pack, offset, word, backend, config, s
         try:
             if isinstance(idx, np.ndarray):
                 units, ok = offset_arg(offset // ws, align, backend, ws)
-                if triton_launch.enabled(backend, "gather") and pack_rows_direct(
-                        views, srcs, dests, idx, m, (n, int(units), int(ok)), align, config, sync):
+                if owner is not None and triton_launch.enabled(backend, "gather") and pack_rows_direct(
+                        owner, views, srcs, dests, idx, m, (n, int(units), int(ok)), align, config, sync):
                     return
                 triton_launch.after_direct([dests])
                 # Host indices: staged in a device slot (no PJRT transfer, no wait on the
@@ -360,8 +363,10 @@ def _pack_rows_device(layers, views, idx, pack, offset, word, backend, config, s
 
 def clear_import_cache() -> None:
     """Forget the cached layer checks and DLPack views of layer lists (`PackSource`s keep
-    theirs), and the JAX handles kept over destination buffers. The caches hold no buffer
-    alive; this only drops the bookkeeping early."""
+    theirs), the JAX handles kept over destination buffers and the direct launches' plans
+    (`triton_plans.clear_plans`). The caches hold no buffer alive; this only drops the
+    bookkeeping early."""
+    clear_plans()
     _IMPORTED_LAYERS.clear()
     _CHECKED_LAYERS.clear()
     _LAST_CHECKED[0] = None

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import tempfile
 import threading
 import warnings
@@ -50,12 +51,14 @@ _KERNELS: dict = {}   # compile key -> (CompiledKernel, grid)
 _STREAMS: dict = {}   # device id -> cupy Stream
 _SLOTS: dict = {}     # device id -> _SlotRing
 _SLOTS_PER_DEVICE = 4
+_KERNEL = re.compile(r"^\s*tt\.func public @[\w$.]+\(.*\)\s*(attributes \{.*\}\s*)?\{\s*$", re.MULTILINE)
 
 
 def enabled(backend: str, kind: str = "fanout") -> bool:
     """Whether a kernel of `kind` ("fanout": `copy_fanout`; "gather": `pack_rows` with host
-    indices) launches here: `backend` "triton" (a CUDA GPU), the ``triton`` package importable,
-    not turned off (``DCP_JAX_DIRECT_LAUNCH=0``, or `disable` for this kind or all)."""
+    indices) launches here: `backend` "triton" (the callers' resolved backend, which only a
+    CUDA GPU gives), the ``triton`` package importable, not turned off
+    (``DCP_JAX_DIRECT_LAUNCH=0``, or `disable` for this kind or all)."""
     if _STATE["off"] or backend != "triton" or kind in _STATE["off_kinds"]:
         return False
     try:
@@ -118,13 +121,26 @@ def compile_module(text: str, *, num_warps: int, num_stages: int, target=None):
         The ``triton.compiler.CompiledKernel`` (its ``asm`` holds the PTX and cubin).
 
     Raises:
-        ValueError: `text` holds no kernel; whatever Triton raises.
+        ValueError: `text` holds no kernel (malformed MLIR past that check may still crash
+            Triton itself: pass what `capture_triton_modules` captured), `num_warps` not a power
+            of 2 in [1, 32] or `num_stages` < 1; TypeError: `target` not a ``GPUTarget``;
+            whatever Triton raises.
     """
     import triton
     from triton.backends.compiler import GPUTarget
 
-    if not isinstance(text, str) or "tt.func" not in text:  # Triton 3.6 crashes on a module without one
-        raise ValueError("text must be a Triton module with a kernel (tt.func), as captured at lowering")
+    # Triton 3.6 ends the process (SIGSEGV) on a module without a kernel body: accept only the
+    # shape `capture_triton_modules` yields (a public tt.func with a body that returns).
+    if not isinstance(text, str) or not _KERNEL.search(text) or "tt.return" not in text:
+        raise ValueError("text must be a Triton module with a kernel (a public tt.func with a body), "
+                         "as capture_triton_modules captures it")
+    for name, v in (("num_warps", num_warps), ("num_stages", num_stages)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be an int >= 1")
+    if num_warps & (num_warps - 1) or num_warps > 32:
+        raise ValueError(f"num_warps={num_warps} must be a power of 2 <= 32")
+    if target is not None and not isinstance(target, GPUTarget):
+        raise TypeError(f"target must be a triton GPUTarget, got {type(target).__name__}")
     if target is None:
         import cupy as cp
 

@@ -14,6 +14,7 @@ Both stage their indices in one slot of `triton_launch.enqueue` laid out as `map
 """
 from __future__ import annotations
 
+import threading
 import weakref
 
 import numpy as np
@@ -21,7 +22,7 @@ import numpy as np
 from pallas_kernels import triton_launch
 from pallas_kernels.mapped_ring import slot_layout
 
-__all__ = ["FanoutPlan", "GatherPlan", "pack_rows_direct"]
+__all__ = ["FanoutPlan", "GatherPlan", "clear_plans", "pack_rows_direct"]
 
 
 def _fresh_jit(fn, **static):
@@ -155,27 +156,34 @@ class GatherPlan:
         return triton_launch.enqueue(self.device_id, size, fill_slot, [launch])
 
 
-_GATHER_PLANS: list = []  # (views, weak ref to the pack's Destinations, GatherPlan), newest last
+_GATHER_PLANS: list = []  # (owner, weak ref to the pack's Destinations, config, GatherPlan), newest last
+_GATHER_LOCK = threading.Lock()
 
 
-def pack_rows_direct(views, srcs, dests, idx, m, meta, align, config, sync) -> bool:
+def _same_owner(a, b) -> bool:
+    if isinstance(a, weakref.ref) and isinstance(b, weakref.ref):
+        return a() is not None and a() is b()
+    return a is b
+
+
+def pack_rows_direct(owner, views, srcs, dests, idx, m, meta, align, config, sync) -> bool:
     """`pack_rows` through `triton_launch` (the same kernel without JAX's dispatch; the pack's
-    lock held; `pack._pack_rows_device`). Its `GatherPlan` is kept per (views, pack) for the last few: only
-    sources that are cached views (`views` itself, or a list of them without a per-call copy).
-    False where it does not apply (the JAX path serves) or cannot launch (then off for the
-    process, with one warning)."""
+    lock held; `pack._pack_rows_device`). Its `GatherPlan` (pointers and shapes only) is kept
+    for the last 8 (owner, pack, config): `owner` is a weak reference to the `PackSource`, or
+    the layer list's check token (`pack._CheckedLayers.token`), so no buffer is held alive.
+    Only sources that are cached views apply (`views` itself, or a list of them without a
+    per-call copy, whose addresses stay put). False where it does not apply (the JAX path
+    serves) or cannot launch (then off for the process, with one warning)."""
     if isinstance(views, list) and any(v is None for v in views):
         return False  # a layer is copied per call: its address changes
-    plan = None
-    for v, ref, p in _GATHER_PLANS:
-        if v is views and ref() is dests:
-            plan = p
-            break
     try:
-        if plan is None or plan.config != config:
-            plan = GatherPlan(srcs, dests.ptrs[0], dests.handles[0].shape[0], config)
-            del _GATHER_PLANS[:-7]
-            _GATHER_PLANS.append((views, weakref.ref(dests), plan))
+        with _GATHER_LOCK:
+            plan = next((p for o, ref, cfg, p in reversed(_GATHER_PLANS)
+                         if ref() is dests and cfg == config and _same_owner(o, owner)), None)
+            if plan is None:
+                plan = GatherPlan(srcs, dests.ptrs[0], dests.handles[0].shape[0], config)
+                del _GATHER_PLANS[:-7]
+                _GATHER_PLANS.append((owner, weakref.ref(dests), config, plan))
         triton_launch.after_jax([dests])
         stream = plan.launch(idx, m, meta, align)
     except Exception as exc:  # noqa: BLE001 - any failure: the JAX launch serves from now on
@@ -186,3 +194,9 @@ def pack_rows_direct(views, srcs, dests, idx, m, meta, align, config, sync) -> b
     if sync:
         stream.synchronize()
     return True
+
+
+def clear_plans() -> None:
+    """Forgets every kept `GatherPlan` (`pack.clear_import_cache` calls it)."""
+    with _GATHER_LOCK:
+        _GATHER_PLANS.clear()

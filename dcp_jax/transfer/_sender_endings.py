@@ -187,17 +187,33 @@ class SenderEndings:
         # req -> its engine batches in flight, built once a request looks stalled or a batch is out
         moving = self._batches_in_flight() if self._inflight or self._pulls else None
         due = self._batch_deadlines(moving) if moving else {}
+        queued = self._queued_deadlines(due, now)
         for req in list(self._requests.values()):
             if not req.status.terminal and req.state.stalled_for(now) > self.timeout_s:
                 batches = (moving or {}).get(req, ())
-                if any(now < due[u] for u in batches):
-                    continue  # a batch the engine still moves, within its bound: no stall
+                if any(now < due[u] for u in batches) or req in queued:
+                    continue  # a batch the engine still moves, or a window waiting its turn behind one
                 self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s"
                           f"{_stuck_batch(batches, now, self.timeout_s, due) or _waiting_for(req)}", notify="failed")
             elif (req.status.terminal and not req.chunks
                   and req.inflight == 0 and req.state.stalled_for(now) > self.timeout_s):
                 self._forget_unsent(req)
-        self._tell_moving(now, moving or {}, due)
+        self._tell_moving(now, moving or {}, due, queued)
+
+    def _queued_deadlines(self, due: dict, now: float) -> dict:
+        """Requests with windows still queued here (not yet packed or posted: waiting for room in
+        the pack arena, or for their rank's share of it) while batches are in flight within
+        their bound: req -> {conn: until when it counts as waiting its turn}. Room comes back
+        only as batches in flight complete, so a queued window waits no longer than the latest
+        of their bounds (past that, every batch in flight is stuck, and so is the queue)."""
+        latest = max(due.values(), default=now)
+        if latest <= now or not self._queue:
+            return {}
+        out: dict = {}
+        for u in self._queue:
+            if not u.req.status.terminal:
+                out.setdefault(u.req, {})[u.target] = latest
+        return out
 
     def _batch_deadlines(self, moving: dict) -> dict:
         """Each batch in flight (``moving``: req -> its batches) -> when it counts as stuck:
@@ -217,11 +233,13 @@ class SenderEndings:
                 ahead = due[u] = max(ahead, u.clock + self.timeout_s + u.allow_s)
         return due
 
-    def _tell_moving(self, now: float, moving: dict, due: dict) -> None:
+    def _tell_moving(self, now: float, moving: dict, due: dict, queued: dict) -> None:
         """Tells each decode rank which of its live requests have an engine batch (push) or a
         pull in flight here past `MOVING_AFTER_S` and within its bound (``timeout_s`` + its
         allowance), in ``moving`` frames of ``[rid, inc, lease_ms]``: the lease is the time left
-        to the latest such bound, at most the rank's ``peer_timeout_s``. A rank gets a frame at most
+        to the latest such bound, at most the rank's ``peer_timeout_s``; likewise its requests
+        whose windows wait here for pack-arena room behind such batches (`_queued_deadlines`),
+        once they have had no progress for `MOVING_AFTER_S`. A rank gets a frame at most
         once per ``heartbeat_s`` while it has such requests (the lease outlasts the gap to the next),
         sooner only when one is not in its last frame; none when it has none."""
         per_conn: dict = {}
@@ -237,6 +255,14 @@ class SenderEndings:
                 lease = min(left, conn.peer_timeout_s)
                 entries = per_conn.setdefault(conn, {})
                 entries[key] = max(entries.get(key, 0.0), lease)
+        for req, targets in queued.items():  # windows waiting their turn behind batches in flight
+            if self._requests.get(req.rid) is not req or req.state.stalled_for(now) < MOVING_AFTER_S:
+                continue
+            for t, until in targets.items():
+                if until > now:
+                    entries = per_conn.setdefault(t.conn, {})
+                    key = (req.rid, t.inc)
+                    entries[key] = max(entries.get(key, 0.0), min(until - now, t.conn.peer_timeout_s))
         for conn in self._conns.values():
             entries = per_conn.get(conn)
             if not entries:

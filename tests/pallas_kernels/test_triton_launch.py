@@ -148,8 +148,27 @@ def test_the_same_shapes_lower_again_for_every_capture():
     assert counts == [1, 0, 1, 1], counts  # the cached entry point lowers once; a fresh one always
 
 
-@pytest.mark.parametrize("text", ["module {}", "", None])
+@pytest.mark.parametrize("text", ["module {}", "", None, "// tt.func\nmodule {\n}\n",
+                                  'module attributes {"tt.func" = 1 : i32} {\n}\n',
+                                  "module {\n  tt.func private @f(%arg0: i32)\n}\n"])
 def test_compile_module_refuses_text_without_a_kernel(text):
-    # Triton 3.6 ends the process (SIGSEGV) on a module without a tt.func.
+    # Triton 3.6 ends the process (SIGSEGV) on each of these (the last three passed a first,
+    # substring check: final fresh-user trial).
     with pytest.raises(ValueError, match="tt.func"):
         triton_launch.compile_module(text, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(num_warps=0), ValueError, "num_warps=0 must be an int >= 1"),
+    (dict(num_warps=3), ValueError, "num_warps=3 must be a power of 2"),
+    (dict(num_warps="8"), ValueError, "num_warps='8' must be an int"),
+    (dict(num_stages=0), ValueError, "num_stages=0 must be"),
+    (dict(target="sm_90"), TypeError, "target must be a triton GPUTarget"),
+])
+def test_compile_module_names_a_bad_option(kw, exc, match):
+    # Before: Triton's own AssertionError / TypeError, naming nothing.
+    text = ("module {\n  tt.func public @k(%arg0: !tt.ptr<i32>) {\n    tt.return\n  }\n}\n")
+    args = dict(num_warps=4, num_stages=1, target=None)
+    args.update(kw)
+    with pytest.raises(exc, match=match):
+        triton_launch.compile_module(text, **args)

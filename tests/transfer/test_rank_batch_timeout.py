@@ -269,3 +269,31 @@ def test_a_short_request_queued_behind_a_long_batch_to_the_same_rank_ends_succes
         assert c.check_bytes(sa, da, TOKENS) == TOKENS and c.check_bytes(sb, db, 4) == 4
     finally:
         c.close()
+
+
+@needs_mooncake
+@pytest.mark.parametrize("direction", ["push", "pull"])
+def test_a_short_request_waiting_for_arena_room_behind_a_long_one_ends_success(direction):
+    # Found by a fresh-user trial: packed, a pack arena of 192 kB (a rank may hold half of it):
+    # B (4 tokens) queued behind A's windows (6,000 tokens, ~1 s of windows one after another)
+    # got no progress while it waited for room, and FAILED on both sides at timeout_s=0.3
+    # ("... have windows not yet confirmed (queued, or waiting for room)") while A moved.
+    L = 6000
+    c = Cluster("mooncake", dcp_size=1, item_lens=(8,) * 4, page_size=1, pages=L + 20, mode="packed",
+                direction=direction, timeout_s=TIMEOUT_S, pack_bytes=192064, seed=6)
+    try:
+        c.sender.timeout_s = TIMEOUT_S
+        sa, da = c.tables(L)
+        sb, db = c.tables(4)
+        c.expect("A", da, L)
+        c.expect("B", db, 4)
+        t0 = time.monotonic()
+        c.sender.send("A", sa, 0, L)
+        time.sleep(0.005)
+        c.sender.send("B", sb, 0, 4)
+        assert c.wait("A", timeout_s=60) == [S.SUCCESS, S.SUCCESS], c.reasons("A")
+        assert c.wait("B", timeout_s=60) == [S.SUCCESS, S.SUCCESS], c.reasons("B")
+        assert time.monotonic() - t0 > 2 * TIMEOUT_S  # B really waited longer than timeout_s
+        assert c.check_bytes(sa, da, L) == L and c.check_bytes(sb, db, 4) == 4
+    finally:
+        c.close()
