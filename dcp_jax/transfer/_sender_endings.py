@@ -201,18 +201,28 @@ class SenderEndings:
         self._tell_moving(now, moving or {}, due, queued)
 
     def _queued_deadlines(self, due: dict, now: float) -> dict:
-        """Requests with windows still queued here (not yet packed or posted: waiting for room in
-        the pack arena, or for their rank's share of it) while batches are in flight within
-        their bound: req -> {conn: until when it counts as waiting its turn}. Room comes back
-        only as batches in flight complete, so a queued window waits no longer than the latest
-        of their bounds (past that, every batch in flight is stuck, and so is the queue)."""
-        latest = max(due.values(), default=now)
-        if latest <= now or not self._queue:
+        """Requests with windows still queued here (not yet packed or posted) that wait their
+        turn behind batches in flight within their bound: req -> {target: until when}. A window
+        to a rank holding arena room waits for that rank's own batches (its share frees only as
+        they complete): their latest bound, or none if it has none in flight (its room is held
+        by windows stuck or quarantined: no wait is due). A window to a rank holding no room
+        waits for the arena to free anywhere: the latest bound of every batch in flight. Past
+        it, the queue is as stuck as the batches ahead of it, and its requests FAIL."""
+        if not self._queue or not due:
             return {}
+        per_conn: dict = {}
+        for u, d in due.items():
+            c = u.target.conn
+            per_conn[c] = max(per_conn.get(c, d), d)
+        latest = max(per_conn.values())
         out: dict = {}
         for u in self._queue:
-            if not u.req.status.terminal:
-                out.setdefault(u.req, {})[u.target] = latest
+            if u.req.status.terminal:
+                continue
+            conn = u.target.conn
+            until = per_conn.get(conn, now) if self._held.get(conn, 0) else latest
+            if until > now:
+                out.setdefault(u.req, {})[u.target] = max(out.get(u.req, {}).get(u.target, until), until)
         return out
 
     def _batch_deadlines(self, moving: dict) -> dict:

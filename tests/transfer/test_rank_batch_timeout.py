@@ -17,6 +17,7 @@ import msgpack
 import pytest
 
 from _long_batch import DESCRIPTORS, TIMEOUT_S, TOKENS, long_batch_cluster, needs_mooncake, ship_one_long_batch
+from bridge.nixl import nixl_available
 from conftest import Cluster
 from dcp_jax.transfer import TransferStatus
 from dcp_jax.transfer import _sender_endings
@@ -295,5 +296,52 @@ def test_a_short_request_waiting_for_arena_room_behind_a_long_one_ends_success(d
         assert c.wait("B", timeout_s=60) == [S.SUCCESS, S.SUCCESS], c.reasons("B")
         assert time.monotonic() - t0 > 2 * TIMEOUT_S  # B really waited longer than timeout_s
         assert c.check_bytes(sa, da, L) == L and c.check_bytes(sb, db, 4) == 4
+    finally:
+        c.close()
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
+def test_requests_behind_a_stuck_batch_fail_even_while_other_ranks_stay_busy(monkeypatch):
+    # Found by a fresh-user trial: queued windows were kept alive by the latest bound of ANY
+    # batch in flight, so while short requests kept rank 1 busy, B (waiting for rank 0's arena
+    # share, held by A's hung window) never ended on either side. Now a window to a rank that
+    # holds arena room waits only for that rank's own batches. The hang is simulated: the engine
+    # never reports A's rank-0 batch done; D's batches are held live 0.2 s (within their bound).
+    monkeypatch.setattr(_sender_endings, "BATCH_DESCRIPTOR_S", 1e-5)
+    c = Cluster("nixl", dcp_size=2, item_lens=(8,) * 4, page_size=1, pages=8000, mode="packed",
+                direction="push", timeout_s=TIMEOUT_S, pack_bytes=192128, seed=6)
+    try:
+        snd = c.sender
+        real = snd.engine.check
+
+        def check(h):
+            for u in list(snd._inflight):
+                if u.handle is h:
+                    if u.req.rid == "A" and u.target.conn.spec.dcp_rank == 0:
+                        return False  # hung
+                    if u.req.rid.startswith("D") and time.monotonic() - u.clock < 0.2:
+                        return False
+            return real(h)
+
+        snd.engine.check = check
+        snd.timeout_s = TIMEOUT_S
+        sa, da = c.tables(6002)  # rank 0's window: its whole arena share
+        c.expect("A", da, 6002)
+        sb, db = c.tables(1)
+        c.expect("B", db, 1)
+        snd.send("A", sa, 0, 6002)
+        time.sleep(0.02)
+        snd.send("B", sb, 0, 1)
+        t0, k, ended = time.monotonic(), 0, None
+        while time.monotonic() - t0 < 3.0:  # steady traffic over both ranks
+            s, d = c.tables(4)
+            c.expect(f"D{k}", d, 4)
+            snd.send(f"D{k}", s, 0, 4)
+            k += 1
+            if ended is None and snd.poll("B").terminal and c.receivers[0].poll("B").terminal:
+                ended = time.monotonic() - t0
+            time.sleep(0.1)
+        assert ended is not None and ended < 2.0, (ended, c.reasons("B"))
+        assert snd.poll("A") is S.FAILED and snd.poll("B") is S.FAILED, c.reasons("B")
     finally:
         c.close()
