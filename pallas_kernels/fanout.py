@@ -234,7 +234,8 @@ def _launch_direct(ring, srcs, dests, copiers, m, table_len, fill, on_phase) -> 
     # Weak references hash as their Destinations (by identity; no id(): an audit event): a plan
     # keeps no copier's memory alive. A source keeps its last few plans (a sender: one set).
     key = tuple(weakref.ref(d) for d in dests)
-    try:
+
+    def launch():
         plan = ring.plans.get(key)
         if plan is None:
             while len(ring.plans) >= 4:
@@ -242,15 +243,9 @@ def _launch_direct(ring, srcs, dests, copiers, m, table_len, fill, on_phase) -> 
             plan = ring.plans[key] = FanoutPlan(
                 srcs, [d.ptrs[0] for d in dests], [d.handles[0].shape[0] for d in dests],
                 [c.uniform_rows for c in copiers], copiers[0].config)
-        triton_launch.after_jax(dests)
-        stream = plan.launch(m, table_len, fill, on_phase)
-    except Exception as exc:  # noqa: BLE001 - any failure: the JAX launch serves from now on
-        triton_launch.disable(f"{type(exc).__name__}: {exc}", "fanout")
-        triton_launch.synchronize()  # a kernel it enqueued before failing ends before the JAX one
-        return False
-    for d in dests:
-        d.direct = stream
-    return True
+        return plan.launch(m, table_len, fill, on_phase)
+
+    return triton_launch.launch_into("fanout", dests, launch) is not None
 
 
 def warm_copy_fanout(copiers, max_rows: int) -> list[int]:

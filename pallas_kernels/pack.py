@@ -316,7 +316,7 @@ def _pack_rows_host_pallas(layers, idx, pack, offset, word, backend, config):
     pack[offset:offset + total] = np.asarray(out).view(np.uint8)[offset:offset + total]
 
 
-def _pack_rows_device(layers, views, idx, pack, offset, word, backend, config, sync, owner=None):
+def _pack_rows_device(layers, views, idx, pack, offset, word, backend, config, sync, owner):
     """CuPy buffers through the jitted kernel, written into the CuPy pack in place."""
     ws = word.itemsize
     srcs = kernel_sources(layers, views, word)
@@ -329,7 +329,7 @@ def _pack_rows_device(layers, views, idx, pack, offset, word, backend, config, s
         try:
             if isinstance(idx, np.ndarray):
                 units, ok = offset_arg(offset // ws, align, backend, ws)
-                if owner is not None and triton_launch.enabled(backend, "gather") and pack_rows_direct(
+                if triton_launch.enabled(backend, "gather") and pack_rows_direct(
                         owner, views, srcs, dests, idx, m, (n, int(units), int(ok)), align, config, sync):
                     return
                 triton_launch.after_direct([dests])

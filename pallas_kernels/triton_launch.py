@@ -41,7 +41,7 @@ import warnings
 import numpy as np
 
 __all__ = ["after_direct", "after_jax", "capture_triton_modules", "compile_module", "disable", "enabled",
-           "enqueue", "kernel_for", "stream_for", "synchronize"]
+           "enqueue", "kernel_for", "launch_into", "stream_for", "synchronize"]
 
 logger = logging.getLogger(__name__)
 
@@ -257,6 +257,24 @@ def after_direct(dests) -> None:
         if d.direct is not None:
             d.direct.synchronize()
             d.direct = None
+
+
+def launch_into(kind: str, dests, launch):
+    """Runs one direct launch of `kind` into these `device.Destinations`: waits for a JAX kernel
+    that last wrote them (`after_jax`), calls ``launch()`` (which returns the stream it
+    enqueued on) and names that stream in each one's ``direct``. Returns the stream, or None if
+    anything raised: then `kind` is off for the process (one warning) and whatever it enqueued
+    has ended, so the caller's JAX launch lands after it (same rows, same bytes)."""
+    try:
+        after_jax(dests)
+        stream = launch()
+    except Exception as exc:  # noqa: BLE001 - any failure: the JAX launch serves from now on
+        disable(f"{type(exc).__name__}: {exc}", kind)
+        synchronize()
+        return None
+    for d in dests:
+        d.direct = stream
+    return stream
 
 
 def enqueue(device_id: int, size: int, fill, launches, on_phase=None):

@@ -176,7 +176,7 @@ def pack_rows_direct(owner, views, srcs, dests, idx, m, meta, align, config, syn
     serves) or cannot launch (then off for the process, with one warning)."""
     if isinstance(views, list) and any(v is None for v in views):
         return False  # a layer is copied per call: its address changes
-    try:
+    def launch():
         with _GATHER_LOCK:
             plan = next((p for o, ref, cfg, p in reversed(_GATHER_PLANS)
                          if ref() is dests and cfg == config and _same_owner(o, owner)), None)
@@ -184,13 +184,11 @@ def pack_rows_direct(owner, views, srcs, dests, idx, m, meta, align, config, syn
                 plan = GatherPlan(srcs, dests.ptrs[0], dests.handles[0].shape[0], config)
                 del _GATHER_PLANS[:-7]
                 _GATHER_PLANS.append((owner, weakref.ref(dests), config, plan))
-        triton_launch.after_jax([dests])
-        stream = plan.launch(idx, m, meta, align)
-    except Exception as exc:  # noqa: BLE001 - any failure: the JAX launch serves from now on
-        triton_launch.disable(f"{type(exc).__name__}: {exc}", "gather")
-        triton_launch.synchronize()  # a kernel it enqueued before failing ends before the JAX one
+        return plan.launch(idx, m, meta, align)
+
+    stream = triton_launch.launch_into("gather", [dests], launch)
+    if stream is None:
         return False
-    dests.direct = stream
     if sync:
         stream.synchronize()
     return True

@@ -221,8 +221,8 @@ class SenderEndings:
                 continue
             conn = u.target.conn
             until = per_conn.get(conn, now) if self._held.get(conn, 0) else latest
-            if until > now:
-                out.setdefault(u.req, {})[u.target] = max(out.get(u.req, {}).get(u.target, until), until)
+            if until > now:  # the same for every window to that rank
+                out.setdefault(u.req, {})[u.target] = until
         return out
 
     def _batch_deadlines(self, moving: dict) -> dict:
@@ -253,26 +253,24 @@ class SenderEndings:
         once per ``heartbeat_s`` while it has such requests (the lease outlasts the gap to the next),
         sooner only when one is not in its last frame; none when it has none."""
         per_conn: dict = {}
+
+        def lease(req, t, until):  # (rid, inc) -> the latest lease, at most the rank's peer_timeout_s
+            entries = per_conn.setdefault(t.conn, {})
+            key = (req.rid, t.inc)
+            entries[key] = max(entries.get(key, 0.0), min(until - now, t.conn.peer_timeout_s))
+
         for req, batches in moving.items():
             if req.status.terminal or self._requests.get(req.rid) is not req:
                 continue
             for u in batches:
-                left = due[u] - now
-                if now - u.clock < MOVING_AFTER_S or left <= 0:
+                if now - u.clock < MOVING_AFTER_S or due[u] <= now:
                     continue  # short so far (no frame), or past its bound: stuck, reported no more
-                conn = u.target.conn
-                key = (req.rid, u.target.inc)
-                lease = min(left, conn.peer_timeout_s)
-                entries = per_conn.setdefault(conn, {})
-                entries[key] = max(entries.get(key, 0.0), lease)
+                lease(req, u.target, due[u])
         for req, targets in queued.items():  # windows waiting their turn behind batches in flight
             if self._requests.get(req.rid) is not req or req.state.stalled_for(now) < MOVING_AFTER_S:
                 continue
             for t, until in targets.items():
-                if until > now:
-                    entries = per_conn.setdefault(t.conn, {})
-                    key = (req.rid, t.inc)
-                    entries[key] = max(entries.get(key, 0.0), min(until - now, t.conn.peer_timeout_s))
+                lease(req, t, until)  # `_queued_deadlines` keeps only deadlines still ahead
         for conn in self._conns.values():
             entries = per_conn.get(conn)
             if not entries:
