@@ -17,6 +17,12 @@ With DCP_PRE_FLAG=1 as well, a second device flag page is bumped on the same str
 each fan-out launch (its dispatch adds host time before the launch) and a thread prints
 ``PREFLAG <ms>``: when the device reached the fan-out, on the same clock. ``FLAGLAG - PREFLAG``
 is then the fan-out kernel plus the bump; ``PREFLAG`` minus the ``launched`` mark, the queue.
+
+With DCP_DIRECT_EVENTS=1 as well (launches without JAX, `pallas_kernels.triton_launch`), each
+direct launch's stream gets CUDA events around the index copy and the kernel, and a device flag
+page bumped right before the kernel: ``DIRECTEV`` prints, per launch, the index copy's and the
+kernel's device time (us, events) and when the stream reached the kernel (``at``, ms after the
+round's first byte, from the page), so a gap is placed: before the kernel (queue, copy) or in it.
 """
 import os
 import sys
@@ -102,6 +108,54 @@ if os.environ.get("DCP_FLAG_LAG"):
             if seq is not None and firsts:
                 _spin_until(self._flag, seq, "FLAGLAG", min(firsts), time.monotonic())
             return seq
+
+        if os.environ.get("DCP_DIRECT_EVENTS"):
+            import cupy as cp
+            from bridge.host_flag import SharedFlag
+            from pallas_kernels import triton_launch as tl
+
+            _orig_enqueue, _dpre = tl.enqueue, [None]
+
+            def _enqueue(device_id, size, fill, launches, on_phase=None):
+                first, stream = _round_first[0], tl.stream_for(device_id)
+                ev = [cp.cuda.Event() for _ in range(3)]
+                box = {}
+
+                def fill_ev(host):
+                    fill(host)
+                    ev[0].record(stream)  # before the index copy
+
+                def before(base, sp):
+                    ev[1].record(stream)
+                    if first is not None:
+                        if _dpre[0] is None:
+                            _dpre[0] = SharedFlag.create(device=True, device_id=device_id)
+                        box["seq"] = _dpre[0].bump_on_stream(stream)
+
+                def after(base, sp):
+                    ev[2].record(stream)
+
+                out = _orig_enqueue(device_id, size, fill_ev, [before, *launches, after], on_phase)
+                t_enq = time.monotonic()
+
+                def report():
+                    at = None
+                    end = time.monotonic() + 1.0
+                    while "seq" in box and time.monotonic() < end:
+                        if seq_done(_dpre[0].value(), box["seq"]):
+                            at = (time.monotonic() - first) * 1e3
+                            break
+                        time.sleep(0)
+                    ev[2].synchronize()
+                    copy_us = cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3
+                    kern_us = cp.cuda.get_elapsed_time(ev[1], ev[2]) * 1e3
+                    enq = (t_enq - first) * 1e3 if first is not None else float("nan")
+                    print(f"DIRECTEV copy {copy_us:.1f} us kernel {kern_us:.1f} us at "
+                          f"{at if at is None else round(at, 3)} enqueued {enq:.3f}", file=sys.stderr, flush=True)
+                threading.Thread(target=report, daemon=True).start()
+                return out
+
+            tl.enqueue = _enqueue
 
         sr.SenderRegion._bump_flag = _bump_flag
         sr.SenderRegion._finish_fused = _finish_fused
