@@ -79,6 +79,7 @@ def test_flag_bumped_on_the_launch_stream_reads_done_only_after_every_row():
     dsts = [_layers(R // 2, item, L, fill=0) for _ in range(2)]
     copiers = [RowCopier(source, d) for d in dsts]
     flag = SharedFlag.create(device=True)
+    pendings = []
     try:
         for trial in range(4):
             perm = np.random.default_rng().permutation(R)
@@ -87,7 +88,7 @@ def test_flag_bumped_on_the_launch_stream_reads_done_only_after_every_row():
             stream = copiers[0].destinations().direct
             assert stream is not None
             seq = flag.bump_on_stream(stream)
-            pending = not seq_done(flag.value(), seq)
+            pendings.append(not seq_done(flag.value(), seq))
             while not seq_done(flag.value(), seq):  # the host sees the page as a rank would
                 pass
             with cp.cuda.Stream(non_blocking=True):  # not ordered after the copy by any stream
@@ -96,14 +97,16 @@ def test_flag_bumped_on_the_launch_stream_reads_done_only_after_every_row():
                     for l in (0, L // 2, L - 1):
                         assert bool(cp.array_equal(d[l], src[l][rows])), (trial, k, l)
             assert seq == trial + 1
-            if trial:  # compiled by now: the copy still runs right after the bump
-                assert pending
             for d in dsts:
                 for a in d:
                     a.fill(0)
             cp.cuda.runtime.deviceSynchronize()
         flag.synchronize()
         assert flag.value() == 4
+        # Compiled after trial 0: the page read "not yet" right after the bump at least once, so
+        # the waits above did wait for the copy (one host stall of ~1 ms, another xdist worker or
+        # a GC pass, can let one ~0.8 ms copy end first on an H100: 5b4c865's suite).
+        assert any(pendings[1:]), pendings
     finally:
         flag.close()
         for c in copiers:

@@ -23,6 +23,9 @@ direct launch's stream gets CUDA events around the index copy and the kernel, an
 page bumped right before the kernel: ``DIRECTEV`` prints, per launch, the index copy's and the
 kernel's device time (us, events) and when the stream reached the kernel (``at``, ms after the
 round's first byte, from the page), so a gap is placed: before the kernel (queue, copy) or in it.
+DCP_DIRECT_REPLAY=1 then launches the same copy twice more once the request's kernel ended (same
+rows, same bytes) and prints their kernel times (``replays``): the kernel with nothing else
+running, on the request's own memory.
 """
 import os
 import sys
@@ -150,8 +153,21 @@ if os.environ.get("DCP_FLAG_LAG"):
                     copy_us = cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3
                     kern_us = cp.cuda.get_elapsed_time(ev[1], ev[2]) * 1e3
                     enq = (t_enq - first) * 1e3 if first is not None else float("nan")
+                    replays = []
+                    if os.environ.get("DCP_DIRECT_REPLAY"):
+                        # The same launch again (same rows, same bytes: idempotent) once the
+                        # request's kernel ended: its time in this process with nothing else
+                        # running tells a slow kernel in the request from a slow memory pattern.
+                        for _ in range(2):
+                            r = [cp.cuda.Event() for _ in range(2)]
+                            _orig_enqueue(device_id, size, fill,
+                                          [lambda b, sp, r=r: r[0].record(stream), *launches,
+                                           lambda b, sp, r=r: r[1].record(stream)])
+                            r[1].synchronize()
+                            replays.append(round(cp.cuda.get_elapsed_time(r[0], r[1]) * 1e3, 1))
                     print(f"DIRECTEV copy {copy_us:.1f} us kernel {kern_us:.1f} us at "
-                          f"{at if at is None else round(at, 3)} enqueued {enq:.3f}", file=sys.stderr, flush=True)
+                          f"{at if at is None else round(at, 3)} enqueued {enq:.3f} replays {replays}",
+                          file=sys.stderr, flush=True)
                 threading.Thread(target=report, daemon=True).start()
                 return out
 
