@@ -7,6 +7,8 @@ process: the job's fused round (`stage_probe.job_shape`: 61 layers x 32,768 rows
 buffers of 8 child processes opened through legacy CUDA IPC handles (`bridge.cuda_ipc`, as the
 connector opens a decode rank's cache). Also a plain device copy of one destination's bytes
 into each kind. Prints IPC_PROBE {json}: median kernel us of each (CUPTI via torch.profiler).
+IPC_MODES="jax nixl jax_nixl" adds children that first start a JAX GPU client and/or register
+their buffer with NIXL, as the job's decode processes do (``ipc_strided_<mode>``).
 """
 from __future__ import annotations
 
@@ -22,11 +24,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 L, R, W, D, ROWS, N = 61, 32768, 1152, 8, 5120, 4096
 
 _CHILD = f"""
-import json, sys, time, cupy as cp
+import json, os, sys, time, cupy as cp
 sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))!r})
 from bridge.cuda_ipc import export_ipc_handles
+mode = os.environ.get("IPC_CHILD", "cupy")
+if "jax" in mode:  # a JAX GPU client in the child first, as in the job's decode processes
+    import jax.numpy as jnp
+    jnp.zeros(1).block_until_ready()
 buf = cp.zeros(({L}, {ROWS}, {W}), cp.uint8)
 cp.cuda.runtime.deviceSynchronize()
+if "nixl" in mode:  # registered with a NIXL engine (UCX, VRAM), as the job's receivers register theirs
+    from bridge import MemoryRegion
+    from bridge.nixl import NixlEngine
+    engine = NixlEngine("ipc-child-" + str(os.getpid()))
+    engine.register([MemoryRegion(int(buf.data.ptr), int(buf.nbytes), "VRAM", 0)])
 h = export_ipc_handles([buf])[0].to_dict()
 h["handle"] = h["handle"].hex()
 print(json.dumps(h), flush=True)
@@ -95,6 +106,15 @@ def main() -> None:
     out["local_random"] = _kernels(run(local, rows), sync)
     out["local_strided"] = _kernels(run(local, strided), sync)
     out["local_memcpy"] = _kernels(lambda: local[0].__setitem__(Ellipsis, local[1]), sync, match="")
+    for mode in os.environ.get("IPC_MODES", "").split():  # children made as the job's are, in steps
+        os.environ["IPC_CHILD"] = mode
+        with child_processes(_CHILD, D) as lines:
+            maps = open_children(lines)
+            out[f"ipc_strided_{mode}"] = _kernels(run([m.arrays[0] for m in maps], strided), sync)
+            for m in maps:
+                m.close()
+        print(mode, out[f"ipc_strided_{mode}"], flush=True)
+    os.environ["IPC_CHILD"] = "cupy"
     with child_processes(_CHILD, D) as lines:
         maps = open_children(lines)
         remote = [m.arrays[0] for m in maps]

@@ -25,7 +25,10 @@ kernel's device time (us, events) and when the stream reached the kernel (``at``
 round's first byte, from the page), so a gap is placed: before the kernel (queue, copy) or in it.
 DCP_DIRECT_REPLAY=1 then launches the same copy twice more once the request's kernel ended (same
 rows, same bytes) and prints their kernel times (``replays``): the kernel with nothing else
-running, on the request's own memory.
+running, on the request's own memory. DCP_DIRECT_LOCAL=1 then copies the round's rows from the
+job's source into local (this process's) copies of the ranks' caches, and from a local copy of
+the source too, 3 times each (``("local", [[job source], [local source]])``): what the job's
+memory, not its rows, costs.
 """
 import os
 import sys
@@ -43,12 +46,16 @@ if os.environ.get("DCP_FLAG_LAG"):
         _prof = {"n": int(os.environ.get("DCP_KERNEL_PROF", "0") or 0), "rounds": 0, "p": None}
 
         _round_first = [None]
+        _round_jobs = [None]  # the round's (link, src rows, dst rows), for DCP_DIRECT_LOCAL
 
         def _launch_fused(self, packed):
             # The bump is enqueued inside `_launch_fused` (behind the launch): note the round first.
             self._flag_lag_round = [(u,) for u, _, _, _ in packed]
             firsts = [u.req.first_byte_at for u, _, _, _ in packed if u.req.first_byte_at is not None]
             _round_first[0] = min(firsts) if firsts else None
+            jobs = [(u.target.conn, u.rc.src_rows[lo:hi], u.rc.dst_rows[lo:hi])
+                    for u, lo, hi, _ in packed if u.rc.strategy == "fused" and hi > lo]
+            _round_jobs[0] = jobs or _round_jobs[0]  # a round without fused rows launches nothing
             return _orig_launch(self, packed)
 
         def _spin_until(flag, seq, label, first, t_enq):
@@ -120,7 +127,7 @@ if os.environ.get("DCP_FLAG_LAG"):
             _orig_enqueue, _dpre = tl.enqueue, [None]
 
             def _enqueue(device_id, size, fill, launches, on_phase=None):
-                first, stream = _round_first[0], tl.stream_for(device_id)
+                first, stream, round_jobs = _round_first[0], tl.stream_for(device_id), _round_jobs[0]
                 ev = [cp.cuda.Event() for _ in range(3)]
                 box = {}
 
@@ -165,13 +172,64 @@ if os.environ.get("DCP_FLAG_LAG"):
                                            lambda b, sp, r=r: r[1].record(stream)])
                             r[1].synchronize()
                             replays.append(round(cp.cuda.get_elapsed_time(r[0], r[1]) * 1e3, 1))
+                    if os.environ.get("DCP_DIRECT_LOCAL") and round_jobs:
+                        replays.append(("local", _local_times(round_jobs, stream, device_id)))
                     print(f"DIRECTEV copy {copy_us:.1f} us kernel {kern_us:.1f} us at "
                           f"{at if at is None else round(at, 3)} enqueued {enq:.3f} replays {replays}",
                           file=sys.stderr, flush=True)
                 threading.Thread(target=report, daemon=True).start()
                 return out
 
-            tl.enqueue = _enqueue
+            _local = {}
+            _bypass = threading.local()
+
+            def _one_buffer(arrays):  # one allocation holding views shaped like `arrays`
+                total = sum(int(a.nbytes) for a in arrays)
+                buf, views, off = cp.empty(total, cp.uint8), [], 0
+                for a in arrays:
+                    views.append(buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape))
+                    off += int(a.nbytes)
+                return buf, views
+
+            def _local_times(jobs, stream, device_id):
+                """The round's rows again: from the job's source into local copies of the ranks'
+                caches, then from a local copy of the source too (kernel us, events)."""
+                from pallas_kernels import PackSource, RowCopier, copy_fanout
+
+                links = [j[0] for j in jobs]
+                if "copiers" not in _local:
+                    src = links[0].copier.source
+                    dsts = [_one_buffer(list(c.mapping.arrays)) for c in links]
+                    sbuf = _one_buffer(list(src.layers))
+                    for a, b in zip(sbuf[1], src.layers):
+                        a[...] = b
+                    lsrc = PackSource(sbuf[1])
+                    _local.update(keep=(dsts, sbuf, lsrc), copiers=(
+                        [RowCopier(src, d[1]) for d in dsts], [RowCopier(lsrc, d[1]) for d in dsts]))
+                out = []
+                for copiers in _local["copiers"]:
+                    times = []
+                    for _ in range(3):
+                        r = [cp.cuda.Event(), cp.cuda.Event()]
+                        _bypass.events = r
+                        try:
+                            copy_fanout([(c, s, d) for c, (_, s, d) in zip(copiers, jobs)], checked=True)
+                        finally:
+                            _bypass.events = None
+                        r[1].synchronize()
+                        times.append(round(cp.cuda.get_elapsed_time(r[0], r[1]) * 1e3, 1))
+                    out.append(times)
+                return out
+
+            def _enqueue_any(device_id, size, fill, launches, on_phase=None):
+                r = getattr(_bypass, "events", None)
+                if r is None:
+                    return _enqueue(device_id, size, fill, launches, on_phase)
+                stream = tl.stream_for(device_id)
+                return _orig_enqueue(device_id, size, fill, [lambda b, sp: r[0].record(stream), *launches,
+                                                             lambda b, sp: r[1].record(stream)], on_phase)
+
+            tl.enqueue = _enqueue_any
 
         sr.SenderRegion._bump_flag = _bump_flag
         sr.SenderRegion._finish_fused = _finish_fused
