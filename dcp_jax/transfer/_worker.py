@@ -256,6 +256,21 @@ def check_seconds(name: str, value: Any, *, zero_ok: bool = False) -> float:
     return float(value)
 
 
+class CheckedSeconds:
+    """A settable attribute of seconds, checked by `check_seconds` on every assignment (a
+    connector's ``timeout_s`` may be changed while it runs; a string or NaN there would only
+    fail later, inside its worker's deadline arithmetic)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj, self.slot)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj, self.slot, check_seconds(self.name, value))
+
+
 def check_tokens(name: str, value: Any) -> int:
     """A token position or count: an int in ``[0, MAX_TOKENS]``, returned as a Python int.
 

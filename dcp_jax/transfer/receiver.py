@@ -31,7 +31,8 @@ from dcp_jax._validate import check_int_type
 from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import (DEFAULT_HEARTBEAT_S, Worker, check_liveness,
-                                      check_page_table, check_seconds, check_tokens, close_at_exit, shut_down)
+                                      check_page_table, check_seconds, check_tokens, close_at_exit, shut_down,
+                                      CheckedSeconds)
 from dcp_jax.transfer._receiver_data import ReceiverData
 from dcp_jax.transfer._receiver_links import Link, ReceiverLinks, missing_senders  # noqa: F401  (missing_senders: re-exported)
 from dcp_jax.transfer._receiver_region import ReceiverRegion
@@ -111,6 +112,8 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
         bridge.BridgeError: the engine could not start or register (nothing is left open).
     """
 
+    timeout_s = CheckedSeconds()  # settable while it runs: checked on every assignment
+
     def __init__(self, spec: KVCacheSpec, kv_layers: Sequence[Any], *, engine: str = "nixl",
                  direction: str = "push", group: str = "default", timeout_s: float = 30.0,
                  peer_timeout_s: float = 5.0, heartbeat_s: float = DEFAULT_HEARTBEAT_S, engine_options: dict | None = None,
@@ -128,7 +131,7 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
         if host is not None:
             check_local_host(host)
         self.spec, self.direction, self.group, self.host = spec, direction, group, host
-        self.timeout_s = check_seconds("timeout_s", timeout_s)
+        self.timeout_s = timeout_s  # checked (`CheckedSeconds`), here and on any later assignment
         self.peer_timeout_s = check_seconds("peer_timeout_s", peer_timeout_s)
         self.heartbeat_s = check_seconds("heartbeat_s", heartbeat_s)
         check_liveness(self.heartbeat_s, self.peer_timeout_s)

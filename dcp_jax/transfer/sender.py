@@ -33,7 +33,8 @@ from pallas_kernels import GatherConfig, PackSource, compile_count
 from dcp_jax._validate import check_int_type
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import (DEFAULT_HEARTBEAT_S, Worker, check_liveness,
-                                      check_page_table, check_seconds, check_tokens, close_at_exit, shut_down)
+                                      check_page_table, check_seconds, check_tokens, close_at_exit, shut_down,
+                                      CheckedSeconds)
 from dcp_jax.transfer.arena import PackArena
 from dcp_jax.transfer._sender_handshake import SenderHandshake
 from dcp_jax.transfer._sender_peers import SenderPeers
@@ -120,6 +121,8 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
         bridge.BridgeError: the engine could not start or register (nothing is left open).
     """
 
+    timeout_s = CheckedSeconds()  # settable while it runs: checked on every assignment
+
     def __init__(self, spec: KVCacheSpec, kv_layers: Sequence[Any], *, engine: str = "nixl",
                  host: str = "127.0.0.1", port: int = 0, mode: str = "auto",
                  pack_bytes: int | None = None, max_batch_indices: int | None = None,
@@ -139,7 +142,7 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
                 raise ValueError(f"max_batch_indices={max_batch_indices!r} must be None or an int >= 1")
         max_batch_indices = None if max_batch_indices is None else int(max_batch_indices)
         self.spec, self.mode = spec, mode
-        self.timeout_s = check_seconds("timeout_s", timeout_s)
+        self.timeout_s = timeout_s  # checked (`CheckedSeconds`), here and on any later assignment
         self.peer_timeout_s = check_seconds("peer_timeout_s", peer_timeout_s)
         self.heartbeat_s = check_seconds("heartbeat_s", heartbeat_s)
         check_liveness(self.heartbeat_s, self.peer_timeout_s)

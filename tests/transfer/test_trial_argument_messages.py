@@ -106,3 +106,19 @@ def test_a_bad_page_id_is_named_by_its_index():
         check_page_table([5, 3, 4, 3, 3], 5, 1, 16)
     # Entries past the pages the rows need are not checked (a table may be longer than needed).
     assert check_page_table([1, 2, -5], 2, 1, 16).tolist() == [1, 2, -5]
+
+
+@pytest.mark.parametrize("cls", [KVSender, KVReceiver])
+def test_timeout_s_is_checked_when_set_on_a_running_connector(cls):
+    # Before: the constructor checked timeout_s, a later assignment took anything ("5", NaN),
+    # which failed only inside the worker's deadline arithmetic.
+    layers = [np.zeros((8, 4, il), np.uint8) for il in ITEMS]
+    with cls(_spec("mla"), layers, engine="nixl", timeout_s=2) as c:
+        assert c.timeout_s == 2.0 and isinstance(c.timeout_s, float)
+        c.timeout_s = np.float32(0.5)
+        assert c.timeout_s == 0.5 and type(c.timeout_s) is float
+        for bad, err in [("5", TypeError), (True, TypeError), (float("nan"), ValueError), (0, ValueError),
+                         (-1.0, ValueError), (1e9, ValueError)]:
+            with pytest.raises(err, match="timeout_s"):
+                c.timeout_s = bad
+            assert c.timeout_s == 0.5  # unchanged by a refused value
