@@ -49,6 +49,15 @@ def check_out_path(path: Optional[Path], option: str) -> None:
         raise ValueError(f"{option} {str(path)!r} is a folder, not a file")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise ValueError(f"{option} {str(path)!r}: not writable")
+    # os.access says yes to root everywhere (a read-only mount, /proc): open it for real, once.
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{option} {str(path)!r}: not writable ({exc.strerror or exc})") from None
+    if not existed:
+        path.unlink(missing_ok=True)
 
 
 def _check_out_path(path: Optional[Path], option: str) -> None:

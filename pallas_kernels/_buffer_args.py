@@ -59,6 +59,20 @@ def as_1d(values: Any, name: str) -> np.ndarray:
     return a
 
 
+def check_still_writeable(layers, name: str) -> None:
+    """Host destination layers checked writeable when an object was made can be made read-only
+    since (``a.setflags(write=False)``): checked again before every write, so a call writes all
+    of its layers or none (numpy's own error named no argument, after the first layers).
+
+    Raises:
+        ValueError: ``{name}[l]`` is read-only now.
+    """
+    for l, a in enumerate(layers):
+        if not a.flags.writeable:
+            raise ValueError(f"{name}[{l}] is read-only now (it was writeable when this object was made): "
+                             "nothing was written")
+
+
 def check_offset(offset: Any) -> int:
     """A region's byte offset inside a pack, as an int.
 

@@ -167,9 +167,15 @@ def bucket_rows(n: int, block_rows: int = DEFAULT_BLOCK_ROWS) -> int:
 
     Returns:
         The bucket size in rows, a multiple of `block_rows`.
+
+    Raises:
+        ValueError: a negative `n`, or a `block_rows` that is not a power of 2 >= 1.
     """
     if n < 0:
         raise ValueError(f"{n=} must be >= 0")
+    if isinstance(block_rows, bool) or not isinstance(block_rows, (int, np.integer)) or block_rows < 1 \
+            or block_rows & (block_rows - 1):
+        raise ValueError(f"{block_rows=} must be a power of 2 >= 1 (rows per program)")
     return max(block_rows, 1 << max(0, (n - 1).bit_length()))
 
 
@@ -188,7 +194,12 @@ def pow2_chunks(width: int) -> tuple[tuple[int, int], ...]:
 
     The Triton lowering needs every load/store to have a power-of-2 element count:
     288 -> ((0, 256), (256, 32)); 576 -> ((0, 512), (512, 64)); 5 -> ((0, 4), (4, 1)).
+
+    Raises:
+        ValueError: `width` is not an int >= 0.
     """
+    if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 0:
+        raise ValueError(f"{width=} must be an int >= 0 (words)")
     chunks, off = [], 0
     while off < width:
         size = 1 << ((width - off).bit_length() - 1)
@@ -240,7 +251,17 @@ def addressable_words(pack_words: int, itemsize: int, backend: str = "triton") -
 
     Returns:
         The count; a region must end at or before it.
+
+    Raises:
+        ValueError: a negative `pack_words`, an `itemsize` other than 1, 2 or 4, an unknown
+            `backend`.
     """
+    if pack_words < 0:
+        raise ValueError(f"{pack_words=} must be >= 0")
+    if itemsize not in (1, 2, 4):
+        raise ValueError(f"{itemsize=} must be 1, 2 or 4 (bytes per word)")
+    if backend not in ("triton", "interpret", "mosaic"):
+        raise ValueError(f"{backend=} must be 'triton', 'interpret' or 'mosaic'")
     if backend == "mosaic":
         return min(pack_words, MAX_WORD_OFFSET)
     if pack_words * itemsize > 2**32:

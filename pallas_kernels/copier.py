@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_kernels import device, triton_launch
-from pallas_kernels._buffer_args import _check_no_overlap, _extent, check_indices, check_range
+from pallas_kernels._buffer_args import (_check_no_overlap, _extent, check_indices, check_range,
+                                         check_still_writeable)
 from pallas_kernels.config import GatherConfig, word_dtype
 from pallas_kernels.host import check_threads, copy_host
 from pallas_kernels.pack import PackSource
@@ -160,7 +161,8 @@ class RowCopier:
 
         Raises:
             ValueError: index lists of different lengths or not 1-D, an index out of range, a
-                duplicate destination index (unless `checked`); RuntimeError: `close()`d.
+                duplicate destination index (unless `checked`), a host destination layer made
+                read-only since (nothing written); RuntimeError: `close()`d.
             TypeError: non-integer indices.
         """
         sidx, didx = self.check_pair(src_indices, dst_indices, checked)
@@ -169,6 +171,7 @@ class RowCopier:
             return 0
         src = list(self.source.layers)
         if self.backend == "numpy":
+            check_still_writeable(self._dst, "dst_layers")
             copy_host(src, sidx, list(self._dst), didx, self.item_lens, self.threads)
         elif self.backend == "cupy":
             copy_cupy(src, sidx, self._dst, didx)

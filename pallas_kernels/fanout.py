@@ -105,9 +105,10 @@ def copy_fanout(jobs, *, checked: bool = False, on_phase=None) -> int:
             `checked` that is not a bool.
         RuntimeError: a closed copier (`jobs[k]`).
 
-    On the host the copiers run one after another: should one fail while copying (e.g. its
-    destination became read-only after construction), the jobs before it stay written.
+    On the host the copiers run one after another; a destination made read-only since its
+    copier was made is refused before any job writes (ValueError naming ``jobs[k]``).
     """
+    from pallas_kernels._buffer_args import check_still_writeable
     from pallas_kernels.copier import RowCopier
 
     if not isinstance(jobs, (list, tuple)):
@@ -138,6 +139,9 @@ def copy_fanout(jobs, *, checked: bool = False, on_phase=None) -> int:
     ok = {c: c.fans_out_with(first) for c, _, _ in pairs}  # once per copier
     fan = [p for p in pairs if ok[p[0]]]
     if len(fan) == 1 or not all(ok[c] for c, _, _ in live):
+        for k, (c, _, _) in enumerate(jobs):  # every host destination before any write
+            if c.backend == "numpy" and len(pairs[k][1]):
+                check_still_writeable(c.dst_layers, f"jobs[{k}] dst_layers")
         for c, s, d in live:
             c.copy(s, d, checked=True)
         return total

@@ -211,13 +211,15 @@ def _gather_rows_slot_jit(src, slot, pack, *, m, config, backend, offset_align):
 
 
 def gather_rows_reference(src, indices, pack, num_rows=None, *, offset: int = 0) -> jax.Array:
-    """`gather_rows` in plain `jnp.take` (the oracle; same arguments and result).
+    """`gather_rows` in plain `jnp.take` (the oracle; same arguments and result, clamps included).
 
     Args:
         src: [L, R, W] or a list of [R_l, W_l] arrays (one integer dtype).
-        indices: int[m]; the first `num_rows` are used.
+        indices: int[m]; the first n are used, each clamped to [0, min_l R_l - 1] as the
+            kernel clamps them.
         pack: 1-D array of the src dtype (not modified; a new array is returned).
-        num_rows: n (Python int, default m).
+        num_rows: n (Python int, default m), clamped as the kernel clamps it: to [0, m] and to
+            the rows the pack holds past `offset` (its `addressable_words`).
         offset: word offset of the region (a concrete int, unlike `gather_rows`).
 
     Returns:
@@ -232,9 +234,13 @@ def gather_rows_reference(src, indices, pack, num_rows=None, *, offset: int = 0)
         raise ValueError(f"{offset=} must be a concrete non-negative int (words)")
     offset_arg(offset, 1, "interpret", 1)  # the checks only
     offset = int(offset)
-    n = int(indices.shape[0]) if num_rows is None else int(num_rows)
+    m = int(indices.shape[0])
+    n = m if num_rows is None else int(num_rows)
     layers = [src[l] for l in range(len(shapes))] if stacked else list(src)
-    idx = jnp.asarray(indices)[:n]
+    words = addressable_words(int(pack.shape[0]), np.dtype(pack.dtype).itemsize)
+    room = max(words - offset, 0) // sum(w for _, w in shapes)
+    n = max(0, min(n, m, room))  # the kernel's `region_rows`
+    idx = jnp.clip(jnp.asarray(indices)[:n], 0, min(r for r, _ in shapes) - 1)
     pieces = [jnp.take(jnp.asarray(a), idx, axis=0).reshape(-1) for a in layers]
     region = jnp.concatenate(pieces) if pieces else jnp.zeros((0,), pack.dtype)
     return jnp.asarray(pack).at[offset:offset + region.shape[0]].set(region)

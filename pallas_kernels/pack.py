@@ -210,13 +210,16 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
             large `offset`, `threads` < 1, a region that would extend past the end of `pack`,
             or a device pack whose address is not word-aligned.
         TypeError: non-uint8 layers, mixed numpy/CuPy, a `pack` that is neither a numpy nor a
-            CuPy array, a `config` that is not a `GatherConfig`, or non-integer `indices`.
+            CuPy array, a `config` that is not a `GatherConfig`, non-integer `indices`, or a
+            `sync` that is not a bool.
         RuntimeError: the device kernel did not write in place (a copy was made).
     """
     source, key, entry, layers, on_device = _resolve(layers, pack, config)
     item_lens, num_rows = entry.item_lens, entry.num_rows
     offset = check_offset(offset)
     check_threads(threads)
+    if not isinstance(sync, (bool, np.bool_)):  # as `copy_fanout`'s `checked`: 0 or "no" is no bool
+        raise TypeError(f"sync must be a bool, got {type(sync).__name__}")
     idx = check_indices(indices, "indices", device_ok=on_device)
     n = int(idx.shape[0])
     total = check_fits(offset, n, item_lens, pack.nbytes)

@@ -205,7 +205,8 @@ def _auto_order(platform: str) -> tuple[str, ...]:
 
 
 def _check(layers, indices, pack, offset):
-    """Common checks: (kind, idx int64 numpy, item_lens). Errors name the argument."""
+    """Common checks: (kind, idx int64 numpy, item_lens, offset as a Python int). Errors name
+    the argument."""
     if not isinstance(layers, (list, tuple)) or not layers:
         raise ValueError("layers must be a non-empty list of 2-D uint8 arrays")
     kind = array_kind(pack)
@@ -228,7 +229,7 @@ def _check(layers, indices, pack, offset):
         if kind == "numpy" and not pack.flags.writeable:
             raise ValueError("pack must be writeable (a registered buffer, not a read-only view)")
         _check_disjoint(list(layers), "layers", [pack], "pack")
-    check_offset(offset)
+    offset = check_offset(offset)  # a Python int: numpy's uint64 near 2**64 overflowed the sums below
     if kind == "cupy":
         import cupy as cp
 
@@ -247,7 +248,7 @@ def _check(layers, indices, pack, offset):
         raise ValueError(f"indices must be in [0, num_rows={num_rows}), got "
                          f"[{idx.min()}, {idx.max()}]")
     check_fits(offset, idx.size, item_lens, pack.shape[0])
-    return kind, idx.astype(np.int64), item_lens
+    return kind, idx.astype(np.int64), item_lens, offset
 
 
 def _kind_or_none(a) -> str | None:
@@ -263,8 +264,9 @@ def pack_region(layers: Sequence, indices, pack, *, offset: int = 0, backend: st
 
     Args:
         layers: non-empty sequence of u8[num_rows_l, kv_item_len_l] arrays (numpy, CuPy or
-            JAX; all of `pack`'s kind) sharing one row index space. JAX KV caches of another
-            dtype are viewed as bytes first (`jax.lax.bitcast_convert_type`).
+            JAX; all of `pack`'s kind) sharing one row index space. A cache of another dtype
+            is refused: view its rows as bytes first (numpy / CuPy ``a.view(np.uint8)``; JAX
+            ``jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(a.shape[0], -1)``).
         indices: int[n] source rows (any order, duplicates allowed), each < every layer's
             num_rows. Read on the host (a device array is copied once to check its range).
         pack: u8[size], the pack buffer (numpy/CuPy: written in place).
@@ -285,7 +287,7 @@ def pack_region(layers: Sequence, indices, pack, *, offset: int = 0, backend: st
             every backend alike).
         TypeError: non-uint8 buffers, mixed kinds, non-integer `indices`.
     """
-    kind, idx, _ = _check(layers, indices, pack, offset)
+    kind, idx, _, offset = _check(layers, indices, pack, offset)
     if page_size is not None and (isinstance(page_size, bool) or
                                   not isinstance(page_size, (int, np.integer)) or page_size <= 0):
         raise ValueError(f"{page_size=} must be None or a positive int (rows per page)")

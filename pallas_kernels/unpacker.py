@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_kernels import device
-from pallas_kernels._buffer_args import _check_no_overlap, check_fits, check_indices, check_offset, check_range
+from pallas_kernels._buffer_args import (_check_no_overlap, check_fits, check_indices, check_offset, check_range,
+                                         check_still_writeable)
 from pallas_kernels.config import GatherConfig, word_dtype
 from pallas_kernels.host import check_threads, unpack_host
 from pallas_kernels.pack import _offset_align
@@ -116,8 +117,8 @@ class RowUnpacker:
         Raises:
             ValueError: an `offset` that is not a non-negative int (as `unpack_rows`) or is
                 misaligned, a region past the end of the pack,
-                an index out of range or repeated (unless `checked`), non-1-D `indices`;
-                RuntimeError: `close()`d.
+                an index out of range or repeated (unless `checked`), non-1-D `indices`, a
+                host layer made read-only since (nothing written); RuntimeError: `close()`d.
             TypeError: non-integer `indices`, a non-bool `checked`.
         """
         if self._layers is None:
@@ -136,6 +137,7 @@ class RowUnpacker:
         if not checked or not self.on_device:  # host checks are cheap; numpy's -1 stays out
             check_range(idx, "indices", self.num_rows, "layers", unique=True)
         if self.backend == "numpy":
+            check_still_writeable(self._layers, "layers")
             unpack_host(self._pack, list(self._layers), idx, offset, self.item_lens, self.threads)
         elif self.backend == "cupy":
             unpack_cupy(self._pack, self._layers, idx, offset, self.item_lens)

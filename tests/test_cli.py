@@ -214,6 +214,25 @@ def test_unwritable_outputs_are_clear_usage_errors(tmp_path):
     assert res.exit_code == 2 and "is a folder" in flat, res.output
 
 
+def test_outputs_the_os_refuses_and_generate_folders_are_refused_before_the_run(tmp_path):
+    # Before (fresh-user trial): /proc/x.json passed the folder check (os.access says yes to root)
+    # and `plan` / `transfer` crashed writing it after the work; `generate --json <folder>` ran the
+    # whole model, then crashed with exit 1, which its help defines as "tokens do not match".
+    small = ["--model", "tiny", "--prompt-tokens", "64"]
+    for cmd in ("plan", "transfer"):
+        res = runner.invoke(app, [cmd, *small, "--json", "/proc/x.json",
+                                  *(["--no-progress"] if cmd == "transfer" else [])], terminal_width=300)
+        flat = " ".join(res.output.replace("│", " ").split())
+        assert res.exit_code == 2 and "not writable" in flat and "Traceback" not in res.output, res.output
+    res = runner.invoke(app, ["generate", "--json", str(tmp_path), "--prompt-tokens", "8", "--new-tokens", "1",
+                              "--dcp-size", "1"], terminal_width=300)
+    flat = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and "is a folder" in flat and "TTFT" not in res.output, res.output
+    fresh = tmp_path / "fresh.json"
+    res = runner.invoke(app, ["plan", *small, "--json", str(fresh)], terminal_width=300)
+    assert res.exit_code == 0 and json.loads(fresh.read_text())  # the probe left a file only where one is written
+
+
 @pytest.mark.parametrize("extra,named", [(["--device", "gpu"], "--device"), (["--direction", "pull"], "--direction"),
                                          (["--prefix-tokens", "128"], "--prefix-tokens")])
 def test_a_tp_layout_run_refuses_options_it_would_ignore(extra, named):

@@ -9,6 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from dcp_jax.cli_options import check_out_path
+
 __all__ = ["generate"]
 
 
@@ -56,8 +58,10 @@ def generate(
                              corrupt_rank=corrupt_rank)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    if json_path is not None and not json_path.parent.is_dir():
-        raise typer.BadParameter(f"--json {str(json_path)!r}: folder {str(json_path.parent)!r} does not exist")
+    try:  # the rule `transfer`, `plan` and `load` follow: refused before the run, exit status 2
+        check_out_path(json_path, "--json")
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
     from dcp_jax.job.config import check_device, engine_env
 
     try:

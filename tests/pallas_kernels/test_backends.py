@@ -192,3 +192,19 @@ def test_tpu_rows_compile_once_per_bucket():
         np.testing.assert_array_equal(
             pack_region(layers, idx, pack, offset=offset, backend="tpu-interpret"), want)
     assert tpu._pack_rows_jit._cache_size() == before
+
+
+@pytest.mark.parametrize("backend", ["host", "xla", "tpu-interpret"])
+def test_a_numpy_uint64_offset_near_2_64_is_refused_as_an_overflow_on_every_backend(backend):
+    # Before (fresh-user trial): the raw np.uint64 reached the fit check's sum (a numpy overflow
+    # warning) and, on xla / tpu-interpret, an OverflowError that named no argument.
+    import warnings
+
+    host = backend == "host"
+    layers = [np.zeros((4, 8), np.uint8)] if host else [jnp.zeros((4, 8), jnp.uint8)]
+    pack = np.full(64, SENTINEL, np.uint8) if host else jnp.full(64, SENTINEL, jnp.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="pack region overflow: offset=18446744073709551608"):
+            pack_region(layers, [1], pack, offset=np.uint64(2**64 - 8), backend=backend)
+    assert (np.asarray(pack) == SENTINEL).all()

@@ -263,3 +263,49 @@ def test_bad_inputs():
                     backend="interpret")
     with pytest.raises(ValueError, match="item_lens"):
         word_dtype([])
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+def test_reference_clamps_as_the_kernel_does(stacked):
+    # Before (fresh-user trial): the oracle wrapped negative indices, filled past-the-end ones
+    # with 0xFFFFFFFF and raised a JAX broadcasting error for a region past the pack's end,
+    # where the kernel clamps both (its docstring: "same arguments and result").
+    rng = np.random.default_rng()
+    for _ in range(6):
+        R, W, L = int(rng.integers(2, 9)), int(rng.integers(1, 4)), int(rng.integers(1, 4))
+        if stacked:
+            src = jnp.asarray(rng.integers(0, 2**32, (L, R, W), dtype=np.uint32))
+        else:  # rows differ per layer: indices clamp to the smallest
+            src = [jnp.asarray(rng.integers(0, 2**32, (R + k, W + k), dtype=np.uint32)) for k in range(L)]
+        m = int(rng.integers(1, 12))
+        idx = jnp.asarray(rng.integers(-3 * R, 3 * R, m), jnp.int32)
+        pack_words = int(rng.integers(0, 4 * m * (W + L)))
+        pack = jnp.asarray(rng.integers(0, 2**32, pack_words, dtype=np.uint32))
+        offset = int(rng.integers(0, pack_words + 2))
+        n = int(rng.integers(0, m + 3))
+        want = np.asarray(gather_rows_reference(src, idx, pack, n, offset=offset))
+        got = np.asarray(gather_rows(src, idx, jnp.array(pack), n, offset=offset, config=GatherConfig(block_rows=8),
+                                     backend="interpret"))
+        np.testing.assert_array_equal(got, want)
+
+
+def test_small_helpers_refuse_what_their_docstrings_exclude():
+    # Before (fresh-user trial): bucket_rows(5, block_rows=3) gave 8 (no multiple of 3),
+    # pow2_chunks(-4) gave (), addressable_words(-1, 4) gave -1 and took an itemsize of 3.
+    from pallas_kernels import addressable_words
+
+    for br in (3, 0, -2, True, 2.0):
+        with pytest.raises(ValueError, match="block_rows"):
+            bucket_rows(5, block_rows=br)
+    assert [bucket_rows(n, block_rows=4) for n in (0, 1, 4, 5, 9)] == [4, 4, 4, 8, 16]
+    for w in (-4, True, 2.5):
+        with pytest.raises(ValueError, match="width"):
+            pow2_chunks(w)
+    assert pow2_chunks(0) == () and pow2_chunks(5) == ((0, 4), (4, 1))
+    with pytest.raises(ValueError, match="pack_words"):
+        addressable_words(-1, 4)
+    with pytest.raises(ValueError, match="itemsize"):
+        addressable_words(100, 3)
+    with pytest.raises(ValueError, match="backend"):
+        addressable_words(100, 4, "tpu")
+    assert addressable_words(2**31 + 5, 1) == 2**31 - 1 and addressable_words(2**31 + 5, 4) == 2**31 + 5

@@ -231,3 +231,14 @@ def test_threaded_packs_and_unpacks_run_inline_once_python_stopped_its_executors
     back = [np.zeros_like(a) for a in layers]
     unpack_rows(pack, back, idx, threads=4)
     assert all((b[idx] == a[idx]).all() for a, b in zip(layers, back))
+
+
+@pytest.mark.parametrize("sync", [0, 1, "no", None])
+def test_sync_must_be_a_bool_and_nothing_is_written(sync):
+    # Before (fresh-user trial): sync=0 was taken (copy_fanout refuses a non-bool `checked`).
+    layers = [np.arange(40, dtype=np.uint8).reshape(5, 8)]
+    pack = np.full(32, 0xA5, np.uint8)
+    with pytest.raises(TypeError, match="sync must be a bool"):
+        pack_rows(layers, [1, 2], pack, sync=sync)
+    assert (pack == 0xA5).all()
+    assert pack_rows(layers, [1, 2], pack, sync=np.bool_(False)) == 16 and (pack[:16] == layers[0][1:3].ravel()).all()

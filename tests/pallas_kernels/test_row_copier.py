@@ -371,3 +371,29 @@ def test_warm_copy_fanout_refusals_and_host_copiers():
     c1.close()
     with pytest.raises(RuntimeError, match=r"copiers\[1\] is closed"):
         warm_copy_fanout([c0, c1], 8)
+
+
+def test_a_destination_made_read_only_later_is_refused_before_any_write():
+    # Before (fresh-user trial): layers 0 and 1 were written, then numpy's "assignment
+    # destination is read-only" (no argument named); copy_fanout documented the partial write.
+    from pallas_kernels import RowUnpacker, copy_fanout
+
+    rng = np.random.default_rng()
+    src = [rng.integers(0, 256, (6, n), dtype=np.uint8) for n in (8, 4, 16)]
+    for make in ("copy", "fanout", "unpack"):
+        dst = [np.zeros((5, n), np.uint8) for n in (8, 4, 16)]
+        other = [np.zeros((5, n), np.uint8) for n in (8, 4, 16)]
+        if make == "unpack":
+            pack = rng.integers(0, 256, 200, dtype=np.uint8)
+            obj = RowUnpacker(pack, dst)
+        else:
+            obj, first = RowCopier(src, dst), RowCopier(src, other)
+        dst[2].setflags(write=False)
+        with pytest.raises(ValueError, match=r"\[2\] is read-only now .*nothing was written"):
+            if make == "copy":
+                obj.copy([1, 2], [3, 4])
+            elif make == "fanout":  # the writeable job listed first is not written either
+                copy_fanout([(first, [0], [0]), (obj, [1, 2], [3, 4])])
+            else:
+                obj.unpack([1, 2])
+        assert all(not a.any() for a in dst) and all(not a.any() for a in other)
