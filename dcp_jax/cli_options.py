@@ -50,7 +50,7 @@ def check_out_path(path: Optional[Path], option: str) -> None:
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise ValueError(f"{option} {str(path)!r}: not writable")
     # os.access says yes to root everywhere (a read-only mount, /proc): open it for real, once.
-    existed = path.exists()
+    existed = os.path.lexists(path)  # a dangling link counts: its target is written later anyway
     try:
         with open(path, "a"):
             pass
