@@ -7,7 +7,6 @@ from typing import Optional
 
 import typer
 
-from dcp_jax.cli_options import check_out_path
 from dcp_jax.geometry import geometry_names
 
 __all__ = ["load"]
@@ -49,6 +48,7 @@ def load(
     """Load generator for the KV connector: one KVSender and --dcp-size KVReceiver processes move
     random requests, every byte and every free page's sentinel checked; exit 1 if anything failed."""
     from dcp_jax.loadgen import LoadConfig, load_command
+    from dcp_jax.loadgen.command import check_outputs
 
     try:
         cfg = LoadConfig(engine=engine, requests=requests, concurrency=concurrency, abort_fraction=abort_fraction,
@@ -56,8 +56,7 @@ def load(
                          page_size=page_size, interleave_size=interleave_size, mode=mode, seed=seed,
                          timeout_s=timeout_s, warmup=warmup, netns=netns, duration_s=duration_s, faults=faults,
                          fault_every_s=fault_every_s, peer_timeout_s=peer_timeout_s)
-        check_out_path(json_path, "--json")
-        check_out_path(plot, "--plot")
+        check_outputs(cfg, json_path, plot)
         if netns:
             from dcp_jax.netns import needs_root_reason
 

@@ -187,6 +187,10 @@ def test_plan_prints_the_counts_transfer_reports(tmp_path, extra):
         (["--prefix-tokens", "64"], "prefix_tokens=64"),
         (["--mode", "sideways"], "--mode"),
         (["--max-batch-indices", "0"], "max_batch_indices=0"),
+        # Before (fresh-user trial): -3 was taken and drew the tables of --seed 3; `load` refuses it.
+        (["--seed", "-3"], "seed=-3 (--seed) must be an int >= 0"),
+        (["--seed", "-3", "--model", "deepseek-v3", "--prefill-layout", "sglang_mla", "--decode-layout",
+          "tpu_mla"], "--seed=-3 must be an int >= 0"),
     ],
 )
 def test_plan_validates_like_transfer(args, text):

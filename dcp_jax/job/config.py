@@ -177,6 +177,8 @@ class JobConfig:
                              f"{MAX_PROMPT_TOKENS:,}: plans and buffers are sized by it")
         if not _is_int(self.prefix_tokens) or self.prefix_tokens < 0:
             raise ValueError(f"prefix_tokens={self.prefix_tokens!r} must be an int >= 0")
+        if not _is_int(self.seed) or self.seed < 0:  # as `dcp-jax load`: -3 drew the tables of 3
+            raise ValueError(f"seed={self.seed!r} (--seed) must be an int >= 0")
         if self.prefix_tokens >= self.prompt_tokens:
             raise ValueError(f"prefix_tokens={self.prefix_tokens} must be < prompt_tokens={self.prompt_tokens}")
         n, p, i = self.dcp_size, self.page_size, self.interleave_size

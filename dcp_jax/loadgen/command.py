@@ -11,7 +11,7 @@ from dcp_jax.loadgen.config import LoadConfig
 from dcp_jax.loadgen.report import render
 from dcp_jax.loadgen.run import run_load
 
-__all__ = ["load_command"]
+__all__ = ["load_command", "check_outputs"]
 
 
 class _Bar:
@@ -27,6 +27,19 @@ class _Bar:
         self.p.update(self.task, advance=1, ok=self.ok, ab=self.ab)
 
 
+def check_outputs(cfg: LoadConfig, json_path: Path | None, plot_path: Path | None) -> None:
+    """The output options' rules, before the run: both paths writable (`check_out_path`), and a
+    plot only on a run that takes samples (``netns`` or ``duration_s``; else nothing is drawn).
+
+    Raises:
+        ValueError: naming the option.
+    """
+    check_out_path(json_path, "--json")
+    check_out_path(plot_path, "--plot")
+    if plot_path is not None and not (cfg.netns or cfg.duration_s):
+        raise ValueError("--plot needs --netns or --duration-s: only those runs take the samples it draws")
+
+
 def load_command(cfg: LoadConfig, json_path: Path | None = None, *, progress: bool = True,
                  console=None, plot_path: Path | None = None) -> int:
     """Runs ``cfg``, prints the table, writes ``json_path`` (and ``plot_path``: RSS and
@@ -34,12 +47,12 @@ def load_command(cfg: LoadConfig, json_path: Path | None = None, *, progress: bo
     request or a check failed).
 
     Raises:
-        ValueError: ``json_path`` or ``plot_path`` cannot be written (checked before the run).
+        ValueError: ``json_path`` or ``plot_path`` cannot be written, or ``plot_path`` on a run
+            that takes no samples (neither ``netns`` nor ``duration_s``); checked before the run.
     """
     from rich.console import Console
 
-    check_out_path(json_path, "--json")
-    check_out_path(plot_path, "--plot")
+    check_outputs(cfg, json_path, plot_path)
     console = console or Console()
     show = progress and sys.stdout.isatty() and console.is_terminal
     if show:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from dcp_jax.geometry import ModelGeometry, geometry_names, get_geometry
-from dcp_jax.transfer._worker import DEFAULT_HEARTBEAT_S, pings_fit
+from dcp_jax.transfer._worker import DEFAULT_HEARTBEAT_S, check_seconds, pings_fit
 
 __all__ = ["LoadConfig", "RequestPlan", "AbortPlan", "plan_requests", "pattern_seed", "ENGINES", "DIRECTIONS",
            "SEND_MODES", "ABORT_POINTS", "MAX_CHUNKS", "MAX_DCP_SIZE"]
@@ -125,9 +125,14 @@ class LoadConfig:
         f = self.abort_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= float(f) <= 1.0:
             raise ValueError(f"--abort-fraction={f!r} must be a number in [0, 1]")
-        for name, v in (("--timeout-s", self.timeout_s), ("--max-rss-growth-mb", self.max_rss_growth_mb)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < float(v) < math.inf:
-                raise ValueError(f"{name}={v!r} must be a positive number of seconds/MB")
+        for name, v in (("--timeout-s", self.timeout_s), ("--peer-timeout-s", self.peer_timeout_s)):
+            try:  # the connector's own rule, (0, 86400] s: what it would refuse at start is refused here
+                check_seconds(name, v)
+            except TypeError as exc:
+                raise ValueError(str(exc)) from None
+        v = self.max_rss_growth_mb
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < float(v) < math.inf:
+            raise ValueError(f"--max-rss-growth-mb={v!r} must be a positive number of MiB")
         bad = set(filter(None, str(self.inject).split(","))) - set(INJECTIONS)
         if bad:
             raise ValueError(f"inject={self.inject!r}: unknown faults {sorted(bad)}; known: {', '.join(INJECTIONS)}")
@@ -139,9 +144,9 @@ class LoadConfig:
         for name, v in (("--duration-s", self.duration_s),):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= float(v) < math.inf:
                 raise ValueError(f"{name}={v!r} must be a number of seconds >= 0")
-        for name, v in (("--fault-every-s", self.fault_every_s), ("--peer-timeout-s", self.peer_timeout_s)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < float(v) < math.inf:
-                raise ValueError(f"{name}={v!r} must be a positive number of seconds")
+        v = self.fault_every_s
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < float(v) < math.inf:
+            raise ValueError(f"--fault-every-s={v!r} must be a positive number of seconds")
         if not pings_fit(DEFAULT_HEARTBEAT_S, self.peer_timeout_s):  # else every side refuses it at start
             raise ValueError(f"--peer-timeout-s={self.peer_timeout_s!r} must be >= {2 * DEFAULT_HEARTBEAT_S:g} "
                              f"(twice the connector's ping interval, {DEFAULT_HEARTBEAT_S:g} s)")

@@ -90,6 +90,20 @@ def test_injected_faults_fail_the_run(tmp_path):
     assert rep["succeeded"] == 36 and rep["aborted"] == 4 and rep["failed"] == 0
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not nixl_available(), reason="NIXL does not import here")
+def test_a_warmup_covering_the_run_says_so_and_claims_no_check_after_it(tmp_path):
+    # Before (fresh-user trial): --warmup 100 --requests 5 reported kernel_compiles_after_warmup=0
+    # and an RSS growth as if a phase had run after a warm-up; none had.
+    cfg = LoadConfig(requests=5, concurrency=2, max_tokens=32, dcp_size=2, warmup=100, seed=5)
+    out = tmp_path / "r.json"
+    assert load_command(cfg, out, progress=False) == 0
+    rep = json.loads(out.read_text())
+    assert rep["warmup_covers_run"] is True and rep["measured_requests"] == 5 and rep["succeeded"] == 5
+    assert rep["kernel_compiles_after_warmup"] is None and rep["rss_growth_bytes"] is None
+    assert rep["bytes_verified"] == sum(p.num_tokens for p in plan_requests(cfg)) * sum(cfg.geometry.kv_item_lens)
+
+
 def test_plan_is_seeded_and_well_formed():
     cfg = LoadConfig(requests=500, abort_fraction=0.2, max_tokens=40, dcp_size=3, seed=7)
     plans = plan_requests(cfg)
@@ -167,6 +181,12 @@ def test_pool_partial_check_of_an_aborted_request():
     # Below twice the connector's ping interval every side refuses it: before, the run started and
     # failed all requests.
     (dict(peer_timeout_s=0.1), r"--peer-timeout-s=0.1 must be >= 1"),
+    # The connector's own range, (0, 86400] s: before (fresh-user trial), 100000 passed here and
+    # every receiver raised at start (exit 1, "only 0 of 3 requests were issued").
+    (dict(timeout_s=100000), r"--timeout-s=100000 must be in \(0, 86400\]"),
+    (dict(peer_timeout_s=100000), r"--peer-timeout-s=100000 must be in \(0, 86400\]"),
+    (dict(timeout_s="5"), "--timeout-s must be a number"), (dict(timeout_s=float("nan")), "--timeout-s"),
+    (dict(max_rss_growth_mb=0), "--max-rss-growth-mb=0 must be a positive number of MiB"),
 ])
 def test_bad_options_name_the_option(kwargs, option):
     with pytest.raises(ValueError, match=option):
@@ -177,6 +197,9 @@ def test_bad_options_name_the_option(kwargs, option):
     (["--requests", "-5"], "--requests"), (["--abort-fraction", "2"], "--abort-fraction"),
     (["--abort-fraction", "-0.5"], "--abort-fraction"), (["--engine", "ucx"], "--engine"),
     (["--direction", "both"], "--direction"), (["--json", "/no/such/folder/r.json"], "--json"),
+    (["--timeout-s", "100000"], "--timeout-s"), (["--peer-timeout-s", "100000"], "--peer-timeout-s"),
+    # Before: taken, then nothing drawn (a plain run takes no samples), exit 0.
+    (["--plot", "x.png", "--requests", "3", "--warmup", "0"], "--plot needs --netns or --duration-s"),
 ])
 def test_cli_refuses_bad_options(args, option):
     res = CliRunner().invoke(app, ["load", *args])
