@@ -41,7 +41,8 @@ class ReceiverStats:
             return self._link_list()
 
     def request_stats(self, request_id: str) -> dict[str, Any]:
-        """Per-request figures on this rank: ``status``, ``reason``, ``bytes`` landed,
+        """Per-request figures on this rank (plain values, for JSON): ``status``
+        (`TransferStatus.value`, the lowercase string; `poll` and `wait` give the enum), ``reason``, ``bytes`` landed,
         ``senders`` (one dict per sender it was announced to, in connection order: ``address``,
         prefill ``dcp_rank`` and ``tp_rank``, ``path`` as `peers` says it, ``staging``:
         ``{"prefill": "direct"|"staged", "decode": ...}``; the

@@ -18,7 +18,8 @@ class SenderStats:
     """`request_stats`, `stats`, `peers`."""
 
     def request_stats(self, request_id: str) -> dict[str, Any]:
-        """Per-request figures: status, per-rank ``path`` (the connection's transfer path, as in
+        """Per-request figures (plain values, for JSON): ``status`` (`TransferStatus.value`, the
+        lowercase string: ``"success"``; `poll` and `wait` give the enum), per-rank ``path`` (the connection's transfer path, as in
         `peers`: "none" for a TP pair sharing no KV head),
         rows/descriptors/bytes/batches/engine calls and strategies, plan/pack/copy (fused kernel)
         seconds, ``transfer_seconds`` (first submit to this side's completion) and
