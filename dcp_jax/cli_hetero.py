@@ -18,12 +18,15 @@ from dcp_jax.job.config import MAX_PROMPT_TOKENS
 __all__ = ["hetero_plan", "hetero_transfer"]
 
 
-def _check_tokens(prompt_tokens: int, seed: int = 0) -> None:
-    """The job's bound (`dcp_jax.job.config.MAX_PROMPT_TOKENS`), before a plan is sized by it;
-    a seed >= 0 (as every other command's)."""
+def _check_tokens(prompt_tokens: int) -> None:
+    """The job's bound (`dcp_jax.job.config.MAX_PROMPT_TOKENS`), before a plan is sized by it."""
     if not 1 <= prompt_tokens <= MAX_PROMPT_TOKENS:
         _fail(f"--prompt-tokens={prompt_tokens:,} must be in [1, {MAX_PROMPT_TOKENS:,}]: plans and buffers "
               "are sized by it")
+
+
+def _check_seed(seed: int) -> None:
+    """A seed >= 0, as `JobConfig` and `LoadConfig` ask of the other commands."""
     if seed < 0:
         _fail(f"--seed={seed} must be an int >= 0")
 
@@ -46,7 +49,8 @@ def hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeout
     from dcp_jax.hetero.connector_job import run_connector_job
     from dcp_jax.hetero.job import run_hetero_job
 
-    _check_tokens(prompt_tokens, seed)
+    _check_tokens(prompt_tokens)
+    _check_seed(seed)
     _check_sides(prefill, decode)
     if engine not in ("nixl", "mooncake", "jax-transfer"):
         _fail(f"--engine={engine!r} must be nixl, mooncake or jax-transfer for a heterogeneous run")
@@ -108,7 +112,8 @@ def hetero_plan(model: str, prompt_tokens: int, prefill: dict, decode: dict, see
     """The heterogeneous pair's table (`dcp_jax.hetero.cost.hetero_counts`)."""
     from dcp_jax.hetero.cost import hetero_counts
 
-    _check_tokens(prompt_tokens, seed)
+    _check_tokens(prompt_tokens)
+    _check_seed(seed)
     _check_sides(prefill, decode)
     _check_out_path(json_path, "--json")
     try:

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dcp_jax.cli_options import check_out_path
+from dcp_jax.cli_options import _check_out_path
 
 __all__ = ["generate"]
 
@@ -58,10 +58,7 @@ def generate(
                              corrupt_rank=corrupt_rank)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
-    try:  # the rule `transfer`, `plan` and `load` follow: refused before the run, exit status 2
-        check_out_path(json_path, "--json")
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from None
+    _check_out_path(json_path, "--json")  # as `transfer` and `plan`: refused before the run, exit status 2
     from dcp_jax.job.config import check_device, engine_env
 
     try:
