@@ -8,6 +8,7 @@ checks (traced shapes, int32 metadata) are in `pallas_kernels._args`.
 from __future__ import annotations
 
 import bisect
+import math
 from typing import Any
 
 import numpy as np
@@ -233,10 +234,28 @@ def overlapping_spans(spans):
     return out
 
 
+def _rows_self_overlap(a) -> bool:
+    """Whether a 2-D view addresses one byte from two (row, column) places (a stride-0 or
+    overlapping `as_strided` view): byte i*s0 + j*s1 repeats iff a nonzero (di, dj) with
+    |di| < rows, |dj| < cols solves di*s0 + dj*s1 = 0, whose smallest solution is
+    (s1/g, -s0/g) for g = gcd(s0, s1)."""
+    (r, c), (s0, s1) = a.shape, a.strides
+    if r == 0 or c == 0:
+        return False
+    if s0 == 0 or s1 == 0:
+        return (r > 1 and s0 == 0) or (c > 1 and s1 == 0)
+    g = math.gcd(s0, s1)
+    return abs(s1 // g) < r and abs(s0 // g) < c
+
+
 def _check_no_overlap(layers, name: str) -> None:
     """No two entries of one destination list may share memory: a row would be written twice,
     the last write winning in an order a device does not keep. Overlapping extents
     (`overlapping_spans`) of strided numpy views are resolved exactly by `np.shares_memory`."""
+    for l, a in enumerate(layers):
+        if _rows_self_overlap(a):
+            raise ValueError(f"{name}[{l}] (shape {a.shape}, strides {a.strides}) addresses some "
+                             "byte twice: a destination's rows and columns must not overlap")
     spans = [(*_extent(a), l) for l, a in enumerate(layers) if a.size]
     for i, j in overlapping_spans(spans):
         x, y = layers[i], layers[j]

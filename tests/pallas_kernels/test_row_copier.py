@@ -397,3 +397,38 @@ def test_a_destination_made_read_only_later_is_refused_before_any_write():
             else:
                 obj.unpack([1, 2])
         assert all(not a.any() for a in dst) and all(not a.any() for a in other)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 5), st.integers(0, 5), st.integers(-7, 7), st.integers(-7, 7))
+def test_self_overlap_rule_matches_brute_force(rows, cols, s0, s1):
+    # The gcd rule against every (row, column) byte offset a view addresses.
+    from pallas_kernels._buffer_args import _rows_self_overlap
+
+    base = np.zeros(200, np.uint8)[100:]
+    v = np.lib.stride_tricks.as_strided(base, (rows, cols), (s0, s1))
+    offsets = [i * s0 + j * s1 for i in range(rows) for j in range(cols)]
+    assert _rows_self_overlap(v) == (len(offsets) != len(set(offsets)))
+
+
+def test_a_destination_that_addresses_a_byte_twice_is_refused_before_any_write():
+    # A stride-0 view (every row the same bytes) or rows that overlap their neighbours: a row
+    # would land twice, the last write winning in an order the device does not keep.
+    from pallas_kernels import unpack_rows
+
+    src = [np.full((4, 4), 9, np.uint8)]
+    mem = np.zeros(64, np.uint8)
+    stride0 = np.lib.stride_tricks.as_strided(mem, (4, 4), (0, 1))
+    squeezed = np.lib.stride_tricks.as_strided(mem, (4, 4), (2, 1))  # rows overlap by 2 B
+    for bad in (stride0, squeezed):
+        with pytest.raises(ValueError, match=r"dst_layers\[0\] .* addresses some byte twice"):
+            RowCopier(src, [bad])
+        with pytest.raises(ValueError, match=r"dst_layers\[0\] .* addresses some byte twice"):
+            copy_rows(src, [0], [bad], [1])
+        with pytest.raises(ValueError, match=r"layers\[0\] .* addresses some byte twice"):
+            unpack_rows(np.full(4, 9, np.uint8), [bad], [1])
+    assert not mem.any()
+    # Strided rows that skip bytes are fine: every row is written once.
+    gaps = np.lib.stride_tricks.as_strided(mem, (4, 4), (8, 1))
+    copy_rows(src, [0, 1], [gaps], [3, 0])
+    assert gaps[[0, 3]].tolist() == [[9] * 4] * 2 and not gaps[[1, 2]].any()
