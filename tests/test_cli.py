@@ -120,6 +120,18 @@ def test_tp_runs_name_the_side_of_a_bad_size(cmd, option, value):
     assert res.exit_code == 2 and f"{option}={value} must be an int >= 1" in flat, res.output
 
 
+@pytest.mark.parametrize("cmd", ["plan", "transfer"])
+@pytest.mark.parametrize("model", ["tiny", "deepseek-v3"])
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_an_unknown_layout_is_named_whatever_the_model(cmd, model, side):
+    # Before: with a model the heterogeneous plan lacks (tiny) the error named the model, not
+    # the misspelt layout the user typed.
+    res = runner.invoke(app, [cmd, "--model", model, "--prompt-tokens", "512", f"--{side}-layout", "nhdd"],
+                        terminal_width=200)
+    flat = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and f"{side} layout must be one of" in flat and "'nhdd'" in flat, res.output
+
+
 @pytest.mark.parametrize("args", [["plan"], ["transfer", "--no-progress"],
                                   ["plan", "--model", "llama-3.1-8b", "--tp-size", "2"]])
 def test_absurd_prompt_tokens_are_refused_before_anything_is_sized(args):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from dcp_jax.hetero.layouts import LAYOUTS
 from dcp_jax.hetero.plan import HeteroSide, build_hetero_plan, descriptor_counts
 from dcp_jax.layout import local_len_np
 
@@ -34,8 +35,12 @@ def hetero_sides(model: str, prefill: dict, decode: dict) -> tuple[HeteroSide, H
             (``layout`` None: the model kind's default, ``sglang_mla`` or ``nhd``).
 
     Raises:
-        ValueError: unknown model (the names listed), or a side the plan refuses (named).
+        ValueError: an unknown layout (checked first, the side named), an unknown model (the names
+            listed), or a side the plan refuses (named).
     """
+    for name, s in (("prefill", prefill), ("decode", decode)):  # a bad name first, whatever the model
+        if s.get("layout") is not None and s["layout"] not in LAYOUTS:
+            raise ValueError(f"{name} layout must be one of {LAYOUTS}, got {s['layout']!r}")
     if model not in HETERO_MODELS:
         raise ValueError(f"model={model!r} has no heterogeneous cache entry; one of {sorted(HETERO_MODELS)}")
     kind, layers, heads, head_dim, dtype = HETERO_MODELS[model]
