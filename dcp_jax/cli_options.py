@@ -60,6 +60,28 @@ def check_out_path(path: Optional[Path], option: str) -> None:
         path.unlink(missing_ok=True)
 
 
+def check_plot_path(path: Optional[Path], option: str) -> None:
+    """`check_out_path`, and a file name whose suffix names a format matplotlib writes (it picks
+    the format by the suffix, and refused an unknown one only after the whole run).
+
+    Raises:
+        ValueError: as `check_out_path`, an unknown or missing suffix (the formats listed), or
+            no matplotlib.
+    """
+    if path is None:
+        return
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise ValueError(f"{option} draws with matplotlib: pip install 'dcp-jax[plot]'") from None
+
+    kinds = sorted(FigureCanvasBase.get_supported_filetypes())
+    if path.suffix[1:].lower() not in kinds:
+        raise ValueError(f"{option} {str(path)!r}: the suffix picks the image format, one of "
+                         f"{', '.join('.' + k for k in kinds)}")
+    check_out_path(path, option)
+
+
 def _check_out_path(path: Optional[Path], option: str) -> None:
     """`check_out_path` as a bad option (exit status 2)."""
     try:

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from dcp_jax.cli_options import _check_out_path, _fail, _job_config, _json_default, uses_hetero_job
+from dcp_jax.cli_options import _check_out_path, _fail, _job_config, _json_default, check_plot_path, uses_hetero_job
 from dcp_jax.geometry import DEFAULT_GEOMETRY, geometry_names
 
 __all__ = ["plan"]
@@ -80,7 +80,10 @@ def plan(
         prefill_interleave_size=prefill_interleave_size, chunk_tokens=chunk_tokens, prefix_tokens=prefix_tokens,
         max_batch_indices=max_batch_indices, pack_tokens=pack_tokens, seed=seed, prefill_page_size=prefill_page_size,
     )
-    _check_out_path(plot, "--plot")
+    try:
+        check_plot_path(plot, "--plot")
+    except ValueError as exc:
+        _fail(str(exc))
     _check_out_path(json_path, "--json")
     try:
         rows = plan_command(

@@ -154,7 +154,8 @@ def merge_state(out_a, lse_a, out_b, lse_b, *, base: str = "e", lse_layout: str 
       lse_layout: "TH" (default) or "HT".
 
     Returns:
-      ``(out [T, H, D] in out_a's dtype, lse f32[T, H] or [H, T])``.
+      ``(out [T, H, D] in out_a's dtype, lse [T, H] or [H, T] in float32, or float64 when an
+      input LSE is float64 under ``jax_enable_x64``)``.
 
     Raises:
       ValueError: mismatched shapes or dtypes, bad ``base`` / ``lse_layout``.
@@ -170,8 +171,11 @@ def merge_state(out_a, lse_a, out_b, lse_b, *, base: str = "e", lse_layout: str 
         )
     if lse_a.shape != lse_b.shape:
         raise ValueError(f"lse_a and lse_b must match: {lse_a.shape=}, {lse_b.shape=}")
+    # float32 at least, wider kept (as merge_states): narrowing a float64 LSE to float32 first
+    # rounded the weights computed from it.
+    wide = jnp.promote_types(jnp.float32, jnp.result_type(lse_a, lse_b))
     out, lse = _check_stacked(
-        jnp.stack([out_a, out_b]), jnp.stack([lse_a, lse_b]).astype(jnp.float32), lse_layout
+        jnp.stack([out_a, out_b]), jnp.stack([lse_a.astype(wide), lse_b.astype(wide)]), lse_layout
     )
     return _merge_states_jit(out, lse, base=base, lse_layout=lse_layout)
 

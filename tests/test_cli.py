@@ -70,6 +70,11 @@ def test_corrupted_byte_exits_nonzero(tmp_path):
         (["--requests", "2", "--tp-size", "2", "--model", "llama-3.1-8b"], "--requests: not taken by a TP/layout run"),
         # 36 MB to move, but a million-token page makes every pool page-sized: refused up front
         (["--prompt-tokens", "512", "--page-size", "1000000"], "GiB of host memory"),
+        # The connector's own bounds: refused by a rank once running, reported as unverified bytes
+        (["--interleave-size", "2147483648"], "--interleave-size * --dcp-size = 2147483648 * 8 exceeds int32"),
+        (["--prefill-interleave-size", "2147483648", "--prefill-dcp-size", "2"], "--prefill-interleave-size *"),
+        (["--page-size", "1048577"], "--page-size=1048577 must be <= 1048576 tokens"),
+        (["--prefill-page-size", "1048577"], "--prefill-page-size=1048577 must be <= 1048576 tokens"),
     ],
 )
 def test_transfer_bad_input_is_a_clear_usage_error(args, text):
@@ -283,3 +288,15 @@ def test_descriptor_ratio_in_words():
     assert _descriptor_phrase(64.76) == "[bold]64.8x[/] fewer descriptors"
     assert _descriptor_phrase(1.0) == _descriptor_phrase(1.04) == "about as many descriptors"  # was "1.0x fewer"
     assert _descriptor_phrase(0.5) == "[bold]2.0x[/] more descriptors"
+
+
+@pytest.mark.parametrize("cmd", [["plan", "--model", "tiny", "--prompt-tokens", "128"],
+                                 ["load", "--duration-s", "1"]])
+def test_a_plot_suffix_matplotlib_cannot_write_is_refused_before_the_run(tmp_path, cmd):
+    # Before: plan printed its whole table, then failed in savefig without naming --plot, and
+    # --json was never written.
+    res = runner.invoke(app, [*cmd, "--plot", str(tmp_path / "x.txt"), "--json", str(tmp_path / "p.json")],
+                        terminal_width=200)
+    flat = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and "--plot" in flat and "suffix picks the image format" in flat, res.output
+    assert "descriptors" not in flat and not list(tmp_path.iterdir())

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 
 from dcp_jax.merge import MERGE_FORMS
+from dcp_jax.transfer._worker import check_seconds
+from dcp_jax.transfer.spec import check_layout_bounds
 
 __all__ = ["GenerateConfig", "ENGINES", "TOLERANCES"]
 
@@ -70,8 +72,13 @@ class GenerateConfig:
         if self.model_config().num_heads % self.dcp_size:
             raise ValueError(f"--dcp-size={self.dcp_size} must divide the model's "
                              f"{self.model_config().num_heads} heads")
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
-            raise ValueError(f"--timeout-s={self.timeout_s!r} must be positive")
+        check_seconds("--timeout-s", self.timeout_s)  # the connector's own bound: (0, 86400]
+        # The connector's layout bounds, before any process starts (a child refusing them at
+        # start-up left the parent with a broken pipe and an empty exit 1).
+        check_layout_bounds(self.page_size, self.dcp_size, self.interleave_size,
+                            names=("--page-size", "--dcp-size", "--interleave-size"))
+        check_layout_bounds(self.prefill_page, self.prefill_dcp_size, self.prefill_interleave_size,
+                            names=("--prefill-page-size", "--prefill-dcp-size", "--prefill-interleave-size"))
         if self.device not in ("cpu", "gpu"):
             raise ValueError(f"--device={self.device!r} must be cpu or gpu")
         if self.corrupt_rank is not None and not 0 <= self.corrupt_rank < self.dcp_size:

@@ -65,6 +65,22 @@ class _Child:
             raise RuntimeError(f"{self.who}: expected {expect!r}, got {kind!r}: {arg}")
         return arg
 
+    def send(self, kind: str, arg) -> None:
+        """Sends ``(kind, arg)``; a child already gone raises RuntimeError with its own error
+        (what it sent before exiting) instead of the pipe's BrokenPipeError."""
+        try:
+            self.conn.send((kind, arg))
+        except OSError:  # BrokenPipeError, ConnectionResetError
+            self.proc.join(5)
+            try:
+                if self.conn.poll(0):
+                    got, why = self.conn.recv()
+                    if got == "error":
+                        raise RuntimeError(why) from None
+            except (EOFError, OSError):
+                pass
+            raise RuntimeError(f"{self.who} exited (code {self.proc.exitcode}) before {kind!r}") from None
+
     def stop(self) -> None:
         self.proc.join(10)
         if self.proc.is_alive():
@@ -84,16 +100,16 @@ def _processes(cfg: GenerateConfig, prompt: np.ndarray) -> dict:
         t = cfg.timeout_s
         addresses = [p.recv("address", t) for p in prefills]
         for d in decodes:
-            d.conn.send(("open", dict(addresses=addresses)))
+            d.send("open", dict(addresses=addresses))
         ready = [d.recv("ready", t) for d in decodes]
         for p in prefills:
             p.recv("ready", t)
         for p in prefills:
-            p.conn.send(("go", None))
+            p.send("go", None)
         done = [p.recv("done", t) for p in prefills]
         results = [d.recv("result", t) for d in decodes]
         for p in prefills:
-            p.conn.send(("close", None))
+            p.send("close", None)
             p.recv("closed", 30)
         return dict(prefill=done, decode=results, ready=ready)
     finally:

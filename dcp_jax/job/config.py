@@ -13,6 +13,7 @@ import math
 import os
 
 from dcp_jax.geometry import ModelGeometry, get_geometry
+from dcp_jax.transfer.spec import check_layout_bounds
 
 __all__ = ["MODES", "PATHS", "ENGINES", "DEVICES", "STAGINGS", "engine_registers", "MAX_RANKS", "MAX_TIMEOUT_S", "JobConfig", "check_device",
            "engine_env"]
@@ -189,6 +190,11 @@ class JobConfig:
                 f"(lcm(page_size*dcp_size, interleave_size*dcp_size))")
         if self.prefill_page_size is not None and (not _is_int(self.prefill_page_size) or self.prefill_page_size < 1):
             raise ValueError(f"prefill_page_size={self.prefill_page_size!r} (--prefill-page-size) must be an int >= 1")
+        # The connector's bounds, here before any process starts (a rank's KVCacheSpec refused
+        # them only once the job ran, reported as unverified bytes).
+        check_layout_bounds(p, n, i, names=("--page-size", "--dcp-size", "--interleave-size"))
+        check_layout_bounds(self.src_page_size, self.prefill_dcp_size, self.prefill_interleave_size,
+                            names=("--prefill-page-size", "--prefill-dcp-size", "--prefill-interleave-size"))
         if self.chunk_tokens is not None:
             if not _is_int(self.chunk_tokens) or self.chunk_tokens < 1:
                 raise ValueError(f"chunk_tokens={self.chunk_tokens!r} must be an int >= 1 (or None)")

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dcp_jax.cli_options import check_out_path
+from dcp_jax.cli_options import check_out_path, check_plot_path
 from dcp_jax.loadgen.config import LoadConfig
 from dcp_jax.loadgen.report import render
 from dcp_jax.loadgen.run import run_load
@@ -35,7 +35,7 @@ def check_outputs(cfg: LoadConfig, json_path: Path | None, plot_path: Path | Non
         ValueError: naming the option.
     """
     check_out_path(json_path, "--json")
-    check_out_path(plot_path, "--plot")
+    check_plot_path(plot_path, "--plot")
     if plot_path is not None and not (cfg.netns or cfg.duration_s):
         raise ValueError("--plot needs --netns or --duration-s: only those runs take the samples it draws")
 

@@ -17,7 +17,8 @@ import numpy as np
 
 from dcp_jax._validate import check_int
 
-__all__ = ["KVCacheSpec", "HandshakeError", "check_compatible", "dtype_name", "MAX_DCP_SIZE", "MAX_LAYERS"]
+__all__ = ["KVCacheSpec", "HandshakeError", "check_compatible", "check_layout_bounds", "dtype_name",
+           "MAX_DCP_SIZE", "MAX_LAYERS", "MAX_PAGE_SIZE"]
 
 MAX_DCP_SIZE = 1024      # DCP groups beyond this are not a serving configuration
 MAX_LAYERS = 4096        # layer entries per cache (one per layer for MLA; more for hybrid models)
@@ -51,6 +52,24 @@ class HandshakeError(ValueError):
 # Element types numpy does not name but ml_dtypes (JAX) and torch do, with the same spelling.
 _ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
               "float8_e4m3b11fnuz", "float8_e8m0fnu", "float4_e2m1fn", "int4", "uint4")
+
+
+def check_layout_bounds(page_size: int, dcp_size: int, interleave_size: int, *,
+                        names: tuple[str, str, str] = ("page_size", "dcp_size", "interleave_size")) -> None:
+    """The connector's bounds on one side's layout, for callers that size processes or plans
+    from it before any `KVCacheSpec` exists (the job, ``generate``): ``page_size`` at most
+    `MAX_PAGE_SIZE` tokens (page x row byte offsets stay far inside int64) and
+    ``interleave_size * dcp_size`` within int32 (the owner formula's ``t // I % N`` runs in
+    int32 on device). Ints >= 1 are the caller's to check first.
+
+    Raises:
+        ValueError: naming the argument as ``names`` spells it (e.g. ``"page_size (--page-size)"``).
+    """
+    if page_size > MAX_PAGE_SIZE:
+        raise ValueError(f"{names[0]}={page_size} must be <= {MAX_PAGE_SIZE} tokens")
+    if interleave_size * dcp_size > _INT32_MAX:
+        raise ValueError(f"{names[2]} * {names[1]} = {interleave_size} * {dcp_size} exceeds int32 "
+                         f"({_INT32_MAX})")
 
 
 def dtype_name(dtype) -> str:
@@ -152,8 +171,6 @@ class KVCacheSpec:
             raise ValueError(f"item_lens: {max(lens)} bytes per token exceeds {MAX_ITEM_LEN}")
         set_("item_lens", lens)
         set_("page_size", check_int("page_size", self.page_size, minimum=1))
-        if self.page_size > MAX_PAGE_SIZE:  # page x row byte offsets must stay far inside int64
-            raise ValueError(f"page_size={self.page_size} must be <= {MAX_PAGE_SIZE} tokens")
         set_("dcp_size", check_int("dcp_size", self.dcp_size, minimum=1))
         if self.dcp_size > MAX_DCP_SIZE:
             raise ValueError(f"dcp_size={self.dcp_size} must be <= {MAX_DCP_SIZE}")
@@ -161,9 +178,7 @@ class KVCacheSpec:
         if self.dcp_rank >= self.dcp_size:
             raise ValueError(f"dcp_rank={self.dcp_rank} must be < dcp_size={self.dcp_size}")
         set_("interleave_size", check_int("interleave_size", self.interleave_size, minimum=1))
-        if self.interleave_size * self.dcp_size > _INT32_MAX:
-            raise ValueError(f"interleave_size * dcp_size = {self.interleave_size * self.dcp_size} "
-                             f"exceeds int32")
+        check_layout_bounds(self.page_size, self.dcp_size, self.interleave_size)
         set_("tp_size", check_int("tp_size", self.tp_size, minimum=1))
         set_("tp_rank", check_int("tp_rank", self.tp_rank, minimum=0))
         if self.tp_rank >= self.tp_size:

@@ -294,3 +294,20 @@ def test_docstring_examples_run():
 
     res = doctest.testmod(merge_mod)
     assert res.attempted > 0 and res.failed == 0
+
+
+def test_merge_state_keeps_a_float64_lse_wide_like_merge_states():
+    # Before: merge_state narrowed the LSEs to float32 before the weights, so two LSEs 1e-6 apart
+    # at 1e6 merged to 1e6 + 0.6875 where merge_states (and the float64 reference) give ln 2.
+    rng = np.random.default_rng()
+    o = rng.standard_normal((2, 3, 2, 4))
+    l = 1e6 + rng.uniform(0, 4e-6, (2, 3, 2))
+    with jax.enable_x64(True):
+        o2, l2 = merge_state(o[0], l[0], o[1], l[1])
+        on, ln = merge_states(o, l)
+        assert l2.dtype == np.float64 and o2.dtype == np.float64
+        np.testing.assert_array_equal(np.asarray(l2), np.asarray(ln))
+        np.testing.assert_array_equal(np.asarray(o2), np.asarray(on))
+    ref_o, ref_l = merge_states_reference(o, l)
+    np.testing.assert_allclose(np.asarray(l2) - 1e6, ref_l - 1e6, rtol=0, atol=1e-9)
+    np.testing.assert_allclose(np.asarray(o2), ref_o, rtol=1e-9, atol=1e-9)  # float64 at 1e6: ~2e-10 per lse
