@@ -53,10 +53,11 @@ def transfer(
                                                 "page size = page round-robin)."),
     prefill_interleave_size: int = typer.Option(1, help="Prefill-side interleave when --prefill-dcp-size > 1."),
     chunk_tokens: Optional[int] = typer.Option(None, help="Chunked prefill: send in chunks of this many tokens "
-                                                          "(multiple of --page-size); packing of chunk k+1 "
+                                                          "(a multiple of --page-size and of --prefill-page-size); packing of chunk k+1 "
                                                           "overlaps the transfer of chunk k."),
-    prefix_tokens: int = typer.Option(0, help="Tokens decode already holds (not sent); a multiple of "
-                                              "lcm(P*N, I*N)."),
+    prefix_tokens: int = typer.Option(0, help="Tokens decode already holds (not sent), below --prompt-tokens; "
+                                              "a multiple of lcm(P*N, I*N) with P --page-size, N --dcp-size, "
+                                              "I --interleave-size."),
     mode: str = typer.Option("both", help="direct (descriptors straight from the KV buffers), packed (gather "
                                           "each rank's rows into its pack region first) or both."),
     path: Optional[str] = typer.Option(None, help="Transfer paths to run, a comma list of auto, direct, packed, "

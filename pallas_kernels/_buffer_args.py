@@ -41,6 +41,17 @@ def check_layers(layers, on_device: bool, other: str) -> tuple[tuple[int, ...], 
     return tuple(int(a.shape[1]) for a in layers), min(int(a.shape[0]) for a in layers)
 
 
+def check_bool(value: Any, name: str) -> None:
+    """A flag such as ``checked`` or ``sync`` must be a real bool: ``"no"`` or ``0`` would be
+    read by truth value (``checked="no"`` skipping the index checks on a GPU).
+
+    Raises:
+        TypeError: naming ``name`` and the type given.
+    """
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
 def as_1d(values: Any, name: str) -> np.ndarray:
     """``values`` (a sequence or array) as a 1-D numpy array, an empty one as int64 (an empty
     list would be float64). The dtype is the caller's to check.
@@ -50,7 +61,10 @@ def as_1d(values: Any, name: str) -> np.ndarray:
             numpy makes a 0-d array of those).
         ValueError: not 1-D (names ``name`` and the shape).
     """
-    a = np.asarray(values)
+    try:
+        a = np.asarray(values)
+    except ValueError as exc:  # ragged nested lists: numpy's message names no argument
+        raise ValueError(f"{name} must be a 1-D sequence of ints ({exc})") from None
     if a.ndim == 0:
         raise TypeError(f"{name} must be a sequence or 1-D array of ints, got {type(values).__name__}")
     if a.size == 0:

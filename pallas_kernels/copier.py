@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_kernels import device, triton_launch
-from pallas_kernels._buffer_args import (_check_no_overlap, _extent, check_indices, check_range,
+from pallas_kernels._buffer_args import (_check_no_overlap, _extent, check_bool, check_indices, check_range,
                                          check_still_writeable)
 from pallas_kernels.config import GatherConfig, word_dtype
 from pallas_kernels.host import check_threads, copy_host
@@ -132,8 +132,7 @@ class RowCopier:
         """
         if self.source is None:
             raise RuntimeError("this RowCopier is closed")
-        if not isinstance(checked, (bool, np.bool_)):
-            raise TypeError(f"checked must be a bool, got {type(checked).__name__}")
+        check_bool(checked, "checked")
         sidx = check_indices(src_indices, "src_indices", device_ok=self.on_device)
         didx = check_indices(dst_indices, "dst_indices", device_ok=self.on_device)
         n = int(sidx.shape[0])

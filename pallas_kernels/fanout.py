@@ -108,14 +108,13 @@ def copy_fanout(jobs, *, checked: bool = False, on_phase=None) -> int:
     On the host the copiers run one after another; a destination made read-only since its
     copier was made is refused before any job writes (ValueError naming ``jobs[k]``).
     """
-    from pallas_kernels._buffer_args import check_still_writeable
+    from pallas_kernels._buffer_args import check_bool, check_still_writeable
     from pallas_kernels.copier import RowCopier
 
     if not isinstance(jobs, (list, tuple)):
         raise TypeError(f"jobs must be a list of (RowCopier, src_indices, dst_indices), got "
                         f"{type(jobs).__name__}")
-    if not isinstance(checked, (bool, np.bool_)):
-        raise TypeError(f"checked must be a bool, got {type(checked).__name__}")
+    check_bool(checked, "checked")
     for k, job in enumerate(jobs):
         if not isinstance(job, (list, tuple)) or len(job) != 3 or not isinstance(job[0], RowCopier):
             raise TypeError(f"jobs[{k}] must be a (RowCopier, src_indices, dst_indices) triple, got "

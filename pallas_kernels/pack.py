@@ -47,7 +47,7 @@ from pallas_kernels.config import (
 )
 from pallas_kernels._args import offset_arg
 from pallas_kernels._buffer_args import _check_disjoint as check_disjoint
-from pallas_kernels._buffer_args import (check_fits, check_indices, check_layers, check_offset, check_range,
+from pallas_kernels._buffer_args import (check_bool, check_fits, check_indices, check_layers, check_offset, check_range,
                                          check_word_offset, is_cupy)
 # The names these checks had here (tests and `pallas_kernels.gather` import them from `pack`).
 from pallas_kernels._buffer_args import check_word_offset as _check_word_offset  # noqa: F401
@@ -218,8 +218,7 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
     item_lens, num_rows = entry.item_lens, entry.num_rows
     offset = check_offset(offset)
     check_threads(threads)
-    if not isinstance(sync, (bool, np.bool_)):  # as `copy_fanout`'s `checked`: 0 or "no" is no bool
-        raise TypeError(f"sync must be a bool, got {type(sync).__name__}")
+    check_bool(sync, "sync")
     idx = check_indices(indices, "indices", device_ok=on_device)
     n = int(idx.shape[0])
     total = check_fits(offset, n, item_lens, pack.nbytes)

@@ -37,6 +37,7 @@ from pallas_kernels._buffer_args import (  # noqa: F401  (_extent: its old home 
     _check_disjoint,
     _check_no_overlap,
     _extent,
+    check_bool,
     check_fits,
     check_indices,
     check_offset,
@@ -201,6 +202,7 @@ def unpack_rows(pack, layers, indices, *, offset: int = 0, backend: str = "auto"
         raise ValueError("pack must be C-contiguous")
     offset = check_offset(offset)
     check_threads(threads)
+    check_bool(checked, "checked")
     backend = _resolve(backend, on_device)
     idx = check_indices(indices, "indices", device_ok=on_device)
     n = int(idx.shape[0])
@@ -275,6 +277,7 @@ def copy_rows(src_layers, src_indices, dst_layers, dst_indices, *, backend: str 
         raise TypeError("src_layers must be numpy or CuPy arrays (got a JAX array)")
     check_item_lens_match(s_lens, d_lens)
     check_threads(threads)
+    check_bool(checked, "checked")
     backend = _resolve(backend, on_device)
     sidx = check_indices(src_indices, "src_indices", device_ok=on_device)
     didx = check_indices(dst_indices, "dst_indices", device_ok=on_device)

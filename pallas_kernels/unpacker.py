@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from pallas_kernels import device
-from pallas_kernels._buffer_args import (_check_no_overlap, check_fits, check_indices, check_offset, check_range,
-                                         check_still_writeable)
+from pallas_kernels._buffer_args import (_check_no_overlap, check_bool, check_fits, check_indices, check_offset,
+                                         check_range, check_still_writeable)
 from pallas_kernels.config import GatherConfig, word_dtype
 from pallas_kernels.host import check_threads, unpack_host
 from pallas_kernels.pack import _offset_align
@@ -123,8 +123,7 @@ class RowUnpacker:
         """
         if self._layers is None:
             raise RuntimeError("this RowUnpacker is closed")
-        if not isinstance(checked, (bool, np.bool_)):
-            raise TypeError(f"checked must be a bool, got {type(checked).__name__}")
+        check_bool(checked, "checked")
         offset = check_offset(offset)
         idx = check_indices(indices, "indices", device_ok=self.on_device)
         n = int(idx.shape[0])

@@ -271,6 +271,19 @@ class CheckedSeconds:
         setattr(obj, self.slot, check_seconds(self.name, value))
 
 
+class FixedSeconds(CheckedSeconds):
+    """Seconds checked like `CheckedSeconds` and set once, at construction: a connector's
+    ``peer_timeout_s`` and ``heartbeat_s`` are sent to its peers at hello and checked against
+    theirs (`pings_fit`), so a later change would break what both sides agreed (``0`` dropped
+    every peer as silent within a second). Reassigning raises AttributeError."""
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if hasattr(obj, self.slot):
+            raise AttributeError(f"{self.name} is fixed at construction (sent to the peers at hello); "
+                                 "make a new connector to change it")
+        super().__set__(obj, value)
+
+
 def check_tokens(name: str, value: Any) -> int:
     """A token position or count: an int in ``[0, MAX_TOKENS]``, returned as a Python int.
 

@@ -32,7 +32,7 @@ from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import (DEFAULT_HEARTBEAT_S, Worker, check_liveness,
                                       check_page_table, check_seconds, check_tokens, close_at_exit, shut_down,
-                                      CheckedSeconds)
+                                      CheckedSeconds, FixedSeconds)
 from dcp_jax.transfer._receiver_data import ReceiverData
 from dcp_jax.transfer._receiver_links import Link, ReceiverLinks, missing_senders  # noqa: F401  (missing_senders: re-exported)
 from dcp_jax.transfer._receiver_region import ReceiverRegion
@@ -79,7 +79,9 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
             a sender gone silent is dropped after ``peer_timeout_s``. Reports are taken only for
             a live request of the same incarnation from a sender it was announced to; a
             malformed one is refused and counted (``stats["rejected_messages"]``) and changes nothing.
-        peer_timeout_s: a sender silent for this long is dropped and its requests FAIL.
+        peer_timeout_s: a sender silent for this long is dropped and its requests FAIL. Set at
+            construction only (sent to the peers at hello; reassigning raises AttributeError),
+            as is ``heartbeat_s``; ``timeout_s`` may be reassigned while it runs.
         heartbeat_s: ping interval (seconds).
         engine_options: keyword arguments for `bridge.make_engine`.
         host: this machine's address to use (an interface's IP): control connections are made
@@ -93,7 +95,8 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
             at the handshake). GPU layers also offer CUDA IPC handles of themselves (``fused``).
         drain_grace_s: a push sender dropped as silent may resume and still write: its requests'
             pages (`is_drained`) and receive-region ranges stay held until it reconnects or this
-            long passed (seconds; None: ``timeout_s + 2 * peer_timeout_s``).
+            long passed (seconds, at most 86400; None: ``timeout_s + 2 * peer_timeout_s``, capped
+            there; may be reassigned, checked on assignment).
         staging: ``"auto"`` (stage through host memory when the engine cannot register the KV's
             memory: `dcp_jax.transfer.staging.side_staged`), ``"none"`` or ``"host"`` (always).
             Staged, only the receive region is registered, in (pinned) host memory: windows land
@@ -113,6 +116,9 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
     """
 
     timeout_s = CheckedSeconds()  # settable while it runs: checked on every assignment
+    peer_timeout_s = FixedSeconds()  # sent to the peers at hello: set once, here
+    heartbeat_s = FixedSeconds()
+    drain_grace_s = CheckedSeconds()
 
     def __init__(self, spec: KVCacheSpec, kv_layers: Sequence[Any], *, engine: str = "nixl",
                  direction: str = "push", group: str = "default", timeout_s: float = 30.0,
@@ -132,11 +138,12 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
             check_local_host(host)
         self.spec, self.direction, self.group, self.host = spec, direction, group, host
         self.timeout_s = timeout_s  # checked (`CheckedSeconds`), here and on any later assignment
-        self.peer_timeout_s = check_seconds("peer_timeout_s", peer_timeout_s)
-        self.heartbeat_s = check_seconds("heartbeat_s", heartbeat_s)
+        self.peer_timeout_s = peer_timeout_s  # checked (`FixedSeconds`): set once, here
+        self.heartbeat_s = heartbeat_s
         check_liveness(self.heartbeat_s, self.peer_timeout_s)
-        self.drain_grace_s = self.timeout_s + 2 * self.peer_timeout_s if drain_grace_s is None else \
-            check_seconds("drain_grace_s", drain_grace_s)
+        # checked (`CheckedSeconds`, at most a day; the default capped there too)
+        self.drain_grace_s = min(self.timeout_s + 2 * self.peer_timeout_s, 86400.0) if drain_grace_s is None \
+            else drain_grace_s
         if region_bytes is not None and check_int_type("region_bytes", region_bytes) < 0:
             raise ValueError(f"region_bytes={region_bytes!r} must be None or an int >= 0 (bytes)")
         self._layers = CacheLayers(spec, kv_layers, writable=True)

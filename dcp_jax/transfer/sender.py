@@ -34,7 +34,7 @@ from dcp_jax._validate import check_int_type
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import (DEFAULT_HEARTBEAT_S, Worker, check_liveness,
                                       check_page_table, check_seconds, check_tokens, close_at_exit, shut_down,
-                                      CheckedSeconds)
+                                      CheckedSeconds, FixedSeconds)
 from dcp_jax.transfer.arena import PackArena
 from dcp_jax.transfer._sender_handshake import SenderHandshake
 from dcp_jax.transfer._sender_peers import SenderPeers
@@ -99,7 +99,9 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
             while there are such, each entry with a lease up to that bound): its own
             ``timeout_s`` counts the request as progressing until the lease ends, so both sides
             agree (`KVReceiver`).
-        peer_timeout_s: a receiver silent for this long is dropped and its requests FAIL.
+        peer_timeout_s: a receiver silent for this long is dropped and its requests FAIL. Set at
+            construction only (sent to the peers at hello; reassigning raises AttributeError),
+            as is ``heartbeat_s``; ``timeout_s`` may be reassigned while it runs.
         heartbeat_s: interval of the pings that keep connections alive (seconds).
         engine_options: keyword arguments for the engine adapter (`bridge.make_engine`).
         staging: ``"auto"`` (stage through host memory when the engine cannot register the KV's
@@ -122,6 +124,8 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
     """
 
     timeout_s = CheckedSeconds()  # settable while it runs: checked on every assignment
+    peer_timeout_s = FixedSeconds()  # sent to the peers at hello: set once, here
+    heartbeat_s = FixedSeconds()
 
     def __init__(self, spec: KVCacheSpec, kv_layers: Sequence[Any], *, engine: str = "nixl",
                  host: str = "127.0.0.1", port: int = 0, mode: str = "auto",
@@ -141,10 +145,15 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
             if max_batch_indices < 1:
                 raise ValueError(f"max_batch_indices={max_batch_indices!r} must be None or an int >= 1")
         max_batch_indices = None if max_batch_indices is None else int(max_batch_indices)
+        if not isinstance(host, str) or not host:
+            # Unlike a receiver's (None: connect from any interface), the sender's host is the
+            # address it advertises: receivers connect to it.
+            raise ValueError(f"host={host!r} must be an address of this machine that receivers reach "
+                             "(a str such as '127.0.0.1'): the control plane listens and is advertised there")
         self.spec, self.mode = spec, mode
         self.timeout_s = timeout_s  # checked (`CheckedSeconds`), here and on any later assignment
-        self.peer_timeout_s = check_seconds("peer_timeout_s", peer_timeout_s)
-        self.heartbeat_s = check_seconds("heartbeat_s", heartbeat_s)
+        self.peer_timeout_s = peer_timeout_s  # checked (`FixedSeconds`): set once, here
+        self.heartbeat_s = heartbeat_s
         check_liveness(self.heartbeat_s, self.peer_timeout_s)
         self.max_batch_indices = max_batch_indices
         self._layers = CacheLayers(spec, kv_layers)

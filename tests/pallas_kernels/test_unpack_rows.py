@@ -393,3 +393,22 @@ def test_copy_one_buffer_property(item_lens, dst_rows, data, seed):
     copy_rows(srcs, sidx, dsts, didx, backend="interpret", config=GatherConfig(block_rows=8))
     for a, b in zip(dsts, want):
         np.testing.assert_array_equal(a, b)
+
+
+def test_flags_must_be_bools_and_ragged_indices_are_named():
+    # Before: unpack_rows / copy_rows read checked="yes" or 1 by truth value (RowUnpacker,
+    # RowCopier and pack_rows(sync=) refused them), and ragged indices raised numpy's message.
+    layers = [np.zeros((4, 8), np.uint8)]
+    pack = np.arange(8, dtype=np.uint8)
+    for bad in ("yes", 1, None):
+        with pytest.raises(TypeError, match=f"checked must be a bool, got {type(bad).__name__}"):
+            unpack_rows(pack, layers, [1], checked=bad)
+        with pytest.raises(TypeError, match="checked must be a bool"):
+            copy_rows([pack.reshape(1, 8)], [0], layers, [1], checked=bad)
+    assert not layers[0].any()
+    with pytest.raises(ValueError, match=r"indices must be a 1-D sequence of ints"):
+        unpack_rows(pack, layers, [[1], [2, 3]])
+    with pytest.raises(ValueError, match=r"dst_indices must be a 1-D sequence of ints"):
+        copy_rows([pack.reshape(1, 8)], [0], layers, [[1], [2, 3]])
+    assert unpack_rows(pack, layers, [2], checked=np.bool_(True)) == 1  # rows written
+    assert layers[0][2].tolist() == list(range(8))

@@ -122,3 +122,41 @@ def test_timeout_s_is_checked_when_set_on_a_running_connector(cls):
             with pytest.raises(err, match="timeout_s"):
                 c.timeout_s = bad
             assert c.timeout_s == 0.5  # unchanged by a refused value
+
+
+@pytest.mark.parametrize("cls", [KVSender, KVReceiver])
+def test_liveness_settings_are_fixed_and_drain_grace_is_checked(cls):
+    # Before: peer_timeout_s = 0.0 was taken on a running sender, which then dropped every
+    # receiver as silent within 2 s (its peers had agreed another limit at hello).
+    layers = [np.zeros((8, 4, il), np.uint8) for il in ITEMS]
+    with cls(_spec("mla"), layers, engine="nixl", peer_timeout_s=4, heartbeat_s=1) as c:
+        assert (c.peer_timeout_s, c.heartbeat_s) == (4.0, 1.0)
+        for name in ("peer_timeout_s", "heartbeat_s"):
+            for value in (0.0, float("nan"), 3.0):
+                with pytest.raises(AttributeError, match=f"{name} is fixed at construction"):
+                    setattr(c, name, value)
+        assert (c.peer_timeout_s, c.heartbeat_s) == (4.0, 1.0)
+        if cls is KVReceiver:
+            assert c.drain_grace_s == c.timeout_s + 8.0
+            c.drain_grace_s = 1
+            assert c.drain_grace_s == 1.0
+            for bad, err in [(float("nan"), ValueError), (-1, ValueError), ("2", TypeError)]:
+                with pytest.raises(err, match="drain_grace_s"):
+                    c.drain_grace_s = bad
+            assert c.drain_grace_s == 1.0
+    with pytest.raises(ValueError, match="peer_timeout_s=nan"):
+        cls(_spec("mla"), layers, engine="nixl", peer_timeout_s=float("nan"))
+
+
+def test_the_default_drain_grace_is_capped_at_a_day():
+    layers = [np.zeros((8, 4, il), np.uint8) for il in ITEMS]
+    with KVReceiver(_spec("mla"), layers, engine="nixl", timeout_s=86400, peer_timeout_s=86400) as r:
+        assert r.drain_grace_s == 86400.0
+
+
+@pytest.mark.parametrize("host", [None, "", 127])
+def test_a_sender_needs_an_address_to_advertise(host):
+    # Before: host=None (a receiver's "any interface") failed deep in zmq: "tcp://None:*".
+    layers = [np.zeros((8, 4, il), np.uint8) for il in ITEMS]
+    with pytest.raises(ValueError, match=r"host=.* must be an address of this machine that receivers reach"):
+        KVSender(_spec("mla"), layers, engine="nixl", host=host)
