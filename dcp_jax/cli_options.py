@@ -70,6 +70,7 @@ def check_plot_path(path: Optional[Path], option: str) -> None:
     """
     if path is None:
         return
+    check_out_path(path, option)
     try:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
@@ -79,7 +80,6 @@ def check_plot_path(path: Optional[Path], option: str) -> None:
     if path.suffix[1:].lower() not in kinds:
         raise ValueError(f"{option} {str(path)!r}: the suffix picks the image format, one of "
                          f"{', '.join('.' + k for k in kinds)}")
-    check_out_path(path, option)
 
 
 def _check_out_path(path: Optional[Path], option: str) -> None:

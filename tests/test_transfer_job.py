@@ -303,9 +303,10 @@ def test_host_memory_estimate_covers_the_buffers_and_refuses_the_impossible():
     assert estimate_host_bytes(cfg) >= 2 * cfg.send_tokens * row
     assert estimate_host_bytes(cfg) >= 3 * decode_pool_pages(cfg) * cfg.page_size * row
     check_host_memory(cfg)  # a small job fits
-    # 2**31-token pages of 168 B rows: terabytes for a 512-token request.
-    with pytest.raises(ValueError, match="GiB of host memory.*page_size=2147483648"):
-        check_host_memory(JobConfig(**dict(SMALL, page_size=2**31, prompt_tokens=512)))
+    # 2**20-token pages (the connector's largest) of DeepSeek-V3 rows (70 KB): 73 GB per pool
+    # page for a 512-token request.
+    with pytest.raises(ValueError, match="GiB of host memory.*page_size=1048576"):
+        check_host_memory(JobConfig(**dict(SMALL, model="deepseek-v3", page_size=2**20, prompt_tokens=512)))
 
 
 def test_owned_tokens_matches_layout_reference():
