@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 BYE_LINGER_MS = 500
 #: Refused frames logged per socket before the log goes quiet (a flood of garbage must not
 #: flood the log; every refusal is still counted in ``rejected``).
-MAX_LOGGED_REJECTIONS = 100
+MAX_LOGGED_REJECTIONS = 10
 
 
 def engine_options_for(engine: str, host: str | None, options: dict | None) -> dict:
