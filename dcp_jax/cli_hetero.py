@@ -58,6 +58,16 @@ def hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeout
     if not paths or any(x not in ("direct", "region") for x in paths):
         _fail(f"--path={path!r}: a TP or layout run takes direct and/or region")
     _check_out_path(json_path, "--json")
+    from dcp_jax.hetero.connector_job import check_job_size
+    from dcp_jax.hetero.cost import hetero_sides
+    from dcp_jax.transfer._worker import check_seconds
+
+    try:  # everything the rank processes would refuse, before any starts
+        check_seconds("--timeout-s", timeout_s)
+        p, d, layers = hetero_sides(model, prefill, decode)
+        check_job_size(p, d, layers, prompt_tokens)
+    except (ValueError, TypeError) as exc:
+        _fail(str(exc))
     results = []
     for mode in (["direct"] if engine == "jax-transfer" else paths):
         try:

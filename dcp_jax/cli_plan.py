@@ -48,9 +48,11 @@ def plan(
     (--prefill-page-size included: the connector's plan between the two page sizes).
 
     With a TP or layout option (--prefill-tp-size, --tp-size, --prefill-layout, --decode-layout)
-    or a model only the heterogeneous plan knows (llama-3.1-8b), it prints, as ``transfer`` then
-    runs, the heterogeneous plan's descriptors per decode (DCP, TP) rank with per-layer caches
-    beside the cross-layer page layout's.
+    it switches, as ``transfer`` does, to the heterogeneous plan: descriptors per decode (DCP, TP)
+    rank with per-layer caches beside the cross-layer page layout's, counted for the plan's
+    wire blocks (a contiguous source). ``transfer``'s direct path reads through the prefill
+    layout too and can post more (up to ~50x with TP and an interleave); its region path posts
+    one per rank.
     """
     from dcp_jax.cost import plan_command
 

@@ -300,3 +300,41 @@ def test_a_plot_suffix_matplotlib_cannot_write_is_refused_before_the_run(tmp_pat
     flat = " ".join(res.output.replace("│", " ").split())
     assert res.exit_code == 2 and "--plot" in flat and "suffix picks the image format" in flat, res.output
     assert "descriptors" not in flat and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("cmd", ["transfer", "plan"])
+@pytest.mark.parametrize("extra,text", [
+    (["--page-size", "2097152"], "--page-size=2097152 must be <= 1048576 tokens"),
+    (["--interleave-size", "1073741824", "--dcp-size", "4"], "--interleave-size * --dcp-size = 1073741824 * 4"),
+    (["--prefill-interleave-size", "1073741824", "--prefill-dcp-size", "4"], "--prefill-interleave-size *"),
+    (["--prefill-layout", "tpu_mla"], "num_kv_heads must be 1 for MLA"),  # a GQA model in an MLA layout
+])
+def test_a_tp_layout_run_refuses_the_connectors_bounds_before_any_process(cmd, extra, text):
+    # Before: transfer started every rank process, which refused its spec (a traceback, or rc 1
+    # and no output at all when a decode rank died before the addresses reached it).
+    args = [cmd, "--model", "llama-3.1-8b", "--prompt-tokens", "256", "--tp-size", "2", *extra]
+    res = runner.invoke(app, args + (["--no-progress"] if cmd == "transfer" else []), terminal_width=200)
+    flat = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and text in flat and "Traceback" not in res.output, res.output
+
+
+@pytest.mark.parametrize("extra,text", [
+    (["--timeout-s", "0"], "--timeout-s=0.0 must be in (0, 86400] seconds"),
+    (["--timeout-s", "nan"], "--timeout-s=nan"),
+    (["--tp-size", "64", "--dcp-size", "16"], "--dcp-size=16 x --tp-size=64 = 1024 processes; at most 64"),
+    (["--prompt-tokens", "131072", "--page-size", "1048576"], "GiB of host memory"),
+])
+def test_a_tp_layout_transfer_refuses_what_its_processes_could_not_run(extra, text):
+    res = runner.invoke(app, ["transfer", "--model", "llama-3.1-8b", "--prompt-tokens", "256", "--tp-size", "2",
+                              "--no-progress", *extra], terminal_width=200)
+    flat = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and text in flat, res.output
+
+
+@pytest.mark.parametrize("cmd", ["transfer", "plan"])
+def test_a_pair_of_two_kinds_is_refused_by_transfer_as_by_plan(cmd):
+    # Before: plan refused it; transfer started 9 processes that each refused the handshake.
+    args = [cmd, "--model", "kimi-k2", "--prompt-tokens", "64", "--prefill-layout", "nhd"]
+    res = runner.invoke(app, args + (["--no-progress"] if cmd == "transfer" else []), terminal_width=200)
+    flat = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and "heterogeneous pair refused: kind differs (prefill 'gqa', decode 'mla')" in flat

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dcp_jax.job.config import MAX_RANKS
 from dcp_jax.merge import MERGE_FORMS
 from dcp_jax.transfer._worker import check_seconds
 from dcp_jax.transfer.spec import check_layout_bounds
@@ -72,6 +73,10 @@ class GenerateConfig:
         if self.model_config().num_heads % self.dcp_size:
             raise ValueError(f"--dcp-size={self.dcp_size} must divide the model's "
                              f"{self.model_config().num_heads} heads")
+        for name in ("dcp_size", "prefill_dcp_size"):  # as the transfer job: one process per rank
+            if getattr(self, name) > MAX_RANKS:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} must be <= {MAX_RANKS} "
+                                 "(one process per rank)")
         check_seconds("--timeout-s", self.timeout_s)  # the connector's own bound: (0, 86400]
         # The connector's layout bounds, before any process starts (a child refusing them at
         # start-up left the parent with a broken pipe and an empty exit 1).

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import os
 import time
 import traceback
 
@@ -27,8 +28,9 @@ from dcp_jax.hetero.cost import hetero_sides
 from dcp_jax.hetero.layouts import cache_shape, place_from_wire
 from dcp_jax.hetero.plan import HeteroSide
 from dcp_jax.layout import local_len_np, owner_np, local_index_np
+from dcp_jax.transfer._worker import check_seconds
 
-__all__ = ["run_connector_job", "spec_of", "pattern", "fill_side", "expected_cache", "SENTINEL"]
+__all__ = ["run_connector_job", "check_job_size", "spec_of", "pattern", "fill_side", "expected_cache", "SENTINEL"]
 
 SENTINEL = 0xA5
 RID = "hetero-0"
@@ -170,6 +172,55 @@ def _decode_main(conn, a: dict) -> None:
         conn.send(("error", traceback.format_exc()))
 
 
+def _page_counts(side: HeteroSide, tokens: int) -> list[int]:
+    """Pages of each DCP rank's cache: what its tokens need, and a spare page (`_tables`)."""
+    return [max(-(-int(local_len_np(tokens, side.dcp_size, r, side.interleave_size)) // side.page_size), 1) + 1
+            for r in range(side.dcp_size)]
+
+
+def check_job_size(prefill: HeteroSide, decode: HeteroSide, layers: int, tokens: int) -> None:
+    """Refuses a job this machine cannot hold before any process starts: more than `MAX_RANKS`
+    (DCP x TP) processes on a side, or caches past the physical memory (each prefill rank's
+    caches once; each decode rank's twice: its caches and the oracle it compares with).
+
+    Raises:
+        ValueError: naming the sizes (``--dcp-size`` & co.) and the GiB needed.
+    """
+    from dcp_jax.job.config import MAX_RANKS
+
+    for side, prefix in ((prefill, "--prefill-"), (decode, "--")):
+        if side.dcp_size * side.tp_size > MAX_RANKS:
+            raise ValueError(f"{prefix}dcp-size={side.dcp_size} x {prefix}tp-size={side.tp_size} = "
+                             f"{side.dcp_size * side.tp_size} processes; at most {MAX_RANKS} a side "
+                             "(one process per (DCP, TP) rank)")
+    need = 0
+    for side, copies in ((prefill, 1), (decode, 2)):
+        for pages in _page_counts(side, tokens):
+            for t in range(side.tp_size):
+                g = side.geometry(t, pages)
+                need += copies * layers * int(np.prod(cache_shape(g))) * g.itemsize
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf: nothing to check against
+        return
+    if need > have:
+        raise ValueError(f"this job's caches need about {need / 2**30:,.1f} GiB of host memory ({tokens:,} "
+                         f"tokens, --page-size {decode.page_size}, prefill page {prefill.page_size}); this "
+                         f"machine has {have / 2**30:.1f} GiB")
+
+
+def _send(p, who: str, msg) -> None:
+    """``msg`` to a rank process; one already gone raises its own error (what it sent before
+    exiting), not the pipe's BrokenPipeError (which the CLI turned into an empty exit 1)."""
+    try:
+        p[1].send(msg)
+    except OSError:
+        p[0].join(5)
+        got, arg = p[1].recv() if p[1].poll(0) else (None, None)
+        raise RuntimeError(f"{who} failed:\n{arg}" if got == "error" else
+                           f"{who} exited (code {p[0].exitcode}) before {msg!r}") from None
+
+
 def _recv(p, who: str, timeout_s: float, kind: str):
     if not p[1].poll(timeout_s):
         raise TimeoutError(f"{who}: no {kind!r} within {timeout_s:g} s (exit code {p[0].exitcode})")
@@ -204,7 +255,8 @@ def run_connector_job(model: str, prompt_tokens: int, prefill: dict, decode: dic
         monotonic clock, shared by the processes).
 
     Raises:
-        ValueError: an unknown model, a side the plan refuses, or ``prompt_tokens`` < 1 (named).
+        ValueError: an unknown model, a side the plan refuses, ``prompt_tokens`` < 1,
+            ``timeout_s`` outside (0, 86400] (named), or a job past `check_job_size`.
         RuntimeError, TimeoutError: a rank process failed (its traceback included) or hung.
     """
     if isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int) or prompt_tokens < 1:
@@ -213,7 +265,9 @@ def run_connector_job(model: str, prompt_tokens: int, prefill: dict, decode: dic
         raise ValueError(f"engine={engine!r} must be 'nixl' or 'mooncake' (the connector's pushes)")
     if mode not in ("direct", "region"):
         raise ValueError(f"mode={mode!r} must be 'direct' or 'region'")
+    timeout_s = check_seconds("timeout_s", timeout_s)
     p, d, layers = hetero_sides(model, prefill, decode)
+    check_job_size(p, d, layers, prompt_tokens)
     from dcp_jax.job.config import engine_env
     engine_env("cpu")  # before the fork server starts: its children inherit the quiet loopback settings
     rng = np.random.default_rng(seed)
@@ -241,12 +295,12 @@ def run_connector_job(model: str, prompt_tokens: int, prefill: dict, decode: dic
         procs += dec
         addresses = [_recv(x, f"prefill rank {x[2]}", timeout_s, "address") for x in pre]
         for x in dec:
-            x[1].send(addresses)
+            _send(x, f"decode rank {x[2]}", addresses)
         for x in dec:
             _recv(x, f"decode rank {x[2]}", timeout_s, "ready")
         t0 = time.monotonic()
         for x in pre:
-            x[1].send("send")
+            _send(x, f"prefill rank {x[2]}", "send")
         sent = [_recv(x, f"prefill rank {x[2]}", timeout_s, "sent") for x in pre]
         done = [_recv(x, f"decode rank {x[2]}", timeout_s, "done") for x in dec]
         for x in procs:

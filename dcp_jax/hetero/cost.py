@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from dcp_jax.hetero.layouts import LAYOUTS
-from dcp_jax.hetero.plan import HeteroSide, build_hetero_plan, descriptor_counts
+from dcp_jax.hetero.plan import HeteroSide, build_hetero_plan, check_pair, descriptor_counts
+from dcp_jax.transfer.spec import check_layout_bounds
 from dcp_jax.layout import local_len_np
 
 __all__ = ["HETERO_MODELS", "hetero_sides", "hetero_counts"]
@@ -36,7 +37,9 @@ def hetero_sides(model: str, prefill: dict, decode: dict) -> tuple[HeteroSide, H
 
     Raises:
         ValueError: an unknown layout (checked first, the side named), an unknown model (the names
-            listed), or a side the plan refuses (named).
+            listed), a side past the connector's layout bounds (`check_layout_bounds`, named by
+            its option), a side the plan refuses (named), or a pair that cannot be paired
+            (`HeteroPlanError`: dtype, kind, heads or head_dim differ).
     """
     for name, s in (("prefill", prefill), ("decode", decode)):  # a bad name first, whatever the model
         if s.get("layout") is not None and s["layout"] not in LAYOUTS:
@@ -45,11 +48,17 @@ def hetero_sides(model: str, prefill: dict, decode: dict) -> tuple[HeteroSide, H
         raise ValueError(f"model={model!r} has no heterogeneous cache entry; one of {sorted(HETERO_MODELS)}")
     kind, layers, heads, head_dim, dtype = HETERO_MODELS[model]
 
-    def side(s: dict) -> HeteroSide:
+    def side(s: dict, prefix: str) -> HeteroSide:
+        check_layout_bounds(s["page_size"], s["dcp_size"], s["interleave_size"],
+                            names=(f"{prefix}page-size", f"{prefix}dcp-size", f"{prefix}interleave-size"))
         return HeteroSide(s["page_size"], s["dcp_size"], s["interleave_size"], s["tp_size"],
                           s.get("layout") or _DEFAULT_LAYOUT[kind], heads, head_dim, dtype)
 
-    return side(prefill), side(decode), layers
+    # The decode side first: a prefill page size left out is --page-size's, named as such.
+    d = side(decode, "--")
+    p = side(prefill, "--prefill-")
+    check_pair(p, d)  # before any plan is sized or process started (transfer ran 9 processes first)
+    return p, d, layers
 
 
 def _tables(side: HeteroSide, stop: int, rng) -> list[np.ndarray]:

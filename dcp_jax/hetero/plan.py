@@ -29,7 +29,8 @@ from dcp_jax.layout import check_layout_args, local_index_np, local_len_np, owne
 from dcp_jax.send_range import _pages
 from dcp_jax.hetero.layouts import CacheGeometry, dtype_itemsize, layout_kind, run_descriptors
 
-__all__ = ["HeteroSide", "HeteroPlan", "HeteroPlanError", "tp_head_range", "head_pieces", "build_hetero_plan",
+__all__ = ["HeteroSide", "HeteroPlan", "HeteroPlanError", "check_pair", "tp_head_range", "head_pieces",
+           "build_hetero_plan",
            "descriptor_counts"]
 
 _FIELDS = ("token", "src_dcp", "src_tp", "src_page", "src_slot", "src_head",
@@ -134,7 +135,8 @@ def tp_head_range(num_kv_heads: int, tp_size: int, tp_rank: int, kind: str = "gq
     raise ValueError(f"num_kv_heads={num_kv_heads} and tp_size={tp_size}: one must divide the other")
 
 
-def _check_pair(prefill: HeteroSide, decode: HeteroSide) -> None:
+def check_pair(prefill: HeteroSide, decode: HeteroSide) -> None:
+    """Raises `HeteroPlanError` naming the first of dtype, kind, heads and head_dim that differ."""
     for field in ("dtype", "kind", "num_kv_heads", "head_dim"):
         a, b = getattr(prefill, field), getattr(decode, field)
         if a != b:
@@ -154,7 +156,7 @@ def head_pieces(prefill: HeteroSide, decode: HeteroSide, *, mla_source_tp_rank: 
         HeteroPlanError: the sides differ in dtype, kind, heads or head_dim.
         ValueError: ``mla_source_tp_rank`` out of range.
     """
-    _check_pair(prefill, decode)
+    check_pair(prefill, decode)
     if prefill.kind == "mla":
         s = check_int("mla_source_tp_rank", mla_source_tp_rank, minimum=0)
         if s >= prefill.tp_size:

@@ -152,9 +152,13 @@ class LoadConfig:
                              f"(twice the connector's ping interval, {DEFAULT_HEARTBEAT_S:g} s)")
         if self.model.strip().lower().replace("_", "-") not in geometry_names():
             raise ValueError(f"--model={self.model!r} must be one of {', '.join(geometry_names())}")
-        if self.geometry.request_bytes(self.max_tokens) * self.concurrency * 2 > (8 << 30):
-            raise ValueError(f"--max-tokens={self.max_tokens} x --concurrency={self.concurrency} of "
-                             f"--model={self.model} needs more than 8 GiB of KV pool per side")
+        # Sized as the pools are (`pool_pages`: whole pages), not by tokens: one token per request
+        # with 65,536-token pages is a page per request.
+        pool = self.pool_pages(self.max_tokens) * self.page_size * self.geometry.row_bytes
+        if pool > (8 << 30):
+            raise ValueError(f"--max-tokens={self.max_tokens} x --concurrency={self.concurrency} in pages of "
+                             f"--page-size={self.page_size} of --model={self.model} needs "
+                             f"{pool / 2**30:,.1f} GiB of KV pool per side, more than 8 GiB")
 
     @property
     def geometry(self) -> ModelGeometry:

@@ -47,3 +47,9 @@ def test_a_send_to_a_child_that_died_raises_its_error():
         for _ in range(3):
             c.send("open", {"addresses": ["x" * 200_000]})
     c.stop()
+
+
+def test_more_prefill_processes_than_the_job_allows_are_refused():
+    # Before: --prefill-dcp-size 100 started 100 prefill processes.
+    with pytest.raises(ValueError, match=r"--prefill-dcp-size=100 must be <= 64 \(one process per rank\)"):
+        GenerateConfig(dcp_size=2, prompt_tokens=20, prefill_dcp_size=100)

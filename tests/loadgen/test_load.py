@@ -205,3 +205,14 @@ def test_cli_refuses_bad_options(args, option):
     res = CliRunner().invoke(app, ["load", *args])
     assert res.exit_code == 2, res.output
     assert option in res.output
+
+
+def test_the_pool_guard_counts_whole_pages():
+    # Before: one token per request passed the 8 GiB guard with 65,536-token pages, and every
+    # receiver then failed allocating its pool (37.8 TB).
+    from dcp_jax.loadgen.config import LoadConfig
+
+    with pytest.raises(ValueError, match=r"--page-size=65536 .* needs [\d,.]+ GiB of KV pool per side, more than 8"):
+        LoadConfig(model="deepseek-v3", page_size=65536, max_tokens=1, concurrency=4096)
+    cfg = LoadConfig(model="deepseek-v3", page_size=16, max_tokens=16, concurrency=64)
+    assert cfg.pool_pages(16) * 16 * cfg.geometry.row_bytes <= 8 << 30
