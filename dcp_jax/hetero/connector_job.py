@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
-import os
 import time
 import traceback
 
@@ -110,12 +109,20 @@ def _sentinel(shape, etype) -> np.ndarray:
 
 def _tables(side: HeteroSide, tokens: int, rng) -> tuple[list[np.ndarray], list[int]]:
     tables, pages = [], []
-    for r in range(side.dcp_size):
-        need = -(-int(local_len_np(tokens, side.dcp_size, r, side.interleave_size)) // side.page_size)
-        num_pages = max(need, 1) + 1  # a spare page: untouched bytes must keep the sentinel
+    for need, num_pages in _rank_pages(side, tokens):
         tables.append(rng.permutation(num_pages)[:need].astype(np.int64))
         pages.append(num_pages)
     return tables, pages
+
+
+def _rank_pages(side: HeteroSide, tokens: int) -> list[tuple[int, int]]:
+    """Each DCP rank's (pages its tokens need, pages of its cache): one spare page, so untouched
+    bytes must keep the sentinel."""
+    out = []
+    for r in range(side.dcp_size):
+        need = -(-int(local_len_np(tokens, side.dcp_size, r, side.interleave_size)) // side.page_size)
+        out.append((need, max(need, 1) + 1))
+    return out
 
 
 def _prefill_main(conn, a: dict) -> None:
@@ -172,12 +179,6 @@ def _decode_main(conn, a: dict) -> None:
         conn.send(("error", traceback.format_exc()))
 
 
-def _page_counts(side: HeteroSide, tokens: int) -> list[int]:
-    """Pages of each DCP rank's cache: what its tokens need, and a spare page (`_tables`)."""
-    return [max(-(-int(local_len_np(tokens, side.dcp_size, r, side.interleave_size)) // side.page_size), 1) + 1
-            for r in range(side.dcp_size)]
-
-
 def check_job_size(prefill: HeteroSide, decode: HeteroSide, layers: int, tokens: int) -> None:
     """Refuses a job this machine cannot hold before any process starts: more than `MAX_RANKS`
     (DCP x TP) processes on a side, or caches past the physical memory (each prefill rank's
@@ -187,6 +188,7 @@ def check_job_size(prefill: HeteroSide, decode: HeteroSide, layers: int, tokens:
         ValueError: naming the sizes (``--dcp-size`` & co.) and the GiB needed.
     """
     from dcp_jax.job.config import MAX_RANKS
+    from dcp_jax.job.kv import physical_memory_bytes
 
     for side, prefix in ((prefill, "--prefill-"), (decode, "--")):
         if side.dcp_size * side.tp_size > MAX_RANKS:
@@ -195,15 +197,12 @@ def check_job_size(prefill: HeteroSide, decode: HeteroSide, layers: int, tokens:
                              "(one process per (DCP, TP) rank)")
     need = 0
     for side, copies in ((prefill, 1), (decode, 2)):
-        for pages in _page_counts(side, tokens):
+        for _, pages in _rank_pages(side, tokens):
             for t in range(side.tp_size):
                 g = side.geometry(t, pages)
                 need += copies * layers * int(np.prod(cache_shape(g))) * g.itemsize
-    try:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # no sysconf: nothing to check against
-        return
-    if need > have:
+    have = physical_memory_bytes()
+    if have is not None and need > have:
         raise ValueError(f"this job's caches need about {need / 2**30:,.1f} GiB of host memory ({tokens:,} "
                          f"tokens, --page-size {decode.page_size}, prefill page {prefill.page_size}); this "
                          f"machine has {have / 2**30:.1f} GiB")

@@ -204,6 +204,14 @@ def estimate_host_bytes(cfg: JobConfig) -> int:
     return m * (prefill_pool * (3 if staged else 1) + prefill_pack) + n * decode_pool * (2 if staged else 1)
 
 
+def physical_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes, or None where sysconf cannot tell."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def check_host_memory(cfg: JobConfig) -> None:
     """Refuses a job whose buffers would not fit this machine's physical memory.
 
@@ -211,11 +219,8 @@ def check_host_memory(cfg: JobConfig) -> None:
         ValueError: :func:`estimate_host_bytes` exceeds the physical memory (naming the options).
     """
     need = estimate_host_bytes(cfg)
-    try:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # no sysconf: nothing to check against
-        return
-    if need > have:
+    have = physical_memory_bytes()
+    if have is not None and need > have:
         raise ValueError(
             f"this job needs about {need / 2**30:.1f} GiB of host memory (prompt_tokens="
             f"{cfg.prompt_tokens}, page_size={cfg.page_size}, dcp_size={cfg.dcp_size}, "
