@@ -24,6 +24,7 @@ import numpy as np
 
 from dcp_jax.generate.config import TOLERANCES, GenerateConfig
 from dcp_jax.generate.workers import decode_main, prefill_main
+from dcp_jax.job.child import Child
 
 __all__ = ["run_generate", "reference_generate", "compare_logits", "make_prompt"]
 
@@ -40,62 +41,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class _Child:
-    def __init__(self, ctx, who, target, *args):
-        self.who = who
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True, name=who)
-        self.proc.start()
-        child.close()
-
-    def recv(self, expect: str, timeout_s: float):
-        deadline = time.monotonic() + timeout_s
-        while not self.conn.poll(0.1):
-            if not self.proc.is_alive() and not self.conn.poll(0):
-                raise RuntimeError(f"{self.who} exited (code {self.proc.exitcode}) before {expect!r}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.who}: no {expect!r} within {timeout_s:g} s")
-        try:
-            kind, arg = self.conn.recv()
-        except (EOFError, OSError):
-            raise RuntimeError(f"{self.who} exited (code {self.proc.exitcode}) before {expect!r}") from None
-        if kind == "error":
-            raise RuntimeError(arg)
-        if kind != expect:
-            raise RuntimeError(f"{self.who}: expected {expect!r}, got {kind!r}: {arg}")
-        return arg
-
-    def send(self, kind: str, arg) -> None:
-        """Sends ``(kind, arg)``; a child already gone raises RuntimeError with its own error
-        (what it sent before exiting) instead of the pipe's BrokenPipeError."""
-        try:
-            self.conn.send((kind, arg))
-        except OSError:  # BrokenPipeError, ConnectionResetError
-            self.proc.join(5)
-            try:
-                if self.conn.poll(0):
-                    got, why = self.conn.recv()
-                    if got == "error":
-                        raise RuntimeError(why) from None
-            except (EOFError, OSError):
-                pass
-            raise RuntimeError(f"{self.who} exited (code {self.proc.exitcode}) before {kind!r}") from None
-
-    def stop(self) -> None:
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
-
-
 def _processes(cfg: GenerateConfig, prompt: np.ndarray) -> dict:
     ctx = mp.get_context("spawn")  # engines and JAX want fresh processes
     coordinator = f"127.0.0.1:{_free_port()}"
     prefills, decodes = [], []
     try:
-        prefills = [_Child(ctx, f"prefill {m}", prefill_main, cfg, m, prompt) for m in range(cfg.prefill_dcp_size)]
-        decodes = [_Child(ctx, f"decode rank {r}", decode_main, cfg, r, coordinator, prompt)
+        prefills = [Child(ctx, f"prefill {m}", prefill_main, cfg, m, prompt) for m in range(cfg.prefill_dcp_size)]
+        decodes = [Child(ctx, f"decode rank {r}", decode_main, cfg, r, coordinator, prompt)
                    for r in range(cfg.dcp_size)]
         t = cfg.timeout_s
         addresses = [p.recv("address", t) for p in prefills]

@@ -106,7 +106,7 @@ def prefill_main(conn, cfg, rank: int, prompt) -> None:
         sender.close()
         conn.send(("closed", None))
     except BaseException:  # noqa: BLE001 - report, then exit non-zero
-        conn.send(("error", f"prefill {rank}:\n{traceback.format_exc()}"))
+        conn.send(("error", traceback.format_exc()))  # Child names the process
         raise SystemExit(1)
 
 
@@ -202,7 +202,7 @@ def decode_main(conn, cfg, rank: int, coordinator: str, prompt) -> None:
                                   step_done=marks, tokens=tokens, compile_s=compile_s, kv_in_place=in_place,
                                   logits=logits if rank == 0 else None)))
     except BaseException:  # noqa: BLE001
-        conn.send(("error", f"decode rank {rank}:\n{traceback.format_exc()}"))
+        conn.send(("error", traceback.format_exc()))  # Child names the process
         raise SystemExit(1)
 
 

@@ -26,6 +26,7 @@ import numpy as np
 from dcp_jax.hetero.cost import hetero_sides
 from dcp_jax.hetero.layouts import cache_shape, place_from_wire
 from dcp_jax.hetero.plan import HeteroSide
+from dcp_jax.job.child import Child
 from dcp_jax.layout import local_len_np, owner_np, local_index_np
 from dcp_jax.transfer._worker import check_seconds
 
@@ -160,7 +161,8 @@ def _decode_main(conn, a: dict) -> None:
         caches = _new_caches(side, a["tp_rank"], a["num_pages"], a["layers"], lambda s: _sentinel(s, _etype(side)))
         with KVReceiver(spec_of(side, a["dcp_rank"], a["tp_rank"], a["layers"]), caches, engine=a["engine"],
                         group=_GROUP, timeout_s=a["timeout_s"], region_bytes=a["region_bytes"]) as recv:
-            for address in conn.recv():
+            _, addresses = conn.recv()  # ("open", [prefill addresses])
+            for address in addresses:
                 recv.connect(address, timeout_s=a["timeout_s"])
             recv.expect(RID, a["table"], a["tokens"])
             conn.send(("ready", None))
@@ -206,27 +208,6 @@ def check_job_size(prefill: HeteroSide, decode: HeteroSide, layers: int, tokens:
         raise ValueError(f"this job's caches need about {need / 2**30:,.1f} GiB of host memory ({tokens:,} "
                          f"tokens, --page-size {decode.page_size}, prefill page {prefill.page_size}); this "
                          f"machine has {have / 2**30:.1f} GiB")
-
-
-def _send(p, who: str, msg) -> None:
-    """``msg`` to a rank process; one already gone raises its own error (what it sent before
-    exiting), not the pipe's BrokenPipeError (which the CLI turned into an empty exit 1)."""
-    try:
-        p[1].send(msg)
-    except OSError:
-        p[0].join(5)
-        got, arg = p[1].recv() if p[1].poll(0) else (None, None)
-        raise RuntimeError(f"{who} failed:\n{arg}" if got == "error" else
-                           f"{who} exited (code {p[0].exitcode}) before {msg!r}") from None
-
-
-def _recv(p, who: str, timeout_s: float, kind: str):
-    if not p[1].poll(timeout_s):
-        raise TimeoutError(f"{who}: no {kind!r} within {timeout_s:g} s (exit code {p[0].exitcode})")
-    got, arg = p[1].recv()
-    if got != kind:
-        raise RuntimeError(f"{who} failed:\n{arg}" if got == "error" else f"{who}: {got!r} instead of {kind!r}")
-    return arg
 
 
 def run_connector_job(model: str, prompt_tokens: int, prefill: dict, decode: dict, *, engine: str = "nixl",
@@ -278,41 +259,36 @@ def run_connector_job(model: str, prompt_tokens: int, prefill: dict, decode: dic
     common = dict(layers=layers, tokens=prompt_tokens, engine=engine, timeout_s=timeout_s, mode=mode,
                   region_bytes=region_bytes if mode == "region" else 0)
 
-    def start(target, side, r, t, tables, pages):
-        a, b = ctx.Pipe()
+    def start(target, side, r, t, tables, pages) -> Child:
         args = dict(common, side=dataclasses.asdict(side), dcp_rank=r, tp_rank=t,
                     table=tables[r], num_pages=pages[r], seed=seed * 7919 + r * 131 + t)
-        proc = ctx.Process(target=target, args=(b, args), daemon=True)
-        proc.start()
-        return proc, a, (r, t)
+        return Child(ctx, f"{'prefill' if target is _prefill_main else 'decode'} rank {(r, t)}", target, args)
 
-    procs = []
+    procs: list[Child] = []
     try:
         pre = [start(_prefill_main, p, r, t, ptables, ppages) for r in range(p.dcp_size) for t in range(p.tp_size)]
         procs += pre
         dec = [start(_decode_main, d, r, t, dtables, dpages) for r in range(d.dcp_size) for t in range(d.tp_size)]
         procs += dec
-        addresses = [_recv(x, f"prefill rank {x[2]}", timeout_s, "address") for x in pre]
+        addresses = [x.recv("address", timeout_s) for x in pre]
         for x in dec:
-            _send(x, f"decode rank {x[2]}", addresses)
+            x.send("open", addresses)
         for x in dec:
-            _recv(x, f"decode rank {x[2]}", timeout_s, "ready")
+            x.recv("ready", timeout_s)
         t0 = time.monotonic()
         for x in pre:
-            _send(x, f"prefill rank {x[2]}", "send")
-        sent = [_recv(x, f"prefill rank {x[2]}", timeout_s, "sent") for x in pre]
-        done = [_recv(x, f"decode rank {x[2]}", timeout_s, "done") for x in dec]
+            x.send("send")
+        sent = [x.recv("sent", timeout_s) for x in pre]
+        done = [x.recv("done", timeout_s) for x in dec]
         for x in procs:
-            x[1].send("close")
+            x.send("close")
         for x in procs:
-            x[0].join(timeout_s)
+            x.proc.join(timeout_s)
     finally:
         for x in procs:
-            if x[0].is_alive():
-                x[0].kill()
-                x[0].join(5)
+            x.stop(0)  # after an error: kills whoever is left at once
     ranks = []
-    for (_, _, (r, t)), res in zip(dec, done):
+    for (r, t), res in zip(((r, t) for r in range(d.dcp_size) for t in range(d.tp_size)), done):
         key = t * d.dcp_size + r  # KVCacheSpec.group_rank: the key each sender files this rank under
         ranks.append(dict(dcp_rank=r, tp_rank=t, descriptors=sum(s["ranks"].get(key, {}).get("descriptors", 0) for s in sent),
                           bytes=sum(s["ranks"].get(key, {}).get("bytes", 0) for s in sent), status=res["status"],

@@ -1,11 +1,8 @@
 """`GenerateConfig` refuses what the connector would refuse, before any process starts, and the
-parent reports a child that died at start-up with the child's own error."""
-import multiprocessing as mp
-
+parent reports a child that died at start-up with the child's own error (tests/test_child.py)."""
 import pytest
 
 from dcp_jax.generate.config import GenerateConfig
-from dcp_jax.generate.run import _Child
 
 
 @pytest.mark.parametrize("kw,text", [
@@ -21,32 +18,6 @@ from dcp_jax.generate.run import _Child
 def test_bounds_the_connector_sets_are_refused_up_front(kw, text):
     with pytest.raises(ValueError, match=text):
         GenerateConfig(**{"dcp_size": 2, "prompt_tokens": 20, **kw})
-
-
-def _dies_with_an_error(conn):
-    conn.send(("error", "decode rank 0:\nValueError: the child's own reason"))
-    conn.close()
-
-
-def _dies_silently(conn):
-    conn.close()
-
-
-def test_a_send_to_a_child_that_died_raises_its_error():
-    # Before: the parent's send hit BrokenPipeError, which the CLI turned into an empty exit 1.
-    ctx = mp.get_context("fork")  # a local target; the child touches no JAX state
-    c = _Child(ctx, "decode rank 0", _dies_with_an_error)
-    c.proc.join(10)
-    with pytest.raises(RuntimeError, match="the child's own reason"):
-        for _ in range(3):  # the first sends may still fill the pipe's buffer
-            c.send("open", {"addresses": ["x" * 200_000]})
-    c.stop()
-    c = _Child(ctx, "decode rank 1", _dies_silently)
-    c.proc.join(10)
-    with pytest.raises(RuntimeError, match=r"decode rank 1 exited \(code 0\) before 'open'"):
-        for _ in range(3):
-            c.send("open", {"addresses": ["x" * 200_000]})
-    c.stop()
 
 
 def test_more_prefill_processes_than_the_job_allows_are_refused():

@@ -1,0 +1,79 @@
+"""`Child` (dcp_jax.job.child), the pipe to one rank process of the generate and TP/layout jobs:
+a child that dies reports its own error whether the parent meets it in a send or a receive, and
+every wait is bounded. The children are real processes (fork: local targets, no JAX state)."""
+import multiprocessing as mp
+import time
+
+import pytest
+
+from dcp_jax.job.child import Child
+
+CTX = mp.get_context("fork")
+BIG = {"addresses": ["x" * 200_000]}  # more than a pipe's buffer: the send must meet the dead end
+
+
+def _dies_with_an_error(conn):
+    conn.send(("error", "Traceback ...\nValueError: the child's own reason"))
+    conn.close()
+
+
+def _dies_silently(conn):
+    conn.close()
+
+
+def _answers(conn, kind):
+    conn.send((kind, {"n": 7}))
+    conn.recv()
+
+
+def _hangs(conn):
+    conn.recv()
+
+
+def test_a_send_to_a_child_that_died_raises_its_own_error():
+    # Before: the parent's send hit BrokenPipeError, which the CLI turned into an empty exit 1.
+    c = Child(CTX, "decode rank (0, 1)", _dies_with_an_error)
+    c.proc.join(10)
+    with pytest.raises(RuntimeError, match=r"(?s)decode rank \(0, 1\) failed:\n.*the child's own reason"):
+        for _ in range(3):  # the first sends may still fit the pipe's buffer
+            c.send("open", BIG)
+    c.stop()
+    c = Child(CTX, "decode rank 1", _dies_silently)
+    c.proc.join(10)
+    with pytest.raises(RuntimeError, match=r"decode rank 1 exited \(code 0\) before 'open'"):
+        for _ in range(3):
+            c.send("open", BIG)
+    c.stop()
+
+
+def test_recv_returns_the_arg_and_names_what_went_wrong():
+    c = Child(CTX, "prefill rank 0", _answers, "address")
+    assert c.recv("address", 10) == {"n": 7}
+    c.send("close")
+    c.stop()
+    c = Child(CTX, "prefill rank 0", _answers, "sent")
+    with pytest.raises(RuntimeError, match=r"prefill rank 0: expected 'address', got 'sent': \{'n': 7\}"):
+        c.recv("address", 10)
+    c.send("close")
+    c.stop()
+    c = Child(CTX, "prefill rank 2", _dies_with_an_error)
+    with pytest.raises(RuntimeError, match=r"(?s)prefill rank 2 failed:\n.*the child's own reason"):
+        c.recv("address", 10)
+    c.stop()
+    c = Child(CTX, "prefill rank 3", _dies_silently)
+    with pytest.raises(RuntimeError, match=r"prefill rank 3 exited \(code 0\) before 'address'"):
+        c.recv("address", 10)
+    c.stop()
+
+
+def test_waits_are_bounded():
+    c = Child(CTX, "decode rank 5", _hangs)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"decode rank 5: no 'ready' within 0.3 s"):
+        c.recv("ready", 0.3)
+    assert time.monotonic() - t0 < 5
+    t0 = time.monotonic()
+    c.stop(0.2)  # still blocked in recv: killed after the bound
+    assert time.monotonic() - t0 < 10
+    assert not c.proc.is_alive() and c.proc.exitcode != 0
+    assert c.conn.closed
