@@ -47,7 +47,10 @@ logger = logging.getLogger(__name__)
 
 _LOCK = threading.RLock()
 _STATE = {"off": os.environ.get("DCP_JAX_DIRECT_LAUNCH", "1") == "0", "why": "", "off_kinds": set()}
-_KERNELS: dict = {}   # compile key -> (CompiledKernel, grid)
+_KERNELS: dict = {}   # compile key -> (CompiledKernel, grid), oldest first
+# A serving process meets a few geometries (index buckets x cache shapes); the bound only keeps a
+# long-lived process that sees ever new ones from holding every module (plans keep their own).
+_MAX_KERNELS = 256
 _STREAMS: dict = {}   # device id -> cupy Stream
 _SLOTS: dict = {}     # device id -> _SlotRing
 _SLOTS_PER_DEVICE = 4
@@ -183,8 +186,16 @@ def kernel_for(key, trace, tag: str, config, device_id: int):
                                 target=GPUTarget("cuda", cc, 32))
         with torch.cuda.device(device_id):
             kernel._init_handles()  # loads the binary on this device (a later launch only reuses it)
-        _KERNELS[key] = (kernel, (grid + (1, 1))[:3])
-        return _KERNELS[key]
+        return _remember(key, (kernel, (grid + (1, 1))[:3]))
+
+
+def _remember(key, got):
+    """Files a compiled kernel under `key`, dropping the oldest past `_MAX_KERNELS`."""
+    with _LOCK:
+        while len(_KERNELS) >= _MAX_KERNELS:
+            del _KERNELS[next(iter(_KERNELS))]
+        _KERNELS[key] = got
+    return got
 
 
 class _SlotRing:

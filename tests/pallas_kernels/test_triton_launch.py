@@ -172,3 +172,13 @@ def test_compile_module_names_a_bad_option(kw, exc, match):
     args.update(kw)
     with pytest.raises(exc, match=match):
         triton_launch.compile_module(text, **args)
+
+
+def test_compiled_kernels_are_bounded_oldest_dropped_first(monkeypatch):
+    # A long-lived process that meets ever new geometries keeps at most _MAX_KERNELS modules.
+    monkeypatch.setattr(triton_launch, "_KERNELS", {})
+    monkeypatch.setattr(triton_launch, "_MAX_KERNELS", 3)
+    for k in range(5):
+        assert triton_launch._remember(("fanout", k), (f"kernel {k}", (k, 1, 1))) == (f"kernel {k}", (k, 1, 1))
+    assert list(triton_launch._KERNELS) == [("fanout", 2), ("fanout", 3), ("fanout", 4)]
+    assert triton_launch._KERNELS[("fanout", 4)] == ("kernel 4", (4, 1, 1))
