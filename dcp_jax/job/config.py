@@ -214,7 +214,7 @@ class JobConfig:
         if not _is_int(self.requests) or not 1 <= self.requests <= MAX_REQUESTS:
             raise ValueError(f"requests={self.requests!r} (--requests) must be an int in [1, {MAX_REQUESTS}]")
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
-            raise ValueError(f"timeout_s={self.timeout_s!r} must be in (0, {MAX_TIMEOUT_S}] seconds")
+            raise ValueError(f"timeout_s={self.timeout_s!r} (--timeout-s) must be in (0, {MAX_TIMEOUT_S:g}] seconds")
         if not self.pool_slack >= 1.0:
             raise ValueError(f"pool_slack={self.pool_slack!r} must be >= 1.0")
         for name in ("corrupt_rank", "die_rank"):
