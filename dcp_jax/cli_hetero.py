@@ -119,7 +119,9 @@ def hetero_table(res: dict, model: str, prompt_tokens: int, engine: str) -> None
 
 def hetero_plan(model: str, prompt_tokens: int, prefill: dict, decode: dict, seed: int,
                  json_path: Optional[Path]) -> None:
-    """The heterogeneous pair's table (`dcp_jax.hetero.cost.hetero_counts`)."""
+    """The heterogeneous pair's table (`dcp_jax.hetero.cost.hetero_counts`): the plan's wire
+    blocks per-layer and cross-layer, and what ``transfer --path direct`` posts (the same page
+    tables as ``transfer`` for one --seed)."""
     from dcp_jax.hetero.cost import hetero_counts
 
     _check_tokens(prompt_tokens)
@@ -136,12 +138,13 @@ def hetero_plan(model: str, prompt_tokens: int, prefill: dict, decode: dict, see
                     f"{decode['layout'] or 'default layout'}", show_footer=True)
     cols = [("dcp rank", "all"), ("tp rank", ""), ("rows (tokens x heads)", f"{sum(r['rows'] for r in rows):,}"),
             ("descriptors (per-layer caches)", f"{sum(r['descriptors'] for r in rows):,}"),
-            ("descriptors (cross-layer pages)", f"{sum(r['cross_layer'] for r in rows):,}")]
+            ("descriptors (cross-layer pages)", f"{sum(r['cross_layer'] for r in rows):,}"),
+            ("posted by transfer --path direct", f"{sum(r['direct'] for r in rows):,}")]
     for name, footer in cols:
         t.add_column(name, footer=footer, justify="right")
     for r in rows:
         t.add_row(str(r["dcp_rank"]), str(r["tp_rank"]), f"{r['rows']:,}", f"{r['descriptors']:,}",
-                  f"{r['cross_layer']:,}")
+                  f"{r['cross_layer']:,}", f"{r['direct']:,}")
     Console().print(t)
     if json_path is not None:
         json_path.write_text(json.dumps(rows, indent=2))

@@ -50,9 +50,9 @@ def plan(
     With a TP or layout option (--prefill-tp-size, --tp-size, --prefill-layout, --decode-layout)
     it switches, as ``transfer`` does, to the heterogeneous plan: descriptors per decode (DCP, TP)
     rank with per-layer caches beside the cross-layer page layout's, counted for the plan's
-    wire blocks (a contiguous source). ``transfer``'s direct path reads through the prefill
-    layout too and can post more (up to ~50x with TP and an interleave); its region path posts
-    one per rank.
+    wire blocks (a contiguous source), and the descriptors ``transfer --path direct`` posts
+    (it reads through the prefill layout too: up to ~50x more with TP and an interleave; the
+    same page tables for one --seed). Its region path posts one per rank.
     """
     from dcp_jax.cost import plan_command
 

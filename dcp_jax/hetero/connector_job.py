@@ -23,11 +23,11 @@ import traceback
 
 import numpy as np
 
-from dcp_jax.hetero.cost import hetero_sides
+from dcp_jax.hetero.cost import hetero_sides, rank_pages, rank_tables
 from dcp_jax.hetero.layouts import cache_shape, place_from_wire
 from dcp_jax.hetero.plan import HeteroSide
 from dcp_jax.job.child import Child
-from dcp_jax.layout import local_len_np, owner_np, local_index_np
+from dcp_jax.layout import owner_np, local_index_np
 from dcp_jax.transfer._worker import check_seconds
 
 __all__ = ["run_connector_job", "check_job_size", "spec_of", "pattern", "fill_side", "expected_cache", "SENTINEL"]
@@ -108,24 +108,6 @@ def _sentinel(shape, etype) -> np.ndarray:
     return np.full(int(np.prod(shape)) * np.dtype(etype).itemsize, SENTINEL, np.uint8).view(etype).reshape(shape)
 
 
-def _tables(side: HeteroSide, tokens: int, rng) -> tuple[list[np.ndarray], list[int]]:
-    tables, pages = [], []
-    for need, num_pages in _rank_pages(side, tokens):
-        tables.append(rng.permutation(num_pages)[:need].astype(np.int64))
-        pages.append(num_pages)
-    return tables, pages
-
-
-def _rank_pages(side: HeteroSide, tokens: int) -> list[tuple[int, int]]:
-    """Each DCP rank's (pages its tokens need, pages of its cache): one spare page, so untouched
-    bytes must keep the sentinel."""
-    out = []
-    for r in range(side.dcp_size):
-        need = -(-int(local_len_np(tokens, side.dcp_size, r, side.interleave_size)) // side.page_size)
-        out.append((need, max(need, 1) + 1))
-    return out
-
-
 def _prefill_main(conn, a: dict) -> None:
     from dcp_jax.job.config import engine_env
     engine_env("cpu")
@@ -199,7 +181,7 @@ def check_job_size(prefill: HeteroSide, decode: HeteroSide, layers: int, tokens:
                              "(one process per (DCP, TP) rank)")
     need = 0
     for side, copies in ((prefill, 1), (decode, 2)):
-        for _, pages in _rank_pages(side, tokens):
+        for _, pages in rank_pages(side, tokens):
             for t in range(side.tp_size):
                 g = side.geometry(t, pages)
                 need += copies * layers * int(np.prod(cache_shape(g))) * g.itemsize
@@ -251,8 +233,8 @@ def run_connector_job(model: str, prompt_tokens: int, prefill: dict, decode: dic
     from dcp_jax.job.config import engine_env
     engine_env("cpu")  # before the fork server starts: its children inherit the quiet loopback settings
     rng = np.random.default_rng(seed)
-    ptables, ppages = _tables(p, prompt_tokens, rng)
-    dtables, dpages = _tables(d, prompt_tokens, rng)
+    ptables, ppages = rank_tables(p, prompt_tokens, rng)  # the tables `hetero_counts` counts with
+    dtables, dpages = rank_tables(d, prompt_tokens, rng)
     ctx = mp.get_context("forkserver") if "forkserver" in mp.get_all_start_methods() else mp.get_context("spawn")
     if ctx.get_start_method() == "forkserver":  # the connector (and JAX) imported once, not per rank
         ctx.set_forkserver_preload(["dcp_jax.transfer", "dcp_jax.hetero.connector_job", "bridge.nixl"])

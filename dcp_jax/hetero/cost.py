@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from dcp_jax.hetero.layouts import LAYOUTS
+from dcp_jax.hetero.layouts import LAYOUTS, cache_shape
 from dcp_jax.hetero.plan import HeteroSide, build_hetero_plan, check_pair, descriptor_counts
 from dcp_jax.transfer.spec import check_layout_bounds
 from dcp_jax.layout import local_len_np
 
-__all__ = ["HETERO_MODELS", "hetero_sides", "hetero_counts"]
+__all__ = ["HETERO_MODELS", "hetero_sides", "hetero_counts", "rank_pages", "rank_tables", "direct_counts"]
 
 #: model -> (layout kind, num_layers, num_kv_heads, head_dim, dtype)
 HETERO_MODELS = {
@@ -61,28 +61,83 @@ def hetero_sides(model: str, prefill: dict, decode: dict) -> tuple[HeteroSide, H
     return p, d, layers
 
 
-def _tables(side: HeteroSide, stop: int, rng) -> list[np.ndarray]:
+def rank_pages(side: HeteroSide, tokens: int) -> list[tuple[int, int]]:
+    """Each DCP rank's ``(pages its tokens need, pages of its cache)`` for tokens ``[0, tokens)``:
+    one spare page, so the TP/layout job's untouched bytes must keep their sentinel."""
     out = []
     for r in range(side.dcp_size):
-        need = -(-int(local_len_np(stop, side.dcp_size, r, side.interleave_size)) // side.page_size)
-        out.append(rng.permutation(max(need, 1) + need)[:need])  # pages drawn from a pool twice as large
+        need = -(-int(local_len_np(tokens, side.dcp_size, r, side.interleave_size)) // side.page_size)
+        out.append((need, max(need, 1) + 1))
     return out
 
 
+def rank_tables(side: HeteroSide, tokens: int, rng) -> tuple[list[np.ndarray], list[int]]:
+    """Each DCP rank's page table (i64, pages drawn at random from its cache) and its cache's
+    page count (`rank_pages`); the TP/layout job and this cost report draw the same tables."""
+    tables, pages = [], []
+    for need, num_pages in rank_pages(side, tokens):
+        tables.append(rng.permutation(num_pages)[:need].astype(np.int64))
+        pages.append(num_pages)
+    return tables, pages
+
+
+def direct_counts(p: HeteroSide, d: HeteroSide, layers: int, tokens: int, src: tuple, dst: tuple) -> dict:
+    """Descriptors the connector's direct path posts to each decode ``(dcp_rank, tp_rank)`` for
+    tokens ``[0, tokens)`` sent as one chunk and one window (``max_batch_indices`` None): each
+    prefill rank's rows (`dcp_jax.transfer.schedule.chunk_rows`) through both layouts
+    (`dcp_jax.transfer.views.StreamView.descriptors`, the function the sender posts with), every
+    layer at its own address.
+
+    Args:
+        p, d: the two sides; layers: layers per cache; tokens: tokens moved.
+        src, dst: ``(tables, pages)`` of each side (`rank_tables`).
+    """
+    from dcp_jax.transfer.schedule import SideLayout, chunk_rows
+    from dcp_jax.transfer.views import side_view
+
+    out = {}
+    for dr in range(d.dcp_size):
+        dl = SideLayout(d.dcp_size, dr, d.interleave_size, d.page_size)
+        for dt in range(d.tp_size):
+            n = 0
+            for pr in range(p.dcp_size):
+                rows = chunk_rows(0, tokens, src=SideLayout(p.dcp_size, pr, p.interleave_size, p.page_size),
+                                  dst=dl, src_page_table=src[0][pr], dst_page_table=dst[0][dr])
+                for pt in range(p.tp_size):
+                    view = side_view(p, d, pt, dt, src[1][pr], dst[1][dr])
+                    if rows[0].size and len(view.pieces):
+                        n += len(view.descriptors(*rows, _bases(view.src_geom, layers), _bases(view.dst_geom, layers)))
+            out[(dr, dt)] = n
+    return out
+
+
+def _bases(geom, layers: int) -> np.ndarray:
+    """Layer addresses a page apart past each cache: no descriptor merges across two layers."""
+    stride = int(np.prod(cache_shape(geom))) * geom.itemsize + 4096
+    return np.arange(1, layers + 1, dtype=np.int64) * stride
+
+
 def hetero_counts(model: str, prompt_tokens: int, prefill: dict, decode: dict, *, seed: int = 0) -> list[dict]:
-    """Descriptors per decode rank for the whole prompt, per-layer and cross-layer.
+    """Descriptors per decode rank for the whole prompt: the plan's wire blocks, per-layer and
+    cross-layer, and what the connector's direct path posts.
+
+    The page tables are the TP/layout job's for the same ``seed`` (`rank_tables`), so ``direct``
+    is the count ``dcp-jax transfer --path direct`` reports for that pair and seed.
 
     Returns:
         one dict per decode ``(dcp_rank, tp_rank)``: ``dcp_rank``, ``tp_rank``, ``rows`` (tokens x
-        heads it receives), ``descriptors`` (per-layer caches, all layers), ``cross_layer``.
+        heads it receives), ``descriptors`` (the plan's wire blocks with per-layer caches, all
+        layers), ``cross_layer`` (the same with cross-layer pages), ``direct`` (`direct_counts`).
     """
     p, d, layers = hetero_sides(model, prefill, decode)
     rng = np.random.default_rng(seed)
-    plan = build_hetero_plan(p, d, 0, prompt_tokens, _tables(p, prompt_tokens, rng), _tables(d, prompt_tokens, rng))
+    src, dst = rank_tables(p, prompt_tokens, rng), rank_tables(d, prompt_tokens, rng)
+    plan = build_hetero_plan(p, d, 0, prompt_tokens, src[0], dst[0])
     per_layer = descriptor_counts(plan, layers)
     cross = descriptor_counts(plan, layers, cross_layer=True)
+    direct = direct_counts(p, d, layers, prompt_tokens, src, dst)
     rows = {}
     for dd, dt, nh in zip(plan.dst_dcp.tolist(), plan.dst_tp.tolist(), plan.num_heads.tolist()):
         rows[(dd, dt)] = rows.get((dd, dt), 0) + nh
     return [dict(dcp_rank=k[0], tp_rank=k[1], rows=rows.get(k, 0), descriptors=per_layer[k],
-                 cross_layer=cross[k]) for k in sorted(per_layer)]
+                 cross_layer=cross[k], direct=direct[k]) for k in sorted(per_layer)]

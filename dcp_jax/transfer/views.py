@@ -33,7 +33,7 @@ from dcp_jax.hetero.layouts import LAYOUTS, CacheGeometry, cache_shape, gather_t
 from dcp_jax.hetero.plan import HeteroPlanError, HeteroSide, head_pieces
 from dcp_jax.transfer.spec import HandshakeError, KVCacheSpec
 
-__all__ = ["uses_views", "check_view_pair", "StreamView", "stream_view", "pair_pieces", "pair_moves", "served_group_ranks",
+__all__ = ["uses_views", "check_view_pair", "StreamView", "stream_view", "side_view", "pair_pieces", "pair_moves", "served_group_ranks",
            "uncovered_heads", "view_path",
            "VIEW_MODES"]
 
@@ -228,8 +228,15 @@ def stream_view(prefill: KVCacheSpec, decode: KVCacheSpec, src_pages: int, dst_p
         HandshakeError: as `check_view_pair`.
     """
     p, d = check_view_pair(prefill, decode)
-    pieces = _pieces(p, d, prefill.tp_rank, decode.tp_rank)
-    return StreamView(p.geometry(prefill.tp_rank, src_pages), d.geometry(decode.tp_rank, dst_pages), pieces)
+    return side_view(p, d, prefill.tp_rank, decode.tp_rank, src_pages, dst_pages)
+
+
+def side_view(prefill: HeteroSide, decode: HeteroSide, src_tp: int, dst_tp: int, src_pages: int,
+              dst_pages: int) -> StreamView:
+    """The `StreamView` of prefill TP rank ``src_tp`` -> decode TP rank ``dst_tp`` of two checked
+    `HeteroSide`s (what `stream_view` builds from the specs; the plan's cost report counts with it)."""
+    return StreamView(prefill.geometry(src_tp, src_pages), decode.geometry(dst_tp, dst_pages),
+                      _pieces(prefill, decode, src_tp, dst_tp))
 
 
 def _pieces(p: HeteroSide, d: HeteroSide, src_tp, dst_tp: int) -> np.ndarray:

@@ -26,6 +26,16 @@ def test_gqa_tp_split_every_decode_rank_gets_its_heads():
     rows = hetero_counts("llama-3.1-8b", 256, _side(16, tp=2), _side(64, 2, tp=4, layout="hnd"))
     assert len(rows) == 8 and all(r["rows"] == 128 * 2 for r in rows)  # 128 tokens x 2 of 8 heads
     assert all(r["cross_layer"] <= r["descriptors"] for r in rows)
+    # Direct, NHD -> HND, 2 heads per decode rank: one descriptor per (token, head, K/V, layer).
+    assert [r["direct"] for r in rows] == [128 * 2 * 2 * 32] * 8
+
+
+def test_direct_counts_by_hand_where_rows_move_whole():
+    """MLA, equal layouts, no TP, prefill page 128 -> decode page 32, DCP4, I=32: a decode rank's
+    8 pages each take one descriptor per layer (a 32-token block is contiguous on both sides:
+    inside one prefill page and one decode page)."""
+    rows = hetero_counts("deepseek-v3", 1024, _side(128), _side(32, 4, 32))
+    assert all(r["direct"] == 8 * 61 == r["descriptors"] for r in rows)
 
 
 def test_cli_prints_both_columns_and_refuses_bad_input():

@@ -44,6 +44,26 @@ def test_issue_example_through_the_connector_processes(engine, mode):
     # direct, NHD -> HND with 2 heads per decode rank: one per (token, head, K/V, layer); region: one per window
     per_rank = [r["descriptors"] for r in res["ranks"]]
     assert per_rank == ([80 * 2 * 2 * 32] * 8 if mode == "direct" else [1] * 8)
+    if mode == "direct":  # what `dcp-jax plan` prints for the same pair and seed
+        from dcp_jax.hetero.cost import hetero_counts
+
+        counts = hetero_counts("llama-3.1-8b", 160, _side(16, tp=2), _side(64, 2, tp=4, layout="hnd"))
+        assert [c["direct"] for c in counts] == per_rank
+
+
+@pytest.mark.slow
+def test_plan_counts_what_the_direct_path_posts_where_it_exceeds_the_wire_blocks():
+    # The README's example: the plan's wire blocks are far fewer than the direct path's posts
+    # (it reads through the prefill layout too); the plan's `direct` column is what was posted.
+    from dcp_jax.hetero.connector_job import run_connector_job
+    from dcp_jax.hetero.cost import hetero_counts
+
+    args = ("llama-3.1-8b", 300, _side(16), _side(16, 3, 8, tp=2))
+    res = run_connector_job(*args, engine="nixl", mode="direct", seed=3)
+    counts = hetero_counts(*args, seed=3)
+    assert res["verified"]
+    assert [c["direct"] for c in counts] == [r["descriptors"] for r in res["ranks"]]
+    assert all(c["direct"] > 10 * c["descriptors"] for c in counts)
 
 
 def test_a_missing_stream_is_caught(monkeypatch):
