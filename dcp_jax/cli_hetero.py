@@ -135,11 +135,11 @@ def hetero_plan(model: str, prompt_tokens: int, prefill: dict, decode: dict, see
     t = Table(title=f"heterogeneous plan: {model}, {prompt_tokens:,} tokens; prefill page {prefill['page_size']} "
                     f"DCP{prefill['dcp_size']} TP{prefill['tp_size']} {prefill['layout'] or 'default layout'} -> "
                     f"decode page {decode['page_size']} DCP{decode['dcp_size']} TP{decode['tp_size']} "
-                    f"{decode['layout'] or 'default layout'}", show_footer=True)
+                    f"{decode['layout'] or 'default layout'}; descriptors per decode rank", show_footer=True)
     cols = [("dcp rank", "all"), ("tp rank", ""), ("rows (tokens x heads)", f"{sum(r['rows'] for r in rows):,}"),
-            ("descriptors (per-layer caches)", f"{sum(r['descriptors'] for r in rows):,}"),
-            ("descriptors (cross-layer pages)", f"{sum(r['cross_layer'] for r in rows):,}"),
-            ("posted by transfer --path direct", f"{sum(r['direct'] for r in rows):,}")]
+            ("plan: per-layer", f"{sum(r['descriptors'] for r in rows):,}"),
+            ("plan: cross-layer", f"{sum(r['cross_layer'] for r in rows):,}"),
+            ("direct path posts", f"{sum(r['direct'] for r in rows):,}")]
     for name, footer in cols:
         t.add_column(name, footer=footer, justify="right")
     for r in rows:

@@ -43,7 +43,7 @@ def test_cli_prints_both_columns_and_refuses_bad_input():
                               "16", "--page-size", "64", "--prefill-tp-size", "2", "--tp-size", "4", "--dcp-size",
                               "2", "--decode-layout", "hnd"])
     assert res.exit_code == 0, res.output
-    assert "cross-layer" in res.output and "per-layer" in res.output
+    assert "cross-layer" in res.output and "per-layer" in res.output and "posts" in res.output
     for args, text in [(["--model", "gpt-9", "--tp-size", "2"], "model='gpt-9'"), (["--decode-layout", "csr"], "csr"),
                        (["--model", "llama-3.1-8b", "--tp-size", "3"], "num_kv_heads=8 and tp_size=3")]:
         res = runner.invoke(app, ["plan", "--prompt-tokens", "256", *args])
