@@ -1,6 +1,6 @@
 """`Child` (dcp_jax.job.child), the pipe to one rank process of the generate and TP/layout jobs:
 a child that dies reports its own error whether the parent meets it in a send or a receive, and
-every wait is bounded. The children are real processes (fork: local targets, no JAX state)."""
+every wait is bounded. The children are real processes (forked: local targets, no JAX state)."""
 import multiprocessing as mp
 import time
 
@@ -8,7 +8,7 @@ import pytest
 
 from dcp_jax.job.child import Child
 
-CTX = mp.get_context("fork")
+CTX = mp.get_context("fork")  # module-level targets that touch no JAX state; every wait is bounded
 BIG = {"addresses": ["x" * 200_000]}  # more than a pipe's buffer: the send must meet the dead end
 
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from conftest import ENGINES, check_region_timeline
 
-from dcp_jax.hetero.connector_job import expected_cache, fill_side, spec_of, _sentinel, _etype, _tables
+from dcp_jax.hetero.connector_job import expected_cache, fill_side, spec_of, _sentinel, _etype
+from dcp_jax.hetero.cost import rank_tables
 from dcp_jax.hetero.layouts import cache_shape
 from dcp_jax.hetero.plan import HeteroSide
 from dcp_jax.transfer import HandshakeError, KVReceiver, KVSender, TransferStatus
@@ -36,8 +37,8 @@ def _run_pair(engine, p: HeteroSide, d: HeteroSide, tokens: int, seed: int = 0, 
     """Every decode rank connected to every prefill rank, or where ``links((r, t), (r', t'))`` (decode
     rank, prefill rank) says so; every sender and receiver must end SUCCESS."""
     rng = np.random.default_rng(seed)
-    ptables, ppages = _tables(p, tokens, rng)
-    dtables, dpages = _tables(d, tokens, rng)
+    ptables, ppages = rank_tables(p, tokens, rng)
+    dtables, dpages = rank_tables(d, tokens, rng)
     senders, receivers, caches = [], [], {}
     try:
         for r in range(p.dcp_size):
