@@ -1,4 +1,4 @@
-"""`Child` (dcp_jax.job.child), the pipe to one rank process of the generate and TP/layout jobs:
+"""`Child` (dcp_jax.child_process), the pipe to one rank process of the generate and TP/layout jobs:
 a child that dies reports its own error whether the parent meets it in a send or a receive, and
 every wait is bounded. The children are real processes (forked: local targets, no JAX state)."""
 import multiprocessing as mp
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from dcp_jax.job.child import Child
+from dcp_jax.child_process import Child
 
 CTX = mp.get_context("fork")  # module-level targets that touch no JAX state; every wait is bounded
 BIG = {"addresses": ["x" * 200_000]}  # more than a pipe's buffer: the send must meet the dead end
@@ -77,3 +77,55 @@ def test_waits_are_bounded():
     assert time.monotonic() - t0 < 10
     assert not c.proc.is_alive() and c.proc.exitcode != 0
     assert c.conn.closed
+
+
+def _orphan_that_ignores_sigterm():
+    import signal
+
+    from dcp_jax.child_process import exit_with_parent
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as JAX's preemption notifier does
+    exit_with_parent(0.1)
+    while True:
+        time.sleep(1)
+
+
+def _parent_of_one(q):
+    p = CTX.Process(target=_orphan_that_ignores_sigterm, daemon=False)
+    p.start()
+    q.put(p.pid)
+    time.sleep(600)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" in f.read()  # exited; the new parent may not reap it
+    except FileNotFoundError:
+        return True
+
+
+def test_a_rank_ends_once_its_parent_is_gone_even_ignoring_sigterm():
+    # Before: generate's decode ranks outlived a CLI stopped by SIGTERM, a core each, for minutes.
+    import os
+    import signal
+
+    q = CTX.Queue()
+
+    parent = CTX.Process(target=_parent_of_one, args=(q,))
+    parent.start()
+    rank = q.get(timeout=20)
+    time.sleep(0.5)
+    assert not _gone(rank)
+    os.kill(rank, signal.SIGTERM)  # ignored: still running
+    time.sleep(0.3)
+    assert not _gone(rank)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.join(10)
+    deadline = time.monotonic() + 10
+    while not _gone(rank) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gone = _gone(rank)
+    if not gone:
+        os.kill(rank, signal.SIGKILL)  # an orphan would hold pytest's output open
+    assert gone, "the rank outlived its parent"

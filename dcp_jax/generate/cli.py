@@ -18,7 +18,7 @@ def generate(
     dcp_size: int = typer.Option(2, help="Decode DCP ranks N (one process each, merged through jax.distributed)."),
     prompt_tokens: int = typer.Option(3001, help="Prompt length; the prefill ships the KV of all but the last "
                                                  "token, which the first decode step consumes."),
-    new_tokens: int = typer.Option(32, help="Tokens to generate greedily."),
+    new_tokens: int = typer.Option(32, help="Tokens to generate greedily (at most 4,096)."),
     engine: str = typer.Option("nixl", help="Transfer engine: nixl or mooncake."),
     dtype: str = typer.Option("fp32", help="fp32 or bf16 (weights, activations, KV cache)."),
     model: str = typer.Option("mla", help="mla (DeepSeek MLA: latent 512 + rope 64) or gqa."),

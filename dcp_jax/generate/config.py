@@ -22,6 +22,9 @@ def _pos(name: str, v, low: int = 1) -> None:
 
 # The largest prompt a run takes: 4x the 32k-token TTFT run of benchmarks/results/generate_cpu.md.
 MAX_PROMPT_TOKENS = 131_072
+# The most new tokens a run takes: one decode step each on every rank, then again in the
+# single-process reference (1e9 asked each rank for a 1.1 TB cache and died out of memory).
+MAX_NEW_TOKENS = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +64,9 @@ class GenerateConfig:
         if self.prompt_tokens > MAX_PROMPT_TOKENS:  # refused before any process allocates its KV
             raise ValueError(f"--prompt-tokens={self.prompt_tokens} must be <= {MAX_PROMPT_TOKENS:,} (the prefill "
                              "holds the whole prompt's activations and KV in one process)")
+        if self.new_tokens > MAX_NEW_TOKENS:
+            raise ValueError(f"--new-tokens={self.new_tokens} must be <= {MAX_NEW_TOKENS:,} (a decode step per "
+                             "token on every rank, then again in the reference)")
         _pos("seed", self.seed, 0)
         if self.engine not in ENGINES:
             raise ValueError(f"--engine={self.engine!r} must be one of {ENGINES}")

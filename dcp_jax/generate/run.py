@@ -24,7 +24,7 @@ import numpy as np
 
 from dcp_jax.generate.config import TOLERANCES, GenerateConfig
 from dcp_jax.generate.workers import decode_main, prefill_main
-from dcp_jax.job.child import Child
+from dcp_jax.child_process import Child
 
 __all__ = ["run_generate", "reference_generate", "compare_logits", "make_prompt"]
 

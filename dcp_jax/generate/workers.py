@@ -53,6 +53,9 @@ def _prefill_pages(cfg, rank: int):
 
 
 def prefill_main(conn, cfg, rank: int, prompt) -> None:
+    from dcp_jax.child_process import exit_with_parent  # imports no JAX: the flags come first
+
+    exit_with_parent()
     try:
         _child_env(cfg.device, 0)
         import jax
@@ -124,6 +127,9 @@ def _plain(d):
 
 
 def decode_main(conn, cfg, rank: int, coordinator: str, prompt) -> None:
+    from dcp_jax.child_process import exit_with_parent
+
+    exit_with_parent()
     try:
         _child_env(cfg.device, rank)
         import gc

@@ -26,7 +26,7 @@ import numpy as np
 from dcp_jax.hetero.cost import hetero_sides, rank_pages, rank_tables
 from dcp_jax.hetero.layouts import cache_shape, place_from_wire
 from dcp_jax.hetero.plan import HeteroSide
-from dcp_jax.job.child import Child
+from dcp_jax.child_process import Child, exit_with_parent
 from dcp_jax.layout import owner_np, local_index_np
 from dcp_jax.transfer._worker import check_seconds
 
@@ -110,6 +110,7 @@ def _sentinel(shape, etype) -> np.ndarray:
 
 def _prefill_main(conn, a: dict) -> None:
     from dcp_jax.job.config import engine_env
+    exit_with_parent()
     engine_env("cpu")
     try:
         from dcp_jax.transfer import KVSender
@@ -135,6 +136,7 @@ def _prefill_main(conn, a: dict) -> None:
 
 def _decode_main(conn, a: dict) -> None:
     from dcp_jax.job.config import engine_env
+    exit_with_parent()
     engine_env("cpu")
     try:
         from dcp_jax.transfer import KVReceiver

@@ -14,6 +14,7 @@ from dcp_jax.generate.config import GenerateConfig
     (dict(timeout_s=float("inf")), r"--timeout-s=inf"),
     (dict(timeout_s=float("nan")), r"--timeout-s=nan"),
     (dict(timeout_s=0.0), r"--timeout-s=0.0"),
+    (dict(new_tokens=10 ** 9), r"--new-tokens=1000000000 must be <= 4,096"),
 ])
 def test_bounds_the_connector_sets_are_refused_up_front(kw, text):
     with pytest.raises(ValueError, match=text):

@@ -1,5 +1,5 @@
 """What the heterogeneous connector job refuses before it starts a process (a rank process that
-dies is reported through `dcp_jax.job.child.Child`, tested in tests/test_child.py)."""
+dies is reported through `dcp_jax.child_process.Child`, tested in tests/test_child.py)."""
 import pytest
 
 from dcp_jax.hetero.connector_job import check_job_size

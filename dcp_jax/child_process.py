@@ -1,5 +1,7 @@
 """`Child`: a spawned worker process and the parent's end of its pipe, for the demo jobs that
-drive one process per rank (``dcp-jax generate``, the TP/layout ``transfer``).
+drive one process per rank (``dcp-jax generate``, the TP/layout ``transfer``); `exit_with_parent`,
+called first in such a process, ends it once its parent is gone. Imports no JAX (a rank sets its
+XLA flags before JAX loads).
 
 The protocol is ``(kind, arg)`` tuples both ways. A child that fails sends ``("error",
 traceback)`` before it exits, so the parent reports the child's own error, whichever of its
@@ -8,10 +10,31 @@ sends or receives meets the dead child first, and never the pipe's BrokenPipeErr
 """
 from __future__ import annotations
 
+import os
+import threading
 import time
 from typing import Any
 
-__all__ = ["Child"]
+__all__ = ["Child", "exit_with_parent"]
+
+
+def exit_with_parent(poll_s: float = 0.5) -> threading.Thread:
+    """Called first in a rank process: a daemon thread ends the process (``os._exit(1)``) within
+    ``poll_s`` seconds once its parent is gone (re-parented: ``os.getppid()`` changed).
+
+    Why: a rank computing or waiting never reads its pipe, and JAX's distributed runtime catches
+    SIGTERM (its preemption notifier), so ``generate``'s decode ranks outlived a parent stopped
+    by SIGTERM, each holding a core, until killed by hand. Returns the thread."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    t = threading.Thread(target=watch, name="exit-with-parent", daemon=True)
+    t.start()
+    return t
 
 
 class Child:
