@@ -158,7 +158,9 @@ def merge_state(out_a, lse_a, out_b, lse_b, *, base: str = "e", lse_layout: str 
       input LSE is float64 under ``jax_enable_x64``)``.
 
     Raises:
-      ValueError: mismatched shapes or dtypes, bad ``base`` / ``lse_layout``.
+      ValueError: ``out_a`` and ``out_b`` of different shapes or dtypes, ``lse_a`` and ``lse_b``
+        of different shapes (their dtypes may differ: both are widened to the wider of them and
+        float32), bad ``base`` / ``lse_layout``.
       TypeError: non-floating inputs.
     """
     base = _check_base(base)

@@ -201,10 +201,12 @@ def test_plan_prints_the_counts_transfer_reports(tmp_path, extra):
     "args, text",
     [
         (["--chunk-tokens", "100"], "chunk_tokens=100 must be a multiple of page_size=64"),
-        (["--prompt-tokens", "0"], "prompt_tokens=0"),
+        (["--prompt-tokens", "0"], "prompt_tokens=0 (--prompt-tokens) must be an int >= 1"),
         (["--prefix-tokens", "64"], "prefix_tokens=64"),
         (["--mode", "sideways"], "--mode"),
-        (["--max-batch-indices", "0"], "max_batch_indices=0"),
+        (["--max-batch-indices", "0"], "max_batch_indices=0 (--max-batch-indices) must be an int >= 1 (None, "),
+        (["--chunk-tokens", "0"], "chunk_tokens=0 (--chunk-tokens) must be an int >= 1 (None, the option"),
+        (["--page-size", "0"], "page_size=0 (--page-size) must be an int >= 1"),
         # Before (fresh-user trial): -3 was taken and drew the tables of --seed 3; `load` refuses it.
         (["--seed", "-3"], "seed=-3 (--seed) must be an int >= 0"),
         (["--seed", "-3", "--model", "deepseek-v3", "--prefill-layout", "sglang_mla", "--decode-layout",

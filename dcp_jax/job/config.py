@@ -168,7 +168,8 @@ class JobConfig:
                      "interleave_size", "prefill_interleave_size", "die_after_chunks"):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:
-                raise ValueError(f"{name}={v!r} must be an int >= 1")
+                flag = "" if name == "die_after_chunks" else f" (--{name.replace('_', '-')})"  # a test hook
+                raise ValueError(f"{name}={v!r}{flag} must be an int >= 1")
         for name in ("dcp_size", "prefill_dcp_size"):  # one process per rank
             if getattr(self, name) > MAX_RANKS:
                 raise ValueError(f"{name}={getattr(self, name)} must be <= {MAX_RANKS} "
@@ -177,7 +178,7 @@ class JobConfig:
             raise ValueError(f"prompt_tokens={self.prompt_tokens:,} (--prompt-tokens) must be <= "
                              f"{MAX_PROMPT_TOKENS:,}: plans and buffers are sized by it")
         if not _is_int(self.prefix_tokens) or self.prefix_tokens < 0:
-            raise ValueError(f"prefix_tokens={self.prefix_tokens!r} must be an int >= 0")
+            raise ValueError(f"prefix_tokens={self.prefix_tokens!r} (--prefix-tokens) must be an int >= 0")
         if not _is_int(self.seed) or self.seed < 0:  # as `dcp-jax load`: -3 drew the tables of 3
             raise ValueError(f"seed={self.seed!r} (--seed) must be an int >= 0")
         if self.prefix_tokens >= self.prompt_tokens:
@@ -197,7 +198,8 @@ class JobConfig:
                             names=("--prefill-page-size", "--prefill-dcp-size", "--prefill-interleave-size"))
         if self.chunk_tokens is not None:
             if not _is_int(self.chunk_tokens) or self.chunk_tokens < 1:
-                raise ValueError(f"chunk_tokens={self.chunk_tokens!r} must be an int >= 1 (or None)")
+                raise ValueError(f"chunk_tokens={self.chunk_tokens!r} (--chunk-tokens) must be an int >= 1 "
+                                 "(None, the option left out: no chunking)")
             if self.chunk_tokens % p:
                 raise ValueError(f"chunk_tokens={self.chunk_tokens} must be a multiple of page_size={p}")
             if self.chunk_tokens % self.src_page_size:
@@ -210,7 +212,8 @@ class JobConfig:
         for name in ("max_batch_indices", "pack_tokens"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
-                raise ValueError(f"{name}={v!r} must be an int >= 1 (or None)")
+                raise ValueError(f"{name}={v!r} (--{name.replace('_', '-')}) must be an int >= 1 "
+                                 "(None, the option left out: no limit)")
         if not _is_int(self.requests) or not 1 <= self.requests <= MAX_REQUESTS:
             raise ValueError(f"requests={self.requests!r} (--requests) must be an int in [1, {MAX_REQUESTS}]")
         if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
