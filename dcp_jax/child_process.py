@@ -15,7 +15,18 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["Child", "exit_with_parent"]
+__all__ = ["Child", "exit_with_parent", "report_error"]
+
+
+def report_error(conn) -> None:
+    """In a rank's ``except``: sends ``("error", traceback)`` to the parent; a parent already
+    gone is ignored (the rank exits anyway; a second traceback about the pipe said nothing)."""
+    import traceback
+
+    try:
+        conn.send(("error", traceback.format_exc()))
+    except OSError:
+        pass
 
 
 def exit_with_parent(poll_s: float = 0.5) -> threading.Thread:

@@ -129,3 +129,21 @@ def test_a_rank_ends_once_its_parent_is_gone_even_ignoring_sigterm():
     if not gone:
         os.kill(rank, signal.SIGKILL)  # an orphan would hold pytest's output open
     assert gone, "the rank outlived its parent"
+
+
+def test_report_error_sends_the_traceback_and_ignores_a_parent_gone():
+    from dcp_jax.child_process import report_error
+
+    parent, child = CTX.Pipe()
+    try:
+        raise ValueError("the rank's own failure")
+    except ValueError:
+        report_error(child)
+    kind, text = parent.recv()
+    assert kind == "error" and "ValueError: the rank's own failure" in text
+    parent.close()  # the parent is gone: the pipe is broken
+    try:
+        raise ValueError("again")
+    except ValueError:
+        report_error(child)  # before: BrokenPipeError, a second traceback on the rank's stderr
+    child.close()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import re
 import time
-import traceback
 
 __all__ = ["prefill_main", "decode_main", "RID"]
 
@@ -109,7 +108,9 @@ def prefill_main(conn, cfg, rank: int, prompt) -> None:
         sender.close()
         conn.send(("closed", None))
     except BaseException:  # noqa: BLE001 - report, then exit non-zero
-        conn.send(("error", traceback.format_exc()))  # Child names the process
+        from dcp_jax.child_process import report_error
+
+        report_error(conn)  # Child names the process
         raise SystemExit(1)
 
 
@@ -208,7 +209,9 @@ def decode_main(conn, cfg, rank: int, coordinator: str, prompt) -> None:
                                   step_done=marks, tokens=tokens, compile_s=compile_s, kv_in_place=in_place,
                                   logits=logits if rank == 0 else None)))
     except BaseException:  # noqa: BLE001
-        conn.send(("error", traceback.format_exc()))  # Child names the process
+        from dcp_jax.child_process import report_error
+
+        report_error(conn)  # Child names the process
         raise SystemExit(1)
 
 

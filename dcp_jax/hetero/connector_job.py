@@ -19,14 +19,13 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import time
-import traceback
 
 import numpy as np
 
 from dcp_jax.hetero.cost import hetero_sides, rank_pages, rank_tables
 from dcp_jax.hetero.layouts import cache_shape, place_from_wire
 from dcp_jax.hetero.plan import HeteroSide
-from dcp_jax.child_process import Child, exit_with_parent
+from dcp_jax.child_process import Child, exit_with_parent, report_error
 from dcp_jax.layout import owner_np, local_index_np
 from dcp_jax.transfer._worker import check_seconds
 
@@ -131,7 +130,7 @@ def _prefill_main(conn, a: dict) -> None:
                                            for k, v in st["ranks"].items()})))
             conn.recv()  # "close": every decode rank is done with this sender's writes
     except Exception:  # noqa: BLE001 - the parent reports it
-        conn.send(("error", traceback.format_exc()))
+        report_error(conn)
 
 
 def _decode_main(conn, a: dict) -> None:
@@ -162,7 +161,7 @@ def _decode_main(conn, a: dict) -> None:
                                     bytes=sum(x.nbytes for x in caches))))
             conn.recv()  # "close"
     except Exception:  # noqa: BLE001 - the parent reports it
-        conn.send(("error", traceback.format_exc()))
+        report_error(conn)
 
 
 def check_job_size(prefill: HeteroSide, decode: HeteroSide, layers: int, tokens: int) -> None:
