@@ -18,7 +18,9 @@ Queries: ``B`` requests with ``Q`` query tokens each (``Q = 1`` plain decode, ``
 speculative verify). ``kv_lens[b]`` counts the cached tokens of request b INCLUDING its ``Q``
 query tokens (vLLM's ``seq_lens``), so with history ``L = kv_lens - Q`` query ``j`` sees the
 ``L + j + 1`` first tokens, i.e. ``local_len(L + j + 1, r)`` tokens on rank r: causal per query,
-not a shifted final length. ``kv_lens = 0`` (a padding slot) gives ``out = 0``, ``lse = -inf``.
+not a shifted final length. ``kv_lens = 0`` (a padding slot) gives ``out = 0``, ``lse = -inf``;
+so does every query ``j`` with ``L + j + 1 <= 0`` when ``0 < kv_lens < Q`` (a request shorter than
+its own queries: those queries see no key, the later ones see the first ``L + j + 1``).
 
 All LSEs are natural log of the scaled scores, token-major ``[B, Q, H]``. Arithmetic in float32
 (matmuls at ``Precision.HIGHEST`` so GPUs do not fall back to TF32); partial and merged outputs
