@@ -174,8 +174,8 @@ def _gather_rows_jit(src, indices, pack, meta, *, config, backend, offset_align)
     stacked, shapes = _static_validate(src, indices, pack)
     widths = tuple(w for _, w in shapes)
     m = int(indices.shape[0])
-    if m == 0:
-        return pack
+    if m == 0 or int(pack.shape[0]) == 0:  # nothing to read, or no room: a kernel over an empty
+        return pack                         # buffer does not lower (interpret: a size-0 gather)
     idx = indices if indices.dtype == jnp.int32 else indices.astype(jnp.int32)
     if isinstance(meta, tuple):
         meta = jnp.stack(meta)

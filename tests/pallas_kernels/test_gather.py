@@ -289,6 +289,19 @@ def test_reference_clamps_as_the_kernel_does(stacked):
         np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.parametrize("stacked", [True, False])
+def test_an_empty_pack_is_returned_as_it_is(stacked):
+    # Before: a zero-word pack (drawn now and then by the random test above) failed to lower in
+    # interpret mode ("Slice size at index 0 in gather op is out of range").
+    src = jnp.arange(2 * 5 * 3, dtype=jnp.uint32).reshape(2, 5, 3)
+    src = src if stacked else [src[0], src[1]]
+    pack = jnp.zeros(0, jnp.uint32)
+    got = gather_rows(src, jnp.asarray([1, 4], jnp.int32), pack, 2, config=GatherConfig(block_rows=8),
+                      backend="interpret")
+    assert got.shape == (0,) and got.dtype == jnp.uint32
+    assert gather_rows_reference(src, jnp.asarray([1, 4], jnp.int32), pack, 2).shape == (0,)
+
+
 def test_small_helpers_refuse_what_their_docstrings_exclude():
     # Before (fresh-user trial): bucket_rows(5, block_rows=3) gave 8 (no multiple of 3),
     # pow2_chunks(-4) gave (), addressable_words(-1, 4) gave -1 and took an itemsize of 3.
