@@ -8,7 +8,10 @@ buffers of 8 child processes opened through legacy CUDA IPC handles (`bridge.cud
 connector opens a decode rank's cache). Also a plain device copy of one destination's bytes
 into each kind. Prints IPC_PROBE {json}: median kernel us of each (CUPTI via torch.profiler).
 IPC_MODES="jax nixl jax_nixl" adds children that first start a JAX GPU client and/or register
-their buffer with NIXL, as the job's decode processes do (``ipc_strided_<mode>``).
+their buffer with NIXL, as the job's decode processes do (``ipc_strided_<mode>``); "query" children
+spin on their stream's status (driver calls, no GPU work) and "tiny" children launch a one-element
+kernel every ~0.2 ms while the copy runs (another process's work time-slices the GPU).
+H100, 2026-12-06: jax / nixl / jax_nixl children cost nothing (1,583-1,588 us against 1,585).
 """
 from __future__ import annotations
 
@@ -41,7 +44,18 @@ if "nixl" in mode:  # registered with a NIXL engine (UCX, VRAM), as the job's re
 h = export_ipc_handles([buf])[0].to_dict()
 h["handle"] = h["handle"].hex()
 print(json.dumps(h), flush=True)
-time.sleep(120)
+end = time.monotonic() + 120
+if "tiny" in mode:  # a rank that keeps launching small kernels (async dispatch, pollers on the GPU)
+    x = cp.zeros(1, cp.float32)
+    while time.monotonic() < end:
+        x += 1
+        time.sleep(0.0002)
+elif "query" in mode:  # a rank that keeps asking the driver about its stream (no GPU work)
+    s = cp.cuda.Stream.null
+    while time.monotonic() < end:
+        s.query()
+else:
+    time.sleep(120)
 """
 
 
