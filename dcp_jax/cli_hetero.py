@@ -34,11 +34,21 @@ def _check_seed(seed: int) -> None:
 def _check_sides(prefill: dict, decode: dict) -> None:
     """Each side's sizes are ints >= 1, refused naming the option (the plan's own errors name
     the field, not which side's option)."""
-    for side, prefix in ((prefill, "--prefill-"), (decode, "--")):
+    # The decode side first: a prefill page size left out is --page-size's, named as such.
+    for side, prefix in ((decode, "--"), (prefill, "--prefill-")):
         for key in ("page_size", "dcp_size", "interleave_size", "tp_size"):
             v = side[key]
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 _fail(f"{prefix}{key.replace('_', '-')}={v!r} must be an int >= 1")
+
+
+def _rank_failed(exc: BaseException) -> None:
+    """A rank process failed or did not answer in time: its message (the rank's traceback when
+    it sent one) and exit status 1, not this process's traceback."""
+    from rich.markup import escape  # a traceback's brackets are not markup
+
+    Console(stderr=True).print(f"[red bold]error[/]: {escape(str(exc))}", highlight=False)
+    raise typer.Exit(1)
 
 
 def hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeout_s, json_path, path=None) -> None:
@@ -78,6 +88,8 @@ def hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeout
                                         timeout_s=timeout_s)
         except (ValueError, TypeError) as exc:
             _fail(str(exc))
+        except (RuntimeError, TimeoutError) as exc:  # a rank failed or hung: its own error, exit 1
+            _rank_failed(exc)
         results.append(res)
         hetero_table(res, model, prompt_tokens, engine)
     if json_path is not None:

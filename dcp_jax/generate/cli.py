@@ -70,7 +70,12 @@ def generate(
     console.print(f"[bold]dcp-jax generate[/]: {model} {dtype}, prompt {prompt_tokens:,} tokens, prefill "
                   f"DCP{prefill_dcp_size} -> decode DCP{dcp_size} (I={interleave_size}, page {page_size}, "
                   f"{merge}), engine {engine}, device {device}, {new_tokens} new tokens")
-    rep = run_generate(cfg, with_reference=reference)
+    try:
+        rep = run_generate(cfg, with_reference=reference)
+    except (RuntimeError, TimeoutError) as exc:  # a rank failed or hung: its own error, exit 1
+        from dcp_jax.cli_hetero import _rank_failed
+
+        _rank_failed(exc)
     console.print(f"tokens:    {rep['tokens']}")
     if reference:
         console.print(f"reference: {rep['reference_tokens']}")

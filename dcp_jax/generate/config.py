@@ -68,6 +68,8 @@ class GenerateConfig:
             raise ValueError(f"--new-tokens={self.new_tokens} must be <= {MAX_NEW_TOKENS:,} (a decode step per "
                              "token on every rank, then again in the reference)")
         _pos("seed", self.seed, 0)
+        if self.seed >= 2 ** 63:  # the ranks seed JAX and numpy with a C long
+            raise ValueError(f"--seed={self.seed} must be < 2**63")
         if self.engine not in ENGINES:
             raise ValueError(f"--engine={self.engine!r} must be one of {ENGINES}")
         if self.dtype not in TOLERANCES:

@@ -45,6 +45,7 @@ def _processes(cfg: GenerateConfig, prompt: np.ndarray) -> dict:
     ctx = mp.get_context("spawn")  # engines and JAX want fresh processes
     coordinator = f"127.0.0.1:{_free_port()}"
     prefills, decodes = [], []
+    ok = False
     try:
         prefills = [Child(ctx, f"prefill {m}", prefill_main, cfg, m, prompt) for m in range(cfg.prefill_dcp_size)]
         decodes = [Child(ctx, f"decode rank {r}", decode_main, cfg, r, coordinator, prompt)
@@ -63,10 +64,11 @@ def _processes(cfg: GenerateConfig, prompt: np.ndarray) -> dict:
         for p in prefills:
             p.send("close", None)
             p.recv("closed", 30)
+        ok = True
         return dict(prefill=done, decode=results, ready=ready)
     finally:
         for c in prefills + decodes:
-            c.stop()
+            c.stop(10 if ok else 0)  # after an error or Ctrl-C: killed at once (it took 20 s)
 
 
 def reference_generate(cfg: GenerateConfig, prompt: np.ndarray) -> tuple[list[int], np.ndarray]:

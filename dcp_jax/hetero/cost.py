@@ -51,8 +51,13 @@ def hetero_sides(model: str, prefill: dict, decode: dict) -> tuple[HeteroSide, H
     def side(s: dict, prefix: str) -> HeteroSide:
         check_layout_bounds(s["page_size"], s["dcp_size"], s["interleave_size"],
                             names=(f"{prefix}page-size", f"{prefix}dcp-size", f"{prefix}interleave-size"))
-        return HeteroSide(s["page_size"], s["dcp_size"], s["interleave_size"], s["tp_size"],
-                          s.get("layout") or _DEFAULT_LAYOUT[kind], heads, head_dim, dtype)
+        try:
+            return HeteroSide(s["page_size"], s["dcp_size"], s["interleave_size"], s["tp_size"],
+                              s.get("layout") or _DEFAULT_LAYOUT[kind], heads, head_dim, dtype)
+        except ValueError as exc:  # the plan names its field; the user gave an option of one side
+            which = "decode" if prefix == "--" else "prefill"
+            raise ValueError(f"the {which} side ({prefix}tp-size={s['tp_size']}, {prefix}page-size="
+                             f"{s['page_size']}): {exc}") from None
 
     # The decode side first: a prefill page size left out is --page-size's, named as such.
     d = side(decode, "--")
@@ -124,12 +129,22 @@ def hetero_counts(model: str, prompt_tokens: int, prefill: dict, decode: dict, *
     The page tables are the TP/layout job's for the same ``seed`` (`rank_tables`), so ``direct``
     is the count ``dcp-jax transfer --path direct`` reports for that pair and seed.
 
+    Raises:
+        ValueError: as `hetero_sides`, and a job `transfer` would refuse
+            (`dcp_jax.hetero.connector_job.check_job_size`: more than 64 ranks a side, caches past
+            this machine's memory).
+
     Returns:
         one dict per decode ``(dcp_rank, tp_rank)``: ``dcp_rank``, ``tp_rank``, ``rows`` (tokens x
         heads it receives), ``descriptors`` (the plan's wire blocks with per-layer caches, all
         layers), ``cross_layer`` (the same with cross-layer pages), ``direct`` (`direct_counts`).
     """
     p, d, layers = hetero_sides(model, prefill, decode)
+    from dcp_jax.hetero.connector_job import check_job_size
+
+    # What `transfer` refuses, refused here too: the direct count builds the sender's descriptor
+    # arrays (~4.5 KB a token for llama-3.1-8b), and a million ranks would take minutes.
+    check_job_size(p, d, layers, prompt_tokens)
     rng = np.random.default_rng(seed)
     src, dst = rank_tables(p, prompt_tokens, rng), rank_tables(d, prompt_tokens, rng)
     plan = build_hetero_plan(p, d, 0, prompt_tokens, src[0], dst[0])

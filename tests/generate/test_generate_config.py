@@ -15,6 +15,7 @@ from dcp_jax.generate.config import GenerateConfig
     (dict(timeout_s=float("nan")), r"--timeout-s=nan"),
     (dict(timeout_s=0.0), r"--timeout-s=0.0"),
     (dict(new_tokens=10 ** 9), r"--new-tokens=1000000000 must be <= 4,096"),
+    (dict(seed=2 ** 63), r"--seed=9223372036854775808 must be < 2\*\*63"),
 ])
 def test_bounds_the_connector_sets_are_refused_up_front(kw, text):
     with pytest.raises(ValueError, match=text):
@@ -25,3 +26,21 @@ def test_more_prefill_processes_than_the_job_allows_are_refused():
     # Before: --prefill-dcp-size 100 started 100 prefill processes.
     with pytest.raises(ValueError, match=r"--prefill-dcp-size=100 must be <= 64 \(one process per rank\)"):
         GenerateConfig(dcp_size=2, prompt_tokens=20, prefill_dcp_size=100)
+
+
+def test_a_rank_that_does_not_answer_in_time_is_one_message_and_exit_1():
+    # Before: a TimeoutError from the rank pipes came out as an 81-line traceback, and the
+    # ranks were joined 10 s each before being killed (Ctrl-C took 20 s).
+    import time
+
+    from typer.testing import CliRunner
+
+    from dcp_jax.cli import app
+
+    t0 = time.monotonic()
+    res = CliRunner().invoke(app, ["generate", "--prompt-tokens", "20", "--new-tokens", "2", "--no-reference",
+                                   "--timeout-s", "0.01"])
+    assert res.exit_code == 1, res.output
+    assert "prefill 0: no 'address' within 0.01 s" in " ".join(res.output.split()), res.output
+    assert "Traceback" not in res.output
+    assert time.monotonic() - t0 < 15

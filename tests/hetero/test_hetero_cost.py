@@ -45,7 +45,12 @@ def test_cli_prints_both_columns_and_refuses_bad_input():
     assert res.exit_code == 0, res.output
     assert "cross-layer" in res.output and "per-layer" in res.output and "posts" in res.output
     for args, text in [(["--model", "gpt-9", "--tp-size", "2"], "model='gpt-9'"), (["--decode-layout", "csr"], "csr"),
-                       (["--model", "llama-3.1-8b", "--tp-size", "3"], "num_kv_heads=8 and tp_size=3")]:
+                       (["--model", "llama-3.1-8b", "--tp-size", "3"], "num_kv_heads=8 and tp_size=3"),
+                       # which side's option, and what transfer refuses (plan ran minutes, or out of memory)
+                       (["--model", "llama-3.1-8b", "--prefill-tp-size", "3", "--tp-size", "2"],
+                        "the prefill side (--prefill-tp-size=3"),
+                       (["--model", "llama-3.1-8b", "--page-size", "0", "--tp-size", "2"], "--page-size=0 must be"),
+                       (["--model", "llama-3.1-8b", "--tp-size", "2", "--dcp-size", "100"], "at most 64 a side")]:
         res = runner.invoke(app, ["plan", "--prompt-tokens", "256", *args])
         assert res.exit_code == 2, res.output
         assert text in " ".join(res.output.replace("│", " ").split()), res.output

@@ -86,6 +86,11 @@ def test_cli_runs_and_names_bad_input():
                               "16", "--page-size", "32", "--tp-size", "2", "--dcp-size", "1", "--decode-layout", "hnd",
                               "--path", "region", "--no-progress"])
     assert res.exit_code == 0 and "verified" in res.output and "path region" in res.output, res.output
+    # A rank that does not answer in time: its message and exit 1, not a 52-line traceback.
+    res = runner.invoke(app, ["transfer", "--model", "llama-3.1-8b", "--prompt-tokens", "48", "--tp-size", "2",
+                              "--dcp-size", "1", "--timeout-s", "0.01", "--no-progress"])
+    assert res.exit_code == 1 and "no 'address' within 0.01 s" in res.output, res.output
+    assert "Traceback" not in res.output
     res = runner.invoke(app, ["transfer", "--model", "llama-3.1-8b", "--tp-size", "3", "--no-progress"])
     assert res.exit_code == 2 and "tp_size=3" in " ".join(res.output.replace("│", " ").split()), res.output
     res = runner.invoke(app, ["transfer", "--model", "llama-3.1-8b", "--tp-size", "2", "--engine", "auto",
