@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dcp_jax.cli_options import _check_out_path, _fail, _json_default
+from dcp_jax.cli_options import _check_out_path, _fail, _json_default, _rank_failed
 from dcp_jax.job.config import MAX_PROMPT_TOKENS
 
 __all__ = ["hetero_plan", "hetero_transfer"]
@@ -40,15 +40,6 @@ def _check_sides(prefill: dict, decode: dict) -> None:
             v = side[key]
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 _fail(f"{prefix}{key.replace('_', '-')}={v!r} must be an int >= 1")
-
-
-def _rank_failed(exc: BaseException) -> None:
-    """A rank process failed or did not answer in time: its message (the rank's traceback when
-    it sent one) and exit status 1, not this process's traceback."""
-    from rich.markup import escape  # a traceback's brackets are not markup
-
-    Console(stderr=True).print(f"[red bold]error[/]: {escape(str(exc))}", highlight=False)
-    raise typer.Exit(1)
 
 
 def hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeout_s, json_path, path=None) -> None:

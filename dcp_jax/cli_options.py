@@ -30,6 +30,16 @@ def _fail(msg: str) -> None:
     raise typer.BadParameter(msg)
 
 
+def _rank_failed(exc: BaseException) -> None:
+    """A rank process failed or did not answer in time: its message (the rank's traceback when
+    it sent one) on stderr and exit status 1, not this process's traceback."""
+    from rich.console import Console
+    from rich.markup import escape  # a traceback's brackets are not markup
+
+    Console(stderr=True).print(f"[red bold]error[/]: {escape(str(exc))}", highlight=False)
+    raise typer.Exit(1)
+
+
 def check_out_path(path: Optional[Path], option: str) -> None:
     """Refuses an output path that cannot be written, before any work: its folder must exist.
 

@@ -46,10 +46,11 @@ def _median_us(fn, reps: int = 30, sleep_s: float = 0.0, sync=None) -> float:
 @contextlib.contextmanager
 def child_processes(code: str, n: int):
     """`n` Python processes running `code` (each prints one line once ready, then waits), for the
-    probes that need other processes on the GPU; yields each one's ready line (the first JSON or number; an engine's own lines are skipped); kills them all
-    on exit."""
+    probes that need other processes on the GPU; yields each one's ready line (the first JSON or
+    number: an engine's own lines are skipped); kills them all on exit."""
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
              for _ in range(n)]
+
     def ready_line(p) -> str:  # an engine may print its own lines first (NIXL's banner)
         for _ in range(200):
             line = p.stdout.readline()

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dcp_jax.cli_options import _check_out_path
+from dcp_jax.cli_options import _check_out_path, _rank_failed
 
 __all__ = ["generate"]
 
@@ -73,8 +73,6 @@ def generate(
     try:
         rep = run_generate(cfg, with_reference=reference)
     except (RuntimeError, TimeoutError) as exc:  # a rank failed or hung: its own error, exit 1
-        from dcp_jax.cli_hetero import _rank_failed
-
         _rank_failed(exc)
     console.print(f"tokens:    {rep['tokens']}")
     if reference:

@@ -18,6 +18,8 @@ import os
 import re
 import time
 
+from dcp_jax.child_process import exit_with_parent, report_error  # imports no JAX
+
 __all__ = ["prefill_main", "decode_main", "RID"]
 
 RID = "generate-0"
@@ -52,8 +54,6 @@ def _prefill_pages(cfg, rank: int):
 
 
 def prefill_main(conn, cfg, rank: int, prompt) -> None:
-    from dcp_jax.child_process import exit_with_parent  # imports no JAX: the flags come first
-
     exit_with_parent()
     try:
         _child_env(cfg.device, 0)
@@ -108,8 +108,6 @@ def prefill_main(conn, cfg, rank: int, prompt) -> None:
         sender.close()
         conn.send(("closed", None))
     except BaseException:  # noqa: BLE001 - report, then exit non-zero
-        from dcp_jax.child_process import report_error
-
         report_error(conn)  # Child names the process
         raise SystemExit(1)
 
@@ -128,8 +126,6 @@ def _plain(d):
 
 
 def decode_main(conn, cfg, rank: int, coordinator: str, prompt) -> None:
-    from dcp_jax.child_process import exit_with_parent
-
     exit_with_parent()
     try:
         _child_env(cfg.device, rank)
@@ -209,8 +205,6 @@ def decode_main(conn, cfg, rank: int, coordinator: str, prompt) -> None:
                                   step_done=marks, tokens=tokens, compile_s=compile_s, kv_in_place=in_place,
                                   logits=logits if rank == 0 else None)))
     except BaseException:  # noqa: BLE001
-        from dcp_jax.child_process import report_error
-
         report_error(conn)  # Child names the process
         raise SystemExit(1)
 

@@ -103,15 +103,17 @@ def direct_counts(p: HeteroSide, d: HeteroSide, layers: int, tokens: int, src: t
     out = {}
     for dr in range(d.dcp_size):
         dl = SideLayout(d.dcp_size, dr, d.interleave_size, d.page_size)
+        # The rows each prefill DCP rank sends this decode DCP rank: the same for every TP rank.
+        rows = [chunk_rows(0, tokens, src=SideLayout(p.dcp_size, pr, p.interleave_size, p.page_size), dst=dl,
+                           src_page_table=src[0][pr], dst_page_table=dst[0][dr]) for pr in range(p.dcp_size)]
         for dt in range(d.tp_size):
             n = 0
             for pr in range(p.dcp_size):
-                rows = chunk_rows(0, tokens, src=SideLayout(p.dcp_size, pr, p.interleave_size, p.page_size),
-                                  dst=dl, src_page_table=src[0][pr], dst_page_table=dst[0][dr])
                 for pt in range(p.tp_size):
                     view = side_view(p, d, pt, dt, src[1][pr], dst[1][dr])
-                    if rows[0].size and len(view.pieces):
-                        n += len(view.descriptors(*rows, _bases(view.src_geom, layers), _bases(view.dst_geom, layers)))
+                    if rows[pr][0].size and len(view.pieces):
+                        n += len(view.descriptors(*rows[pr], _bases(view.src_geom, layers),
+                                                  _bases(view.dst_geom, layers)))
             out[(dr, dt)] = n
     return out
 
