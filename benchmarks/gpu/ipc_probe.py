@@ -10,7 +10,9 @@ into each kind. Prints IPC_PROBE {json}: median kernel us of each (CUPTI via tor
 IPC_MODES="jax nixl jax_nixl" adds children that first start a JAX GPU client and/or register
 their buffer with NIXL, as the job's decode processes do (``ipc_strided_<mode>``); "query" children
 spin on their stream's status (driver calls, no GPU work) and "tiny" children launch a one-element
-kernel every ~0.2 ms while the copy runs (another process's work time-slices the GPU).
+kernel every ~0.2 ms while the copy runs (another process's work time-slices the GPU);
+"refill" children fill their buffer (a CuPy fill kernel, then a device sync) right before each
+timed copy, as the job's decode ranks fill their pools with the sentinel before every request.
 H100, 2026-12-06: jax / nixl / jax_nixl children cost nothing (1,583-1,588 us against 1,585).
 """
 from __future__ import annotations
@@ -50,6 +52,18 @@ if "tiny" in mode:  # a rank that keeps launching small kernels (async dispatch,
     while time.monotonic() < end:
         x += 1
         time.sleep(0.0002)
+elif "refill" in mode:  # fill on the parent's word in a shared page, as the job's ranks do per request
+    import numpy as np
+    page = np.memmap(os.environ["IPC_REFILL"], np.int64, "r+", shape=(64,))
+    me, seen = int(os.environ["IPC_INDEX"]), 0
+    while time.monotonic() < end:
+        if page[0] != seen:
+            seen = int(page[0])
+            buf.fill(seen & 0xFF)
+            cp.cuda.runtime.deviceSynchronize()
+            page[1 + me] = seen
+        else:
+            time.sleep(0.0001)
 elif "query" in mode:  # a rank that keeps asking the driver about its stream (no GPU work)
     s = cp.cuda.Stream.null
     while time.monotonic() < end:
@@ -59,7 +73,7 @@ else:
 """
 
 
-def _kernels(fn, sync, reps=10, match="fanout"):
+def _kernels(fn, sync, reps=10, match="fanout", before=None):
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -67,11 +81,25 @@ def _kernels(fn, sync, reps=10, match="fanout"):
     sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
+            if before is not None:
+                before()
             fn()
             sync()
     ds = [e.time_range.end - e.time_range.start for e in prof.events()
           if e.device_type == DeviceType.CUDA and match in e.name]
     return round(float(np.median(ds)), 1) if ds else None
+
+
+def _refill(page) -> None:
+    """Asks every "refill" child to fill its buffer and waits (10 s at most) until all have."""
+    import time
+
+    page[0] += 1
+    end = time.monotonic() + 10
+    while not (page[1:1 + D] == page[0]).all():
+        if time.monotonic() > end:
+            raise TimeoutError("a refill child did not answer in 10 s")
+        time.sleep(0.0001)
 
 
 def round_shape():
@@ -122,11 +150,16 @@ def main() -> None:
     out["local_memcpy"] = _kernels(lambda: local[0].__setitem__(Ellipsis, local[1]), sync, match="")
     for mode in os.environ.get("IPC_MODES", "").split():  # children made as the job's are, in steps
         os.environ["IPC_CHILD"] = mode
-        with child_processes(_CHILD, D) as lines:
+        page_path = f"/dev/shm/ipc_probe_refill_{os.getpid()}"
+        page = np.memmap(page_path, np.int64, "w+", shape=(64,))
+        with child_processes(_CHILD, D, lambda i: {"IPC_REFILL": page_path, "IPC_INDEX": str(i)}) as lines:
             maps = open_children(lines)
-            out[f"ipc_strided_{mode}"] = _kernels(run([m.arrays[0] for m in maps], strided), sync)
+            before = (lambda: _refill(page)) if mode == "refill" else None
+            out[f"ipc_strided_{mode}"] = _kernels(run([m.arrays[0] for m in maps], strided), sync,
+                                                  before=before)
             for m in maps:
                 m.close()
+        os.unlink(page_path)
         print(mode, out[f"ipc_strided_{mode}"], flush=True)
     os.environ["IPC_CHILD"] = "cupy"
     with child_processes(_CHILD, D) as lines:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -44,12 +45,14 @@ def _median_us(fn, reps: int = 30, sleep_s: float = 0.0, sync=None) -> float:
 
 
 @contextlib.contextmanager
-def child_processes(code: str, n: int):
+def child_processes(code: str, n: int, env_of=None):
     """`n` Python processes running `code` (each prints one line once ready, then waits), for the
     probes that need other processes on the GPU; yields each one's ready line (the first JSON or
-    number: an engine's own lines are skipped); kills them all on exit."""
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-             for _ in range(n)]
+    number: an engine's own lines are skipped); kills them all on exit. ``env_of(i)``: child i's
+    extra environment variables."""
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env=None if env_of is None else {**os.environ, **env_of(i)})
+             for i in range(n)]
 
     def ready_line(p) -> str:  # an engine may print its own lines first (NIXL's banner)
         for _ in range(200):
