@@ -79,6 +79,9 @@ def test_small_job_both_modes_nixl_matches_plan():
     for run in res["runs"]:
         _check_run(run, cfg)
         assert run["engine"] == "nixl" and run["warmup_seconds"] > 0
+        # Each sender's kernels were warmed once its ranks linked (host KV compiles none).
+        assert run["kernel_warm_up"]["pack"] == run["kernel_warm_up"]["fused"] == []
+        assert run["kernel_warm_up"]["seconds"] >= 0
         assert run["descriptors"] == want[run["mode"]]
         # One engine call per (chunk, rank): all layer entries in one batch.
         assert run["batches"] == run["engine_calls"] == cfg.dcp_size

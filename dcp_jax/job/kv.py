@@ -137,8 +137,9 @@ def request_page_tables(cfg: JobConfig) -> tuple[list[np.ndarray], list[np.ndarr
     return src, [decode_page_table(cfg, r, cfg.dcp_size, send_pool) for r in range(cfg.dcp_size)]
 
 
-def _most_rows_to_one_rank(cfg: JobConfig, prefill_rank: int) -> int:
-    """The most rows prefill rank ``prefill_rank`` sends one decode rank in one chunk."""
+def most_rows_to_one_rank(cfg: JobConfig, prefill_rank: int) -> int:
+    """The most rows prefill rank ``prefill_rank`` sends one decode rank in one chunk (0: none):
+    the ``max_rows`` of its sender's `KVSender.warm_up`, and what its pack buffer must hold."""
     tokens = owned_tokens(cfg.prefix_tokens, cfg.prompt_tokens, cfg.prefill_dcp_size, prefill_rank,
                           cfg.prefill_interleave_size)[0]
     if not len(tokens):
@@ -163,7 +164,7 @@ def pack_bytes(cfg: JobConfig, prefill_rank: int) -> int:
     share = len(owned_tokens(cfg.prefix_tokens, cfg.prompt_tokens, cfg.prefill_dcp_size, prefill_rank,
                              cfg.prefill_interleave_size)[0])
     units = len(cfg.chunks()) * n
-    rows = max(share, n * _most_rows_to_one_rank(cfg, prefill_rank), 1)
+    rows = max(share, n * most_rows_to_one_rank(cfg, prefill_rank), 1)
     return rows * row + units * PACK_ALIGN
 
 

@@ -130,6 +130,9 @@ def run_mode(cfg: JobConfig, mode: str, rid: str, prefills: list[Proc], decodes:
             d.send("open", dict(mode=mode, dcp_rank=r, dcp_size=n, addresses=[o["address"] for o in opened]))
         for d in decodes:
             d.recv(cfg.timeout_s, "opened")
+        for p in prefills:
+            p.send("warm", dict(peers=n))
+        warmed = [p.recv(cfg.timeout_s, "warmed") for p in prefills]
     except RuntimeError as exc:
         # A process died earlier (e.g. in the previous mode): this mode cannot start.
         _close_all(decodes, prefills)
@@ -158,7 +161,9 @@ def run_mode(cfg: JobConfig, mode: str, rid: str, prefills: list[Proc], decodes:
     finally:
         _close_all(decodes, prefills)
     run = _median_run(reports)
-    run.update(connect_seconds=connect_s, warmup_seconds=warmup_s)
+    run.update(connect_seconds=connect_s, warmup_seconds=warmup_s,
+               kernel_warm_up=dict(seconds=max(w["seconds"] for w in warmed),
+                                   pack=warmed[0]["pack"], fused=warmed[0]["fused"]))
     return run
 
 

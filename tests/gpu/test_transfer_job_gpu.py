@@ -73,6 +73,21 @@ def test_small_job_on_device_memory_matches_host_run(kw):
 
 
 @needs_nixl
+def test_timed_requests_compile_no_kernel_after_the_senders_warm_up():
+    # The prefill senders warm their kernels once the ranks link (`KVSender.warm_up`): a timed
+    # round split differently from the warm-up request's (a rank announcing late) must find its
+    # index bucket compiled (an H200 run spent 0.2 s of one 32k fused request compiling one).
+    cfg = JobConfig(model="deepseek-v3", prompt_tokens=4096, page_size=64, dcp_size=8, engine="nixl",
+                    device="gpu", modes=("region", "fused"), requests=4, timeout_s=120)
+    res = run_job(cfg)
+    _check_run(res, cfg)
+    for run in res["runs"]:
+        warm = run["kernel_warm_up"]
+        assert warm[run["mode"] if run["mode"] == "fused" else "pack"], (run["mode"], warm)
+        assert [q["kernel_traces"] for q in run["repeats"]] == [0] * cfg.requests, run["repeats"]
+
+
+@needs_nixl
 def test_flipped_device_byte_is_caught():
     cfg = JobConfig(model="tiny", prompt_tokens=512, page_size=16, dcp_size=2, modes=("packed",),
                     engine="nixl", device="gpu", corrupt_rank=1, timeout_s=120)
