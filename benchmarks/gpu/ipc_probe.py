@@ -67,7 +67,7 @@ elif "refill" in mode:  # fill on the parent's word in a shared page, as the job
 elif "query" in mode:  # a rank that keeps asking the driver about its stream (no GPU work)
     s = cp.cuda.Stream.null
     while time.monotonic() < end:
-        s.query()
+        s.done  # cudaStreamQuery
 else:
     time.sleep(120)
 """
