@@ -149,6 +149,14 @@ def _check_float(**arrays):
                             f"dequantise an integer cache first), got {name}.dtype={x.dtype}")
 
 
+def _check_width(name, x, dim_name):
+    """Zero-width features are refused: the DCP forms' all-gather / merge collectives crash
+    XLA:CPU (SIGSEGV) on an empty operand, so the check runs before anything is traced."""
+    if x.shape[-1] < 1:
+        raise ValueError(f"{name} needs at least one feature ({dim_name} >= 1), got "
+                         f"{name}.shape={x.shape}")
+
+
 def _check_mla(q_latent, q_rope, kv_cache, page_table, kv_lens, interleave_size):
     q_latent, q_rope, kv_cache = map(jnp.asarray, (q_latent, q_rope, kv_cache))
     _check_float(q_latent=q_latent, q_rope=q_rope, kv_cache=kv_cache)
@@ -157,6 +165,8 @@ def _check_mla(q_latent, q_rope, kv_cache, page_table, kv_lens, interleave_size)
             f"q_latent [B, Q, H, Dl] and q_rope [B, Q, H, Dr] must agree, got "
             f"{q_latent.shape=} {q_rope.shape=}"
         )
+    _check_width("q_latent", q_latent, "Dl")
+    _check_width("q_rope", q_rope, "Dr")
     dl, dr = q_latent.shape[-1], q_rope.shape[-1]
     if kv_cache.ndim != 4 or kv_cache.shape[-1] != dl + dr:
         raise ValueError(
@@ -180,6 +190,8 @@ def _check_gqa(q, k_cache, v_cache, page_table, kv_lens, interleave_size):
         raise ValueError(
             f"v_cache must be [N, num_pages, page_size, Hkv, Dv] like k_cache, got {v_cache.shape=}"
         )
+    _check_width("q", q, "D")
+    _check_width("v_cache", v_cache, "Dv")
     hkv = k_cache.shape[3]
     if hkv < 1:
         raise ValueError(f"k_cache needs at least one KV head (Hkv >= 1), got {k_cache.shape=}")

@@ -16,12 +16,16 @@ Conventions everywhere in this module (and the two it is built from):
 - ``base="e"`` (natural log, vLLM / sglang) or ``base="2"`` (FlashInfer: ``lse2 = lse * log2(e)``)
   is always an explicit keyword: mixing the bases silently is the classic bug;
 - an empty shard is one whose LSE is ``-inf``, ``+inf`` or NaN; it contributes exactly zero even
-  when its ``out`` holds NaN (weights are *selected* with ``jnp.where``, never multiplied by 0,
-  because ``0 * NaN = NaN``); all shards empty gives ``out = 0``, ``lse = -inf``;
+  when its ``out`` holds NaN (its term is *selected* with ``jnp.where``, never multiplied by 0,
+  because ``0 * NaN = NaN``); all shards empty gives ``out = 0``, ``lse = -inf``. A shard with a
+  finite LSE is live and always multiplied, so its NaN / inf ``out`` shows even when its weight
+  underflows to 0 (an LSE ~104 below the max), as in the float64 oracle;
   the in-``shard_map`` forms take ``propagate_nan=True`` for the IEEE rule instead (a NaN or
   +inf LSE poisons the merged state; -inf stays empty): the DCP attention forms merge that way;
-- arithmetic in float32 (or wider if the input is wider); ``out`` comes back in the input dtype,
-  ``lse`` in float32;
+- arithmetic in float32, or float64 when ``out`` or ``lse`` is float64 (``jax_enable_x64``);
+  ``out`` comes back in the input dtype, ``lse`` in float32 (float64 for a float64 ``lse``);
+- the collective forms refuse zero-width states (H = 0 or D = 0: ``ValueError`` naming ``out``,
+  at trace time, before XLA's collectives would crash on them); :func:`merge_states` takes them;
 - the one exception: the collective forms on a ONE-device axis (N = 1: :func:`ag_rs`,
   :func:`ag_ar`, :func:`a2a`, and :func:`merge_ag_rs` & co. inside ``shard_map``) return the
   inputs unchanged, as spec section 7 requires: no empty-shard normalisation (an LSE of +inf or
@@ -64,7 +68,9 @@ from dcp_jax.merge_core import (  # noqa: F401  (re-exported)
     _check_base,
     _check_layout,
     _check_stacked,
+    _check_widths,
     _compute_dtype,
+    _live,
     _merge_core,
     _merge_weights,
     _weighted,
@@ -115,15 +121,16 @@ def merge_states(out, lse, *, base: str = "e", lse_layout: str = "TH"):
         (any float dtype: bf16, f16, f32; f64 stays f64 only with ``jax_enable_x64``, otherwise
         JAX holds it as f32). numpy, JAX or nested sequences.
       lse: f32[N, T, H] LSEs (token-major), or [N, H, T] with ``lse_layout="HT"``. Natural log
-        for ``base="e"``, base 2 for ``base="2"``.
+        for ``base="e"``, base 2 for ``base="2"``. A float64 ``lse`` (x64 mode) is merged in
+        float64 whatever ``out``'s dtype.
       base: "e" (default; vLLM, sglang) or "2" (FlashInfer's ``lse * log2(e)``; the int 2 is
         taken as "2").
       lse_layout: "TH" (token-major, default) or "HT" (head-major) for both input and output LSE.
 
     Returns:
-      ``(out [T, H, D] in out's dtype as JAX holds it, lse f32[T, H] (or [H, T]) in the same
-      base)``. All shards
-      empty gives out = 0 and lse = -inf.
+      ``(out [T, H, D] in out's dtype as JAX holds it, lse f32[T, H] (or [H, T]; float64 for a
+      float64 ``lse``) in the same base)``. All shards empty gives out = 0 and lse = -inf.
+      H = 0, D = 0 or T = 0 give empty results of those shapes.
 
     Raises:
       ValueError: bad ``base`` / ``lse_layout``, wrong ranks or mismatched shapes, N = 0.
@@ -289,6 +296,7 @@ def _mesh_merge(out, lse, *, mesh, axis_name, base, lse_layout, form):
     base = _check_base(base)
     lse_layout = _check_layout(lse_layout)
     out, lse = _check_stacked(out, lse, lse_layout)
+    _check_widths(out.shape, form)  # at every N, before the collectives (SIGSEGV on XLA:CPU)
     if mesh is None:
         mesh = make_dcp_mesh(out.shape[0], axis_name=axis_name)
     n = _mesh_axis_size(mesh, axis_name)
@@ -337,7 +345,9 @@ def ag_rs(out, lse, *, mesh: Mesh | None = None, axis_name: str = DEFAULT_AXIS_N
       stays bf16). Use :func:`merge_states` for the normalised single-shard result.
 
     Raises:
-      ValueError: ``H % N != 0`` (before tracing), N != mesh axis size, bad shapes / knobs.
+      ValueError: ``H % N != 0`` (before tracing), N != mesh axis size, bad shapes / knobs;
+        H = 0 or D = 0 (zero-width ``out``, at every N; the message names ``out``). T = 0 is
+        fine: empty results of those shapes.
     """
     return _mesh_merge(out, lse, mesh=mesh, axis_name=axis_name, base=base,
                        lse_layout=lse_layout, form="ag_rs")

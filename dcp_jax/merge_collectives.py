@@ -18,7 +18,9 @@ from dcp_jax.merge_core import (
     DEFAULT_AXIS_NAME,
     MERGE_FORMS,
     _check_base,
+    _check_widths,
     _compute_dtype,
+    _live,
     _merge_core,
     _merge_weights,
     _weighted,
@@ -37,6 +39,7 @@ def _check_local(out, lse, axis_name: str, form: str) -> int:
         raise ValueError(
             f"{form}: per-rank out must be [T, H, D] and lse [T, H], got {out.shape=} {lse.shape=}"
         )
+    _check_widths(out.shape, form)  # before any collective: H = 0 / D = 0 crash XLA:CPU
     n = jax.lax.axis_size(axis_name)
     h = out.shape[1]
     if h % n != 0:
@@ -58,26 +61,30 @@ def merge_ag_rs(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"
       axis_name: the DCP mesh axis (default "dcp").
       base: "e" (default) or "2".
       propagate_nan: NaN in, NaN out (off by default): a NaN or +inf LSE on any rank makes that
-        (token, head) NaN and partial outputs are multiplied by their weights, never selected
-        (``merge_core._merge_weights``); the DCP attention forms pass True.
+        (token, head) NaN (``merge_core._merge_weights``); -inf stays empty. Either way a live
+        shard's ``out`` is multiplied by its weight (a NaN survives an underflowed weight) and
+        an empty one's is dropped (``merge_core._weighted``); the DCP attention forms pass True.
 
     Returns:
       ``(out [T, H/N, D] in out's dtype, lse f32[T, H/N])``. N = 1 (a one-rank axis) returns the inputs
       unchanged (spec section 7): no empty-shard normalisation, ``lse`` keeps its dtype.
 
     Raises:
-      ValueError: H not divisible by N, bad shapes or ``base`` (at trace time).
+      ValueError: H not divisible by N, H = 0 or D = 0 (message names ``out``; XLA:CPU's
+        collectives crash on zero-width operands), bad shapes or ``base`` (at trace time).
     """
     base = _check_base(base)
     n = _check_local(out, lse, axis_name, "merge_ag_rs")
     if n == 1:
         return out, lse
-    cdtype = _compute_dtype(out.dtype)
-    lse_all = jax.lax.all_gather(lse.astype(cdtype), axis_name, axis=0)  # [N, T, H]
+    cdtype = _compute_dtype(out.dtype, lse.dtype)
+    lse_c = lse.astype(cdtype)
+    lse_all = jax.lax.all_gather(lse_c, axis_name, axis=0)  # [N, T, H]
     w_all, merged = _merge_weights(lse_all, base=base, propagate_nan=propagate_nan)
     r = jax.lax.axis_index(axis_name)
     w_local = jax.lax.dynamic_index_in_dim(w_all, r, axis=0, keepdims=False)  # [T, H]
-    corrected = _weighted(out, w_local, propagate_nan=propagate_nan)  # [T, H, D] in cdtype
+    live = _live(lse_c, propagate_nan=propagate_nan)  # this rank's shard: empty -> exact 0
+    corrected = _weighted(out, w_local, live)  # [T, H, D] in cdtype
     o = jax.lax.psum_scatter(corrected, axis_name, scatter_dimension=1, tiled=True)
     hs = out.shape[1] // n
     l = jax.lax.dynamic_slice_in_dim(merged, r * hs, hs, axis=1)
@@ -96,15 +103,16 @@ def merge_ag_ar(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"
       axis_name: the DCP mesh axis (default "dcp").
       base: "e" (default) or "2".
       propagate_nan: NaN in, NaN out (off by default): a NaN or +inf LSE on any rank makes that
-        (token, head) NaN and partial outputs are multiplied by their weights, never selected
-        (``merge_core._merge_weights``); the DCP attention forms pass True.
+        (token, head) NaN (``merge_core._merge_weights``); -inf stays empty. Either way a live
+        shard's ``out`` is multiplied by its weight (a NaN survives an underflowed weight) and
+        an empty one's is dropped (``merge_core._weighted``); the DCP attention forms pass True.
 
     Returns:
       ``(out [T, H, D] in out's dtype, lse f32[T, H])``, the same on every rank. N = 1 (a one-rank axis) returns the inputs
       unchanged (spec section 7): no empty-shard normalisation, ``lse`` keeps its dtype.
 
     Raises:
-      ValueError: H not divisible by N, bad shapes or ``base``.
+      ValueError: H not divisible by N, H = 0 or D = 0 (names ``out``), bad shapes or ``base``.
     """
     base = _check_base(base)
     n = _check_local(out, lse, axis_name, "merge_ag_ar")
@@ -112,12 +120,14 @@ def merge_ag_ar(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e"
         # Unchanged values; a psum over one rank is the identity and marks them replicated
         # (invariant over the axis) as an all-heads result must be.
         return jax.lax.psum(out, axis_name), jax.lax.psum(lse, axis_name)
-    cdtype = _compute_dtype(out.dtype)
-    lse_all = jax.lax.all_gather(lse.astype(cdtype), axis_name, axis=0, to="invarying")
+    cdtype = _compute_dtype(out.dtype, lse.dtype)
+    lse_c = lse.astype(cdtype)
+    lse_all = jax.lax.all_gather(lse_c, axis_name, axis=0, to="invarying")
     w_all, merged = _merge_weights(lse_all, base=base, propagate_nan=propagate_nan)
     r = jax.lax.axis_index(axis_name)
     w_local = jax.lax.dynamic_index_in_dim(w_all, r, axis=0, keepdims=False)
-    o = jax.lax.psum(_weighted(out, w_local, propagate_nan=propagate_nan), axis_name)
+    live = _live(lse_c, propagate_nan=propagate_nan)
+    o = jax.lax.psum(_weighted(out, w_local, live), axis_name)
     return o.astype(out.dtype), merged.astype(jnp.promote_types(jnp.float32, lse.dtype))
 
 
@@ -135,15 +145,16 @@ def merge_a2a(out, lse, *, axis_name: str = DEFAULT_AXIS_NAME, base: str = "e",
       axis_name: the DCP mesh axis (default "dcp").
       base: "e" (default) or "2".
       propagate_nan: NaN in, NaN out (off by default): a NaN or +inf LSE on any rank makes that
-        (token, head) NaN and partial outputs are multiplied by their weights, never selected
-        (``merge_core._merge_weights``); the DCP attention forms pass True.
+        (token, head) NaN (``merge_core._merge_weights``); -inf stays empty. Either way a live
+        shard's ``out`` is multiplied by its weight (a NaN survives an underflowed weight) and
+        an empty one's is dropped (``merge_core._weighted``); the DCP attention forms pass True.
 
     Returns:
       ``(out [T, H/N, D] in out's dtype, lse f32[T, H/N])``. N = 1 (a one-rank axis) returns the inputs
       unchanged (spec section 7): no empty-shard normalisation, ``lse`` keeps its dtype.
 
     Raises:
-      ValueError: H not divisible by N, bad shapes or ``base``.
+      ValueError: H not divisible by N, H = 0 or D = 0 (names ``out``), bad shapes or ``base``.
     """
     base = _check_base(base)
     n = _check_local(out, lse, axis_name, "merge_a2a")

@@ -1,17 +1,16 @@
 """The one merge core of the exact LSE merge, and the checks every merge form shares.
 
 :func:`_merge_weights` (per-shard weights ``exp(lse_r - lse)`` and the merged LSE) and
-:func:`_weighted` (weights selected, never multiplied by 0) are the formula of spec section 7;
-:func:`_merge_core` is the N-way merge of stacked states. Their ``propagate_nan`` option (off by
-default; the DCP attention forms turn it on) swaps the empty-shard rule for NaN / +inf LSEs and the
-selection for IEEE products, so NaN in gives NaN out. Also the trace-time argument checks
-and the constants (``BASES``, ``LSE_LAYOUTS``, ``MERGE_FORMS``, ``DEFAULT_AXIS_NAME``). The
-formula and conventions are in :mod:`dcp_jax.merge`, which re-exports every name.
+:func:`_weighted` (an empty shard's term selected as 0, every live shard's multiplied) are the
+formula of spec section 7; :func:`_live` says which shards are empty; :func:`_merge_core` is the
+N-way merge of stacked states. Their ``propagate_nan`` option (off by default; the DCP attention
+forms turn it on) makes NaN / +inf LSEs poison instead of mark empty, so NaN in gives NaN out.
+Also the trace-time argument checks and the constants (``BASES``, ``LSE_LAYOUTS``,
+``MERGE_FORMS``, ``DEFAULT_AXIS_NAME``). The formula and conventions are in
+:mod:`dcp_jax.merge`, which re-exports every name.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -79,9 +78,23 @@ def _check_stacked(out, lse, lse_layout: str) -> tuple[jax.Array, jax.Array]:
     return out, lse
 
 
-def _compute_dtype(dtype) -> jnp.dtype:
-    # "Arithmetic in float32": bf16 / f16 are promoted; a float64 input (x64 mode) stays float64.
-    return jnp.promote_types(jnp.float32, dtype)
+def _check_widths(shape, form: str) -> None:
+    """Refuses H = 0 or D = 0 in ``out [..., T, H, D]`` of a collective form (trace time).
+
+    XLA:CPU's collectives crash the process (SIGSEGV) on a zero-width operand and ``psum_scatter``
+    over 0 heads fails MLIR verification, so the check must fire before any collective is traced.
+    T = 0 is fine there (the attention forms' B = 0 / Q = 0 rely on it).
+    """
+    h, d = shape[-2], shape[-1]
+    if h < 1 or d < 1:
+        raise ValueError(f"{form}: out needs at least one head and one feature (H >= 1, D >= 1), "
+                         f"got out.shape={tuple(shape)}")
+
+
+def _compute_dtype(*dtypes) -> jnp.dtype:
+    # "Arithmetic in float32": bf16 / f16 are promoted; a float64 out OR lse (x64 mode) keeps
+    # float64 (rounding a float64 LSE to float32 first shifts the weights by ulp_f32(|lse|)).
+    return jnp.result_type(jnp.float32, *dtypes)
 
 
 # --------------------------------------------------------------------------------------------
@@ -105,7 +118,9 @@ def _merge_weights(lse: jax.Array, *, base: str,
     Returns:
       ``(weights f32[N, ...], lse f32[...])``: ``weights[r] = exp(lse_r - lse)`` for non-empty
       shards and exactly 0 for empty ones (they sum to 1 unless all are empty); the merged LSE
-      is ``-inf`` when all shards are empty. With ``propagate_nan``, NaN where poisoned.
+      is ``-inf`` when all shards are empty. With ``propagate_nan``, NaN where poisoned. A live
+      shard's weight may underflow to 0 too (``lse_r`` ~104 below the max in float32): tell
+      empty from live by :func:`_live`, never by ``weights > 0``.
     """
     exp, log = (jnp.exp, jnp.log) if base == "e" else (jnp.exp2, jnp.log2)
     valid = jnp.isfinite(lse)
@@ -127,41 +142,47 @@ def _merge_weights(lse: jax.Array, *, base: str,
     return w, merged
 
 
-def _weighted(out: jax.Array, w: jax.Array, *, propagate_nan: bool = False) -> jax.Array:
-    """``w * out`` selected so that a zero weight gives exactly 0 even if ``out`` is NaN/inf.
+def _live(lse: jax.Array, *, propagate_nan: bool = False) -> jax.Array:
+    """bool mask of the shards that take part: lse finite (``propagate_nan``: lse != -inf, so a
+    NaN / +inf shard stays in and poisons). The rest are empty: their ``out`` is ignored."""
+    return lse != -jnp.inf if propagate_nan else jnp.isfinite(lse)
+
+
+def _weighted(out: jax.Array, w: jax.Array, live: jax.Array) -> jax.Array:
+    """``w * out`` for live shards, exactly 0 for empty ones whatever their ``out`` (NaN too).
 
     Args:
       out: [..., D] partial outputs (any float dtype; computed in ``w.dtype``).
       w: [...] weights from :func:`_merge_weights`.
-      propagate_nan: multiply, never select (IEEE: ``0 * NaN = NaN``), as the float64
-        reference of attention does: a NaN in ``out`` survives a zero (or underflowed) weight,
-        and a NaN weight poisons. An empty shard's ``out`` must then be finite (the attention
-        partials give exactly 0 for a query with no visible key).
+      live: bool[...] from :func:`_live` (the same ``propagate_nan`` as ``w``).
+
+    A live shard is multiplied even when its weight underflowed to 0 (IEEE: ``0 * NaN = NaN``,
+    as the float64 references): its NaN / inf ``out`` must not vanish; a NaN weight poisons.
+    Selecting on ``w > 0`` instead dropped such a shard (spec: only a non-finite LSE is empty).
     """
-    w = w[..., None]
-    if propagate_nan:
-        return w * out.astype(w.dtype)
-    return jnp.where(w > 0, w * out.astype(w.dtype), jnp.zeros((), w.dtype))
+    return jnp.where(live[..., None], w[..., None] * out.astype(w.dtype), jnp.zeros((), w.dtype))
 
 
 def _merge_core(out: jax.Array, lse: jax.Array, *, base: str,
                 propagate_nan: bool = False) -> tuple[jax.Array, jax.Array]:
-    """N-way merge of token-major stacked states; out [N, T, H, D], lse [N, T, H] -> cdtype.
+    """N-way merge of token-major stacked states; out [N, T, H, D], lse [N, T, H] -> cdtype
+    (float32, or float64 when ``out`` or ``lse`` is float64).
 
-    ``propagate_nan``: the IEEE rule of :func:`_merge_weights` and :func:`_weighted`.
+    ``propagate_nan``: the IEEE rule of :func:`_merge_weights` and :func:`_live`.
     """
-    cdtype = _compute_dtype(out.dtype)
-    w, merged = _merge_weights(lse.astype(cdtype), base=base, propagate_nan=propagate_nan)
-    # Materialise the small [N, T, H] weights: otherwise XLA may fuse exp/log into the big
-    # [T, H, D] pass and recompute them for every element of D.
-    w = jax.lax.optimization_barrier(w)
+    cdtype = _compute_dtype(out.dtype, lse.dtype)
+    lse = lse.astype(cdtype)
+    w, merged = _merge_weights(lse, base=base, propagate_nan=propagate_nan)
+    live = _live(lse, propagate_nan=propagate_nan)
+    # Materialise the small [N, T, H] weights and mask: otherwise XLA may fuse exp/log into the
+    # big [T, H, D] pass and recompute them for every element of D.
+    w, live = jax.lax.optimization_barrier((w, live))
     n = out.shape[0]
-    weighted = functools.partial(_weighted, propagate_nan=propagate_nan)
     if n > _UNROLL_MAX_SHARDS:
-        return jnp.sum(weighted(out, w), axis=0), merged
+        return jnp.sum(_weighted(out, w, live), axis=0), merged
     # Few shards: an unrolled sum is one elementwise, memory-bound pass reading each partial
     # once (a predictable lowering on GPU, unlike a reduction over the outermost axis).
-    acc = weighted(out[0], w[0])
+    acc = _weighted(out[0], w[0], live[0])
     for r in range(1, n):
-        acc = acc + weighted(out[r], w[r])
+        acc = acc + _weighted(out[r], w[r], live[r])
     return acc, merged
