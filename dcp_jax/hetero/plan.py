@@ -157,22 +157,27 @@ def head_pieces(prefill: HeteroSide, decode: HeteroSide, *, mla_source_tp_rank: 
         ValueError: ``mla_source_tp_rank`` out of range.
     """
     check_pair(prefill, decode)
+    td = decode.tp_size
     if prefill.kind == "mla":
         s = check_int("mla_source_tp_rank", mla_source_tp_rank, minimum=0)
         if s >= prefill.tp_size:
             raise ValueError(f"mla_source_tp_rank={s} must be < prefill tp_size={prefill.tp_size}")
-        return np.array([(s, d, 0, 0, 1) for d in range(decode.tp_size)], np.int64).reshape(-1, 5)
+        out = np.zeros((td, 5), np.int64)
+        out[:, 0], out[:, 1], out[:, 4] = s, np.arange(td), 1
+        return out
+    # The senders' head blocks, found by arithmetic (O(rows + decode TP), not O(prefill TP x
+    # decode TP): the TP sizes come from a peer's hello): block k of `width` heads is sent by
+    # prefill rank k * step, the lowest holding it (H % T == 0: every rank, H/T heads each; else
+    # T % H == 0: head k, replicated on T/H ranks). Each decode rank's heads meet <= 2 + dn/width blocks.
+    h, tp = prefill.num_kv_heads, prefill.tp_size
+    width, step = (h // tp, 1) if h % tp == 0 else (1, tp // h)
     rows = []
-    for s in range(prefill.tp_size):
-        s0, sn = prefill.heads(s)
-        # Replicated heads: only the lowest rank holding a head sends it.
-        if any(prefill.heads(o)[0] == s0 for o in range(s)):
-            continue
-        for d in range(decode.tp_size):
-            d0, dn = decode.heads(d)
-            lo, hi = max(s0, d0), min(s0 + sn, d0 + dn)
-            if lo < hi:
-                rows.append((s, d, lo - s0, lo - d0, hi - lo))
+    for d in range(td):
+        d0, dn = decode.heads(d)
+        for k in range(d0 // width, (d0 + dn - 1) // width + 1):
+            lo, hi = max(k * width, d0), min((k + 1) * width, d0 + dn)
+            rows.append((k * step, d, lo - k * width, lo - d0, hi - lo))
+    rows.sort()  # by (src_tp, dst_tp): one piece per pair (both head ranges are contiguous)
     return np.array(rows, np.int64).reshape(-1, 5)
 
 

@@ -41,11 +41,13 @@ class ReceiverData:
                     link.registered = True
             self._flush()
             busy |= self._poll_gated()  # first: a flag seen by the spin ends its request now
+            # Each frame and notification is isolated (`Worker.isolate`: counted, logged rate-limited):
+            # the batch was drained already, and one failing must not lose the others nor the round.
             for link in list(self._links):
                 for msg in link.client.recv():
                     busy = True
                     link.last_seen = time.monotonic()
-                    self._on_message(link, msg)
+                    self._worker.isolate(self._on_message, link, msg)
             # Rounds follow the busy backoff only while a notification is due (a "sent" hint came)
             # or a read is in flight; otherwise the worker idles until a control message wakes it.
             live = [r for r in self._requests.values() if not r.status.terminal]
@@ -54,7 +56,7 @@ class ReceiverData:
                 for peer, notes in self.engine.notifications().items():
                     for note in notes:
                         busy = True
-                        self._on_notification(peer, note)
+                        self._worker.isolate(self._on_notification, peer, note)
             busy |= self._poll_reads()
             busy |= self._poll_gated()  # gated parts that arrived in this round
             if self._waiting:  # room freed, or a waiting window's request ended

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from bridge import PeerInfo
+from bridge import BridgeError, PeerInfo
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._region import PeerOffer, choose_path, ipc_open
 from dcp_jax.transfer._sender_peers import Conn, _warn, logger
@@ -69,7 +69,10 @@ class SenderHandshake:
             bases = proto.unpack_i64(msg["layer_bases"], "layer_bases", max_items=self.spec.num_layers)
             if len(bases) != self.spec.num_layers:
                 raise HandshakeError("layer_bases", self.spec.num_layers, len(bases))
-            info = PeerInfo.from_dict(msg["peer"])
+            try:
+                info = PeerInfo.from_dict(msg["peer"])
+            except BridgeError as exc:  # a PeerError: not a ValueError, named here before any engine call
+                raise HandshakeError("peer", None, None, f"its engine metadata is not valid: {exc}") from None
             offer = PeerOffer.of_hello(msg)
             # A staged receiver's pages are not registered (only its region is), and no
             # descriptor of ours addresses them: it checks its page ids against its own cache.
@@ -213,7 +216,7 @@ class SenderHandshake:
 
     def _retry_held_hellos(self) -> None:
         for ident, (msg, _) in list(self._held_hellos.items()):
-            self._on_hello(ident, msg)
+            self._on_frame(ident, msg)  # isolated: one that fails does not skip the round's timeouts, pings
 
     def _nack(self, ident: bytes, exc: HandshakeError) -> None:
         self._counts["handshakes_refused"] += 1

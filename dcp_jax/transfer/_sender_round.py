@@ -13,12 +13,13 @@ import time
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING
 from dcp_jax.transfer.control import BYE_LINGER_MS
+from dcp_jax.transfer.spec import HandshakeError
 
 __all__ = ["SenderRound"]
 
 
 class SenderRound:
-    """`_round`, `_tell`, `_flush_ctl`, `_close_conns`."""
+    """`_round`, `_on_frame`, `_tell`, `_flush_ctl`, `_close_conns`."""
 
     def _round(self) -> int:
         busy = False
@@ -33,14 +34,14 @@ class SenderRound:
         for ident, msg in self._ctl.recv():
             busy = True
             with self._lock:
-                self._on_message(ident, msg)
+                self._on_frame(ident, msg)
         with self._lock:
             self._plan_units()
             busy |= self._submit_units()
             if self._asks:  # region windows packed and asked: their grants may already be here,
                 for ident, msg in self._ctl.recv():  # written now rather than a round later
                     busy = True
-                    self._on_message(ident, msg)
+                    self._on_frame(ident, msg)
             busy |= self._poll_inflight()
             self._retry_held_hellos()
             self._check_timeouts()
@@ -49,6 +50,18 @@ class SenderRound:
                 return ACTIVE
             # Grants arrive on the control socket; a held hello waits for the engine's completions.
             return PENDING if self._inflight or self._held_hellos else IDLE
+
+    def _on_frame(self, ident: bytes, msg: dict) -> None:
+        """`_on_message`, isolated: `recv` drained every waiting frame, so one whose handling
+        raises must not cost the others (other receivers' announcements, grants, pings) nor the
+        rest of the round. It is counted in ``worker_errors`` and logged rate-limited
+        (`Worker.isolate`); a hello that failed so is answered ``hello_nack(field="hello")``,
+        not left to time out."""
+        if self._worker.isolate(self._on_message, ident, msg) or msg["k"] != "hello" or ident in self._conns:
+            return
+        self._held_hellos.pop(ident, None)
+        self._worker.isolate(self._nack, ident, HandshakeError(
+            "hello", None, None, f"this sender failed to handle it ({self._worker.last_error[:200]})"))
 
     def _tell(self, ident: bytes, frame: bytes) -> None:
         """Sends one control frame to a receiver: every frame of the sender goes out here.

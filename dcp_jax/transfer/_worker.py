@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import reprlib
 import threading
 import time
 import traceback
@@ -55,6 +56,13 @@ _I64 = (-(1 << 63), (1 << 63) - 1)
 #: said it launched): the next round follows after `MIN_BACKOFF_S`, the backoff does not grow.
 IDLE, PENDING, ACTIVE, SPIN = 0, 1, 2, 3
 
+#: Worker errors logged with their traceback; then one line per `ERROR_LOG_INTERVAL_S` counts the
+#: rest (a peer that makes every frame fail must not flood the log; each is counted in ``errors``).
+MAX_LOGGED_ERRORS = 10
+ERROR_LOG_INTERVAL_S = 60.0
+_SHORT = reprlib.Repr()  # a frame may hold 16 MiB: its log line shows the start of each field
+_SHORT.maxstring = _SHORT.maxother = 80
+
 
 class Worker:
     """One daemon thread calling ``round_fn`` until stopped.
@@ -63,7 +71,8 @@ class Worker:
     `SPIN` (something is due within microseconds: the next round follows after `MIN_BACKOFF_S`),
     `PENDING` (something is awaited from the engine: the next round follows after the backoff)
     or `IDLE` (it waits up to `IDLE_POLL_MS` for a control message on a registered socket or a
-    `wake`). An exception in a round is logged and counted, never fatal.
+    `wake`). An exception in a round, or in one frame's handling (`isolate`), is counted
+    (``errors``, ``last_error``) and logged rate-limited (`note_error`), never fatal.
 
     ``spin_fn`` (optional, called on the worker thread without any lock): after a `SPIN` round
     the worker calls it back to back (yielding the GIL between calls) until it returns True or
@@ -76,6 +85,7 @@ class Worker:
         self.name, self._round, self.errors = name, round_fn, 0
         self._spin = spin_fn
         self.last_error = ""
+        self._unlogged, self._next_log = 0, 0.0  # errors past MAX_LOGGED_ERRORS not yet reported
         addr = f"inproc://wake-{uuid.uuid4().hex}"
         self._rx = zmq_context().socket(zmq.PULL)
         self._rx.setsockopt(zmq.LINGER, 0)
@@ -143,6 +153,38 @@ class Worker:
         except Exception:  # noqa: BLE001 - the round that follows sees (and reports) the same state
             logger.debug("%s: spin check failed", self.name, exc_info=True)
 
+    def note_error(self, what: str | Callable[[], str], exc: BaseException) -> None:
+        """Counts an exception the worker caught and logs it (``what``: where, or a callable
+        saying it, called only to log): the first `MAX_LOGGED_ERRORS` with their traceback,
+        then a count at most every `ERROR_LOG_INTERVAL_S`. Call from an ``except`` block."""
+        self.errors += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"[:1000]
+        now = time.monotonic()
+        if self.errors > MAX_LOGGED_ERRORS and now < self._next_log:
+            self._unlogged += 1
+            return
+        where = what() if callable(what) else what
+        if self.errors <= MAX_LOGGED_ERRORS:
+            logger.error("%s: error in %s: %s%s", self.name, where, traceback.format_exc(),
+                         " (further errors are counted, and logged once a minute)" * (self.errors == MAX_LOGGED_ERRORS))
+            self._next_log = now + ERROR_LOG_INTERVAL_S
+        else:
+            logger.error("%s: %d more error(s) since (%d in all); the last in %s: %s", self.name, self._unlogged + 1,
+                         self.errors, where, self.last_error[:300])
+            self._unlogged, self._next_log = 0, now + ERROR_LOG_INTERVAL_S
+
+    def isolate(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """Calls ``fn(*args)`` (the handling of one control frame or notification); an exception
+        is counted and logged (`note_error`), not raised: the frames read with it and the rest of
+        the round (polls, timeouts, pings) still run. True when it returned."""
+        try:
+            fn(*args)
+            return True
+        except Exception as exc:  # noqa: BLE001 - one bad frame must not cost the others
+            self.note_error(lambda: f"{getattr(fn, '__name__', 'a handler')}({', '.join(map(_SHORT.repr, args))})",
+                            exc)
+            return False
+
     @property
     def stopping(self) -> bool:
         return self._stop.is_set()
@@ -153,9 +195,7 @@ class Worker:
             try:
                 state = self._round()
             except Exception as exc:  # noqa: BLE001 - a bad round must not kill the connector
-                self.errors += 1
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                logger.error("%s: error in worker round: %s", self.name, traceback.format_exc())
+                self.note_error("worker round", exc)
                 state = IDLE
             if self._stop.is_set():
                 break

@@ -161,11 +161,9 @@ class ControlServer:
 
 def _hello_of_another_version(frame: bytes):
     """The version a refused frame claims if it is a ``hello`` of another protocol version."""
-    import msgpack
-
-    try:
-        msg = msgpack.unpackb(frame, raw=False, max_bin_len=len(frame), max_str_len=len(frame))
-    except Exception:  # noqa: BLE001 - garbage: no answer
+    try:  # bounded as `protocol.decode` is: a refused frame may be up to 4 x that long, or a bomb
+        msg = protocol.unpack(frame)
+    except protocol.ProtocolError:  # garbage: no answer
         return None
     if isinstance(msg, dict) and msg.get("k") == "hello" and msg.get("v") != protocol.PROTOCOL_VERSION:
         v = msg.get("v")

@@ -36,7 +36,7 @@ import numpy as np
 
 __all__ = [
     "PROTOCOL_VERSION", "MAX_CONTROL_BYTES", "MAX_NOTIF_BYTES", "ProtocolError", "encode",
-    "decode", "pack_i64", "unpack_i64", "KINDS", "PATHS", "MAX_MOVING", "MAX_LEASE_MS",
+    "decode", "unpack", "pack_i64", "unpack_i64", "KINDS", "PATHS", "MAX_MOVING", "MAX_LEASE_MS",
 ]
 
 #: Bumped on any change of a message's meaning; peers of another version are refused at hello.
@@ -138,18 +138,28 @@ def decode(data: Any, *, max_bytes: int = MAX_CONTROL_BYTES) -> dict[str, Any]:
         ProtocolError: not bytes, too long, not a msgpack map, another protocol version, an
             unknown kind, or a field missing, extra, of the wrong type or out of bounds.
     """
+    msg = unpack(data, max_bytes=max_bytes)
+    _check(msg)
+    return msg
+
+
+def unpack(data: Any, *, max_bytes: int = MAX_CONTROL_BYTES) -> Any:
+    """msgpack of a peer, bounded (its length, and each string, bytes, array and map in it),
+    not yet checked against a kind's schema (`decode` does that).
+
+    Raises:
+        ProtocolError: not bytes, longer than ``max_bytes``, or not msgpack within the bounds.
+    """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ProtocolError(f"message must be bytes, got {type(data).__name__}")
     if len(data) > max_bytes:
         raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}")
     try:
-        msg = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, max_bin_len=max_bytes,
-                              max_str_len=max_bytes, max_array_len=1 << 16, max_map_len=64,
-                              use_list=True)
+        return msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, max_bin_len=max_bytes,
+                               max_str_len=max_bytes, max_array_len=1 << 16, max_map_len=64,
+                               use_list=True)
     except Exception as exc:  # noqa: BLE001 - msgpack raises several types for garbage
         raise ProtocolError(f"not a msgpack message: {type(exc).__name__}: {exc}") from None
-    _check(msg)
-    return msg
 
 
 def _check(msg: Any) -> None:

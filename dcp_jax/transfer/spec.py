@@ -18,9 +18,10 @@ import numpy as np
 from dcp_jax._validate import check_int
 
 __all__ = ["KVCacheSpec", "HandshakeError", "check_compatible", "check_layout_bounds", "dtype_name",
-           "MAX_DCP_SIZE", "MAX_LAYERS", "MAX_PAGE_SIZE"]
+           "MAX_DCP_SIZE", "MAX_TP_SIZE", "MAX_LAYERS", "MAX_PAGE_SIZE"]
 
 MAX_DCP_SIZE = 1024      # DCP groups beyond this are not a serving configuration
+MAX_TP_SIZE = 1024       # likewise; the head plan loops over both sides' TP ranks (a peer's hello sets one)
 MAX_LAYERS = 4096        # layer entries per cache (one per layer for MLA; more for hybrid models)
 MAX_ITEM_LEN = 1 << 24   # bytes per token per layer entry (16 MiB)
 MAX_PAGE_SIZE = 1 << 20  # tokens per page (engines use 16..2048)
@@ -117,7 +118,7 @@ class KVCacheSpec:
         item_lens: bytes per token of each layer entry, ``num_layers`` ints > 0 (DeepSeek-V3
             MLA bf16: 576 x 2 = 1152).
         page_size: tokens per page, 1..2**20.
-        dcp_size: this side's DCP group size (prefill M, decode N), >= 1.
+        dcp_size: this side's DCP group size (prefill M, decode N), 1..`MAX_DCP_SIZE`.
         dcp_rank: this side's rank in it, ``0 <= dcp_rank < dcp_size``.
         interleave_size: tokens per ownership block I (1 = token round-robin), >= 1.
         dtype: element type name of the cache (``"bfloat16"``, ``"float8_e4m3fn"``, ...), or a
@@ -130,7 +131,7 @@ class KVCacheSpec:
             other name is a label both sides must spell alike (adapters tag their engine's cache
             this way, e.g. ``"vllm-cpu-LBHNC/token"``): the pair moves whole rows, and the
             handshake refuses two different labels.
-        tp_size, tp_rank: tensor-parallel size and rank; with ``tp_size > 1`` on either side
+        tp_size, tp_rank: tensor-parallel size (1..`MAX_TP_SIZE`) and rank; with ``tp_size > 1`` on either side
             (or differing layouts) the pair moves the heads both ranks hold (`dcp_jax.transfer.views`).
         num_kv_heads: KV heads of the model (MLA: 1, the latent), >= 1; head_dim: elements per
             head, >= 1, or None (the whole row: MLA's latent). `dcp_jax.hetero.plan.HeteroSide`
@@ -180,6 +181,8 @@ class KVCacheSpec:
         set_("interleave_size", check_int("interleave_size", self.interleave_size, minimum=1))
         check_layout_bounds(self.page_size, self.dcp_size, self.interleave_size)
         set_("tp_size", check_int("tp_size", self.tp_size, minimum=1))
+        if self.tp_size > MAX_TP_SIZE:
+            raise ValueError(f"tp_size={self.tp_size} must be <= {MAX_TP_SIZE}")
         set_("tp_rank", check_int("tp_rank", self.tp_rank, minimum=0))
         if self.tp_rank >= self.tp_size:
             raise ValueError(f"tp_rank={self.tp_rank} must be < tp_size={self.tp_size}")

@@ -293,9 +293,16 @@ def served_group_ranks(prefill: KVCacheSpec, decode: KVCacheSpec) -> frozenset[i
     if not uses_views(prefill, decode):
         return frozenset(range(decode.group_size))
     p, d = check_view_pair(prefill, decode)
-    # The pieces depend on the TP ranks only (every DCP rank holds every head of its TP rank).
-    moves = [len(_pieces(p, d, prefill.tp_rank, t)) > 0 for t in range(decode.tp_size)]
-    return frozenset(g for g in range(decode.group_size) if moves[g // decode.dcp_size])
+    # The pieces depend on the TP ranks only (every DCP rank holds every head of its TP rank). One
+    # head plan for every decode TP rank, not one each (both TP sizes may be MAX_TP_SIZE).
+    if p.kind == "mla":  # decode TP rank t's latent comes from prefill TP rank t % tp_size
+        moves = np.arange(decode.tp_size) % p.tp_size == prefill.tp_rank
+    else:
+        rows = head_pieces(p, d)
+        moves = np.zeros(decode.tp_size, bool)
+        moves[rows[rows[:, 0] == prefill.tp_rank, 1]] = True
+    g = np.arange(decode.group_size)
+    return frozenset(g[moves[g // decode.dcp_size]].tolist())
 
 
 @functools.lru_cache(maxsize=256)
