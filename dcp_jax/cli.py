@@ -30,6 +30,16 @@ app = typer.Typer(
 )
 
 
+
+def _size_text(nbytes: int) -> str:
+    """Bytes in decimal units, three significant digits or more: "2.30 GB", "393 kB" (a tiny
+    model's request read "0.00 GB")."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            x = nbytes / scale
+            return f"{x:,.{max(0, 2 - len(str(int(x))) + 1)}f} {unit}"
+    return f"{nbytes} B"
+
 def _descriptor_phrase(ratio: float) -> str:
     """``ratio`` = direct / packed descriptors, in words ("1.0x fewer" for a tiny request read wrong)."""
     if round(ratio, 1) > 1:
@@ -183,7 +193,7 @@ def transfer(
         f"{cfg.prompt_tokens:,} tokens (prefix {cfg.prefix_tokens:,}), page {cfg.page_size}"
         f"{f' (prefill {cfg.src_page_size})' if cfg.src_page_size != cfg.page_size else ''}, "
         f"prefill DCP{cfg.prefill_dcp_size} -> decode DCP{cfg.dcp_size}, I={cfg.interleave_size}, "
-        f"{len(cfg.chunks())} chunk(s), engine {cfg.engine_kind}, device {cfg.device}; {geo.request_bytes(cfg.send_tokens) / 1e9:.2f} GB to move"
+        f"{len(cfg.chunks())} chunk(s), engine {cfg.engine_kind}, device {cfg.device}; {_size_text(geo.request_bytes(cfg.send_tokens))} to move"
         + (f"; prefill on GPU {_gpus(cfg.prefill_gpus)}, decode on GPU {_gpus(cfg.decode_gpus)}"
            if cfg.prefill_gpus is not None or cfg.decode_gpus is not None else "")
     )

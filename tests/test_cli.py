@@ -71,6 +71,8 @@ def test_corrupted_byte_exits_nonzero(tmp_path):
         (["--requests", "2", "--tp-size", "2", "--model", "llama-3.1-8b"], "--requests: not taken by a TP/layout run"),
         # 36 MB to move, but a million-token page makes every pool page-sized: refused up front
         (["--prompt-tokens", "512", "--page-size", "1000000"], "GiB of host memory"),
+        # a pack buffer past the machine's memory names the option that sized it
+        (["--model", "tiny", "--pack-tokens", "1000000000000"], "(--pack-tokens: 178813.9 GiB of pack buffer)"),
         # The connector's own bounds: refused by a rank once running, reported as unverified bytes
         (["--interleave-size", "2147483648"], "--interleave-size * --dcp-size = 2147483648 * 8 exceeds int32"),
         (["--prefill-interleave-size", "2147483648", "--prefill-dcp-size", "2"], "--prefill-interleave-size *"),

@@ -16,8 +16,8 @@ __all__ = ["generate"]
 
 def generate(
     dcp_size: int = typer.Option(2, help="Decode DCP ranks N (one process each, merged through jax.distributed)."),
-    prompt_tokens: int = typer.Option(3001, help="Prompt length; the prefill ships the KV of all but the last "
-                                                 "token, which the first decode step consumes."),
+    prompt_tokens: int = typer.Option(3001, help="Prompt length (at most 131,072); the prefill ships the KV of all "
+                                                 "but the last token, which the first decode step consumes."),
     new_tokens: int = typer.Option(32, help="Tokens to generate greedily (at most 4,096)."),
     engine: str = typer.Option("nixl", help="Transfer engine: nixl or mooncake."),
     dtype: str = typer.Option("fp32", help="fp32 or bf16 (weights, activations, KV cache)."),

@@ -222,10 +222,14 @@ def check_host_memory(cfg: JobConfig) -> None:
     need = estimate_host_bytes(cfg)
     have = physical_memory_bytes()
     if have is not None and need > have:
+        # --pack-tokens sizes the pack buffer alone: named when it is what does not fit.
+        pack = (f", pack_tokens={cfg.pack_tokens} (--pack-tokens: "
+                f"{max(pack_bytes(cfg, k) for k in range(cfg.prefill_dcp_size)) / 2**30:.1f} GiB of pack buffer)"
+                if cfg.pack_tokens is not None and cfg.device != "gpu" else "")
         raise ValueError(
             f"this job needs about {need / 2**30:.1f} GiB of host memory (prompt_tokens="
             f"{cfg.prompt_tokens}, page_size={cfg.page_size}, dcp_size={cfg.dcp_size}, "
-            f"prefill_dcp_size={cfg.prefill_dcp_size}, model {cfg.model}); this machine has "
+            f"prefill_dcp_size={cfg.prefill_dcp_size}, model {cfg.model}{pack}); this machine has "
             f"{have / 2**30:.1f} GiB")
 
 

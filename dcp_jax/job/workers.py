@@ -53,11 +53,15 @@ class _Inbox:
     def abort_reason(self) -> str | None:
         """Why the orchestrator wants the live request ended, or None (never blocks)."""
         reason = None
-        while self.conn.poll(0):
-            kind, arg = self.conn.recv()
-            if kind != "abort":
-                self._later.append((kind, arg))  # release / close / shutdown: served after the request
-            reason = reason or (str(arg) if kind == "abort" else f"the job sent {kind!r}")
+        try:
+            while self.conn.poll(0):
+                kind, arg = self.conn.recv()
+                if kind != "abort":
+                    self._later.append((kind, arg))  # release / close / shutdown: served after the request
+                reason = reason or (str(arg) if kind == "abort" else f"the job sent {kind!r}")
+        except (EOFError, OSError):  # the orchestrator died (killed): end the request, then the loop
+            self._later.append(("shutdown", None))
+            return "the job's main process is gone"
         return reason
 
 
@@ -98,7 +102,10 @@ def _serve(inbox: _Inbox, handlers: dict, state: dict, key: str) -> None:
             try:
                 fn(arg)
             except Exception:  # noqa: BLE001 - the orchestrator reports it
-                inbox.conn.send(("error", traceback.format_exc()))
+                try:
+                    inbox.conn.send(("error", traceback.format_exc()))
+                except (OSError, EOFError):  # the orchestrator is gone (killed): nobody to tell
+                    break
     finally:
         drop()
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from bridge import PeerInfo
+from bridge import BridgeError, PeerInfo
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._region import host_info
 from dcp_jax.transfer.control import BYE_LINGER_MS, ControlClient
@@ -122,9 +122,13 @@ class ReceiverLinks:
             if reply["path"] == "region" and not self._region.nbytes:
                 raise HandshakeError("path", None, None,
                                      "the sender chose the region path, this receiver offers no region")
+            try:  # checked before the flag page is opened: a bad peer info opens nothing
+                info = PeerInfo.from_dict(reply["peer"])
+            except BridgeError as exc:  # a PeerError: named as a handshake field, as the sender does
+                raise HandshakeError("peer", None, None, f"the sender's engine metadata is not valid: {exc}") from None
             flag = _open_flag(reply)
             try:
-                peer = self.engine.add_peer(PeerInfo.from_dict(reply["peer"]))
+                peer = self.engine.add_peer(info)
             except BaseException:
                 if flag is not None:
                     flag.close()

@@ -212,7 +212,8 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
                 sender's prefill (dcp_rank, tp_rank); or, from the sender, another receiver of
                 this group that still pings holds this rank's (dcp_rank, tp_rank) (the sender
                 waits two of that receiver's ping intervals for it to say bye or fall silent
-                before refusing). Nothing was registered with the peer.
+                before refusing); field ``"peer"``: the sender's engine metadata is not valid.
+                Nothing was registered with the peer.
             TimeoutError: no answer within ``timeout_s``.
             ValueError: malformed address, unknown direction, or already connected there.
         """

@@ -219,3 +219,32 @@ def test_a_refused_frame_is_reparsed_within_the_decode_bounds():
     bomb = msgpack.packb({"v": 99, "k": "hello", "x": [0] * ((1 << 16) + 1)})
     assert _hello_of_another_version(bomb) is None  # as `protocol.decode`: arrays <= 2**16
     assert _hello_of_another_version(b"\x00" * (proto.MAX_CONTROL_BYTES + 1)) is None
+
+
+def test_a_sender_ack_with_bad_engine_metadata_is_a_handshake_error_naming_peer():
+    # The receiver's side of the peer check: its `connect` raises HandshakeError("peer") (not the
+    # engine's PeerError), registers nothing and tells the sender at once.
+    import numpy as np
+
+    from dcp_jax.transfer import HandshakeError, KVReceiver, KVSender
+
+    layers = lambda fill: [np.full((16, 4, il), fill, np.uint8) for il in (48, 16)]  # noqa: E731
+    s = KVSender(SPEC, layers(1), engine="nixl", timeout_s=3)
+    s.engine.peer_info = _NoPeer  # the ack's "peer": {} (no engine's metadata)
+    r = KVReceiver(SPEC, layers(0), engine="nixl", timeout_s=3)
+    try:
+        with pytest.raises(HandshakeError, match="engine metadata") as e:
+            r.connect(s.address, timeout_s=5)
+        assert e.value.field == "peer"
+        deadline = time.monotonic() + 3
+        while s.peers and time.monotonic() < deadline:  # told "bye" at once: the link goes
+            time.sleep(0.02)
+        assert s.peers == []
+    finally:
+        r.close()
+        s.close()
+
+
+class _NoPeer:
+    def to_dict(self):
+        return {}
