@@ -52,6 +52,8 @@ def check_out_path(path: Optional[Path], option: str) -> None:
     """
     if path is None:
         return
+    if str(path) in ("", "."):  # Path("") is "."; an empty argument names no file
+        raise ValueError(f"{option} needs a file name (an empty argument or '.' names the current folder)")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise ValueError(f"{option} {str(path)!r}: folder {str(parent)!r} does not exist")

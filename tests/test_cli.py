@@ -254,6 +254,9 @@ def test_outputs_the_os_refuses_and_generate_folders_are_refused_before_the_run(
                               "--dcp-size", "1"], terminal_width=300)
     flat = " ".join(res.output.replace("│", " ").split())
     assert res.exit_code == 2 and "is a folder" in flat and "TTFT" not in res.output, res.output
+    res = runner.invoke(app, ["plan", *small, "--json", ""], terminal_width=300)  # typer makes it Path(".")
+    flat = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and "--json needs a file name (an empty argument" in flat, res.output
     fresh = tmp_path / "fresh.json"
     res = runner.invoke(app, ["plan", *small, "--json", str(fresh)], terminal_width=300)
     assert res.exit_code == 0 and json.loads(fresh.read_text())  # the probe left a file only where one is written
