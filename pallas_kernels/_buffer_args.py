@@ -83,7 +83,7 @@ def check_still_writeable(layers, name: str) -> None:
         ValueError: ``{name}[l]`` is read-only now.
     """
     for l, a in enumerate(layers):
-        if not a.flags.writeable:
+        if isinstance(a, np.ndarray) and not a.flags.writeable:  # (JAX / CuPy layers: no such flag)
             raise ValueError(f"{name}[{l}] is read-only now (it was writeable when this object was made): "
                              "nothing was written")
 

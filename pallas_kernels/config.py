@@ -169,8 +169,12 @@ def bucket_rows(n: int, block_rows: int = DEFAULT_BLOCK_ROWS) -> int:
         The bucket size in rows, a multiple of `block_rows`.
 
     Raises:
-        ValueError: a negative `n`, or a `block_rows` that is not a power of 2 >= 1.
+        TypeError: `n` not an int (a numpy integer is one); ValueError: a negative `n`, or a
+            `block_rows` that is not a power of 2 >= 1.
     """
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"n={n!r} must be an int (rows), not {type(n).__name__}")
+    n = int(n)  # (a numpy integer has no bit_length)
     if n < 0:
         raise ValueError(f"{n=} must be >= 0")
     if isinstance(block_rows, bool) or not isinstance(block_rows, (int, np.integer)) or block_rows < 1 \
@@ -200,7 +204,7 @@ def pow2_chunks(width: int) -> tuple[tuple[int, int], ...]:
     """
     if isinstance(width, bool) or not isinstance(width, (int, np.integer)) or width < 0:
         raise ValueError(f"{width=} must be an int >= 0 (words)")
-    chunks, off = [], 0
+    width, chunks, off = int(width), [], 0  # (a numpy integer has no bit_length)
     while off < width:
         size = 1 << ((width - off).bit_length() - 1)
         chunks.append((off, size))

@@ -169,8 +169,9 @@ class RowCopier:
         if n == 0:
             return 0
         src = list(self.source.layers)
-        if self.backend == "numpy":
+        if self.backend in ("numpy", "interpret"):  # host layers: all written or none
             check_still_writeable(self._dst, "dst_layers")
+        if self.backend == "numpy":
             copy_host(src, sidx, list(self._dst), didx, self.item_lens, self.threads)
         elif self.backend == "cupy":
             copy_cupy(src, sidx, self._dst, didx)

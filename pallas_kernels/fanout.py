@@ -139,7 +139,7 @@ def copy_fanout(jobs, *, checked: bool = False, on_phase=None) -> int:
     fan = [p for p in pairs if ok[p[0]]]
     if len(fan) == 1 or not all(ok[c] for c, _, _ in live):
         for k, (c, _, _) in enumerate(jobs):  # every host destination before any write
-            if c.backend == "numpy" and len(pairs[k][1]):
+            if c.backend in ("numpy", "interpret") and len(pairs[k][1]):
                 check_still_writeable(c.dst_layers, f"jobs[{k}] dst_layers")
         for c, s, d in live:
             c.copy(s, d, checked=True)

@@ -76,6 +76,19 @@ class PackBackend(abc.ABC):
         return None
 
 
+#: Largest byte offset a backend that passes it to its kernel as int32 takes (`int32_offset`).
+MAX_INT32_OFFSET = 2**31 - 1
+
+
+def int32_offset(name: str, offset: int) -> str | None:
+    """Why backend `name`, which hands the region's byte offset to XLA or its kernel as int32, cannot
+    take `offset` (None when it fits): `auto` then picks another backend; naming it is refused
+    with this reason before anything is written (an offset past 2**31 raised OverflowError)."""
+    if offset > MAX_INT32_OFFSET:
+        return f"offset={offset} must be < 2**31 B for the {name} backend (it passes the offset as int32)"
+    return None
+
+
 class WordBackend(PackBackend):
     """A backend whose kernel moves words (`pallas_kernels.word_dtype` of the row lengths): the
     region's byte offset must be a multiple of the word (the Pallas GPU and TPU backends)."""

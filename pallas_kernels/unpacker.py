@@ -135,8 +135,9 @@ class RowUnpacker:
             return 0
         if not checked or not self.on_device:  # host checks are cheap; numpy's -1 stays out
             check_range(idx, "indices", self.num_rows, "layers", unique=True)
-        if self.backend == "numpy":
+        if self.backend in ("numpy", "interpret"):  # host layers: all written or none
             check_still_writeable(self._layers, "layers")
+        if self.backend == "numpy":
             unpack_host(self._pack, list(self._layers), idx, offset, self.item_lens, self.threads)
         elif self.backend == "cupy":
             unpack_cupy(self._pack, self._layers, idx, offset, self.item_lens)

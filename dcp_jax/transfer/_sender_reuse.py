@@ -15,9 +15,15 @@ __all__ = ["moved_page", "redundant"]
 def redundant(req: SendRequest, start: int, stop: int) -> bool:
     """Whether a chunk of a SUCCESS request is one its ranks need not get: within every rank's
     announced tokens and overlapping no chunk already sent (they hold those tokens, by prefix or
-    by transfer). A chunk past them, or sent twice, is more likely a reused id's: refused."""
-    return (bool(req.targets) and stop <= min(t.num_tokens for t in req.targets.values())
-            and not req.sent.overlaps(start, stop))
+    by transfer), or any chunk overlapping none sent when no decode rank takes anything from
+    this sender (``needed`` empty: a TP rank whose heads another rank sends, or whose heads no
+    decode rank of the group holds; its serving loop sends every chunk all the same). A chunk
+    past the ranks' tokens, or sent twice, is more likely a reused id's: refused."""
+    if req.sent.overlaps(start, stop):
+        return False
+    if req.needed is not None and not req.needed:
+        return True
+    return bool(req.targets) and stop <= min(t.num_tokens for t in req.targets.values())
 
 
 def moved_page(rid: str, chunks: list, table: np.ndarray, spec) -> str | None:

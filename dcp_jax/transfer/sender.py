@@ -261,7 +261,8 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
                 is SUCCESS as soon as they announced it; a `send` for it then does nothing, as a
                 chunk of any SUCCESS request does when it lies within the ranks' ``num_tokens``
                 and overlaps no chunk sent before (e.g. a chunk inside their prefix, sent after
-                the tail completed the request). A
+                the tail completed the request), or, overlapping none, on a sender no decode rank
+                takes anything from (a TP rank whose heads another rank sends). A
                 request that FAILED or was ABORTED (here or by a decode rank) drops its later
                 chunks without raising (a decode-side cancel is no error of the scheduler's
                 loop): `poll` and `failure_reason` say why; `release` it before reusing its id.

@@ -163,7 +163,10 @@ class Packer:
         why = b.unavailable()
         if why is None and self.kind not in b.kinds and "jax" not in b.kinds:
             why = f"it takes {b.kinds} arrays, the KV rows are {self.kind}"
-        why = why or b.unsupported(item_lens, 0)  # regions start 64-byte aligned (PackArena)
+        # Regions start 64-byte aligned (PackArena), anywhere in the buffer: the last one it can
+        # hold is checked too (a backend that takes int32 offsets cannot serve a >= 2 GiB pack).
+        last = max(0, (int(self.pack.nbytes) - 1) // 64 * 64)
+        why = why or b.unsupported(item_lens, 0) or b.unsupported(item_lens, last)
         if why is not None:
             raise ValueError(f"pack_backend={backend!r} cannot pack these KV layers here: {why}")
         self.name = b.name

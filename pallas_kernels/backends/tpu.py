@@ -34,7 +34,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import bucket_rows, word_dtype
-from pallas_kernels.registry import WordBackend, register_backend
+from pallas_kernels.registry import WordBackend, int32_offset, register_backend
 
 ROW_WINDOW = 8  # row DMAs in flight per layer loop (semaphore slots)
 MIN_ROW_BUCKET = 8
@@ -202,6 +202,10 @@ class TpuBackend(WordBackend):
     def __init__(self, interpret, name: str, path: str = "auto"):
         self.interpret, self.name, self.path = interpret, name, path
         self.kinds = ("numpy", "jax") if interpret else ("jax",)
+
+    def unsupported(self, item_lens, offset):
+        # The kernels take the offset in an int32 meta vector / scalar.
+        return super().unsupported(item_lens, offset) or int32_offset(self.name, offset)
 
     def unavailable(self):
         if self.interpret:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.registry import PackBackend, register_backend
+from pallas_kernels.registry import PackBackend, int32_offset, register_backend
 
 
 def _rows_as_words(a):
@@ -37,6 +37,9 @@ def _pack_xla(layers, idx, pack, offset):
 class XlaBackend(PackBackend):
     name = "xla"
     kinds = ("numpy", "jax")
+
+    def unsupported(self, item_lens, offset):
+        return int32_offset(self.name, offset)  # dynamic_update_slice's start: int32 without x64
 
     def _pack(self, layers, idx, pack, offset, kind, page_size):
         n = int(idx.size)

@@ -33,9 +33,10 @@ def _mla(page_size, dcp_size=1, interleave_size=1, tp_size=1, layout="sglang_mla
 
 
 def _run_pair(engine, p: HeteroSide, d: HeteroSide, tokens: int, seed: int = 0, receiver_kw=None, links=None,
-              **sender_kw):
+              chunks: int = 1, **sender_kw):
     """Every decode rank connected to every prefill rank, or where ``links((r, t), (r', t'))`` (decode
-    rank, prefill rank) says so; every sender and receiver must end SUCCESS."""
+    rank, prefill rank) says so; every sender gets every one of ``chunks`` chunks (a serving loop's
+    chunked prefill on each TP rank); every sender and receiver must end SUCCESS."""
     rng = np.random.default_rng(seed)
     ptables, ppages = rank_tables(p, tokens, rng)
     dtables, dpages = rank_tables(d, tokens, rng)
@@ -59,8 +60,10 @@ def _run_pair(engine, p: HeteroSide, d: HeteroSide, tokens: int, seed: int = 0, 
                     if links is None or links((r, t), key):
                         recv.connect(s.address)
                 recv.expect("q", dtables[r], tokens)
-        for key, s in senders:
-            s.send("q", ptables[key[0]], 0, tokens)
+        bounds = np.linspace(0, tokens, chunks + 1).astype(int)
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            for key, s in senders:
+                s.send("q", ptables[key[0]], int(lo), int(hi))
         deadline = time.monotonic() + 30
         everyone = [s for _, s in senders] + [x for _, x in receivers]
         while not all(x.poll("q").terminal for x in everyone) and time.monotonic() < deadline:
@@ -148,6 +151,15 @@ def test_views_byte_exact(engine, case):
         for event in ("post", "complete"):
             assert {rank for e, rank, _ in st["timeline"] if e == event} == want
     assert served == set(range(d.dcp_size * d.tp_size))
+
+
+@pytest.mark.parametrize("case", [(_mla(4, tp_size=2), _mla(8)), (_gqa(16, tp_size=4, heads=2), _gqa(16, heads=2))],
+                         ids=["mla-tp2_tp1", "gqa-tp4-replicated_tp1"])
+def test_a_sender_that_moves_nothing_takes_every_chunk(case):
+    # Chunked prefill on every TP rank: a rank whose heads another sends (or no decode rank holds)
+    # is SUCCESS after its first chunk; its later chunks are no-ops, not "release() it before
+    # reusing the id" (a fresh user's regression: the serving loop's second send raised).
+    _run_pair("nixl", *case, 90, chunks=3)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
