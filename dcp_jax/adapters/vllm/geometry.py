@@ -115,15 +115,22 @@ class Geometry:
         """The connector's `KVCacheSpec` for this worker (``dcp_rank`` in its DCP group).
 
         In ``"block"`` rows with DCP 1 the interleave is declared as one block (the same
-        ownership: every token on rank 0), so the sender moves pages directly.
+        ownership: every token on rank 0), so the sender moves pages directly. Each KV-head
+        shard (``shard_rank`` of ``kv_head_shards``) is a connector group of its own (its own
+        sender port and receiver group, `DcpJaxWorker`): a worker's rows hold only its shard's
+        heads, and both sides shard alike (`check_peer`), so the spec declares no TP and whole
+        rows move shard to shard. (Declared as ``tp_size=kv_head_shards`` it asked the connector
+        to pair heads, which a custom layout label cannot: every TP > DCP handshake failed.)
         """
+        if not 0 <= shard_rank < self.kv_head_shards:
+            raise ValueError(f"shard_rank={shard_rank} must be in [0, kv_head_shards={self.kv_head_shards})")
         n = self.num_layers * self.entries_per_layer
         inter = self.interleave_size
         if self.dcp_size == 1:
             inter = self.block_size if self.rows == "block" else 1
         return KVCacheSpec(n, [self.item_len] * n, self.block_size, dcp_size=self.dcp_size,
                            dcp_rank=dcp_rank, interleave_size=inter, dtype=self.dtype,
-                           layout=f"{LAYOUT}/{self.rows}", tp_size=self.kv_head_shards, tp_rank=shard_rank)
+                           layout=f"{LAYOUT}/{self.rows}")
 
     def transfer_tokens(self, num_tokens: int) -> int:
         """Tokens the transfer covers: ``num_tokens`` rounded up to whole blocks in ``"block"`` rows
