@@ -74,15 +74,23 @@ class AdapterConfig:
                               ("mode", ("auto", "packed", "direct"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"kv_connector_extra_config {name}={getattr(self, name)!r} must be one of {allowed}")
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 < self.port < 65536:
-            raise ValueError(f"kv_connector_extra_config port={self.port!r} must be an int in 1..65535")
-        for name in ("timeout_s", "connect_timeout_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"kv_connector_extra_config {name}={v!r} must be a number > 0")
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"kv_connector_extra_config host={self.host!r} must be a non-empty str")
         if self.tp_size % self.dcp_size:
             raise ValueError(f"tensor_parallel_size={self.tp_size} is not a multiple of "
                              f"decode_context_parallel_size={self.dcp_size}")
+        last = 65535 - (self.tp_size // self.dcp_size - 1)  # one port per KV-head shard: port + shard
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 < self.port <= last:
+            raise ValueError(f"kv_connector_extra_config port={self.port!r} must be an int in 1..{last} "
+                             f"(the senders listen on port .. port + {self.tp_size // self.dcp_size - 1})")
+        for name in ("timeout_s", "connect_timeout_s"):
+            v = getattr(self, name)  # the connector's own bound (`check_seconds`): (0, 86400]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86400:
+                raise ValueError(f"kv_connector_extra_config {name}={v!r} must be a number of seconds in (0, 86400]")
+        for name in ("dcp_rank", "tp_rank"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"kv_connector_extra_config {name}={v!r} must be an int >= 0")
 
     @property
     def kv_head_shards(self) -> int:

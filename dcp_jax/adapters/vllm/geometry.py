@@ -243,6 +243,7 @@ def check_peer(ours: Geometry, info: Any) -> dict[str, Any]:
     addrs = info.get("addresses")
     if not isinstance(addrs, list) or not addrs or not all(isinstance(a, str) for a in addrs):
         raise PeerMismatch("addresses", "a list of tcp://host:port", addrs)
-    if not isinstance(info.get("num_tokens"), int) or info["num_tokens"] < 0:
+    n = info.get("num_tokens")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:  # (True is an int to isinstance)
         raise PeerMismatch("num_tokens", "an int >= 0", info.get("num_tokens"))
     return info
