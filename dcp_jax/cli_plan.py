@@ -52,7 +52,8 @@ def plan(
     rank with per-layer caches beside the cross-layer page layout's, counted for the plan's
     wire blocks (a contiguous source), and the descriptors ``transfer --path direct`` posts
     (it reads through the prefill layout too: up to ~50x more with TP and an interleave; the
-    same page tables for one --seed). Its region path posts one per rank.
+    same page tables for one --seed). Its region path posts one per (prefill rank, decode rank)
+    pair that moves heads (per chunk).
     """
     from dcp_jax.cost import plan_command
 
