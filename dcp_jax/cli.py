@@ -32,21 +32,17 @@ app = typer.Typer(
 
 
 def _size_text(nbytes: int) -> str:
-    """Bytes in decimal units, three significant digits or more: "2.30 GB", "393 kB" (a tiny
+    """Bytes in decimal units, three significant digits: "2.30 GB", "393 kB", "1.00 MB" (a tiny
     model's request read "0.00 GB")."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if nbytes >= scale:
-            x = nbytes / scale
-            return f"{x:,.{max(0, 2 - len(str(int(x))) + 1)}f} {unit}"
-    return f"{nbytes} B"
-
-def _descriptor_phrase(ratio: float) -> str:
-    """``ratio`` = direct / packed descriptors, in words ("1.0x fewer" for a tiny request read wrong)."""
-    if round(ratio, 1) > 1:
-        return f"[bold]{ratio:.1f}x[/] fewer descriptors"
-    if round(ratio, 1) < 1:
-        return f"[bold]{1 / ratio:.1f}x[/] more descriptors"
-    return "about as many descriptors"
+    units = (("kB", 1e3), ("MB", 1e6), ("GB", 1e9))
+    k = max([i for i, (_, scale) in enumerate(units) if nbytes >= scale], default=-1)
+    if k < 0:
+        return f"{nbytes} B"
+    x = nbytes / units[k][1]
+    if x >= 999.5 and k < len(units) - 1:  # rounds up to 1,000: the next unit
+        k, x = k + 1, nbytes / units[k + 1][1]
+    text = f"{x:#.3g}".rstrip(".") if x < 999.5 else f"{x:,.0f}"
+    return f"{text} {units[k][0]}"
 
 
 @app.command()

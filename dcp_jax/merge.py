@@ -18,8 +18,9 @@ Conventions everywhere in this module (and the two it is built from):
 - an empty shard is one whose LSE is ``-inf``, ``+inf`` or NaN; it contributes exactly zero even
   when its ``out`` holds NaN (its term is *selected* with ``jnp.where``, never multiplied by 0,
   because ``0 * NaN = NaN``); all shards empty gives ``out = 0``, ``lse = -inf``. A shard with a
-  finite LSE is live and always multiplied, so its NaN / inf ``out`` shows even when its weight
-  underflows to 0 (an LSE ~104 below the max), as in the float64 oracle;
+  finite LSE is live and always multiplied, so its NaN / inf ``out`` is not lost when its weight
+  underflows to 0 (an LSE ~104 below the max): NaN stays NaN, as in the float64 oracle, and an
+  inf becomes NaN (``0 * inf``) where the oracle's weight is still > 0 and keeps the inf;
   the in-``shard_map`` forms take ``propagate_nan=True`` for the IEEE rule instead (a NaN or
   +inf LSE poisons the merged state; -inf stays empty): the DCP attention forms merge that way;
 - arithmetic in float32, or float64 when ``out`` or ``lse`` is float64 (``jax_enable_x64``);

@@ -346,3 +346,12 @@ def test_a_pair_of_two_kinds_is_refused_by_transfer_as_by_plan(cmd):
     res = runner.invoke(app, args + (["--no-progress"] if cmd == "transfer" else []), terminal_width=200)
     flat = " ".join(res.output.replace("│", " ").split())
     assert res.exit_code == 2 and "heterogeneous pair refused: kind differs (prefill 'gqa', decode 'mla')" in flat
+
+
+@pytest.mark.parametrize("nbytes,text", [(2_302_672_896, "2.30 GB"), (393_216, "393 kB"), (999, "999 B"),
+                                         (36_000_000, "36.0 MB"), (999_500, "1.00 MB"), (9_999_999, "10.0 MB"),
+                                         (999_999_999_999, "1,000 GB")])
+def test_the_job_header_size_has_three_significant_digits(nbytes, text):
+    from dcp_jax.cli import _size_text
+
+    assert _size_text(nbytes) == text  # a tiny model's request read "0.00 GB"
