@@ -76,6 +76,30 @@ def _row_view(a: Any, kind: str, rows: int, item: int, writable: bool = False) -
     return view.reshape(rows, -1).view(cp.uint8).reshape(rows, item)
 
 
+def _check_head_shape(spec: KVCacheSpec, shape: tuple, itemsize: int, pages: int, l: int) -> None:
+    """A per-head layout's cache in that layout's shape for this rank's heads (the same bytes per
+    token in another arrangement of heads and head_dim would land heads mixed up). The last
+    dimension counts bytes (a uint8 or uint16 array stands in for the spec's dtype).
+
+    Raises:
+        ValueError: ``kv_layers[l]`` in another shape (both shapes named).
+    """
+    if spec.layout not in GQA_LAYOUTS:
+        return
+    from dcp_jax.hetero.layouts import cache_shape, dtype_itemsize
+    from dcp_jax.hetero.plan import HeteroSide
+
+    try:
+        side = HeteroSide.from_spec(spec)
+        want = cache_shape(side.geometry(spec.tp_rank, pages))
+    except ValueError:  # a spec the views cannot pair: the handshake names why
+        return
+    elem = dtype_itemsize(spec.dtype)
+    if shape[:-1] != want[:-1] or shape[-1] * itemsize != want[-1] * elem:
+        raise ValueError(f"kv_layers[{l}] has shape {shape}; the {spec.layout!r} layout of tp_rank={spec.tp_rank} "
+                         f"({side.heads(spec.tp_rank)[1]} KV heads of head_dim={spec.head_dim}) is {want}")
+
+
 class CacheLayers:
     """One side's KV layer buffers, checked against its spec and held alive.
 
@@ -130,6 +154,7 @@ class CacheLayers:
                                      f" in the {spec.layout!r} layout" if spec.layout in GQA_LAYOUTS + ("tpu_mla",) else ""))
             if pages < 1:
                 raise ValueError(f"kv_layers[{l}] has no page (shape {shape})")
+            _check_head_shape(spec, shape, np.dtype(a.dtype).itemsize, pages, l)
             nbytes = int(np.prod(shape)) * np.dtype(a.dtype).itemsize
             n = pages * page_size
             if nbytes != n * spec.item_lens[l]:

@@ -160,3 +160,18 @@ def test_a_sender_needs_an_address_to_advertise(host):
     layers = [np.zeros((8, 4, il), np.uint8) for il in ITEMS]
     with pytest.raises(ValueError, match=r"host=.* must be an address of this machine that receivers reach"):
         KVSender(_spec("mla"), layers, engine="nixl", host=host)
+
+
+@pytest.mark.parametrize("shape,dtype", [((2, 4, 16, 2, 16), np.uint16), ((1, 4, 16, 4, 16), np.uint16),
+                                         ((2, 4, 16, 8, 8), np.uint8)])
+def test_a_per_head_cache_in_another_arrangement_of_heads_is_refused(shape, dtype):
+    # Same bytes per token, other heads / head_dim (a tester's trial): it was accepted, and the
+    # views would have placed heads mixed up. uint8 with the last dimension in bytes is fine.
+    from dcp_jax.transfer import KVCacheSpec, KVSender
+
+    spec = KVCacheSpec(1, [2 * 4 * 8 * 2], 16, layout="nhd", num_kv_heads=4, head_dim=8, dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"kv_layers\[0\] has shape .*'nhd' layout of tp_rank=0 \(4 KV heads "
+                                         r"of head_dim=8\) is \(2, 4, 16, 4, 8\)"):
+        KVSender(spec, [np.zeros(shape, dtype)], engine="nixl")
+    for ok in (np.zeros((2, 4, 16, 4, 8), np.uint16), np.zeros((2, 4, 16, 4, 16), np.uint8)):
+        KVSender(spec, [ok], engine="nixl").close()
