@@ -45,6 +45,15 @@ def _size_text(nbytes: int) -> str:
     return f"{text} {units[k][0]}"
 
 
+def _descriptor_phrase(ratio: float) -> str:
+    """``ratio`` = direct / packed descriptors, in words ("1.0x fewer" for a tiny request read wrong)."""
+    if round(ratio, 1) > 1:
+        return f"[bold]{ratio:.1f}x[/] fewer descriptors"
+    if round(ratio, 1) < 1:
+        return f"[bold]{1 / ratio:.1f}x[/] more descriptors"
+    return "about as many descriptors"
+
+
 @app.command()
 def transfer(
     model: str = typer.Option(DEFAULT_GEOMETRY, help=f"Model KV geometry: {', '.join(geometry_names())}."),
