@@ -41,6 +41,7 @@ from pallas_kernels.unpack import SCATTER_BACKENDS, copy_rows, synchronize, unpa
 from pallas_kernels.copier import RowCopier
 from pallas_kernels.unpacker import RowUnpacker
 from pallas_kernels.fanout import copy_fanout, warm_copy_fanout
+from pallas_kernels.written import Written, written
 
 __all__ = [
     # The gather, its knobs and the host contract (`pack_rows`, `PackSource`): gather's names.
@@ -54,6 +55,8 @@ __all__ = [
     "copy_fanout",
     "warm_copy_fanout",
     "synchronize",
+    "Written",
+    "written",
     "unpack_rows",
     # One pack API over every accelerator (pallas_kernels.registry, pallas_kernels.backends).
     "PackBackend",

@@ -279,6 +279,13 @@ def destinations(arrays, word, nbytes=None, flat=False) -> Destinations:
     return dests
 
 
+def destinations_of(array) -> list[Destinations]:
+    """Every cached `Destinations` that writes into `array` (by identity), whatever its word."""
+    with _LOCK:
+        entries = list(_DESTS.values())
+    return [d for refs, d in entries if d.handles is not None and any(r() is array for r in refs)]
+
+
 def forget(arrays, word, nbytes=None, flat=False) -> None:
     """Drop the cached destinations of `arrays` (after a failed call consumed the handles)."""
     key = _key(arrays, word) + (None if nbytes is None else tuple(nbytes), flat)

@@ -144,6 +144,7 @@ class ReceiverRegion:
                 self._grants[key] = g
                 req.due += 1  # its ``done`` is due (the sender sends no ``sent`` hint for region writes)
                 req.state.advance(TransferStatus.TRANSFERRING)  # a write into this range may start now
+                req.timeline.mark("granted", self.spec.group_rank)
                 self._send(link, proto.encode("region_grant", req.rid, req.inc, chunk=msg["chunk"], part=msg["part"],
                                               offset=region.offset, nbytes=nbytes))
             else:

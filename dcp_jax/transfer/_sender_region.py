@@ -128,6 +128,7 @@ class SenderRegion:
                                           f"{want} bytes inside the {conn.region_bytes}-byte receive region",
                                        free=u.packed)
         u.grant = msg["offset"]
+        u.req.timeline.mark("grant", conn.spec.group_rank)
         if u.packed:
             self._write_region(u)
         # else: its round has not synchronised the pack yet; `_region_packed` writes it then.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from dcp_jax.transfer import protocol as proto
-from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING
+from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, SPIN
 from dcp_jax.transfer.control import BYE_LINGER_MS
 from dcp_jax.transfer.spec import HandshakeError
 
@@ -36,6 +36,7 @@ class SenderRound:
             with self._lock:
                 self._on_frame(ident, msg)
         with self._lock:
+            busy |= self._post_ready()  # earlier rounds whose packs finished
             self._plan_units()
             busy |= self._submit_units()
             if self._asks:  # region windows packed and asked: their grants may already be here,
@@ -48,6 +49,8 @@ class SenderRound:
             self._heartbeat()
             if busy:
                 return ACTIVE
+            if self._packing:  # a device pack finishes within a millisecond: its round posts then
+                return SPIN
             # Grants arrive on the control socket; a held hello waits for the engine's completions.
             return PENDING if self._inflight or self._held_hellos else IDLE
 
@@ -84,6 +87,7 @@ class SenderRound:
             self._ctl.send(*self._outbox.popleft())
 
     def _close_conns(self) -> None:
+        self._drain_packing()  # no pack kernel may still write the buffer once it is given back
         # After the engine's close: drained says none of its writes can land any more.
         bye = proto.encode("bye", reason="sender closed", drained=self.engine.torn_down)
         self._flush_ctl()  # the worker has stopped: this thread owns the socket now

@@ -202,26 +202,75 @@ class SenderUnits:
             gone = {u for u, _ in failed}
             packed = [p for p in packed if p[0] not in gone]
         packed = self._ask_regions(packed)  # region push: ask for room while the pack runs
-        self._post_packed(packed)
-        return busy
+        if packed:
+            self._packing.append((self._pack_ticket(packed), packed, time.perf_counter()))
+        return self._post_ready() or busy
+
+    def _pack_ticket(self, packed: list) -> Any:
+        """What a round's posts wait for: a `pallas_kernels.written` ticket for the device pack
+        just enqueued (it covers that pack only, not the engine's copies of earlier rounds, which
+        a device-wide wait also waited for), or None: no device pack (host buffers, fused or
+        direct windows), or a view pair's host-made block, which the device-wide wait covers."""
+        if not any(addr is not None for _, _, _, addr in packed):
+            return None
+        if type(self._pack.array).__module__.split(".")[0] != "cupy" or any(
+                addr is not None and u.target.conn.view is not None for u, _, _, addr in packed):
+            return None
+        from pallas_kernels import written
+
+        return written(self._pack.array)
+
+    def _post_ready(self) -> bool:
+        """Posts the rounds whose packs finished, oldest first (each rank's windows keep their
+        order): a round's pack is only enqueued by `_submit_units`, and the next round's pack
+        follows at once, so the device packs back to back while earlier rounds' windows go out.
+        True when a round was posted."""
+        posted = False
+        while self._packing:
+            ticket, packed, since = self._packing[0]
+            if ticket is not None and not ticket.ready():
+                break
+            self._packing.popleft()
+            self._post_packed(packed, ticket, since)
+            posted = True
+        return posted
+
+    def _drain_packing(self) -> None:
+        """At close, after the worker stopped: waits for the packs still running (nothing may
+        write the pack buffer once it is given back) and frees their regions."""
+        while self._packing:
+            ticket, packed, _ = self._packing.popleft()
+            try:
+                if ticket is not None:
+                    ticket.wait()
+                elif any(addr is not None for _, _, _, addr in packed):
+                    _sync_arrays([self._pack.array])
+            except Exception:  # noqa: BLE001 - closing: the device failed; nothing is posted anyway
+                logger.warning("close: a pack in flight failed", exc_info=True)
+            for u, _, _, _ in packed:
+                self._free_region(u)
 
     def _submit_failed(self, u: Unit, exc: BaseException) -> None:
         self._free_region(u)
         self._end(u.req, TransferStatus.FAILED, f"decode rank {u.target.conn.spec.dcp_rank}, chunk "
                   f"{u.rc.chunk}: {type(exc).__name__}: {exc}", notify="failed")
 
-    def _post_packed(self, packed: list) -> None:
-        """Second half of a round's submissions: the round's pack kernels were only enqueued
-        (one synchronisation for all of them, not one per window: on a GPU that wait, not the
-        kernel, was most of a window's pack time); once they are done, each window is posted
-        (region push: once its grant is here too), announced (pull), and each fused copy is
-        waited for the same way. Windows of requests that ended meanwhile (an asked window
-        dropped by `_end` before this synchronisation kept its region for this) are freed here,
-        after the wait: no kernel still writes a region the arena hands out again."""
+    def _post_packed(self, packed: list, ticket: Any = None, since: float | None = None) -> None:
+        """Second half of a round's submissions, once its pack kernels finished (`ticket`
+        ready, `_post_ready`; None: a device-wide wait here, one for all of them, not one per
+        window): each window is posted (region push: once its grant is here too), announced
+        (pull), and each fused copy is waited for the same way. Windows of requests that ended
+        meanwhile (an asked window dropped by `_end` before the pack finished kept its region
+        for this) are freed here, after the wait: no kernel still writes a region the arena
+        hands out again. ``since``: when the round's pack was enqueued (its requests' pack time
+        runs to here)."""
         if any(addr is not None for _, _, _, addr in packed):
-            tk = time.perf_counter()
+            tk = time.perf_counter() if since is None else since
             try:
-                _sync_arrays([self._pack.array])
+                if ticket is not None:
+                    ticket.wait()  # ready already: a failed kernel raises here
+                else:
+                    _sync_arrays([self._pack.array])
             except Exception as exc:  # noqa: BLE001 - no window of this round may go out
                 for u, _, _, _ in packed:
                     self._submit_failed(u, exc)

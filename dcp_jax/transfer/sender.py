@@ -217,6 +217,8 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
         self._fused_seq: int | None = None  # the flag number bumped behind that launch (None: not gated)
         self._flag: Any = None              # fused path: the flag page ranks wait on (`_sender_region._flag_name`)
         self._asks: dict[tuple, Any] = {}   # region windows packed, waiting for the rank's grant
+        # Rounds whose device pack is enqueued, oldest first: (ticket, windows, when), `_post_ready`.
+        self._packing: deque = deque()
         self._counts = dict(dropped_messages=0, handshakes=0, handshakes_refused=0, requests=0,
                             succeeded=0, failed=0, aborted=0, bytes=0, descriptors=0, batches=0,
                             engine_calls=0, stalls=0, held_hellos=0)

@@ -1,0 +1,159 @@
+"""A round's posts wait for its own pack only (`pallas_kernels.written`), not inside the round:
+the worker goes on (the next round's pack, grants, completions) and posts each round once its
+pack finished, oldest round first. On a GPU the ticket covers a device pack; here (host packs
+finish inside the call) a gate stands in for a device pack still running: the tests hold it shut
+and open it, with real engines (NIXL over UCX, Mooncake over TCP) moving the bytes.
+"""
+import threading
+import time
+
+from conftest import Cluster, TransferStatus, check_region_timeline
+from dcp_jax.transfer._sender_units import SenderUnits
+
+S = TransferStatus
+ROW = 48 + 16
+
+
+class Gate:
+    """A pack still running until `open()`; `wait()` blocks until then (at most 10 s)."""
+
+    def __init__(self):
+        self.opened, self.waits = threading.Event(), 0
+
+    def open(self):
+        self.opened.set()
+
+    def ready(self):
+        return self.opened.is_set()
+
+    def wait(self):
+        self.waits += 1
+        assert self.opened.wait(10.0)
+
+
+def gated(monkeypatch):
+    """Every round with a pack gets a fresh shut `Gate`; returns the list they go into."""
+    gates = []
+
+    def ticket(self, packed):
+        if not any(addr is not None for _, _, _, addr in packed):
+            return None
+        gates.append(Gate())
+        return gates[-1]
+
+    monkeypatch.setattr(SenderUnits, "_pack_ticket", ticket)
+    return gates
+
+
+def wait_for(pred, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not pred() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return pred()
+
+
+def announced(sender, rid):
+    try:
+        return set(sender.request_stats(rid)["ranks"])
+    except KeyError:  # no expect arrived yet
+        return set()
+
+
+def events(sender, rid, name):
+    return [e for e in sender.request_stats(rid)["timeline"] if e[0] == name]
+
+
+def arena_free(sender):
+    a = sender.stats["arena"]
+    return a["in_use_bytes"] == 0 and a["quarantined_bytes"] == 0
+
+
+def test_rounds_post_once_their_pack_finished_oldest_first(engine, monkeypatch):
+    gates = gated(monkeypatch)
+    c = Cluster(engine, mode="region", dcp_size=2, receiver_kw=dict(region_bytes=64 * ROW))
+    try:
+        c.sender._index_cap["pack"] = 1  # one window per round: two rounds, one per rank
+        src, dst = c.tables(24)
+        c.expect("r", dst, 24)
+        assert wait_for(lambda: announced(c.sender, "r") == {0, 1})
+        c.sender.send("r", src, 0, 24)
+        # Both rounds packed and asked while neither pack "finished": the worker did not wait.
+        assert wait_for(lambda: len(gates) == 2 and len(events(c.sender, "r", "ask")) == 2), c.reasons("r")
+        assert wait_for(lambda: len(events(c.sender, "r", "grant")) == 2), c.reasons("r")
+        time.sleep(0.05)
+        assert events(c.sender, "r", "packed") == events(c.sender, "r", "post") == []
+        first = events(c.sender, "r", "pack")[0][1]
+        gates[1].open()  # the newer round's pack ends first: it still waits for the older one
+        time.sleep(0.05)
+        assert events(c.sender, "r", "post") == []
+        gates[0].open()
+        assert c.wait("r") == [S.SUCCESS] * 3, c.reasons("r")
+        assert c.check_bytes(src, dst, 24) == 24
+        posts = events(c.sender, "r", "post")
+        assert [p[1] for p in posts] == [first, 1 - first]  # oldest round first
+        assert check_region_timeline(c.sender.request_stats("r")["timeline"]) == {0: 1, 1: 1}
+        assert wait_for(lambda: arena_free(c.sender)), c.sender.stats["arena"]
+    finally:
+        for g in gates:
+            g.open()
+        c.close()
+
+
+def test_abort_while_a_pack_runs_keeps_its_region_until_the_pack_ends(engine, monkeypatch):
+    gates = gated(monkeypatch)
+    c = Cluster(engine, mode="packed", dcp_size=2)
+    try:
+        src, dst = c.tables(20)
+        c.expect("a", dst, 20)
+        assert wait_for(lambda: announced(c.sender, "a") == {0, 1})
+        c.sender.send("a", src, 0, 20)
+        # Both ranks' windows packed (one round, or two when a rank announced late).
+        assert wait_for(lambda: {e[1] for e in events(c.sender, "a", "pack")} == {0, 1}), c.reasons("a")
+        c.sender.abort("a")
+        assert c.sender.poll("a") is S.ABORTED
+        time.sleep(0.05)
+        # The pack may still write its regions: the arena does not hand them out yet.
+        assert c.sender.stats["arena"]["in_use_bytes"] > 0
+        for g in gates:
+            g.open()
+        assert wait_for(lambda: arena_free(c.sender)), c.sender.stats["arena"]
+        assert events(c.sender, "a", "post") == [] and c.sender.engine.counters.descriptors == 0
+        assert wait_for(lambda: all(r.poll("a") is S.ABORTED for r in c.receivers)), c.reasons("a")
+        # The sender goes on: the next request's round posts once its own pack ended.
+        src2, dst2 = c.tables(9)
+        c.expect("b", dst2, 9)
+        n = len(gates)
+        c.sender.send("b", src2, 0, 9)
+        assert wait_for(lambda: {e[1] for e in events(c.sender, "b", "pack")} == {0, 1}), c.reasons("b")
+        assert len(gates) > n and c.sender.poll("b") is S.WAITING
+        for g in gates:
+            g.open()
+        assert c.wait("b") == [S.SUCCESS] * 3, c.reasons("b")
+        assert c.check_bytes(src2, dst2, 9) == 9
+    finally:
+        for g in gates:
+            g.open()
+        c.close()
+
+
+def test_close_waits_for_a_running_pack_and_frees_its_region(engine, monkeypatch):
+    gates = gated(monkeypatch)
+    c = Cluster(engine, mode="region", dcp_size=2, receiver_kw=dict(region_bytes=64 * ROW))
+    try:
+        src, dst = c.tables(16)
+        c.expect("c", dst, 16)
+        assert wait_for(lambda: announced(c.sender, "c") == {0, 1})
+        c.sender.send("c", src, 0, 16)
+        assert wait_for(lambda: {e[1] for e in events(c.sender, "c", "pack")} == {0, 1}), c.reasons("c")
+        time.sleep(0.05)
+        assert events(c.sender, "c", "post") == []
+        threading.Timer(0.2, lambda: [g.open() for g in gates]).start()  # the "kernels" end while close waits
+        t0 = time.monotonic()
+        c.sender.close(timeout_s=5.0)
+        assert all(g.waits == 1 for g in gates) and time.monotonic() - t0 >= 0.15
+        assert c.sender.stats["arena"]["in_use_bytes"] == 0
+        assert c.sender.poll("c") is S.FAILED and "sender closed" in c.sender.failure_reason("c")
+    finally:
+        for g in gates:
+            g.open()
+        c.close()
