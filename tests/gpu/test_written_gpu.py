@@ -57,6 +57,14 @@ def test_written_waits_for_the_pack_only(form):
     for i, o in zip(idx, offs):
         pack_rows(layers, i, ref, offset=o)
     synchronize([ref])
+    # Compiled before the spin starts (a first call's compile would outlast it), and a ticket
+    # outlives the next call's donation of the buffer's handles.
+    pack_windows(layers, list(zip(idx, offs)), pack, sync=False)
+    old = written(pack)
+    pack_rows(layers, idx[0], pack, offset=offs[0], sync=False)
+    pack_windows(layers, list(zip(idx, offs)), pack, sync=False)
+    old.wait()
+    synchronize([pack])
     _, other = _busy_stream(1.0)
     t0 = time.perf_counter()
     if form == "windows":
