@@ -7,11 +7,9 @@ windows), CuPy buffers by ONE launch of the windowed Pallas kernel (`pallas_kern
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
-from pallas_kernels import device, triton_launch
+from pallas_kernels import device
 from pallas_kernels.config import BACKENDS, GatherConfig, buckets_up_to, select_backend
 from pallas_kernels.host import _region_units, _run_units, check_threads, host_threads
 from pallas_kernels._buffer_args import check_indices, check_range, check_word_offset
@@ -24,7 +22,6 @@ from pallas_kernels.pack import (
 )
 from pallas_kernels.row_copy import preload_lowering
 from pallas_kernels.mapped_ring import fill_padded, stage_indices
-from pallas_kernels.triton_plans import pack_windows_direct
 from pallas_kernels.windows import _check_offsets, _gather_windows_jit, _gather_windows_slot_jit, gather_windows, \
     window_blocks
 
@@ -111,8 +108,7 @@ def pack_windows(layers, windows, pack, *, backend: str = "auto",
             import cupy as cp
 
             padded = _padded_indices(live, starts, m, cp)
-        owner = weakref.ref(source) if source is not None else entry.token  # as `pack_rows`
-        _device_windows(srcs, padded, blocks, m, pack, word, backend, config, align, sync, (owner, views))
+        _device_windows(srcs, padded, blocks, m, pack, word, backend, config, align, sync)
     else:
         _interpret_windows(layers, live, starts, blocks, m, pack, word, backend, config, align)
     return total
@@ -170,7 +166,6 @@ def warm_pack_windows(layers, pack, max_rows: int, *, backend: str = "auto",
     if on_device:
         views = source.device_views() if source is not None else _cached_device_views(layers, key, entry)
         srcs = kernel_sources(layers, views, word)
-        owner = weakref.ref(source) if source is not None else entry.token
     else:
         import jax.numpy as jnp
 
@@ -181,7 +176,7 @@ def warm_pack_windows(layers, pack, max_rows: int, *, backend: str = "auto",
         empty = np.zeros(4 * (m // br), np.int32)  # ok = 0 in every block: no store
         if on_device:
             _device_windows(srcs, np.zeros(m, np.int32), empty, m, pack, word, backend, config, align,
-                            False, (owner, views))  # the direct launch's kernel where it serves
+                            False)
         else:  # the interpreter's result is dropped: the pack is not touched at all
             words = gather_windows(srcs, jnp.zeros(m, jnp.int32), words, jnp.asarray(empty),
                                    config=config, backend=backend, offset_align=align)  # donated
@@ -257,20 +252,14 @@ def _interpret_windows(layers, live, starts, blocks, m, pack, word, backend, con
         pack[off:end] = res[off:end]
 
 
-def _device_windows(srcs, padded, blocks, m, pack, word, backend, config, align, sync, direct=None):
+def _device_windows(srcs, padded, blocks, m, pack, word, backend, config, align, sync):
     """CuPy buffers: one staged index slot (`padded`: i32[m], numpy or CuPy), one windowed
-    kernel into the pack in place; host indices go through `triton_launch` where it serves
-    (`direct`: the (owner, views) of `triton_plans.pack_windows_direct`), else through JAX."""
+    kernel into the pack in place."""
     ws = word.itemsize
     nbytes = pack.nbytes // ws * ws
     dests = device.destinations([pack], word, [nbytes])
     with dests.lock:
         try:
-            if (direct is not None and isinstance(padded, np.ndarray) and triton_launch.enabled(backend, "gather")
-                    and pack_windows_direct(direct[0], direct[1], srcs, dests, padded,
-                                            np.asarray(blocks, np.int32), align, config, sync)):
-                return
-            triton_launch.after_direct([dests])
             slot = None
             if isinstance(padded, np.ndarray):
                 slot, staged = stage_indices(dests, m, 1, len(blocks), fill_padded([padded], blocks), backend)

@@ -120,46 +120,20 @@ class GatherPlan:
         self.device_id = next(iter(srcs[0].devices())).id
         self.kernels: dict = {}  # (m, offset_align) -> (CompiledKernel, grid)
 
-    def _kernel(self, m, offset_align, table_len=None):
-        """The row gather (meta i32[3]), or with `table_len` the windowed one (`pack_windows`:
-        a block table i32[table_len] in the meta's place; the same arguments otherwise)."""
+    def _kernel(self, m, offset_align):
         from pallas_kernels.gather import _gather_rows_jit
-        from pallas_kernels.windows import _gather_windows_jit
 
         one = len(self.src_shapes) == 1 and len(self.src_shapes[0]) == 3  # a stacked view
-        jitted = _gather_rows_jit if table_len is None else _gather_windows_jit
-        meta_len = 3 if table_len is None else table_len
 
         def trace():
             srcs = _sds(self.src_shapes[0], self.word) if one else [_sds(s, self.word) for s in self.src_shapes]
-            fn = _fresh_jit(jitted.__wrapped__, config=self.config, backend="triton", offset_align=offset_align)
-            fn.trace(srcs, _sds((m,), np.int32), _sds((self.pack_words,), self.word),
-                     _sds((meta_len,), np.int32)).lower()
+            fn = _fresh_jit(_gather_rows_jit.__wrapped__, config=self.config, backend="triton",
+                            offset_align=offset_align)
+            fn.trace(srcs, _sds((m,), np.int32), _sds((self.pack_words,), self.word), _sds((3,), np.int32)).lower()
 
-        key = ("gather" if table_len is None else "gather_windows", tuple(self.src_shapes), self.word,
-               self.pack_words, m, offset_align, table_len, self.config, self.device_id)
+        key = ("gather", tuple(self.src_shapes), self.word, self.pack_words, m, offset_align, self.config,
+               self.device_id)
         return triton_launch.kernel_for(key, trace, "kv_gather_", self.config, self.device_id)
-
-    def launch_windows(self, padded: np.ndarray, table: np.ndarray, offset_align: int):
-        """Enqueues `pack_windows`' kernel: `padded` i32[m] (the windows' indices at their
-        row-block starts), `table` i32[4 * row blocks] (`windows.window_blocks`). Returns the
-        stream."""
-        m, table_len = len(padded), len(table)
-        got = self.kernels.get((m, offset_align, table_len))
-        if got is None:
-            got = self.kernels[(m, offset_align, table_len)] = self._kernel(m, offset_align, table_len)
-        kernel, grid = got
-        stride, size = slot_layout(m, 1, table_len)
-        srcs, pack = self.src_ptrs, self.pack_ptr
-
-        def fill_slot(host):
-            host[:m] = padded
-            host[stride:stride + table_len] = table
-
-        def launch(base, stream):
-            kernel[grid](base + 4 * stride, base, *srcs, pack, pack, stream=stream)
-
-        return triton_launch.enqueue(self.device_id, size, fill_slot, [launch])
 
     def launch(self, idx: np.ndarray, m: int, meta, offset_align: int):
         """Enqueues the gather of the host indices `idx` (int, n <= m; zero-padded to the bucket
@@ -192,33 +166,6 @@ def _same_owner(a, b) -> bool:
     return a is b
 
 
-def _gather_plan(owner, srcs, dests, config) -> GatherPlan:
-    """The kept `GatherPlan` of (owner, pack, config), made on first use (the last 8 kept)."""
-    with _GATHER_LOCK:
-        plan = next((p for o, ref, cfg, p in reversed(_GATHER_PLANS)
-                     if ref() is dests and cfg == config and _same_owner(o, owner)), None)
-        if plan is None:
-            plan = GatherPlan(srcs, dests.ptrs[0], dests.handles[0].shape[0], config)
-            del _GATHER_PLANS[:-7]
-            _GATHER_PLANS.append((owner, weakref.ref(dests), config, plan))
-    return plan
-
-
-def pack_windows_direct(owner, views, srcs, dests, padded, table, align, config, sync) -> bool:
-    """`pack_windows` through `triton_launch` (the windowed kernel without JAX's dispatch; the
-    pack's lock held; `pack_windows._device_windows`), as `pack_rows_direct`: host indices
-    only, False where it does not apply or cannot launch (the JAX path serves)."""
-    if isinstance(views, list) and any(v is None for v in views):
-        return False
-    stream = triton_launch.launch_into(
-        "gather", [dests], lambda: _gather_plan(owner, srcs, dests, config).launch_windows(padded, table, align))
-    if stream is None:
-        return False
-    if sync:
-        stream.synchronize()
-    return True
-
-
 def pack_rows_direct(owner, views, srcs, dests, idx, m, meta, align, config, sync) -> bool:
     """`pack_rows` through `triton_launch` (the same kernel without JAX's dispatch; the pack's
     lock held; `pack._pack_rows_device`). Its `GatherPlan` (pointers and shapes only) is kept
@@ -229,8 +176,17 @@ def pack_rows_direct(owner, views, srcs, dests, idx, m, meta, align, config, syn
     serves) or cannot launch (then off for the process, with one warning)."""
     if isinstance(views, list) and any(v is None for v in views):
         return False  # a layer is copied per call: its address changes
-    stream = triton_launch.launch_into(
-        "gather", [dests], lambda: _gather_plan(owner, srcs, dests, config).launch(idx, m, meta, align))
+    def launch():
+        with _GATHER_LOCK:
+            plan = next((p for o, ref, cfg, p in reversed(_GATHER_PLANS)
+                         if ref() is dests and cfg == config and _same_owner(o, owner)), None)
+            if plan is None:
+                plan = GatherPlan(srcs, dests.ptrs[0], dests.handles[0].shape[0], config)
+                del _GATHER_PLANS[:-7]
+                _GATHER_PLANS.append((owner, weakref.ref(dests), config, plan))
+        return plan.launch(idx, m, meta, align)
+
+    stream = triton_launch.launch_into("gather", [dests], launch)
     if stream is None:
         return False
     if sync:

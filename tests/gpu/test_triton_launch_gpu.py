@@ -19,8 +19,7 @@ cp = pytest.importorskip("cupy")
 pytest.importorskip("triton")
 
 from bridge.host_flag import SharedFlag, seq_done  # noqa: E402
-from pallas_kernels import (  # noqa: E402
-    PackSource, RowCopier, copy_fanout, pack_rows, pack_windows, synchronize, triton_launch)
+from pallas_kernels import PackSource, RowCopier, copy_fanout, pack_rows, synchronize, triton_launch  # noqa: E402
 from pallas_kernels import device  # noqa: E402
 
 if jax.default_backend() != "gpu":
@@ -200,41 +199,6 @@ def test_pack_rows_byte_exact_at_any_offset(form, direct, monkeypatch):
         assert (dests.direct is not None) == direct
     synchronize([pack])
     np.testing.assert_array_equal(cp.asnumpy(pack), want)
-
-
-@pytest.mark.parametrize("form", ["PackSource", "layer list"])
-@pytest.mark.parametrize("direct", [True, False], ids=["triton launcher", "jax dispatch"])
-def test_pack_windows_byte_exact_over_rounds(form, direct, monkeypatch):
-    """`pack_windows` (a sender's round: several ranks' windows in one launch) launched
-    directly or through JAX: byte-exact over rounds of different window counts and offsets,
-    written in place, and the direct launch's stream named on the pack's destinations."""
-    if not direct:
-        monkeypatch.setitem(triton_launch._STATE, "off", True)
-    elif triton_launch._STATE["off"] or "gather" in triton_launch._STATE["off_kinds"]:
-        pytest.fail(f"direct launches are off in this process: {triton_launch._STATE['why']}")
-    L, item, R = 4, 1152, 900
-    layers = _layers(R, item, L, seed=8) if form == "PackSource" else \
-        [cp.random.RandomState(9 + l).randint(0, 256, (R, item), dtype=cp.int32).astype(cp.uint8) for l in range(L)]
-    src = PackSource(layers) if form == "PackSource" else layers
-    row = L * item
-    pack = cp.full(2000 * row, 0xEE, cp.uint8)
-    ptr, rng = pack.data.ptr, np.random.default_rng()
-    for counts in [(300, 1, 257), (64,), (511, 512, 3, 129)]:
-        want = np.full(pack.size, 0xEE, np.uint8)
-        pack.fill(0xEE)
-        cp.cuda.Device().synchronize()  # the fill ran on CuPy's stream, the launch goes on another
-        windows, pos = [], int(rng.integers(0, 4)) * 64
-        for n in counts:
-            idx = rng.integers(0, R, n)
-            windows.append((idx, pos))
-            want[pos:pos + n * row] = _packed(layers, idx, pos, n * row)
-            pos += -(-(n * row + 64) // 64) * 64
-        assert pack_windows(src, windows, pack, sync=False) == sum(counts) * row
-        dests = device.destinations([pack], np.dtype(np.uint32), [pack.nbytes // 4 * 4])
-        assert (dests.direct is not None) == direct
-        synchronize([pack])
-        assert pack.data.ptr == ptr
-        np.testing.assert_array_equal(cp.asnumpy(pack), want)
 
 
 def test_pack_rows_direct_then_jax_then_direct_into_one_region_the_last_lands():
