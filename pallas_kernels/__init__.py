@@ -6,7 +6,9 @@ window of a round in one kernel launch, in `pallas_kernels.pack_windows`); the s
 `unpack_rows` / `copy_rows` in `pallas_kernels.unpack` (`RowCopier`, copies between the same two
 layer lists prepared once, in `pallas_kernels.copier`; `RowUnpacker`, unpacks out of one receive
 region into one layer list prepared once, in `pallas_kernels.unpacker`);
-`pack_region`, one pack API over the TPU, GPU, XLA and host backends, in `pallas_kernels.registry`.
+`pack_region`, one pack API over the TPU, GPU, XLA and host backends, in `pallas_kernels.registry`;
+`written(buffer)`, a ticket that polls or waits for the kernels enqueued into one buffer only
+(`synchronize` waits for the whole device), in `pallas_kernels.written`.
 """
 
 from pallas_kernels import gather as _gather
