@@ -1,10 +1,11 @@
 """The sender's region and fused paths (a mixin of `dcp_jax.transfer.KVSender`, worker thread, lock held).
 
 Region, push: a window is packed into the sender's pack region (as the packed path); as soon
-as the round's pack is enqueued, before the round synchronises it, ``region_ask`` asks the
+as the round's pack is enqueued, before it ends, ``region_ask`` asks the
 decode rank for room in its receive region, so the ask -> grant round trip overlaps the pack
 kernel. Its ``region_grant`` (offset, size: checked against the region the rank declared at the
-handshake before any byte moves) and the round's synchronisation of the pack, in either order,
+handshake before any byte moves) and the end of the round's pack (its ticket ready,
+`SenderUnits._post_ready`), in either order,
 let ONE descriptor write the whole window, with the usual ``done`` notification (`Unit.packed`,
 `Unit.grant`: the write is posted by whichever comes second). Region, pull: as the packed path's
 ``pull_ready`` after the synchronisation; the receiver READs the window with one descriptor.

@@ -155,6 +155,40 @@ def check_region_timeline(timeline):
     return out
 
 
+def wait_for(pred, timeout_s=10.0):
+    """Polls ``pred`` every 5 ms for up to ``timeout_s``; returns its last value."""
+    deadline = time.monotonic() + timeout_s
+    while not pred() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return pred()
+
+
+def region_free(recv):
+    """True when the receiver holds no range of its receive region (in use or quarantined)."""
+    st = recv.stats
+    return (st["region"]["in_use_bytes"] == 0 and st["region"]["quarantined_bytes"] == 0
+            and st["region_grants"] == 0 and st["region_waiting"] == 0)
+
+
+def arena_free(sender):
+    """True when the sender's pack arena holds no region (in use or quarantined)."""
+    a = sender.stats["arena"]
+    return a["in_use_bytes"] == 0 and a["quarantined_bytes"] == 0 and a["free_bytes"] == a["capacity"]
+
+
+def announced(sender, rid):
+    """The decode ranks whose announcement of ``rid`` reached the sender (empty before any)."""
+    try:
+        return set(sender.request_stats(rid)["ranks"])
+    except KeyError:  # no expect arrived yet
+        return set()
+
+
+def events(sender, rid, name):
+    """The ``[name, rank, t]`` entries of a request's timeline."""
+    return [e for e in sender.request_stats(rid)["timeline"] if e[0] == name]
+
+
 def _as_kind(kind):
     if kind == "numpy":
         return lambda a: a
@@ -170,4 +204,5 @@ def engine(request):
     return request.param
 
 
-__all__ = ["Cluster", "ENGINES", "SENTINEL", "TransferStatus", "check_region_timeline"]
+__all__ = ["Cluster", "ENGINES", "SENTINEL", "TransferStatus", "announced", "arena_free", "check_region_timeline",
+           "events", "region_free", "wait_for"]

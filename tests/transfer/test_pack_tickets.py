@@ -7,7 +7,7 @@ and open it, with real engines (NIXL over UCX, Mooncake over TCP) moving the byt
 import threading
 import time
 
-from conftest import Cluster, TransferStatus, check_region_timeline
+from conftest import Cluster, TransferStatus, announced, arena_free, check_region_timeline, events, wait_for
 from dcp_jax.transfer._sender_units import SenderUnits
 
 S = TransferStatus
@@ -43,29 +43,6 @@ def gated(monkeypatch):
 
     monkeypatch.setattr(SenderUnits, "_pack_ticket", ticket)
     return gates
-
-
-def wait_for(pred, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not pred() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return pred()
-
-
-def announced(sender, rid):
-    try:
-        return set(sender.request_stats(rid)["ranks"])
-    except KeyError:  # no expect arrived yet
-        return set()
-
-
-def events(sender, rid, name):
-    return [e for e in sender.request_stats(rid)["timeline"] if e[0] == name]
-
-
-def arena_free(sender):
-    a = sender.stats["arena"]
-    return a["in_use_bytes"] == 0 and a["quarantined_bytes"] == 0
 
 
 def test_rounds_post_once_their_pack_finished_oldest_first(engine, monkeypatch):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import conftest
-from conftest import Cluster, TransferStatus
+from conftest import Cluster, TransferStatus, region_free, wait_for
 from dcp_jax.transfer import KVReceiver
 
 S = TransferStatus
@@ -20,20 +20,6 @@ def cluster(engine, *, region_bytes=64 << 20, receiver_kw=None, **kw):
     """A `Cluster` whose receivers offer a receive region of ``region_bytes`` (host receivers
     offer none by default) and take ``receiver_kw``."""
     return Cluster(engine, receiver_kw=dict(region_bytes=region_bytes, **(receiver_kw or {})), **kw)
-
-
-def region_free(recv):
-    """True when the receiver holds no range of its receive region (in use or quarantined)."""
-    st = recv.stats
-    return (st["region"]["in_use_bytes"] == 0 and st["region"]["quarantined_bytes"] == 0
-            and st["region_grants"] == 0 and st["region_waiting"] == 0)
-
-
-def wait_for(pred, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not pred() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return pred()
 
 
 @pytest.mark.parametrize("direction", ["push", "pull"])

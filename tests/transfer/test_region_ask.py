@@ -4,11 +4,11 @@ is complete. Real engines (NIXL over UCX, Mooncake over TCP) on the host; every 
 bytes, the engine's own counters and that no pack region (sender) or receive range (receiver)
 stays held.
 """
-import time
 
 import pytest
 
-from conftest import Cluster, TransferStatus, check_region_timeline
+from conftest import Cluster, TransferStatus, arena_free, check_region_timeline, events, region_free, wait_for
+from conftest import announced as _announced
 from dcp_jax.transfer import _sender_units
 from dcp_jax.transfer.staging import Packer
 
@@ -18,35 +18,6 @@ ROW = 48 + 16
 
 def cluster(engine, **kw):
     return Cluster(engine, mode="region", receiver_kw=dict(region_bytes=kw.pop("region_bytes", 3 * ROW)), **kw)
-
-
-def region_free(recv):
-    st = recv.stats
-    return (st["region"]["in_use_bytes"] == 0 and st["region"]["quarantined_bytes"] == 0
-            and st["region_grants"] == 0 and st["region_waiting"] == 0)
-
-
-def arena_free(sender):
-    a = sender.stats["arena"]
-    return a["in_use_bytes"] == 0 and a["quarantined_bytes"] == 0 and a["free_bytes"] == a["capacity"]
-
-
-def wait_for(pred, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not pred() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    return pred()
-
-
-def _announced(sender, rid):
-    try:
-        return set(sender.request_stats(rid)["ranks"])
-    except KeyError:  # no expect arrived yet
-        return set()
-
-
-def events(sender, rid, name):
-    return [e for e in sender.request_stats(rid)["timeline"] if e[0] == name]
 
 
 def test_ask_comes_before_packed_and_post_after_both(engine):
