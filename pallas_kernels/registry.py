@@ -312,10 +312,30 @@ def reference_region(layers, indices, pack, *, offset: int = 0) -> np.ndarray:
     """The reference gather: a numpy copy of `pack` with the region written row by row.
 
     Independent of every backend (a Python loop over rows, bytes joined), for tests.
+
+    Raises:
+        ValueError: `layers` empty or not 2-D with one row count; `indices` not 1-D integers
+            in [0, num_rows); `pack` not 1-D, or the region past its end (each names the argument).
     """
+    if not isinstance(layers, (list, tuple)) or not layers:
+        raise ValueError("layers must be a non-empty list of 2-D uint8 arrays")
     out = np.array(_to_host(pack), dtype=np.uint8, copy=True)
     host = [_to_host(a) for a in layers]
-    region = b"".join(host[l][int(r)].tobytes() for l in range(len(host)) for r in indices)
+    if any(a.ndim != 2 for a in host):
+        raise ValueError("layers must be 2-D [num_rows, kv_item_len] arrays")
+    if out.ndim != 1:
+        raise ValueError(f"pack must be 1-D, got shape {out.shape}")
+    idx = np.asarray(indices if isinstance(indices, (list, tuple, range)) else _to_host(indices))
+    if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
+        raise ValueError(f"indices must be a 1-D integer array, got {idx.dtype}{list(idx.shape)}")
+    num_rows = min(a.shape[0] for a in host)
+    if idx.size and (idx.min() < 0 or idx.max() >= num_rows):
+        raise ValueError(f"indices must be in [0, {num_rows}) (rows of the smallest layer)")
+    offset = check_offset(offset)
+    end = offset + idx.size * sum(a.shape[1] * a.itemsize for a in host)
+    if end > out.size:
+        raise ValueError(f"pack of {out.size} bytes cannot hold the region [{offset}, {end})")
+    region = b"".join(host[l][int(r)].tobytes() for l in range(len(host)) for r in idx)
     out[offset:offset + len(region)] = np.frombuffer(region, np.uint8)
     return out
 

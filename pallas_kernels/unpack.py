@@ -311,13 +311,27 @@ def synchronize(arrays=None) -> None:
 
     Returns:
         None, once the bytes are in device memory (visible to other streams and processes).
+
+    Raises:
+        TypeError: an element of `arrays` that is not a numpy, CuPy or JAX array (named by index).
     """
     if arrays is not None and not isinstance(arrays, (list, tuple)):
         arrays = [arrays]
-    kinds = {_kind(a) for a in arrays} if arrays is not None else {"cupy"}
-    if kinds <= {"numpy"}:
+    kinds = [_kind(a) for a in arrays] if arrays is not None else ["cupy"]
+    for k, kind in enumerate(kinds):
+        if kind is None:
+            raise TypeError(f"arrays[{k}] must be a numpy, CuPy or JAX array, got {type(arrays[k]).__name__}")
+    if set(kinds) <= {"numpy"}:
         return
-    import cupy as cp
+    try:
+        import cupy as cp
+    except ImportError:  # no CuPy: nothing of this module ran on a CUDA stream; JAX's own wait serves
+        if arrays is None:
+            return
+        for a in arrays:
+            if _is_jax(a):
+                a.block_until_ready()
+        return
 
     from pallas_kernels import triton_launch
 

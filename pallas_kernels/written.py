@@ -10,6 +10,8 @@ one-word slice of them, which the next call's donation of the outputs leaves alo
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from pallas_kernels import device
@@ -32,16 +34,30 @@ class Written:
         """True once every kernel the ticket covers has finished (no host wait)."""
         return all(a.is_ready() for a in self._arrays) and all(e.done for e in self._events)
 
-    def wait(self) -> None:
-        """Returns once every kernel the ticket covers has finished.
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Waits until every kernel the ticket covers has finished; True then. With
+        ``timeout_s`` (seconds >= 0) it polls `ready` and gives up after that long: False.
 
         Raises:
             Whatever JAX or CuPy raise for a failed kernel (an XLA runtime error, a CUDA error).
+            TypeError, ValueError: ``timeout_s`` not None or a number >= 0.
         """
-        for a in self._arrays:
-            a.block_until_ready()
-        for e in self._events:
-            e.synchronize()
+        if timeout_s is None:
+            for a in self._arrays:
+                a.block_until_ready()
+            for e in self._events:
+                e.synchronize()
+            return True
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+            raise TypeError(f"timeout_s must be a number of seconds or None, got {type(timeout_s).__name__}")
+        if not timeout_s >= 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be >= 0")
+        deadline = time.monotonic() + timeout_s
+        while not self.ready():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(50e-6)
+        return self.wait()
 
 
 _MARK = []

@@ -193,8 +193,10 @@ class SenderEndings:
                 batches = (moving or {}).get(req, ())
                 if any(now < due[u] for u in batches) or req in queued:
                     continue  # a batch the engine still moves, or a window waiting its turn behind one
-                self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s"
-                          f"{_stuck_batch(batches, now, self.timeout_s, due) or _waiting_for(req)}", notify="failed")
+                why = _stuck_batch(batches, now, self.timeout_s, due) or (
+                    "; a window still waits for its pack kernel to end (the device did not finish it)"
+                    if self._pending_pack(req) else _waiting_for(req))
+                self._end(req, TransferStatus.FAILED, f"no progress for {self.timeout_s:g} s{why}", notify="failed")
             elif (req.status.terminal and not req.chunks
                   and req.inflight == 0 and req.state.stalled_for(now) > self.timeout_s):
                 self._forget_unsent(req)

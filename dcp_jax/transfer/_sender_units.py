@@ -27,6 +27,12 @@ __all__ = ["SenderUnits", "Unit", "ARENA_SHARE"]
 
 logger = logging.getLogger(__name__)
 
+#: How long (seconds) `KVSender.close` waits for the pack kernels still running (each takes
+#: milliseconds; a device that hangs longer is not waited for).
+DRAIN_PACK_S = 1.0
+#: Pack buffers of closed senders whose last pack never ended: kept, never reused or freed.
+_ORPHANED_PACKS: list = []
+
 #: Most of the pack arena one decode rank may hold while it already holds a region (fraction).
 ARENA_SHARE = 0.5
 
@@ -228,23 +234,46 @@ class SenderUnits:
         posted = False
         while self._packing:
             ticket, packed, since = self._packing[0]
-            if ticket is not None and not ticket.ready():
-                break
+            try:
+                if ticket is not None and not ticket.ready():
+                    break
+            except Exception as exc:  # noqa: BLE001 - a failed kernel (CUDA error): no window of the round goes out
+                self._packing.popleft()
+                self._fail_round(packed, exc)
+                posted = True
+                continue
             self._packing.popleft()
             self._post_packed(packed, ticket, since)
             posted = True
         return posted
 
-    def _drain_packing(self) -> None:
-        """At close, after the worker stopped: waits for the packs still running (nothing may
-        write the pack buffer once it is given back) and frees their regions."""
+    def _fail_round(self, packed: list, exc: BaseException) -> None:
+        """A round whose pack failed: every window's request fails, naming the error."""
+        for u, _, _, _ in packed:
+            self._submit_failed(u, exc)
+
+    def _pending_pack(self, req: Any) -> bool:
+        """Whether a window of ``req`` waits for its round's pack to end (`_packing`)."""
+        return any(u.req is req for _, packed, _ in self._packing for u, _, _, _ in packed)
+
+    def _drain_packing(self, timeout_s: float | None = None) -> None:
+        """At close, after the worker stopped: waits (at most ``timeout_s`` for all) for the packs
+        still running, then frees their regions. Nothing may write the pack buffer once it is
+        given back: a pack still running then (a hung device) keeps the buffer alive for the
+        process (`_ORPHANED_PACKS`), logged."""
+        timeout_s = DRAIN_PACK_S if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         while self._packing:
             ticket, packed, _ = self._packing.popleft()
             try:
-                if ticket is not None:
-                    ticket.wait()
-                elif any(addr is not None for _, _, _, addr in packed):
-                    _sync_arrays([self._pack.array])
+                if ticket is not None and not ticket.wait(max(0.0, deadline - time.monotonic())):
+                    logger.warning("close: a pack kernel did not end within %.1f s; its pack buffer is "
+                                   "kept for the life of the process", timeout_s)
+                    _ORPHANED_PACKS.append(self._pack)
+                    self._packing.clear()
+                    return
+                if ticket is None and any(addr is not None for _, _, _, addr in packed):
+                    _sync_arrays([self._pack.array])  # a view pair's block (host-made): the device-wide wait
             except Exception:  # noqa: BLE001 - closing: the device failed; nothing is posted anyway
                 logger.warning("close: a pack in flight failed", exc_info=True)
             for u, _, _, _ in packed:

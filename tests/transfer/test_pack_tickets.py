@@ -15,30 +15,38 @@ ROW = 48 + 16
 
 
 class Gate:
-    """A pack still running until `open()`; `wait()` blocks until then (at most 10 s)."""
+    """A pack still running until `open()`; `wait()` blocks until then (at most 10 s, or its
+    ``timeout_s``: False then). ``error``: a failed kernel, raised by `ready` and `wait`."""
 
-    def __init__(self):
-        self.opened, self.waits = threading.Event(), 0
+    def __init__(self, error=None):
+        self.opened, self.waits, self.error = threading.Event(), 0, error
 
     def open(self):
         self.opened.set()
 
     def ready(self):
+        if self.error is not None:
+            raise self.error
         return self.opened.is_set()
 
-    def wait(self):
+    def wait(self, timeout_s=None):
         self.waits += 1
+        if self.error is not None:
+            raise self.error
+        if timeout_s is not None:
+            return self.opened.wait(timeout_s)
         assert self.opened.wait(10.0)
+        return True
 
 
-def gated(monkeypatch):
+def gated(monkeypatch, error=None):
     """Every round with a pack gets a fresh shut `Gate`; returns the list they go into."""
     gates = []
 
     def ticket(self, packed):
         if not any(addr is not None for _, _, _, addr in packed):
             return None
-        gates.append(Gate())
+        gates.append(Gate(error))
         return gates[-1]
 
     monkeypatch.setattr(SenderUnits, "_pack_ticket", ticket)
@@ -130,6 +138,73 @@ def test_close_waits_for_a_running_pack_and_frees_its_region(engine, monkeypatch
         assert all(g.waits == 1 for g in gates) and time.monotonic() - t0 >= 0.15
         assert c.sender.stats["arena"]["in_use_bytes"] == 0
         assert c.sender.poll("c") is S.FAILED and "sender closed" in c.sender.failure_reason("c")
+    finally:
+        for g in gates:
+            g.open()
+        c.close()
+
+
+def test_a_pack_that_failed_fails_its_request_and_the_sender_goes_on(engine, monkeypatch):
+    # A CUDA error surfaces when the ticket is polled (CuPy's Event.done raises): the round's
+    # windows fail naming it, the worker's rounds go on (no worker error, heartbeats continue).
+    gates = gated(monkeypatch, RuntimeError("an illegal memory access was encountered (injected)"))
+    c = Cluster(engine, mode="region", dcp_size=2, receiver_kw=dict(region_bytes=64 * ROW))
+    try:
+        src, dst = c.tables(16)
+        c.expect("f", dst, 16)
+        assert wait_for(lambda: announced(c.sender, "f") == {0, 1})
+        c.sender.send("f", src, 0, 16)
+        assert c.wait("f") == [S.FAILED] * 3, c.reasons("f")
+        assert "illegal memory access" in c.sender.failure_reason("f")
+        assert all("illegal memory access" in r.failure_reason("f") for r in c.receivers)
+        assert events(c.sender, "f", "post") == [] and c.sender.engine.counters.descriptors == 0
+        assert wait_for(lambda: arena_free(c.sender)), c.sender.stats["arena"]
+        assert c.sender.stats["worker_errors"] == 0
+        monkeypatch.undo()  # the device recovers: host packs again
+        c.round_trip("g", 11)
+    finally:
+        c.close()
+
+
+def test_close_gives_up_on_a_pack_that_never_ends(engine, monkeypatch):
+    from dcp_jax.transfer import _sender_units
+
+    gates = gated(monkeypatch)
+    monkeypatch.setattr(_sender_units, "DRAIN_PACK_S", 0.3)
+    monkeypatch.setattr(_sender_units, "_ORPHANED_PACKS", [])
+    c = Cluster(engine, mode="packed", dcp_size=2)
+    try:
+        src, dst = c.tables(16)
+        c.expect("h", dst, 16)
+        assert wait_for(lambda: announced(c.sender, "h") == {0, 1})
+        c.sender.send("h", src, 0, 16)
+        assert wait_for(lambda: {e[1] for e in events(c.sender, "h", "pack")} == {0, 1}), c.reasons("h")
+        pack = c.sender._pack
+        t0 = time.monotonic()
+        c.sender.close(timeout_s=5.0)
+        assert time.monotonic() - t0 < 4.0  # within its timeout, the hung pack not waited out
+        assert _sender_units._ORPHANED_PACKS == [pack]  # its buffer is never freed or reused
+        assert c.sender.poll("h") is S.FAILED
+    finally:
+        for g in gates:
+            g.open()
+        c.close()
+
+
+def test_a_request_stalled_on_its_pack_says_so(engine, monkeypatch):
+    gates = gated(monkeypatch)
+    c = Cluster(engine, mode="region", dcp_size=2, receiver_kw=dict(region_bytes=64 * ROW))
+    try:
+        c.sender.timeout_s = 1.0  # the sender's bound only: the ranks wait longer
+        src, dst = c.tables(16)
+        c.expect("s", dst, 16)
+        assert wait_for(lambda: announced(c.sender, "s") == {0, 1})
+        c.sender.send("s", src, 0, 16)
+        assert wait_for(lambda: c.sender.poll("s") is S.FAILED, 10.0), c.reasons("s")
+        assert "waits for its pack kernel" in c.sender.failure_reason("s"), c.reasons("s")
+        for g in gates:
+            g.open()
+        assert wait_for(lambda: arena_free(c.sender)), c.sender.stats["arena"]
     finally:
         for g in gates:
             g.open()
