@@ -202,7 +202,7 @@ def test_plan_prints_the_counts_transfer_reports(tmp_path, extra):
 @pytest.mark.parametrize(
     "args, text",
     [
-        (["--chunk-tokens", "100"], "chunk_tokens=100 must be a multiple of page_size=64"),
+        (["--chunk-tokens", "100"], "chunk_tokens=100 (--chunk-tokens) must be a multiple of page_size=64"),
         (["--prompt-tokens", "0"], "prompt_tokens=0 (--prompt-tokens) must be an int >= 1"),
         (["--prefix-tokens", "64"], "prefix_tokens=64"),
         (["--mode", "sideways"], "--mode"),

@@ -275,7 +275,7 @@ def test_death_in_first_mode_fails_the_next_mode_with_a_message():
         (dict(interleave_size=0), "interleave_size"),
         (dict(prefix_tokens=64), "prefix_tokens=64 must be a multiple of 512"),
         (dict(prefix_tokens=32768), "prefix_tokens"),
-        (dict(chunk_tokens=100), "chunk_tokens=100 must be a multiple of page_size=64"),
+        (dict(chunk_tokens=100), r"chunk_tokens=100 \(--chunk-tokens\) must be a multiple of page_size=64"),
         (dict(modes=("fast",)), "modes"),
         (dict(engine="ucx"), "engine"),
         (dict(max_batch_indices=0), "max_batch_indices"),

@@ -182,7 +182,7 @@ class JobConfig:
         if not _is_int(self.seed) or self.seed < 0:  # as `dcp-jax load`: -3 drew the tables of 3
             raise ValueError(f"seed={self.seed!r} (--seed) must be an int >= 0")
         if self.prefix_tokens >= self.prompt_tokens:
-            raise ValueError(f"prefix_tokens={self.prefix_tokens} must be < prompt_tokens={self.prompt_tokens}")
+            raise ValueError(f"prefix_tokens={self.prefix_tokens} (--prefix-tokens) must be < prompt_tokens={self.prompt_tokens}")
         n, p, i = self.dcp_size, self.page_size, self.interleave_size
         align = math.lcm(p * n, i * n)
         if self.prefix_tokens % align:
@@ -201,14 +201,14 @@ class JobConfig:
                 raise ValueError(f"chunk_tokens={self.chunk_tokens!r} (--chunk-tokens) must be an int >= 1 "
                                  "(None, the option left out: no chunking)")
             if self.chunk_tokens % p:
-                raise ValueError(f"chunk_tokens={self.chunk_tokens} must be a multiple of page_size={p}")
+                raise ValueError(f"chunk_tokens={self.chunk_tokens} (--chunk-tokens) must be a multiple of page_size={p}")
             if self.chunk_tokens % self.src_page_size:
                 raise ValueError(f"chunk_tokens={self.chunk_tokens} must be a multiple of "
                                  f"prefill_page_size={self.src_page_size}")
         if not self.modes or any(md not in PATHS for md in self.modes) or len(set(self.modes)) != len(self.modes):
             raise ValueError(f"modes={self.modes!r} (--path) must be distinct names of {PATHS}")
         if self.engine not in ENGINES:
-            raise ValueError(f"engine={self.engine!r} must be one of {ENGINES}")
+            raise ValueError(f"engine={self.engine!r} (--engine) must be one of {ENGINES}")
         for name in ("max_batch_indices", "pack_tokens"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
