@@ -53,15 +53,24 @@ def gated(monkeypatch, error=None):
     return gates
 
 
+def start(c, rid, num_tokens, packed=False):
+    """Every rank expects ``rid``, then the sender gets all of it; with ``packed``, returns once
+    both ranks' windows are packed (their packs held "running" by the gates). Returns the tables."""
+    src, dst = c.tables(num_tokens)
+    c.expect(rid, dst, num_tokens)
+    assert wait_for(lambda: announced(c.sender, rid) == {0, 1})
+    c.sender.send(rid, src, 0, num_tokens)
+    if packed:  # one round, or two when a rank announced late
+        assert wait_for(lambda: {e[1] for e in events(c.sender, rid, "pack")} == {0, 1}), c.reasons(rid)
+    return src, dst
+
+
 def test_rounds_post_once_their_pack_finished_oldest_first(engine, monkeypatch):
     gates = gated(monkeypatch)
     c = Cluster(engine, mode="region", dcp_size=2, receiver_kw=dict(region_bytes=64 * ROW))
     try:
         c.sender._index_cap["pack"] = 1  # one window per round: two rounds, one per rank
-        src, dst = c.tables(24)
-        c.expect("r", dst, 24)
-        assert wait_for(lambda: announced(c.sender, "r") == {0, 1})
-        c.sender.send("r", src, 0, 24)
+        src, dst = start(c, "r", 24)
         # Both rounds packed and asked while neither pack "finished": the worker did not wait.
         assert wait_for(lambda: len(gates) == 2 and len(events(c.sender, "r", "ask")) == 2), c.reasons("r")
         assert wait_for(lambda: len(events(c.sender, "r", "grant")) == 2), c.reasons("r")
@@ -88,12 +97,7 @@ def test_abort_while_a_pack_runs_keeps_its_region_until_the_pack_ends(engine, mo
     gates = gated(monkeypatch)
     c = Cluster(engine, mode="packed", dcp_size=2)
     try:
-        src, dst = c.tables(20)
-        c.expect("a", dst, 20)
-        assert wait_for(lambda: announced(c.sender, "a") == {0, 1})
-        c.sender.send("a", src, 0, 20)
-        # Both ranks' windows packed (one round, or two when a rank announced late).
-        assert wait_for(lambda: {e[1] for e in events(c.sender, "a", "pack")} == {0, 1}), c.reasons("a")
+        src, dst = start(c, "a", 20, packed=True)
         c.sender.abort("a")
         assert c.sender.poll("a") is S.ABORTED
         time.sleep(0.05)
@@ -125,11 +129,7 @@ def test_close_waits_for_a_running_pack_and_frees_its_region(engine, monkeypatch
     gates = gated(monkeypatch)
     c = Cluster(engine, mode="region", dcp_size=2, receiver_kw=dict(region_bytes=64 * ROW))
     try:
-        src, dst = c.tables(16)
-        c.expect("c", dst, 16)
-        assert wait_for(lambda: announced(c.sender, "c") == {0, 1})
-        c.sender.send("c", src, 0, 16)
-        assert wait_for(lambda: {e[1] for e in events(c.sender, "c", "pack")} == {0, 1}), c.reasons("c")
+        src, dst = start(c, "c", 16, packed=True)
         time.sleep(0.05)
         assert events(c.sender, "c", "post") == []
         threading.Timer(0.2, lambda: [g.open() for g in gates]).start()  # the "kernels" end while close waits
@@ -150,10 +150,7 @@ def test_a_pack_that_failed_fails_its_request_and_the_sender_goes_on(engine, mon
     gates = gated(monkeypatch, RuntimeError("an illegal memory access was encountered (injected)"))
     c = Cluster(engine, mode="region", dcp_size=2, receiver_kw=dict(region_bytes=64 * ROW))
     try:
-        src, dst = c.tables(16)
-        c.expect("f", dst, 16)
-        assert wait_for(lambda: announced(c.sender, "f") == {0, 1})
-        c.sender.send("f", src, 0, 16)
+        src, dst = start(c, "f", 16)
         assert c.wait("f") == [S.FAILED] * 3, c.reasons("f")
         assert "illegal memory access" in c.sender.failure_reason("f")
         assert all("illegal memory access" in r.failure_reason("f") for r in c.receivers)
@@ -174,11 +171,7 @@ def test_close_gives_up_on_a_pack_that_never_ends(engine, monkeypatch):
     monkeypatch.setattr(_sender_units, "_ORPHANED_PACKS", [])
     c = Cluster(engine, mode="packed", dcp_size=2)
     try:
-        src, dst = c.tables(16)
-        c.expect("h", dst, 16)
-        assert wait_for(lambda: announced(c.sender, "h") == {0, 1})
-        c.sender.send("h", src, 0, 16)
-        assert wait_for(lambda: {e[1] for e in events(c.sender, "h", "pack")} == {0, 1}), c.reasons("h")
+        src, dst = start(c, "h", 16, packed=True)
         pack = c.sender._pack
         t0 = time.monotonic()
         c.sender.close(timeout_s=5.0)
@@ -196,10 +189,7 @@ def test_a_request_stalled_on_its_pack_says_so(engine, monkeypatch):
     c = Cluster(engine, mode="region", dcp_size=2, receiver_kw=dict(region_bytes=64 * ROW))
     try:
         c.sender.timeout_s = 1.0  # the sender's bound only: the ranks wait longer
-        src, dst = c.tables(16)
-        c.expect("s", dst, 16)
-        assert wait_for(lambda: announced(c.sender, "s") == {0, 1})
-        c.sender.send("s", src, 0, 16)
+        src, dst = start(c, "s", 16)
         assert wait_for(lambda: c.sender.poll("s") is S.FAILED, 10.0), c.reasons("s")
         assert "waits for its pack kernel" in c.sender.failure_reason("s"), c.reasons("s")
         for g in gates:
