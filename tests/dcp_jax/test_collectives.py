@@ -11,9 +11,8 @@ from dcp_jax.merge import (
     a2a,
     ag_ar,
     ag_rs,
+    local_merge_fn,
     make_dcp_mesh,
-    merge_a2a,
-    merge_ag_ar,
     merge_ag_rs,
     merge_states,
     merge_states_reference,
@@ -22,7 +21,6 @@ from dcp_jax.merge import (
 pytestmark = pytest.mark.needs_8_devices
 
 FORMS = {"ag_rs": ag_rs, "ag_ar": ag_ar, "a2a": a2a}
-LOCAL = {"ag_rs": merge_ag_rs, "ag_ar": merge_ag_ar, "a2a": merge_a2a}
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
 
@@ -110,7 +108,7 @@ def test_local_forms_pass_through_on_a_one_rank_axis(form):
     mesh = make_dcp_mesh(1)
     out, lse = _states(11, 1)
     spec = P(None, "dcp") if form != "ag_ar" else P()
-    f = jax.jit(jax.shard_map(lambda o, l: LOCAL[form](o[0], l[0]), mesh=mesh,
+    f = jax.jit(jax.shard_map(lambda o, l: local_merge_fn(form)(o[0], l[0]), mesh=mesh,
                               in_specs=(P("dcp"), P("dcp")), out_specs=(spec, spec)))
     o, l = f(out, lse)
     np.testing.assert_array_equal(np.asarray(o), np.asarray(out[0]))  # NaN stays where it was
@@ -161,7 +159,7 @@ def test_inside_user_shard_map_on_2d_mesh(form):
     out, lse = _states(9, 4, h=8)
     out2 = jnp.stack([out, out[::-1]], axis=1)  # [4, 2, T, H, D]: tp column 1 sees reversed ranks
     lse2 = np.stack([lse, lse[::-1]], axis=1)
-    local = LOCAL[form]
+    local = local_merge_fn(form)
     spec = P("tp", None, "dcp") if form != "ag_ar" else P("tp")  # [tp, T, H(/N), ...]
 
     def body(o, l):

@@ -19,10 +19,8 @@ from dcp_jax.merge import (
     a2a,
     ag_ar,
     ag_rs,
+    local_merge_fn,
     make_dcp_mesh,
-    merge_a2a,
-    merge_ag_ar,
-    merge_ag_rs,
     merge_state,
     merge_states,
     merge_states_reference,
@@ -32,7 +30,6 @@ from dcp_jax.merge_core import _merge_core
 pytestmark = pytest.mark.needs_8_devices
 
 FORMS = {"ag_rs": ag_rs, "ag_ar": ag_ar, "a2a": a2a}
-LOCAL = {"ag_rs": merge_ag_rs, "ag_ar": merge_ag_ar, "a2a": merge_a2a}
 
 
 # ---------------------------------------------------------------- float64 LSEs under x64
@@ -160,7 +157,7 @@ def test_propagate_nan_shares_the_rule(form):
     poisoned = np.zeros_like(nan_cells)
     poisoned[1, 2] = True
     want_nan = nan_cells | poisoned
-    local = LOCAL[form]
+    local = local_merge_fn(form)
     f = jax.jit(jax.shard_map(
         lambda o, l: local(o[0], l[0], axis_name="dcp", propagate_nan=True),
         mesh=make_dcp_mesh(4), in_specs=(P("dcp"), P("dcp")),

@@ -27,10 +27,8 @@ from dcp_jax.merge import (
     a2a,
     ag_ar,
     ag_rs,
+    local_merge_fn,
     make_dcp_mesh,
-    merge_a2a,
-    merge_ag_ar,
-    merge_ag_rs,
     merge_states,
     merge_states_reference,
 )
@@ -38,7 +36,6 @@ from dcp_jax.merge import (
 pytestmark = pytest.mark.needs_8_devices
 
 FORMS = {"ag_rs": ag_rs, "ag_ar": ag_ar, "a2a": a2a}
-LOCAL = {"ag_rs": merge_ag_rs, "ag_ar": merge_ag_ar, "a2a": merge_a2a}
 f32 = np.float32
 
 
@@ -58,7 +55,7 @@ def test_mesh_forms_refuse_zero_width_naming_out(form, n, h, d):
 
 @pytest.mark.parametrize("form", MERGE_FORMS)
 def test_local_forms_refuse_zero_width_at_trace_time(form):
-    local = LOCAL[form]
+    local = local_merge_fn(form)
     f = jax.shard_map(lambda o, l: local(o[0], l[0], axis_name="dcp"), mesh=make_dcp_mesh(2),
                       in_specs=(P("dcp"), P("dcp")), out_specs=(P(), P()), check_vma=False)
     for h, d in [(2, 0), (0, 2)]:
