@@ -4,6 +4,7 @@ pack finished, oldest round first. On a GPU the ticket covers a device pack; her
 finish inside the call) a gate stands in for a device pack still running: the tests hold it shut
 and open it, with real engines (NIXL over UCX, Mooncake over TCP) moving the bytes.
 """
+import contextlib
 import threading
 import time
 
@@ -53,6 +54,25 @@ def gated(monkeypatch, error=None):
     return gates
 
 
+@contextlib.contextmanager
+def gated_cluster(monkeypatch, engine, mode, error=None):
+    """A sender and two ranks whose rounds' packs are held by gates (`gated`); at exit every
+    gate opens and every side closes. Yields (gates, cluster)."""
+    gates = gated(monkeypatch, error)
+    kw = dict(receiver_kw=dict(region_bytes=64 * ROW)) if mode == "region" else {}
+    c = Cluster(engine, mode=mode, dcp_size=2, **kw)
+    try:
+        yield gates, c
+    finally:
+        open_all(gates)
+        c.close()
+
+
+def open_all(gates):
+    for g in gates:
+        g.open()
+
+
 def start(c, rid, num_tokens, packed=False):
     """Every rank expects ``rid``, then the sender gets all of it; with ``packed``, returns once
     both ranks' windows are packed (their packs held "running" by the gates). Returns the tables."""
@@ -66,9 +86,7 @@ def start(c, rid, num_tokens, packed=False):
 
 
 def test_rounds_post_once_their_pack_finished_oldest_first(engine, monkeypatch):
-    gates = gated(monkeypatch)
-    c = Cluster(engine, mode="region", dcp_size=2, receiver_kw=dict(region_bytes=64 * ROW))
-    try:
+    with gated_cluster(monkeypatch, engine, "region") as (gates, c):
         c.sender._index_cap["pack"] = 1  # one window per round: two rounds, one per rank
         src, dst = start(c, "r", 24)
         # Both rounds packed and asked while neither pack "finished": the worker did not wait.
@@ -87,24 +105,17 @@ def test_rounds_post_once_their_pack_finished_oldest_first(engine, monkeypatch):
         assert [p[1] for p in posts] == [first, 1 - first]  # oldest round first
         assert check_region_timeline(c.sender.request_stats("r")["timeline"]) == {0: 1, 1: 1}
         assert wait_for(lambda: arena_free(c.sender)), c.sender.stats["arena"]
-    finally:
-        for g in gates:
-            g.open()
-        c.close()
 
 
 def test_abort_while_a_pack_runs_keeps_its_region_until_the_pack_ends(engine, monkeypatch):
-    gates = gated(monkeypatch)
-    c = Cluster(engine, mode="packed", dcp_size=2)
-    try:
+    with gated_cluster(monkeypatch, engine, "packed") as (gates, c):
         src, dst = start(c, "a", 20, packed=True)
         c.sender.abort("a")
         assert c.sender.poll("a") is S.ABORTED
         time.sleep(0.05)
         # The pack may still write its regions: the arena does not hand them out yet.
         assert c.sender.stats["arena"]["in_use_bytes"] > 0
-        for g in gates:
-            g.open()
+        open_all(gates)
         assert wait_for(lambda: arena_free(c.sender)), c.sender.stats["arena"]
         assert events(c.sender, "a", "post") == [] and c.sender.engine.counters.descriptors == 0
         assert wait_for(lambda: all(r.poll("a") is S.ABORTED for r in c.receivers)), c.reasons("a")
@@ -115,20 +126,13 @@ def test_abort_while_a_pack_runs_keeps_its_region_until_the_pack_ends(engine, mo
         c.sender.send("b", src2, 0, 9)
         assert wait_for(lambda: {e[1] for e in events(c.sender, "b", "pack")} == {0, 1}), c.reasons("b")
         assert len(gates) > n and c.sender.poll("b") is S.WAITING
-        for g in gates:
-            g.open()
+        open_all(gates)
         assert c.wait("b") == [S.SUCCESS] * 3, c.reasons("b")
         assert c.check_bytes(src2, dst2, 9) == 9
-    finally:
-        for g in gates:
-            g.open()
-        c.close()
 
 
 def test_close_waits_for_a_running_pack_and_frees_its_region(engine, monkeypatch):
-    gates = gated(monkeypatch)
-    c = Cluster(engine, mode="region", dcp_size=2, receiver_kw=dict(region_bytes=64 * ROW))
-    try:
+    with gated_cluster(monkeypatch, engine, "region") as (gates, c):
         src, dst = start(c, "c", 16, packed=True)
         time.sleep(0.05)
         assert events(c.sender, "c", "post") == []
@@ -138,18 +142,13 @@ def test_close_waits_for_a_running_pack_and_frees_its_region(engine, monkeypatch
         assert all(g.waits == 1 for g in gates) and time.monotonic() - t0 >= 0.15
         assert c.sender.stats["arena"]["in_use_bytes"] == 0
         assert c.sender.poll("c") is S.FAILED and "sender closed" in c.sender.failure_reason("c")
-    finally:
-        for g in gates:
-            g.open()
-        c.close()
 
 
 def test_a_pack_that_failed_fails_its_request_and_the_sender_goes_on(engine, monkeypatch):
     # A CUDA error surfaces when the ticket is polled (CuPy's Event.done raises): the round's
     # windows fail naming it, the worker's rounds go on (no worker error, heartbeats continue).
-    gates = gated(monkeypatch, RuntimeError("an illegal memory access was encountered (injected)"))
-    c = Cluster(engine, mode="region", dcp_size=2, receiver_kw=dict(region_bytes=64 * ROW))
-    try:
+    error = RuntimeError("an illegal memory access was encountered (injected)")
+    with gated_cluster(monkeypatch, engine, "region", error) as (_, c):
         src, dst = start(c, "f", 16)
         assert c.wait("f") == [S.FAILED] * 3, c.reasons("f")
         assert "illegal memory access" in c.sender.failure_reason("f")
@@ -159,18 +158,14 @@ def test_a_pack_that_failed_fails_its_request_and_the_sender_goes_on(engine, mon
         assert c.sender.stats["worker_errors"] == 0
         monkeypatch.undo()  # the device recovers: host packs again
         c.round_trip("g", 11)
-    finally:
-        c.close()
 
 
 def test_close_gives_up_on_a_pack_that_never_ends(engine, monkeypatch):
     from dcp_jax.transfer import _sender_units
 
-    gates = gated(monkeypatch)
     monkeypatch.setattr(_sender_units, "DRAIN_PACK_S", 0.3)
     monkeypatch.setattr(_sender_units, "_ORPHANED_PACKS", [])
-    c = Cluster(engine, mode="packed", dcp_size=2)
-    try:
+    with gated_cluster(monkeypatch, engine, "packed") as (gates, c):
         src, dst = start(c, "h", 16, packed=True)
         pack = c.sender._pack
         t0 = time.monotonic()
@@ -178,24 +173,13 @@ def test_close_gives_up_on_a_pack_that_never_ends(engine, monkeypatch):
         assert time.monotonic() - t0 < 4.0  # within its timeout, the hung pack not waited out
         assert _sender_units._ORPHANED_PACKS == [pack]  # its buffer is never freed or reused
         assert c.sender.poll("h") is S.FAILED
-    finally:
-        for g in gates:
-            g.open()
-        c.close()
 
 
 def test_a_request_stalled_on_its_pack_says_so(engine, monkeypatch):
-    gates = gated(monkeypatch)
-    c = Cluster(engine, mode="region", dcp_size=2, receiver_kw=dict(region_bytes=64 * ROW))
-    try:
+    with gated_cluster(monkeypatch, engine, "region") as (gates, c):
         c.sender.timeout_s = 1.0  # the sender's bound only: the ranks wait longer
         src, dst = start(c, "s", 16)
         assert wait_for(lambda: c.sender.poll("s") is S.FAILED, 10.0), c.reasons("s")
         assert "waits for its pack kernel" in c.sender.failure_reason("s"), c.reasons("s")
-        for g in gates:
-            g.open()
+        open_all(gates)
         assert wait_for(lambda: arena_free(c.sender)), c.sender.stats["arena"]
-    finally:
-        for g in gates:
-            g.open()
-        c.close()
