@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from pallas_kernels import device
+from pallas_kernels.unpack import _kind
 
 __all__ = ["Written", "written"]
 
@@ -89,9 +88,10 @@ def written(buffer) -> Written:
     Raises:
         TypeError: `buffer` is neither numpy nor CuPy.
     """
-    if isinstance(buffer, np.ndarray):
+    kind = _kind(buffer)
+    if kind == "numpy":
         return Written()
-    if type(buffer).__module__.split(".")[0] != "cupy":
+    if kind != "cupy":
         raise TypeError(f"buffer must be a numpy or CuPy array, got {type(buffer).__name__}")
     arrays, streams = [], []
     for d in device.destinations_of(buffer):

@@ -17,6 +17,7 @@ from typing import Any
 
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._sender_region import sync_arrays as _sync_arrays
+from dcp_jax.transfer.memory import array_kind
 from dcp_jax.transfer.requests import RankTarget, SendRequest
 from dcp_jax.transfer.schedule import SideLayout, batch_engine_calls, plan_rank_chunk
 from dcp_jax.transfer.spec import HandshakeError
@@ -219,7 +220,7 @@ class SenderUnits:
         direct windows), or a view pair's host-made block, which the device-wide wait covers."""
         if not any(addr is not None for _, _, _, addr in packed):
             return None
-        if type(self._pack.array).__module__.split(".")[0] != "cupy" or any(
+        if array_kind(self._pack.array) != "cupy" or any(
                 addr is not None and u.target.conn.view is not None for u, _, _, addr in packed):
             return None
         from pallas_kernels import written
@@ -301,9 +302,7 @@ class SenderUnits:
                 else:
                     _sync_arrays([self._pack.array])
             except Exception as exc:  # noqa: BLE001 - no window of this round may go out
-                for u, _, _, _ in packed:
-                    self._submit_failed(u, exc)
-                return
+                return self._fail_round(packed, exc)
             for req in dict.fromkeys(u.req for u, _, _, addr in packed if addr is not None):
                 req.pack_seconds += time.perf_counter() - tk  # the wait is part of each request's pack
         self._launch_fused(packed)  # the fused copies first: the bookkeeping below runs while they copy
