@@ -22,12 +22,14 @@ class SenderWarmUp:
         index bucket a round can reach, writing nothing (no KV page, no live region): the
         one-launch pack (`pallas_kernels.warm_pack_windows`) and, with fused decode ranks, the
         fan-out copy into all of them (`pallas_kernels.warm_copy_fanout`) and the bump of the
-        fused path's flag page (`bridge.host_flag`). From then on each
-        launch of a round stays within the largest bucket compiled (a round with more windows
-        goes on in the next round), so no round compiles: which bucket a round reaches depends
-        on which ranks announced a request before it began and on how many requests are
-        queued, not only on a request's size. Without it, a round that first reaches a bucket
-        compiles it then (~0.5 s on an H200), stalling the sender's rounds meanwhile.
+        fused path's flag page (`bridge.host_flag`). The buckets reach one round's launch: a
+        window of ``max_rows`` rows to every connected decode rank (each window rounded up to a
+        row block), as a chunk sent to all of them takes. From then on each launch of a round
+        stays within the largest bucket compiled (a round with more windows, e.g. several
+        requests queued, goes on in the next round), so no round compiles. Without it, a round
+        that first reaches a bucket compiles it then (~0.5 s on an H200), stalling the sender's
+        rounds meanwhile. (Buckets of one window only split a 32k chunk to 8 ranks into four
+        launches, each with its own ~0.6 ms of host time, and spread its posts over 3.6 ms.)
 
         Call it once the decode ranks have connected (the fused launch is compiled for the
         ranks connected now) and again after more connect. The compiles run on the caller's
@@ -56,13 +58,17 @@ class SenderWarmUp:
         with self._lock:  # a snapshot: the compiles below run without the lock
             copiers = [c.copier for c in self._conns.values() if c.copier is not None]
             self._packer.prepare()  # (a staged pack's device scratch: made where rounds make it)
+            ranks = max(1, len(self._conns))  # a round: one window to each rank
         rows = self._max_region_rows if max_rows is None else min(int(max_rows), self._max_region_rows)
-        cap = bucket_rows(max(1, rows) + br, br)  # a lone window of `rows` rows, block-rounded
-        pack = self._packer.warm_up(cap)
+        # Index rows as a round counts them (`_index_rows`: each window block-rounded); the
+        # round's windows share the pack buffer, so their rows sum to at most what it holds.
+        round_rows = min(ranks * self._index_rows(max(1, rows)), self._max_region_rows + ranks * br)
+        pack = self._packer.warm_up(bucket_rows(max(1, round_rows), br))
         fused = []
         if copiers:
             rows = self._layers.min_rows if max_rows is None else min(int(max_rows), self._layers.min_rows)
-            fcap = bucket_rows(rows + br * len(copiers), br)
+            # warm_copy_fanout clamps it to what the copiers' destinations hold
+            fcap = bucket_rows(len(copiers) * self._index_rows(max(1, rows)), br)
             try:
                 fused = warm_copy_fanout(copiers, fcap)
             except RuntimeError as exc:  # a link dropped meanwhile closed its copier: next call

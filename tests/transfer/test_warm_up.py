@@ -7,7 +7,8 @@ import time
 import numpy as np
 
 import pallas_kernels
-from conftest import Cluster, TransferStatus
+from conftest import Cluster, TransferStatus, announced, wait_for
+from pallas_kernels.config import buckets_up_to
 
 S = TransferStatus
 
@@ -51,5 +52,55 @@ def test_rounds_stay_within_the_warmed_bucket(engine):
         for rid, src, dst, n in reqs:
             assert c.wait(rid) == [S.SUCCESS] * 3, c.reasons(rid)
             assert c.check_bytes(src, dst, n) == n
+    finally:
+        c.close()
+
+
+def test_warm_up_covers_a_round_of_one_window_per_rank(engine, monkeypatch):
+    # A device compiles every bucket up to what warm_up asks; the host gather compiles none, so
+    # stand in for the compile and check the sender's side: the buckets reach one window of
+    # max_rows to EACH rank, and such a chunk then goes out in one pack launch, not one per
+    # bucket's worth (a cap of one window split a 32k chunk to 8 ranks into four launches).
+    asked = []
+
+    def compiled(source, pack, max_rows, **kw):
+        asked.append(max_rows)
+        return buckets_up_to(max_rows, 64)
+
+    monkeypatch.setattr(pallas_kernels, "warm_pack_windows", compiled)
+    n, rows = 4, 100  # 100 rows to each rank: 128 index rows each in blocks of 64
+    c = Cluster(engine, dcp_size=n, mode="packed", pages=128)
+    try:
+        assert c.sender._index_block == 64
+        assert wait_for(lambda: len(c.sender._conns) == n)
+        got = c.sender.warm_up(rows)
+        assert asked == [n * 128] and got["pack"][-1] == 512  # 4 x 128, a power of 2
+        launches = []
+        real = c.sender._packer.pack_windows
+        monkeypatch.setattr(c.sender._packer, "pack_windows",
+                            lambda windows, **kw: (launches.append(len(windows)), real(windows, **kw))[1])
+        src, dst = c.tables(n * rows)
+        c.expect("a", dst, n * rows)
+        assert wait_for(lambda: announced(c.sender, "a") == set(range(n)))
+        c.sender.send("a", src, 0, n * rows)
+        assert c.wait("a") == [S.SUCCESS] * (n + 1), c.reasons("a")
+        assert c.check_bytes(src, dst, n * rows) == n * rows
+        assert launches == [n]
+    finally:
+        c.close()
+
+
+def test_warm_up_asks_no_more_than_the_pack_buffer_holds(engine, monkeypatch):
+    # max_rows=None: a window as large as the pack buffer; the round's windows share it, so the
+    # ask is the buffer's rows plus a row block per rank, not dcp_size buffers.
+    asked = []
+    monkeypatch.setattr(pallas_kernels, "warm_pack_windows",
+                        lambda source, pack, max_rows, **kw: asked.append(max_rows) or [])
+    c = Cluster(engine, dcp_size=4, mode="packed", pages=32, pack_bytes=200 * 64)  # 200 rows of 64 B
+    try:
+        assert wait_for(lambda: len(c.sender._conns) == 4)
+        assert c.sender.warm_up() == {"pack": [], "fused": []}
+        assert c.sender._max_region_rows == 200
+        assert asked == [512]  # bucket_rows(200 + 4 * 64)
     finally:
         c.close()
