@@ -111,6 +111,9 @@ def transfer(
     pack_tokens: Optional[int] = typer.Option(None, help="Size the pack buffer for this many tokens "
                                                          "(default: the whole request); smaller forces sliced "
                                                          "packing (gather, send, wait, repeat)."),
+    round_rows: Optional[int] = typer.Option(None, help="The most rows one sender round packs or copies in one "
+                                                        "kernel launch (KVSender.warm_up(round_rows=...)); "
+                                                        "default: a chunk's window to every decode rank."),
     verify: bool = typer.Option(False, "--verify", help="Also send a CRC-32 per (chunk, rank, layer) with each "
                                                         "completion and check it on arrival. The full byte-for-"
                                                         "byte check of every rank's pool against the "
@@ -153,7 +156,8 @@ def transfer(
             ("--staging", staging not in ("auto", "none")), ("--pack-backend", pack_backend != "auto"),
             ("--chunk-tokens", chunk_tokens is not None), ("--prefix-tokens", prefix_tokens != 0),
             ("--mode", mode != "both"), ("--max-batch-indices", max_batch_indices is not None),
-            ("--pack-tokens", pack_tokens is not None), ("--verify", verify),
+            ("--pack-tokens", pack_tokens is not None), ("--round-rows", round_rows is not None),
+            ("--verify", verify),
             ("--corrupt-rank", corrupt_rank is not None), ("--requests", requests != 1)) if given]
         if ignored:
             _fail(f"{', '.join(ignored)}: not taken by a TP/layout run (--prefill-tp-size, --tp-size, "
@@ -180,7 +184,7 @@ def transfer(
         prefill_dcp_size=prefill_dcp_size, interleave_size=interleave_size,
         prefill_interleave_size=prefill_interleave_size, chunk_tokens=chunk_tokens,
         prefix_tokens=prefix_tokens, engine=engine, max_batch_indices=max_batch_indices,
-        pack_tokens=pack_tokens, verify=verify, seed=seed, timeout_s=timeout_s, corrupt_rank=corrupt_rank,
+        pack_tokens=pack_tokens, round_rows=round_rows, verify=verify, seed=seed, timeout_s=timeout_s, corrupt_rank=corrupt_rank,
         requests=requests, device=device, staging=staging, pack_backend=pack_backend, direction=direction,
         prefill_page_size=prefill_page_size, **placed,
     )

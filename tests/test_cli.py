@@ -63,6 +63,7 @@ def test_corrupted_byte_exits_nonzero(tmp_path):
         (["--chunk-tokens", "100"], "chunk_tokens=100"),
         (["--prefix-tokens", "64"], "prefix_tokens=64"),
         (["--dcp-size", "100"], "dcp_size=100 must be <= 64"),
+        (["--round-rows", "0"], "round_rows=0 (--round-rows) must be an int >= 1"),
         (["--timeout-s", "3000000"], "timeout_s=3000000.0 (--timeout-s) must be in (0, 86400]"),
         (["--timeout-s", "0"], "timeout_s=0.0 (--timeout-s) must be in (0, 86400]"),
         (["--timeout-s", "inf"], "timeout_s=inf"),
@@ -355,3 +356,13 @@ def test_the_job_header_size_has_three_significant_digits(nbytes, text):
     from dcp_jax.cli import _size_text
 
     assert _size_text(nbytes) == text  # a tiny model's request read "0.00 GB"
+
+
+def test_round_rows_splits_a_chunk_into_launches_and_stays_byte_exact(tmp_path):
+    # 500 tokens to 4 ranks: windows of 125 rows (128 index rows); 64 rows a round = a window each.
+    out = tmp_path / "rounds.json"
+    res = runner.invoke(app, ["transfer", *SMALL, "--dcp-size", "4", "--path", "region,packed", "--round-rows", "64", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["config"]["round_rows"] == 64 and data["config"]["dcp_size"] == 4 and data["verified"] is True
+    assert [r["verified"] for r in data["runs"]] == [True, True]

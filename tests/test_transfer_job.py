@@ -285,6 +285,8 @@ def test_death_in_first_mode_fails_the_next_mode_with_a_message():
         (dict(requests=0), "requests=0"),
         (dict(requests=True), "requests=True"),
         (dict(requests=2.0), "requests=2.0"),
+        (dict(round_rows=0), r"round_rows=0 \(--round-rows\) must be an int >= 1"),
+        (dict(round_rows=1.5), "round_rows=1.5"),
         (dict(dcp_size=65), "dcp_size=65 must be <= 64"),
         (dict(prefill_dcp_size=65), "prefill_dcp_size=65 must be <= 64"),
         (dict(corrupt_rank=8), "corrupt_rank"),

@@ -84,6 +84,8 @@ class JobConfig:
         pack_tokens: the pack buffer holds ``N * ceil(pack_tokens / N)`` tokens (spec section 6);
             default: as many as the prefill rank sends (nothing is sliced). Smaller values force
             sliced packing.
+        round_rows: the most index rows one sender round packs or copies in one launch
+            (``KVSender.warm_up(round_rows=...)``); default: a chunk's window to every decode rank.
         verify: also compare a CRC-32 per (chunk, rank, layer) of what the prefill sent with what
             arrived (the full byte verification runs regardless).
         seed: seeds the KV pattern and the page allocators.
@@ -134,6 +136,7 @@ class JobConfig:
     engine: str = "nixl"
     max_batch_indices: int | None = None
     pack_tokens: int | None = None
+    round_rows: int | None = None
     verify: bool = False
     seed: int = 0
     timeout_s: float = 300.0
@@ -209,7 +212,7 @@ class JobConfig:
             raise ValueError(f"modes={self.modes!r} (--path) must be distinct names of {PATHS}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine={self.engine!r} (--engine) must be one of {ENGINES}")
-        for name in ("max_batch_indices", "pack_tokens"):
+        for name in ("max_batch_indices", "pack_tokens", "round_rows"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
                 raise ValueError(f"{name}={v!r} (--{name.replace('_', '-')}) must be an int >= 1 "

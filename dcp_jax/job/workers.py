@@ -170,7 +170,7 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection, gpu_env: dict | No
                                    f"sender after {cfg.timeout_s:g} s (--timeout-s)")
             time.sleep(0.002)
         t0 = time.perf_counter()
-        buckets = sender.warm_up(max(1, kv.most_rows_to_one_rank(cfg, rank)))
+        buckets = sender.warm_up(max(1, kv.most_rows_to_one_rank(cfg, rank)), round_rows=cfg.round_rows)
         conn.send(("warmed", dict(buckets, seconds=time.perf_counter() - t0)))
 
     def send(arg: dict) -> None:

@@ -5,6 +5,7 @@ largest bucket compiled (the windows past it go out in the next round, every byt
 import time
 
 import numpy as np
+import pytest
 
 import pallas_kernels
 from conftest import Cluster, TransferStatus, announced, wait_for
@@ -56,11 +57,17 @@ def test_rounds_stay_within_the_warmed_bucket(engine):
         c.close()
 
 
-def test_warm_up_covers_a_round_of_one_window_per_rank(engine, monkeypatch):
+@pytest.mark.parametrize("round_rows, asked_rows, launches", [
+    (None, 512, [4]),  # a window of max_rows to each of the 4 ranks: 4 x 128, one launch
+    (256, 256, [2, 2]),  # two windows a launch
+    (300, 512, [2, 2]),  # the bucket compiled is 512, the round still stops at 300 rows
+    (10, 128, [1, 1, 1, 1]),  # at least one window a launch, and that window's bucket compiled
+])
+def test_warm_up_covers_a_round_of_one_window_per_rank(engine, monkeypatch, round_rows, asked_rows, launches):
     # A device compiles every bucket up to what warm_up asks; the host gather compiles none, so
-    # stand in for the compile and check the sender's side: the buckets reach one window of
-    # max_rows to EACH rank, and such a chunk then goes out in one pack launch, not one per
-    # bucket's worth (a cap of one window split a 32k chunk to 8 ranks into four launches).
+    # stand in for the compile and check the sender's side: by default the buckets reach one
+    # window of max_rows to EACH rank, and such a chunk then goes out in one pack launch (a cap
+    # of one window split a 32k chunk to 8 ranks into four launches); round_rows bounds a launch.
     asked = []
 
     def compiled(source, pack, max_rows, **kw):
@@ -73,19 +80,36 @@ def test_warm_up_covers_a_round_of_one_window_per_rank(engine, monkeypatch):
     try:
         assert c.sender._index_block == 64
         assert wait_for(lambda: len(c.sender._conns) == n)
-        got = c.sender.warm_up(rows)
-        assert asked == [n * 128] and got["pack"][-1] == 512  # 4 x 128, a power of 2
-        launches = []
-        real = c.sender._packer.pack_windows
-        monkeypatch.setattr(c.sender._packer, "pack_windows",
-                            lambda windows, **kw: (launches.append(len(windows)), real(windows, **kw))[1])
-        src, dst = c.tables(n * rows)
-        c.expect("a", dst, n * rows)
-        assert wait_for(lambda: announced(c.sender, "a") == set(range(n)))
-        c.sender.send("a", src, 0, n * rows)
-        assert c.wait("a") == [S.SUCCESS] * (n + 1), c.reasons("a")
-        assert c.check_bytes(src, dst, n * rows) == n * rows
-        assert launches == [n]
+        got = c.sender.warm_up(rows, round_rows=round_rows)
+        assert asked == [asked_rows] and got["pack"][-1] == asked_rows
+        assert _pack_launches(c, rows) == launches
+    finally:
+        c.close()
+
+
+def test_round_rows_bounds_host_rounds_too(engine):
+    # Host KV compiles nothing, and round_rows still splits a chunk's windows into launches.
+    n, rows = 4, 100
+    c = Cluster(engine, dcp_size=n, mode="packed", pages=128)
+    try:
+        assert wait_for(lambda: len(c.sender._conns) == n)
+        assert c.sender.warm_up(rows, round_rows=256) == {"pack": [], "fused": []}
+        assert _pack_launches(c, rows) == [2, 2]
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("kw, exc, text", [
+    (dict(round_rows=0), ValueError, "round_rows=0 must be an int >= 1"),
+    (dict(round_rows=2.0), TypeError, "round_rows must be an int"),
+    (dict(round_rows=True), TypeError, "round_rows must be an int"),
+    (dict(max_rows=-1), ValueError, "max_rows=-1 must be an int >= 1"),
+])
+def test_warm_up_refuses_bad_sizes(engine, kw, exc, text):
+    c = Cluster(engine, dcp_size=1, mode="packed", connect=False)
+    try:
+        with pytest.raises(exc, match=text):
+            c.sender.warm_up(**kw)
     finally:
         c.close()
 
@@ -104,3 +128,18 @@ def test_warm_up_asks_no_more_than_the_pack_buffer_holds(engine, monkeypatch):
         assert asked == [512]  # bucket_rows(200 + 4 * 64)
     finally:
         c.close()
+
+
+def _pack_launches(c, rows):
+    """Sends one request of ``rows`` rows to each rank, once every rank announced it (so its
+    windows are queued together), byte-exact; returns the windows of each pack launch."""
+    n, sizes = c.dcp_size, []
+    real = c.sender._packer.pack_windows
+    c.sender._packer.pack_windows = lambda windows, **kw: (sizes.append(len(windows)), real(windows, **kw))[1]
+    src, dst = c.tables(n * rows)
+    c.expect("a", dst, n * rows)
+    assert wait_for(lambda: announced(c.sender, "a") == set(range(n)))
+    c.sender.send("a", src, 0, n * rows)
+    assert c.wait("a") == [S.SUCCESS] * (n + 1), c.reasons("a")
+    assert c.check_bytes(src, dst, n * rows) == n * rows
+    return sizes
