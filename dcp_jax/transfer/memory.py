@@ -133,7 +133,12 @@ class CacheLayers:
             raise TypeError(f"kv_layers must be a list or tuple of arrays, got {type(kv_layers).__name__}")
         if len(kv_layers) != spec.num_layers:
             raise ValueError(f"kv_layers has {len(kv_layers)} layers, spec.num_layers={spec.num_layers}")
-        kinds = {array_kind(a) for a in kv_layers}
+        kinds = set()
+        for l, a in enumerate(kv_layers):
+            try:
+                kinds.add(array_kind(a))
+            except TypeError as exc:
+                raise TypeError(f"kv_layers[{l}]: {exc}") from None
         if len(kinds) != 1:
             raise TypeError(f"kv_layers mixes array kinds {sorted(kinds)}; give one kind")
         self.kind = kinds.pop()
@@ -291,9 +296,15 @@ def _check_dtype(a: Any, l: int, want: str) -> None:
     spec's dtype: their bytes are what the spec names.
 
     Raises:
-        TypeError: a floating (or other non-integer) layer whose dtype name is not ``want``.
+        TypeError: a floating (or other non-integer) layer whose dtype name is not ``want``, or
+            that is not in this machine's byte order (``">f2"`` is named "float16" too, but its
+            numbers would arrive as other numbers: as `KVCacheSpec` refuses such a dtype).
     """
     dt = np.dtype(a.dtype)
+    if dt.kind not in "ui" and not dt.isnative:
+        raise TypeError(f"kv_layers[{l}] has dtype {dt.str!r}, not in this machine's byte order: the "
+                        f"bytes would move as they are and be read as other numbers; give "
+                        f"a.astype(a.dtype.newbyteorder('=')) or a raw integer view")
     if dt.kind not in "ui" and dt.name != want:
         raise TypeError(f"kv_layers[{l}] has dtype {dt.name}, spec.dtype={want!r}: declare the dtype the "
                         "cache holds (KVCacheSpec(dtype=...)) or give the layers as raw integer views")

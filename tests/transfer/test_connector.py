@@ -214,7 +214,7 @@ def test_layers_viewing_one_buffer_register_once_and_release(engine):
 
 
 def test_bad_caller_kv_is_refused_by_name():
-    from dcp_jax.transfer import KVCacheSpec, KVSender
+    from dcp_jax.transfer import KVCacheSpec, KVReceiver, KVSender
 
     spec = KVCacheSpec(2, (16, 16), 4)
     ok = np.zeros((4, 4, 16), np.uint8)
@@ -228,8 +228,17 @@ def test_bad_caller_kv_is_refused_by_name():
         KVSender(spec, [np.zeros((4, 4, 32), np.uint8)[:, :, ::2], ok])
     with pytest.raises(TypeError, match="kv_layers must be a list"):
         KVSender(spec, ok)
-    with pytest.raises(TypeError, match="numpy, CuPy or JAX"):
-        KVSender(spec, [ok, "not an array"])
+    with pytest.raises(TypeError, match=r"kv_layers\[1\]: KV layers must be numpy, CuPy or JAX arrays, got list"):
+        KVSender(spec, [ok, ok.tolist()])
+    # A big-endian float16 layer is named "float16" too: its numbers would arrive as others.
+    f16 = KVCacheSpec(2, (16, 16), 4, dtype="float16")
+    half = np.zeros((4, 4, 8), np.float16)
+    with pytest.raises(TypeError, match=r"kv_layers\[0\] has dtype '>f2', not in this machine's byte order"):
+        KVSender(f16, [half.astype(">f2"), half])
+    with pytest.raises(TypeError, match=r"kv_layers\[1\] has dtype '>f2'"):
+        KVReceiver(f16, [half, half.astype(">f2")])
+    r = KVReceiver(f16, [half, np.zeros((4, 4, 8), ">u2")])  # an integer container: bytes as they are
+    r.close()
     with pytest.raises(ValueError, match="mode"):
         KVSender(spec, [ok, ok.copy()], mode="fast")
     with pytest.raises(ValueError, match="pack_bytes"):
