@@ -71,7 +71,8 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
         kv_layers: ``spec.num_layers`` arrays ``[num_pages, page_size, ...]`` (numpy, JAX or
             CuPy, one kind), registered once and held until `close`; never copied.
         engine: ``"nixl"``, ``"mooncake"``, ``"jax-transfer"`` or ``"auto"``.
-        host, port: where the control plane listens (port in [0, 65535]; 0: any free port); Mooncake listens
+        host, port: where the control plane listens and what it advertises (an address receivers
+            reach, not a wildcard such as "0.0.0.0"; port in [0, 65535]; 0: any free port); Mooncake listens
             on ``host`` too unless ``engine_options`` names a ``hostname`` (NIXL: UCX's
             interfaces come from ``UCX_NET_DEVICES``).
         mode: the transfer path for every decode rank: ``"packed"`` (gather each rank's rows
@@ -150,6 +151,9 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
             # address it advertises: receivers connect to it.
             raise ValueError(f"host={host!r} must be an address of this machine that receivers reach "
                              "(a str such as '127.0.0.1'): the control plane listens and is advertised there")
+        if host.strip("[]") in ("0.0.0.0", "::", "*"):  # a wildcard binds, but no receiver can dial it
+            raise ValueError(f"host={host!r} is a wildcard: the sender advertises its host to receivers "
+                             "(`address`), so give this machine's address that they reach (e.g. its IP)")
         self.spec, self.mode = spec, mode
         self.timeout_s = timeout_s  # checked (`CheckedSeconds`), here and on any later assignment
         self.peer_timeout_s = peer_timeout_s  # checked (`FixedSeconds`): set once, here

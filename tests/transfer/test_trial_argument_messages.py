@@ -162,6 +162,15 @@ def test_a_sender_needs_an_address_to_advertise(host):
         KVSender(_spec("mla"), layers, engine="nixl", host=host)
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]", "*"])
+def test_a_sender_refuses_a_wildcard_it_would_advertise(host):
+    # Before: host="0.0.0.0" was taken and advertised as tcp://0.0.0.0:PORT, which works on
+    # loopback only: a receiver on another host cannot dial it.
+    layers = [np.zeros((8, 4, il), np.uint8) for il in ITEMS]
+    with pytest.raises(ValueError, match=r"is a wildcard: the sender advertises its host"):
+        KVSender(_spec("mla"), layers, engine="nixl", host=host)
+
+
 @pytest.mark.parametrize("shape,dtype", [((2, 4, 16, 2, 16), np.uint16), ((1, 4, 16, 4, 16), np.uint16),
                                          ((2, 4, 16, 8, 8), np.uint8)])
 def test_a_per_head_cache_in_another_arrangement_of_heads_is_refused(shape, dtype):
