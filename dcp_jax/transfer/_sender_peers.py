@@ -236,7 +236,19 @@ class SenderPeers:
             except HandshakeError:  # a pairing no rank of the group was refused for: wait for all
                 needed = frozenset(range(conn.spec.group_size))
             req.group, req.needed = conn.group, needed
+        first = next(iter(req.targets.items()), None)
         req.targets[rank] = RankTarget(conn, msg["inc"], msg["num_tokens"], msg["prefix_tokens"], table)
+        if first is not None and (first[1].num_tokens, first[1].prefix_tokens) != (msg["num_tokens"], msg["prefix_tokens"]):
+            # One request has one length and one prefix hit in its whole group: a rank that says
+            # otherwise would wait for tokens never sent (or take rows past its pages), and the
+            # request would fail only at timeout_s as "tokens [a, b) have not landed".
+            (r0, t0) = first
+            self._end(req, TransferStatus.FAILED, (
+                f"the decode ranks announced request {rid!r} differently: rank {r0} num_tokens={t0.num_tokens} "
+                f"prefix_tokens={t0.prefix_tokens}, rank {rank} num_tokens={msg['num_tokens']} "
+                f"prefix_tokens={msg['prefix_tokens']} (one request has one length and prefix on every rank)"),
+                notify="failed")
+            return
         self._to_plan[req] = None
         req.state.touch()
         self._maybe_done(req)
