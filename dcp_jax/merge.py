@@ -134,7 +134,9 @@ def merge_states(out, lse, *, base: str = "e", lse_layout: str = "TH"):
       H = 0, D = 0 or T = 0 give empty results of those shapes.
 
     Raises:
-      ValueError: bad ``base`` / ``lse_layout``, wrong ranks or mismatched shapes, N = 0.
+      ValueError: bad ``base`` / ``lse_layout``, wrong ranks or mismatched shapes, N = 0; a
+        float64 host ``out`` or ``lse`` with finite values past float32's range while
+        ``jax_enable_x64`` is off (JAX would narrow them to inf: an empty shard).
       TypeError: non-floating inputs.
 
     Example:
@@ -168,7 +170,8 @@ def merge_state(out_a, lse_a, out_b, lse_b, *, base: str = "e", lse_layout: str 
     Raises:
       ValueError: ``out_a`` and ``out_b`` of different shapes or dtypes, ``lse_a`` and ``lse_b``
         of different shapes (their dtypes may differ: both are widened to the wider of them and
-        float32), bad ``base`` / ``lse_layout``.
+        float32), bad ``base`` / ``lse_layout``; float64 host inputs past float32's range
+        without ``jax_enable_x64`` (as `merge_states`).
       TypeError: non-floating inputs.
     """
     base = _check_base(base)

@@ -46,16 +46,38 @@ def _check_layout(lse_layout) -> str:
 
 
 def _as_float_array(x, name: str) -> jax.Array:
-    if isinstance(x, (jax.Array, np.ndarray)):
-        arr = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    if isinstance(x, jax.Array):
+        arr = x
+    elif isinstance(x, np.ndarray):
+        _check_fits_float32(x, name)
+        arr = jnp.asarray(x)
     else:
         try:
-            arr = jnp.asarray(x, dtype=jnp.float32)
+            host = np.asarray(x, dtype=np.float64)
         except (TypeError, ValueError) as e:
             raise TypeError(f"{name} must be an array of floats, got {type(x).__name__}") from e
+        _check_fits_float32(host, name)
+        arr = jnp.asarray(host, dtype=jnp.float32)
     if not jnp.issubdtype(arr.dtype, jnp.floating):
         raise TypeError(f"{name} must have a floating dtype, got {name}.dtype={arr.dtype}")
     return arr
+
+
+def _check_fits_float32(x: np.ndarray, name: str) -> None:
+    """Without ``jax_enable_x64`` JAX narrows float64 host input to float32: a finite value past
+    float32's range becomes inf, and an LSE of inf is an empty shard, silently dropped. Refused
+    instead (host arrays only: a traced or device array is already in JAX's dtype).
+
+    Raises:
+        ValueError: ``x`` (named ``name``) holds a finite value beyond float32's range.
+    """
+    if x.dtype.kind != "f" or x.dtype.itemsize <= 4 or jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype:
+        return
+    big = np.abs(np.where(np.isfinite(x), x, 0)) > np.finfo(np.float32).max
+    if big.any():
+        raise ValueError(f"{name} holds finite values beyond float32's range (e.g. {x[big].flat[0]:g}), "
+                         f"which JAX would narrow to inf (an empty shard): enable jax_enable_x64 to merge "
+                         f"in float64, or give values within float32")
 
 
 def _check_stacked(out, lse, lse_layout: str) -> tuple[jax.Array, jax.Array]:

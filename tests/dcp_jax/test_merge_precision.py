@@ -172,3 +172,22 @@ def test_propagate_nan_shares_the_rule(form):
         ok = ~want_nan
         np.testing.assert_allclose(o[ok], ref_o[ok], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(l[~poisoned], ref_l[~poisoned], rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("lse", [[[[1e39]], [[0.0]]], [[[-1e39]], [[-1e39]]]], ids=["+1e39", "-1e39"])
+@pytest.mark.parametrize("as_array", [True, False], ids=["ndarray", "list"])
+def test_float64_lse_past_float32_is_refused_without_x64(lse, as_array):
+    # Before: narrowed to +-inf, so 1e39 was an empty shard (out = the other shard's) and two
+    # -1e39 shards gave out = 0, lse = -inf; only numpy's overflow warning told.
+    out = np.random.default_rng().standard_normal((2, 1, 1, 4)).astype(np.float32)
+    arg = np.asarray(lse, np.float64) if as_array else lse
+    with pytest.raises(ValueError, match=r"^lse holds finite values beyond float32's range \(e.g. -?1e\+39\)"):
+        merge_states(out, arg)
+    with pytest.raises(ValueError, match=r"^lse_b holds finite values beyond float32's range"):
+        merge_state(out[0], np.zeros((1, 1)), out[1], arg[0])
+    with jax.enable_x64(True):  # float64 kept: the float64 oracle's lse (log 2 is below 1e39's ulp)
+        o, l = merge_states(out, np.asarray(lse, np.float64))
+        _, ref_l = merge_states_reference(out, np.asarray(lse, np.float64))
+        np.testing.assert_array_equal(np.asarray(l), ref_l)
+        if lse[0][0][0] > 0:  # the other shard's weight is exp(-1e39) = 0: out is shard 0's
+            np.testing.assert_allclose(np.asarray(o), out[0], rtol=1e-6)
