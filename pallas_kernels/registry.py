@@ -75,6 +75,12 @@ class PackBackend(abc.ABC):
         """Why this backend cannot take rows of `item_lens` bytes at byte `offset` (or None)."""
         return None
 
+    def warm(self, layers: Sequence, max_rows: int) -> list[int]:
+        """Compiles what packing up to `max_rows` rows of `layers` (u8[num_rows, item_len], of
+        one of `kinds`) compiles, writing nothing: a serving loop's warm-up. Returns the row
+        buckets compiled, ascending; [] where nothing is compiled ahead (this default)."""
+        return []
+
 
 #: Largest byte offset a backend that passes it to its kernel as int32 takes (`int32_offset`).
 MAX_INT32_OFFSET = 2**31 - 1

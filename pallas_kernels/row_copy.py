@@ -207,7 +207,7 @@ def compile_log() -> list[str]:
 
 def compile_count() -> int:
     """Row-copy kernels (gather, scatter, copy; Triton/interpret `pallas_call` or Mosaic GPU)
-    traced in this process.
+    and the ``xla`` pack backend's jitted gathers traced in this process.
 
     Each trace that builds a kernel adds one; a call that hits the jit cache adds nothing.
     After one warm-up call per row bucket, a serving loop should leave it unchanged: offsets,

@@ -34,7 +34,8 @@ class SenderWarmUp:
         Call it once the decode ranks have connected (the fused launch is compiled for the
         ranks connected now) and again after more connect. The compiles run on the caller's
         thread, not under the sender's lock: rounds, heartbeats and handshakes go on. Host
-        (numpy) KV compiles nothing; ``round_rows`` still bounds its rounds.
+        (numpy) KV compiles nothing (``round_rows`` still bounds its rounds), but for a named
+        ``pack_backend`` what its `PackBackend.warm` compiles (``"xla"``: its gather's buckets).
 
         Args:
             max_rows: the most token rows one window carries (an int >= 1; e.g. the serving

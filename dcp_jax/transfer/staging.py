@@ -213,9 +213,14 @@ class Packer:
     def warm_up(self, max_rows: int) -> list[int]:
         """Compiles the one-launch pack of `pack_windows` for every index bucket up to
         ``max_rows`` rows, writing nothing (`pallas_kernels.warm_pack_windows`); returns the
-        buckets ([] where nothing compiles: host rows, named backends)."""
+        buckets ([] where nothing compiles: host rows; a named backend compiles what its
+        `PackBackend.warm` does: the xla backend's gather buckets on numpy rows)."""
         if self.backend != "auto":
-            return []
+            if self._through_jax:
+                return []  # a fresh JAX pack per call: compiled per row count
+            from pallas_kernels import get_backend
+
+            return get_backend(self.backend).warm(self.rows, max_rows)
         from pallas_kernels import warm_pack_windows
 
         if self.staged and self._scratch is None:

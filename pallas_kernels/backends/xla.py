@@ -1,9 +1,11 @@
-"""The ``xla`` pack backend: `jnp.take` per layer + one `dynamic_update_slice`, any platform.
+"""The ``xla`` pack backend: `jnp.take` per layer, any platform.
 
 Runs wherever JAX runs (CPU, TPU, CUDA, ROCm): no kernel, so no alignment rule (any byte
-offset). The offset is traced; the row count is a shape, so each distinct n compiles once
-(callers that want fewer compiles bucket their requests). numpy inputs are imported, gathered
-by XLA on the CPU and the region copied back into the numpy pack.
+offset). numpy inputs are imported, gathered by XLA on the CPU with the row count padded to
+`bucket_rows` (a power of 2: few shapes compile, as the kernel backends), and only the region's
+bytes copied into the numpy pack: the pack itself never goes through JAX, so a call costs what
+its rows do, not what the pack buffer holds. JAX inputs get a new pack (`dynamic_update_slice`
+at a traced offset); there the row count is a shape, so each distinct n compiles once.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.config import bucket_rows, buckets_up_to
 from pallas_kernels.registry import PackBackend, int32_offset, register_backend
+from pallas_kernels.row_copy import count_kernel_trace
 
 
 def _rows_as_words(a):
@@ -26,11 +30,23 @@ def _rows_as_words(a):
     return a
 
 
+def _take_rows(a, idx):
+    # Indices are range-checked by the registry before the call, so "clip" never clips.
+    return jax.lax.bitcast_convert_type(jnp.take(_rows_as_words(a), idx, axis=0, mode="clip"),
+                                        jnp.uint8).reshape(idx.shape[0], -1)
+
+
+@jax.jit
+def _gather_xla(layers, idx):
+    """[u8[m, W_l]] the rows ``idx`` (i32[m]) of every layer."""
+    count_kernel_trace(f"xla gather ({idx.shape[0]} rows, {len(layers)} layers)")
+    return [_take_rows(a, idx) for a in layers]
+
+
 @jax.jit
 def _pack_xla(layers, idx, pack, offset):
-    # Indices are range-checked by the registry before the call, so "clip" never clips.
-    parts = [jax.lax.bitcast_convert_type(jnp.take(_rows_as_words(a), idx, axis=0, mode="clip"), jnp.uint8)
-             .reshape(-1) for a in layers]
+    count_kernel_trace(f"xla pack ({idx.shape[0]} rows, {len(layers)} layers, pack of {pack.shape[0]} B)")
+    parts = [_take_rows(a, idx).reshape(-1) for a in layers]
     return jax.lax.dynamic_update_slice(pack, jnp.concatenate(parts), (offset,))
 
 
@@ -45,12 +61,27 @@ class XlaBackend(PackBackend):
         n = int(idx.size)
         if n == 0:
             return pack
-        out = _pack_xla([jnp.asarray(a) for a in layers], jnp.asarray(idx.astype(np.int32)),
-                        jnp.asarray(pack), np.int32(offset))
         if kind == "numpy":
-            total = n * sum(int(a.shape[1]) for a in layers)
-            pack[offset:offset + total] = np.asarray(out[offset:offset + total])
+            padded = np.zeros(bucket_rows(n), np.int32)  # row 0 repeated: read, never written out
+            padded[:n] = idx
+            parts = _gather_xla([jnp.asarray(a) for a in layers], jnp.asarray(padded))
+            at = offset
+            for a, part in zip(layers, parts):
+                w = int(a.shape[1])
+                pack[at:at + n * w] = np.asarray(part)[:n].reshape(-1)
+                at += n * w
             return pack
+        return _pack_xla(layers, jnp.asarray(idx.astype(np.int32)), pack, np.int32(offset))
+
+    def warm(self, layers, max_rows):
+        """numpy layers: the padded gather for every `bucket_rows` bucket up to `max_rows`. JAX
+        layers compile per row count (and pack size): nothing ahead."""
+        if not layers or not isinstance(layers[0], np.ndarray):
+            return []
+        out = buckets_up_to(max(1, int(max_rows)))
+        views = [jnp.asarray(a) for a in layers]
+        for m in out:
+            jax.block_until_ready(_gather_xla(views, jnp.zeros(m, jnp.int32)))
         return out
 
 

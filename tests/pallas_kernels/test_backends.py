@@ -194,6 +194,25 @@ def test_tpu_rows_compile_once_per_bucket():
     assert tpu._pack_rows_jit._cache_size() == before
 
 
+def test_xla_numpy_packs_compile_once_per_bucket_and_leave_the_rest_of_the_pack():
+    # Before: every distinct n compiled (75, 76, ... rows: ~0.15 s each inside a request, not
+    # counted by compile_count), and each call copied the whole pack buffer through JAX and
+    # back (0.5 s a call for a 256 MiB pack, whatever the rows).
+    from pallas_kernels import compile_count
+    from pallas_kernels.backends import xla
+
+    layers, _, _, _, _ = _case("mla-1152")
+    rng = np.random.default_rng()
+    assert xla.XlaBackend().warm(layers, 128) == [32, 64, 128]
+    before = compile_count()
+    pack = np.full(1 << 22, SENTINEL, np.uint8)
+    for n, offset in ((75, 3), (76, 1000), (128, 77), (65, 0)):  # all in the 128-row bucket
+        idx = rng.integers(0, layers[0].shape[0], n)
+        want = reference_region(layers, idx, pack, offset=offset)  # the untouched rest too
+        np.testing.assert_array_equal(pack_region(layers, idx, pack, offset=offset, backend="xla"), want)
+    assert compile_count() == before
+
+
 @pytest.mark.parametrize("backend", ["host", "xla", "tpu-interpret"])
 def test_a_numpy_uint64_offset_near_2_64_is_refused_as_an_overflow_on_every_backend(backend):
     # Before (fresh-user trial): the raw np.uint64 reached the fit check's sum (a numpy overflow

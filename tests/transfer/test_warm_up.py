@@ -143,3 +143,19 @@ def _pack_launches(c, rows):
     assert c.wait("a") == [S.SUCCESS] * (n + 1), c.reasons("a")
     assert c.check_bytes(src, dst, n * rows) == n * rows
     return sizes
+
+
+def test_a_named_xla_backend_warms_its_buckets_and_a_request_compiles_nothing(engine):
+    # Before: warm_up returned [] for any named pack_backend, and the xla backend compiled each
+    # new window size inside the request, uncounted by stats["kernel_compiles"].
+    c = Cluster(engine, dcp_size=2, mode="packed", pages=128, pack_backend="xla")
+    try:
+        assert wait_for(lambda: len(c.sender._conns) == 2)
+        got = c.sender.warm_up(100)
+        assert got["pack"] and got["pack"][-1] >= 2 * 100, got
+        before = c.sender.stats["kernel_compiles"]
+        for k, n in enumerate((150, 151, 200)):  # 75, 76 and 100 rows a rank
+            c.round_trip(f"r{k}", n)
+        assert c.sender.stats["kernel_compiles"] == before
+    finally:
+        c.close()
