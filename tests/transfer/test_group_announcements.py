@@ -34,10 +34,6 @@ def test_ranks_that_announce_one_request_differently_fail_it_at_once(engine, len
         for r in c.receivers:
             assert r.poll("a") is S.FAILED and "differently" in r.failure_reason("a"), r.failure_reason("a")
         # The group serves on: a request announced alike lands byte-exact.
-        src, dst = c.tables(20)
-        c.expect("b", dst, 20)
-        c.sender.send("b", src, 0, 20)
-        assert c.wait("b") == [S.SUCCESS] * 4, c.reasons("b")
-        assert c.check_bytes(src, dst, 20) == 20
+        c.round_trip("b", 20)
     finally:
         c.close()
