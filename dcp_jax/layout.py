@@ -349,7 +349,9 @@ def count_np(start, length, dcp_size: int, dcp_rank, interleave_size: int = 1) -
     n, i = _np_layout_args(dcp_size, interleave_size)
     start = _as_np_positions("start", start)
     length = _as_np_positions("length", length)
-    if start.size and length.size and int(start.max()) + int(length.max()) > np.iinfo(np.int64).max:
+    # element by element (broadcast as the formula does): the largest start and the largest
+    # length may belong to different positions
+    if start.size and length.size and np.any(length > np.iinfo(np.int64).max - start):
         raise ValueError("start + length passes int64 (use count_int for positions this large)")
     return _count(np, start, length, n, _np_rank(n, i, dcp_rank), i)
 

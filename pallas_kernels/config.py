@@ -180,7 +180,7 @@ def bucket_rows(n: int, block_rows: int = DEFAULT_BLOCK_ROWS) -> int:
     if isinstance(block_rows, bool) or not isinstance(block_rows, (int, np.integer)) or block_rows < 1 \
             or block_rows & (block_rows - 1):
         raise ValueError(f"{block_rows=} must be a power of 2 >= 1 (rows per program)")
-    return max(block_rows, 1 << max(0, (n - 1).bit_length()))
+    return max(block_rows, 1 << (max(n, 1) - 1).bit_length())
 
 
 def buckets_up_to(n: int, block_rows: int = DEFAULT_BLOCK_ROWS) -> list[int]:

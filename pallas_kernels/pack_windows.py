@@ -12,7 +12,7 @@ import numpy as np
 from pallas_kernels import device
 from pallas_kernels.config import BACKENDS, GatherConfig, buckets_up_to, select_backend
 from pallas_kernels.host import _region_units, _run_units, check_threads, host_threads
-from pallas_kernels._buffer_args import check_indices, check_range, check_word_offset
+from pallas_kernels._buffer_args import check_bool, check_indices, check_range, check_word_offset
 from pallas_kernels.pack import (
     _cached_device_views,
     _offset_align,
@@ -65,6 +65,7 @@ def pack_windows(layers, windows, pack, *, backend: str = "auto",
     source, key, entry, layers, on_device = _resolve(layers, pack, config)
     item_lens, num_rows, word = entry.item_lens, entry.num_rows, entry.word
     check_threads(threads)
+    check_bool(sync, "sync")
     if backend not in ("numpy",) + BACKENDS:
         raise ValueError(f"{backend=} must be one of {('numpy',) + BACKENDS}")
     if backend == "auto":

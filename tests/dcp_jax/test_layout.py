@@ -138,6 +138,7 @@ def test_section2_invariants(n, i, length, start):
         # each fits int32, their sum (the range end) does not: it used to wrap to a negative count
         (lambda: count(2**31 - 10, 100, 2, 0), "start \\+ length = 2147483738"),
         (lambda: count([5, 2**31 - 1], [1, 1], 2, 0), "start \\+ length"),
+        (lambda: count_np([2**62, 0], [2**62, 1], 2, 0), "start \\+ length passes int64"),
         (lambda: owner([3], 65536, 65536), "dcp_size \\* interleave_size"),
         (lambda: local_len(3, 65536, 0, 65536), "does not fit int32"),
     ],
@@ -145,6 +146,12 @@ def test_section2_invariants(n, i, length, start):
 def test_bad_arguments_raise_value_error_naming_them(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+def test_count_np_checks_each_range_end_not_the_largest_start_plus_the_largest_length():
+    # Before: max(start) + max(length) > int64 refused these; each range end fits.
+    got = count_np([2**62, 0], [0, 2**62 + 5], 2, 0)
+    assert got.tolist() == [0, 2**61 + 3]  # rank 0 of 2 owns the even tokens of [0, 2**62 + 5)
 
 
 def test_bad_types_raise_type_error():

@@ -186,6 +186,7 @@ def test_helpers():
     assert word_dtype([2]) == np.uint16
     assert bucket_rows(0) == 32 and bucket_rows(33) == 64 and bucket_rows(4096) == 4096
     assert bucket_rows(5, 16) == 16
+    assert bucket_rows(0, 1) == bucket_rows(1, 1) == 1  # was 2: (0 - 1).bit_length() is 1
     assert pow2_chunks(288) == ((0, 256), (256, 32))
     assert pow2_chunks(5) == ((0, 4), (4, 1))
     assert sum(s for _, s in pow2_chunks(1153)) == 1153

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bridge.buffers import HostBuffer
-from pallas_kernels import GatherConfig, pack_rows, word_dtype
+from pallas_kernels import GatherConfig, pack_rows, pack_windows, word_dtype
 
 SENTINEL = 0xA5
 
@@ -240,5 +240,7 @@ def test_sync_must_be_a_bool_and_nothing_is_written(sync):
     pack = np.full(32, 0xA5, np.uint8)
     with pytest.raises(TypeError, match="sync must be a bool"):
         pack_rows(layers, [1, 2], pack, sync=sync)
+    with pytest.raises(TypeError, match="sync must be a bool"):  # pack_windows took any value
+        pack_windows(layers, [([1, 2], 0)], pack, sync=sync)
     assert (pack == 0xA5).all()
     assert pack_rows(layers, [1, 2], pack, sync=np.bool_(False)) == 16 and (pack[:16] == layers[0][1:3].ravel()).all()
