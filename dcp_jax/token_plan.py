@@ -40,6 +40,10 @@ class TokenTransferPlan:
         dst_rank: decode DCP rank the rows go to.
 
     The arrays are made read-only; ``runs`` and ``packed_runs`` are computed once and cached.
+
+    Raises:
+        TypeError: non-integer indices; ValueError: indices not 1-D, of different lengths, or
+            negative (naming the array and the entry), or a negative rank.
     """
 
     src_token_indices: np.ndarray
@@ -54,6 +58,10 @@ class TokenTransferPlan:
             raise ValueError(
                 f"src_token_indices and dst_token_indices must have equal length, got {src.shape} and {dst.shape}"
             )
+        for name, arr in (("src_token_indices", src), ("dst_token_indices", dst)):
+            if arr.size and arr.min() < 0:  # rows index KV buffers: caught here, not at first use
+                bad = int(np.flatnonzero(arr < 0)[0])
+                raise ValueError(f"{name} must hold rows >= 0, got {name}[{bad}]={int(arr[bad])}")
         src = np.array(src, dtype=np.int64)  # own copy, so freezing it cannot freeze the caller's
         dst = np.array(dst, dtype=np.int64)
         src.setflags(write=False)

@@ -255,6 +255,8 @@ def _check(layers, indices, pack, offset):
         idx = cp.asnumpy(indices) if _kind_or_none(indices) == "cupy" else np.asarray(indices)
     else:
         idx = np.asarray(indices)
+    if idx.ndim == 0:  # a str, None or one int: not a list of rows (TypeError, as pack_rows)
+        raise TypeError(f"indices must be a sequence or 1-D array of ints, got {type(indices).__name__}")
     if idx.ndim != 1:
         raise ValueError(f"indices must be 1-D, got shape {idx.shape}")
     if idx.size == 0:
@@ -262,6 +264,8 @@ def _check(layers, indices, pack, offset):
     if not np.issubdtype(idx.dtype, np.integer):
         raise TypeError(f"indices dtype {idx.dtype} must be an integer type")
     item_lens = tuple(int(a.shape[1]) for a in layers)
+    if 0 in item_lens:  # refused by the kernel backends' configs; xla and host alike here
+        raise ValueError(f"layers[{item_lens.index(0)}] has rows of 0 bytes: every layer needs kv_item_len >= 1")
     num_rows = min(int(a.shape[0]) for a in layers)
     if idx.size and (idx.min() < 0 or idx.max() >= num_rows):
         raise ValueError(f"indices must be in [0, num_rows={num_rows}), got "

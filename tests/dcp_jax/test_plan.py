@@ -327,6 +327,11 @@ def test_plan_object_is_frozen_and_readonly():
     assert repr(plan) == "TokenTransferPlan(src_rank=1, dst_rank=2, rows=3, runs=2, packed_runs=1)"
     with pytest.raises(ValueError, match="equal length"):
         TokenTransferPlan([1, 2], [3])
+    # Before: taken, and repr() or num_descriptors() raised later naming "src_indices".
+    with pytest.raises(ValueError, match=r"^src_token_indices must hold rows >= 0, got src_token_indices\[1\]=-1"):
+        TokenTransferPlan([0, -1], [2, 3])
+    with pytest.raises(ValueError, match=r"^dst_token_indices must hold rows >= 0"):
+        TokenTransferPlan([0, 1], [-2, 3])
 
 
 def test_split_windows():
