@@ -304,7 +304,8 @@ def dcp_mla_decode_emulated(q_latent, q_rope, kv_cache, page_table, kv_lens, *,
 
     Same numbers without a mesh: for single-GPU tests and benchmarks of the N-rank layout.
     Args, Returns, Raises and the host checks of concrete ``page_table`` / ``kv_lens`` as
-    :func:`dcp_mla_decode` (no mesh; N = ``kv_cache.shape[0]``, output replicated).
+    :func:`dcp_mla_decode` (no mesh; N = ``kv_cache.shape[0]``, output replicated), but for
+    the heads: the emulation splits none over the ranks, so H need not be a multiple of N.
     """
     q_latent, q_rope, kv_cache, page_table, kv_lens = _check_mla(q_latent, q_rope, kv_cache,
                                                                  page_table, kv_lens,
@@ -315,7 +316,8 @@ def dcp_mla_decode_emulated(q_latent, q_rope, kv_cache, page_table, kv_lens, *,
 
 def dcp_gqa_decode_emulated(q, k_cache, v_cache, page_table, kv_lens, *, softmax_scale: float,
                             interleave_size: int = 1):
-    """:func:`dcp_gqa_decode` with all N ranks on one device. Args, checks as :func:`dcp_gqa_decode`."""
+    """:func:`dcp_gqa_decode` with all N ranks on one device. Args, checks as :func:`dcp_gqa_decode`,
+    but for the heads: none are split over the ranks, so H need not be a multiple of N."""
     q, k_cache, v_cache, page_table, kv_lens = _check_gqa(q, k_cache, v_cache, page_table, kv_lens,
                                                           interleave_size)
     return _emulated("gqa", (q,), (k_cache, v_cache), page_table, kv_lens, interleave_size,

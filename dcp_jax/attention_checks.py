@@ -137,6 +137,11 @@ def _check_scale(softmax_scale) -> float:
         value = float(arr)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"softmax_scale must be positive and finite, got softmax_scale={value}")
+    f32 = float(np.float32(value)) if value <= float(np.finfo(np.float32).max) else math.inf
+    if not (math.isfinite(f32) and f32 > 0):  # the scores are float32: 1e308 made them all NaN
+        raise ValueError(f"softmax_scale={value} is past float32's range (it scales float32 scores): "
+                         f"give a value in [{np.finfo(np.float32).smallest_subnormal:g}, "
+                         f"{np.finfo(np.float32).max:g}]")
     return value
 
 

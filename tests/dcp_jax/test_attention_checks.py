@@ -186,6 +186,7 @@ def test_softmax_scale_accepts_any_real_scalar(form):
     (np.array([0.5, 0.5]), ValueError), (np.array([0.5]), ValueError), (0.0, ValueError),
     (-0.25, ValueError), (np.float32(-1), ValueError), (float("nan"), ValueError),
     (np.float32("inf"), ValueError), (np.asarray(np.nan), ValueError), (None, TypeError),
+    (1e308, ValueError), (1e-50, ValueError),  # past float32: all-NaN (or all-equal) scores before
 ], ids=repr)
 def test_softmax_scale_refused(form, bad, exc):
     call, _ = _scale_case(form, 801)
