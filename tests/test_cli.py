@@ -62,7 +62,7 @@ def test_corrupted_byte_exits_nonzero(tmp_path):
         (["--engine", "rdma"], "engine='rdma'"),
         (["--chunk-tokens", "100"], "chunk_tokens=100"),
         (["--prefix-tokens", "64"], "prefix_tokens=64"),
-        (["--dcp-size", "100"], "dcp_size=100 must be <= 64"),
+        (["--dcp-size", "100"], "dcp_size=100 (--dcp-size) must be <= 64"),
         (["--round-rows", "0"], "round_rows=0 (--round-rows) must be an int >= 1"),
         (["--timeout-s", "3000000"], "timeout_s=3000000.0 (--timeout-s) must be in (0, 86400]"),
         (["--timeout-s", "0"], "timeout_s=0.0 (--timeout-s) must be in (0, 86400]"),

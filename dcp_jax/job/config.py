@@ -175,8 +175,8 @@ class JobConfig:
                 raise ValueError(f"{name}={v!r}{flag} must be an int >= 1")
         for name in ("dcp_size", "prefill_dcp_size"):  # one process per rank
             if getattr(self, name) > MAX_RANKS:
-                raise ValueError(f"{name}={getattr(self, name)} must be <= {MAX_RANKS} "
-                                 "(the job starts one process per rank)")
+                raise ValueError(f"{name}={getattr(self, name)} (--{name.replace('_', '-')}) must be <= "
+                                 f"{MAX_RANKS} (the job starts one process per rank)")
         if self.prompt_tokens > MAX_PROMPT_TOKENS:  # before any plan or buffer is sized by it
             raise ValueError(f"prompt_tokens={self.prompt_tokens:,} (--prompt-tokens) must be <= "
                              f"{MAX_PROMPT_TOKENS:,}: plans and buffers are sized by it")
@@ -190,7 +190,7 @@ class JobConfig:
         align = math.lcm(p * n, i * n)
         if self.prefix_tokens % align:
             raise ValueError(
-                f"prefix_tokens={self.prefix_tokens} must be a multiple of {align} "
+                f"prefix_tokens={self.prefix_tokens} (--prefix-tokens) must be a multiple of {align} "
                 f"(lcm(page_size*dcp_size, interleave_size*dcp_size))")
         if self.prefill_page_size is not None and (not _is_int(self.prefill_page_size) or self.prefill_page_size < 1):
             raise ValueError(f"prefill_page_size={self.prefill_page_size!r} (--prefill-page-size) must be an int >= 1")
@@ -206,7 +206,7 @@ class JobConfig:
             if self.chunk_tokens % p:
                 raise ValueError(f"chunk_tokens={self.chunk_tokens} (--chunk-tokens) must be a multiple of page_size={p}")
             if self.chunk_tokens % self.src_page_size:
-                raise ValueError(f"chunk_tokens={self.chunk_tokens} must be a multiple of "
+                raise ValueError(f"chunk_tokens={self.chunk_tokens} (--chunk-tokens) must be a multiple of "
                                  f"prefill_page_size={self.src_page_size}")
         if not self.modes or any(md not in PATHS for md in self.modes) or len(set(self.modes)) != len(self.modes):
             raise ValueError(f"modes={self.modes!r} (--path) must be distinct names of {PATHS}")
