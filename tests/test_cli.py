@@ -366,3 +366,4 @@ def test_round_rows_splits_a_chunk_into_launches_and_stays_byte_exact(tmp_path):
     data = json.loads(out.read_text())
     assert data["config"]["round_rows"] == 64 and data["config"]["dcp_size"] == 4 and data["verified"] is True
     assert [r["verified"] for r in data["runs"]] == [True, True]
+    assert [r["launches"] for r in data["runs"]] == [4, 4]  # a window a round (1 by default)

@@ -41,7 +41,7 @@ def _median_run(reports: list[dict]) -> dict:
     run["repeats"] = [dict(request_seconds=r["request_seconds"], transfer_seconds=r["transfer_seconds"],
                            total_seconds=r["total_seconds"],
                            whole_gbps=r["bytes"] / 1e9 / r["request_seconds"] if r["request_seconds"] > 0 else math.nan,
-                           verified=r["verified"], timeline_ms=r.get("timeline_ms", {}),
+                           verified=r["verified"], launches=r.get("launches", 0), timeline_ms=r.get("timeline_ms", {}),
                            kernel_traces=r.get("kernel_traces", 0), trace_log=r.get("trace_log", [])) for r in reports]
     run["verified"] = ok and all(r["verified"] for r in reports)
     return run
@@ -100,6 +100,8 @@ def _report(cfg: JobConfig, mode: str, engine: str | None, n: int, stats: dict, 
         or cfg.pack_backend, stage_seconds=slowest("stage_seconds"),
         # kernels traced (so compiled) by the senders inside this request: its time includes them
         kernel_traces=sum(s.get("kernel_traces", 0) for s in good.values()),
+        # pack calls / fused launches of the busiest prefill sender (`request_stats`: the rounds)
+        launches=max((s.get("launches", 0) for s in good.values()), default=0),
         trace_log=[t for s in good.values() for t in s.get("trace_log") or []],
         unstage_seconds=max((x.get("unstage_seconds") or 0.0 for x in rank_rows), default=0.0),
         unpack_seconds=max((x.get("unpack_seconds") or 0.0 for x in rank_rows), default=0.0),

@@ -198,7 +198,7 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection, gpu_env: dict | No
                                 plan_seconds=st["plan_seconds"], pack_seconds=st["pack_seconds"],
                                 transfer_seconds=st["transfer_seconds"], ranks=st["ranks"],
                                 first_byte_at=st["first_byte_at"], copy_seconds=st["copy_seconds"],
-                                timeline=st["timeline"],
+                                launches=st["launches"], timeline=st["timeline"],
                                 staging="staged" if sender.staged else "direct", pack_backend=st["pack_backend"],
                                 stage_seconds=st["stage_seconds"],
                                 kernel_traces=traced, trace_log=compile_log()[-traced:] if traced else [],

@@ -249,6 +249,8 @@ class SenderRegion:
                 written.append(links[0].copier)  # one kernel wrote them all: the first link's output
                 for u, _, _ in batch:  # enqueued, not finished: the timeline tells launch from wait
                     u.req.timeline.mark("launched", u.target.conn.spec.group_rank)
+                for req in dict.fromkeys(u.req for u, _, _ in batch):
+                    req.launches += 1
             except Exception:  # noqa: BLE001 - find the window that fails; the others go out
                 logger.warning("fused copy: one launch for %d windows failed; copying window by window",
                                len(batch), exc_info=True)

@@ -22,7 +22,9 @@ class SenderStats:
         lowercase string: ``"success"``; `poll` and `wait` give the enum), per-rank ``path`` (the connection's transfer path, as in
         `peers`: "none" for a TP pair sharing no KV head),
         rows/descriptors/bytes/batches/engine calls and strategies, plan/pack/copy (fused kernel)
-        seconds, ``transfer_seconds`` (first submit to this side's completion) and
+        seconds, ``launches`` (the pack calls, one a round on a device and one a window for a
+        named ``pack_backend``, and fused fan-out launches that carried its windows: the
+        rounds it took, `warm_up`'s ``round_rows``), ``transfer_seconds`` (first submit to this side's completion) and
         ``first_byte_at`` (`time.monotonic()` when the first byte was packed, or sent on the
         unpacked paths: a clock every process of the host shares, for whole-request timings),
         ``pack_backend`` (registry name), ``stage_seconds`` (device -> host staging copies, part
@@ -36,7 +38,7 @@ class SenderStats:
             mine = "staged" if self.staged else "direct"
             return dict(status=req.status.value, reason=req.state.reason, inflight=req.inflight,
                         plan_seconds=req.plan_seconds, pack_seconds=req.pack_seconds,
-                        copy_seconds=req.copy_seconds, first_byte_at=req.first_byte_at,
+                        copy_seconds=req.copy_seconds, launches=req.launches, first_byte_at=req.first_byte_at,
                         transfer_seconds=(t1 - t0) if t0 is not None and t1 is not None else None,
                         pack_backend=self.pack_backend, stage_seconds=req.stage_seconds,
                         timeline=req.timeline.as_list(), timeline_dropped=req.timeline.dropped,

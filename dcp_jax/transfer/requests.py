@@ -198,6 +198,7 @@ class SendRequest:
         self.pack_seconds = 0.0
         self.stage_seconds = 0.0  # staged sender: device -> host copies (part of pack_seconds)
         self.copy_seconds = 0.0           # fused path: copy kernels, waited for
+        self.launches = 0  # pack calls / fused fan-out launches that carried its windows
         self.t_first_submit: float | None = None
         self.first_byte_at: float | None = None  # time.monotonic() of the first pack or submit
         self.timeline = Timeline()

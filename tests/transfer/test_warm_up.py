@@ -142,6 +142,7 @@ def _pack_launches(c, rows):
     c.sender.send("a", src, 0, n * rows)
     assert c.wait("a") == [S.SUCCESS] * (n + 1), c.reasons("a")
     assert c.check_bytes(src, dst, n * rows) == n * rows
+    assert c.sender.request_stats("a")["launches"] == len(sizes)  # the rounds, as stats say
     return sizes
 
 
