@@ -41,8 +41,8 @@ for name, d in runs.items():
         tl = {k: v[:2] for k, v in (r.get("timeline_ms") or {}).items()}
         print(f"{name}: {r['mode']} whole {gb / r['request_seconds']:.1f} GB/s "
               f"({r['request_seconds'] * 1e3:.3f} ms) transfer {gb / r['transfer_seconds']:.1f} GB/s "
-              f"verified={r['verified']} {tl}")
+              f"launches={r.get('launches')} verified={r['verified']} {tl}")
         for q in r.get("repeats", []):
             print(f"   request: whole {gb / q['request_seconds']:.1f} GB/s ({q['request_seconds'] * 1e3:.3f} ms) "
-                  f"verified={q['verified']}")
+                  f"launches={q.get('launches')} verified={q['verified']}")
 PY
