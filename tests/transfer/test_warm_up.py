@@ -57,13 +57,16 @@ def test_rounds_stay_within_the_warmed_bucket(engine):
         c.close()
 
 
-@pytest.mark.parametrize("round_rows, asked_rows, launches", [
+# (round_rows, bucket warm_up asks for, windows of each pack launch) for 4 ranks of 100 rows
+ROUNDS = [
     (None, 512, [4]),  # a window of max_rows to each of the 4 ranks: 4 x 128, one launch
     (256, 256, [2, 2]),  # two windows a launch
     (300, 512, [2, 2]),  # the bucket compiled is 512, the round still stops at 300 rows
     (10, 128, [1, 1, 1, 1]),  # at least one window a launch, and that window's bucket compiled
-])
-def test_warm_up_covers_a_round_of_one_window_per_rank(engine, monkeypatch, round_rows, asked_rows, launches):
+]
+
+
+def test_warm_up_covers_a_round_of_one_window_per_rank(engine, monkeypatch):
     # A device compiles every bucket up to what warm_up asks; the host gather compiles none, so
     # stand in for the compile and check the sender's side: by default the buckets reach one
     # window of max_rows to EACH rank, and such a chunk then goes out in one pack launch (a cap
@@ -74,53 +77,45 @@ def test_warm_up_covers_a_round_of_one_window_per_rank(engine, monkeypatch, roun
         asked.append(max_rows)
         return buckets_up_to(max_rows, 64)
 
-    monkeypatch.setattr(pallas_kernels, "warm_pack_windows", compiled)
     n, rows = 4, 100  # 100 rows to each rank: 128 index rows each in blocks of 64
-    c = Cluster(engine, dcp_size=n, mode="packed", pages=128)
+    c = Cluster(engine, dcp_size=n, mode="packed", pages=512)  # 5 requests of 100 pages
     try:
         assert c.sender._index_block == 64
         assert wait_for(lambda: len(c.sender._conns) == n)
-        got = c.sender.warm_up(rows, round_rows=round_rows)
-        assert asked == [asked_rows] and got["pack"][-1] == asked_rows
-        assert _pack_launches(c, rows) == launches
+        assert c.sender.warm_up(rows, round_rows=256) == {"pack": [], "fused": []}  # host KV
+        assert _pack_launches(c, "host", rows) == [2, 2]  # round_rows bounds host rounds too
+        monkeypatch.setattr(pallas_kernels, "warm_pack_windows", compiled)
+        for k, (round_rows, asked_rows, launches) in enumerate(ROUNDS):
+            got = c.sender.warm_up(rows, round_rows=round_rows)
+            assert asked[k:] == [asked_rows] and got["pack"][-1] == asked_rows, (round_rows, asked)
+            assert _pack_launches(c, f"r{k}", rows) == launches, round_rows
     finally:
         c.close()
 
 
-def test_round_rows_bounds_host_rounds_too(engine):
-    # Host KV compiles nothing, and round_rows still splits a chunk's windows into launches.
-    n, rows = 4, 100
-    c = Cluster(engine, dcp_size=n, mode="packed", pages=128)
+def test_warm_up_refuses_bad_sizes():
+    # The checks come before any engine work: one engine is enough.
+    c = Cluster("nixl", dcp_size=1, mode="packed", connect=False)
     try:
-        assert wait_for(lambda: len(c.sender._conns) == n)
-        assert c.sender.warm_up(rows, round_rows=256) == {"pack": [], "fused": []}
-        assert _pack_launches(c, rows) == [2, 2]
+        for kw, exc, text in [
+            (dict(round_rows=0), ValueError, "round_rows=0 must be an int >= 1"),
+            (dict(round_rows=2.0), TypeError, "round_rows must be an int"),
+            (dict(round_rows=True), TypeError, "round_rows must be an int"),
+            (dict(max_rows=-1), ValueError, "max_rows=-1 must be an int >= 1"),
+        ]:
+            with pytest.raises(exc, match=text):
+                c.sender.warm_up(**kw)
     finally:
         c.close()
 
 
-@pytest.mark.parametrize("kw, exc, text", [
-    (dict(round_rows=0), ValueError, "round_rows=0 must be an int >= 1"),
-    (dict(round_rows=2.0), TypeError, "round_rows must be an int"),
-    (dict(round_rows=True), TypeError, "round_rows must be an int"),
-    (dict(max_rows=-1), ValueError, "max_rows=-1 must be an int >= 1"),
-])
-def test_warm_up_refuses_bad_sizes(engine, kw, exc, text):
-    c = Cluster(engine, dcp_size=1, mode="packed", connect=False)
-    try:
-        with pytest.raises(exc, match=text):
-            c.sender.warm_up(**kw)
-    finally:
-        c.close()
-
-
-def test_warm_up_asks_no_more_than_the_pack_buffer_holds(engine, monkeypatch):
+def test_warm_up_asks_no_more_than_the_pack_buffer_holds(monkeypatch):
     # max_rows=None: a window as large as the pack buffer; the round's windows share it, so the
     # ask is the buffer's rows plus a row block per rank, not dcp_size buffers.
     asked = []
     monkeypatch.setattr(pallas_kernels, "warm_pack_windows",
                         lambda source, pack, max_rows, **kw: asked.append(max_rows) or [])
-    c = Cluster(engine, dcp_size=4, mode="packed", pages=32, pack_bytes=200 * 64)  # 200 rows of 64 B
+    c = Cluster("nixl", dcp_size=4, mode="packed", pages=32, pack_bytes=200 * 64)  # 200 rows of 64 B
     try:
         assert wait_for(lambda: len(c.sender._conns) == 4)
         assert c.sender.warm_up() == {"pack": [], "fused": []}
@@ -130,19 +125,22 @@ def test_warm_up_asks_no_more_than_the_pack_buffer_holds(engine, monkeypatch):
         c.close()
 
 
-def _pack_launches(c, rows):
+def _pack_launches(c, rid, rows):
     """Sends one request of ``rows`` rows to each rank, once every rank announced it (so its
     windows are queued together), byte-exact; returns the windows of each pack launch."""
     n, sizes = c.dcp_size, []
     real = c.sender._packer.pack_windows
     c.sender._packer.pack_windows = lambda windows, **kw: (sizes.append(len(windows)), real(windows, **kw))[1]
-    src, dst = c.tables(n * rows)
-    c.expect("a", dst, n * rows)
-    assert wait_for(lambda: announced(c.sender, "a") == set(range(n)))
-    c.sender.send("a", src, 0, n * rows)
-    assert c.wait("a") == [S.SUCCESS] * (n + 1), c.reasons("a")
-    assert c.check_bytes(src, dst, n * rows) == n * rows
-    assert c.sender.request_stats("a")["launches"] == len(sizes)  # the rounds, as stats say
+    try:
+        src, dst = c.tables(n * rows)
+        c.expect(rid, dst, n * rows)
+        assert wait_for(lambda: announced(c.sender, rid) == set(range(n)))
+        c.sender.send(rid, src, 0, n * rows)
+        assert c.wait(rid) == [S.SUCCESS] * (n + 1), c.reasons(rid)
+        assert c.check_bytes(src, dst, n * rows) == n * rows
+    finally:
+        del c.sender._packer.pack_windows  # the class's method again
+    assert c.sender.request_stats(rid)["launches"] == len(sizes)  # the rounds, as stats say
     return sizes
 
 
