@@ -326,6 +326,8 @@ def reference_region(layers, indices, pack, *, offset: int = 0) -> np.ndarray:
     Raises:
         ValueError: `layers` empty or not 2-D with one row count; `indices` not 1-D integers
             in [0, num_rows); `pack` not 1-D, or the region past its end (each names the argument).
+        TypeError: `indices` not a sequence or array (a str, None), or a buffer that is not
+            numpy, CuPy or JAX.
     """
     if not isinstance(layers, (list, tuple)) or not layers:
         raise ValueError("layers must be a non-empty list of 2-D uint8 arrays")
@@ -335,7 +337,10 @@ def reference_region(layers, indices, pack, *, offset: int = 0) -> np.ndarray:
         raise ValueError("layers must be 2-D [num_rows, kv_item_len] arrays")
     if out.ndim != 1:
         raise ValueError(f"pack must be 1-D, got shape {out.shape}")
-    idx = np.asarray(indices if isinstance(indices, (list, tuple, range)) else _to_host(indices))
+    try:
+        idx = np.asarray(indices if isinstance(indices, (list, tuple, range)) else _to_host(indices))
+    except TypeError:
+        raise TypeError(f"indices must be a sequence or 1-D array of ints, got {type(indices).__name__}") from None
     if idx.ndim != 1 or (idx.size and not np.issubdtype(idx.dtype, np.integer)):
         raise ValueError(f"indices must be a 1-D integer array, got {idx.dtype}{list(idx.shape)}")
     num_rows = min(a.shape[0] for a in host)

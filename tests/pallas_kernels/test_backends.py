@@ -164,6 +164,9 @@ def test_bad_inputs_name_the_argument():
     for bad in ("12", None, 3):  # was ValueError "must be 1-D, got shape ()" (pack_rows: TypeError)
         with pytest.raises(TypeError, match="indices must be a sequence or 1-D array of ints"):
             pack_region(layers, bad, pack)
+    for bad in ("12", None):  # the reference says so too (it named no argument)
+        with pytest.raises(TypeError, match="indices must be a sequence or 1-D array of ints"):
+            reference_region(layers, bad, pack)
     for backend in ("host", "xla", "tpu-interpret"):  # xla took a 0-byte layer, the others refused
         with pytest.raises(ValueError, match=r"layers\[0\] has rows of 0 bytes"):
             pack_region([np.zeros((ROWS, 0), np.uint8), layers[0]], idx, pack, backend=backend)
