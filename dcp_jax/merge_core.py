@@ -64,19 +64,28 @@ def _as_float_array(x, name: str) -> jax.Array:
 
 
 def _check_fits_float32(x: np.ndarray, name: str) -> None:
-    """Without ``jax_enable_x64`` JAX narrows float64 host input to float32: a finite value past
-    float32's range becomes inf, and an LSE of inf is an empty shard, silently dropped. Refused
-    instead (host arrays only: a traced or device array is already in JAX's dtype).
+    """Without ``jax_enable_x64`` JAX narrows float64 host input to float32: a finite value that
+    rounds past float32's range becomes inf, and an LSE of inf is an empty shard, silently
+    dropped. Refused instead (host arrays only: a traced or device array is already in JAX's
+    dtype). A float wider than float64 (``np.longdouble``) JAX does not take at all.
 
     Raises:
-        ValueError: ``x`` (named ``name``) holds a finite value beyond float32's range.
+        ValueError: ``x`` (named ``name``) holds a finite value that float32 rounds to inf.
+        TypeError: ``x`` is wider than float64.
     """
-    if x.dtype.kind != "f" or x.dtype.itemsize <= 4 or jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype:
+    if x.dtype.kind != "f" or x.dtype.itemsize <= 4:
         return
-    big = np.abs(np.where(np.isfinite(x), x, 0)) > np.finfo(np.float32).max
+    if x.dtype.itemsize > 8:
+        raise TypeError(f"{name} has dtype {x.dtype}: JAX takes float16, bfloat16, float32 and float64 "
+                        f"(give {name}.astype(np.float64))")
+    if jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype:
+        return  # x64: kept as it is
+    with np.errstate(over="ignore"):
+        big = np.isinf(x.astype(np.float32)) & np.isfinite(x)  # exactly what the narrowing does
     if big.any():
+        what = " (an lse of inf marks an empty shard)" if name.startswith("lse") else ""
         raise ValueError(f"{name} holds finite values beyond float32's range (e.g. {x[big].flat[0]:g}), "
-                         f"which JAX would narrow to inf (an empty shard): enable jax_enable_x64 to merge "
+                         f"which JAX would narrow to inf{what}: enable jax_enable_x64 to merge "
                          f"in float64, or give values within float32")
 
 

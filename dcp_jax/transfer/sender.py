@@ -151,7 +151,7 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
             # address it advertises: receivers connect to it.
             raise ValueError(f"host={host!r} must be an address of this machine that receivers reach "
                              "(a str such as '127.0.0.1'): the control plane listens and is advertised there")
-        if host.strip("[]") in ("0.0.0.0", "::", "*"):  # a wildcard binds, but no receiver can dial it
+        if _is_wildcard(host):  # a wildcard binds, but no receiver can dial it
             raise ValueError(f"host={host!r} is a wildcard: the sender advertises its host to receivers "
                              "(`address`), so give this machine's address that they reach (e.g. its IP)")
         self.spec, self.mode = spec, mode
@@ -446,3 +446,22 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
     def __repr__(self) -> str:
         return (f"KVSender(address={self.address!r}, engine={self.engine.kind!r}, "
                 f"requests={len(self._requests)}, connections={len(self._conns)})")
+
+
+def _is_wildcard(host: str) -> bool:
+    """True for an address that means "every interface": ``*``, IPv4's 0.0.0.0 in any spelling
+    the resolver takes (``0``, ``0.0``, ``00.0.0.0``), IPv6's ``::`` (bracketed or not)."""
+    import ipaddress
+    import socket
+
+    if host == "*":
+        return True
+    try:
+        return socket.inet_aton(host) == b"\0\0\0\0"
+    except OSError:
+        pass
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False  # a name: resolved by the control plane
+

@@ -191,3 +191,16 @@ def test_float64_lse_past_float32_is_refused_without_x64(lse, as_array):
         np.testing.assert_array_equal(np.asarray(l), ref_l)
         if lse[0][0][0] > 0:  # the other shard's weight is exp(-1e39) = 0: out is shard 0's
             np.testing.assert_allclose(np.asarray(o), out[0], rtol=1e-6)
+
+
+def test_float64_that_rounds_to_float32_max_is_merged_and_longdouble_is_named():
+    out = np.random.default_rng().standard_normal((2, 1, 1, 4)).astype(np.float32)
+    # 3.4028235e38 is past float32's max as a float64, but rounds to it (finite): merged as is.
+    o, l = merge_states(out, np.array([[[3.4028235e38]], [[0.0]]]))
+    assert float(l[0, 0]) == float(np.finfo(np.float32).max)
+    np.testing.assert_allclose(np.asarray(o)[0, 0], out[0, 0, 0], rtol=1e-6)
+    with pytest.raises(ValueError, match=r"^out holds finite values beyond float32's range .* narrow to inf:"):
+        merge_states(np.full((2, 1, 1, 4), 1e39), np.zeros((2, 1, 1)))
+    with pytest.raises(TypeError, match=r"^lse has dtype float128: JAX takes"):  # was JAX's opaque TypeError
+        merge_states(out, np.zeros((2, 1, 1), np.longdouble))
+

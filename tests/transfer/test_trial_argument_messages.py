@@ -162,7 +162,7 @@ def test_a_sender_needs_an_address_to_advertise(host):
         KVSender(_spec("mla"), layers, engine="nixl", host=host)
 
 
-@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]", "*"])
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]", "*", "0", "0.0", "00.0.0.0"])
 def test_a_sender_refuses_a_wildcard_it_would_advertise(host):
     # Before: host="0.0.0.0" was taken and advertised as tcp://0.0.0.0:PORT, which works on
     # loopback only: a receiver on another host cannot dial it.
