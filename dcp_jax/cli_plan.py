@@ -43,7 +43,8 @@ def plan(
 ) -> None:
     """Cost report from the real plans: descriptors, engine calls and bytes per destination rank.
 
-    Same options, validation, page tables (the job's seeded allocators) and pack regions as
+    The same plan options (not the run's: --engine, --device, --requests, --round-rows,
+    --no-progress, ...), validation, page tables (the job's seeded allocators) and pack regions as
     ``transfer``, so for one configuration and --seed it prints the counts ``transfer`` reports
     (--prefill-page-size included: the connector's plan between the two page sizes).
 

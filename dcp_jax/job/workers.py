@@ -177,6 +177,12 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection, gpu_env: dict | No
         sender, rid = state["sender"], arg["rid"]
         from pallas_kernels import compile_count, compile_log
 
+        # Send once every linked decode rank's announcement is here, as in serving (decode ranks
+        # announce at scheduling, long before the prefill ends): one that arrived after the first
+        # round would go out a round later, and the rounds (`launches`) would vary run to run.
+        end = time.monotonic() + cfg.timeout_s
+        while _announced(sender, rid) < len(sender.peers) and time.monotonic() < end:
+            time.sleep(0.0005)
         traces0 = compile_count()  # a kernel traced inside a timed request: the compile is in its time
         t0 = time.perf_counter()
         for start, stop in arg["chunks"]:  # one send per chunk; each returns at once
@@ -287,3 +293,12 @@ def decode_main(cfg_dict: dict, index: int, pools: tuple[int, int], tag: str, co
 
     _serve(inbox, dict(open=open_, request=request), state, "recv")
     del owner
+
+
+def _announced(sender, rid: str) -> int:
+    """Decode ranks whose announcement of ``rid`` reached ``sender`` (0 before the first)."""
+    try:
+        return len(sender.request_stats(rid)["ranks"])
+    except KeyError:
+        return 0
+
