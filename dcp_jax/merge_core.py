@@ -49,44 +49,44 @@ def _as_float_array(x, name: str) -> jax.Array:
     if isinstance(x, jax.Array):
         arr = x
     elif isinstance(x, np.ndarray):
-        _check_fits_float32(x, name)
-        arr = jnp.asarray(x)
+        arr = jnp.asarray(_narrowed(x, name))
     else:
         try:
             host = np.asarray(x, dtype=np.float64)
         except (TypeError, ValueError) as e:
             raise TypeError(f"{name} must be an array of floats, got {type(x).__name__}") from e
-        _check_fits_float32(host, name)
-        arr = jnp.asarray(host, dtype=jnp.float32)
+        arr = jnp.asarray(_narrowed(host, name), dtype=jnp.float32)
     if not jnp.issubdtype(arr.dtype, jnp.floating):
         raise TypeError(f"{name} must have a floating dtype, got {name}.dtype={arr.dtype}")
     return arr
 
 
-def _check_fits_float32(x: np.ndarray, name: str) -> None:
-    """Without ``jax_enable_x64`` JAX narrows float64 host input to float32: a finite value that
-    rounds past float32's range becomes inf, and an LSE of inf is an empty shard, silently
-    dropped. Refused instead (host arrays only: a traced or device array is already in JAX's
-    dtype). A float wider than float64 (``np.longdouble``) JAX does not take at all.
+def _narrowed(x: np.ndarray, name: str) -> np.ndarray:
+    """``x`` as JAX will hold it: without ``jax_enable_x64`` JAX narrows float64 host input to
+    float32, here once, on the host, checked: a finite value that rounds past float32's range
+    would become inf, and an LSE of inf is an empty shard, silently dropped. A float wider than
+    float64 (``np.longdouble``) JAX does not take at all. Other arrays come back as they are.
 
     Raises:
         ValueError: ``x`` (named ``name``) holds a finite value that float32 rounds to inf.
         TypeError: ``x`` is wider than float64.
     """
     if x.dtype.kind != "f" or x.dtype.itemsize <= 4:
-        return
+        return x
     if x.dtype.itemsize > 8:
         raise TypeError(f"{name} has dtype {x.dtype}: JAX takes float16, bfloat16, float32 and float64 "
                         f"(give {name}.astype(np.float64))")
     if jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype:
-        return  # x64: kept as it is
+        return x  # x64: kept as it is
     with np.errstate(over="ignore"):
-        big = np.isinf(x.astype(np.float32)) & np.isfinite(x)  # exactly what the narrowing does
+        narrow = x.astype(np.float32)  # what JAX's narrowing gives: the one conversion
+    big = np.isinf(narrow) & np.isfinite(x)
     if big.any():
         what = " (an lse of inf marks an empty shard)" if name.startswith("lse") else ""
         raise ValueError(f"{name} holds finite values beyond float32's range (e.g. {x[big].flat[0]:g}), "
                          f"which JAX would narrow to inf{what}: enable jax_enable_x64 to merge "
                          f"in float64, or give values within float32")
+    return narrow
 
 
 def _check_stacked(out, lse, lse_layout: str) -> tuple[jax.Array, jax.Array]:
