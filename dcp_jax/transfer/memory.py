@@ -297,15 +297,16 @@ def _check_dtype(a: Any, l: int, want: str) -> None:
 
     Raises:
         TypeError: a floating (or other non-integer) layer whose dtype name is not ``want``, or
-            any layer not in this machine's byte order (``">f2"`` is named "float16" too, but its
-            numbers would arrive as other numbers, and a ``">u2"`` container of float16 bits
-            holds them swapped: as `KVCacheSpec` refuses such a dtype).
+            that is not in this machine's byte order (``">f2"`` is named "float16" too, but its
+            numbers would arrive as other numbers: as `KVCacheSpec` refuses such a dtype). An
+            integer container of any byte order passes: its bytes are what move (spec
+            section 10: "any dtype; bytes are what move").
     """
     dt = np.dtype(a.dtype)
-    if not dt.isnative:  # (one-byte dtypes have no byte order: always native)
+    if dt.kind not in "ui" and not dt.isnative:  # integer containers: bytes (spec section 10)
         raise TypeError(f"kv_layers[{l}] has dtype {dt.str!r}, not in this machine's byte order: the "
                         f"bytes would move as they are and be read as other numbers; give "
-                        f"a.astype(a.dtype.newbyteorder('=')) or a uint8 view of the cache's own bytes")
+                        f"a.astype(a.dtype.newbyteorder('=')) or a raw integer view of the cache's own bytes")
     if dt.kind not in "ui" and dt.name != want:
         raise TypeError(f"kv_layers[{l}] has dtype {dt.name}, spec.dtype={want!r}: declare the dtype the "
                         "cache holds (KVCacheSpec(dtype=...)) or give the layers as raw integer views")
