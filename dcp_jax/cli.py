@@ -121,7 +121,7 @@ def transfer(
                                                         "exit status."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON to this path."),
     seed: int = typer.Option(0, help="Seeds the KV bytes and the page allocators."),
-    timeout_s: float = typer.Option(300.0, help="Deadline of any single wait (an engine batch, a notification, a control message), seconds; a dead peer is reported as soon as the engine or the pipe notices."),
+    timeout_s: float = typer.Option(300.0, help="Deadline of any single wait (an engine batch, a notification, a control message; the senders' kernel compiles before the first request may take up to 600 s), seconds; a dead peer is reported as soon as the engine or the pipe notices."),
     requests: int = typer.Option(1, help="Timed requests per mode, one after another through the same "
                                          "connectors, each filled, shipped and verified (1-100); the table "
                                          "is the median one (the lower middle one for an even count), and "

@@ -33,7 +33,7 @@
 #   generate_gpu      scripts/generate_gpu.sh: dcp-jax generate on device memory (DCP 1 on one GPU)
 #   multi_gpu_rehearsal  scripts/multi_gpu.sh on this one GPU
 # A failing step (an unknown --path too) is recorded as failed and the suite goes on. The limits
-# add up to 1,125 s (the GPU tests alone took 236 s on 2026-12-04, and JAX's exit clean-up a few more: a
+# add up to 1,345 s (the GPU tests alone took 236 s on 2026-12-04, and JAX's exit clean-up a few more: a
 # 240 s limit cut the step at exit after all 138 passed): more than one 10-minute device
 # call, so split the steps over two calls (e.g. `pytest_gpu d2d pack_bench job_32k_nixl job_128k_nixl`,
 # then the rest). Exit status 0 only if every step passed.
@@ -111,12 +111,13 @@ job() {  # name limit engine paths tokens
     step "$1" $(( $2 + 20 * (JOB_REQUESTS - 1) )) "$PY" -m dcp_jax.cli transfer --device gpu --no-progress \
         --timeout-s 60 --engine "$3" --path "$4" --prompt-tokens "$5" --requests "$JOB_REQUESTS" --json "$OUT/$1.json"
 }
-# Limits include each sender's kernel warm-up (every index bucket up to the largest window, per
-# path: ~0.5 s a bucket on an H100, ten buckets at 131,072 tokens).
+# Limits include each sender's kernel warm-up (every index bucket up to a window to every rank,
+# per path: ~0.5 s a bucket at 32,768 tokens on an H100, but 59.2 s for ten buckets at 131,072,
+# dc6c770; twelve now). The job waits up to 600 s for it, whatever --timeout-s says.
 job job_32k_nixl 70 nixl packed,region,fused 32768
 job job_32k_mooncake 60 mooncake packed,region 32768
-job job_128k_nixl 120 nixl packed,region,fused 131072
-job job_128k_mooncake 100 mooncake packed,region 131072
+job job_128k_nixl 240 nixl packed,region,fused 131072
+job job_128k_mooncake 200 mooncake packed,region 131072
 # Issue 14: the pack backends side by side (JSON rewritten per backend: a step stopped at its limit
 # keeps what it measured; exit 1 when one failed or differed), and the staged path beside the direct one.
 step pack_backends ${PACK_BACKENDS_LIMIT_S:-40} "$PY" benchmarks/pack_backends.py --device gpu --part backends --backends xla,gpu-triton,gpu-mosaic \

@@ -90,7 +90,8 @@ class JobConfig:
             arrived (the full byte verification runs regardless).
         seed: seeds the KV pattern and the page allocators.
         timeout_s: a request with no progress for this long fails (seconds); also the deadline of
-            the job's control messages.
+            the job's control messages, except the senders' kernel warm-up (compiles, bounded by
+            ``run.WARM_UP_LIMIT_S`` or this, whichever is longer).
         requests: timed requests per mode, one after another through the same connectors, each
             verified (the run reports the median one, every one under ``repeats``); <=
             `MAX_REQUESTS`.

@@ -37,6 +37,10 @@ from dcp_jax.job.report import (  # noqa: F401 - the last three kept importable 
 __all__ = ["run_job", "run_mode", "FAILURE_GRACE_S"]
 
 FAILURE_GRACE_S = 30.0  # after a failure, how long the live processes get to abort, verify and report
+# The senders' kernel warm-up (`KVSender.warm_up`) compiles every index bucket a round can reach:
+# a compile, not a wait on a peer, so --timeout-s does not bound it. 59.2 s for 10 pack buckets at
+# 131,072 tokens on an H100 (2026-12-06, dc6c770), where --timeout-s 60 would cut 12.
+WARM_UP_LIMIT_S = 600.0
 
 
 def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | None = None) -> dict:
@@ -132,7 +136,7 @@ def run_mode(cfg: JobConfig, mode: str, rid: str, prefills: list[Proc], decodes:
             d.recv(cfg.timeout_s, "opened")
         for p in prefills:
             p.send("warm", dict(peers=n))
-        warmed = [p.recv(cfg.timeout_s, "warmed") for p in prefills]
+        warmed = [p.recv(max(cfg.timeout_s, WARM_UP_LIMIT_S), "warmed") for p in prefills]
     except RuntimeError as exc:
         # A process died earlier (e.g. in the previous mode): this mode cannot start.
         _close_all(decodes, prefills)
