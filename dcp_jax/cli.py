@@ -113,7 +113,7 @@ def transfer(
                                                          "packing (gather, send, wait, repeat)."),
     round_rows: Optional[int] = typer.Option(None, help="The most rows one sender round packs or copies in one "
                                                         "kernel launch (KVSender.warm_up(round_rows=...)); "
-                                                        "default: a chunk's window to every decode rank."),
+                                                        "default: the bucket of one window (a 32k chunk to 8 ranks: 4 launches)."),
     verify: bool = typer.Option(False, "--verify", help="Also send a CRC-32 per (chunk, rank, layer) with each "
                                                         "completion and check it on arrival. The full byte-for-"
                                                         "byte check of every rank's pool against the "

@@ -107,13 +107,19 @@ step pack_bench ${PACK_LIMIT_S:-160} "$PY" benchmarks/pack.py --no-sweep --only 
 # JOB_REQUESTS=N: each job step times N requests per path (`--requests`; the table shows their
 # median), its limit raised by 20 s per extra request.
 JOB_REQUESTS=${JOB_REQUESTS:-1}
+# The job steps share JAX's persistent compilation cache: each path's senders compile the same
+# pack buckets again otherwise (131,072 tokens, H100, 2026-12-06: twelve buckets 79.7 s cold,
+# 9.2 s from the cache). JAX_CACHE= (empty) turns it off.
+JAX_CACHE=${JAX_CACHE-/tmp/dcp-jax-jax-cache}
 job() {  # name limit engine paths tokens
-    step "$1" $(( $2 + 20 * (JOB_REQUESTS - 1) )) "$PY" -m dcp_jax.cli transfer --device gpu --no-progress \
+    step "$1" $(( $2 + 20 * (JOB_REQUESTS - 1) )) env ${JAX_CACHE:+JAX_COMPILATION_CACHE_DIR=$JAX_CACHE} \
+        ${JAX_CACHE:+JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0} \
+        "$PY" -m dcp_jax.cli transfer --device gpu --no-progress \
         --timeout-s 60 --engine "$3" --path "$4" --prompt-tokens "$5" --requests "$JOB_REQUESTS" --json "$OUT/$1.json"
 }
-# Limits include each sender's kernel warm-up (every index bucket up to a window to every rank,
-# per path: ~0.5 s a bucket at 32,768 tokens on an H100, but 59.2 s for ten buckets at 131,072,
-# dc6c770; twelve now). The job waits up to 600 s for it, whatever --timeout-s says.
+# Limits include each sender's kernel warm-up (every index bucket up to one window's, per path:
+# ~0.5 s a bucket at 32,768 tokens on an H100, but 59.2 s for ten buckets at 131,072 at dc6c770,
+# from the cache 9.2 s for twelve). The job waits up to 600 s for it, whatever --timeout-s says.
 job job_32k_nixl 70 nixl packed,region,fused 32768
 job job_32k_mooncake 60 mooncake packed,region 32768
 job job_128k_nixl 240 nixl packed,region,fused 131072

@@ -367,8 +367,9 @@ def test_round_rows_splits_a_chunk_into_launches_and_stays_byte_exact(tmp_path):
     assert data["config"]["round_rows"] == 64 and data["config"]["dcp_size"] == 4 and data["verified"] is True
     assert [r["verified"] for r in data["runs"]] == [True, True]
     assert [r["launches"] for r in data["runs"]] == [4, 4]  # a window a round
-    # By default one launch a chunk: the job sends once every rank's announcement is in (a late
-    # one went a round later: 1 or 2 launches from run to run)
+    # By default host KV (nothing to compile, so no bucket caps a launch) packs a chunk in one
+    # launch: the job sends once every rank's announcement is in (a late one went a round later:
+    # 1 or 2 launches from run to run). Device KV stops at one window's bucket (test_warm_up.py).
     res = runner.invoke(app, ["transfer", *SMALL, "--dcp-size", "4", "--path", "region,packed", "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert [r["launches"] for r in json.loads(out.read_text())["runs"]] == [1, 1]

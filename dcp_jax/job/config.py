@@ -85,7 +85,7 @@ class JobConfig:
             default: as many as the prefill rank sends (nothing is sliced). Smaller values force
             sliced packing.
         round_rows: the most index rows one sender round packs or copies in one launch
-            (``KVSender.warm_up(round_rows=...)``); default: a chunk's window to every decode rank.
+            (``KVSender.warm_up(round_rows=...)``); default: the bucket of one window (its default).
         verify: also compare a CRC-32 per (chunk, rank, layer) of what the prefill sent with what
             arrived (the full byte verification runs regardless).
         seed: seeds the KV pattern and the page allocators.

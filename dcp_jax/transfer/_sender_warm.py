@@ -22,19 +22,24 @@ class SenderWarmUp:
         index bucket a round can reach, writing nothing (no KV page, no live region): the
         one-launch pack (`pallas_kernels.warm_pack_windows`) and, with fused decode ranks, the
         fan-out copy into all of them (`pallas_kernels.warm_copy_fanout`) and the bump of the
-        fused path's flag page (`bridge.host_flag`). The buckets reach one round's launch: a
-        window of ``max_rows`` rows to every connected decode rank (each window rounded up to a
-        row block), as a chunk sent to all of them takes. From then on each launch of a round
-        stays within the largest bucket compiled (a round with more windows, e.g. several
-        requests queued, goes on in the next round), so no round compiles. Without it, a round
-        that first reaches a bucket compiles it then (~0.5 s on an H200), stalling the sender's
-        rounds meanwhile. (Buckets of one window only split a 32k chunk to 8 ranks into four
-        launches, each with its own ~0.6 ms of host time, and spread its posts over 3.6 ms.)
+        fused path's flag page (`bridge.host_flag`). By default the buckets reach the bucket of
+        one window of ``max_rows`` rows and a row block (a 32k chunk to 8 ranks: windows of
+        4,096 rows, the 8,192-row bucket, two windows a launch, four launches); ``round_rows``
+        sets another launch size. From then on each launch of a round stays within the largest
+        bucket compiled (the round's other windows go on in the next launch), so no round
+        compiles. Without it, a round that first reaches a bucket compiles it then (~0.5 s on
+        an H200; ~6.6 s a bucket at 131,072 tokens on an H100, where JAX's persistent
+        compilation cache, ``JAX_COMPILATION_CACHE_DIR``, took the job's twelve from 79.7 s to
+        9.2 s), stalling the sender's rounds meanwhile. Why launches of one window's bucket and
+        not one launch a chunk (2026-12-06, H100, 6 requests each, one machine): the region
+        path's first writes go out after a quarter of the pack, 254.6 GB/s whole against 235.3
+        with one launch; the fused path reads the same (942.0 against 949.3).
 
         Call it once the decode ranks have connected (the fused launch is compiled for the
         ranks connected now) and again after more connect. The compiles run on the caller's
         thread, not under the sender's lock: rounds, heartbeats and handshakes go on. Host
-        (numpy) KV compiles nothing (``round_rows`` still bounds its rounds), but for a named
+        (numpy) KV compiles nothing, so no bucket caps its launches (a round packs all its
+        windows in one thread-pool run; ``round_rows`` still bounds it), but for a named
         ``pack_backend`` what its `PackBackend.warm` compiles (``"xla"``: its gather's buckets).
 
         Args:
@@ -44,9 +49,10 @@ class SenderWarmUp:
                 ``max_rows`` still goes out, in a round of its own, compiling its bucket once.
             round_rows: the most index rows one launch of a round holds (an int >= 1; each
                 window counts its rows rounded up to a row block, 64 by default), at least one
-                window of ``max_rows``. None: a window of ``max_rows`` to every connected rank.
-                Smaller rounds let the first writes go out after a smaller pack, each round
-                paying its own launch (host time: ~0.6 ms a pack launch on an H100).
+                window of ``max_rows``. None: the bucket of one window of ``max_rows`` and a
+                row block. Smaller rounds let the first writes go out after a smaller pack,
+                each round paying its own launch (host time: ~0.6 ms a pack launch on an H100);
+                a window of ``max_rows`` to every rank makes a chunk one launch.
 
         Returns:
             ``{"pack": buckets, "fused": buckets}``: the index buckets (rows) now compiled.
@@ -73,7 +79,9 @@ class SenderWarmUp:
             # round's windows share what holds them, so their rows sum to at most that.
             one = self._index_rows(max(1, window_rows))
             rows = min(windows * one, held_rows + windows * br)
-            return rows if round_rows is None else max(one, min(rows, int(round_rows)))
+            if round_rows is None:  # the bucket of one window and a row block (see above)
+                return min(rows, one + br)
+            return max(one, min(rows, int(round_rows)))
 
         def cap(kind: str, rows: int, buckets: list[int]) -> float:
             # Within the largest bucket compiled, and an explicit round_rows (which also bounds

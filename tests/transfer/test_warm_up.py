@@ -59,7 +59,8 @@ def test_rounds_stay_within_the_warmed_bucket(engine):
 
 # (round_rows, bucket warm_up asks for, windows of each pack launch) for 4 ranks of 100 rows
 ROUNDS = [
-    (None, 512, [4]),  # a window of max_rows to each of the 4 ranks: 4 x 128, one launch
+    (None, 256, [2, 2]),  # the bucket of one window and a row block (128 + 64): two windows a launch
+    (512, 512, [4]),  # a window to each of the 4 ranks: 4 x 128, one launch
     (256, 256, [2, 2]),  # two windows a launch
     (300, 512, [2, 2]),  # the bucket compiled is 512, the round still stops at 300 rows
     (10, 128, [1, 1, 1, 1]),  # at least one window a launch, and that window's bucket compiled
@@ -68,9 +69,9 @@ ROUNDS = [
 
 def test_warm_up_covers_a_round_of_one_window_per_rank(engine, monkeypatch):
     # A device compiles every bucket up to what warm_up asks; the host gather compiles none, so
-    # stand in for the compile and check the sender's side: by default the buckets reach one
-    # window of max_rows to EACH rank, and such a chunk then goes out in one pack launch (a cap
-    # of one window split a 32k chunk to 8 ranks into four launches); round_rows bounds a launch.
+    # stand in for the compile and check the sender's side: by default the buckets reach the
+    # bucket of one window of max_rows and a row block, each launch filling it (a 32k chunk to 8
+    # ranks: four launches, measured better than one on the region path); round_rows sets a launch.
     asked = []
 
     def compiled(source, pack, max_rows, **kw):
@@ -78,7 +79,7 @@ def test_warm_up_covers_a_round_of_one_window_per_rank(engine, monkeypatch):
         return buckets_up_to(max_rows, 64)
 
     n, rows = 4, 100  # 100 rows to each rank: 128 index rows each in blocks of 64
-    c = Cluster(engine, dcp_size=n, mode="packed", pages=512)  # 5 requests of 100 pages
+    c = Cluster(engine, dcp_size=n, mode="packed", pages=640)  # 6 requests of 100 pages
     try:
         assert c.sender._index_block == 64
         assert wait_for(lambda: len(c.sender._conns) == n)
