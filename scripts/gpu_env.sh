@@ -70,5 +70,11 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false UCX_LOG_LEVEL=fatal MC_LOG_LEVEL=ERRO
 export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/dcp_jax_jit_cache}"
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0
 export DCP_GPU_OUT="$OUT"  # tests write their tables here
-export GIT_COMMIT="${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+# The device tool copies the working tree but its git may hold an older HEAD (2026-12-06: the
+# landed ee643c6 under a tree of 9f5c712): a tree that differs from HEAD says so.
+if [ -z "${GIT_COMMIT:-}" ]; then
+    GIT_COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+    [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] && GIT_COMMIT="$GIT_COMMIT+modified-tree"
+fi
+export GIT_COMMIT
 
