@@ -64,8 +64,8 @@ def test_corrupted_byte_exits_nonzero(tmp_path):
         (["--prefix-tokens", "64"], "prefix_tokens=64"),
         (["--dcp-size", "100"], "dcp_size=100 (--dcp-size) must be <= 64"),
         (["--round-rows", "0"], "round_rows=0 (--round-rows) must be an int >= 1"),
-        (["--timeout-s", "3000000"], "timeout_s=3000000.0 (--timeout-s) must be in (0, 86400]"),
-        (["--timeout-s", "0"], "timeout_s=0.0 (--timeout-s) must be in (0, 86400]"),
+        (["--timeout-s", "3000000"], "timeout_s=3000000.0 (--timeout-s) must be in [1, 86400]"),
+        (["--timeout-s", "0"], "timeout_s=0.0 (--timeout-s) must be in [1, 86400]"),
         (["--timeout-s", "inf"], "timeout_s=inf"),
         (["--requests", "0"], "requests=0 (--requests) must be an int in [1, 100]"),
         (["--requests", "101"], "requests=101"),
@@ -373,3 +373,14 @@ def test_round_rows_splits_a_chunk_into_launches_and_stays_byte_exact(tmp_path):
     res = runner.invoke(app, ["transfer", *SMALL, "--dcp-size", "4", "--path", "region,packed", "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert [r["launches"] for r in json.loads(out.read_text())["runs"]] == [1, 1]
+
+
+def test_a_timeout_under_two_pings_is_refused_naming_the_option():
+    # Found by a fresh-user trial: --timeout-s 0.9 passed the check, then every prefill process
+    # failed at start with a traceback (the connectors' peer timeout is min(--timeout-s, 30 s) and
+    # must hold two of their 0.5 s pings), exit 1 as if bytes were wrong.
+    res = runner.invoke(app, ["transfer", *SMALL, "--timeout-s", "0.9"], terminal_width=200)
+    flat = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "timeout_s=0.9 (--timeout-s) must be in [1, 86400] seconds" in flat, res.output
+    assert "twice the connector's ping interval, 0.5 s" in flat, res.output

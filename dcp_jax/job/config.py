@@ -14,6 +14,7 @@ import os
 
 from dcp_jax.geometry import ModelGeometry, get_geometry
 from dcp_jax.transfer.spec import check_layout_bounds
+from dcp_jax.transfer._worker import DEFAULT_HEARTBEAT_S
 
 __all__ = ["MODES", "PATHS", "ENGINES", "DEVICES", "STAGINGS", "engine_registers", "MAX_RANKS", "MAX_TIMEOUT_S", "JobConfig", "check_device",
            "engine_env"]
@@ -89,7 +90,8 @@ class JobConfig:
         verify: also compare a CRC-32 per (chunk, rank, layer) of what the prefill sent with what
             arrived (the full byte verification runs regardless).
         seed: seeds the KV pattern and the page allocators.
-        timeout_s: a request with no progress for this long fails (seconds); also the deadline of
+        timeout_s: a request with no progress for this long fails (seconds, >= 1: the connectors'
+            peer timeout is the smaller of it and 30 s, and holds two 0.5 s pings); also the deadline of
             the job's control messages, except the senders' kernel warm-up (compiles, bounded by
             ``run.WARM_UP_LIMIT_S`` or this, whichever is longer).
         requests: timed requests per mode, one after another through the same connectors, each
@@ -220,8 +222,11 @@ class JobConfig:
                                  "(None, the option left out: no limit)")
         if not _is_int(self.requests) or not 1 <= self.requests <= MAX_REQUESTS:
             raise ValueError(f"requests={self.requests!r} (--requests) must be an int in [1, {MAX_REQUESTS}]")
-        if not 0 < self.timeout_s <= MAX_TIMEOUT_S:
-            raise ValueError(f"timeout_s={self.timeout_s!r} (--timeout-s) must be in (0, {MAX_TIMEOUT_S:g}] seconds")
+        # The connectors' peer timeout is min(timeout_s, PEER_TIMEOUT_S), which must hold two pings.
+        if not 2 * DEFAULT_HEARTBEAT_S <= self.timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"timeout_s={self.timeout_s!r} (--timeout-s) must be in [{2 * DEFAULT_HEARTBEAT_S:g}, "
+                             f"{MAX_TIMEOUT_S:g}] seconds (at least twice the connector's ping interval, "
+                             f"{DEFAULT_HEARTBEAT_S:g} s)")
         if not self.pool_slack >= 1.0:
             raise ValueError(f"pool_slack={self.pool_slack!r} must be >= 1.0")
         for name in ("corrupt_rank", "die_rank"):
