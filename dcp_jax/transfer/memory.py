@@ -64,8 +64,13 @@ def _row_view(a: Any, kind: str, rows: int, item: int, writable: bool = False) -
         host = np.from_dlpack(a)  # zero-copy, read-only: the pack only reads, engines write raw
         if int(host.ctypes.data) != _pointer(a, kind):
             raise RuntimeError("DLPack import of a JAX CPU layer copied it")
-        if writable:  # kept alive by CacheLayers holding ``a``
+        if writable:
             raw = (ctypes.c_uint8 * (rows * item)).from_address(int(host.ctypes.data))
+            # The DLPack import holds an external reference on the buffer: a caller's
+            # `a.delete()` (or a donation) then leaves the memory to this view until it is
+            # dropped at close(). Holding ``a`` alone did not: its memory was freed under the
+            # engines' writes (heap corruption at exit, found by a fresh-user trial).
+            raw.dlpack_owner = host
             return np.frombuffer(raw, np.uint8).reshape(rows, item)
         return host.reshape(rows, -1).view(np.uint8).reshape(rows, item)
     import cupy as cp  # JAX on a GPU: a CuPy view of the same device memory (DLPack, no copy)
