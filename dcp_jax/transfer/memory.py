@@ -27,13 +27,16 @@ def array_kind(a: Any) -> str:
     """``"numpy"``, ``"cupy"``, ``"jax-cpu"``, ``"jax-gpu"`` (any non-CPU JAX device), or raises.
 
     Raises:
-        TypeError: not one of those array types.
+        TypeError: not one of those array types; ValueError: a deleted (or donated) JAX array.
     """
     try:
         kind = _array_type(a)  # the pack backends' rule: numpy, cupy or jax
     except TypeError:
         raise TypeError(f"KV layers must be numpy, CuPy or JAX arrays, got {type(a).__name__}") from None
     if kind == "jax":
+        if a.is_deleted():
+            raise ValueError("a deleted JAX array (deleted or donated before it was given): give the "
+                             "cache's live buffer")
         devs = list(a.devices())
         if len(devs) != 1:
             raise TypeError(f"a JAX KV layer must live on one device, this one spans {len(devs)}")
@@ -142,8 +145,8 @@ class CacheLayers:
         for l, a in enumerate(kv_layers):
             try:
                 kinds.add(array_kind(a))
-            except TypeError as exc:
-                raise TypeError(f"kv_layers[{l}]: {exc}") from None
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"kv_layers[{l}]: {exc}") from None
         if len(kinds) != 1:
             raise TypeError(f"kv_layers mixes array kinds {sorted(kinds)}; give one kind")
         self.kind = kinds.pop()

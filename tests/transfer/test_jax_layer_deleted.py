@@ -50,3 +50,19 @@ def test_a_deleted_jax_cpu_layer_is_kept_until_close(engine, how):
                          timeout=120, env=env, cwd=ROOT)
     assert res.returncode == 0, (res.returncode, res.stdout, res.stderr[-2000:])
     assert "SUCCESS SUCCESS" in res.stdout and "closed" in res.stdout, res.stdout
+
+
+def test_a_layer_deleted_before_it_is_given_is_refused_naming_it():
+    # Before: JAX's own "RuntimeError: Array has been deleted ..." with no layer named.
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dcp_jax.transfer import KVCacheSpec, KVReceiver, KVSender
+
+    live = jnp.zeros((4, 16, 8), jnp.uint8)
+    gone = jnp.zeros((4, 16, 8), jnp.uint8)
+    gone.delete()
+    for cls in (KVReceiver, KVSender):
+        with pytest.raises(ValueError, match=r"kv_layers\[1\]: a deleted JAX array"):
+            cls(KVCacheSpec(2, [8, 8], 16), [live, gone])
+    assert (np.asarray(live) == 0).all()
