@@ -11,7 +11,9 @@ from dcp_jax.loadgen import LoadConfig, load_command
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_soak_across_two_hosts_with_faults(tmp_path, nixl_only):
-    cfg = LoadConfig(engine=nixl_only, netns=True, requests=3000, duration_s=30.0, concurrency=16,
+    # duration_s bounds the run, not requests: 3,000 requests ended at ~16 s on a quiet machine
+    # (182 requests/s), before the third fault.
+    cfg = LoadConfig(engine=nixl_only, netns=True, requests=100_000, duration_s=30.0, concurrency=16,
                      max_tokens=128, warmup=8, faults="link_flap,pause,sender_pause", fault_every_s=4.0, timeout_s=2.0,
                      peer_timeout_s=5.0, seed=7)  # seed 7: all three kinds of fault in 30 s
     out, png = tmp_path / "soak.json", tmp_path / "soak.png"
