@@ -14,7 +14,7 @@ import os
 
 from dcp_jax.geometry import ModelGeometry, get_geometry
 from dcp_jax.transfer.spec import check_layout_bounds
-from dcp_jax.transfer._worker import DEFAULT_HEARTBEAT_S
+from dcp_jax.transfer._worker import DEFAULT_HEARTBEAT_S, pings_fit
 
 __all__ = ["MODES", "PATHS", "ENGINES", "DEVICES", "STAGINGS", "engine_registers", "MAX_RANKS", "MAX_TIMEOUT_S", "JobConfig", "check_device",
            "engine_env"]
@@ -222,8 +222,8 @@ class JobConfig:
                                  "(None, the option left out: no limit)")
         if not _is_int(self.requests) or not 1 <= self.requests <= MAX_REQUESTS:
             raise ValueError(f"requests={self.requests!r} (--requests) must be an int in [1, {MAX_REQUESTS}]")
-        # The connectors' peer timeout is min(timeout_s, PEER_TIMEOUT_S), which must hold two pings.
-        if not 2 * DEFAULT_HEARTBEAT_S <= self.timeout_s <= MAX_TIMEOUT_S:
+        # The connectors' peer timeout is min(timeout_s, PEER_TIMEOUT_S): the connector's own rule.
+        if not (self.timeout_s <= MAX_TIMEOUT_S and pings_fit(DEFAULT_HEARTBEAT_S, self.timeout_s)):
             raise ValueError(f"timeout_s={self.timeout_s!r} (--timeout-s) must be in [{2 * DEFAULT_HEARTBEAT_S:g}, "
                              f"{MAX_TIMEOUT_S:g}] seconds (at least twice the connector's ping interval, "
                              f"{DEFAULT_HEARTBEAT_S:g} s)")

@@ -38,8 +38,8 @@ __all__ = ["run_job", "run_mode", "FAILURE_GRACE_S"]
 
 FAILURE_GRACE_S = 30.0  # after a failure, how long the live processes get to abort, verify and report
 # The senders' kernel warm-up (`KVSender.warm_up`) compiles every index bucket a round can reach:
-# a compile, not a wait on a peer, so --timeout-s does not bound it. 59.2 s for 10 pack buckets at
-# 131,072 tokens on an H100 (2026-12-06, dc6c770), where --timeout-s 60 would cut 12.
+# a compile, not a wait on a peer, so --timeout-s does not bound it. At 131,072 tokens on an H100:
+# 59.2 s for 10 pack buckets (dc6c770), 79.7 s for 12 (9f5c712), past the suite's --timeout-s 60.
 WARM_UP_LIMIT_S = 600.0
 
 
