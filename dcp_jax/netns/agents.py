@@ -195,16 +195,20 @@ def agent_main(conn, role: str, kwargs: dict) -> None:
 class Agent:
     """One agent process on ``hosts``' host number ``on``; `call` runs a command there.
 
+    ``env``: extra environment for the process, over the host's (`Hosts.spawn`), e.g.
+    ``{"UCX_TLS": "tcp"}``. Other keyword arguments build the side.
+
     Raises (at construction): AgentError if the side could not be built, TimeoutError if it
     did not say ready within ``start_timeout_s``.
     """
 
-    def __init__(self, hosts, on: int, role: str, start_timeout_s: float = 60.0, **kwargs):
+    def __init__(self, hosts, on: int, role: str, start_timeout_s: float = 60.0, env: dict[str, str] | None = None,
+                 **kwargs):
         import multiprocessing as mp
 
         self.role, self.on, self.kwargs = role, on, kwargs
         self._conn, child = mp.get_context("spawn").Pipe()
-        self.proc = hosts.spawn(on, agent_main, (child, role, kwargs), name=f"agent-{role}-h{on}")
+        self.proc = hosts.spawn(on, agent_main, (child, role, kwargs), name=f"agent-{role}-h{on}", env=env)
         child.close()
         self.hello = self._reply(start_timeout_s, "ready")
 

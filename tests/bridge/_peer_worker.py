@@ -84,11 +84,15 @@ def many_small(src: np.ndarray, dst: np.ndarray, n: int, seed: int, item: int = 
 
 
 def initiator_kill_scenario(conn, kind: str, victim_info, victim_pid: int, live_info,
-                            n: int, item: int, timeout_s: float, env: dict | None = None) -> None:
-    """Prefill side: one big batch to `victim`, SIGKILL it 50 ms into the batch, then serve `live`.
+                            n: int, item: int, timeout_s: float, env: dict | None = None,
+                            kill_after_s: float | None = 0.05) -> None:
+    """Prefill side: one big batch to `victim`, SIGKILL it mid-batch, then serve `live`.
 
-    The kill comes from a timer thread, so it lands while the engine is posting or moving the
-    batch whether `transfer_batch` returns at once or not. Sends back a dict: what the batch
+    ``kill_after_s``: the kill comes from a timer thread that long after the batch starts, so it
+    lands while the engine is posting or moving the batch whether `transfer_batch` returns at
+    once or not. None: the connection is made first (a 64-byte write), then the kill follows
+    `transfer_batch` at once, once `check` sees the batch still moving: for a few large blocks,
+    which a fast loopback moves within any fixed delay. Sends back a dict: what the batch
     raised (at submit or at wait) and after how long, whether the next batch to the dead peer
     failed, outstanding handles, and the bytes the live peer must hold.
     """
@@ -103,17 +107,30 @@ def initiator_kill_scenario(conn, kind: str, victim_info, victim_pid: int, live_
             victim = eng.add_peer(victim_info)
             live = eng.add_peer(live_info)
             descs, _, _ = scattered_descs(src.ctypes.data, victim_info.regions[0].addr, n, item, seed=1)
-            killer = threading.Timer(0.05, os.kill, (victim_pid, signal.SIGKILL))
+            if kill_after_s is None:  # connected first: the kill lands in the batch's bytes, not in wireup
+                warm = np.array([[src.ctypes.data, victim_info.regions[0].addr, 64]], dtype=np.int64)
+                eng.wait(eng.transfer_batch(victim, warm), timeout_s=timeout_s)
+            killer = (None if kill_after_s is None
+                      else threading.Timer(kill_after_s, os.kill, (victim_pid, signal.SIGKILL)))
             t0 = time.monotonic()
-            killer.start()
+            if killer is not None:
+                killer.start()
             try:
                 h = eng.transfer_batch(victim, descs, dcp_rank=3, chunk=0)
-                eng.wait(h, timeout_s=timeout_s)
+                if killer is None:
+                    try:
+                        out["moving_at_kill"] = not eng.check(h)  # True also releases h: no wait then
+                    finally:
+                        os.kill(victim_pid, signal.SIGKILL)
+                        out["kill_seconds"] = time.monotonic() - t0
+                if out.get("moving_at_kill", True):
+                    eng.wait(h, timeout_s=timeout_s)
                 out["inflight_error"] = None
             except TransferError as exc:
                 out["inflight_error"] = (type(exc).__name__, exc.peer, exc.dcp_rank, exc.chunk, str(exc))
             out["inflight_seconds"] = time.monotonic() - t0
-            killer.join()
+            if killer is not None:
+                killer.join()
             # The dead peer again: must fail (at submit or at wait) within the timeout, never hang.
             t0 = time.monotonic()
             try:

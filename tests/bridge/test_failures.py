@@ -10,13 +10,15 @@ import pytest
 import _peer_worker as pw
 from bridge import TransferError, TransferTimeout
 
-# Batches that take far longer than the 50 ms before the kill on 2 cores: NIXL posts ~100-300k
-# small descriptors/s over CMA; over UCX TCP a few large blocks move at ~0.1-1 GB/s; Mooncake TCP
-# moves ~10-25k descriptors/s.
+# (kind, n, item, env, kill_after_s). Batches far longer than the 50 ms before the kill on 2
+# cores: NIXL posts ~100-300k small descriptors/s over CMA (this batch: ~0.36 s once connected);
+# Mooncake TCP moves ~10-25k descriptors/s (~1.7 s). Over UCX TCP loopback 128 MiB moved in
+# 37-110 ms once connected, so a 50 ms timer landed only while connecting (and missed on a fast
+# machine): that case connects first and kills as soon as the batch is posted (None).
 _KILL_CASES = {
-    "nixl": ("nixl", 100_000, 64, {}),
-    "nixl-ucx-tcp": ("nixl", 4, 32 << 20, {"UCX_TLS": "tcp"}),
-    "mooncake": ("mooncake", 40_000, 64, {}),
+    "nixl": ("nixl", 100_000, 64, {}, 0.05),
+    "nixl-ucx-tcp": ("nixl", 4, 32 << 20, {"UCX_TLS": "tcp"}, None),
+    "mooncake": ("mooncake", 40_000, 64, {}, 0.05),
 }
 _KILL_BATCH = {"nixl": 100_000, "mooncake": 40_000}
 _TIMEOUT_S = 8.0
@@ -27,13 +29,13 @@ _TIMEOUT_S = 8.0
 def test_peer_killed_mid_transfer(case):
     """The initiator gets a TransferError naming peer, rank and chunk within the timeout, has no
     handle left, and then serves the remaining live rank byte-exact."""
-    kind, n, item, env = _KILL_CASES[case]
+    kind, n, item, env, kill_after_s = _KILL_CASES[case]
     victim, victim_conn, victim_info = pw.spawn_target(kind, "victim", n * item, env)
     live, live_conn, live_info = pw.spawn_target(kind, "live", 4096 * 64, env)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     ini = ctx.Process(target=pw.initiator_kill_scenario,
-                      args=(child, kind, victim_info, victim.pid, live_info, n, item, _TIMEOUT_S, env))
+                      args=(child, kind, victim_info, victim.pid, live_info, n, item, _TIMEOUT_S, env, kill_after_s))
     try:
         ini.start()
         child.close()
@@ -42,6 +44,7 @@ def test_peer_killed_mid_transfer(case):
         res = parent.recv()
         assert "exception" not in res, res.get("exception")
         print(case, {k: v for k, v in res.items() if k != "live_expected"})
+        assert res.get("moving_at_kill", True), res  # (kill_after_s=None) the kill came before the end
         name, peer, rank, chunk, msg = res["inflight_error"]
         assert name in ("TransferError", "TransferTimeout") and peer == "victim"
         assert (rank, chunk) == (3, 0) and "victim" in msg and "dcp_rank=3" in msg

@@ -111,15 +111,23 @@ def test_sender_killed_mid_request_then_restarted(nixl_only):
         recv.close(), again.close()
 
 
+# The stopped rank's batch must not be able to complete while it is stopped. UCX puts between
+# these namespaces (one kernel) go over CMA, which writes into a stopped process: the batch then
+# ended SUCCESS whenever its notification got out. Over TCP the bytes need the stopped receiver;
+# 8 KiB rows (128 x GEO's) make its request 16 MiB, beyond what socket buffers hold (~4 MiB).
+_STOPPED_GEO = dict(item_lens=tuple(128 * il for il in ITEM_LENS), page_size=PAGE)
+_STOPPED_ENV = {"UCX_TLS": "tcp"}  # (Mooncake ignores it)
+
+
 def _stopped_setup(h, engine, mode, peer_timeout_s, chunks=1):
-    # Packed mode goes through a 64 KiB arena, which the stopped rank's windows fill. The stopped
-    # rank's 2,048-token request (128 KiB of rows: twice the arena) is sent in ``chunks`` calls.
-    sender = Agent(h, 0, "sender", engine=engine, host=h.addr(0, 1), mode=mode, pack_bytes=64 << 10,
-                   timeout_s=30.0, peer_timeout_s=peer_timeout_s, pages=512, **GEO)
+    # Packed mode goes through an 8 MiB arena, which the stopped rank's windows fill. The stopped
+    # rank's 2,048-token request (16 MiB of rows: twice the arena) is sent in ``chunks`` calls.
+    sender = Agent(h, 0, "sender", engine=engine, host=h.addr(0, 1), mode=mode, pack_bytes=8 << 20,
+                   timeout_s=30.0, peer_timeout_s=peer_timeout_s, pages=512, env=_STOPPED_ENV, **_STOPPED_GEO)
     slow = Agent(h, 1, "receiver", engine=engine, host=h.addr(1), group="slow", pages=512,
-                 peer_timeout_s=peer_timeout_s, **GEO)
+                 peer_timeout_s=peer_timeout_s, env=_STOPPED_ENV, **_STOPPED_GEO)
     fast = Agent(h, 2, "receiver", engine=engine, host=h.addr(2), group="fast", pages=512,
-                 peer_timeout_s=peer_timeout_s, **GEO)
+                 peer_timeout_s=peer_timeout_s, env=_STOPPED_ENV, **_STOPPED_GEO)
     for r in (slow, fast):
         r.call("connect", sender.hello)
     n = 2048
@@ -163,7 +171,7 @@ def test_stopped_receiver_holds_at_most_its_share_of_the_packed_arena(nixl_only)
     # (`_sender_units.ARENA_SHARE`), so the other rank's request passes while this one is stopped.
     peer_timeout_s = 2.0
     with Hosts(3) as h:
-        # 8 chunks of 16 KiB of rows (one window each)
+        # 8 chunks of 2 MiB of rows (one window each)
         sender, slow, fast = _stopped_setup(h, engine, "packed", peer_timeout_s, chunks=8)
         try:
             assert wait_for(lambda: sender.call("stats")["arena"]["in_use_bytes"] > 0, 5.0)
