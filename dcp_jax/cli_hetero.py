@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dcp_jax.cli_options import _check_out_path, _fail, _json_default, _rank_failed
+from dcp_jax.cli_options import _check_out_path, _fail, _json_default, _rank_failed, parse_paths
 from dcp_jax.job.config import MAX_PROMPT_TOKENS
 
 __all__ = ["hetero_plan", "hetero_transfer"]
@@ -55,9 +55,10 @@ def hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeout
     _check_sides(prefill, decode)
     if engine not in ("nixl", "mooncake", "jax-transfer"):
         _fail(f"--engine={engine!r} must be nixl, mooncake or jax-transfer for a heterogeneous run")
-    paths = [x.strip() for x in (path or "direct,region").split(",") if x.strip()]
-    if not paths or any(x not in ("direct", "region") for x in paths):
-        _fail(f"--path={path!r}: a TP or layout run takes direct and/or region")
+    try:
+        paths = parse_paths("direct,region" if path is None else path, ("direct", "region"))
+    except ValueError as exc:
+        _fail(f"{exc} (a TP or layout run)")
     _check_out_path(json_path, "--json")
     from dcp_jax.hetero.connector_job import check_job_size
     from dcp_jax.hetero.cost import hetero_sides
