@@ -67,7 +67,8 @@ def transfer(
     prefill_dcp_size: int = typer.Option(1, help="Prefill DCP ranks M (one process each; each holds its shard)."),
     interleave_size: int = typer.Option(1, help="Decode-side interleave I in tokens (1 = token round-robin, "
                                                 "page size = page round-robin)."),
-    prefill_interleave_size: int = typer.Option(1, help="Prefill-side interleave when --prefill-dcp-size > 1."),
+    prefill_interleave_size: int = typer.Option(1, help="Prefill-side interleave in tokens; needs "
+                                                        "--prefill-dcp-size > 1 (refused with one prefill rank)."),
     chunk_tokens: Optional[int] = typer.Option(None, help="Chunked prefill: send in chunks of this many tokens "
                                                           "(a multiple of --page-size and of --prefill-page-size); packing of chunk k+1 "
                                                           "overlaps the transfer of chunk k."),

@@ -214,6 +214,8 @@ def test_plan_prints_the_counts_transfer_reports(tmp_path, extra):
         (["--max-batch-indices", "0"], "max_batch_indices=0 (--max-batch-indices) must be an int >= 1 (None, "),
         (["--chunk-tokens", "0"], "chunk_tokens=0 (--chunk-tokens) must be an int >= 1 (None, the option"),
         (["--page-size", "0"], "page_size=0 (--page-size) must be an int >= 1"),
+        # Before: ignored (one prefill rank holds every token whatever its interleave).
+        (["--prefill-interleave-size", "16"], "--prefill-interleave-size=16 needs --prefill-dcp-size > 1"),
         # Before (fresh-user trial): -3 was taken and drew the tables of --seed 3; `load` refuses it.
         (["--seed", "-3"], "seed=-3 (--seed) must be an int >= 0"),
         (["--seed", "-3", "--model", "deepseek-v3", "--prefill-layout", "sglang_mla", "--decode-layout",
@@ -321,6 +323,7 @@ def test_a_plot_suffix_matplotlib_cannot_write_is_refused_before_the_run(tmp_pat
     (["--interleave-size", "1073741824", "--dcp-size", "4"], "--interleave-size * --dcp-size = 1073741824 * 4"),
     (["--prefill-interleave-size", "1073741824", "--prefill-dcp-size", "4"], "--prefill-interleave-size *"),
     (["--prefill-layout", "tpu_mla"], "num_kv_heads must be 1 for MLA"),  # a GQA model in an MLA layout
+    (["--prefill-interleave-size", "16"], "--prefill-interleave-size=16 needs --prefill-dcp-size > 1"),
 ])
 def test_a_tp_layout_run_refuses_the_connectors_bounds_before_any_process(cmd, extra, text):
     # Before: transfer started every rank process, which refused its spec (a traceback, or rc 1
