@@ -16,7 +16,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dcp_jax.cli_load import load
-from dcp_jax.cli_options import _MODES, _check_out_path, _fail, _job_config, _json_default, uses_hetero_job
+from dcp_jax.cli_options import (_MODES, _check_out_path, _fail, _job_config, _json_default, _one_list,
+                                 uses_hetero_job)
 from dcp_jax.cli_plan import plan
 from dcp_jax.generate.cli import generate
 from dcp_jax.geometry import DEFAULT_GEOMETRY, geometry_names
@@ -66,7 +67,8 @@ def transfer(
     prefill_dcp_size: int = typer.Option(1, help="Prefill DCP ranks M (one process each; each holds its shard)."),
     interleave_size: int = typer.Option(1, help="Decode-side interleave I in tokens (1 = token round-robin, "
                                                 "page size = page round-robin)."),
-    prefill_interleave_size: int = typer.Option(1, help="Prefill-side interleave when --prefill-dcp-size > 1."),
+    prefill_interleave_size: int = typer.Option(1, help="Prefill-side interleave in tokens; needs "
+                                                        "--prefill-dcp-size > 1 (refused with one prefill rank)."),
     chunk_tokens: Optional[int] = typer.Option(None, help="Chunked prefill: send in chunks of this many tokens "
                                                           "(a multiple of --page-size and of --prefill-page-size); packing of chunk k+1 "
                                                           "overlaps the transfer of chunk k."),
@@ -75,11 +77,11 @@ def transfer(
                                               "I --interleave-size."),
     mode: str = typer.Option("both", help="direct (descriptors straight from the KV buffers), packed (gather "
                                           "each rank's rows into its pack region first) or both."),
-    path: Optional[str] = typer.Option(None, help="Transfer paths to run, a comma list of auto, direct, packed, "
-                                                  "region (one descriptor per window into the decode rank's "
-                                                  "receive region, sized for its share of a chunk) and fused "
-                                                  "(GPU: a kernel writing through CUDA IPC); one run each, in "
-                                                  "order. Wins over --mode."),
+    path: Optional[list[str]] = typer.Option(None, metavar="PATHS", help="Transfer paths to run, one comma list "
+                                                  "of auto, direct, packed, region (one descriptor per window "
+                                                  "into the decode rank's receive region, sized for its share "
+                                                  "of a chunk) and fused (GPU: a kernel writing through CUDA "
+                                                  "IPC); one run each, in order. Wins over --mode."),
     engine: str = typer.Option("nixl", help="Transfer engine: nixl, mooncake, jax-transfer "
                                              "(jax.experimental.transfer, every batch a pull, host "
                                              "memory) or auto (NIXL, else Mooncake)."),
@@ -143,6 +145,7 @@ def transfer(
     from dcp_jax.job import DEVICES, check_device, check_host_memory, run_job
     from dcp_jax.job.gpus import check_gpus, parse_gpu_list
 
+    path = _one_list(path, "--path")  # repeatable only so that a second --path is refused
     if uses_hetero_job(model, prefill_tp_size=prefill_tp_size, tp_size=tp_size, prefill_layout=prefill_layout,
                        decode_layout=decode_layout):
         # TP / layout pairs: through the connector, one process per rank (dcp_jax.hetero.connector_job)

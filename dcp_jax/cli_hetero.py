@@ -12,8 +12,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dcp_jax.cli_options import _check_out_path, _fail, _json_default, _rank_failed
-from dcp_jax.job.config import MAX_PROMPT_TOKENS
+from dcp_jax.cli_options import _check_out_path, _fail, _json_default, _rank_failed, parse_paths
+from dcp_jax.job.config import MAX_PROMPT_TOKENS, check_prefill_interleave
 
 __all__ = ["hetero_plan", "hetero_transfer"]
 
@@ -33,13 +33,18 @@ def _check_seed(seed: int) -> None:
 
 def _check_sides(prefill: dict, decode: dict) -> None:
     """Each side's sizes are ints >= 1, refused naming the option (the plan's own errors name
-    the field, not which side's option)."""
+    the field, not which side's option), and a prefill interleave needs prefill DCP > 1
+    (`check_prefill_interleave`)."""
     # The decode side first: a prefill page size left out is --page-size's, named as such.
     for side, prefix in ((decode, "--"), (prefill, "--prefill-")):
         for key in ("page_size", "dcp_size", "interleave_size", "tp_size"):
             v = side[key]
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 _fail(f"{prefix}{key.replace('_', '-')}={v!r} must be an int >= 1")
+    try:
+        check_prefill_interleave(prefill["dcp_size"], prefill["interleave_size"])
+    except ValueError as exc:
+        _fail(str(exc))
 
 
 def hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeout_s, json_path, path=None) -> None:
@@ -55,9 +60,10 @@ def hetero_transfer(model, prompt_tokens, prefill, decode, engine, seed, timeout
     _check_sides(prefill, decode)
     if engine not in ("nixl", "mooncake", "jax-transfer"):
         _fail(f"--engine={engine!r} must be nixl, mooncake or jax-transfer for a heterogeneous run")
-    paths = [x.strip() for x in (path or "direct,region").split(",") if x.strip()]
-    if not paths or any(x not in ("direct", "region") for x in paths):
-        _fail(f"--path={path!r}: a TP or layout run takes direct and/or region")
+    try:
+        paths = parse_paths("direct,region" if path is None else path, ("direct", "region"))
+    except ValueError as exc:
+        _fail(f"{exc} (a TP or layout run)")
     _check_out_path(json_path, "--json")
     from dcp_jax.hetero.connector_job import check_job_size
     from dcp_jax.hetero.cost import hetero_sides

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import typer
 
-__all__ = ["check_out_path"]
+__all__ = ["check_out_path", "parse_paths"]
 
 _MODES = {"direct": ("direct",), "packed": ("packed",), "both": ("direct", "packed")}
 
@@ -102,9 +102,37 @@ def _check_out_path(path: Optional[Path], option: str) -> None:
         _fail(str(exc))
 
 
+def parse_paths(text: str, names: Sequence[str]) -> tuple[str, ...]:
+    """``--path``'s comma list: every entry exactly one of ``names``, each once. Nothing is
+    stripped or case-folded: a near miss (``" packed"``, ``"Packed"``, ``"packed,"``) is
+    refused rather than read as the name it resembles.
+
+    Raises:
+        ValueError: an entry not in ``names`` or given twice; the message names ``--path``, the
+            entry and the valid names.
+    """
+    items = tuple(text.split(","))
+    valid = f"--path takes a comma list (no spaces) of distinct names of {', '.join(names)}"
+    for x in items:
+        if x not in names:
+            raise ValueError(f"--path={text!r}: {x!r} is not a path name; {valid}")
+        if items.count(x) > 1:
+            raise ValueError(f"--path={text!r} names {x!r} twice; {valid}")
+    return items
+
+
+def _one_list(values: Optional[Sequence[str]], option: str) -> Optional[str]:
+    """A comma-list option declared repeatable only to catch a repeat: click keeps the last of a
+    repeated plain option, silently dropping the others."""
+    if values and len(values) > 1:
+        _fail(f"{option} given {len(values)} times ({', '.join(map(repr, values))}): give it once, "
+              f"as one comma list (e.g. {option} {','.join(values)})")
+    return values[0] if values else None
+
+
 def _job_config(mode: str, path: Optional[str] = None, **kwargs):
     """The main job's JobConfig for these options: the one validation ``transfer`` and ``plan`` share.
-    ``path`` (``--path``, a comma list) wins over ``mode``."""
+    ``path`` (``--path``, a comma list, `parse_paths`) wins over ``mode``."""
     from dcp_jax.job import JobConfig
     from dcp_jax.job.config import PATHS
 
@@ -112,10 +140,10 @@ def _job_config(mode: str, path: Optional[str] = None, **kwargs):
         _fail(f"--mode={mode!r} must be one of {', '.join(_MODES)}")
     modes = _MODES[mode]
     if path is not None:
-        modes = tuple(x.strip() for x in path.split(","))
-        bad = [x for x in modes if x not in PATHS]
-        if bad or len(set(modes)) != len(modes):
-            _fail(f"--path={path!r} must be a comma list of distinct names of {', '.join(PATHS)}")
+        try:
+            modes = parse_paths(path, PATHS)
+        except ValueError as exc:
+            _fail(str(exc))
     try:
         return JobConfig(modes=modes, **kwargs)
     except ValueError as exc:

@@ -23,7 +23,8 @@ def plan(
     dcp_size: int = typer.Option(8, help="Decode DCP ranks N."),
     interleave_size: int = typer.Option(1, help="Decode-side interleave I (tokens)."),
     prefill_dcp_size: int = typer.Option(1, help="Prefill DCP ranks M."),
-    prefill_interleave_size: int = typer.Option(1, help="Prefill-side interleave (tokens)."),
+    prefill_interleave_size: int = typer.Option(1, help="Prefill-side interleave (tokens); needs "
+                                                        "--prefill-dcp-size > 1."),
     prefix_tokens: int = typer.Option(0, help="Tokens decode already holds (not sent)."),
     chunk_tokens: Optional[int] = typer.Option(None, help="Chunked prefill: chunk length (tokens)."),
     mode: str = typer.Option("both", help="direct, packed or both."),

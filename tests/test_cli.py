@@ -56,6 +56,10 @@ def test_corrupted_byte_exits_nonzero(tmp_path):
         (["--mode", "sideways"], "--mode"),
         (["--path", "packed,teleport"], "--path='packed,teleport'"),
         (["--path", "region,region"], "distinct names"),
+        # Names exactly, once: " packed" was stripped into a packed run; a second --path replaced the first.
+        (["--path", " packed"], "--path=' packed': ' packed' is not a path name; --path takes a comma list (no spaces)"),
+        (["--path", "packed,"], "--path='packed,': '' is not a path name"),
+        (["--path", "packed", "--path", "region"], "--path given 2 times ('packed', 'region'): give it once"),
         (["--engine", "jax-transfer", "--device", "gpu", "--staging", "none"], "--engine"),
         (["--staging", "disk"], "--staging"),
         (["--pack-backend", "nope", "--staging", "host"], "--pack-backend"),
@@ -210,6 +214,8 @@ def test_plan_prints_the_counts_transfer_reports(tmp_path, extra):
         (["--max-batch-indices", "0"], "max_batch_indices=0 (--max-batch-indices) must be an int >= 1 (None, "),
         (["--chunk-tokens", "0"], "chunk_tokens=0 (--chunk-tokens) must be an int >= 1 (None, the option"),
         (["--page-size", "0"], "page_size=0 (--page-size) must be an int >= 1"),
+        # Before: ignored (one prefill rank holds every token whatever its interleave).
+        (["--prefill-interleave-size", "16"], "--prefill-interleave-size=16 needs --prefill-dcp-size > 1"),
         # Before (fresh-user trial): -3 was taken and drew the tables of --seed 3; `load` refuses it.
         (["--seed", "-3"], "seed=-3 (--seed) must be an int >= 0"),
         (["--seed", "-3", "--model", "deepseek-v3", "--prefill-layout", "sglang_mla", "--decode-layout",
@@ -317,6 +323,7 @@ def test_a_plot_suffix_matplotlib_cannot_write_is_refused_before_the_run(tmp_pat
     (["--interleave-size", "1073741824", "--dcp-size", "4"], "--interleave-size * --dcp-size = 1073741824 * 4"),
     (["--prefill-interleave-size", "1073741824", "--prefill-dcp-size", "4"], "--prefill-interleave-size *"),
     (["--prefill-layout", "tpu_mla"], "num_kv_heads must be 1 for MLA"),  # a GQA model in an MLA layout
+    (["--prefill-interleave-size", "16"], "--prefill-interleave-size=16 needs --prefill-dcp-size > 1"),
 ])
 def test_a_tp_layout_run_refuses_the_connectors_bounds_before_any_process(cmd, extra, text):
     # Before: transfer started every rank process, which refused its spec (a traceback, or rc 1
@@ -332,6 +339,9 @@ def test_a_tp_layout_run_refuses_the_connectors_bounds_before_any_process(cmd, e
     (["--timeout-s", "nan"], "--timeout-s=nan"),
     (["--tp-size", "64", "--dcp-size", "16"], "--dcp-size=16 x --tp-size=64 = 1024 processes; at most 64"),
     (["--prompt-tokens", "131072", "--page-size", "1048576"], "GiB of host memory"),
+    (["--path", "direct, region"], "--path='direct, region': ' region' is not a path name; --path takes a comma "
+                                   "list (no spaces) of distinct names of direct, region (a TP or layout run)"),
+    (["--path", "direct", "--path", "region"], "--path given 2 times"),
 ])
 def test_a_tp_layout_transfer_refuses_what_its_processes_could_not_run(extra, text):
     res = runner.invoke(app, ["transfer", "--model", "llama-3.1-8b", "--prompt-tokens", "256", "--tp-size", "2",
@@ -384,3 +394,23 @@ def test_a_timeout_under_two_pings_is_refused_naming_the_option():
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert "timeout_s=0.9 (--timeout-s) must be in [1, 86400] seconds" in flat, res.output
     assert "twice the connector's ping interval, 0.5 s" in flat, res.output
+
+
+@pytest.mark.parametrize("text,msg", [
+    (" packed", r"^--path=' packed': ' packed' is not a path name; --path takes a comma list \(no spaces\) of "
+                r"distinct names of auto, direct, packed, region, fused$"),
+    ("packed ", r"^--path='packed ': 'packed ' is not a path name"),
+    ("Packed", r"^--path='Packed': 'Packed' is not a path name"),
+    ("packed,,region", r"^--path='packed,,region': '' is not a path name"),
+    ("", r"^--path='': '' is not a path name"),
+    ("packed,packed", r"^--path='packed,packed' names 'packed' twice; --path takes"),
+])
+def test_path_names_are_taken_exactly(text, msg):
+    from dcp_jax.cli_options import parse_paths
+    from dcp_jax.job.config import PATHS
+
+    with pytest.raises(ValueError, match=msg):
+        parse_paths(text, PATHS)
+    # The documented forms: one name, or a comma list of distinct names, kept in order.
+    assert parse_paths("region,packed", PATHS) == ("region", "packed")
+    assert parse_paths(",".join(PATHS), PATHS) == PATHS

@@ -292,6 +292,9 @@ def test_death_in_first_mode_fails_the_next_mode_with_a_message():
         (dict(corrupt_rank=8), "corrupt_rank"),
         (dict(die_after_chunks=0), "die_after_chunks"),
         (dict(modes=("packed", "fused")), "--path fused"),
+        (dict(modes=(" packed",)), r"modes=\(' packed',\) \(--path\) must be distinct names of"),
+        (dict(prefill_interleave_size=16), r"^--prefill-interleave-size=16 needs --prefill-dcp-size > 1: one prefill "
+                                           r"rank holds every token"),
     ],
 )
 def test_bad_config_names_the_argument(kwargs, arg):

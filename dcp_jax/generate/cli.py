@@ -29,7 +29,7 @@ def generate(
     prefill_page_size: Optional[int] = typer.Option(None, help="Tokens per KV page of the prefill ranks "
                                                                "(default: --page-size)."),
     prefill_dcp_size: int = typer.Option(1, help="Prefill DCP ranks M (each holds its shard of the KV)."),
-    prefill_interleave_size: int = typer.Option(1, help="Prefill-side interleave."),
+    prefill_interleave_size: int = typer.Option(1, help="Prefill-side interleave; needs --prefill-dcp-size > 1."),
     merge: str = typer.Option("ag_rs", help="Partial-attention merge: ag_rs, ag_ar or a2a."),
     seed: int = typer.Option(0, help="Seeds the weights, the prompt and the page tables."),
     timeout_s: float = typer.Option(600.0, help="Deadline of any wait (seconds)."),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dcp_jax.job.config import MAX_RANKS
+from dcp_jax.job.config import MAX_RANKS, check_prefill_interleave
 from dcp_jax.merge import MERGE_FORMS
 from dcp_jax.transfer._worker import check_seconds
 from dcp_jax.transfer.spec import check_layout_bounds
@@ -60,6 +60,7 @@ class GenerateConfig:
             _pos(name, getattr(self, name))
         if self.prefill_page_size is not None:
             _pos("prefill_page_size", self.prefill_page_size)
+        check_prefill_interleave(self.prefill_dcp_size, self.prefill_interleave_size)
         _pos("prompt_tokens", self.prompt_tokens, 2)
         if self.prompt_tokens > MAX_PROMPT_TOKENS:  # refused before any process allocates its KV
             raise ValueError(f"--prompt-tokens={self.prompt_tokens} must be <= {MAX_PROMPT_TOKENS:,} (the prefill "

@@ -17,7 +17,7 @@ from dcp_jax.transfer.spec import check_layout_bounds
 from dcp_jax.transfer._worker import DEFAULT_HEARTBEAT_S, pings_fit
 
 __all__ = ["MODES", "PATHS", "ENGINES", "DEVICES", "STAGINGS", "engine_registers", "MAX_RANKS", "MAX_TIMEOUT_S", "JobConfig", "check_device",
-           "engine_env"]
+           "check_prefill_interleave", "engine_env"]
 
 MODES = ("direct", "packed")
 #: Transfer paths a run may ask the connector for (``KVSender(mode=...)``; ``--path``): the two
@@ -57,6 +57,20 @@ def engine_registers(engine_kind: str, device: str) -> bool:
     return registers(engine_kind, "VRAM" if device == "gpu" else "DRAM")
 
 
+def check_prefill_interleave(prefill_dcp_size: int, prefill_interleave_size: int) -> None:
+    """Refuses a prefill interleave with one prefill rank: that rank holds every token whatever
+    the interleave, so the option would be silently ignored. Ints >= 1 are the caller's to check.
+
+    Raises:
+        ValueError: ``prefill_interleave_size != 1`` with ``prefill_dcp_size == 1``, naming
+            ``--prefill-interleave-size`` and ``--prefill-dcp-size``.
+    """
+    if prefill_dcp_size == 1 and prefill_interleave_size != 1:
+        raise ValueError(f"--prefill-interleave-size={prefill_interleave_size} needs --prefill-dcp-size > 1: "
+                         "one prefill rank holds every token, so its interleave would be ignored "
+                         "(leave --prefill-interleave-size out, or give --prefill-dcp-size M > 1)")
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -72,7 +86,8 @@ class JobConfig:
         dcp_size: decode ranks N (processes, one `KVReceiver` each).
         prefill_dcp_size: prefill ranks M (processes, one `KVSender` each, each holding its shard).
         interleave_size: decode-side interleave I (1 = token round-robin).
-        prefill_interleave_size: prefill-side interleave when ``prefill_dcp_size > 1``.
+        prefill_interleave_size: prefill-side interleave; other than 1 only with
+            ``prefill_dcp_size > 1`` (`check_prefill_interleave`).
         chunk_tokens: chunked prefill: one ``send`` per chunk of this many tokens (a multiple of
             ``page_size``); None sends the request as one chunk.
         prefix_tokens: tokens the decode side already holds (not sent); a multiple of
@@ -180,6 +195,7 @@ class JobConfig:
             if getattr(self, name) > MAX_RANKS:
                 raise ValueError(f"{name}={getattr(self, name)} (--{name.replace('_', '-')}) must be <= "
                                  f"{MAX_RANKS} (the job starts one process per rank)")
+        check_prefill_interleave(self.prefill_dcp_size, self.prefill_interleave_size)
         if self.prompt_tokens > MAX_PROMPT_TOKENS:  # before any plan or buffer is sized by it
             raise ValueError(f"prompt_tokens={self.prompt_tokens:,} (--prompt-tokens) must be <= "
                              f"{MAX_PROMPT_TOKENS:,}: plans and buffers are sized by it")

@@ -8,6 +8,7 @@ from dcp_jax.generate.config import GenerateConfig
 @pytest.mark.parametrize("kw,text", [
     (dict(interleave_size=2 ** 31), r"--interleave-size \* --dcp-size = 2147483648 \* 2 exceeds int32"),
     (dict(prefill_interleave_size=2 ** 30, prefill_dcp_size=2), r"--prefill-interleave-size \* --prefill-dcp-size"),
+    (dict(prefill_interleave_size=16), r"^--prefill-interleave-size=16 needs --prefill-dcp-size > 1"),  # was ignored
     (dict(page_size=(1 << 20) + 1), r"--page-size=1048577 must be <= 1048576"),
     (dict(prefill_page_size=(1 << 20) + 1), r"--prefill-page-size=1048577 must be <= 1048576"),
     (dict(timeout_s=100_000.0), r"--timeout-s=100000.0 must be in \(0, 86400\]"),
