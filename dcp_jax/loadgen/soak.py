@@ -3,8 +3,8 @@ while it runs, and the memory record over time.
 
 `NetnsPlace` puts the sender on host 0 and the receivers on host 1 of a `dcp_jax.netns.Hosts`
 pair (the sender's control plane and Mooncake bound to host 0's veth address, the receivers'
-to host 1's; UCX on the veth devices only). `FaultInjector` plays ``--faults`` at random
-times (gaps uniform in [0.5, 1.5] x ``--fault-every-s``), each for a random outage shorter than the connector's
+to host 1's; UCX over TCP on the veth devices only, `dcp_jax.netns.ENGINE_ENV`). `FaultInjector`
+plays ``--faults`` at random times (gaps uniform in [0.5, 1.5] x ``--fault-every-s``), each for a random outage shorter than the connector's
 peer timeout, so requests in flight may FAIL but connections survive:
 
 * ``link_flap``: the veth link down, then up again;

@@ -196,7 +196,8 @@ class Agent:
     """One agent process on ``hosts``' host number ``on``; `call` runs a command there.
 
     ``env``: extra environment for the process, over the host's (`Hosts.spawn`), e.g.
-    ``{"UCX_TLS": "tcp"}``. Other keyword arguments build the side.
+    ``{"UCX_PROTO_INFO": "y"}`` (UCX prints the transport of each operation). Other keyword
+    arguments build the side.
 
     Raises (at construction): AgentError if the side could not be built, TimeoutError if it
     did not say ready within ``start_timeout_s``.

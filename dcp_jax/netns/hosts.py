@@ -4,7 +4,10 @@ Host 0 (the prefill host) has one point-to-point veth link to every other host (
 or a hostile peer); every host reaches all of host 0's addresses, and only those. Link ``i`` (host 0 <-> host ``i``) is the subnet ``198.19.{200+i}.0/24`` of
 the benchmark range (RFC 2544, 198.18.0.0/15, never routed on the Internet): host 0 is ``.1``,
 host ``i`` is ``.2``. The addresses exist only inside the namespaces this object created, so
-they cannot collide with anything of the machine; no traffic leaves it.
+they cannot collide with anything of the machine; no traffic leaves it. The engines of a host's
+processes move their bytes over its veth: NIXL through UCX's TCP transport (`ENGINE_ENV`: the
+namespaces share one kernel, over which UCX would pick CMA and skip the link), Mooncake over TCP
+to the peer's address.
 
 Ownership: a `Hosts` owns its namespaces (and with them the veth devices inside) and the
 processes it started; `close` (also at interpreter exit, ``atexit``) kills those processes
@@ -34,8 +37,13 @@ from bridge.engine_env import QUIET_ENV
 __all__ = ["Hosts", "needs_root_reason", "remove_stale", "enter_netns", "run_in", "link_running", "PREFIX", "ENGINE_ENV"]
 
 PREFIX = "dcpn"
-#: Engine settings every process of a host gets (UCX_NET_DEVICES is set per host).
-ENGINE_ENV = dict(QUIET_ENV)  # each host's engines: quiet (`bridge.engine_env`), devices set per host
+#: Engine settings every process of a host gets (UCX_NET_DEVICES is set per host): quiet logs
+#: (`bridge.engine_env`) and UCX on TCP only. The namespaces share one kernel, so UCX counts the
+#: hosts as one node and puts by default over CMA (process_vm_writev): the bytes would skip the
+#: veth, a link fault would not stop them and a SIGSTOPped receiver would still be written.
+#: ("self" is not needed: NIXL's own endpoint joins two of its workers, which UCX's self transport
+#: does not serve; it uses TCP either way.)
+ENGINE_ENV = {**QUIET_ENV, "UCX_TLS": "tcp"}
 _NETNS_DIR = "/run/netns"
 _IP_TIMEOUT_S = 10.0
 #: How long `Hosts.link_up` waits for both ends to report carrier (the kernel's linkwatch may
@@ -195,7 +203,8 @@ class Hosts:
         return f"198.19.{200 + host}.2"
 
     def env(self, host: int) -> dict[str, str]:
-        """Environment for a process on ``host``: UCX on its veth devices only, quiet logs."""
+        """Environment for a process on ``host``: UCX over TCP on its veth devices only, quiet
+        logs (`ENGINE_ENV`)."""
         devs = [self.device(0, i) for i in range(1, self.n)] if host == 0 else [self.device(host)]
         return {**ENGINE_ENV, "UCX_NET_DEVICES": ",".join(devs)}
 

@@ -2,6 +2,8 @@
 
 Every test here starts real processes inside namespaces it made (`Hosts`), over real engines
 (NIXL over UCX's TCP transport on the veth, Mooncake over TCP), and removes them at the end.
+UCX is held to TCP (``UCX_TLS=tcp``, `dcp_jax.netns.ENGINE_ENV`): the namespaces share one kernel,
+so by default UCX puts between them with CMA (process_vm_writev), and the bytes skip the veth.
 They need root (CI runs as root) and skip with the reason otherwise.
 """
 import os

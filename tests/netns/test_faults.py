@@ -111,23 +111,22 @@ def test_sender_killed_mid_request_then_restarted(nixl_only):
         recv.close(), again.close()
 
 
-# The stopped rank's batch must not be able to complete while it is stopped. UCX puts between
-# these namespaces (one kernel) go over CMA, which writes into a stopped process: the batch then
-# ended SUCCESS whenever its notification got out. Over TCP the bytes need the stopped receiver;
-# 8 KiB rows (128 x GEO's) make its request 16 MiB, beyond what socket buffers hold (~4 MiB).
+# The stopped rank's batch must not be able to complete while it is stopped. Over TCP (the hosts'
+# UCX_TLS; CMA would write into a stopped process) the bytes need the stopped receiver, but a
+# request that fits the socket buffers (~4 MiB) can still land: 8 KiB rows (128 x GEO's) make
+# its request 16 MiB.
 _STOPPED_GEO = dict(item_lens=tuple(128 * il for il in ITEM_LENS), page_size=PAGE)
-_STOPPED_ENV = {"UCX_TLS": "tcp"}  # (Mooncake ignores it)
 
 
 def _stopped_setup(h, engine, mode, peer_timeout_s, chunks=1):
     # Packed mode goes through an 8 MiB arena, which the stopped rank's windows fill. The stopped
     # rank's 2,048-token request (16 MiB of rows: twice the arena) is sent in ``chunks`` calls.
     sender = Agent(h, 0, "sender", engine=engine, host=h.addr(0, 1), mode=mode, pack_bytes=8 << 20,
-                   timeout_s=30.0, peer_timeout_s=peer_timeout_s, pages=512, env=_STOPPED_ENV, **_STOPPED_GEO)
+                   timeout_s=30.0, peer_timeout_s=peer_timeout_s, pages=512, **_STOPPED_GEO)
     slow = Agent(h, 1, "receiver", engine=engine, host=h.addr(1), group="slow", pages=512,
-                 peer_timeout_s=peer_timeout_s, env=_STOPPED_ENV, **_STOPPED_GEO)
+                 peer_timeout_s=peer_timeout_s, **_STOPPED_GEO)
     fast = Agent(h, 2, "receiver", engine=engine, host=h.addr(2), group="fast", pages=512,
-                 peer_timeout_s=peer_timeout_s, env=_STOPPED_ENV, **_STOPPED_GEO)
+                 peer_timeout_s=peer_timeout_s, **_STOPPED_GEO)
     for r in (slow, fast):
         r.call("connect", sender.hello)
     n = 2048
