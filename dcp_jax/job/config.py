@@ -14,7 +14,9 @@ import os
 
 from dcp_jax.geometry import ModelGeometry, get_geometry
 from dcp_jax.transfer.spec import check_layout_bounds
+from dcp_jax.layout import local_len_np
 from dcp_jax.transfer._worker import DEFAULT_HEARTBEAT_S, pings_fit
+from dcp_jax.transfer.protocol import check_expect_pages
 
 __all__ = ["MODES", "PATHS", "ENGINES", "DEVICES", "STAGINGS", "engine_registers", "MAX_RANKS", "MAX_TIMEOUT_S", "JobConfig", "check_device",
            "check_prefill_interleave", "engine_env"]
@@ -218,6 +220,12 @@ class JobConfig:
         check_layout_bounds(p, n, i, names=("--page-size", "--dcp-size", "--interleave-size"))
         check_layout_bounds(self.src_page_size, self.prefill_dcp_size, self.prefill_interleave_size,
                             names=("--prefill-page-size", "--prefill-dcp-size", "--prefill-interleave-size"))
+        # Each decode rank announces its pages in one expect (rank 0 holds the most rows).
+        try:
+            check_expect_pages(int(local_len_np(self.prompt_tokens, n, 0, i)), p, self.prompt_tokens,
+                               name="prompt_tokens")
+        except ValueError as exc:
+            raise ValueError(f"{exc} (--prompt-tokens, --page-size, --dcp-size)") from None
         if self.chunk_tokens is not None:
             if not _is_int(self.chunk_tokens) or self.chunk_tokens < 1:
                 raise ValueError(f"chunk_tokens={self.chunk_tokens!r} (--chunk-tokens) must be an int >= 1 "

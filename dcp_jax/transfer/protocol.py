@@ -35,7 +35,7 @@ import msgpack
 import numpy as np
 
 __all__ = [
-    "PROTOCOL_VERSION", "MAX_CONTROL_BYTES", "MAX_NOTIF_BYTES", "ProtocolError", "encode",
+    "PROTOCOL_VERSION", "MAX_CONTROL_BYTES", "MAX_FIELD_BYTES", "MAX_EXPECT_PAGES", "check_expect_pages", "MAX_NOTIF_BYTES", "ProtocolError", "encode",
     "decode", "unpack", "pack_i64", "unpack_i64", "KINDS", "PATHS", "MAX_MOVING", "MAX_LEASE_MS",
 ]
 
@@ -46,6 +46,12 @@ PATHS = ("direct", "packed", "region", "fused")
 MAX_IPC_HANDLES = 4096     # one CUDA IPC handle per KV layer entry at most (spec.MAX_LAYERS)
 #: Largest control message accepted (bytes). A direct pull of 262,144 rows is 2 MiB of rows.
 MAX_CONTROL_BYTES = 16 << 20
+#: Largest bytes field of a message (a page table, a pull's rows): `MAX_CONTROL_BYTES` less room
+#: for the rest of the message (kind, id of up to `MAX_REQUEST_ID` bytes, a few ints), so a field
+#: within its bound never makes a frame the peer refuses.
+MAX_FIELD_BYTES = MAX_CONTROL_BYTES - 4096
+#: Most pages one ``expect`` announces (int64 page ids within `MAX_FIELD_BYTES`): 2,096,640.
+MAX_EXPECT_PAGES = MAX_FIELD_BYTES // 8
 #: Largest engine notification accepted (bytes).
 MAX_NOTIF_BYTES = 1024
 #: Longest request id in UTF-8 bytes (256 ASCII characters): a ``done`` notification carrying it
@@ -87,11 +93,11 @@ KINDS: dict[str, dict[str, tuple]] = {
     "hello_ack": {"spec": (_DICT, 0), "peer": (_DICT, 0), "layer_bases": (_BYTES, 8 * 4096),
                   "name": (_STR, 256), "path": (_STR, 16), "staged": (_BOOL, 0), "flag": (_STR, 64)},
     "hello_nack": {"field": (_STR, 64), "ours": (_ANY, 0), "theirs": (_ANY, 0), "message": (_STR, MAX_TEXT)},
-    "expect": {"num_tokens": (_INT, 0), "prefix_tokens": (_INT, 0), "page_table": (_BYTES, MAX_CONTROL_BYTES),
+    "expect": {"num_tokens": (_INT, 0), "prefix_tokens": (_INT, 0), "page_table": (_BYTES, MAX_FIELD_BYTES),
                "dcp_rank": (_INT, 0)},
     "abort": {"reason": (_STR, MAX_TEXT)},
     "failed": {"reason": (_STR, MAX_TEXT)},
-    "pull_ready": {**_CHUNK, "lo": (_INT, 0), "src_addr": (_INT, 0), "src_rows": (_BYTES, MAX_CONTROL_BYTES)},
+    "pull_ready": {**_CHUNK, "lo": (_INT, 0), "src_addr": (_INT, 0), "src_rows": (_BYTES, MAX_FIELD_BYTES)},
     "pull_done": {"chunk": (_INT, 0), "part": (_INT, 0), "ok": (_BOOL, 0), "reason": (_STR, MAX_TEXT)},
     "done": dict(_CHUNK),
     "region_ask": {**_CHUNK, "lo": (_INT, 0), "nbytes": (_INT, 1)},
@@ -110,6 +116,27 @@ KINDS: dict[str, dict[str, tuple]] = {
 }
 
 
+def check_expect_pages(rows: int, page_size: int, num_tokens: int, name: str = "num_tokens") -> None:
+    """Refuses a request whose rank's rows fill more pages than one ``expect`` carries.
+
+    Args:
+        rows: the rank's local rows of the request (`dcp_jax.layout.local_len_np`).
+        page_size: tokens per page.
+        num_tokens: the request's tokens (for the message).
+        name: what to call ``num_tokens`` in the message (an option of a CLI, say).
+
+    Raises:
+        ValueError: ``ceil(rows / page_size) > MAX_EXPECT_PAGES`` (names ``name``, the pages and
+            the bound).
+    """
+    pages = -(-rows // page_size)
+    if pages > MAX_EXPECT_PAGES:
+        raise ValueError(f"{name}={num_tokens:,}: a decode rank's {rows:,} local rows fill {pages:,} pages of "
+                         f"page_size={page_size}, and one expect announces at most {MAX_EXPECT_PAGES:,} "
+                         f"(its page table must fit the control plane's {MAX_CONTROL_BYTES >> 20} MiB frame): "
+                         "use a larger page_size or more DCP ranks")
+
+
 def encode(kind: str, rid: str = "", inc: int = 0, **fields: Any) -> bytes:
     """One message as msgpack bytes (the sender of a message checks it like its receiver will).
 
@@ -121,7 +148,10 @@ def encode(kind: str, rid: str = "", inc: int = 0, **fields: Any) -> bytes:
     # Free text (a reason, an exception's words) may hold lone surrogates (`os.fsdecode`'s): sent
     # escaped, never raising here, after the state change the message reports. Ids and group
     # names are checked to be UTF-8 at the API (`check_request_id`), so escaping never alters one.
-    return msgpack.packb(msg, use_bin_type=True, unicode_errors="backslashreplace")
+    data = msgpack.packb(msg, use_bin_type=True, unicode_errors="backslashreplace")
+    if len(data) > MAX_CONTROL_BYTES:  # the peer's `decode` would refuse it: fail here, loudly
+        raise ProtocolError(f"{kind}: message of {len(data)} bytes exceeds the limit of {MAX_CONTROL_BYTES}")
+    return data
 
 
 def decode(data: Any, *, max_bytes: int = MAX_CONTROL_BYTES) -> dict[str, Any]:
@@ -188,7 +218,8 @@ def _check(msg: Any) -> None:
         elif not isinstance(v, typ):
             raise ProtocolError(f"{kind}.{name} must be {typ.__name__}, got {type(v).__name__}")
         elif bound and len(v) > bound:
-            raise ProtocolError(f"{kind}.{name} has {len(v)} items, at most {bound}")
+            unit = "bytes" if typ is _BYTES else "characters" if typ is _STR else "items"
+            raise ProtocolError(f"{kind}.{name} has {len(v)} {unit}, at most {bound}")
     if "start" in schema and msg["stop"] < msg["start"]:
         raise ProtocolError(f"{kind}: stop={msg['stop']} < start={msg['start']}")
     if "part" in schema and "nparts" in schema and msg["part"] >= msg["nparts"]:

@@ -252,8 +252,10 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
                 the TP ranks that move every KV head this rank holds (`views.uncovered_heads`; the
                 message names the DCP rank, the heads and the TP ranks sending them): the missing
                 tokens or heads would never come.
-            TypeError, ValueError: bad id, token counts or page table, or an id still held
-                (release it first).
+            TypeError, ValueError: bad id, token counts or page table, an id still held
+                (release it first), or more pages than one announcement carries
+                (`protocol.MAX_EXPECT_PAGES`, 2,096,640: the control plane's 16 MiB frame).
+                Nothing is held when it raises.
         """
         self._check_open()
         rid = check_request_id(request_id)
@@ -262,6 +264,7 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
             raise ValueError(f"prefix_tokens={prefix_tokens} must be <= num_tokens={num_tokens}")
         s = self.spec
         rows = int(local_len_np(int(num_tokens), s.dcp_size, s.dcp_rank, s.interleave_size))
+        proto.check_expect_pages(rows, s.page_size, int(num_tokens))
         table = check_page_table(page_table, rows, s.page_size, self._layers.min_rows // s.page_size)
         with self._lock:
             self._check_coverage()
@@ -283,16 +286,18 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
             self._layers.check_pages(written, self._page_owner)  # entries viewing one buffer
             # Only the senders that move this rank something (`views.pair_moves`): a pair with
             # no head in common has nothing to send, and its sender does not wait for this rank.
-            req = RecvRequest(rid, secrets.randbits(62) + 1, table, int(num_tokens), int(prefix_tokens),
+            inc = secrets.randbits(62) + 1
+            # Encoded before anything is held: a frame that cannot go leaves no request behind.
+            frame = proto.encode("expect", rid, inc, num_tokens=int(num_tokens),
+                                 prefix_tokens=int(prefix_tokens),
+                                 page_table=proto.pack_i64(table[:-(-rows // s.page_size)]),
+                                 dcp_rank=s.dcp_rank)
+            req = RecvRequest(rid, inc, table, int(num_tokens), int(prefix_tokens),
                               [link for link in self._links if pair_moves(link.spec, s)])
             req.written_pages = written
             self._page_owner.update(dict.fromkeys(written, rid))
             self._requests[rid] = req
             self._counts["requests"] += 1
-            frame = proto.encode("expect", rid, req.inc, num_tokens=int(num_tokens),
-                                 prefix_tokens=int(prefix_tokens),
-                                 page_table=proto.pack_i64(table[:-(-rows // s.page_size)]),
-                                 dcp_rank=s.dcp_rank)
             self._outbox.extend((link, frame) for link in req.senders)
             if prefix_tokens == num_tokens and req.finish(TransferStatus.SUCCESS):
                 self._counts["succeeded"] += 1  # all of it is here already: nothing will come
