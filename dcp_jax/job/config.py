@@ -59,6 +59,21 @@ def engine_registers(engine_kind: str, device: str) -> bool:
     return registers(engine_kind, "VRAM" if device == "gpu" else "DRAM")
 
 
+def check_job_timeout(timeout_s: float, name: str = "timeout_s") -> None:
+    """A job's ``--timeout-s``: its connectors' peer timeout is ``min(timeout_s, PEER_TIMEOUT_S)``,
+    which must leave room for two pings (`pings_fit`, the connector's own rule).
+
+    Raises:
+        ValueError: not a number of seconds in [2 x the ping interval, `MAX_TIMEOUT_S`] (names
+            ``name`` and ``--timeout-s``).
+    """
+    ok = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+    if not (ok and timeout_s <= MAX_TIMEOUT_S and pings_fit(DEFAULT_HEARTBEAT_S, timeout_s)):
+        raise ValueError(f"{name}={timeout_s!r} (--timeout-s) must be in [{2 * DEFAULT_HEARTBEAT_S:g}, "
+                         f"{MAX_TIMEOUT_S:g}] seconds (at least twice the connector's ping interval, "
+                         f"{DEFAULT_HEARTBEAT_S:g} s)")
+
+
 def check_prefill_interleave(prefill_dcp_size: int, prefill_interleave_size: int) -> None:
     """Refuses a prefill interleave with one prefill rank: that rank holds every token whatever
     the interleave, so the option would be silently ignored. Ints >= 1 are the caller's to check.
@@ -246,11 +261,7 @@ class JobConfig:
                                  "(None, the option left out: no limit)")
         if not _is_int(self.requests) or not 1 <= self.requests <= MAX_REQUESTS:
             raise ValueError(f"requests={self.requests!r} (--requests) must be an int in [1, {MAX_REQUESTS}]")
-        # The connectors' peer timeout is min(timeout_s, PEER_TIMEOUT_S): the connector's own rule.
-        if not (self.timeout_s <= MAX_TIMEOUT_S and pings_fit(DEFAULT_HEARTBEAT_S, self.timeout_s)):
-            raise ValueError(f"timeout_s={self.timeout_s!r} (--timeout-s) must be in [{2 * DEFAULT_HEARTBEAT_S:g}, "
-                             f"{MAX_TIMEOUT_S:g}] seconds (at least twice the connector's ping interval, "
-                             f"{DEFAULT_HEARTBEAT_S:g} s)")
+        check_job_timeout(self.timeout_s)
         if not self.pool_slack >= 1.0:
             raise ValueError(f"pool_slack={self.pool_slack!r} must be >= 1.0")
         for name in ("corrupt_rank", "die_rank"):
