@@ -143,6 +143,7 @@ def test_an_unknown_layout_is_named_whatever_the_model(cmd, model, side):
                         terminal_width=200)
     flat = " ".join(res.output.replace("│", " ").split())
     assert res.exit_code == 2 and f"{side} layout must be one of" in flat and "'nhdd'" in flat, res.output
+    assert f"(--{side}-layout)" in flat, res.output  # the option the user typed, named
 
 
 @pytest.mark.parametrize("args", [["plan"], ["transfer", "--no-progress"],

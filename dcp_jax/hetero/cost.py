@@ -43,7 +43,7 @@ def hetero_sides(model: str, prefill: dict, decode: dict) -> tuple[HeteroSide, H
     """
     for name, s in (("prefill", prefill), ("decode", decode)):  # a bad name first, whatever the model
         if s.get("layout") is not None and s["layout"] not in LAYOUTS:
-            raise ValueError(f"{name} layout must be one of {LAYOUTS}, got {s['layout']!r}")
+            raise ValueError(f"{name} layout must be one of {LAYOUTS}, got {s['layout']!r} (--{name}-layout)")
     if model not in HETERO_MODELS:
         raise ValueError(f"model={model!r} has no heterogeneous cache entry; one of {sorted(HETERO_MODELS)}")
     kind, layers, heads, head_dim, dtype = HETERO_MODELS[model]
