@@ -35,7 +35,7 @@ import msgpack
 import numpy as np
 
 __all__ = [
-    "PROTOCOL_VERSION", "MAX_CONTROL_BYTES", "MAX_FIELD_BYTES", "MAX_EXPECT_PAGES", "check_expect_pages", "MAX_NOTIF_BYTES", "ProtocolError", "encode",
+    "PROTOCOL_VERSION", "MAX_CONTROL_BYTES", "MAX_FIELD_BYTES", "MAX_EXPECT_PAGES", "MAX_PULL_ROWS", "check_expect_pages", "MAX_NOTIF_BYTES", "ProtocolError", "encode",
     "decode", "unpack", "pack_i64", "unpack_i64", "KINDS", "PATHS", "MAX_MOVING", "MAX_LEASE_MS",
 ]
 
@@ -52,6 +52,9 @@ MAX_CONTROL_BYTES = 16 << 20
 MAX_FIELD_BYTES = MAX_CONTROL_BYTES - 4096
 #: Most pages one ``expect`` announces (int64 page ids within `MAX_FIELD_BYTES`): 2,096,640.
 MAX_EXPECT_PAGES = MAX_FIELD_BYTES // 8
+#: Most rows of one direct window a pull names (``pull_ready.src_rows``, int64): 2,096,640. The
+#: planner splits a direct chunk into windows of at most this many rows (`rank_chunk`).
+MAX_PULL_ROWS = MAX_FIELD_BYTES // 8
 #: Largest engine notification accepted (bytes).
 MAX_NOTIF_BYTES = 1024
 #: Longest request id in UTF-8 bytes (256 ASCII characters): a ``done`` notification carrying it

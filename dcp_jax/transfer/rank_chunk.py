@@ -16,6 +16,7 @@ import numpy as np
 from dcp_jax._validate import check_int
 from dcp_jax.packing import choose_pack_strategy_for_rows, pack_bytes
 from dcp_jax.plan import build_descriptors, group_runs, packed_src_bases
+from dcp_jax.transfer.protocol import MAX_PULL_ROWS
 from dcp_jax.transfer.schedule import SideLayout, _chunk_rows
 
 __all__ = ["PLAN_MODES", "Strategy", "RankChunk", "plan_rank_chunk", "batch_engine_calls"]
@@ -187,7 +188,8 @@ def plan_rank_chunk(chunk: int, start: int, stop: int, *, src: SideLayout, dst: 
         src, dst: sender's and receiver's layouts.
         src_page_table, dst_page_table: their page tables (section 10 conventions).
         mode: one of :data:`PLAN_MODES`: ``"direct"``, ``"packed"``, ``"region"`` or ``"fused"``.
-        max_batch_indices: rows per batch (window), None = no limit.
+        max_batch_indices: rows per batch (window), None = no limit (a direct window holds at
+            most `protocol.MAX_PULL_ROWS` rows either way: a pull names them in one frame).
         max_region_rows: rows the pack region holds (packed; for region: the rows both the
             sender's pack region and the receiver's receive region hold), None = no limit.
             Fewer rows than the unit has: sliced sending (one pack per window); 0: direct, with
@@ -229,6 +231,8 @@ def _plan(chunk, start, stop, src, dst, src_page_table, dst_page_table, mode, ma
             strategy, fallback = "direct", True
         else:
             step = region if step is None else min(step, region)
+    if strategy == "direct":  # a pull names a direct window's rows in one frame
+        step = MAX_PULL_ROWS if step is None else min(step, MAX_PULL_ROWS)
     for a in (src_rows, dst_rows):
         a.setflags(write=False)
     return RankChunk(chunk, int(start), int(stop), dst.dcp_rank, src_rows, dst_rows, strategy,

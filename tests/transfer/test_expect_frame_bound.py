@@ -94,3 +94,40 @@ def test_the_job_refuses_a_size_no_expect_can_announce_before_starting(tokens, p
         return
     with pytest.raises(ValueError, match=r"^prompt_tokens=[\d,]+: .* \(--prompt-tokens, --page-size, --dcp-size\)$"):
         JobConfig(**kw)
+
+
+def test_a_direct_chunk_past_one_pull_frame_is_planned_in_windows_that_fit():
+    from dcp_jax.transfer.rank_chunk import plan_rank_chunk
+    from dcp_jax.transfer.schedule import SideLayout
+
+    n, m = proto.MAX_PULL_ROWS + 5, proto.MAX_PULL_ROWS
+    side = SideLayout(page_size=1, dcp_size=1, dcp_rank=0, interleave_size=1)
+    table = np.arange(n)
+
+    def windows(stop, mode="direct", **kw):
+        return plan_rank_chunk(0, 0, stop, src=side, dst=side, src_page_table=table, dst_page_table=table,
+                               mode=mode, check_tables=False, **kw).windows
+
+    assert windows(n) == ((0, m), (m, n))
+    assert windows(n, max_batch_indices=10**7) == ((0, m), (m, n))
+    assert windows(100, max_batch_indices=30) == ((0, 30), (30, 60), (60, 90), (90, 100))
+    assert windows(n, mode="packed") == ((0, n),)  # a packed pull names no rows: one window
+
+
+def test_a_pull_of_more_rows_than_one_frame_names_arrives_byte_exact():
+    # Before: FAILED "pull_ready.src_rows has 17600000 bytes, at most ..." (one window of 2.2M rows).
+    from dcp_jax.transfer import KVCacheSpec, KVReceiver, KVSender
+
+    n, page = proto.MAX_PULL_ROWS + 100_000, 4
+    pages = -(-n // page)
+    src = [np.random.default_rng().integers(0, 256, (pages, page, 8), dtype=np.uint8)]
+    dst = [np.zeros((pages, page, 8), np.uint8)]
+    with KVSender(KVCacheSpec(1, [8], page), src, engine="nixl", mode="direct", timeout_s=20) as s, \
+            KVReceiver(KVCacheSpec(1, [8], page), dst, engine="nixl", direction="pull", timeout_s=20) as r:
+        r.connect(s.address)
+        r.expect("big", np.arange(pages), n)
+        s.send("big", np.arange(pages), 0, n)
+        assert r.wait("big", 60) is TransferStatus.SUCCESS, r.failure_reason("big")
+        assert s.wait("big", 60) is TransferStatus.SUCCESS, s.failure_reason("big")
+        assert s.request_stats("big")["ranks"][0]["batches"] == 2
+        np.testing.assert_array_equal(dst[0].reshape(-1, 8)[:n], src[0].reshape(-1, 8)[:n])
