@@ -278,6 +278,7 @@ class ReceiverData:
                 src_bases = msg["src_addr"] + layer_offsets(n, self.spec.item_lens)
             descs = planmod.build_descriptors(planmod.group_runs(src, dst), src_bases, self._layers.bases,
                                               self._layers.item_lens)
+            self._reading(req, descs)
             # READ rows are (local, remote, nbytes): local is this rank's KV, remote the sender's.
             h = self.engine.transfer_batch(link.peer, descs[:, [1, 0, 2]], op="READ",
                                            dcp_rank=self.spec.dcp_rank, chunk=msg["chunk"])
@@ -290,6 +291,17 @@ class ReceiverData:
         req.inflight += 1
         self._counts["reads"] += 1
         req.state.advance(TransferStatus.TRANSFERRING)
+
+    @staticmethod
+    def _reading(req: RecvRequest, descs: np.ndarray) -> None:
+        """A READ of ``descs`` is about to be posted: it holds the request as progressing for its
+        size allowance (`_sender_endings.batch_allowance`, the sender's rule for its own batches),
+        counted from now: a long READ, or an engine call that keeps the thread meanwhile, is not
+        "no progress" while it may still be moving."""
+        from dcp_jax.transfer._sender_endings import batch_allowance
+
+        nbytes = int(descs[:, 2].sum()) if len(descs) else 0
+        req.reading_until = max(req.reading_until, time.monotonic() + batch_allowance(len(descs), nbytes))
 
     def _poll_reads(self) -> bool:
         busy = False
@@ -351,7 +363,8 @@ class ReceiverData:
             if not req.status.terminal:
                 # A sender's ``moving`` lease is progress up to its end (a batch of it in flight
                 # within its bound): the clock runs from the later of that and the last landing.
-                if now - max(req.state.last_progress, req.moving_until) > self.timeout_s:
+                reading = req.reading_until if req.inflight else 0.0  # this rank's own READs in flight
+                if now - max(req.state.last_progress, req.moving_until, reading) > self.timeout_s:
                     lapsed = (f"; its sender's last report of an engine batch in flight lapsed "
                               f"{now - req.moving_until:.1f} s ago" if req.moving_until else "")
                     self._end(req, TransferStatus.FAILED,

@@ -155,6 +155,7 @@ class ReceiverRegion:
         """Pull: one READ of the sender's packed window into the granted range."""
         req, link, n = g.req, g.link, g.done["nrows"]
         descs = np.array([[self._region.addr + g.region.offset, msg["src_addr"], n * self.spec.row_bytes]], np.int64)
+        self._reading(req, descs)
         try:
             h = self.engine.transfer_batch(link.peer, descs, op="READ", dcp_rank=self.spec.dcp_rank,
                                            chunk=msg["chunk"])

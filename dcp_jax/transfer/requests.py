@@ -242,6 +242,9 @@ class RecvRequest:
         # `time.monotonic()` until which a sender's ``moving`` report holds this request as
         # progressing (an engine batch of it in flight within its bound); 0.0: none came.
         self.moving_until = 0.0
+        # Pull: until when this rank's own READs in flight hold the request as progressing (each
+        # READ's post + its size allowance, as the sender's batches; `ReceiverData._start_read`).
+        self.reading_until = 0.0
         self.bytes = 0
         self.unpack_seconds = 0.0                        # region path: unpacks into the pages, waited for
         self.stage_seconds = 0.0  # staged on a GPU: host -> device window copies (part of unpack_seconds)

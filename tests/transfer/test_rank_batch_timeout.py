@@ -346,3 +346,19 @@ def test_requests_behind_a_stuck_batch_fail_even_while_other_ranks_stay_busy(mon
         assert snd.poll("A") is S.FAILED and snd.poll("B") is S.FAILED, c.reasons("B")
     finally:
         c.close()
+
+
+@needs_mooncake
+def test_a_pulling_rank_counts_its_own_long_read_as_progress(monkeypatch):
+    # Found in a clean-clone CI run: a pulling rank with timeout_s=0.3 FAILED "no progress" while
+    # its own READ was still moving, when the sender's ``moving`` word came late (one process, the
+    # engine call holding the thread). Its own READ now holds the request for that READ's size
+    # allowance, as the sender's batches do; here the sender says nothing at all.
+    monkeypatch.setattr(_sender_endings.SenderEndings, "_tell_moving", lambda self, *a, **k: None)
+    c = long_batch_cluster("pull")
+    try:
+        ship_one_long_batch(c)  # one READ longer than twice the rank's timeout_s: SUCCESS, byte-exact
+        req = c.receivers[0]._requests["long"]
+        assert req.moving_until == 0.0 and req.reading_until > 0.0
+    finally:
+        c.close()
