@@ -59,17 +59,17 @@ def engine_registers(engine_kind: str, device: str) -> bool:
     return registers(engine_kind, "VRAM" if device == "gpu" else "DRAM")
 
 
-def check_job_timeout(timeout_s: float, name: str = "timeout_s") -> None:
+def check_job_timeout(timeout_s: float) -> None:
     """A job's ``--timeout-s``: its connectors' peer timeout is ``min(timeout_s, PEER_TIMEOUT_S)``,
     which must leave room for two pings (`pings_fit`, the connector's own rule).
 
     Raises:
         ValueError: not a number of seconds in [2 x the ping interval, `MAX_TIMEOUT_S`] (names
-            ``name`` and ``--timeout-s``).
+            ``timeout_s`` and ``--timeout-s``).
     """
     ok = isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
     if not (ok and timeout_s <= MAX_TIMEOUT_S and pings_fit(DEFAULT_HEARTBEAT_S, timeout_s)):
-        raise ValueError(f"{name}={timeout_s!r} (--timeout-s) must be in [{2 * DEFAULT_HEARTBEAT_S:g}, "
+        raise ValueError(f"timeout_s={timeout_s!r} (--timeout-s) must be in [{2 * DEFAULT_HEARTBEAT_S:g}, "
                          f"{MAX_TIMEOUT_S:g}] seconds (at least twice the connector's ping interval, "
                          f"{DEFAULT_HEARTBEAT_S:g} s)")
 

@@ -20,6 +20,7 @@ from bridge import TransferError
 from dcp_jax import plan as planmod
 from dcp_jax.packing import layer_offsets
 from dcp_jax.transfer import protocol as proto
+from dcp_jax.transfer._sender_endings import batch_allowance
 from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, SPIN, TIMEOUT_CHECK_S
 from dcp_jax.transfer.requests import RecvRequest
 from dcp_jax.transfer.schedule import SideLayout, owned_count, owned_tokens, token_rows
@@ -298,10 +299,8 @@ class ReceiverData:
         size allowance (`_sender_endings.batch_allowance`, the sender's rule for its own batches),
         counted from now: a long READ, or an engine call that keeps the thread meanwhile, is not
         "no progress" while it may still be moving."""
-        from dcp_jax.transfer._sender_endings import batch_allowance
-
-        nbytes = int(descs[:, 2].sum()) if len(descs) else 0
-        req.reading_until = max(req.reading_until, time.monotonic() + batch_allowance(len(descs), nbytes))
+        allow = batch_allowance(len(descs), int(descs[:, 2].sum()))
+        req.reading_until = max(req.reading_until, time.monotonic() + allow)
 
     def _poll_reads(self) -> bool:
         busy = False
