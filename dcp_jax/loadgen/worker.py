@@ -264,7 +264,11 @@ class _Receiver(_Side):
                 self._reconnect(must=True)
             tokens = owned_tokens(plan.num_tokens, self.cfg.dcp_size, self.rank, self.cfg.interleave_size)
             table = self.pool.allocate(len(tokens))
-            self.r.expect(plan.rid, table, plan.num_tokens)
+            try:
+                self.r.expect(plan.rid, table, plan.num_tokens)
+            except RuntimeError:  # the sender dropped the link since the check above: connect again, once
+                self._reconnect(must=True)
+                self.r.expect(plan.rid, table, plan.num_tokens)
             self.live[plan.index] = _RReq(plan, table, tokens)
         elif kind == "abort":
             req = self.live.get(msg[1])
