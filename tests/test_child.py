@@ -8,7 +8,10 @@ import pytest
 
 from dcp_jax.child_process import Child
 
-CTX = mp.get_context("fork")  # module-level targets that touch no JAX state; every wait is bounded
+# forkserver, not fork: an xdist worker that ran engine tests before could not fork (CI:
+# "OSError: [Errno 12] Cannot allocate memory" at os.fork()); the server is a fresh, small process.
+# The targets are module level (the server imports this module); every wait is bounded.
+CTX = mp.get_context("forkserver")
 BIG = {"addresses": ["x" * 200_000]}  # more than a pipe's buffer: the send must meet the dead end
 
 
@@ -91,7 +94,8 @@ def _orphan_that_ignores_sigterm():
 
 
 def _parent_of_one(q):
-    p = CTX.Process(target=_orphan_that_ignores_sigterm, daemon=False)
+    # fork here: the rank must be this process's own child, to be re-parented when it dies
+    p = mp.get_context("fork").Process(target=_orphan_that_ignores_sigterm, daemon=False)
     p.start()
     q.put(p.pid)
     time.sleep(600)
