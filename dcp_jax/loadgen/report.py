@@ -77,45 +77,13 @@ def summarize(o, *, rss0: int, t_start: float, t_ready: float, t_end: float) -> 
     cfg, g = o.cfg, o.cfg.geometry
     fin, snaps = o.finals, o.snapshots
     recv_names = [f"receiver{r}" for r in range(cfg.dcp_size)]
-    counts = dict(succeeded=0, aborted=0, failed=0)
     faulty = bool(cfg.faults)  # injected faults: FAILED requests are expected, counted, allowed
     issued = getattr(o, "next", cfg.requests)
-    bad_success = misattrib = src_bad = 0
-    wrong, by_side = [], {"sender": 0, "receiver": 0}
-    main_lat, main_xfer, main_n, main_bytes, expected_bytes, drains = [], [], 0, 0, 0, []
-    for t in o.done:
-        statuses = [t.sender["status"]] + [r["status"] for r in t.recv]
-        ok_all = all(s == "success" for s in statuses)
-        outcome = "succeeded" if ok_all else "aborted" if all(s == "aborted" for s in statuses) else "failed"
-        counts[outcome] += 1
-        src_bad += t.sender.get("src_bad_rows", 0)
-        nbytes = t.plan.num_tokens * g.row_bytes
-        bad_ranks = sum(1 for r in t.recv if r["status"] == "success" and r.get("bad_rows", 0))
-        bad_success += bad_ranks
-        misattrib += bad_ranks
-        if t.plan.abort is not None:
-            by_side["sender" if t.plan.abort.by < 0 else "receiver"] += 1
-            misattrib += sum(1 for s in statuses if s == "success")
-            if outcome != "aborted" and not (faulty and outcome == "failed"):
-                wrong.append((t.plan.index, "planned abort", statuses, t.sender["reason"]))
-        elif (outcome != "succeeded" and not (faulty and outcome == "failed")) or bad_ranks \
-                or t.sender.get("src_bad_rows", 0):
-            wrong.append((t.plan.index, "normal", statuses,
-                          t.sender["reason"] or next((r["reason"] for r in t.recv if r["reason"]), "")))
-        if not ok_all:
-            drains.append(max([t.sender.get("drain_s", 0.0)] + [r.get("drain_s", 0.0) for r in t.recv]))
-        # Every rank that said SUCCESS had its rows compared (under faults the sides may
-        # disagree: a rank can land everything while the sender timed out waiting).
-        expected_bytes += sum(r["rows"] * g.row_bytes for r in t.recv if r["status"] == "success")
-        if t.phase == "main" or cfg.requests <= cfg.warmup_requests:
-            main_n += 1
-            if ok_all:
-                main_bytes += nbytes
-                lat = [r["latency_s"] for r in t.recv]
-                if None not in lat:
-                    main_lat.append(max(lat))
-                if t.sender.get("transfer_s") is not None:
-                    main_xfer.append(t.sender["transfer_s"])
+    tl = o.tally
+    counts, wrong, by_side = tl.counts, tl.wrong, tl.by_side
+    bad_success, misattrib, src_bad = tl.bad_success, tl.misattrib, tl.src_bad
+    main_lat, main_xfer, main_n, main_bytes = tl.main_lat, tl.main_xfer, tl.main_n, tl.main_bytes
+    expected_bytes = tl.expected_bytes
     inconsistent = sum(fin[n]["stats"].get("inconsistent_messages", 0) for n in recv_names if n in fin)
     misattrib += inconsistent
     sides = {n: fin.get(n) for n in ["sender", *recv_names]}
@@ -150,7 +118,7 @@ def summarize(o, *, rss0: int, t_start: float, t_ready: float, t_end: float) -> 
     planned_aborts = sum(1 for p in o.plans if p.abort is not None)
 
     failures = list(o.errors)
-    finished = len(o.done)
+    finished = tl.finished
 
     def check(cond: bool, what: str) -> None:
         if not cond:
@@ -158,7 +126,7 @@ def summarize(o, *, rss0: int, t_start: float, t_ready: float, t_end: float) -> 
 
     check(finished == issued, f"{issued - finished} of {issued} issued requests never finished (lost)")
     check(issued == cfg.requests or cfg.duration_s > 0, f"only {issued} of {cfg.requests} requests were issued")
-    check(not wrong, f"{len(wrong)} requests ended wrong, e.g. {wrong[:3]}")
+    check(not tl.wrong_count, f"{tl.wrong_count} requests ended wrong, e.g. {wrong[:3]}")
     planned_issued = sum(1 for p in o.plans[:issued] if p.abort is not None)
     check(counts["aborted"] == planned_issued or (faulty and counts["aborted"] <= planned_issued), f"{counts['aborted']} requests ABORTED on every side, "
                                                f"{planned_aborts} were aborted on purpose")
@@ -192,7 +160,7 @@ def summarize(o, *, rss0: int, t_start: float, t_ready: float, t_end: float) -> 
         measured_seconds=wall, p50_ms=_pct(main_lat, 50), p99_ms=_pct(main_lat, 99),
         max_ms=max(main_lat) * 1e3 if main_lat else None,
         sender_transfer_p50_ms=_pct(main_xfer, 50), sender_transfer_p99_ms=_pct(main_xfer, 99),
-        unsuccessful_drain_max_ms=max(drains) * 1e3 if drains else None,
+        unsuccessful_drain_max_ms=None if tl.drain_max_s is None else tl.drain_max_s * 1e3,
         startup_seconds=t_ready - t_start, total_seconds=t_end - t_start,
         close_seconds={n: f["close_s"] for n, f in sides.items() if f is not None},
         warmup_seconds=(lambda w: w[1] - w[0] if w else None)(o.phase_times.get("warmup")),

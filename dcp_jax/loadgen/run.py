@@ -21,6 +21,7 @@ from typing import Any
 from bridge.engine_env import quiet_engines
 from dcp_jax.loadgen.config import LoadConfig, RequestPlan, plan_requests
 from dcp_jax.loadgen.report import summarize
+from dcp_jax.loadgen.tally import Tally
 from dcp_jax.loadgen.worker import receiver_main, rss_bytes, sender_main
 
 __all__ = ["run_load"]
@@ -93,7 +94,7 @@ class _Orchestrator:
         self.cfg, self.progress = cfg, progress
         self.plans = plan_requests(cfg)
         self.tracks: dict[int, _Track] = {}
-        self.done: list[_Track] = []
+        self.tally = Tally(cfg.geometry.row_bytes, bool(cfg.faults), cfg.requests <= cfg.warmup_requests)
         self.errors: list[str] = []
         self.finals: dict[str, dict] = {}
         self.snapshots: dict[str, dict] = {}
@@ -166,7 +167,7 @@ class _Orchestrator:
                 t.recv[k - 1] = msg[2]
             if t.finished():
                 t.t_done = time.monotonic()
-                self.done.append(self.tracks.pop(msg[1]))
+                self.tally.add(self.tracks.pop(msg[1]))
                 if self.progress is not None:
                     self.progress.advance(t)
         else:
