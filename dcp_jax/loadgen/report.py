@@ -115,7 +115,6 @@ def summarize(o, *, rss0: int, t_start: float, t_ready: float, t_end: float) -> 
     if cfg.requests <= cfg.warmup_requests:
         t0, t1 = o.phase_times.get("warmup", [t0, t1])
     wall = max(t1 - t0, 1e-9)
-    planned_aborts = sum(1 for p in o.plans if p.abort is not None)
 
     failures = list(o.errors)
     finished = tl.finished
@@ -125,14 +124,18 @@ def summarize(o, *, rss0: int, t_start: float, t_ready: float, t_end: float) -> 
             failures.append(what)
 
     check(finished == issued, f"{issued - finished} of {issued} issued requests never finished (lost)")
+    # A run that measured nothing proves nothing (e.g. --duration-s shorter than one request).
+    check(main_n > 0, f"no request was measured ({issued} issued, {cfg.warmup_requests} of them warm-up; "
+                      f"--duration-s={cfg.duration_s:g} ended the measured phase before its first request)"
+          if cfg.duration_s else f"no request was measured ({issued} issued)")
     check(issued == cfg.requests or cfg.duration_s > 0, f"only {issued} of {cfg.requests} requests were issued")
     check(not tl.wrong_count, f"{tl.wrong_count} requests ended wrong, e.g. {wrong[:3]}")
-    planned_issued = sum(1 for p in o.plans[:issued] if p.abort is not None)
+    planned_issued = o.planned_issued
     check(counts["aborted"] == planned_issued or (faulty and counts["aborted"] <= planned_issued), f"{counts['aborted']} requests ABORTED on every side, "
-                                               f"{planned_aborts} were aborted on purpose")
+                                               f"{planned_issued} of the {issued} issued were aborted on purpose")
     check(misattrib == 0, f"misattributed_messages={misattrib}")
     check(sentinel == 0, f"sentinel_violations={sentinel}: " + "; ".join(
-        f["pool"]["first_problem"] for f in present if f["pool"]["first_problem"]))
+        f"{n}: {f['pool']['first_problem']}" for n, f in sides.items() if f is not None and f["pool"]["first_problem"]))
     check(src_bad == 0, f"{src_bad} source rows of the sender's KV changed under it")
     check(bytes_verified == expected_bytes, f"bytes_verified={bytes_verified}, the succeeded requests hold "
                                             f"{expected_bytes}")

@@ -19,7 +19,7 @@ from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 from bridge.engine_env import quiet_engines
-from dcp_jax.loadgen.config import LoadConfig, RequestPlan, plan_requests
+from dcp_jax.loadgen.config import LoadConfig, RequestPlan, iter_plans
 from dcp_jax.loadgen.report import summarize
 from dcp_jax.loadgen.tally import Tally
 from dcp_jax.loadgen.worker import receiver_main, rss_bytes, sender_main
@@ -92,7 +92,8 @@ class _Procs:
 class _Orchestrator:
     def __init__(self, cfg: LoadConfig, progress):
         self.cfg, self.progress = cfg, progress
-        self.plans = plan_requests(cfg)
+        self._plans = iter_plans(cfg)  # drawn as issued, in order
+        self.planned_issued = 0  # issued requests with a planned abort
         self.tracks: dict[int, _Track] = {}
         self.tally = Tally(cfg.geometry.row_bytes, bool(cfg.faults), cfg.requests <= cfg.warmup_requests)
         self.errors: list[str] = []
@@ -141,6 +142,7 @@ class _Orchestrator:
 
     # ---- requests ------------------------------------------------------------------------------
     def _issue(self, plan: RequestPlan, phase: str) -> None:
+        self.planned_issued += plan.abort is not None
         self.tracks[plan.index] = _Track(plan, time.monotonic(), phase, recv=[None] * self.cfg.dcp_size)
         msg = plan.as_msg()
         for r in range(self.cfg.dcp_size):
@@ -186,7 +188,7 @@ class _Orchestrator:
                     self.faults.faults = []
             self._tick()
             while self.next < stop and len(self.tracks) < self.cfg.concurrency:
-                self._issue(self.plans[self.next], name)
+                self._issue(next(self._plans), name)
                 self.next += 1
             for k, msg in self._events(0.05):
                 self._on(k, msg)

@@ -381,8 +381,10 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
         it, and the receive region is freed only then (a daemon timer keeps it).
 
         Raises:
-            TypeError, ValueError: ``timeout_s`` is not a number of seconds in (0, 86400].
+            TypeError, ValueError: ``timeout_s`` is not a number of seconds in (0, 86400] (also
+                on a closed receiver: the argument is checked before anything else).
         """
+        check_seconds("timeout_s", timeout_s)
         if self._closed:
             return
         shut_down(self, timeout_s, "receiver", self._close_links, flush=self._flush)

@@ -104,6 +104,30 @@ def test_a_warmup_covering_the_run_says_so_and_claims_no_check_after_it(tmp_path
     assert rep["bytes_verified"] == sum(p.num_tokens for p in plan_requests(cfg)) * sum(cfg.geometry.kv_item_lens)
 
 
+def test_a_run_that_measures_no_request_fails_and_says_why(tmp_path):
+    # Before (fresh-user trial): --duration-s 0.000001 ended the measured phase before its first
+    # request; the run reported "all checks passed" with 0 measured requests and no latency.
+    cfg = LoadConfig(requests=1000, concurrency=2, max_tokens=16, dcp_size=1, warmup=2, duration_s=1e-6, seed=5)
+    out = tmp_path / "r.json"
+    assert load_command(cfg, out, progress=False) == 1
+    rep = json.loads(out.read_text())
+    assert rep["ok"] is False and rep["measured_requests"] == 0 and rep["issued"] == 2 == rep["finished"]
+    assert any("no request was measured (2 issued, 2 of them warm-up; --duration-s=1e-06" in f
+               for f in rep["failures"]), rep["failures"]
+
+
+def test_plans_are_drawn_lazily_in_the_same_sequence():
+    from itertools import islice
+
+    from dcp_jax.loadgen.config import iter_plans
+
+    cfg = LoadConfig(requests=300, abort_fraction=0.3, max_tokens=40, dcp_size=2, seed=11)
+    assert list(iter_plans(cfg)) == plan_requests(cfg)
+    big = LoadConfig(requests=10_000_000, abort_fraction=0.0, max_tokens=8, seed=1)
+    first = list(islice(iter_plans(big), 3))  # no ten million plans built for three
+    assert [p.index for p in first] == [0, 1, 2] and first[0].rid == "load-1-0"
+
+
 def test_plan_is_seeded_and_well_formed():
     cfg = LoadConfig(requests=500, abort_fraction=0.2, max_tokens=40, dcp_size=3, seed=7)
     plans = plan_requests(cfg)

@@ -28,7 +28,7 @@ def test_counts_bytes_and_latencies_hand_computed():
     assert t.by_side == {"sender": 1, "receiver": 1}
     assert t.expected_bytes == 2 * 7 * ROW  # two succeeded requests, 4 + 3 rows each
     assert t.main_n == 3 and t.main_bytes == 7 * ROW  # the warm-up one is not measured
-    assert t.main_lat == [0.030] and t.main_xfer == [0.005]  # the slowest rank's latency
+    assert list(t.main_lat) == [0.030] and list(t.main_xfer) == [0.005]  # the slowest rank's latency
     assert t.drain_max_s == 0.004
     assert t.wrong_count == 0 and t.misattrib == 0
 

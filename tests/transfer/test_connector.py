@@ -298,6 +298,12 @@ def test_closed_sides_refuse_calls_and_duplicate_links_are_refused(engine):
             c.receivers[0].expect("late", dst[0], 4)
         with pytest.raises(RuntimeError, match="closed"):
             c.receivers[0].connect(c.sender.address)
+        # close is idempotent, but its argument is still checked (it was ignored once closed)
+        for side in (c.sender, c.receivers[0]):
+            for bad in (-1, 0, float("nan")):
+                with pytest.raises(ValueError, match="timeout_s"):
+                    side.close(timeout_s=bad)
+            side.close(timeout_s=1.0)
     finally:
         c.close()
 
