@@ -13,10 +13,10 @@ import math
 import os
 
 from dcp_jax.geometry import ModelGeometry, get_geometry
-from dcp_jax.transfer.spec import check_layout_bounds
 from dcp_jax.layout import local_len_np
 from dcp_jax.transfer._worker import DEFAULT_HEARTBEAT_S, pings_fit
 from dcp_jax.transfer.protocol import check_expect_pages
+from dcp_jax.transfer.spec import check_layout_bounds
 
 __all__ = ["MODES", "PATHS", "ENGINES", "DEVICES", "STAGINGS", "engine_registers", "MAX_RANKS", "MAX_TIMEOUT_S", "JobConfig", "check_device",
            "check_prefill_interleave", "engine_env"]

@@ -35,8 +35,9 @@ import msgpack
 import numpy as np
 
 __all__ = [
-    "PROTOCOL_VERSION", "MAX_CONTROL_BYTES", "MAX_FIELD_BYTES", "MAX_EXPECT_PAGES", "MAX_PULL_ROWS", "check_expect_pages", "MAX_NOTIF_BYTES", "ProtocolError", "encode",
-    "decode", "unpack", "pack_i64", "unpack_i64", "KINDS", "PATHS", "MAX_MOVING", "MAX_LEASE_MS",
+    "PROTOCOL_VERSION", "MAX_CONTROL_BYTES", "MAX_FIELD_BYTES", "MAX_EXPECT_PAGES", "MAX_PULL_ROWS",
+    "check_expect_pages", "MAX_NOTIF_BYTES", "ProtocolError", "encode", "decode", "unpack", "pack_i64",
+    "unpack_i64", "KINDS", "PATHS", "MAX_MOVING", "MAX_LEASE_MS",
 ]
 
 #: Bumped on any change of a message's meaning; peers of another version are refused at hello.

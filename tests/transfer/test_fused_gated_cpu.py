@@ -180,11 +180,7 @@ def test_parts_of_a_request_that_ended_are_not_kept_waiting(engine, fused_on_hos
         assert wait_for(lambda: not any(r._gated for r in c.receivers))
         assert [r.poll("a") for r in c.receivers] == [S.ABORTED] * 2
         release()  # a late flag credits nothing
-        src, dst = c.tables(6)
-        c.expect("b", dst, 6)
-        c.sender.send("b", src, 0, 6)
-        assert c.wait("b") == [S.SUCCESS] * 3, c.reasons("b")
-        assert c.check_bytes(src, dst, 6) == 6
+        c.round_trip("b", 6)
     finally:
         c.close()
 

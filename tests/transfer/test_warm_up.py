@@ -28,11 +28,7 @@ def test_a_slow_warm_up_keeps_the_connections(engine, monkeypatch):
     try:
         assert c.sender.warm_up() == {"pack": [], "fused": []} and len(calls) == 1
         assert len(c.sender._conns) == 2  # nobody was dropped as silent meanwhile
-        src, dst = c.tables(13)
-        c.expect("a", dst, 13)
-        c.sender.send("a", src, 0, 13)
-        assert c.wait("a") == [S.SUCCESS] * 3, c.reasons("a")
-        assert c.check_bytes(src, dst, 13) == 13
+        c.round_trip("a", 13)
     finally:
         c.close()
 
