@@ -54,6 +54,8 @@ DEFINITIONS = {k: v for k, v in (line.split(": ", 1) for line in (
     "faults: the injected faults (kind, start, outage_s; --netns --faults), FAILED requests then allowed",
     "unsuccessful_drain_max_ms: longest wait, over aborted/failed requests and sides, from the terminal status "
     "to is_drained() (pages are reused only after it)",
+    "sides.*.own_process_group: the process leads its own process group (worker.own_process_group): a "
+    "SIGSTOP fault cannot make its group orphaned with a stopped member (kernel SIGHUP + SIGCONT to all)",
 ))}
 
 
@@ -171,7 +173,9 @@ def summarize(o, *, rss0: int, t_start: float, t_ready: float, t_end: float) -> 
         loadgen_check_seconds={n: f["pool"]["seconds"] for n, f in sides.items() if f is not None},
         config=dict(cfg.to_dict(), row_bytes=g.row_bytes, item_lens=list(g.kv_item_lens)),
         sides={n: None if f is None else dict(stats=f["stats"], pool=f["pool"], unfinished=f["unfinished"],
-                                              end_violations=f["end_violations"]) for n, f in sides.items()},
+                                              end_violations=f["end_violations"],
+                                              own_process_group=f["mem"].get("own_process_group"))
+               for n, f in sides.items()},
         definitions=DEFINITIONS, machine=_machine(),
         faults=[dict(f, start=f["start"] - t_start, end=f.get("end", f["start"] + f["outage_s"]) - t_start)
                 for f in getattr(getattr(o, "faults", None), "log", None) or []],

@@ -338,10 +338,31 @@ def _pid() -> int:
     return os.getpid()
 
 
+def own_process_group() -> bool:
+    """Makes this process the leader of a process group of its own; True if it is one after.
+
+    Why: the kernel sends SIGHUP then SIGCONT to every member of a process group that becomes
+    orphaned while one member is stopped (POSIX). The soak stops processes with SIGSTOP; in the
+    orchestrator's group, the shell that started the run exiting orphaned it, and the hangup
+    reached every worker (UCX dumped debug state on it: `benchmarks/results/soak_netns.md`). In a group of its
+    own each worker's group keeps a parent (the orchestrator) in another group of the session,
+    so it is not orphaned while the orchestrator lives; the terminal's Ctrl-C reaches only the
+    orchestrator, which stops the workers itself."""
+    import os
+
+    try:
+        os.setpgid(0, 0)
+    except OSError:  # already a session or group leader (a namespace launcher may make it one)
+        pass
+    return os.getpgid(0) == os.getpid()
+
+
 def _run(make, conn, *args) -> None:
     side = None
+    own_group = own_process_group()
     try:
         side = make(conn, *args)
+        side.mem["own_process_group"] = own_group
         side.loop()
     except BaseException:  # noqa: BLE001 - reported to the orchestrator, which fails the run
         try:

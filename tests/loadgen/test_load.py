@@ -65,6 +65,7 @@ def test_load_run_end_to_end(tmp_path, engine, direction):
         assert side["stats"]["worker_errors"] == 0, name
         assert side["stats"]["aborted"] == 20 and side["stats"]["failed"] == 0, name
         assert side["stats"]["succeeded"] == 180, name
+        assert side["own_process_group"] is True, name  # a SIGSTOP in a soak hangs up no other process
     assert sides["receiver0"]["stats"]["connections"] == 1
 
 

@@ -1,0 +1,72 @@
+"""The load generator's workers lead process groups of their own (`own_process_group`): a worker
+stopped with SIGSTOP (the soak's pauses) stays stopped when the shell that started the run exits.
+Checked against a control child left in the orchestrator's group: POSIX has the kernel send an
+orphaned process group with a stopped member SIGHUP and SIGCONT, which resumes the control (what
+ended a soak's pause early and put UCX into its debug log level: `benchmarks/results/soak_netns.md`)."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+_CHILD = textwrap.dedent("""
+    import os, signal, sys, time
+    from dcp_jax.loadgen.worker import own_process_group
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the control must live on to be looked at
+    print(own_process_group() if sys.argv[1] == "own" else os.getpgid(0) == os.getpid(), flush=True)
+    time.sleep(60)
+""")
+# The "orchestrator": a shell job's group of its own, starting both children; prints their pids.
+_ORCH = textwrap.dedent("""
+    import signal, subprocess, sys, time
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    kids = [subprocess.Popen([sys.executable, "-c", sys.argv[1], k], stdout=subprocess.PIPE, text=True)
+            for k in ("own", "shared")]
+    leads = [p.stdout.readline().strip() for p in kids]
+    print(kids[0].pid, kids[1].pid, *leads, flush=True)
+    time.sleep(60)
+""")
+# The launching "shell": a session of its own; stops both children, then exits (orphaning the job).
+_LAUNCH = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    orch = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, process_group=0)
+    own, shared, *leads = orch.stdout.readline().split()
+    for pid in (own, shared):
+        os.kill(int(pid), signal.SIGSTOP)
+    for pid in (own, shared):  # the stop takes effect when the child next runs: wait for it
+        while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.005)
+    print(orch.pid, own, shared, *leads, flush=True)
+""")
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_stopped_worker_stays_stopped_when_the_launching_shell_exits():
+    out = subprocess.run([sys.executable, "-c", _LAUNCH, _ORCH, _CHILD], capture_output=True, text=True,
+                         timeout=60, start_new_session=True)
+    assert out.returncode == 0, out.stderr
+    orch, own, shared, own_leads, shared_leads = out.stdout.split()
+    pids = [int(orch), int(own), int(shared)]
+    try:
+        assert (own_leads, shared_leads) == ("True", "False")
+        deadline = time.monotonic() + 10
+        while _state(int(shared)) == "T" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _state(int(shared)) != "T"  # the control: resumed by the orphaned group's SIGCONT
+        time.sleep(0.2)
+        assert _state(int(own)) == "T"  # its group still has a parent (the orchestrator) in the session
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
