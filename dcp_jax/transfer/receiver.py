@@ -322,7 +322,8 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
             KeyError: unknown request id. ValueError, TypeError: ``timeout_s`` not a number of
                 seconds in [0, 86400].
         """
-        return self._get(request_id).state.wait(check_seconds("timeout_s", timeout_s, zero_ok=True))
+        limit = check_seconds("timeout_s", timeout_s, zero_ok=True)  # before the id: the same error either way
+        return self._get(request_id).state.wait(limit)
 
     def failure_reason(self, request_id: str) -> str:
         """Why the request FAILED or was ABORTED ("" otherwise). Raises KeyError if unknown."""

@@ -354,7 +354,8 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
             KeyError: unknown request id. ValueError, TypeError: ``timeout_s`` not a number of
                 seconds in [0, 86400].
         """
-        return self._get(request_id).state.wait(check_seconds("timeout_s", timeout_s, zero_ok=True))
+        limit = check_seconds("timeout_s", timeout_s, zero_ok=True)  # before the id: the same error either way
+        return self._get(request_id).state.wait(limit)
 
     def failure_reason(self, request_id: str) -> str:
         """Why the request FAILED or was ABORTED ("" otherwise). Raises KeyError if unknown."""
@@ -367,17 +368,29 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
         engine can, and their pack regions stay quarantined until the engine reports them done.
         The request's source pages may be reused once `is_drained` says so.
 
+        An id this sender does not know yet (no `send` of it, and its ranks' announcements not
+        here yet: a scheduler cancelling before the first chunk races them) is recorded ABORTED
+        now, so the answer does not depend on that race: a rank announcing it later is told it
+        was aborted, a `send` of it drops the chunk. Like any request never sent, the record goes
+        at `release` or by itself ``timeout_s`` after (`_forget_unsent`); the id is free after.
+
         Args:
             reason: text for both sides' `failure_reason` (``str()`` of it, cut to 4096 characters).
 
         Returns:
-            True if the request moved to ABORTED now, False if it was already terminal.
+            True if the request moved to ABORTED now (also one recorded so), False if it was
+            already terminal.
 
         Raises:
-            KeyError: unknown request id.
+            KeyError: unknown request id on a closed sender. TypeError, ValueError: a
+                ``request_id`` no request can have (`requests.check_request_id`).
         """
         with self._lock:
-            req = self._get(request_id)
+            known = isinstance(request_id, str) and (request_id in self._requests or request_id in self._forgotten)
+            if known or self._closed:
+                req = self._get(request_id)
+            else:
+                req = self._new_request(check_request_id(request_id))
             return self._end(req, TransferStatus.ABORTED, str(reason)[:proto.MAX_TEXT], notify="abort")
 
     def release(self, request_id: str) -> None:

@@ -1,0 +1,92 @@
+"""`KVSender.abort` of an id the sender does not know yet (no `send`, the ranks' announcements
+still on the way): a fresh-user trial (2026-12-06) saw KeyError or True for the same calls,
+depending on whether the announcements had reached the sender's worker. Now the id is recorded
+ABORTED at once, whatever the race: ranks announcing it later are told, `send` drops its chunks,
+`release` frees the id for its next use. Each on both engines."""
+import numpy as np
+import pytest
+
+from tests.transfer.conftest import Cluster, TransferStatus, announced, wait_for
+
+S = TransferStatus
+
+
+def test_an_abort_before_the_announcements_reach_the_sender_aborts_every_rank(engine):
+    c = Cluster(engine, dcp_size=3)
+    try:
+        src, dst = c.tables(24)
+        assert c.sender.abort("a1", reason="cancelled by the scheduler") is True  # nothing announced yet
+        assert c.sender.poll("a1") is S.ABORTED and c.sender.is_drained("a1")
+        assert c.sender.abort("a1") is False  # idempotent
+        c.expect("a1", dst, 24)
+        assert c.wait("a1", timeout_s=10) == [S.ABORTED] * 4, c.reasons("a1")
+        for recv in c.receivers:
+            assert "cancelled by the scheduler" in recv.failure_reason("a1")
+            wait_for(lambda recv=recv: recv.is_drained("a1"))
+        c.sender.send("a1", src, 0, 24)  # dropped: the request was aborted
+        assert c.sender.poll("a1") is S.ABORTED
+        assert all(c.sentinel_pages(r, []) for r in range(3))  # nothing was written anywhere
+        stats = c.sender.stats
+        assert stats["aborted"] == 1 and stats["bytes"] == 0
+        # Released on both sides, the id's next use is a new request that moves its bytes.
+        c.sender.release("a1")
+        for recv in c.receivers:
+            recv.release("a1")
+        c.round_trip("a1", 24)
+    finally:
+        c.close()
+
+
+def test_an_abort_right_after_expect_has_one_answer_whichever_side_wins(engine):
+    # The trial's race, many times over: each abort returns True and every side ends ABORTED.
+    c = Cluster(engine, dcp_size=2)
+    try:
+        for k in range(20):
+            rid = f"race-{k}"
+            src, dst = c.tables(8)
+            c.expect(rid, dst, 8)
+            assert c.sender.abort(rid) is True, (k, announced(c.sender, rid))
+            assert c.wait(rid, timeout_s=10) == [S.ABORTED] * 3, c.reasons(rid)
+            for recv in c.receivers:
+                wait_for(lambda recv=recv: recv.is_drained(rid))
+                recv.release(rid)
+            c.sender.release(rid)
+            c._free_src.extend(src.tolist())
+            for r in range(2):
+                c._free_dst[r].extend(dst[r].tolist())
+        assert c.sender.stats["aborted"] == 20 and c.sender.stats["bytes"] == 0
+    finally:
+        c.close()
+
+
+def test_abort_of_an_unknown_id_checks_the_id_and_stays_keyerror_once_closed(engine):
+    c = Cluster(engine, dcp_size=1)
+    try:
+        with pytest.raises(TypeError, match="request_id"):
+            c.sender.abort(7)
+        with pytest.raises(ValueError, match="request_id"):
+            c.sender.abort("")
+        with pytest.raises(ValueError, match="request_id"):
+            c.sender.abort("x" * 257)
+        assert c.sender.stats["requests"] == 0  # nothing recorded for a refused id
+    finally:
+        c.close()
+    with pytest.raises(KeyError, match="not known"):
+        c.sender.abort("never-seen")  # a closed sender records nothing
+
+
+def test_wait_checks_timeout_s_before_the_id(engine):
+    # A bad timeout_s is the same ValueError for a known and an unknown id (the trial saw
+    # KeyError for an unknown one).
+    c = Cluster(engine, dcp_size=1)
+    try:
+        src, dst = c.tables(4)
+        c.expect("w1", dst, 4)
+        for side in (c.sender, c.receivers[0]):
+            for rid in ("w1", "unknown"):
+                with pytest.raises(ValueError, match="timeout_s"):
+                    side.wait(rid, -1)
+            with pytest.raises(KeyError, match="not known"):
+                side.wait("unknown", 0)
+    finally:
+        c.close()
