@@ -28,6 +28,11 @@ def plan(
     prefix_tokens: int = typer.Option(0, help="Tokens decode already holds (not sent)."),
     chunk_tokens: Optional[int] = typer.Option(None, help="Chunked prefill: chunk length (tokens)."),
     mode: str = typer.Option("both", help="direct, packed or both."),
+    path: Optional[list[str]] = typer.Option(None, metavar="PATHS", help="Paths to plan, one comma list of "
+                                                  "direct, packed, region (one descriptor per window into "
+                                                  "the decode rank's receive region) and fused (none: a "
+                                                  "kernel writes through CUDA IPC), as transfer --path "
+                                                  "(auto is chosen per peer: name the paths). Wins over --mode."),
     max_batch_indices: Optional[int] = typer.Option(None, help="Rows per engine batch window."),
     pack_tokens: Optional[int] = typer.Option(None, help="Pack buffer sized for this many tokens."),
     seed: int = typer.Option(0, help="Seeds the allocator-drawn page tables."),
@@ -57,7 +62,10 @@ def plan(
     same page tables for one --seed). Its region path posts one per (prefill rank, decode rank)
     pair that moves heads (per chunk).
     """
-    from dcp_jax.cost import plan_command
+    from dcp_jax.cli_options import _one_list, parse_paths
+    from dcp_jax.cost import PATH_MODES, plan_command
+
+    path = _one_list(path, "--path")  # repeatable only so that a second --path is refused
 
     # The same switch as ``transfer``'s: a differing page size alone stays on the main job's plan.
     if uses_hetero_job(model, prefill_tp_size=prefill_tp_size, tp_size=tp_size, prefill_layout=prefill_layout,
@@ -68,7 +76,7 @@ def plan(
         unused = [name for name, v, default in (
             ("--prefix-tokens", prefix_tokens, 0), ("--chunk-tokens", chunk_tokens, None), ("--mode", mode, "both"),
             ("--max-batch-indices", max_batch_indices, None), ("--pack-tokens", pack_tokens, None),
-            ("--plot", plot, None)) if v != default]
+            ("--plot", plot, None), ("--path", path, None)) if v != default]
         if unused:
             _fail(f"{', '.join(unused)}: not taken by the heterogeneous plan (TP, page-size or layout options); "
                   "leave them out")
@@ -86,6 +94,11 @@ def plan(
         max_batch_indices=max_batch_indices, pack_tokens=pack_tokens, seed=seed, prefill_page_size=prefill_page_size,
     )
     try:
+        paths = None if path is None else parse_paths(path, PATH_MODES)
+    except ValueError as exc:
+        _fail(f"{exc} ('auto' is chosen per peer at the handshake: name the paths)" if path and "auto" in
+              path.split(",") else str(exc))
+    try:
         check_plot_path(plot, "--plot")
     except ValueError as exc:
         _fail(str(exc))
@@ -94,7 +107,7 @@ def plan(
         rows = plan_command(
             model, prompt_tokens, page_size=page_size, dcp_size=dcp_size, interleave_size=interleave_size,
             prefill_dcp_size=prefill_dcp_size, prefill_interleave_size=prefill_interleave_size,
-            decode_prefix_len=prefix_tokens, chunk_tokens=chunk_tokens, mode=mode,
+            decode_prefix_len=prefix_tokens, chunk_tokens=chunk_tokens, mode=mode, paths=paths,
             max_batch_indices=max_batch_indices, pack_max_tokens=pack_tokens, seed=seed,
             prefill_page_size=prefill_page_size, plot=str(plot) if plot else None, console=Console(),
         )

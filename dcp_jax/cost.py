@@ -11,6 +11,10 @@ engine calls, packs and fallbacks are the schedule's.
 - ``packed``: each window is gathered into a pack region first, so only destination pages break
   runs; a region that cannot hold all rows gives one window per region-full (sliced sending),
   one that holds none the direct path with a logged warning.
+- ``region``: gathered likewise, then ONE descriptor per window into the decode rank's receive
+  region (the job's holds the rank's largest chunk share, so only the pack region cuts windows).
+- ``fused``: no descriptor and no engine call (one kernel writes the ranks' pages through CUDA
+  IPC; the control plane carries completion).
 
 Page tables follow the connector's convention (spec section 10: every table covers its rank's
 local rows from token 0). Pass them (``src_page_tables`` / ``dst_page_tables``), or let
@@ -29,6 +33,7 @@ import numpy as np
 
 from dcp_jax.cost_config import (  # noqa: F401  (re-exported)
     MODES,
+    PATH_MODES,
     CostConfig,
     Mode,
     _rows,
@@ -79,7 +84,8 @@ def cost_schedules(config: CostConfig | None = None, /, *, modes: Iterable[str] 
 
     Args:
         config: a :class:`CostConfig`; or pass its fields as keyword arguments.
-        modes: any of ``"direct"``, ``"packed"``.
+        modes: any of `PATH_MODES` (``"direct"``, ``"packed"``, ``"region"``, ``"fused"``);
+            default `MODES` (direct and packed).
         src_page_tables: ``prefill_dcp_size`` page tables (i64[pages] each, section 10: local
             rows from token 0); default :func:`page_tables`. Given together with
             ``dst_page_tables`` or not at all.
@@ -96,8 +102,8 @@ def cost_schedules(config: CostConfig | None = None, /, *, modes: Iterable[str] 
     cfg = _config(config, kwargs)
     modes = tuple(modes)
     for mode in modes:
-        if mode not in MODES:
-            raise ValueError(f"modes must be among {MODES}, got {mode!r}")
+        if mode not in PATH_MODES:
+            raise ValueError(f"modes must be among {PATH_MODES}, got {mode!r}")
     src_t = _tables("src_page_tables", src_page_tables, cfg.prefill_dcp_size, "prefill_dcp_size")
     dst_t = _tables("dst_page_tables", dst_page_tables, cfg.dcp_size, "dcp_size")
     if (src_t is None) != (dst_t is None):
@@ -109,7 +115,7 @@ def cost_schedules(config: CostConfig | None = None, /, *, modes: Iterable[str] 
     return {mode: [TransferSchedule.build(
         src_spec_layout=src, dst_layouts=dsts, src_page_table=src_t[k], dst_page_tables=dst_t, chunks=chunks,
         num_layers=cfg.num_layers, item_lens=cfg.item_lens, mode=mode, max_batch_indices=cfg.max_batch_indices,
-        max_region_rows=region_rows(cfg, k) if mode == "packed" else None, engine_window=engine_window)
+        max_region_rows=None if mode == "direct" else region_rows(cfg, k), engine_window=engine_window)
         for k, src in enumerate(srcs)] for mode in modes}
 
 
@@ -123,7 +129,7 @@ def cost_report(config: CostConfig | None = None, /, *, modes: Iterable[str] = M
 
     Args:
         config: a :class:`CostConfig`; or pass its fields as keyword arguments.
-        modes: any of ``"direct"``, ``"packed"``.
+        modes: as :func:`cost_schedules`.
         src_page_tables, dst_page_tables, engine_window: as :func:`cost_schedules`.
 
     Returns:
@@ -312,6 +318,7 @@ def plan_command(
     decode_prefix_len: int = 0,
     chunk_tokens: int | None = None,
     mode: str = "both",
+    paths: Sequence[str] | None = None,
     max_batch_indices: int | None = None,
     pack_max_tokens: int | None = None,
     seed: int = 0,
@@ -334,6 +341,8 @@ def plan_command(
         prefill_page_size: the prefill side's page size (None: ``page_size``), as
             :class:`CostConfig` and the job's ``--prefill-page-size``.
         mode: ``"direct"``, ``"packed"`` or ``"both"``.
+        paths: the modes to plan, any of `PATH_MODES` (as ``dcp-jax transfer --path``); wins
+            over ``mode``.
         plot: when given, also write :func:`plot_descriptors_vs_prompt` to this path.
         num_layers, item_lens: explicit geometry.
         console: a ``rich.console.Console`` (default: a new one on stdout).
@@ -347,12 +356,18 @@ def plan_command(
     """
     if mode not in ("direct", "packed", "both"):
         raise ValueError(f"mode must be 'direct', 'packed' or 'both', got {mode=}")
+    if paths is not None:
+        paths = tuple(paths)
+        bad = [p for p in paths if p not in PATH_MODES]
+        if bad or not paths:
+            raise ValueError(f"paths={list(paths)!r} must name one or more of {', '.join(PATH_MODES)} "
+                             "('auto' is chosen per peer at the handshake: name the paths)")
     if num_layers is None or item_lens is None:
         from dcp_jax.geometry import get_geometry
 
         geom = get_geometry(model)
         num_layers, item_lens = geom.num_layers, tuple(geom.kv_item_lens)
-    modes = MODES if mode == "both" else (mode,)
+    modes = paths if paths is not None else MODES if mode == "both" else (mode,)
     rows = cost_report(
         num_layers=num_layers, item_lens=tuple(item_lens), prompt_tokens=prompt_tokens,
         decode_prefix_len=decode_prefix_len, chunk_tokens=chunk_tokens, page_size=page_size,

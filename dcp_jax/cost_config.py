@@ -21,10 +21,13 @@ from dcp_jax.kv_data import DECODE_SIDE, PREFILL_SIDE, draw_page_table, pool_pag
 from dcp_jax.layout import check_layout_args, local_len_np
 from dcp_jax.transfer.schedule import SideLayout, owned_tokens
 
-__all__ = ["CostConfig", "job_page_tables", "page_tables", "region_rows"]
+__all__ = ["CostConfig", "MODES", "PATH_MODES", "job_page_tables", "page_tables", "region_rows"]
 
-Mode = Literal["direct", "packed"]
+Mode = Literal["direct", "packed", "region", "fused"]
+#: The cost report's default modes (``dcp-jax plan --mode both``).
 MODES: tuple[Mode, ...] = ("direct", "packed")
+#: Every path the report plans (``dcp-jax plan --path``): the connector's `PLAN_MODES`.
+PATH_MODES: tuple[Mode, ...] = ("direct", "packed", "region", "fused")
 
 
 @dataclasses.dataclass(frozen=True)

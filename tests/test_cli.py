@@ -113,7 +113,7 @@ def test_plan_with_tp_prints_and_writes_only_the_heterogeneous_table(tmp_path):
 
 
 @pytest.mark.parametrize("extra", [["--chunk-tokens", "256"], ["--prefix-tokens", "64"], ["--mode", "packed"],
-                                   ["--plot", "x.png"]])
+                                   ["--plot", "x.png"], ["--path", "region"]])
 def test_plan_with_tp_refuses_options_it_does_not_take(extra):
     # Before: silently ignored (the heterogeneous plan has no chunks, prefix, mode or plot).
     res = runner.invoke(app, ["plan", "--model", "llama-3.1-8b", "--tp-size", "2", "--prompt-tokens", "1024", *extra],
@@ -187,16 +187,21 @@ def test_help_documents_verify():
 ], ids=["m1", "m2-chunked", "prefill-page-64", "prefill-page-8-m2-chunked", "prefill-page-32-prefix",
         "prefill-page-128-prefix-96", "sliced", "sliced-chunked-prefill-page-32"])
 def test_plan_prints_the_counts_transfer_reports(tmp_path, extra):
-    """`plan` and `transfer` plan on the same allocator-drawn page tables and pack regions."""
+    """`plan` and `transfer` plan on the same allocator-drawn page tables and pack regions, in
+    every path the CPU runs (fused, GPU only, plans no descriptor and no engine call)."""
     cfg = ["--model", "tiny-mixed", "--prompt-tokens", "700", "--page-size", "16", *extra]
-    res = runner.invoke(app, ["transfer", *cfg, "--no-progress", "--timeout-s", "20",
+    res = runner.invoke(app, ["transfer", *cfg, "--no-progress", "--timeout-s", "20", "--path", "direct,packed,region",
                               "--json", str(tmp_path / "job.json")])
     assert res.exit_code == 0, res.output
-    res_plan = runner.invoke(app, ["plan", *cfg, "--json", str(tmp_path / "plan.json")], terminal_width=200)
+    res_plan = runner.invoke(app, ["plan", *cfg, "--path", "direct,packed,region,fused",
+                                   "--json", str(tmp_path / "plan.json")], terminal_width=200)
     assert res_plan.exit_code == 0, res_plan.output
     job = {r["mode"]: r for r in json.loads((tmp_path / "job.json").read_text())["runs"]}
     plan = json.loads((tmp_path / "plan.json").read_text())
-    for mode in ("direct", "packed"):
+    fused = [r for r in plan if r["mode"] == "fused"]
+    assert [(r["descriptors"], r["engine_calls"], r["packs"]) for r in fused] == [(0, 0, 0)] * len(fused)
+    assert [r["bytes"] for r in fused] == [r["bytes"] for r in job["region"]["ranks"]]
+    for mode in ("direct", "packed", "region"):
         rows = [r for r in plan if r["mode"] == mode]
         assert [r["descriptors"] for r in rows] == [r["descriptors"] for r in job[mode]["ranks"]]
         assert [r["bytes"] for r in rows] == [r["bytes"] for r in job[mode]["ranks"]]
@@ -415,3 +420,17 @@ def test_path_names_are_taken_exactly(text, msg):
     # The documented forms: one name, or a comma list of distinct names, kept in order.
     assert parse_paths("region,packed", PATHS) == ("region", "packed")
     assert parse_paths(",".join(PATHS), PATHS) == PATHS
+
+
+@pytest.mark.parametrize("path,text", [
+    ("auto", "'auto' is not a path name; --path takes a comma list (no spaces) of distinct names of direct, packed, "
+             "region, fused ('auto' is chosen per peer at the handshake: name the paths)"),
+    ("region,region", "--path='region,region' names 'region' twice"),
+    ("Region", "'Region' is not a path name"),
+])
+def test_plan_path_is_refused_naming_the_option(path, text):
+    res = runner.invoke(app, ["plan", "--path", path], terminal_width=200)
+    flat = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and text in flat and "Traceback" not in res.output, res.output
+    res = runner.invoke(app, ["plan", "--path", "region", "--path", "fused"], terminal_width=200)
+    assert res.exit_code == 2 and "--path given 2 times" in res.output, res.output

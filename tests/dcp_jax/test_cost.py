@@ -102,6 +102,32 @@ def test_windows_and_slices_count_engine_calls():
         assert r["descriptors"] <= 2 * (-(-500 // 8) + 3)  # <= a run per page (+ slice cuts) per layer
 
 
+@pytest.mark.parametrize("chunk_tokens", [None, 256])
+def test_region_is_one_descriptor_per_window_and_fused_none(chunk_tokens):
+    # Hand-counted: 1000 tokens, I = 1, N = 2, each rank owns every other token. Region: one
+    # window (one descriptor, one batch, one pack) per chunk with rows for the rank, cut into
+    # region-fulls by a pack buffer of 200 tokens (200 rows a window); fused: no descriptor.
+    base = dict(num_layers=2, item_lens=(8, 24), prompt_tokens=1000, page_size=8, dcp_size=2,
+                chunk_tokens=chunk_tokens)
+    chunks = [(a, min(a + (chunk_tokens or 1000), 1000)) for a in range(0, 1000, chunk_tokens or 1000)]
+    for pack, cap in ((None, None), (200, 200)):
+        rows = cost_report(**base, pack_max_tokens=pack, modes=("region", "fused", "packed"))
+        for d in (0, 1):
+            per_chunk = [sum(1 for t in range(a, b) if t % 2 == d) for a, b in chunks]
+            windows = sum(-(-n // (cap or n)) for n in per_chunk if n)
+            region = [r for r in _by(rows, "region") if r["dst_rank"] == d][0]
+            assert (region["descriptors"], region["batches"], region["engine_calls"], region["packs"]) == \
+                (windows,) * 4
+            assert region["rows"] == 500 and region["bytes"] == 500 * 32
+            fused = [r for r in _by(rows, "fused") if r["dst_rank"] == d][0]
+            assert (fused["descriptors"], fused["batches"], fused["engine_calls"], fused["packs"]) == (0,) * 4
+            assert fused["bytes"] == region["bytes"]
+            packed = [r for r in _by(rows, "packed") if r["dst_rank"] == d][0]
+            assert packed["packs"] == windows and packed["descriptors"] > region["descriptors"]
+    with pytest.raises(ValueError, match="modes must be among"):
+        cost_report(**base, modes=("auto",))
+
+
 def test_no_pack_region_falls_back_to_per_row_with_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="dcp_jax.packing"):
         rows = cost_report(num_layers=3, item_lens=(4, 4, 4), prompt_tokens=64, page_size=4, dcp_size=4,
