@@ -90,3 +90,24 @@ def test_wait_checks_timeout_s_before_the_id(engine):
                 side.wait("unknown", 0)
     finally:
         c.close()
+
+
+def test_an_id_aborted_before_it_was_known_is_forgotten_like_any_unsent_request(engine):
+    c = Cluster(engine, dcp_size=1, timeout_s=1.0)
+    try:
+        assert c.sender.abort("f1") is True
+        assert c.sender.stats["live_requests"] == 1
+        wait_for(lambda: c.sender.stats["live_requests"] == 0, timeout_s=5)  # timeout_s after it ended
+        assert c.sender.poll("f1") is S.ABORTED  # the record answers for timeout_s more
+        wait_for(lambda: _unknown(c.sender, "f1"), timeout_s=5)
+        c.round_trip("f1", 8)  # the id is free: its next use moves its bytes
+    finally:
+        c.close()
+
+
+def _unknown(sender, rid):
+    try:
+        sender.poll(rid)
+        return False
+    except KeyError:
+        return True
