@@ -28,6 +28,7 @@ __all__ = ["run_load"]
 
 START_TIMEOUT_S = 180.0
 FINAL_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0  # all processes together, once their pipes are closed
 
 
 @dataclasses.dataclass
@@ -76,15 +77,20 @@ class _Procs:
     def dead(self) -> list[str]:
         return [f"{n} (exit code {p.exitcode})" for n, p in zip(self.names, self.procs) if not p.is_alive()]
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Ends every process within ``timeout_s`` (+ 5 s for a terminated one). The pipes close
+        first: a worker that was not told to ``finish`` (the run was interrupted: each leads a
+        process group of its own, so a terminal's Ctrl-C reached only this process) reads EOF,
+        closes its connector and exits, instead of each being waited for in turn."""
+        for c in self.conns:
+            c.close()
+        deadline = time.monotonic() + timeout_s
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
-        for c in self.conns:
-            c.close()
         if self.place is not None:
             self.place.close()
 
@@ -256,6 +262,8 @@ class _Orchestrator:
             finals = self._collect("final", FINAL_TIMEOUT_S)  # even after an error: what each side saw
             self.finals = {self.p.names[k]: v for k, v in finals.items()}
         finally:
+            if self.faults is not None:  # interrupted during a fault: nobody stays stopped, the link comes up
+                self.faults.stop()
             self.p.stop()
         return summarize(self, rss0=rss0, t_start=t_start, t_ready=t_ready, t_end=time.monotonic())
 

@@ -70,3 +70,60 @@ def test_a_stopped_worker_stays_stopped_when_the_launching_shell_exits():
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _descendants(pid: int) -> set[int]:
+    parents = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                parents[int(d)] = int(_stat(int(d))[1])
+            except (OSError, IndexError):
+                continue
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parents.items() if pp == p and c not in out]
+        out.update(kids)
+        todo.extend(kids)
+    return out
+
+
+def _stat(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_stops_every_worker_promptly():
+    # A terminal's Ctrl-C is SIGINT to the foreground job's group: here only the orchestrator's,
+    # the workers leading groups of their own. It must still end them all, promptly (it waited
+    # 10 s for each worker in turn, told nothing, when this arrived).
+    from bridge.nixl import nixl_available
+
+    if not nixl_available():
+        pytest.skip("NIXL does not import here")
+    job = subprocess.Popen([sys.executable, "-m", "dcp_jax.cli", "load", "--requests", "1000000", "--max-tokens", "64",
+                            "--dcp-size", "2", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, process_group=0)
+    try:
+        deadline = time.monotonic() + 90
+        while len(_descendants(job.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(3.0)  # the workers have their connectors by now, requests are flowing
+        workers = _descendants(job.pid)
+        assert len(workers) >= 3, workers
+        t0 = time.monotonic()
+        os.killpg(job.pid, signal.SIGINT)
+        out, _ = job.communicate(timeout=60)
+        took = time.monotonic() - t0
+        assert job.returncode != 0, out[-2000:]
+        assert took < 8.0, (took, out[-2000:])  # 30 s with two ranks before the fix
+        time.sleep(0.5)
+        assert not [p for p in workers if os.path.exists(f"/proc/{p}") and _stat(p)[0] != "Z"], "a worker outlived it"
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
