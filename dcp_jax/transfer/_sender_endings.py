@@ -302,9 +302,14 @@ class SenderEndings:
         prefill). The prefill does not know its id, so nothing would `release` it and each such
         request would be held forever. A `send` for the id afterwards starts a new request (which fails after
         `timeout_s` if no rank announces it again). Its record answers `poll` and the like for
-        `timeout_s` more (`KVSender._forgotten`), unless the id starts a new request first."""
+        `timeout_s` more (`KVSender._forgotten`), unless the id starts a new request first; as
+        after `release`, a rank announcing it only in that time is told how it ended (FAILED,
+        ABORTED), not started a request nobody sends."""
         del self._requests[req.rid]
-        self._forgotten[req.rid] = (time.monotonic() + self.timeout_s, req)
+        until = time.monotonic() + self.timeout_s
+        self._forgotten[req.rid] = (until, req)
+        if req.status is not TransferStatus.SUCCESS:
+            self._released_ended[req.rid] = (until, set(req.targets) | set(req.told), req.status, req.state.reason)
         self._replay_early(req.rid)  # announcements of the id's next use
 
 

@@ -183,6 +183,9 @@ class SendRequest:
         self.state = RequestState()
         self.page_table: np.ndarray | None = None
         self.reborn = False  # started under an id released < timeout_s ago (`KVSender.send`'s page check)
+        # `KVSender.abort` was called on it: the prefill ended this use itself, so a later `send`
+        # of the id is a chunk of it (dropped), never the next use's first (until `release`).
+        self.aborted_here = False
         self.chunks: list[tuple[int, int]] = []
         self.sent = Coverage()
         self.group: str | None = None

@@ -294,7 +294,7 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
         with self._lock:
             req = self._requests.get(rid)
             if (req is not None and req.status in (TransferStatus.FAILED, TransferStatus.ABORTED)
-                    and not req.chunks and req.inflight == 0 and self._early.get(rid)):
+                    and not req.chunks and req.inflight == 0 and self._early.get(rid) and not req.aborted_here):
                 # Ended before this prefill sent it anything (it started from announcements a
                 # cancel then caught up with), while the ranks already announced the id's next
                 # use: this chunk is that use's. Drop the old record, take up the parked ones.
@@ -371,8 +371,11 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
         An id this sender does not know yet (no `send` of it, and its ranks' announcements not
         here yet: a scheduler cancelling before the first chunk races them) is recorded ABORTED
         now, so the answer does not depend on that race: a rank announcing it later is told it
-        was aborted, a `send` of it drops the chunk. Like any request never sent, the record goes
-        at `release` or by itself ``timeout_s`` after (`_forget_unsent`); the id is free after.
+        was aborted, a `send` of it drops the chunk (also once the ranks announced the id's next
+        use: that waits for `release`). Like any request never sent, the record goes at `release`
+        or by itself ``timeout_s`` after (`_forget_unsent`); the id is free after. An id released
+        less than ``timeout_s`` ago is not recorded: its request ended (False), and the id's next
+        use is left alone.
 
         Args:
             reason: text for both sides' `failure_reason` (``str()`` of it, cut to 4096 characters).
@@ -389,8 +392,11 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
             known = isinstance(request_id, str) and (request_id in self._requests or request_id in self._forgotten)
             if known or self._closed:
                 req = self._get(request_id)
+            elif self._released_at.get(check_request_id(request_id), 0.0) > time.monotonic():
+                return False  # a late or repeated cancel of a request that ended and was released
             else:
-                req = self._new_request(check_request_id(request_id))
+                req = self._new_request(request_id)
+            req.aborted_here = True
             return self._end(req, TransferStatus.ABORTED, str(reason)[:proto.MAX_TEXT], notify="abort")
 
     def release(self, request_id: str) -> None:

@@ -3,6 +3,8 @@ still on the way): a fresh-user trial (2026-12-06) saw KeyError or True for the 
 depending on whether the announcements had reached the sender's worker. Now the id is recorded
 ABORTED at once, whatever the race: ranks announcing it later are told, `send` drops its chunks,
 `release` frees the id for its next use. Each on both engines."""
+import time
+
 import numpy as np
 import pytest
 
@@ -111,3 +113,66 @@ def _unknown(sender, rid):
         return False
     except KeyError:
         return True
+
+
+def test_a_late_abort_of_a_released_id_leaves_its_next_use_alone(engine):
+    # A cancel that arrives after the request ended and was released (or a repeated one) must not
+    # record the id ABORTED: the trial's next use of the id ended ABORTED on every side.
+    c = Cluster(engine, dcp_size=2)
+    try:
+        c.round_trip("u1", 16)
+        c.sender.release("u1")
+        for recv in c.receivers:
+            recv.release("u1")
+        assert c.sender.abort("u1") is False  # its request ended (SUCCESS) and was released
+        c.round_trip("u1", 16)  # the id's next use, byte-exact
+        assert c.sender.stats["aborted"] == 0
+    finally:
+        c.close()
+
+
+def test_a_chunk_of_the_aborted_use_is_dropped_after_the_ranks_announce_the_next_use(engine):
+    # Aborted by the prefill before it knew the id; the ranks, told, release it and announce the
+    # id's next use. A chunk the prefill loop still sends for the aborted use is dropped (it was
+    # taken as the next use's first: bytes moved, then the retry's send raised and both FAILED).
+    c = Cluster(engine, dcp_size=2, timeout_s=5.0)
+    try:
+        src, dst = c.tables(16)
+        assert c.sender.abort("z1") is True
+        c.expect("z1", dst, 16)
+        assert c.wait("z1", timeout_s=10) == [S.ABORTED] * 3
+        for recv in c.receivers:
+            wait_for(lambda recv=recv: recv.is_drained("z1"))
+            recv.release("z1")
+        src2, dst2 = c.tables(16)
+        c.expect("z1", dst2, 16)  # the next use, parked behind the aborted record
+        time.sleep(0.3)  # its announcements reach the sender
+        c.sender.send("z1", src, 4, 8)  # a late chunk of the aborted use: dropped
+        time.sleep(0.3)
+        assert c.sender.poll("z1") is S.ABORTED and c.sender.stats["bytes"] == 0
+        assert all(c.sentinel_pages(r, []) for r in range(2))
+        c.sender.release("z1")  # now the parked next use starts; its own send moves its bytes
+        c.sender.send("z1", src2, 0, 16)
+        assert c.wait("z1") == [S.SUCCESS] * 3, c.reasons("z1")
+        assert c.check_bytes(src2, dst2, 16) == 16
+    finally:
+        c.close()
+
+
+def test_a_rank_announcing_after_the_unsent_record_is_dropped_is_told_how_it_ended(engine):
+    # timeout_s after an unsent request ended it is dropped by itself (`_forget_unsent`); a rank
+    # announcing it only then was started a new request that FAILED ("never announced") and
+    # flipped the sender's poll to FAILED. As after `release`, it is told how it ended.
+    c = Cluster(engine, dcp_size=2, timeout_s=1.0)
+    try:
+        src, dst = c.tables(8)
+        assert c.sender.abort("late", reason="cancelled early") is True
+        c.receivers[0].expect("late", dst[0], 8)
+        assert c.wait("late", timeout_s=5, sides=[c.receivers[0]]) == [S.ABORTED]
+        wait_for(lambda: c.sender.stats["live_requests"] == 0, timeout_s=5)  # dropped by itself
+        c.receivers[1].expect("late", dst[1], 8)
+        assert c.wait("late", timeout_s=5, sides=[c.receivers[1]]) == [S.ABORTED]
+        assert "cancelled early" in c.receivers[1].failure_reason("late")
+        assert c.sender.poll("late") is S.ABORTED and c.sender.stats["live_requests"] == 0
+    finally:
+        c.close()
