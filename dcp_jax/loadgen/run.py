@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import signal
+import threading
 import time
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
@@ -29,6 +31,13 @@ __all__ = ["run_load"]
 START_TIMEOUT_S = 180.0
 FINAL_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0  # all processes together, once their pipes are closed
+_INTERRUPTED = threading.Event()
+
+
+def _on_sigint(signum, frame):
+    """Ctrl-C: remembered (`_Orchestrator._events` raises it again), then raised here."""
+    _INTERRUPTED.set()
+    raise KeyboardInterrupt
 
 
 @dataclasses.dataclass
@@ -115,6 +124,8 @@ class _Orchestrator:
     def _events(self, timeout: float, only=None):
         """Messages from the processes (those in ``only``, default all) that arrive within
         ``timeout``; a pipe at EOF (its process gone) is an error and is not waited on again."""
+        if _INTERRUPTED.is_set():  # a Ctrl-C whose KeyboardInterrupt a gc callback swallowed (JAX has one)
+            raise KeyboardInterrupt
         ks = [k for k in range(len(self.p.conns)) if k not in self.closed and (only is None or k in only)]
         if not ks:
             time.sleep(timeout)
@@ -222,6 +233,20 @@ class _Orchestrator:
         cfg = self.cfg
         rss0 = rss_bytes()
         t_start = time.monotonic()
+        _INTERRUPTED.clear()
+        # Only where Ctrl-C raises KeyboardInterrupt anyway (the main thread, Python's default
+        # handler): an ignored SIGINT (a job started in the background) stays ignored.
+        ours = (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        if ours:
+            signal.signal(signal.SIGINT, _on_sigint)
+        try:
+            return self._run(cfg, rss0, t_start)
+        finally:
+            if ours:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def _run(self, cfg: LoadConfig, rss0: int, t_start: float) -> dict:
         self.p = _Procs(cfg)
         try:
             ready = self._collect("ready", START_TIMEOUT_S)

@@ -375,7 +375,9 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
         use: that waits for `release`). Like any request never sent, the record goes at `release`
         or by itself ``timeout_s`` after (`_forget_unsent`); the id is free after. An id released
         less than ``timeout_s`` ago is not recorded: its request ended (False), and the id's next
-        use is left alone.
+        use is left alone, unless that use already started here (its ranks announced it before
+        the `release`, which starts it): this side cannot tell a late cancel from a cancel of that
+        use, and aborts it. So a scheduler cancels before it releases.
 
         Args:
             reason: text for both sides' `failure_reason` (``str()`` of it, cut to 4096 characters).
@@ -416,6 +418,7 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
             req = self._get(request_id)
             if self._requests.get(req.rid) is not req:  # dropped unsent already: its record only
                 del self._forgotten[req.rid]
+                self._released_at[req.rid] = time.monotonic() + self.timeout_s  # released all the same
                 return
             if not req.status.terminal:
                 self._end(req, TransferStatus.ABORTED, "released before completion", notify="abort")

@@ -176,3 +176,23 @@ def test_a_rank_announcing_after_the_unsent_record_is_dropped_is_told_how_it_end
         assert c.sender.poll("late") is S.ABORTED and c.sender.stats["live_requests"] == 0
     finally:
         c.close()
+
+
+def test_an_abort_after_releasing_a_dropped_record_is_a_late_cancel(engine):
+    # abort -> dropped by itself (never sent) -> release -> abort again: the second abort is a
+    # late cancel of a released id (False), not a new ABORTED record poisoning the next use.
+    c = Cluster(engine, dcp_size=2, timeout_s=1.0)
+    try:
+        src, dst = c.tables(8)
+        assert c.sender.abort("d1") is True
+        c.expect("d1", dst, 8)
+        assert c.wait("d1", timeout_s=5) == [S.ABORTED] * 3
+        for recv in c.receivers:
+            wait_for(lambda recv=recv: recv.is_drained("d1"))
+            recv.release("d1")
+        wait_for(lambda: c.sender.stats["live_requests"] == 0, timeout_s=5)  # dropped by itself
+        c.sender.release("d1")  # its record
+        assert c.sender.abort("d1") is False
+        c.round_trip("d1", 8)
+    finally:
+        c.close()
