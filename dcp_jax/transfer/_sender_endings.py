@@ -308,9 +308,16 @@ class SenderEndings:
         del self._requests[req.rid]
         until = time.monotonic() + self.timeout_s
         self._forgotten[req.rid] = (until, req)
+        self._keep_ending(req, until)
+        self._replay_early(req.rid)  # announcements of the id's next use
+
+    def _keep_ending(self, req: SendRequest, until: float) -> None:
+        """Until ``until``, a decode rank that announces ``req``'s id only now (it had not) is
+        told how the request ended, FAILED or ABORTED (`_on_expect`), instead of starting one
+        nobody sends; the ranks that had announced it announce the id's next use. Called when
+        the request is released (`KVSender.release`) or dropped unsent (`_forget_unsent`)."""
         if req.status is not TransferStatus.SUCCESS:
             self._released_ended[req.rid] = (until, set(req.targets) | set(req.told), req.status, req.state.reason)
-        self._replay_early(req.rid)  # announcements of the id's next use
 
 
 def _stuck_batch(batches: list, now: float, timeout_s: float, due: dict) -> str:

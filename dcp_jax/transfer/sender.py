@@ -423,10 +423,8 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
             if not req.status.terminal:
                 self._end(req, TransferStatus.ABORTED, "released before completion", notify="abort")
             del self._requests[req.rid]
-            self._released_at[req.rid] = time.monotonic() + self.timeout_s
-            if req.status is not TransferStatus.SUCCESS:  # ranks that announce it late hear how it ended
-                self._released_ended[req.rid] = (time.monotonic() + self.timeout_s, set(req.targets) | set(req.told),
-                                                 req.status, req.state.reason)
+            until = self._released_at[req.rid] = time.monotonic() + self.timeout_s
+            self._keep_ending(req, until)  # ranks that announce it late hear how it ended
             self._replay_early(req.rid)  # announcements that came for the next use of this id
 
     def is_drained(self, request_id: str) -> bool:

@@ -101,6 +101,12 @@ class Cluster:
         assert self.check_bytes(src, dst, num_tokens) == num_tokens
         return src, dst
 
+    def release_ranks(self, rid):
+        """Every decode rank releases ``rid`` once `is_drained` says its pages may be reused."""
+        for recv in self.receivers:
+            wait_for(lambda recv=recv: recv.is_drained(rid))
+            recv.release(rid)
+
     def reasons(self, rid):
         """Every side's status and failure reason (for assertion messages)."""
         return [(s.poll(rid).name, s.failure_reason(rid)) for s in [self.sender] + self.receivers]

@@ -49,9 +49,7 @@ def test_an_abort_right_after_expect_has_one_answer_whichever_side_wins(engine):
             c.expect(rid, dst, 8)
             assert c.sender.abort(rid) is True, (k, announced(c.sender, rid))
             assert c.wait(rid, timeout_s=10) == [S.ABORTED] * 3, c.reasons(rid)
-            for recv in c.receivers:
-                wait_for(lambda recv=recv: recv.is_drained(rid))
-                recv.release(rid)
+            c.release_ranks(rid)
             c.sender.release(rid)
             c._free_src.extend(src.tolist())
             for r in range(2):
@@ -141,9 +139,7 @@ def test_a_chunk_of_the_aborted_use_is_dropped_after_the_ranks_announce_the_next
         assert c.sender.abort("z1") is True
         c.expect("z1", dst, 16)
         assert c.wait("z1", timeout_s=10) == [S.ABORTED] * 3
-        for recv in c.receivers:
-            wait_for(lambda recv=recv: recv.is_drained("z1"))
-            recv.release("z1")
+        c.release_ranks("z1")
         src2, dst2 = c.tables(16)
         c.expect("z1", dst2, 16)  # the next use, parked behind the aborted record
         time.sleep(0.3)  # its announcements reach the sender
@@ -187,9 +183,7 @@ def test_an_abort_after_releasing_a_dropped_record_is_a_late_cancel(engine):
         assert c.sender.abort("d1") is True
         c.expect("d1", dst, 8)
         assert c.wait("d1", timeout_s=5) == [S.ABORTED] * 3
-        for recv in c.receivers:
-            wait_for(lambda recv=recv: recv.is_drained("d1"))
-            recv.release("d1")
+        c.release_ranks("d1")
         wait_for(lambda: c.sender.stats["live_requests"] == 0, timeout_s=5)  # dropped by itself
         c.sender.release("d1")  # its record
         assert c.sender.abort("d1") is False
