@@ -1,5 +1,6 @@
 """Pallas kernels launched without JAX's dispatch (Triton's own launcher): the fused fan-out
-(`copy_fanout`) and `pack_rows` with host indices.
+(`copy_fanout`), `pack_rows` with host indices and `RowUnpacker.unpack` (the region path's
+decode-side unpack).
 
 Why: the fused path's whole request at 32,768 tokens is one ~1.1-1.6 ms kernel (H200 / H100)
 plus the host time before it is enqueued. Through JAX, `copy_fanout` cost 850 us of host time
@@ -24,7 +25,8 @@ waits for that kernel first (`after_jax`), and a JAX launch after a direct one w
 (`after_direct`), so the later copy lands last. Each index slot is rewritten only after the
 launch that last read it has finished (an event per slot).
 
-Used when `enabled()`: a CUDA GPU, the ``triton`` package, and ``DCP_JAX_DIRECT_LAUNCH`` not "0".
+Used when `enabled()`: a CUDA GPU, the ``triton`` package, and ``DCP_JAX_DIRECT_LAUNCH`` not "0"
+(``DCP_JAX_DIRECT_OFF``, a comma list of kinds, turns only those off).
 Anything that fails here (capture, compile, first launch) turns that kind off for the process
 with one warning, and the JAX launch serves.
 """
@@ -46,7 +48,9 @@ __all__ = ["after_direct", "after_jax", "capture_triton_modules", "compile_modul
 logger = logging.getLogger(__name__)
 
 _LOCK = threading.RLock()
-_STATE = {"off": os.environ.get("DCP_JAX_DIRECT_LAUNCH", "1") == "0", "why": "", "off_kinds": set()}
+_STATE = {"off": os.environ.get("DCP_JAX_DIRECT_LAUNCH", "1") == "0", "why": "",
+          # DCP_JAX_DIRECT_OFF="unpack,gather": those kinds through JAX (an A/B on one machine start)
+          "off_kinds": {k.strip() for k in os.environ.get("DCP_JAX_DIRECT_OFF", "").split(",") if k.strip()}}
 _KERNELS: dict = {}   # compile key -> (CompiledKernel, grid), oldest first
 # A serving process meets a few geometries (index buckets x cache shapes); the bound only keeps a
 # long-lived process that sees ever new ones from holding every module (plans keep their own).
@@ -59,7 +63,7 @@ _KERNEL = re.compile(r"^\s*tt\.func public @[\w$.]+\(.*\)\s*(attributes \{.*\}\s
 
 def enabled(backend: str, kind: str = "fanout") -> bool:
     """Whether a kernel of `kind` ("fanout": `copy_fanout`; "gather": `pack_rows` with host
-    indices) launches here: `backend` "triton" (the callers' resolved backend, which only a
+    indices; "unpack": `RowUnpacker.unpack` into a layer-major cache) launches here: `backend` "triton" (the callers' resolved backend, which only a
     CUDA GPU gives), the ``triton`` package importable, not turned off
     (``DCP_JAX_DIRECT_LAUNCH=0``, or `disable` for this kind or all)."""
     if _STATE["off"] or backend != "triton" or kind in _STATE["off_kinds"]:

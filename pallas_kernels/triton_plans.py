@@ -8,6 +8,9 @@ then the aliased outputs again.
 - `GatherPlan`: `pack_rows`' kernel (`gather._gather_rows_jit` on the Triton backend): meta
   (rows, offset units, ok), indices, the sources (one stacked view or one per layer), the pack;
   then the pack.
+- `UnpackPlan`: `RowUnpacker`'s kernel into a layer-major cache (`scatter._unpack_flat_jit`):
+  meta (rows, offset units, ok), destination rows, the receive region, the flat cache; then the
+  cache.
 
 Both stage their indices in one slot of `triton_launch.enqueue` laid out as `mapped_ring`'s
 (`slot_layout`: index vectors on 256-byte lines, then the metadata).
@@ -22,7 +25,7 @@ import numpy as np
 from pallas_kernels import triton_launch
 from pallas_kernels.mapped_ring import slot_layout
 
-__all__ = ["FanoutPlan", "GatherPlan", "clear_plans", "pack_rows_direct"]
+__all__ = ["FanoutPlan", "GatherPlan", "UnpackPlan", "clear_plans", "pack_rows_direct"]
 
 
 def _fresh_jit(fn, **static):
@@ -152,6 +155,64 @@ class GatherPlan:
 
         def launch(base, stream):
             kernel[grid](base + 4 * stride, base, *srcs, pack, pack, stream=stream)
+
+        return triton_launch.enqueue(self.device_id, size, fill_slot, [launch])
+
+
+class UnpackPlan:
+    """`RowUnpacker.unpack` of one receive region into one layer-major cache (one flat
+    destination), without JAX's dispatch: the region path's decode rank pays it once per window
+    (through JAX ~0.5-0.8 ms of host time a call in the 32k job on an H200, against a ~0.15 ms
+    kernel; `docs/gpu_log.md`).
+
+    Args:
+        src: the region's JAX word view (`device.source_views`: pointer, size, dtype read);
+        dst_ptr: the cache's device address; dst_words: its size in words; layers: the static
+            (rows, width in words) of each layer (`unpack_device.flat_layers`); config:
+            `GatherConfig`.
+    """
+
+    __slots__ = ("src_ptr", "src_words", "word", "dst_ptr", "dst_words", "layers", "config", "device_id",
+                 "kernels")
+
+    def __init__(self, src, dst_ptr, dst_words, layers, config):
+        self.src_ptr, self.src_words = int(src.unsafe_buffer_pointer()), int(src.shape[0])
+        self.word = np.dtype(src.dtype)
+        self.dst_ptr, self.dst_words = int(dst_ptr), int(dst_words)
+        self.layers, self.config = tuple(tuple(int(x) for x in l) for l in layers), config
+        self.device_id = next(iter(src.devices())).id
+        self.kernels: dict = {}  # (m, offset_align) -> (CompiledKernel, grid)
+
+    def _kernel(self, m, offset_align):
+        from pallas_kernels.scatter import _unpack_flat_jit
+
+        def trace():
+            fn = _fresh_jit(_unpack_flat_jit.__wrapped__, layers=self.layers, config=self.config, backend="triton",
+                            offset_align=offset_align)
+            fn.trace(_sds((self.src_words,), self.word), _sds((m,), np.int32), _sds((self.dst_words,), self.word),
+                     _sds((3,), np.int32)).lower()
+
+        key = ("unpack", self.src_words, self.word, self.dst_words, self.layers, m, offset_align, self.config,
+               self.device_id)
+        return triton_launch.kernel_for(key, trace, "kv_unpack_flat", self.config, self.device_id)
+
+    def launch(self, idx: np.ndarray, m: int, meta, offset_align: int):
+        """Enqueues the unpack into the host rows `idx` (int, n <= m; zero-padded to the bucket
+        `m`, the padding masked by ``meta = (n, offset units, ok)``). Returns the stream."""
+        got = self.kernels.get((m, offset_align))
+        if got is None:
+            got = self.kernels[(m, offset_align)] = self._kernel(m, offset_align)
+        kernel, grid = got
+        stride, size = slot_layout(m, 1, 3)
+        n, src, dst = len(idx), self.src_ptr, self.dst_ptr
+
+        def fill_slot(host):
+            host[:n] = idx
+            host[n:m] = 0
+            host[stride:stride + 3] = meta
+
+        def launch(base, stream):
+            kernel[grid](base + 4 * stride, base, src, dst, dst, stream=stream)
 
         return triton_launch.enqueue(self.device_id, size, fill_slot, [launch])
 

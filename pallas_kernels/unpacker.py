@@ -7,17 +7,20 @@ the DLPack views and the destinations' handles: cache lookups keyed on the 61 la
 H200 that host work was 528 us a call back to back and 1,665 us after 0.3 s asleep (the
 receiver's worker waits between windows), against a 0.16 ms kernel (2026-12-04,
 `benchmarks/gpu/host_profile.py`). A `RowUnpacker` does it at construction, so a call costs
-the offset and index checks, one index staging and one jitted dispatch.
+the offset and index checks, one index staging and one launch: on the GPU, into a layer-major
+cache (one flat destination) with host indices, Triton's own launcher (`triton_plans.UnpackPlan`,
+no JAX dispatch; ``DCP_JAX_DIRECT_LAUNCH=0`` or a failure turns it off: the jitted call serves).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from pallas_kernels import device
+from pallas_kernels import device, triton_launch
+from pallas_kernels._args import offset_arg
 from pallas_kernels._buffer_args import (_check_no_overlap, check_bool, check_fits, check_indices, check_offset,
                                          check_range, check_still_writeable)
-from pallas_kernels.config import GatherConfig, word_dtype
+from pallas_kernels.config import GatherConfig, bucket_rows, word_dtype
 from pallas_kernels.host import check_threads, unpack_host
 from pallas_kernels.pack import _offset_align
 from pallas_kernels.unpack import _check_disjoint, _check_layer_list, _kind, _resolve
@@ -85,7 +88,7 @@ class RowUnpacker:
         self.threads = threads
         self._pack, self._layers = pack, tuple(layers)
         self._word = word_dtype(item_lens)
-        self._flat = self._dests = self._src = None
+        self._flat = self._dests = self._src = self._plan = None
         if self.backend in ("triton", "interpret"):
             check_pallas_region(0, 0, item_lens, int(pack.size), self.backend, pack)  # the address
         if self.backend == "triton":
@@ -146,13 +149,34 @@ class RowUnpacker:
         else:
             ws = self._word.itemsize
             dests = self._destinations()
+            align = _offset_align(offset, self._word)
+            if self._flat is not None and isinstance(idx, np.ndarray) and triton_launch.enabled(self.backend, "unpack") \
+                    and self._launch_direct(dests, idx, offset // ws, align):
+                return n
             try:
-                enqueue_unpack(self._src, idx, dests, self._flat, offset // ws, _offset_align(offset, self._word),
-                               ws, self.config, self.backend)
+                triton_launch.after_direct([dests])  # a direct unpack into these rows ends first
+                enqueue_unpack(self._src, idx, dests, self._flat, offset // ws, align, ws, self.config, self.backend)
             except Exception:
                 self._dests = None  # its donated handles may be gone: made afresh next call
                 raise
         return n
+
+    def _launch_direct(self, dests, idx: np.ndarray, offset_words: int, align: int) -> bool:
+        """The unpack through `triton_plans.UnpackPlan` (made on first use: pointers and shapes
+        only); False if it could not launch (then off for the process, the JAX launch serves)."""
+        from pallas_kernels.triton_plans import UnpackPlan
+
+        n = int(idx.shape[0])
+        m = bucket_rows(n, self.config.block_rows)
+        units, ok = offset_arg(offset_words, align, self.backend, self._word.itemsize)
+
+        def launch():
+            if self._plan is None:
+                self._plan = UnpackPlan(self._src, dests.ptrs[0], dests.handles[0].shape[0], self._flat, self.config)
+            return self._plan.launch(idx, m, (n, int(units), int(ok)), align)
+
+        with dests.lock:
+            return triton_launch.launch_into("unpack", [dests], launch) is not None
 
     def _destinations(self) -> "device.Destinations":
         if self._dests is None or self._dests.handles is None:
@@ -161,7 +185,7 @@ class RowUnpacker:
 
     def close(self) -> None:
         """Drop the buffers, view and handles (idempotent). Enqueued kernels still finish."""
-        self._pack = self._layers = self._dests = self._src = None
+        self._pack = self._layers = self._dests = self._src = self._plan = None
 
     def __repr__(self) -> str:
         state = "closed" if self._layers is None else \

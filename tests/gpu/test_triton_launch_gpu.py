@@ -19,7 +19,8 @@ cp = pytest.importorskip("cupy")
 pytest.importorskip("triton")
 
 from bridge.host_flag import SharedFlag, seq_done  # noqa: E402
-from pallas_kernels import PackSource, RowCopier, copy_fanout, pack_rows, synchronize, triton_launch  # noqa: E402
+from pallas_kernels import (PackSource, RowCopier, RowUnpacker, copy_fanout, pack_rows, synchronize,  # noqa: E402
+                            triton_launch)
 from pallas_kernels import device  # noqa: E402
 
 if jax.default_backend() != "gpu":
@@ -219,3 +220,61 @@ def test_pack_rows_direct_then_jax_then_direct_into_one_region_the_last_lands():
         pack_rows(source, cp.asarray(a), pack, sync=True)   # JAX last
         synchronize([pack])
         np.testing.assert_array_equal(cp.asnumpy(pack), _packed(layers, a, 0, n * L * item), err_msg=str(round_))
+
+
+def _unpacked(want, region, idx, offset, L, item):
+    """CPU reference of one window: `want` (numpy layers) rows `idx` from the region at `offset`."""
+    n = len(idx)
+    for l in range(L):
+        rows = region[offset + l * n * item:offset + (l + 1) * n * item].reshape(n, item)
+        want[l][idx] = rows
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["triton launcher", "jax dispatch"])
+def test_row_unpacker_byte_exact_at_any_offset(direct, monkeypatch):
+    """The region path's decode-side unpack into a layer-major cache: windows of any size at any
+    granted offset, no synchronisation between them, then the cache against a CPU reference."""
+    if not direct:
+        monkeypatch.setitem(triton_launch._STATE, "off", True)
+    elif triton_launch._STATE["off"] or "unpack" in triton_launch._STATE["off_kinds"]:
+        pytest.fail(f"direct launches are off in this process: {triton_launch._STATE['why']}")
+    L, item, R = 5, 1152, 900
+    layers = _layers(R, item, L, fill=0x11)
+    region = cp.random.RandomState(4).randint(0, 256, 3 * 300 * L * item + 8192, dtype=cp.int32).astype(cp.uint8)
+    host_region = cp.asnumpy(region)
+    want = [np.full((R, item), 0x11, np.uint8) for _ in range(L)]
+    un = RowUnpacker(region, layers)
+    rng = np.random.default_rng()
+    for n, offset in [(300, 0), (1, 300 * L * item), (257, 301 * L * item + 64), (64, 2 * 300 * L * item + 4096)]:
+        idx = rng.permutation(R)[:n]
+        assert un.unpack(idx, offset=offset, checked=True) == n
+        _unpacked(want, host_region, idx, offset, L, item)
+        dests = device.destinations(layers, np.dtype(np.uint32), flat=True)
+        assert (dests.direct is not None) == direct
+    synchronize(layers)
+    for l in range(L):
+        np.testing.assert_array_equal(cp.asnumpy(layers[l]), want[l], err_msg=f"layer {l}")
+    un.close()
+
+
+def test_row_unpacker_direct_then_jax_then_direct_into_the_same_rows_the_last_lands(monkeypatch):
+    """Three unpacks of different windows into the SAME rows, no synchronisation between them:
+    direct, JAX (direct launches off for the call), direct; the rows hold the last one's bytes."""
+    L, item, R, n = 4, 1152, 4096, 2048
+    layers = _layers(R, item, L, fill=0)
+    region = cp.random.RandomState(9).randint(0, 256, 3 * n * L * item, dtype=cp.int32).astype(cp.uint8)
+    host_region = cp.asnumpy(region)
+    un = RowUnpacker(region, layers)
+    idx = np.random.default_rng().permutation(R)[:n]
+    for round_ in range(2):
+        un.unpack(idx, offset=0, checked=True)                      # direct
+        with monkeypatch.context() as m:
+            m.setitem(triton_launch._STATE, "off", True)
+            un.unpack(idx, offset=n * L * item, checked=True)       # JAX
+        un.unpack(idx, offset=2 * n * L * item, checked=True)       # direct again
+        synchronize(layers)
+        want = [np.zeros((R, item), np.uint8) for _ in range(L)]
+        _unpacked(want, host_region, idx, 2 * n * L * item, L, item)
+        for l in range(L):
+            np.testing.assert_array_equal(cp.asnumpy(layers[l])[idx], want[l][idx], err_msg=f"{round_} {l}")
+    un.close()

@@ -113,6 +113,32 @@ def test_the_pack_rows_gather_module_is_captured_and_compiles_for_sm90(stacked):
     assert len(params) >= 2 + (1 if stacked else L) + 2, entry.group(2)[:400]
 
 
+def test_the_row_unpacker_module_is_captured_and_compiles_for_sm90():
+    """`RowUnpacker`'s kernel into a layer-major cache (`_unpack_flat_jit`, Triton backend), as
+    `triton_plans.UnpackPlan` traces it: ONE module, whose pointer parameters are meta, the
+    destination rows, the region, the flat cache and the cache again (aliased)."""
+    from triton.backends.compiler import GPUTarget
+
+    from pallas_kernels.scatter import _unpack_flat_jit
+    from pallas_kernels.triton_plans import _fresh_jit
+
+    config, L, R, W, m = GatherConfig.default(), 61, 4096, 288, 512
+    sds = jax.ShapeDtypeStruct
+    with triton_launch.capture_triton_modules() as got, jax.sharding.use_abstract_mesh(_abstract_h200()), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        _fresh_jit(_unpack_flat_jit.__wrapped__, layers=((R, W),) * L, config=config, backend="triton",
+                   offset_align=64).trace(sds((m * L * W + 4096,), jnp.uint32), sds((m,), jnp.int32),
+                                          sds((L * R * W,), jnp.uint32), sds((3,), jnp.int32)).lower(
+            lowering_platforms=("cuda",))
+    assert len(got) == 1 and "kv_unpack_flat" in got[0][0]
+    kernel = triton_launch.compile_module(got[0][0], num_warps=config.num_warps, num_stages=config.num_stages,
+                                          target=GPUTarget("cuda", 90, 32))
+    entry = re.search(r"\.entry\s+(\w+)\(([^)]*)\)", kernel.asm["ptx"])
+    params = re.findall(r"\.param \.u64 \.ptr", entry.group(2))
+    assert len(params) >= 5, entry.group(2)[:400]
+
+
 def test_a_host_flag_refuses_a_stream_bump():
     from bridge.host_flag import FlagError, SharedFlag
 
