@@ -27,7 +27,7 @@ from pallas_kernels.gather import (
     select_backend,
     word_dtype,
 )
-from pallas_kernels.pack import PackSource, clear_import_cache, pack_rows
+from pallas_kernels.pack import PackSource, clear_import_cache, pack_rows, warm_pack_rows
 from pallas_kernels.pack_windows import pack_windows, warm_pack_windows
 from pallas_kernels.registry import (
     PackBackend,
@@ -49,6 +49,7 @@ __all__ = [
     # The gather, its knobs and the host contract (`pack_rows`, `PackSource`): gather's names.
     *_gather.__all__,
     "pack_windows",
+    "warm_pack_rows",
     "warm_pack_windows",
     "SCATTER_BACKENDS",
     "copy_rows",

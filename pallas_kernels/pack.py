@@ -250,6 +250,45 @@ def pack_rows(layers, indices, pack, *, offset: int = 0, backend: str = "auto",
     return total
 
 
+def warm_pack_rows(layers, pack, max_rows: int, *, config: GatherConfig | None = None) -> list[int]:
+    """Compiles `pack_rows`' launch without JAX's dispatch (CuPy buffers, host indices,
+    `triton_launch`) for the index bucket of `max_rows` rows into `pack`, writing nothing (one
+    launch whose metadata masks every row). Triton compiles a bucket in ~3-7 s on a GPU host,
+    the first time on that machine (its on-disk cache serves later processes): a serving loop
+    calls this before its first request so no request pays it.
+
+    Args:
+        layers: as `pack_rows` (a `PackSource`, or the same layer list each call).
+        pack: the CuPy pack buffer later calls write.
+        max_rows: the row count whose bucket (`bucket_rows(max_rows, config.block_rows)`) to
+            compile (an int >= 1); calls of other buckets compile theirs on first use.
+        config: as `pack_rows`.
+
+    Returns:
+        [bucket] once compiled; [] where nothing launches this way (numpy buffers, a backend
+        other than "triton", direct launches off, a layer copied per call).
+
+    Raises:
+        ValueError, TypeError: as `pack_rows` for `layers`, `pack`, `config`; `max_rows` not an
+            int >= 1.
+    """
+    source, key, entry, layers, on_device = _resolve(layers, pack, config)
+    if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 1:
+        raise ValueError(f"max_rows={max_rows!r} must be an int >= 1")
+    if not on_device or select_backend("auto") != "triton" or not triton_launch.enabled("triton", "gather"):
+        return []
+    config = GatherConfig.default() if config is None else config
+    views = source.device_views() if source is not None else _cached_device_views(layers, key, entry)
+    owner = weakref.ref(source) if source is not None else entry.token
+    word = entry.word
+    m = bucket_rows(int(max_rows), config.block_rows)
+    dests = device.destinations([pack], word, [pack.nbytes // word.itemsize * word.itemsize])
+    with dests.lock:  # n = 0 and ok = 0: every row masked, nothing written
+        done = pack_rows_direct(owner, views, kernel_sources(layers, views, word), dests, np.zeros(0, np.int64), m,
+                                (0, 0, 0), _offset_align(0, word), config, True)
+    return [m] if done else []
+
+
 def _resolve(layers, pack, config):
     """pack_rows' checks of everything but the indices and offset: (source or None, cache key,
     checked entry, the layer tuple, whether the buffers are CuPy)."""
@@ -383,4 +422,5 @@ __all__ = [
     "PackSource",
     "clear_import_cache",
     "pack_rows",
+    "warm_pack_rows",
 ]

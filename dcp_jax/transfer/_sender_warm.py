@@ -92,7 +92,7 @@ class SenderWarmUp:
 
         rows = self._max_region_rows if max_rows is None else min(int(max_rows), self._max_region_rows)
         prows = launch_rows(rows, self._max_region_rows, ranks)
-        pack = self._packer.warm_up(bucket_rows(prows, br))
+        pack = self._packer.warm_up(bucket_rows(prows, br), window_rows=rows)
         fused = []
         if copiers:
             rows = self._layers.min_rows if max_rows is None else min(int(max_rows), self._layers.min_rows)

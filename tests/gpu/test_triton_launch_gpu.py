@@ -278,3 +278,50 @@ def test_row_unpacker_direct_then_jax_then_direct_into_the_same_rows_the_last_la
         for l in range(L):
             np.testing.assert_array_equal(cp.asnumpy(layers[l])[idx], want[l][idx], err_msg=f"{round_} {l}")
     un.close()
+
+
+def test_warm_pack_rows_compiles_the_bucket_writing_nothing_and_the_pack_then_compiles_nothing():
+    from pallas_kernels import GatherConfig, bucket_rows, warm_pack_rows
+
+    if triton_launch._STATE["off"] or "gather" in triton_launch._STATE["off_kinds"]:
+        pytest.fail(f"direct launches are off in this process: {triton_launch._STATE['why']}")
+    L, item, R, n = 5, 1152, 600, 300
+    layers = _layers(R, item, L, seed=12)
+    source = PackSource(layers)
+    pack = cp.full(n * L * item + 4096, 0xEE, cp.uint8)
+    assert warm_pack_rows(source, pack, n) == [bucket_rows(n, GatherConfig.default().block_rows)]
+    synchronize([pack])
+    assert int((pack != 0xEE).sum()) == 0  # every row masked: nothing written
+    compiled = len(triton_launch._KERNELS)
+    idx = np.random.default_rng().integers(0, R, n)
+    pack_rows(source, idx, pack, offset=0, sync=True)
+    assert len(triton_launch._KERNELS) == compiled  # the warmed bucket: no compile in the call
+    np.testing.assert_array_equal(cp.asnumpy(pack[:n * L * item]), _packed(layers, idx, 0, n * L * item))
+    assert int((pack[n * L * item:] != 0xEE).sum()) == 0
+
+
+def test_the_senders_packer_packs_a_round_of_one_warmed_window_directly():
+    """`Packer.pack_windows` of ONE window whose bucket `warm_up(window_rows=)` compiled goes
+    through `pack_rows`' direct launch (the pack's destinations name its stream); two windows
+    still go as one windowed launch; both byte-exact."""
+    from dcp_jax.transfer.staging import Packer
+
+    L, item, R, n = 4, 1152, 700, 256
+    layers = _layers(R, item, L, seed=13)
+    pack = cp.full(3 * n * L * item, 0xEE, cp.uint8)
+    packer = Packer(layers, PackSource(layers), pack)
+    packer.warm_up(2 * n, window_rows=n)
+    rng = np.random.default_rng()
+    one = rng.integers(0, R, n)
+    dests = device.destinations([pack], np.dtype(np.uint32), [pack.nbytes // 4 * 4])
+    dests.direct = None
+    packer.pack_windows([(one, 0)], sync=False)
+    assert dests.direct is not None  # launched by triton_launch, not JAX
+    two = [(rng.integers(0, R, n), n * L * item), (rng.integers(0, R, n - 5), 2 * n * L * item)]
+    packer.pack_windows(two, sync=False)
+    synchronize([pack])
+    got = cp.asnumpy(pack)
+    np.testing.assert_array_equal(got[:n * L * item], _packed(layers, one, 0, n * L * item))
+    for idx, off in two:
+        total = len(idx) * L * item
+        np.testing.assert_array_equal(got[off:off + total], _packed(layers, idx, off, total))

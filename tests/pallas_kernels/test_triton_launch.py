@@ -208,3 +208,16 @@ def test_compiled_kernels_are_bounded_oldest_dropped_first(monkeypatch):
         assert triton_launch._remember(("fanout", k), (f"kernel {k}", (k, 1, 1))) == (f"kernel {k}", (k, 1, 1))
     assert list(triton_launch._KERNELS) == [("fanout", 2), ("fanout", 3), ("fanout", 4)]
     assert triton_launch._KERNELS[("fanout", 4)] == ("kernel 4", (4, 1, 1))
+
+
+def test_warm_pack_rows_compiles_nothing_for_host_buffers_and_refuses_bad_sizes():
+    import numpy as np
+
+    from pallas_kernels import warm_pack_rows
+
+    layers = [np.zeros((8, 16), np.uint8) for _ in range(2)]
+    pack = np.zeros(1024, np.uint8)
+    assert warm_pack_rows(layers, pack, 8) == []
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="max_rows"):
+            warm_pack_rows(layers, pack, bad)
