@@ -221,3 +221,20 @@ def test_warm_pack_rows_compiles_nothing_for_host_buffers_and_refuses_bad_sizes(
     for bad in (0, -1, True, 2.0):
         with pytest.raises(ValueError, match="max_rows"):
             warm_pack_rows(layers, pack, bad)
+
+
+def test_a_gather_launch_whose_metadata_says_no_rows_writes_nothing():
+    """What `warm_pack_rows` relies on (its one launch compiles the bucket while the pack buffer
+    may hold live regions): meta (n = 0, ok = 0) masks every row of the bucket (interpret mode,
+    the same kernel body as the Triton one)."""
+    import numpy as np
+
+    from pallas_kernels.gather import _gather_rows_jit
+
+    L, R, W, m = 3, 128, 8, 64
+    src = jnp.asarray(np.random.default_rng().integers(0, 2**31, (L, R, W)).astype(np.uint32))
+    idx = jnp.asarray(np.random.default_rng().integers(0, R, m).astype(np.int32))
+    for meta in [(0, 0, 0), (0, 0, 1), (m, 0, 0)]:
+        out = _gather_rows_jit(src, idx, jnp.full((m * L * W + 64,), 7, jnp.uint32), jnp.asarray(meta, jnp.int32),
+                               config=GatherConfig.default(), backend="interpret", offset_align=4)
+        assert int((np.asarray(out) != 7).sum()) == 0, meta
