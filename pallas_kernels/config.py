@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Sequence
 
 import jax
@@ -273,6 +274,25 @@ def addressable_words(pack_words: int, itemsize: int, backend: str = "triton") -
     return min(pack_words, MAX_WORD_OFFSET)
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """The on/off environment switch `name` ("1"/"true"/"yes"/"on" or "0"/"false"/"no"/"off",
+    any case, blanks around ignored; unset or empty: `default`).
+
+    Raises:
+        ValueError: any other value, naming the variable (a typo must not leave an A/B
+            measuring the same thing twice).
+    """
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in _TRUE or raw in _FALSE:
+        return raw in _TRUE
+    raise ValueError(f"{name}={os.environ[name]!r} must be one of {_TRUE + _FALSE} (or unset)")
+
+
 __all__ = [
     "BACKENDS",
     "DEFAULT_BLOCK_ROWS",
@@ -284,6 +304,7 @@ __all__ = [
     "addressable_words",
     "bucket_rows",
     "buckets_up_to",
+    "env_flag",
     "pow2_chunks",
     "select_backend",
     "word_dtype",

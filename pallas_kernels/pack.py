@@ -261,7 +261,8 @@ def warm_pack_rows(layers, pack, max_rows: int, *, config: GatherConfig | None =
         layers: as `pack_rows` (a `PackSource`, or the same layer list each call).
         pack: the CuPy pack buffer later calls write.
         max_rows: the row count whose bucket (`bucket_rows(max_rows, config.block_rows)`) to
-            compile (an int >= 1); calls of other buckets compile theirs on first use.
+            compile (an int >= 1; more rows than `pack` holds count as that many); calls of
+            other buckets compile theirs on first use.
         config: as `pack_rows`.
 
     Returns:
@@ -281,7 +282,10 @@ def warm_pack_rows(layers, pack, max_rows: int, *, config: GatherConfig | None =
     views = source.device_views() if source is not None else _cached_device_views(layers, key, entry)
     owner = weakref.ref(source) if source is not None else entry.token
     word = entry.word
-    m = bucket_rows(int(max_rows), config.block_rows)
+    fits = int(pack.nbytes) // sum(entry.item_lens)  # no call packs more rows than that
+    if fits < 1:
+        return []
+    m = bucket_rows(min(int(max_rows), fits), config.block_rows)
     dests = device.destinations([pack], word, [pack.nbytes // word.itemsize * word.itemsize])
     with dests.lock:  # n = 0 and ok = 0: every row masked, nothing written
         done = pack_rows_direct(owner, views, kernel_sources(layers, views, word), dests, np.zeros(0, np.int64), m,

@@ -25,8 +25,8 @@ waits for that kernel first (`after_jax`), and a JAX launch after a direct one w
 (`after_direct`), so the later copy lands last. Each index slot is rewritten only after the
 launch that last read it has finished (an event per slot).
 
-Used when `enabled()`: a CUDA GPU, the ``triton`` package, and ``DCP_JAX_DIRECT_LAUNCH`` not "0"
-(``DCP_JAX_DIRECT_OFF``, a comma list of kinds, turns only those off).
+Used when `enabled()`: a CUDA GPU, the ``triton`` package, and ``DCP_JAX_DIRECT_LAUNCH`` not off
+(`config.env_flag`; ``DCP_JAX_DIRECT_OFF``, a comma list of `KINDS`, turns only those off).
 Anything that fails here (capture, compile, first launch) turns that kind off for the process
 with one warning, and the JAX launch serves.
 """
@@ -42,15 +42,32 @@ import warnings
 
 import numpy as np
 
+from pallas_kernels.config import env_flag
+
 __all__ = ["after_direct", "after_jax", "capture_triton_modules", "compile_module", "disable", "enabled",
            "enqueue", "kernel_for", "launch_into", "stream_for", "synchronize"]
 
 logger = logging.getLogger(__name__)
 
 _LOCK = threading.RLock()
-_STATE = {"off": os.environ.get("DCP_JAX_DIRECT_LAUNCH", "1") == "0", "why": "",
-          # DCP_JAX_DIRECT_OFF="unpack,gather": those kinds through JAX (an A/B on one machine start)
-          "off_kinds": {k.strip() for k in os.environ.get("DCP_JAX_DIRECT_OFF", "").split(",") if k.strip()}}
+#: The kinds of direct launch (`enabled`'s `kind`).
+KINDS = ("fanout", "gather", "unpack")
+
+
+def _off_kinds(raw: str) -> set:
+    """DCP_JAX_DIRECT_OFF="unpack,gather": those kinds through JAX (an A/B on one machine start).
+
+    Raises:
+        ValueError: a name that is not one of `KINDS` (naming the variable)."""
+    kinds = {k.strip().lower() for k in raw.split(",") if k.strip()}
+    bad = sorted(kinds - set(KINDS))
+    if bad:
+        raise ValueError(f"DCP_JAX_DIRECT_OFF={raw!r}: {bad} not among the kinds {KINDS}")
+    return kinds
+
+
+_STATE = {"off": not env_flag("DCP_JAX_DIRECT_LAUNCH", True), "why": "",
+          "off_kinds": _off_kinds(os.environ.get("DCP_JAX_DIRECT_OFF", ""))}
 _KERNELS: dict = {}   # compile key -> (CompiledKernel, grid), oldest first
 # A serving process meets a few geometries (index buckets x cache shapes); the bound only keeps a
 # long-lived process that sees ever new ones from holding every module (plans keep their own).

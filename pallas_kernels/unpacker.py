@@ -14,6 +14,8 @@ no JAX dispatch; ``DCP_JAX_DIRECT_LAUNCH=0`` or a failure turns it off: the jitt
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from pallas_kernels import device, triton_launch
@@ -89,6 +91,7 @@ class RowUnpacker:
         self._pack, self._layers = pack, tuple(layers)
         self._word = word_dtype(item_lens)
         self._flat = self._dests = self._src = self._plan = None
+        self._lock = threading.Lock()  # close() waits for an unpack in progress on another thread
         if self.backend in ("triton", "interpret"):
             check_pallas_region(0, 0, item_lens, int(pack.size), self.backend, pack)  # the address
         if self.backend == "triton":
@@ -124,6 +127,10 @@ class RowUnpacker:
                 host layer made read-only since (nothing written); RuntimeError: `close()`d.
             TypeError: non-integer `indices`, a non-bool `checked`.
         """
+        with self._lock:
+            return self._unpack(indices, offset, checked)
+
+    def _unpack(self, indices, offset, checked) -> int:
         if self._layers is None:
             raise RuntimeError("this RowUnpacker is closed")
         check_bool(checked, "checked")
@@ -184,8 +191,10 @@ class RowUnpacker:
         return self._dests
 
     def close(self) -> None:
-        """Drop the buffers, view and handles (idempotent). Enqueued kernels still finish."""
-        self._pack = self._layers = self._dests = self._src = self._plan = None
+        """Drop the buffers, view and handles (idempotent; after an `unpack` running on another
+        thread returned). Enqueued kernels still finish."""
+        with self._lock:
+            self._pack = self._layers = self._dests = self._src = self._plan = None
 
     def __repr__(self) -> str:
         state = "closed" if self._layers is None else \

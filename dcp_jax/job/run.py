@@ -43,6 +43,18 @@ FAILURE_GRACE_S = 30.0  # after a failure, how long the live processes get to ab
 WARM_UP_LIMIT_S = 600.0
 
 
+
+def switches() -> dict:
+    """The environment switches in effect for this job (its processes inherit them), so two
+    results files of an A/B tell which is which: the direct launches (``DCP_JAX_DIRECT_LAUNCH``,
+    ``DCP_JAX_DIRECT_OFF``), the fused path's flag gate and the region path's held notices."""
+    from dcp_jax.transfer import _sender_region
+    from pallas_kernels import triton_launch
+
+    return {"direct_launch": not triton_launch._STATE["off"],
+            "direct_off": sorted(triton_launch._STATE["off_kinds"]),
+            "fused_flag_gate": _sender_region.FUSED_FLAG_GATE, "region_hold": _sender_region.REGION_HOLD}
+
 def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Runs the main job: starts the processes, ships the request once per mode, verifies, reports.
 
@@ -52,7 +64,7 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
             decode rank) units, from the bytes the decode ranks' receivers report landed.
 
     Returns:
-        ``{"config", "setup_seconds", "warmup_seconds", "prefill_setup", "placement": [{"process",
+        ``{"config", "switches" (`switches`), "setup_seconds", "warmup_seconds", "prefill_setup", "placement": [{"process",
         "gpu", "cuda_visible_devices", "pci_bus_id"}, ...] (prefills, then decodes; gpu None
         without placement), "runs": [{"mode",
         "engine", "descriptors", "bytes", "batches", "engine_calls", "plan_seconds",
@@ -86,7 +98,7 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
     for run in runs:  # decode process r is dcp_rank r (run_mode's order)
         for row, d in zip(run["ranks"], decodes):
             row["gpu"] = d.gpu
-    out = dict(config=_config_json(cfg), setup_seconds=setup_s, prefill_setup=prefill_setup,
+    out = dict(config=_config_json(cfg), switches=switches(), setup_seconds=setup_s, prefill_setup=prefill_setup,
                placement=[p.placement() for p in prefills + decodes],
                warmup_seconds=sum(r.get("warmup_seconds", 0.0) for r in runs), runs=runs)
     by = {r["mode"]: r for r in runs}

@@ -23,30 +23,31 @@ sender's own bookkeeping (its units, its request's end) follows its host wait.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
 import numpy as np
 
 from dcp_jax.transfer import protocol as proto
+from pallas_kernels.config import env_flag
 
 __all__ = ["SenderRegion", "sync_arrays"]
 
 logger = logging.getLogger(__name__)
 
 #: Whether fused links are offered the flag gate (``hello_ack.flag``); on unless the environment
-#: variable DCP_JAX_FUSED_FLAG_GATE=0 (then ranks are told after the sender's host wait). It replaced
+#: variable DCP_JAX_FUSED_FLAG_GATE is off (`pallas_kernels.config.env_flag`; then ranks are told
+#: after the sender's host wait). It replaced
 #: a CUDA IPC event recorded after a DLPack stream wait, which fired before the copy's end at
 #: 9.21 GB on an H200 (2026-12-02; see `bridge.host_flag`).
-FUSED_FLAG_GATE = os.environ.get("DCP_JAX_FUSED_FLAG_GATE", "1") != "0"
+FUSED_FLAG_GATE = env_flag("DCP_JAX_FUSED_FLAG_GATE", True)
 
 #: Diagnostic (issue 13, one GPU shared by the prefill and its decode ranks): with
-#: DCP_JAX_REGION_HOLD=1 region writes are posted without the engine's notification and each
+#: DCP_JAX_REGION_HOLD on (`pallas_kernels.config.env_flag`: 1/true/yes/on) region writes are posted without the engine's notification and each
 #: rank is told ``done`` over the control plane once none of this sender's region writes is
 #: in flight or waiting (`SenderRegion._tell_held`; at most `REGION_HOLD_MAX_S` after the first
 #: held one ended), so the ranks' unpacks do not time-slice with copies still moving.
-REGION_HOLD = os.environ.get("DCP_JAX_REGION_HOLD", "0") == "1"
+REGION_HOLD = env_flag("DCP_JAX_REGION_HOLD", False)
 REGION_HOLD_MAX_S = 0.005
 
 

@@ -20,7 +20,7 @@ from dcp_jax.hetero.layouts import GQA_LAYOUTS, cache_pages
 from dcp_jax.transfer.spec import KVCacheSpec
 from pallas_kernels.registry import array_kind as _array_type
 
-__all__ = ["CacheLayers", "alloc_pack", "array_kind"]
+__all__ = ["MAX_BUFFER_BYTES", "CacheLayers", "alloc_pack", "array_kind"]
 
 
 def array_kind(a: Any) -> str:
@@ -254,6 +254,10 @@ class CacheLayers:
 
 #: Layouts whose page is not one contiguous range (K and V planes apart).
 SPLIT_PAGE_LAYOUTS = ("nhd", "hnd")
+
+#: Largest pack buffer or receive region a side takes (bytes): 256 TiB, past any machine's memory;
+#: a larger int overflowed the allocators' C sizes (OverflowError naming no argument).
+MAX_BUFFER_BYTES = 1 << 48
 
 
 def page_clashes(bases: Sequence[int], nbytes: Sequence[int], page_bytes: Sequence[int],

@@ -39,7 +39,7 @@ from dcp_jax.transfer._receiver_region import ReceiverRegion
 from dcp_jax.transfer._receiver_stats import ReceiverStats
 from dcp_jax.transfer._region import DEFAULT_REGION_BYTES, ReceiveRegion, ipc_export
 from dcp_jax.transfer.control import check_local_host, make_side_engine
-from dcp_jax.transfer.memory import CacheLayers
+from dcp_jax.transfer.memory import MAX_BUFFER_BYTES, CacheLayers
 from dcp_jax.transfer.requests import RecvRequest, check_request_id
 from dcp_jax.transfer.schedule import SideLayout
 from dcp_jax.transfer.spec import KVCacheSpec
@@ -108,8 +108,8 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
 
     Raises:
         TypeError, ValueError: bad spec, layers or options (``region_bytes`` above 0 but under
-            one token's ``spec.row_bytes``: no window would fit; a ``host`` no socket of this
-            machine can bind to).
+            one token's ``spec.row_bytes``: no window would fit, or above `MAX_BUFFER_BYTES`;
+            a ``host`` no socket of this machine can bind to).
         MemoryError: the receive region of ``region_bytes`` could not be allocated (names it;
             nothing is left open).
         bridge.BridgeError: the engine could not start or register (nothing is left open).
@@ -144,8 +144,8 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
         # checked (`CheckedSeconds`, at most a day; the default capped there too)
         self.drain_grace_s = min(self.timeout_s + 2 * self.peer_timeout_s, 86400.0) if drain_grace_s is None \
             else drain_grace_s
-        if region_bytes is not None and check_int_type("region_bytes", region_bytes) < 0:
-            raise ValueError(f"region_bytes={region_bytes!r} must be None or an int >= 0 (bytes)")
+        if region_bytes is not None and not 0 <= check_int_type("region_bytes", region_bytes) <= MAX_BUFFER_BYTES:
+            raise ValueError(f"region_bytes={region_bytes!r} must be None or an int in [0, 2**48] (bytes)")
         self._layers = CacheLayers(spec, kv_layers, writable=True)
         self._layout = SideLayout.of(spec)
         name = f"dcp-recv-{spec.dcp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -47,7 +47,7 @@ from dcp_jax.transfer._sender_warm import SenderWarmUp
 from dcp_jax.transfer._sender_round import SenderRound
 from dcp_jax.transfer._sender_stats import SenderStats
 from dcp_jax.transfer.control import ControlServer, make_side_engine
-from dcp_jax.transfer.memory import CacheLayers, alloc_pack
+from dcp_jax.transfer.memory import MAX_BUFFER_BYTES, CacheLayers, alloc_pack
 from dcp_jax.transfer.requests import SendRequest, check_request_id
 from dcp_jax.transfer.schedule import SideLayout
 from dcp_jax.transfer.spec import KVCacheSpec
@@ -83,8 +83,9 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
             ``"auto"`` (per peer, `dcp_jax.transfer._region.choose_path`: fused, else direct on
             hosts when pages stay whole, else region when the rank offers one, else packed). A
             path a rank cannot take refuses its handshake (`HandshakeError` field ``"path"``).
-        pack_bytes: size of the registered pack buffer (bytes); windows larger than it are
-            sliced; default `DEFAULT_PACK_BYTES`.
+        pack_bytes: size of the registered pack buffer (bytes, one token's ``spec.row_bytes``
+            to `memory.MAX_BUFFER_BYTES`); windows larger than it are sliced; default
+            `DEFAULT_PACK_BYTES`.
         max_batch_indices: at most this many rows per engine batch (None: no limit).
         timeout_s: a request with no progress for this long FAILS (seconds). Progress is a chunk
             (`send`), a rank's announcement or a window completed. An engine batch (or pull) the
@@ -138,9 +139,9 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
         if mode not in SEND_MODES:
             raise ValueError(f"mode={mode!r} must be one of {SEND_MODES}")
         pack_bytes = check_int_type("pack_bytes", DEFAULT_PACK_BYTES if pack_bytes is None else pack_bytes)
-        if pack_bytes < spec.row_bytes:
+        if not spec.row_bytes <= pack_bytes <= MAX_BUFFER_BYTES:
             raise ValueError(f"pack_bytes={pack_bytes!r} must be an int >= one token's "
-                             f"{spec.row_bytes} bytes")
+                             f"{spec.row_bytes} bytes and <= 2**48")
         if max_batch_indices is not None:
             max_batch_indices = check_int_type("max_batch_indices", max_batch_indices)
             if max_batch_indices < 1:

@@ -238,3 +238,23 @@ def test_a_gather_launch_whose_metadata_says_no_rows_writes_nothing():
         out = _gather_rows_jit(src, idx, jnp.full((m * L * W + 64,), 7, jnp.uint32), jnp.asarray(meta, jnp.int32),
                                config=GatherConfig.default(), backend="interpret", offset_align=4)
         assert int((np.asarray(out) != 7).sum()) == 0, meta
+
+
+def test_the_environment_switches_refuse_what_they_do_not_know(monkeypatch):
+    """A typo in an A/B switch must not leave both runs measuring the same thing."""
+    from pallas_kernels.config import env_flag
+
+    for raw, want in [("1", True), (" TRUE ", True), ("on", True), ("0", False), ("No", False), ("", None)]:
+        monkeypatch.setenv("DCP_X_FLAG", raw)
+        assert env_flag("DCP_X_FLAG", None) is want, raw
+    monkeypatch.delenv("DCP_X_FLAG")
+    assert env_flag("DCP_X_FLAG", True) is True
+    for raw in ("2", "yes please", "-1"):
+        monkeypatch.setenv("DCP_X_FLAG", raw)
+        with pytest.raises(ValueError, match="DCP_X_FLAG="):
+            env_flag("DCP_X_FLAG", False)
+    assert triton_launch._off_kinds(" unpack, GATHER ,") == {"unpack", "gather"}
+    assert triton_launch._off_kinds("") == set()
+    for raw in ("unpak", "all", "*", "unpack,fanouts"):
+        with pytest.raises(ValueError, match="DCP_JAX_DIRECT_OFF="):
+            triton_launch._off_kinds(raw)
