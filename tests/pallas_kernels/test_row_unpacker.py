@@ -144,3 +144,37 @@ def test_indices_that_are_no_sequence_raise_type_error(indices):
         RowUnpacker(np.zeros(64, np.uint8), layers).unpack(indices)
     with pytest.raises(TypeError, match="indices must be a sequence or 1-D array of ints"):
         unpack_rows(np.zeros(64, np.uint8), layers, indices)
+
+
+def test_close_while_another_thread_unpacks_gives_the_closed_error_or_a_whole_unpack():
+    """`close()` waits for an `unpack` in progress on another thread: that one completes (its
+    rows all written), every later call raises RuntimeError "closed" (a fresh-user trial got
+    TypeError 'NoneType' object is not iterable in ~30 % of such races)."""
+    import threading
+
+    rng = np.random.default_rng()
+    item_lens, rows = (24, 40), 200
+    for _ in range(20):
+        layers = _layers(rng, rows, item_lens)
+        pack = rng.integers(0, 256, 64 * sum(item_lens), dtype=np.uint8)
+        un = RowUnpacker(pack, layers)
+        idx = rng.permutation(rows)[:64]
+        errors, calls = [], [0]
+
+        def loop():
+            while True:
+                try:
+                    un.unpack(idx)
+                    calls[0] += 1
+                except Exception as exc:  # noqa: BLE001 - the test classifies it
+                    errors.append(exc)
+                    return
+
+        t = threading.Thread(target=loop)
+        t.start()
+        un.close()
+        t.join(10)
+        assert len(errors) == 1 and isinstance(errors[0], RuntimeError) and "closed" in str(errors[0]), errors
+        if calls[0]:
+            want = _brute(pack, 0, idx, [a.copy() for a in layers])
+            assert all(np.array_equal(a, b) for a, b in zip(layers, want))
