@@ -103,6 +103,28 @@ class FanoutPlan:
                                      [launcher(k, g, s) for (k, g), s in zip(kernels, self.src_ptrs)], on_phase)
 
 
+def _enqueue_indexed(plan, idx: np.ndarray, m: int, meta, offset_align: int, ptrs: tuple):
+    """One launch of a `GatherPlan` / `UnpackPlan` kernel for the bucket `m` (compiled on first
+    use, kept in ``plan.kernels``): the host indices `idx` zero-padded to `m` and ``meta`` in one
+    index slot, the kernel's arguments (meta, indices, then `ptrs`). Returns the stream."""
+    got = plan.kernels.get((m, offset_align))
+    if got is None:
+        got = plan.kernels[(m, offset_align)] = plan._kernel(m, offset_align)
+    kernel, grid = got
+    stride, size = slot_layout(m, 1, 3)
+    n = len(idx)
+
+    def fill_slot(host):
+        host[:n] = idx
+        host[n:m] = 0
+        host[stride:stride + 3] = meta
+
+    def launch(base, stream):
+        kernel[grid](base + 4 * stride, base, *ptrs, stream=stream)
+
+    return triton_launch.enqueue(plan.device_id, size, fill_slot, [launch])
+
+
 class GatherPlan:
     """`pack_rows` of one source form into one pack buffer.
 
@@ -141,22 +163,7 @@ class GatherPlan:
     def launch(self, idx: np.ndarray, m: int, meta, offset_align: int):
         """Enqueues the gather of the host indices `idx` (int, n <= m; zero-padded to the bucket
         `m`) with ``meta = (n, offset units, ok)``. Returns the stream."""
-        got = self.kernels.get((m, offset_align))
-        if got is None:
-            got = self.kernels[(m, offset_align)] = self._kernel(m, offset_align)
-        kernel, grid = got
-        stride, size = slot_layout(m, 1, 3)
-        n, srcs, pack = len(idx), self.src_ptrs, self.pack_ptr
-
-        def fill_slot(host):
-            host[:n] = idx
-            host[n:m] = 0
-            host[stride:stride + 3] = meta
-
-        def launch(base, stream):
-            kernel[grid](base + 4 * stride, base, *srcs, pack, pack, stream=stream)
-
-        return triton_launch.enqueue(self.device_id, size, fill_slot, [launch])
+        return _enqueue_indexed(self, idx, m, meta, offset_align, (*self.src_ptrs, self.pack_ptr, self.pack_ptr))
 
 
 class UnpackPlan:
@@ -199,22 +206,7 @@ class UnpackPlan:
     def launch(self, idx: np.ndarray, m: int, meta, offset_align: int):
         """Enqueues the unpack into the host rows `idx` (int, n <= m; zero-padded to the bucket
         `m`, the padding masked by ``meta = (n, offset units, ok)``). Returns the stream."""
-        got = self.kernels.get((m, offset_align))
-        if got is None:
-            got = self.kernels[(m, offset_align)] = self._kernel(m, offset_align)
-        kernel, grid = got
-        stride, size = slot_layout(m, 1, 3)
-        n, src, dst = len(idx), self.src_ptr, self.dst_ptr
-
-        def fill_slot(host):
-            host[:n] = idx
-            host[n:m] = 0
-            host[stride:stride + 3] = meta
-
-        def launch(base, stream):
-            kernel[grid](base + 4 * stride, base, src, dst, dst, stream=stream)
-
-        return triton_launch.enqueue(self.device_id, size, fill_slot, [launch])
+        return _enqueue_indexed(self, idx, m, meta, offset_align, (self.src_ptr, self.dst_ptr, self.dst_ptr))
 
 
 _GATHER_PLANS: list = []  # (owner, weak ref to the pack's Destinations, config, GatherPlan), newest last

@@ -98,19 +98,35 @@ def test_the_pack_rows_gather_module_is_captured_and_compiles_for_sm90(stacked):
     config, L, R, W, m = GatherConfig.default(), 61, 4096, 288, 256
     sds = jax.ShapeDtypeStruct
     srcs = sds((L, R, W), jnp.uint32) if stacked else [sds((R, W), jnp.uint32)] * L
+    # As `triton_plans.GatherPlan` traces it: a fresh callable with the static arguments bound.
+    fn = _fresh_jit(_gather_rows_jit.__wrapped__, config=config, backend="triton", offset_align=4)
+    params, entry, args = _sm90_pointer_params(fn, (srcs, sds((m,), jnp.int32), sds((m * L * W + 64,), jnp.uint32),
+                                                    sds((3,), jnp.int32)), "kv_gather_", config)
+    assert params >= 2 + (1 if stacked else L) + 2, entry[:400]
+    assert args == 2 + (1 if stacked else L) + 2  # GatherPlan's launch: meta, indices, sources, pack, pack
+
+
+def _sm90_pointer_params(fn, args, tag, config):
+    """Lowers `fn` on `args` for an abstract H200, checks ONE Triton module holding `tag` was
+    captured, compiles it for sm_90; returns (its kernel's pointer parameters, the entry text)."""
+    from triton.backends.compiler import GPUTarget
+
     with triton_launch.capture_triton_modules() as got, jax.sharding.use_abstract_mesh(_abstract_h200()), \
             warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        # As `triton_plans.GatherPlan` traces it: a fresh callable with the static arguments bound.
-        _fresh_jit(_gather_rows_jit.__wrapped__, config=config, backend="triton", offset_align=4).trace(
-            srcs, sds((m,), jnp.int32), sds((m * L * W + 64,), jnp.uint32), sds((3,), jnp.int32)).lower(
-            lowering_platforms=("cuda",))
-    assert len(got) == 1 and "kv_gather_" in got[0][0]
+        fn.trace(*args).lower(lowering_platforms=("cuda",))
+    assert len(got) == 1 and tag in got[0][0]
     kernel = triton_launch.compile_module(got[0][0], num_warps=config.num_warps, num_stages=config.num_stages,
                                           target=GPUTarget("cuda", 90, 32))
-    entry = re.search(r"\.entry\s+(\w+)\(([^)]*)\)", kernel.asm["ptx"])
-    params = re.findall(r"\.param \.u64 \.ptr", entry.group(2))
-    assert len(params) >= 2 + (1 if stacked else L) + 2, entry.group(2)[:400]
+    entry = re.search(r"\.entry\s+(\w+)\(([^)]*)\)", kernel.asm["ptx"]).group(2)
+    return len(re.findall(r"\.param \.u64 \.ptr", entry)), entry, _module_args(got[0][0])
+
+
+def _module_args(text: str) -> int:
+    """Arguments of the captured module's kernel (what a launch passes; Triton's launcher adds
+    its own scratch pointers to the PTX entry after them)."""
+    sig = re.search(r"tt\.func public @[\w$.]+\((.*?)\)\s*(attributes|\{)", text, re.S).group(1)
+    return len(re.findall(r"%arg\d+:", sig))
 
 
 def test_the_row_unpacker_module_is_captured_and_compiles_for_sm90():
@@ -124,19 +140,13 @@ def test_the_row_unpacker_module_is_captured_and_compiles_for_sm90():
 
     config, L, R, W, m = GatherConfig.default(), 61, 4096, 288, 512
     sds = jax.ShapeDtypeStruct
-    with triton_launch.capture_triton_modules() as got, jax.sharding.use_abstract_mesh(_abstract_h200()), \
-            warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        _fresh_jit(_unpack_flat_jit.__wrapped__, layers=((R, W),) * L, config=config, backend="triton",
-                   offset_align=64).trace(sds((m * L * W + 4096,), jnp.uint32), sds((m,), jnp.int32),
-                                          sds((L * R * W,), jnp.uint32), sds((3,), jnp.int32)).lower(
-            lowering_platforms=("cuda",))
-    assert len(got) == 1 and "kv_unpack_flat" in got[0][0]
-    kernel = triton_launch.compile_module(got[0][0], num_warps=config.num_warps, num_stages=config.num_stages,
-                                          target=GPUTarget("cuda", 90, 32))
-    entry = re.search(r"\.entry\s+(\w+)\(([^)]*)\)", kernel.asm["ptx"])
-    params = re.findall(r"\.param \.u64 \.ptr", entry.group(2))
-    assert len(params) >= 5, entry.group(2)[:400]
+    fn = _fresh_jit(_unpack_flat_jit.__wrapped__, layers=((R, W),) * L, config=config, backend="triton",
+                    offset_align=64)
+    params, entry, args = _sm90_pointer_params(fn, (sds((m * L * W + 4096,), jnp.uint32), sds((m,), jnp.int32),
+                                                    sds((L * R * W,), jnp.uint32), sds((3,), jnp.int32)),
+                                               "kv_unpack_flat", config)
+    assert params >= 5, entry[:400]
+    assert args == 5  # UnpackPlan's launch: meta, rows, region, cache, cache (aliased)
 
 
 def test_a_host_flag_refuses_a_stream_bump():
