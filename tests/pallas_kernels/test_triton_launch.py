@@ -268,3 +268,45 @@ def test_the_environment_switches_refuse_what_they_do_not_know(monkeypatch):
     for raw in ("unpak", "all", "*", "unpack,fanouts"):
         with pytest.raises(ValueError, match="DCP_JAX_DIRECT_OFF="):
             triton_launch._off_kinds(raw)
+
+
+def test_the_plans_stage_indices_and_pass_pointers_in_the_kernels_order(monkeypatch):
+    """`GatherPlan` / `UnpackPlan` launches without a GPU: the kernel and the stream stubbed,
+    the slot a numpy buffer. Indices zero-padded to the bucket, meta after them on its 64-word
+    line, and the pointer arguments as each ``pallas_call`` orders them (meta, indices, then the
+    gather's sources and pack twice, the unpack's region and cache twice)."""
+    import numpy as np
+
+    from pallas_kernels.mapped_ring import slot_layout
+    from pallas_kernels.triton_plans import GatherPlan, UnpackPlan
+
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, stream: calls.append((grid, args, stream))
+
+    def enqueue(device_id, size, fill, launches, on_phase=None):
+        slot = np.full(size, -1, np.int32)
+        fill(slot)
+        for launch in launches:
+            launch(1 << 20, 77)
+        return slot
+
+    monkeypatch.setattr(triton_launch, "enqueue", enqueue)
+    m, idx, meta = 128, np.array([5, 3, 9]), (3, 2, 1)
+    stride, size = slot_layout(m, 1, 3)
+    srcs = [jnp.zeros((16, 8), jnp.uint32), jnp.zeros((16, 8), jnp.uint32)]
+    pack = jnp.zeros(4096, jnp.uint32)
+    plans = [(GatherPlan(srcs, 0xA000, 4096, GatherConfig.default()),
+              tuple(int(s.unsafe_buffer_pointer()) for s in srcs) + (0xA000, 0xA000)),
+             (UnpackPlan(pack, 0xB000, 2048, ((16, 8),) * 2, GatherConfig.default()),
+              (int(pack.unsafe_buffer_pointer()), 0xB000, 0xB000))]
+    for plan, ptrs in plans:
+        plan.kernels[(m, 4)] = (Kernel(), (2, 3, 1))  # as compiled: no Triton here
+        calls.clear()
+        slot = plan.launch(idx, m, meta, 4)
+        assert list(slot[:3]) == [5, 3, 9] and not slot[3:m].any() and list(slot[stride:stride + 3]) == list(meta)
+        (grid, args, stream), = calls
+        assert grid == (2, 3, 1) and stream == 77
+        assert args == ((1 << 20) + 4 * stride, 1 << 20) + ptrs
