@@ -255,9 +255,10 @@ class CacheLayers:
 #: Layouts whose page is not one contiguous range (K and V planes apart).
 SPLIT_PAGE_LAYOUTS = ("nhd", "hnd")
 
-#: Largest pack buffer or receive region a side takes (bytes): 256 TiB, past any machine's memory;
-#: a larger int overflowed the allocators' C sizes (OverflowError naming no argument).
-MAX_BUFFER_BYTES = 1 << 48
+#: Largest pack buffer or receive region a side takes (bytes): 2**62, within the allocators' C
+#: sizes (2**63 raised a bare OverflowError naming no argument); anything past the machine's
+#: memory below it is a MemoryError naming the argument.
+MAX_BUFFER_BYTES = 1 << 62
 
 
 def page_clashes(bases: Sequence[int], nbytes: Sequence[int], page_bytes: Sequence[int],

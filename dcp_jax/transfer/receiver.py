@@ -145,7 +145,7 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
         self.drain_grace_s = min(self.timeout_s + 2 * self.peer_timeout_s, 86400.0) if drain_grace_s is None \
             else drain_grace_s
         if region_bytes is not None and not 0 <= check_int_type("region_bytes", region_bytes) <= MAX_BUFFER_BYTES:
-            raise ValueError(f"region_bytes={region_bytes!r} must be None or an int in [0, 2**48] (bytes)")
+            raise ValueError(f"region_bytes={region_bytes!r} must be None or an int in [0, 2**62] (bytes)")
         self._layers = CacheLayers(spec, kv_layers, writable=True)
         self._layout = SideLayout.of(spec)
         name = f"dcp-recv-{spec.dcp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"

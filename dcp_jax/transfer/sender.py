@@ -141,7 +141,7 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
         pack_bytes = check_int_type("pack_bytes", DEFAULT_PACK_BYTES if pack_bytes is None else pack_bytes)
         if not spec.row_bytes <= pack_bytes <= MAX_BUFFER_BYTES:
             raise ValueError(f"pack_bytes={pack_bytes!r} must be an int >= one token's "
-                             f"{spec.row_bytes} bytes and <= 2**48")
+                             f"{spec.row_bytes} bytes and <= 2**62")
         if max_batch_indices is not None:
             max_batch_indices = check_int_type("max_batch_indices", max_batch_indices)
             if max_batch_indices < 1:

@@ -244,8 +244,8 @@ def test_bad_caller_kv_is_refused_by_name():
         KVSender(spec, [ok, ok.copy()], mode="fast")
     with pytest.raises(ValueError, match="pack_bytes"):
         KVSender(spec, [ok, ok.copy()], pack_bytes=8)
-    for huge in (2**48 + 1, 2**63, 2**70):  # past any allocator's C size: named, not an OverflowError
-        with pytest.raises(ValueError, match=rf"pack_bytes={huge} must be an int >= one token's .* <= 2\*\*48"):
+    for huge in (2**62 + 1, 2**63, 2**70):  # past any allocator's C size: named, not an OverflowError
+        with pytest.raises(ValueError, match=rf"pack_bytes={huge} must be an int >= one token's .* <= 2\*\*62"):
             KVSender(spec, [ok, ok.copy()], pack_bytes=huge)
 
 

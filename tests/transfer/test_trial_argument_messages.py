@@ -79,7 +79,7 @@ def test_region_bytes_and_port_refuse_floats_with_type_error():
     dst = [np.zeros((8, 4, il), np.uint8) for il in ITEMS]
     with pytest.raises(TypeError, match=r"region_bytes must be an int, got float \(region_bytes=4096\.0\)"):
         KVReceiver(KVCacheSpec(2, ITEMS, 4), dst, engine="nixl", region_bytes=4096.0)
-    with pytest.raises(ValueError, match=r"region_bytes=-1 must be None or an int in \[0, 2\*\*48\]"):
+    with pytest.raises(ValueError, match=r"region_bytes=-1 must be None or an int in \[0, 2\*\*62\]"):
         KVReceiver(KVCacheSpec(2, ITEMS, 4), dst, engine="nixl", region_bytes=-1)
     with pytest.raises(TypeError, match=r"port must be an int, got float \(port=5555\.0\)"):
         KVSender(KVCacheSpec(2, ITEMS, 4), [a.copy() for a in dst], engine="nixl", port=5555.0)
