@@ -43,7 +43,6 @@ FAILURE_GRACE_S = 30.0  # after a failure, how long the live processes get to ab
 WARM_UP_LIMIT_S = 600.0
 
 
-
 def switches() -> dict:
     """The environment switches in effect for this job (its processes inherit them), so two
     results files of an A/B tell which is which: the direct launches (``DCP_JAX_DIRECT_LAUNCH``,
@@ -54,6 +53,7 @@ def switches() -> dict:
     return {"direct_launch": not triton_launch._STATE["off"],
             "direct_off": sorted(triton_launch._STATE["off_kinds"]),
             "fused_flag_gate": _sender_region.FUSED_FLAG_GATE, "region_hold": _sender_region.REGION_HOLD}
+
 
 def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Runs the main job: starts the processes, ships the request once per mode, verifies, reports.

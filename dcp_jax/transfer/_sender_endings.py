@@ -99,7 +99,7 @@ class SenderEndings:
                 finished.append(u)
             self._unit_finished(u, None if err is None else f"engine: {err}")
         self._inflight = keep
-        if finished or getattr(self, "_held_dones", None):
+        if finished or self._held_dones:
             self._tell_held(finished, keep)
         if ended:
             self._restart_clocks(ended, keep)

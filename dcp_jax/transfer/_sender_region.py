@@ -168,7 +168,7 @@ class SenderRegion:
         """`REGION_HOLD`: queues the ``done`` of the region writes that just ended (``ended``)
         and tells every queued one once no region write is in flight (``keep``), asked or
         packing, or the oldest has waited `REGION_HOLD_MAX_S`."""
-        held = self.__dict__.setdefault("_held_dones", [])
+        held = self._held_dones
         now = time.monotonic()
         held.extend((u, now) for u in ended if u.held is not None)
         if not held:
