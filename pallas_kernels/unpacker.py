@@ -22,7 +22,7 @@ from pallas_kernels import device, triton_launch
 from pallas_kernels._args import offset_arg
 from pallas_kernels._buffer_args import (_check_no_overlap, check_bool, check_fits, check_indices, check_offset,
                                          check_range, check_still_writeable)
-from pallas_kernels.config import GatherConfig, bucket_rows, word_dtype
+from pallas_kernels.config import GatherConfig, bucket_rows, buckets_up_to, word_dtype
 from pallas_kernels.host import check_threads, unpack_host
 from pallas_kernels.pack import _offset_align
 from pallas_kernels.unpack import _check_disjoint, _check_layer_list, _kind, _resolve
@@ -171,16 +171,58 @@ class RowUnpacker:
     def _launch_direct(self, dests, idx: np.ndarray, offset_words: int, align: int) -> bool:
         """The unpack through `triton_plans.UnpackPlan` (made on first use: pointers and shapes
         only); False if it could not launch (then off for the process, the JAX launch serves)."""
-        from pallas_kernels.triton_plans import UnpackPlan
-
         n = int(idx.shape[0])
-        m = bucket_rows(n, self.config.block_rows)
         units, ok = offset_arg(offset_words, align, self.backend, self._word.itemsize)
+        return self._enqueue_direct(dests, idx, bucket_rows(n, self.config.block_rows), (n, int(units), int(ok)),
+                                    align)
+
+    def warm(self, max_rows: int) -> list[int]:
+        """Compiles the direct unpack (`triton_plans.UnpackPlan`, what `unpack` launches on CuPy
+        layers) for every index bucket up to that of `max_rows` rows, at a 16-byte-aligned
+        offset (every receive-region range is), writing nothing (each launch masks every row).
+        Triton compiles a bucket in seconds the first time on a machine (~27 s for the 32k job's
+        decode ranks on a fresh H100, eight processes at once): a decode rank calls this before
+        its first window (`KVReceiver.warm_up`) so no window pays it on the thread that answers
+        its peers.
+
+        Args:
+            max_rows: the most rows one `unpack` call carries (an int >= 1; more than the pack
+                holds count as that many).
+
+        Returns:
+            The buckets (rows, ascending) now compiled; [] where `unpack` does not launch this
+            way (host layers, a backend other than "triton", direct launches of "unpack" off,
+            a pack with no zero-copy view) or the launch failed (then off for the process).
+
+        Raises:
+            ValueError: `max_rows` not an int >= 1; RuntimeError: `close()`d.
+        """
+        if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 1:
+            raise ValueError(f"max_rows={max_rows!r} must be an int >= 1")
+        with self._lock:
+            if self._layers is None:
+                raise RuntimeError("this RowUnpacker is closed")
+            if self.backend != "triton" or self._src is None or self._flat is None \
+                    or not triton_launch.enabled(self.backend, "unpack"):
+                return []
+            fits = int(self._pack.size) // sum(self.item_lens)
+            if fits < 1:
+                return []
+            dests, align, none = self._destinations(), _offset_align(0, self._word), np.zeros(0, np.int64)
+            done = []
+            for m in buckets_up_to(min(int(max_rows), fits), self.config.block_rows):
+                if not self._enqueue_direct(dests, none, m, (0, 0, 0), align):  # n = 0, ok = 0
+                    break
+                done.append(m)
+            return done
+
+    def _enqueue_direct(self, dests, idx: np.ndarray, m: int, meta: tuple, align: int) -> bool:
+        from pallas_kernels.triton_plans import UnpackPlan
 
         def launch():
             if self._plan is None:
                 self._plan = UnpackPlan(self._src, dests.ptrs[0], dests.handles[0].shape[0], self._flat, self.config)
-            return self._plan.launch(idx, m, (n, int(units), int(ok)), align)
+            return self._plan.launch(idx, m, meta, align)
 
         with dests.lock:
             return triton_launch.launch_into("unpack", [dests], launch) is not None

@@ -82,7 +82,7 @@ def test_small_job_both_modes_nixl_matches_plan():
         _check_run(run, cfg)
         assert run["engine"] == "nixl" and run["warmup_seconds"] > 0
         # Each sender's kernels were warmed once its ranks linked (host KV compiles none).
-        assert run["kernel_warm_up"]["pack"] == run["kernel_warm_up"]["fused"] == []
+        assert run["kernel_warm_up"]["pack"] == run["kernel_warm_up"]["fused"] == run["kernel_warm_up"]["unpack"] == []
         assert run["kernel_warm_up"]["seconds"] >= 0
         assert run["descriptors"] == want[run["mode"]]
         # One engine call per (chunk, rank): all layer entries in one batch.

@@ -144,8 +144,8 @@ def run_mode(cfg: JobConfig, mode: str, rid: str, prefills: list[Proc], decodes:
         engine = opened[0]["engine"]
         for r, d in enumerate(decodes):
             d.send("open", dict(mode=mode, dcp_rank=r, dcp_size=n, addresses=[o["address"] for o in opened]))
-        for d in decodes:
-            d.recv(cfg.timeout_s, "opened")
+        # (a decode rank compiles its unpack before it links: `KVReceiver.warm_up`)
+        unpack_warm = [d.recv(max(cfg.timeout_s, WARM_UP_LIMIT_S), "opened") for d in decodes]
         for p in prefills:
             p.send("warm", dict(peers=n))
         warmed = [p.recv(max(cfg.timeout_s, WARM_UP_LIMIT_S), "warmed") for p in prefills]
@@ -179,7 +179,9 @@ def run_mode(cfg: JobConfig, mode: str, rid: str, prefills: list[Proc], decodes:
     run = _median_run(reports)
     run.update(connect_seconds=connect_s, warmup_seconds=warmup_s,
                kernel_warm_up=dict(seconds=max(w["seconds"] for w in warmed),
-                                   pack=warmed[0]["pack"], fused=warmed[0]["fused"]))
+                                   pack=warmed[0]["pack"], fused=warmed[0]["fused"],
+                                   unpack=unpack_warm[0]["unpack"] if unpack_warm else [],
+                                   unpack_seconds=max((w["seconds"] for w in unpack_warm), default=0.0)))
     return run
 
 

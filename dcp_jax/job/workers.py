@@ -251,9 +251,14 @@ def decode_main(cfg_dict: dict, index: int, pools: tuple[int, int], tag: str, co
                           timeout_s=cfg.timeout_s, peer_timeout_s=min(cfg.timeout_s, PEER_TIMEOUT_S),
                           region_bytes=kv.region_bytes(cfg, arg["mode"], r, n), staging=cfg.staging)
         state.update(recv=recv, rank=r, size=n)
+        # The unpack's buckets compiled before any sender links (`KVReceiver.warm_up`): on a
+        # fresh GPU machine the first window's compile outlasted the senders' peer timeout.
+        t0 = time.perf_counter()
+        warmed = recv.warm_up(max(1, max(kv.most_rows_to_one_rank(cfg, k) for k in range(cfg.prefill_dcp_size))))
+        warmed.update(seconds=time.perf_counter() - t0)
         for address in arg["addresses"]:
             recv.connect(address, timeout_s=min(cfg.timeout_s, 60.0))
-        conn.send(("opened", None))
+        conn.send(("opened", warmed))
 
     def request(arg: dict) -> None:
         recv, r, n, rid = state["recv"], state["rank"], state["size"], arg["rid"]

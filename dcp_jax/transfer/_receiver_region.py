@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from bridge.host_flag import seq_done
+from dcp_jax._validate import check_int_type
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer.requests import RecvRequest
 from dcp_jax.transfer.status import TransferStatus
@@ -242,6 +243,53 @@ class ReceiverRegion:
         self._region.free(g.region)
         self._grant_waiting()
         return err
+
+    def warm_up(self, max_rows: int | None = None) -> dict[str, list[int]]:
+        """Compiles, before serving, the kernel that places region windows into this rank's
+        pages (`pallas_kernels.RowUnpacker.warm`: every index bucket up to that of the largest
+        window, writing nothing), so no window compiles it on the thread that also answers the
+        senders: on a fresh GPU machine that compile took ~30 s (Triton, eight decode
+        processes at once; 2026-12-07, H200), past the job's 30 s ``peer_timeout_s``, and the
+        senders dropped every rank. Later processes read Triton's on-disk cache (seconds).
+
+        Call it after construction, before `connect` (or any time: the compiles run on the
+        caller's thread, not under the receiver's lock). Host layers, a staged receiver, no
+        receive region, or direct launches of "unpack" off (`pallas_kernels.triton_launch`)
+        compile nothing here (the windows then take the jitted unpack, compiled on first use).
+
+        Args:
+            max_rows: the most token rows one window carries (an int >= 1); None, or more than
+                the receive region holds: as many as it holds.
+
+        Returns:
+            ``{"unpack": buckets}``: the index buckets (rows, ascending) now compiled.
+
+        Raises:
+            RuntimeError: the receiver is closed. TypeError: ``max_rows`` not an int (``1.0``
+                too); ValueError: < 1.
+        """
+        from pallas_kernels import RowUnpacker
+
+        self._check_open()
+        if max_rows is not None and check_int_type("max_rows", max_rows) < 1:
+            raise ValueError(f"max_rows={max_rows!r} must be an int >= 1 or None")
+        region = self._region
+        fits = region.nbytes // self.spec.row_bytes
+        if self.staged or self._layers.mem_type != "VRAM" or fits < 1:
+            return {"unpack": []}
+        with self._lock:
+            un = self._unpacker
+        fresh = un is None
+        if fresh:  # made outside the lock: its construction checks the buffers (host work)
+            un = RowUnpacker(region.array, self._layers.rows)
+        buckets = un.warm(fits if max_rows is None else min(int(max_rows), fits))
+        if fresh:
+            with self._lock:  # the worker's unpacks use it (its plan holds the compiled buckets)
+                if self._unpacker is None and not self._closed:
+                    self._unpacker, un = un, None
+            if un is not None:
+                un.close()
+        return {"unpack": buckets}
 
     def _close_unpacker(self) -> None:
         if self._unpacker is not None:

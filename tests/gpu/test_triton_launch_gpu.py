@@ -324,3 +324,29 @@ def test_the_senders_packer_packs_a_round_of_one_warmed_window_directly():
     for idx, off in two:
         total = len(idx) * L * item
         np.testing.assert_array_equal(got[off:off + total], _packed(layers, idx, off, total))
+
+
+def test_row_unpacker_warm_compiles_every_bucket_writing_nothing_and_the_unpack_then_compiles_nothing():
+    if triton_launch._STATE["off"] or "unpack" in triton_launch._STATE["off_kinds"]:
+        pytest.fail(f"direct launches are off in this process: {triton_launch._STATE['why']}")
+    L, item, R, n = 3, 1152, 800, 300
+    layers = _layers(R, item, L, fill=0x5A)
+    region = cp.random.RandomState(14).randint(0, 256, n * L * item + 4096, dtype=cp.int32).astype(cp.uint8)
+    un = RowUnpacker(region, layers)
+    assert un.warm(n) == [64, 128, 256, 512]  # block_rows 64 up to 300's bucket
+    assert un.warm(10 ** 9) == [64, 128, 256, 512]  # the region holds 301 rows: the same bucket
+    synchronize(layers)
+    for l in range(L):
+        assert int((layers[l] != 0x5A).sum()) == 0, l  # every row masked: nothing written
+    compiled = len(triton_launch._KERNELS)
+    idx = np.random.default_rng().permutation(R)[:n]
+    un.unpack(idx, offset=64, checked=True)
+    assert len(triton_launch._KERNELS) == compiled  # the warmed bucket: no compile in the call
+    synchronize(layers)
+    want = [np.full((R, item), 0x5A, np.uint8) for _ in range(L)]
+    _unpacked(want, cp.asnumpy(region), idx, 64, L, item)
+    for l in range(L):
+        np.testing.assert_array_equal(cp.asnumpy(layers[l]), want[l], err_msg=f"layer {l}")
+    un.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        un.warm(1)

@@ -178,3 +178,19 @@ def test_close_while_another_thread_unpacks_gives_the_closed_error_or_a_whole_un
         if calls[0]:
             want = _brute(pack, 0, idx, [a.copy() for a in layers])
             assert all(np.array_equal(a, b) for a, b in zip(layers, want))
+
+
+def test_warm_on_host_layers_compiles_nothing_and_checks_max_rows():
+    rng = np.random.default_rng()
+    layers = _layers(rng, 6, [8, 16])
+    before = [a.copy() for a in layers]
+    u = RowUnpacker(np.zeros(6 * 24, np.uint8), layers)
+    assert u.warm(4) == [] and u.warm(10 ** 6) == []  # host layers: unpacked by numpy, nothing to compile
+    for bad in (0, -1, True, 2.0, "4"):
+        with pytest.raises(ValueError, match="max_rows"):
+            u.warm(bad)
+    u.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        u.warm(1)
+    for a, b in zip(layers, before):
+        np.testing.assert_array_equal(a, b)

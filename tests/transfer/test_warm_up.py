@@ -155,3 +155,28 @@ def test_a_named_xla_backend_warms_its_buckets_and_a_request_compiles_nothing(en
         assert c.sender.stats["kernel_compiles"] == before
     finally:
         c.close()
+
+
+def test_receiver_warm_up_on_host_kv_compiles_nothing_checks_its_argument_and_serves(engine):
+    """`KVReceiver.warm_up`: host layers are unpacked by numpy, so nothing compiles; its
+    argument is checked like the sender's; the region path serves after it."""
+    from pallas_kernels import compile_count
+
+    c = Cluster(engine, dcp_size=2, mode="region", connect=False, receiver_kw=dict(region_bytes=1 << 16))
+    try:
+        count = compile_count()
+        for r in c.receivers:
+            assert r.warm_up() == {"unpack": []} and r.warm_up(max_rows=8) == {"unpack": []}
+            for bad in (0, -2):
+                with pytest.raises(ValueError, match="max_rows"):
+                    r.warm_up(bad)
+            for bad in (True, 1.0, "8"):
+                with pytest.raises(TypeError, match="max_rows"):
+                    r.warm_up(bad)
+            r.connect(c.sender.address)
+        assert compile_count() == count
+        c.round_trip("u", 29)
+    finally:
+        c.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        c.receivers[0].warm_up()
