@@ -1,6 +1,6 @@
 """Diagnostic: sums the per-call profiles that benchmarks/gpu/profile_hook wrote.
 
-    python benchmarks/gpu/pstats_top.py DIR [--skip N] [--top K]
+    python benchmarks/gpu/pstats_top.py DIR [--skip N] [--top K] [--target Class.method]
 
 Per process (the pid in the file name), its first N calls are left out (the first request's, cold),
 the rest summed; prints the calls counted and the top K functions by cumulative time, in
@@ -17,9 +17,10 @@ ap = argparse.ArgumentParser()
 ap.add_argument("dir")
 ap.add_argument("--skip", type=int, default=8)
 ap.add_argument("--top", type=int, default=25)
+ap.add_argument("--target", default="", help="only the files of this Class.method (the hook's comma list)")
 a = ap.parse_args()
 per_pid = defaultdict(list)
-for f in glob.glob(os.path.join(a.dir, "*.pstats")):
+for f in glob.glob(os.path.join(a.dir, f"{a.target}*.pstats")):
     m = re.search(r"_(\d+)_(\d+)\.pstats$", f)
     if m:
         per_pid[m.group(1)].append((int(m.group(2)), f))

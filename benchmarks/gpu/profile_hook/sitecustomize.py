@@ -41,8 +41,9 @@ def _install(directory: str, target: str) -> None:
 
 
 if _DIR and _TARGET:
-    try:
-        os.makedirs(_DIR, exist_ok=True)
-        _install(_DIR, _TARGET)
-    except Exception as exc:  # noqa: BLE001 - a diagnostic never breaks the job
-        print(f"profile_hook: {_TARGET} not profiled: {type(exc).__name__}: {exc}", file=sys.stderr)
+    os.makedirs(_DIR, exist_ok=True)
+    for _one in _TARGET.split(","):  # several targets: a comma list
+        try:
+            _install(_DIR, _one.strip())
+        except Exception as exc:  # noqa: BLE001 - a diagnostic never breaks the job
+            print(f"profile_hook: {_one} not profiled: {type(exc).__name__}: {exc}", file=sys.stderr)
