@@ -97,6 +97,8 @@ class DcpJaxWorker:
         if role in ("kv_consumer", "kv_both"):
             self.receiver = KVReceiver(self.geometry.spec(self.dcp_rank, self.shard), entries,
                                        direction=self.cfg.direction, group=f"{self.engine_id}-{self.shard}", **opts)
+            # GPU caches: the unpack's buckets compiled now, before any prefill links (host: none)
+            self.receiver.warm_up()
 
     # ---- decode ----------------------------------------------------------------------------------
     def start_load(self, meta: DcpJaxMetadata) -> None:
