@@ -1,0 +1,37 @@
+# One device call (issue 13): the 32k NIXL region job, this tree against another tree's copy of
+# the packages (BASE=dir holding dcp_jax/, pallas_kernels/, bridge/, e.g. `git archive <commit>
+# dcp_jax pallas_kernels bridge | tar -x -C ab_base`), alternating on one machine start (this tree
+# first: its decode ranks warm the unpack, which also fills Triton's cache for the base's), then
+# once more with cProfile (benchmarks/gpu/profile_hook) around the round pack, the region post and
+# the unpack. Prints each run's median whole / transfer GB/s; $OUT/ab_*.json, $OUT/ab.log.
+#   BASE=ab_base REPS=2 REQUESTS=6 bash benchmarks/gpu/region_ab.sh
+ROOT=$PWD
+source "$ROOT/scripts/gpu_env.sh" > "$OUT/env.log" 2>&1
+PY=${PY:-python3}
+job() {  # arm dir, json name, extra env...
+    local dir=$1 name=$2; shift 2
+    (cd "$dir" && env "$@" timeout --signal=INT 150 "$PY" -m dcp_jax.cli transfer --device gpu --no-progress \
+        --timeout-s 60 --engine nixl --path region --prompt-tokens 32768 --requests "${REQUESTS:-6}" \
+        --json "$OUT/ab_$name.json" >> "$OUT/ab.log" 2>&1)
+    echo "$name rc=$?"
+}
+for r in $(seq "${REPS:-2}"); do
+    job "$ROOT" "new_$r"
+    [ -n "$BASE" ] && job "$ROOT/$BASE" "base_$r"
+done
+T=dcp_jax.transfer._sender_units:SenderUnits._pack_batch,dcp_jax.transfer._sender_region:SenderRegion._write_region,dcp_jax.transfer._receiver_region:ReceiverRegion._unpack
+job "$ROOT" profiled PYTHONPATH="$ROOT/benchmarks/gpu/profile_hook:$PYTHONPATH" DCP_PROFILE_DIR=/tmp/prof DCP_PROFILE_TARGET=$T
+"$PY" - "$OUT" <<'PY'
+import glob, json, os, sys
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "ab_*.json"))):
+    for r in json.load(open(f))["runs"]:
+        gb = r["bytes"] / 1e9
+        each = sorted(round(gb / q["request_seconds"], 1) for q in r["repeats"])
+        tl = {k: v[:2] for k, v in (r.get("timeline_ms") or {}).items()}
+        print(f"{os.path.basename(f)}: whole {gb / r['request_seconds']:.1f} transfer {gb / r['transfer_seconds']:.1f} "
+              f"GB/s verified={r['verified']} each={each} warm={r.get('kernel_warm_up')}\n   {tl}")
+PY
+for t in SenderUnits._pack_batch SenderRegion._write_region ReceiverRegion._unpack; do
+    echo "### $t"
+    "$PY" "$ROOT/benchmarks/gpu/pstats_top.py" /tmp/prof --target "$t" --skip 4 --top 16
+done
