@@ -176,18 +176,22 @@ class RowUnpacker:
         return self._enqueue_direct(dests, idx, bucket_rows(n, self.config.block_rows), (n, int(units), int(ok)),
                                     align)
 
-    def warm(self, max_rows: int) -> list[int]:
+    def warm(self, max_rows: int, *, every_bucket: bool = False) -> list[int]:
         """Compiles the direct unpack (`triton_plans.UnpackPlan`, what `unpack` launches on CuPy
-        layers) for every index bucket up to that of `max_rows` rows, at a 16-byte-aligned
-        offset (every receive-region range is), writing nothing (each launch masks every row).
-        Triton compiles a bucket in seconds the first time on a machine (~27 s for the 32k job's
-        decode ranks on a fresh H100, eight processes at once): a decode rank calls this before
-        its first window (`KVReceiver.warm_up`) so no window pays it on the thread that answers
-        its peers.
+        layers) for the index bucket of `max_rows` rows (or every bucket up to it), at a
+        16-byte-aligned offset (every receive-region range is), writing nothing (each launch
+        masks every row). The compile is process-wide (another `RowUnpacker` of the same shapes
+        reuses it) and takes seconds a bucket: on an H100, 27.5 s for the 32k job's first window
+        in each of eight decode processes at once on a fresh machine, 29.6 s for all seven
+        buckets up to 4,096 rows with Triton's cache partly filled (2026-12-07). A decode rank
+        calls this before its first window (`KVReceiver.warm_up`) so no window pays it on the
+        thread that answers its peers.
 
         Args:
             max_rows: the most rows one `unpack` call carries (an int >= 1; more than the pack
                 holds count as that many).
+            every_bucket: also every smaller bucket (`config.buckets_up_to`), for callers whose
+                windows vary in size; False: a smaller window compiles its bucket on first use.
 
         Returns:
             The buckets (rows, ascending) now compiled; [] where `unpack` does not launch this
@@ -195,13 +199,19 @@ class RowUnpacker:
             a pack with no zero-copy view) or the launch failed (then off for the process).
 
         Raises:
-            ValueError: `max_rows` not an int >= 1; RuntimeError: `close()`d.
+            RuntimeError: `close()`d. TypeError: `max_rows` not an int (a bool, a float), or
+                `every_bucket` not a bool; ValueError: `max_rows` < 1.
         """
-        if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 1:
-            raise ValueError(f"max_rows={max_rows!r} must be an int >= 1")
         with self._lock:
             if self._layers is None:
                 raise RuntimeError("this RowUnpacker is closed")
+            if isinstance(max_rows, np.ndarray) and max_rows.ndim == 0 and max_rows.dtype.kind in "iu":
+                max_rows = max_rows[()]
+            if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)):
+                raise TypeError(f"max_rows must be an int, got {type(max_rows).__name__} (max_rows={max_rows!r})")
+            if max_rows < 1:
+                raise ValueError(f"max_rows={max_rows!r} must be an int >= 1")
+            check_bool(every_bucket, "every_bucket")
             if self.backend != "triton" or self._src is None or self._flat is None \
                     or not triton_launch.enabled(self.backend, "unpack"):
                 return []
@@ -210,7 +220,10 @@ class RowUnpacker:
                 return []
             dests, align, none = self._destinations(), _offset_align(0, self._word), np.zeros(0, np.int64)
             done = []
-            for m in buckets_up_to(min(int(max_rows), fits), self.config.block_rows):
+            rows = min(int(max_rows), fits)
+            wanted = buckets_up_to(rows, self.config.block_rows) if every_bucket \
+                else [bucket_rows(rows, self.config.block_rows)]
+            for m in wanted:
                 if not self._enqueue_direct(dests, none, m, (0, 0, 0), align):  # n = 0, ok = 0
                     break
                 done.append(m)

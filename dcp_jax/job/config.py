@@ -257,8 +257,9 @@ class JobConfig:
         for name in ("max_batch_indices", "pack_tokens", "round_rows"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or v < 1):
+                left_out = "one window's index bucket" if name == "round_rows" else "no limit"
                 raise ValueError(f"{name}={v!r} (--{name.replace('_', '-')}) must be an int >= 1 "
-                                 "(None, the option left out: no limit)")
+                                 f"(None, the option left out: {left_out})")
         if not _is_int(self.requests) or not 1 <= self.requests <= MAX_REQUESTS:
             raise ValueError(f"requests={self.requests!r} (--requests) must be an int in [1, {MAX_REQUESTS}]")
         check_job_timeout(self.timeout_s)

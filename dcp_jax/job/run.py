@@ -181,7 +181,7 @@ def run_mode(cfg: JobConfig, mode: str, rid: str, prefills: list[Proc], decodes:
                kernel_warm_up=dict(seconds=max(w["seconds"] for w in warmed),
                                    pack=warmed[0]["pack"], fused=warmed[0]["fused"],
                                    unpack=unpack_warm[0]["unpack"] if unpack_warm else [],
-                                   unpack_seconds=max((w["seconds"] for w in unpack_warm), default=0.0)))
+                                   decode_seconds=max((w["seconds"] for w in unpack_warm), default=0.0)))
     return run
 
 

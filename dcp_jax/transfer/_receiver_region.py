@@ -244,52 +244,52 @@ class ReceiverRegion:
         self._grant_waiting()
         return err
 
-    def warm_up(self, max_rows: int | None = None) -> dict[str, list[int]]:
+    def warm_up(self, max_rows: int | None = None, *, every_bucket: bool = False) -> dict[str, list[int]]:
         """Compiles, before serving, the kernel that places region windows into this rank's
-        pages (`pallas_kernels.RowUnpacker.warm`: every index bucket up to that of the largest
-        window, writing nothing), so no window compiles it on the thread that also answers the
-        senders: on a fresh GPU machine that compile took ~30 s (Triton, eight decode
-        processes at once; 2026-12-07, H200), past the job's 30 s ``peer_timeout_s``, and the
-        senders dropped every rank. Later processes read Triton's on-disk cache (seconds).
+        pages (`pallas_kernels.RowUnpacker.warm`: the index bucket of the largest window, or
+        every bucket up to it, writing nothing), so no window compiles it on the thread that
+        also answers the senders: on a fresh GPU machine the 32k job's first window took 27.5 s
+        (H100) and over 30 s (H200, past the job's 30 s ``peer_timeout_s``: the senders dropped
+        every rank) to compile in each of eight decode processes at once (2026-12-07).
 
-        Call it after construction, before `connect` (or any time: the compiles run on the
-        caller's thread, not under the receiver's lock). Host layers, a staged receiver, no
-        receive region, or direct launches of "unpack" off (`pallas_kernels.triton_launch`)
-        compile nothing here (the windows then take the jitted unpack, compiled on first use).
+        Call it after construction, before `connect`. Called later it still runs on the
+        caller's thread through an unpacker of its own, holding no lock the receiver's worker
+        takes (the compiled kernel is process-wide: the worker's unpacks reuse it). Host layers,
+        a staged receiver, no receive region, or direct launches of "unpack" off
+        (`pallas_kernels.triton_launch`) compile nothing here (the windows then take the jitted
+        unpack, compiled on first use).
 
         Args:
             max_rows: the most token rows one window carries (an int >= 1); None, or more than
                 the receive region holds: as many as it holds.
+            every_bucket: also every smaller index bucket (windows of many sizes, e.g. a serving
+                loop's chunked prefills; ~4 s a bucket in the job on an H100); False: a smaller
+                window compiles its bucket when it first lands.
 
         Returns:
             ``{"unpack": buckets}``: the index buckets (rows, ascending) now compiled.
 
         Raises:
             RuntimeError: the receiver is closed. TypeError: ``max_rows`` not an int (``1.0``
-                too); ValueError: < 1.
+                too), ``every_bucket`` not a bool; ValueError: ``max_rows`` < 1.
         """
         from pallas_kernels import RowUnpacker
 
         self._check_open()
         if max_rows is not None and check_int_type("max_rows", max_rows) < 1:
             raise ValueError(f"max_rows={max_rows!r} must be an int >= 1 or None")
+        if not isinstance(every_bucket, bool):
+            raise TypeError(f"every_bucket must be a bool, got {type(every_bucket).__name__}")
         region = self._region
         fits = region.nbytes // self.spec.row_bytes
         if self.staged or self._layers.mem_type != "VRAM" or fits < 1:
             return {"unpack": []}
-        with self._lock:
-            un = self._unpacker
-        fresh = un is None
-        if fresh:  # made outside the lock: its construction checks the buffers (host work)
-            un = RowUnpacker(region.array, self._layers.rows)
-        buckets = un.warm(fits if max_rows is None else min(int(max_rows), fits))
-        if fresh:
-            with self._lock:  # the worker's unpacks use it (its plan holds the compiled buckets)
-                if self._unpacker is None and not self._closed:
-                    self._unpacker, un = un, None
-            if un is not None:
-                un.close()
-        return {"unpack": buckets}
+        un = RowUnpacker(region.array, self._layers.rows)
+        try:
+            rows = fits if max_rows is None else min(int(max_rows), fits)
+            return {"unpack": un.warm(rows, every_bucket=every_bucket)}
+        finally:
+            un.close()
 
     def _close_unpacker(self) -> None:
         if self._unpacker is not None:

@@ -20,14 +20,18 @@ class ReceiverStats:
     @property
     def stats(self) -> dict[str, Any]:
         """Counters: requests by outcome, bytes landed, reads, dropped/rejected/inconsistent
-        messages, connections."""
+        messages, connections, the receive region, and ``kernel_compiles``
+        (`pallas_kernels.compile_count`, process-wide, as the sender's: unchanged across
+        windows once `warm_up` compiled what they launch)."""
+        from pallas_kernels import compile_count
+
         with self._lock:
             out = dict(self._counts)
             out.update(rejected_messages=sum(link.client.rejected for link in self._links),
                        live_requests=len(self._requests), inflight_reads=len(self._reads),
                        connections=len(self._links), worker_errors=self._worker.errors,
                        region=dict(self._region.arena.stats), region_grants=len(self._grants) + len(self._read_grants),
-                       region_waiting=len(self._waiting))
+                       region_waiting=len(self._waiting), kernel_compiles=compile_count())
         return out
 
     @property

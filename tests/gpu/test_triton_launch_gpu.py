@@ -333,8 +333,9 @@ def test_row_unpacker_warm_compiles_every_bucket_writing_nothing_and_the_unpack_
     layers = _layers(R, item, L, fill=0x5A)
     region = cp.random.RandomState(14).randint(0, 256, n * L * item + 4096, dtype=cp.int32).astype(cp.uint8)
     un = RowUnpacker(region, layers)
-    assert un.warm(n) == [64, 128, 256, 512]  # block_rows 64 up to 300's bucket
-    assert un.warm(10 ** 9) == [64, 128, 256, 512]  # the region holds 301 rows: the same bucket
+    assert un.warm(n) == [512]  # 300 rows' bucket
+    assert un.warm(n, every_bucket=True) == [64, 128, 256, 512]  # block_rows 64 up to it
+    assert un.warm(10 ** 9) == [512]  # the region holds 301 rows: the same bucket
     synchronize(layers)
     for l in range(L):
         assert int((layers[l] != 0x5A).sum()) == 0, l  # every row masked: nothing written

@@ -185,10 +185,16 @@ def test_warm_on_host_layers_compiles_nothing_and_checks_max_rows():
     layers = _layers(rng, 6, [8, 16])
     before = [a.copy() for a in layers]
     u = RowUnpacker(np.zeros(6 * 24, np.uint8), layers)
-    assert u.warm(4) == [] and u.warm(10 ** 6) == []  # host layers: unpacked by numpy, nothing to compile
-    for bad in (0, -1, True, 2.0, "4"):
+    assert u.warm(4) == [] and u.warm(10 ** 6, every_bucket=True) == []  # host: numpy, nothing compiles
+    assert u.warm(np.int64(3)) == u.warm(np.array(3)) == []
+    for bad in (0, -1):
         with pytest.raises(ValueError, match="max_rows"):
             u.warm(bad)
+    for bad in (True, 2.0, "4", None):
+        with pytest.raises(TypeError, match="max_rows"):
+            u.warm(bad)
+    with pytest.raises(TypeError, match="every_bucket"):
+        u.warm(4, every_bucket="yes")
     u.close()
     with pytest.raises(RuntimeError, match="closed"):
         u.warm(1)

@@ -173,7 +173,10 @@ def test_receiver_warm_up_on_host_kv_compiles_nothing_checks_its_argument_and_se
             for bad in (True, 1.0, "8"):
                 with pytest.raises(TypeError, match="max_rows"):
                     r.warm_up(bad)
+            with pytest.raises(TypeError, match="every_bucket"):
+                r.warm_up(8, every_bucket=1)
             r.connect(c.sender.address)
+            assert r.warm_up(every_bucket=True) == {"unpack": []}  # after connect too
         assert compile_count() == count
         c.round_trip("u", 29)
     finally:
