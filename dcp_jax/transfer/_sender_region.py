@@ -1,9 +1,9 @@
 """The sender's region and fused paths (a mixin of `dcp_jax.transfer.KVSender`, worker thread, lock held).
 
-Region, push: a window is packed into the sender's pack region (as the packed path); once
-the round holds its pack range, before the round's pack is enqueued, ``region_ask`` asks the
-decode rank for room in its receive region, so the ask -> grant round trip overlaps the pack's
-launch and kernel. Its ``region_grant`` (offset, size: checked against the region the rank declared at the
+Region, push: a window is packed into the sender's pack region (as the packed path); as soon
+as the round's pack is enqueued, before it ends, ``region_ask`` asks the
+decode rank for room in its receive region, so the ask -> grant round trip overlaps the pack
+kernel. Its ``region_grant`` (offset, size: checked against the region the rank declared at the
 handshake before any byte moves) and the end of the round's pack (its ticket ready,
 `SenderUnits._post_ready`), in either order,
 let ONE descriptor write the whole window, with the usual ``done`` notification (`Unit.packed`,
@@ -75,12 +75,11 @@ class SenderRegion:
         return dict(chunk=rc.chunk, part=u.w, nparts=len(rc.windows), start=rc.start, stop=rc.stop, nrows=hi - lo)
 
     def _ask_regions(self, packed: list) -> list:
-        """Region push: asks the rank of each of the round's windows for room once the round
-        holds their pack ranges, before its pack is enqueued (`_pack_batch`; a view pair's
-        block was packed on the host by `_pack_unit`): the ask -> grant round trip overlaps the
-        launch's host time and the kernel (asked after the enqueue, the grant came 0.6-1.1 ms
-        after the window's pack in the 32k job on an H200). Returns ``packed`` less the windows
-        whose ask could not be sent (their requests failed)."""
+        """Region push: asks the rank of each of the round's windows for room right after the
+        round's pack was enqueued (`_pack_batch`; a view pair's block was packed on the host by
+        `_pack_unit`), before the round synchronises it: the ask -> grant round trip overlaps
+        the pack kernel. Returns ``packed`` less the windows whose ask could not be sent (their
+        requests failed)."""
         out = []
         for p in packed:
             u, addr = p[0], p[3]

@@ -44,8 +44,7 @@ class Unit:
 
     A region-push window is written only once both ``packed`` (the round synchronised its
     pack) and ``grant`` (the rank's ``region_grant`` offset) are set, in either order: its
-    ``region_ask`` goes out before the round's pack is enqueued (``asked``;
-    `SenderRegion._ask_regions`)."""
+    ``region_ask`` goes out while the pack runs (``asked``; `SenderRegion._ask_regions`)."""
 
     req: SendRequest
     target: RankTarget
@@ -203,20 +202,16 @@ class SenderUnits:
                 packed.append((u, lo, hi, self._pack_unit(u, lo, hi, batch)))
             except Exception as exc:  # noqa: BLE001 - the request fails, the sender lives on
                 self._submit_failed(u, exc)
-        # Region push: ask for room before the round's pack is enqueued, so the ask -> grant
-        # round trip overlaps the launch's host time as well as the kernel (a window whose ask
-        # could not be sent failed its request and freed its range: not packed).
-        asked = self._ask_regions(packed)
-        if len(asked) < len(packed):
-            live = {p[0] for p in asked}
-            batch = [b for b in batch if b[0] in live]
-        packed = asked
         failed = self._pack_batch(batch)
         for u, exc in failed:
             self._submit_failed(u, exc)
         if failed:
             gone = {u for u, _ in failed}
             packed = [p for p in packed if p[0] not in gone]
+        # Region push: ask for room while the pack runs. Asked before the enqueue instead, the
+        # ranks that granted poll their engine through a host pack: the 16k region job on a
+        # 2-core host packed in 0.30-0.34 s against 0.21-0.22 (2026-12-07; no GPU figure).
+        packed = self._ask_regions(packed)
         if packed:
             self._packing.append((self._pack_ticket(packed), packed, time.perf_counter()))
         return self._post_ready() or busy

@@ -142,8 +142,7 @@ class Cluster:
 
 def check_region_timeline(timeline):
     """Region push, per decode rank of a sender's timeline (``[event, rank, t]``): the k-th
-    ``pack`` (the window taken into a round) comes before the k-th ``ask`` (asked before the
-    round's pack is enqueued), which comes
+    ``pack`` comes before the k-th ``ask`` (asked as soon as the pack is enqueued), which comes
     before the k-th ``packed`` (the round's synchronisation), and the k-th ``post`` after both,
     in order and in time. Ranks with no ask (no region window) are left out. Returns
     {rank: windows}."""
