@@ -52,6 +52,8 @@ def prefill_main(engine, addr_q, ranks_done, result_q):
     sender = KVSender(KVCacheSpec(NUM_LAYERS, ITEM_LENS, PAGE_SIZE), cache, engine=engine)
     for _ in range(DCP_SIZE):
         addr_q.put(sender.address)  # out of band: how the decode ranks find this sender
+    # (GPU caches: once the decode ranks have linked, `sender.warm_up()` compiles the pack and
+    # fused launches before the first request; host numpy compiles nothing.)
     free_pages = list(range(NUM_PAGES))  # this process's page allocator
     for rid, n in REQUESTS.items():  # the scheduler's loop: prefill one request after another
         pages = np.array([free_pages.pop() for _ in range(-(-n // PAGE_SIZE))])  # its page table
@@ -73,6 +75,7 @@ def decode_main(rank, engine, direction, addr_q, ranks_done, result_q):
     cache = [jnp.zeros((NUM_PAGES, PAGE_SIZE, KV_DIM), jnp.bfloat16) for _ in range(NUM_LAYERS)]
     spec = KVCacheSpec(NUM_LAYERS, ITEM_LENS, PAGE_SIZE, dcp_size=DCP_SIZE, dcp_rank=rank)
     receiver = KVReceiver(spec, cache, engine=engine, direction=direction)
+    receiver.warm_up()  # GPU caches: compiles the region unpack before any window (host: nothing)
     receiver.connect(addr_q.get(timeout=60))  # versioned handshake: both geometries checked
     tables, free_pages = {}, list(range(NUM_PAGES))  # this rank's own page allocator
     for rid, n in REQUESTS.items():  # announce where this rank's rows of each request go

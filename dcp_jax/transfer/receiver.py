@@ -57,6 +57,10 @@ DIRECTIONS = ("push", "pull")
 class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
     """Decode-rank connector over the caller's KV layers.
 
+    Typical life: construct, `warm_up` (GPU caches: compiles the region path's unpack before any
+    window lands), `connect` to each prefill sender, then per request `expect`, `wait` / `poll`,
+    `release`; `close` at the end.
+
     Args:
         spec: this decode rank's `KVCacheSpec` (``dcp_size``/``dcp_rank``/``interleave_size`` are
             the decode DCP layout).

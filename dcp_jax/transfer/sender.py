@@ -66,6 +66,10 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
                SenderStats):
     """Prefill-side connector over the caller's KV layers.
 
+    Typical life: construct, hand `address` to the decode ranks, `warm_up` once they have
+    connected (GPU caches: compiles the pack and fused launches before the first request), then
+    per request `send` each prefilled chunk, `wait` / `poll`, `release`; `close` at the end.
+
     Args:
         spec: this prefill rank's `KVCacheSpec` (``dcp_size``/``dcp_rank`` are the prefill DCP).
         kv_layers: ``spec.num_layers`` arrays ``[num_pages, page_size, ...]`` (numpy, JAX or
