@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import logging
 import reprlib
-import select
 import threading
 import time
 import traceback
@@ -143,21 +142,6 @@ class Worker:
             self._tx.close(0)
         return ended
 
-    def _wait_fraction(self, seconds: float) -> None:
-        """Waits up to ``seconds`` (under a millisecond), ending early when a control message
-        arrives: a plain sleep held a peer's ``region_ask`` or ``region_grant`` until it ended
-        (ask -> grant took 0.6-1.1 ms in the 32k job on an H200 while each side polled its
-        engine). zmq's file descriptors signal edge-triggered, so each socket's ``EVENTS`` is
-        read first (which also re-arms its descriptor): a message already queued skips the
-        wait."""
-        socks = [self._rx, *self._socks]
-        try:
-            if any(s.getsockopt(zmq.EVENTS) & zmq.POLLIN for s in socks):
-                return
-            select.select([s.getsockopt(zmq.FD) for s in socks], [], [], seconds)
-        except (zmq.ZMQError, OSError, ValueError):  # a socket closed meanwhile: the round sees it
-            time.sleep(seconds)
-
     def _spin_wait(self) -> None:
         if self._spin is None:
             time.sleep(MIN_BACKOFF_S)
@@ -224,8 +208,8 @@ class Worker:
                 backoff = next_backoff(backoff, MIN_BACKOFF_S, MAX_BACKOFF_S)
                 if backoff >= 1e-3:
                     timeout_ms = int(backoff * 1000)
-                else:  # zmq's poll takes whole milliseconds: wait the fraction, then peek
-                    self._wait_fraction(backoff)
+                else:  # zmq's poll takes whole milliseconds: sleep the fraction, then peek
+                    time.sleep(backoff)
                     timeout_ms = 0
             else:
                 backoff, timeout_ms = 0.0, IDLE_POLL_MS
