@@ -6,6 +6,7 @@
 # ROUND_ROWS="default 8192": each value a run of its own (`--round-rows`; "default" leaves it out),
 # alternating within each repeat, so an A/B of the round's launch size shares one machine start.
 # ENVS="default DCP_JAX_DIRECT_OFF=unpack": likewise, each a run with that one VAR=VALUE set.
+# DIRECTIONS="push pull": likewise, each a run with that `--direction` (region and packed paths).
 ROOT=$PWD
 source "$ROOT/scripts/gpu_env.sh" > "$OUT/env.log" 2>&1
 PY=${PY:-python3}
@@ -16,17 +17,20 @@ for tokens in ${TOKENS:-32768}; do
         for r in $(seq "$REPS"); do
             for rr in ${ROUND_ROWS:-default}; do
               for ev in ${ENVS:-default}; do
+               for dir in ${DIRECTIONS:-push}; do
                 tag=$([ "$rr" = default ] && echo "" || echo "_rr$rr")
                 extra=$([ "$rr" = default ] && echo "" || echo "--round-rows $rr")
+                [ "$dir" = push ] || { tag="${tag}_$dir"; extra="$extra --direction $dir"; }
                 envset=()
                 if [ "$ev" != default ]; then envset=("$ev"); tag="${tag}_${ev//[^A-Za-z0-9]/_}"; fi
                 j="/tmp/rep_${tokens}_${path}${tag}_${r}.json"
                 # shellcheck disable=SC2086  # $extra: zero or two words
-                env "${envset[@]}" timeout --signal=INT 90 "$PY" -m dcp_jax.cli transfer --device gpu --no-progress \
+                env "${envset[@]}" timeout --signal=INT "${RUN_LIMIT_S:-150}" "$PY" -m dcp_jax.cli transfer --device gpu --no-progress \
                     --timeout-s 60 --engine nixl --path "$path" --prompt-tokens "$tokens" --requests "${REQUESTS:-1}" \
                     $extra --json "$j" >> "$OUT/reps.log" 2>&1
-                echo "tokens=$tokens path=$path round_rows=$rr env=$ev rep=$r rc=$?" | tee -a "$OUT/reps.log"
+                echo "tokens=$tokens path=$path round_rows=$rr env=$ev direction=$dir rep=$r rc=$?" | tee -a "$OUT/reps.log"
                 [ -f "$j" ] && runs+=("$j")
+               done
               done
             done
         done
