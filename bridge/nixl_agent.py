@@ -8,13 +8,14 @@ transfer that the engine's poller follows to DONE or ERR and then releases (`rel
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
 import numpy as np
 
 __all__ = ["nixl_agent", "nixl_agent_config", "nixl_thread_sync_t", "NIXL_ERRORS", "nixl_available",
-           "engine_msg", "PROGRESS_THREAD_DELAY_US", "agent_config", "create_agent", "xfer_desc_lists",
+           "engine_msg", "PROGRESS_THREAD_DELAY_US", "UCX_AGENT_ENV", "agent_config", "create_agent", "xfer_desc_lists",
            "Posted", "release"]
 
 try:  # the CUDA 12 wheel installs nixl_cu12; the meta package maps `nixl` onto a CUDA build
@@ -54,6 +55,14 @@ def engine_msg(exc: BaseException) -> str:
 PROGRESS_THREAD_DELAY_US = 1000
 _AGENT_CTOR_LOCK = threading.Lock()
 
+#: UCX settings every agent is created with, unless the environment already names them (UCX reads
+#: them when the agent's UCX context is made). ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on``: UCX's default
+#: ("auto", UCX PR 7566) turns cuda_ipc READs off on a GPU without active NVLink peers, so a READ
+#: of another process's VRAM on the same GPU falls back to a host-staged path: the 32k region job
+#: pulled 2.30 GB at ~0.5 GB/s and ranks went silent for 30 s on an H100 (2026-12-07), where
+#: WRITEs take cuda_ipc. NIXL's own UCX plugin turns it on from its PR 2208 (2026-09).
+UCX_AGENT_ENV = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+
 
 def agent_config(backends, shared_lock: bool):
     """A ``nixl_agent_config`` creating ``backends``; ``shared_lock`` selects ``NIXL_THREAD_SYNC_RW``
@@ -66,7 +75,8 @@ def agent_config(backends, shared_lock: bool):
 
 def create_agent(name: str, conf, progress_delay_us: int):
     """A ``nixl_agent`` whose progress thread pauses ``progress_delay_us`` microseconds between
-    polls. Raises whatever NIXL raises when it cannot create the agent."""
+    polls, its UCX context made with `UCX_AGENT_ENV` (set in ``os.environ`` where unset). Raises
+    whatever NIXL raises when it cannot create the agent."""
     bind = sys.modules[nixl_agent.__module__].nixlBind
     real_ctor = bind.nixlAgent
 
@@ -74,6 +84,8 @@ def create_agent(name: str, conf, progress_delay_us: int):
         agent_config.pthrDelay = int(progress_delay_us)
         return real_ctor(agent_name, agent_config)
 
+    for k, v in UCX_AGENT_ENV.items():
+        os.environ.setdefault(k, v)
     with _AGENT_CTOR_LOCK:  # the patch is process-wide while it lasts
         bind.nixlAgent = ctor
         try:
