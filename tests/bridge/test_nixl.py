@@ -190,6 +190,34 @@ def test_progress_delay_must_not_be_negative():
         NixlEngine("neg-delay", progress_delay_us=-1)
 
 
+_GET_ZCOPY_PROBE = """
+import os
+from bridge.nixl import NixlEngine
+e = NixlEngine("get-zcopy-probe")
+print(os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY"))
+e.close()
+"""
+
+
+@pytest.mark.parametrize("given, expected", [(None, "on"), ("off", "off")])
+def test_agents_turn_cuda_ipc_reads_on_unless_the_environment_says(given, expected):
+    # UCX's "auto" turns cuda_ipc READs off on a GPU without NVLink peers (a pull of VRAM then
+    # went through the host at ~0.5 GB/s); the agent is made with it on, never over a caller's value.
+    import os
+    import subprocess
+    import sys
+
+    from bridge.nixl_agent import UCX_AGENT_ENV
+
+    assert UCX_AGENT_ENV == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+    env = {k: v for k, v in os.environ.items() if k != "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"}
+    if given is not None:
+        env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = given
+    out = subprocess.run([sys.executable, "-c", _GET_ZCOPY_PROBE], env=env, capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert out.stdout.strip().splitlines()[-1] == expected, out.stdout + out.stderr
+
+
 @pytest.mark.timeout(30)
 def test_a_small_batch_is_posted_in_the_callers_thread_a_big_one_on_the_worker(nixl_pair, monkeypatch):
     """`INLINE_MAX_DESCRIPTORS`: a region write's one descriptor goes out in `transfer_batch`
