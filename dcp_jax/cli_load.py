@@ -24,7 +24,8 @@ def load(
     max_tokens: int = typer.Option(512, help="Longest request; lengths are uniform in [1, max]."),
     page_size: int = typer.Option(16, help="Tokens per KV page (both sides)."),
     interleave_size: int = typer.Option(1, help="Decode-side interleave I (tokens)."),
-    mode: str = typer.Option("auto", help="Sender mode: auto, packed or direct."),
+    mode: str = typer.Option("auto", help="Sender mode: auto, packed, direct or region (each receiver gets a "
+                                          "receive region of one longest request's share)."),
     seed: int = typer.Option(0, help="Seeds request lengths, chunking, aborts, page tables and KV bytes."),
     timeout_s: float = typer.Option(30.0, help="Connector no-progress timeout per request (seconds)."),
     warmup: int = typer.Option(16, help="Requests run before the measured phase (compiles and RSS are "

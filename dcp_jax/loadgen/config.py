@@ -24,7 +24,7 @@ __all__ = ["LoadConfig", "RequestPlan", "AbortPlan", "plan_requests", "iter_plan
 
 ENGINES = ("nixl", "mooncake")
 DIRECTIONS = ("push", "pull")
-SEND_MODES = ("auto", "packed", "direct")
+SEND_MODES = ("auto", "packed", "direct", "region")
 MAX_CHUNKS = 4          # a request's prefill goes out in 1..MAX_CHUNKS send() calls
 MAX_DCP_SIZE = 16       # one process per decode rank on one machine
 MAX_REQUESTS = 10_000_000
@@ -64,7 +64,9 @@ class LoadConfig:
         max_tokens: longest request (tokens); lengths are uniform in [1, max_tokens].
         page_size: tokens per KV page, both sides.
         interleave_size: decode-side interleave I (tokens per ownership block).
-        mode: the sender's ``mode`` (auto, packed, direct).
+        mode: the sender's ``mode`` (auto, packed, direct, region). ``region``: each receiver has a
+            receive region of `region_bytes` (its share of one longest request), so concurrent
+            requests queue for its room (`dcp_jax.transfer.KVReceiver`, ``region_bytes``).
         seed: seeds the request plan, the page tables and the KV patterns.
         timeout_s: the connector's no-progress timeout of a request (seconds); the run stops
             as stalled when nothing finishes for ``timeout_s + 10`` seconds.
@@ -178,6 +180,18 @@ class LoadConfig:
         """Pages of one side's pool: twice what ``concurrency`` requests of the longest length
         need (so tables stay scattered), plus a few."""
         return 2 * self.concurrency * -(-rows_per_request // self.page_size) + 8
+
+    def region_bytes(self) -> int | None:
+        """``region_bytes`` of each receiver (bytes): for ``mode="region"``, room for rank 0's rows
+        of a longest request (the most any rank owns), rounded up to the region's alignment; else
+        None (the connector's default: no region for host KV)."""
+        if self.mode != "region":
+            return None
+        from dcp_jax.transfer._region import REGION_ALIGN
+        from dcp_jax.loadgen.pool import owned_tokens
+
+        rows = max(1, len(owned_tokens(self.max_tokens, self.dcp_size, 0, self.interleave_size)))
+        return -(-rows * self.geometry.row_bytes // REGION_ALIGN) * REGION_ALIGN
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -113,6 +113,10 @@ def summarize(o, *, rss0: int, t_start: float, t_ready: float, t_end: float) -> 
     rejected = sum(f["stats"].get("rejected_messages", 0) for f in present)
     worker_errors = sum(f["stats"].get("worker_errors", 0) for f in present)
     pages_leaked = sum(f["pages_leaked"] for f in present)
+    # Pack regions (sender) and receive-region ranges (receivers) still held once every request
+    # finished and drained: each is given back then, so any left is a leak.
+    held = {n: sum((f["stats"].get(k) or {}).get("regions_in_use", 0) for k in ("arena", "region"))
+            for n, f in sides.items() if f is not None}
     t0, t1 = o.phase_times.get("main", o.phase_times.get("warmup", [t_ready, t_end]))
     if cfg.requests <= cfg.warmup_requests:
         t0, t1 = o.phase_times.get("warmup", [t0, t1])
@@ -148,6 +152,8 @@ def summarize(o, *, rss0: int, t_start: float, t_ready: float, t_end: float) -> 
           f"registered_bytes_after_close={reg_after}, before the connector {reg_before}")
     check(worker_errors == 0, f"{worker_errors} exceptions in the connectors' worker threads")
     check(pages_leaked == 0, f"{pages_leaked} pages never came back to the free lists")
+    check(not any(held.values()), "regions still held at the end: " + ", ".join(
+        f"{n} {v}" for n, v in held.items() if v))
 
     return dict(
         ok=not failures, failures=failures,
@@ -155,7 +161,7 @@ def summarize(o, *, rss0: int, t_start: float, t_ready: float, t_end: float) -> 
         planned_aborts=planned_issued,
         aborted_by=by_side, bytes_verified=bytes_verified, misattributed_messages=misattrib,
         inconsistent_messages=inconsistent, sentinel_violations=sentinel, succeeded_wrong_bytes=bad_success,
-        source_rows_corrupted=src_bad, dropped_messages=dropped, rejected_messages=rejected,
+        source_rows_corrupted=src_bad, regions_held_at_end=held, dropped_messages=dropped, rejected_messages=rejected,
         warmup_covers_run=covers,
         kernel_compiles_after_warmup=kc_after, kernel_compiles_warmup=kc_warm, kernel_compiles_end=kc_end,
         rss_growth_bytes=rss_growth, rss_growth_by_process=growth, rss=rss,

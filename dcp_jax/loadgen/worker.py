@@ -248,7 +248,8 @@ class _Receiver(_Side):
         self.make_pool(len(owned_tokens(cfg.max_tokens, cfg.dcp_size, 0, cfg.interleave_size)))
         self.conn_obj = self.r = KVReceiver(_spec(cfg, cfg.dcp_size, rank, cfg.interleave_size), self.pool.layers,
                                             engine=cfg.engine, direction=cfg.direction, timeout_s=cfg.timeout_s,
-                                            peer_timeout_s=cfg.peer_timeout_s, host=host)
+                                            peer_timeout_s=cfg.peer_timeout_s, host=host,
+                                            region_bytes=cfg.region_bytes())
         self.address, self.reconnects, self.next_reconnect = None, 0, 0.0
         self.created()
         conn.send(("ready", dict(pid=_pid())))

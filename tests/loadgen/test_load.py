@@ -71,6 +71,44 @@ def test_load_run_end_to_end(tmp_path, engine, direction):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("engine,direction", [r[:2] for r in _RUNS],
+                         ids=[f"{e}-{d}" for e, d, _ in _RUNS])
+def test_load_run_through_receive_regions(tmp_path, engine, direction):
+    # --mode region: one descriptor a window into each rank's receive region (one longest
+    # request's share), so concurrent requests queue for its room; every range comes back.
+    if not dict(((e, d), ok) for e, d, ok in _RUNS)[(engine, direction)]:
+        pytest.skip(f"{engine} does not import here")
+    cfg = LoadConfig(engine=engine, direction=direction, mode="region", requests=100, concurrency=16,
+                     abort_fraction=0.1, max_tokens=256, warmup=8, seed=5)
+    out = tmp_path / "r.json"
+    rc = load_command(cfg, out, progress=False)
+    rep = json.loads(out.read_text())
+    assert rc == 0 and rep["ok"], rep["failures"]
+    plans = plan_requests(cfg)
+    row = sum(cfg.geometry.kv_item_lens)
+    assert rep["succeeded"] == 90 and rep["aborted"] == 10 and rep["failed"] == 0
+    assert rep["bytes_verified"] == sum(p.num_tokens * row for p in plans if p.abort is None)
+    assert rep["sentinel_violations"] == 0 and rep["misattributed_messages"] == 0
+    assert rep["regions_held_at_end"] == {"sender": 0, "receiver0": 0, "receiver1": 0}
+    for r in (0, 1):
+        stats = rep["sides"][f"receiver{r}"]["stats"]
+        assert stats["region"]["capacity"] == cfg.region_bytes() == 128 * row  # 8,192 B: already aligned
+        assert stats["unpacks"] >= 90  # at least one window per succeeded request
+        assert stats["region"]["waits"] > 0  # 16 in flight against room for one: they queued
+        assert stats["region"]["regions_in_use"] == 0 and stats["region"]["quarantined_bytes"] == 0
+
+
+def test_region_bytes_is_one_longest_requests_share_aligned():
+    g = LoadConfig(model="tiny").geometry
+    assert LoadConfig(mode="region", max_tokens=256, dcp_size=2).region_bytes() == 128 * g.row_bytes
+    # rank 0 owns 4 of 7 tokens with I = 2 (tokens 0, 1, 4, 5): 4 rows, rounded up to 64 bytes
+    assert LoadConfig(mode="region", max_tokens=7, dcp_size=2, interleave_size=2).region_bytes() == \
+        -(-4 * g.row_bytes // 64) * 64
+    assert LoadConfig(mode="packed").region_bytes() is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 @pytest.mark.skipif(not nixl_available(), reason="NIXL does not import here")
 def test_injected_faults_fail_the_run(tmp_path):
     # Decode rank 0 writes one byte into a free page and flips one byte of a succeeded request:
