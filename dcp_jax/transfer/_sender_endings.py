@@ -204,25 +204,30 @@ class SenderEndings:
 
     def _queued_deadlines(self, due: dict, now: float) -> dict:
         """Requests with windows still queued here (not yet packed or posted) that wait their
-        turn behind batches in flight within their bound: req -> {target: until when}. A window
-        to a rank holding arena room waits for that rank's own batches (its share frees only as
-        they complete): their latest bound, or none if it has none in flight (its room is held
-        by windows stuck or quarantined: no wait is due). A window to a rank holding no room
-        waits for the arena to free anywhere: the latest bound of every batch in flight. Past
-        it, the queue is as stuck as the batches ahead of it, and its requests FAIL."""
-        if not self._queue or not due:
+        turn: req -> {target: until when}. A window to a rank holding arena room waits for that
+        rank's own batches (its share frees only as they complete): their latest bound, or none
+        if it has none in flight (its room is held by windows stuck or quarantined: no wait is
+        due). A window to a rank holding no room waits for the arena to free anywhere: the latest
+        bound of every batch in flight. Either way it also waits ``timeout_s`` from the last
+        time the queue to that rank moved (`Conn.queue_moved_at`: a window to it left the queue
+        or gave its pack room back): between one window's completion and the next one's post
+        no batch to that rank is in flight, and a short request queued behind a long one FAILED
+        there in a full-suite run on a loaded host (2026-12-07). Past all of these, the queue to that rank is
+        as stuck as what is ahead of it, and its requests FAIL."""
+        if not self._queue:
             return {}
         per_conn: dict = {}
         for u, d in due.items():
             c = u.target.conn
             per_conn[c] = max(per_conn.get(c, d), d)
-        latest = max(per_conn.values())
+        latest = max(per_conn.values(), default=now)
         out: dict = {}
         for u in self._queue:
             if u.req.status.terminal:
                 continue
             conn = u.target.conn
             until = per_conn.get(conn, now) if self._held.get(conn, 0) else latest
+            until = max(until, conn.queue_moved_at + self.timeout_s)
             if until > now:  # the same for every window to that rank
                 out.setdefault(u.req, {})[u.target] = until
         return out

@@ -65,6 +65,7 @@ class Conn:
     peer_timeout_s: float = 1.0  # how long the rank waits for our pings before it drops us (its hello)
     moving_at: float = 0.0      # when the last ``moving`` frame went to it (`SenderEndings._tell_moving`)
     moving_told: set = dataclasses.field(default_factory=set)  # (rid, inc) that frame held, still in flight
+    queue_moved_at: float = float("-inf")  # a window to it last left the queue or gave its pack room back
 
     def stall_limit(self, our_heartbeat_s: float) -> float:
         """Seconds this sender's worker may stand still before the rank may have dropped it as

@@ -197,6 +197,7 @@ class SenderUnits:
                 if conn.view is None:
                     index_rows += rounded
             del self._queue[i]
+            conn.queue_moved_at = time.monotonic()  # the windows behind this one wait their turn
             busy = True
             try:
                 packed.append((u, lo, hi, self._pack_unit(u, lo, hi, batch)))
@@ -329,6 +330,7 @@ class SenderUnits:
         else:
             self._arena.release(r)
         conn = u.target.conn
+        conn.queue_moved_at = time.monotonic()  # room back: the rank's next queued window may go
         left = self._held.get(conn, 0) - r.reserved
         if left > 0:
             self._held[conn] = left

@@ -303,6 +303,50 @@ def test_a_short_request_waiting_for_arena_room_behind_a_long_one_ends_success(d
         c.close()
 
 
+@needs_mooncake
+def test_a_request_queued_behind_another_lives_through_the_gaps_between_its_windows(monkeypatch):
+    # Between one of A's windows giving its pack room back and A's next window leaving the queue
+    # no batch to the rank is in flight. B, queued behind A past its own timeout_s, FAILED in such
+    # a gap when the timeout check fell into it (a full-suite run, 2026-12-07). Here every gap is
+    # made 0.15 s long (a slow host between rounds: the sender submits nothing meanwhile), shorter
+    # than timeout_s (0.3 s): the queue to the rank moved within timeout_s, so B lives on.
+    L = 20000
+    c = Cluster("mooncake", dcp_size=1, item_lens=(8,) * 4, page_size=1, pages=L + 20, mode="packed",
+                direction="push", timeout_s=TIMEOUT_S, pack_bytes=192064, seed=7)
+    snd = c.sender
+    real_submit, real_free = snd._submit_units, snd._free_region
+    freed, gaps = [float("-inf")], [0]
+
+    def free_region(u):
+        real_free(u)
+        freed[0] = time.monotonic()
+
+    def submit_units():
+        if time.monotonic() - freed[0] < 0.15:
+            gaps[0] += 1
+            return False
+        return real_submit()
+
+    try:
+        snd.timeout_s = TIMEOUT_S
+        monkeypatch.setattr(snd, "_free_region", free_region)  # the worker calls them on the instance
+        monkeypatch.setattr(snd, "_submit_units", submit_units)
+        sa, da = c.tables(L)
+        sb, db = c.tables(4)
+        c.expect("A", da, L)
+        c.expect("B", db, 4)
+        c.sender.send("A", sa, 0, L)
+        time.sleep(0.005)
+        t_b = time.monotonic()
+        c.sender.send("B", sb, 0, 4)
+        assert c.wait("A", timeout_s=60) == [S.SUCCESS, S.SUCCESS], c.reasons("A")
+        assert c.wait("B", timeout_s=60) == [S.SUCCESS, S.SUCCESS], c.reasons("B")
+        assert time.monotonic() - t_b > 2 * TIMEOUT_S and gaps[0] > 0  # B waited, through gaps
+        assert c.check_bytes(sa, da, L) == L and c.check_bytes(sb, db, 4) == 4
+    finally:
+        c.close()
+
+
 @pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed")
 def test_requests_behind_a_stuck_batch_fail_even_while_other_ranks_stay_busy(monkeypatch):
     # Found by a fresh-user trial: queued windows were kept alive by the latest bound of ANY
