@@ -19,15 +19,16 @@ REQUIRED_KEYS = ("requests", "succeeded", "failed", "aborted", "bytes_verified",
 
 _RUNS = [("nixl", "push", nixl_available()), ("nixl", "pull", nixl_available()),
          ("mooncake", "push", mooncake_available())]
+#: The (engine, direction) runs, each skipped where its engine does not import.
+_ENGINE_RUNS = pytest.mark.parametrize("engine,direction", [
+    pytest.param(e, d, id=f"{e}-{d}", marks=pytest.mark.skipif(not ok, reason=f"{e} does not import here"))
+    for e, d, ok in _RUNS])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("engine,direction", [r[:2] for r in _RUNS],
-                         ids=[f"{e}-{d}" for e, d, _ in _RUNS])
+@_ENGINE_RUNS
 def test_load_run_end_to_end(tmp_path, engine, direction):
-    if not dict(((e, d), ok) for e, d, ok in _RUNS)[(engine, direction)]:
-        pytest.skip(f"{engine} does not import here")
     cfg = LoadConfig(engine=engine, direction=direction, requests=200, concurrency=32, abort_fraction=0.1,
                      max_tokens=256, warmup=16, seed=3)
     out = tmp_path / "r.json"
@@ -71,13 +72,10 @@ def test_load_run_end_to_end(tmp_path, engine, direction):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("engine,direction", [r[:2] for r in _RUNS],
-                         ids=[f"{e}-{d}" for e, d, _ in _RUNS])
+@_ENGINE_RUNS
 def test_load_run_through_receive_regions(tmp_path, engine, direction):
     # --mode region: one descriptor a window into each rank's receive region (one longest
     # request's share), so concurrent requests queue for its room; every range comes back.
-    if not dict(((e, d), ok) for e, d, ok in _RUNS)[(engine, direction)]:
-        pytest.skip(f"{engine} does not import here")
     cfg = LoadConfig(engine=engine, direction=direction, mode="region", requests=100, concurrency=16,
                      abort_fraction=0.1, max_tokens=256, warmup=8, seed=5)
     out = tmp_path / "r.json"
