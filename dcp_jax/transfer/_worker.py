@@ -311,6 +311,26 @@ class CheckedSeconds:
         setattr(obj, self.slot, check_seconds(self.name, value))
 
 
+class SetOnce:
+    """An attribute set once, at construction, once the constructor checked it: a connector's
+    ``spec``, ``mode``, ``direction``, ``group``, ``host``, ``staged`` and ``max_batch_indices``
+    are what its handshake and its checks of every page table rest on (a ``spec`` swapped
+    afterwards passed the handshake and let a peer write pages outside the request, 2026-12-07).
+    Reassigning raises AttributeError naming it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj, self.slot)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        if hasattr(obj, self.slot):
+            raise AttributeError(f"{self.name} is fixed at construction (checked then, and the handshake "
+                                 "and every request rest on it); make a new connector to change it")
+        setattr(obj, self.slot, value)
+
+
 class FixedSeconds(CheckedSeconds):
     """Seconds checked like `CheckedSeconds` and set once, at construction: a connector's
     ``peer_timeout_s`` and ``heartbeat_s`` are sent to its peers at hello and checked against

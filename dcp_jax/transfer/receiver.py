@@ -32,7 +32,7 @@ from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import (DEFAULT_HEARTBEAT_S, Worker, check_liveness,
                                       check_page_table, check_seconds, check_tokens, close_at_exit, shut_down,
-                                      CheckedSeconds, FixedSeconds)
+                                      CheckedSeconds, FixedSeconds, SetOnce)
 from dcp_jax.transfer._receiver_data import ReceiverData
 from dcp_jax.transfer._receiver_links import Link, ReceiverLinks, missing_senders  # noqa: F401  (missing_senders: re-exported)
 from dcp_jax.transfer._receiver_region import ReceiverRegion
@@ -122,6 +122,11 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
     timeout_s = CheckedSeconds()  # settable while it runs: checked on every assignment
     peer_timeout_s = FixedSeconds()  # sent to the peers at hello: set once, here
     heartbeat_s = FixedSeconds()
+    spec = SetOnce()  # the handshake and every request's checks rest on these: set once, here
+    direction = SetOnce()
+    group = SetOnce()
+    host = SetOnce()
+    staged = SetOnce()
     drain_grace_s = CheckedSeconds()
 
     def __init__(self, spec: KVCacheSpec, kv_layers: Sequence[Any], *, engine: str = "nixl",

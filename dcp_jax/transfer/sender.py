@@ -34,7 +34,7 @@ from dcp_jax._validate import check_int_type
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._worker import (DEFAULT_HEARTBEAT_S, Worker, check_liveness,
                                       check_page_table, check_seconds, check_tokens, close_at_exit, shut_down,
-                                      CheckedSeconds, FixedSeconds)
+                                      CheckedSeconds, FixedSeconds, SetOnce)
 from dcp_jax.transfer.arena import PackArena
 from dcp_jax.transfer._sender_handshake import SenderHandshake
 from dcp_jax.transfer._sender_peers import SenderPeers
@@ -132,6 +132,10 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
     timeout_s = CheckedSeconds()  # settable while it runs: checked on every assignment
     peer_timeout_s = FixedSeconds()  # sent to the peers at hello: set once, here
     heartbeat_s = FixedSeconds()
+    spec = SetOnce()  # the handshake and every request's checks rest on these: set once, here
+    mode = SetOnce()
+    staged = SetOnce()
+    max_batch_indices = SetOnce()
 
     def __init__(self, spec: KVCacheSpec, kv_layers: Sequence[Any], *, engine: str = "nixl",
                  host: str = "127.0.0.1", port: int = 0, mode: str = "auto",

@@ -125,6 +125,22 @@ def test_timeout_s_is_checked_when_set_on_a_running_connector(cls):
 
 
 @pytest.mark.parametrize("cls", [KVSender, KVReceiver])
+def test_what_the_handshake_rests_on_is_fixed_at_construction(cls):
+    # Found by a fresh-user trial: a receiver's spec swapped for a wider one after construction
+    # passed the handshake, and a push wrote pages outside the request with SUCCESS on both sides.
+    layers = [np.zeros((8, 4, il), np.uint8) for il in ITEMS]
+    names = ("spec", "mode", "staged", "max_batch_indices") if cls is KVSender else (
+        "spec", "direction", "group", "host", "staged")
+    with cls(_spec("mla"), layers, engine="nixl") as c:
+        before = {n: getattr(c, n) for n in names}
+        for name in names:
+            with pytest.raises(AttributeError, match=f"{name} is fixed at construction"):
+                setattr(c, name, _spec("mla", dcp_size=2, dcp_rank=1) if name == "spec" else "other")
+        assert {n: getattr(c, n) for n in names} == before
+        assert c.spec == _spec("mla")
+
+
+@pytest.mark.parametrize("cls", [KVSender, KVReceiver])
 def test_liveness_settings_are_fixed_and_drain_grace_is_checked(cls):
     # Before: peer_timeout_s = 0.0 was taken on a running sender, which then dropped every
     # receiver as silent within 2 s (its peers had agreed another limit at hello).
