@@ -103,8 +103,9 @@ def summarize(o, *, rss0: int, t_start: float, t_ready: float, t_end: float) -> 
     for n, f in sides.items():
         if f is not None:
             rss[n] = dict(f["mem"], rss_warm=snaps.get(n, {}).get("rss"))
-    growth = {n: (m["rss_end"] - m["rss_warm"]) if m.get("rss_warm") is not None and m.get("rss_end") is not None
-              else None for n, m in rss.items()}
+    # With the warm-up covering the run there is no phase after it to have grown in: None each.
+    growth = {n: (m["rss_end"] - m["rss_warm"]) if not covers and m.get("rss_warm") is not None
+              and m.get("rss_end") is not None else None for n, m in rss.items()}
     rss_growth = None if covers else sum(max(0, v) for v in growth.values() if v is not None)
     reg_before = sum(f["mem"]["registered_before"] for f in present)
     reg_with = sum(f["mem"]["registered_with"] for f in present)
@@ -236,8 +237,9 @@ def render(rep: dict[str, Any], console) -> None:
     if rep["warmup_covers_run"]:
         console.print(f"--warmup {rep['config']['warmup']} >= --requests {rep['requests']}: every request ran as "
                       "the warm-up; no compile or RSS check after it (lower --warmup to have one)")
-    per = ", ".join(f"{n} {(v or 0) / mb:+.1f}" for n, v in rep["rss_growth_by_process"].items())
-    console.print(f"RSS growth by process (MiB, warm-up -> end): {per}")
+    else:
+        per = ", ".join(f"{n} {(v or 0) / mb:+.1f}" for n, v in rep["rss_growth_by_process"].items())
+        console.print(f"RSS growth by process (MiB, warm-up -> end): {per}")
     if rep["ok"]:
         console.print("[green]all checks passed[/green]")
     else:

@@ -138,6 +138,7 @@ def test_a_warmup_covering_the_run_says_so_and_claims_no_check_after_it(tmp_path
     rep = json.loads(out.read_text())
     assert rep["warmup_covers_run"] is True and rep["measured_requests"] == 5 and rep["succeeded"] == 5
     assert rep["kernel_compiles_after_warmup"] is None and rep["rss_growth_bytes"] is None
+    assert set(rep["rss_growth_by_process"].values()) == {None}  # nor per process (fresh-user trial)
     assert rep["bytes_verified"] == sum(p.num_tokens for p in plan_requests(cfg)) * sum(cfg.geometry.kv_item_lens)
 
 
