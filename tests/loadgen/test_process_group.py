@@ -132,6 +132,7 @@ def test_ctrl_c_stops_every_worker_promptly():
     # the workers leading groups of their own. It must still end them all, promptly (it waited
     # 10 s for each worker in turn, told nothing, when this arrived).
     from bridge.nixl import nixl_available
+    from dcp_jax.loadgen.run import STOP_TIMEOUT_S
 
     if not nixl_available():
         pytest.skip("NIXL does not import here")
@@ -158,7 +159,10 @@ def test_ctrl_c_stops_every_worker_promptly():
             pytest.fail(f"the orchestrator had not ended 90 s after the Ctrl-C; {masks}; its threads:\n" + out[-6000:])
         took = time.monotonic() - t0
         assert job.returncode != 0, out[-2000:]
-        assert took < 9.0, (took, out[-2000:])  # 30 s with two ranks before the fix
+        # Within the orchestrator's own stop bound for all its processes together (a worker that
+        # has not exited on its pipe's EOF by then is terminated), not one after another: 30 s
+        # with two ranks before the fix. The full suite on 2 cores took 10.2 s (2026-12-07).
+        assert took < STOP_TIMEOUT_S + 5.0 + 1.0, (took, out[-2000:])
         time.sleep(0.5)
         assert not [p for p in workers if os.path.exists(f"/proc/{p}") and _stat(p)[0] != "Z"], "a worker outlived it"
     finally:
