@@ -212,8 +212,8 @@ class SenderEndings:
         time the queue to that rank moved (`Conn.queue_moved_at`: a window to it left the queue
         or gave its pack room back): between one window's completion and the next one's post
         no batch to that rank is in flight, and a short request queued behind a long one FAILED
-        there in a full-suite run on a loaded host (2026-12-07). Past all of these, the queue to that rank is
-        as stuck as what is ahead of it, and its requests FAIL."""
+        there in a full-suite run on a loaded host (2026-12-07). Past all of these, the queue to
+        that rank is as stuck as what is ahead of it, and its requests FAIL."""
         if not self._queue:
             return {}
         per_conn: dict = {}
