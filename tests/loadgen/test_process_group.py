@@ -37,8 +37,14 @@ _LAUNCH = textwrap.dedent("""
     own, shared, *leads = orch.stdout.readline().split()
     for pid in (own, shared):
         os.kill(int(pid), signal.SIGSTOP)
-    for pid in (own, shared):  # the stop takes effect when the child next runs: wait for it
-        while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+    # The stop takes effect when each thread of the child next runs: wait for every one (numpy's
+    # import starts threads). The kernel sends the orphaned group SIGCONT only if its stop is
+    # complete when this process exits; the main thread alone stopped lost it once under load.
+    def stopped(pid):
+        return all(open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0] == "T"
+                   for t in os.listdir(f"/proc/{pid}/task"))
+    for pid in (own, shared):
+        while not stopped(pid):
             time.sleep(0.005)
     print(orch.pid, own, shared, *leads, flush=True)
 """)
