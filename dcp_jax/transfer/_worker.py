@@ -296,52 +296,55 @@ def check_seconds(name: str, value: Any, *, zero_ok: bool = False) -> float:
     return float(value)
 
 
-class CheckedSeconds:
+class _Slot:
+    """A connector attribute kept in ``_<name>``, its value passed through `_checked` on every
+    assignment (the base: as given)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj, self.slot)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj, self.slot, self._checked(value))
+
+    def _checked(self, value: Any) -> Any:
+        return value
+
+
+class CheckedSeconds(_Slot):
     """A settable attribute of seconds, checked by `check_seconds` on every assignment (a
     connector's ``timeout_s`` may be changed while it runs; a string or NaN there would only
     fail later, inside its worker's deadline arithmetic)."""
 
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name, self.slot = name, "_" + name
-
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        return self if obj is None else getattr(obj, self.slot)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        setattr(obj, self.slot, check_seconds(self.name, value))
+    def _checked(self, value: Any) -> Any:
+        return check_seconds(self.name, value)
 
 
-class SetOnce:
+class SetOnce(_Slot):
     """An attribute set once, at construction, once the constructor checked it: a connector's
     ``spec``, ``mode``, ``direction``, ``group``, ``host``, ``staged`` and ``max_batch_indices``
     are what its handshake and its checks of every page table rest on (a ``spec`` swapped
     afterwards passed the handshake and let a peer write pages outside the request, 2026-12-07).
-    Reassigning raises AttributeError naming it."""
+    Reassigning raises AttributeError naming it (before any check of the new value)."""
 
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name, self.slot = name, "_" + name
-
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        return self if obj is None else getattr(obj, self.slot)
+    why = "checked then, and the handshake and every request rest on it"
 
     def __set__(self, obj: Any, value: Any) -> None:
         if hasattr(obj, self.slot):
-            raise AttributeError(f"{self.name} is fixed at construction (checked then, and the handshake "
-                                 "and every request rest on it); make a new connector to change it")
-        setattr(obj, self.slot, value)
+            raise AttributeError(f"{self.name} is fixed at construction ({self.why}); "
+                                 "make a new connector to change it")
+        super().__set__(obj, value)
 
 
-class FixedSeconds(CheckedSeconds):
+class FixedSeconds(SetOnce, CheckedSeconds):
     """Seconds checked like `CheckedSeconds` and set once, at construction: a connector's
     ``peer_timeout_s`` and ``heartbeat_s`` are sent to its peers at hello and checked against
     theirs (`pings_fit`), so a later change would break what both sides agreed (``0`` dropped
     every peer as silent within a second). Reassigning raises AttributeError."""
 
-    def __set__(self, obj: Any, value: Any) -> None:
-        if hasattr(obj, self.slot):
-            raise AttributeError(f"{self.name} is fixed at construction (sent to the peers at hello); "
-                                 "make a new connector to change it")
-        super().__set__(obj, value)
+    why = "sent to the peers at hello"
 
 
 def check_tokens(name: str, value: Any) -> int:
