@@ -181,17 +181,22 @@ class LoadConfig:
         need (so tables stay scattered), plus a few."""
         return 2 * self.concurrency * -(-rows_per_request // self.page_size) + 8
 
+    def rank_rows(self) -> int:
+        """Rows decode rank 0 holds of a longest request: the most any rank owns (rank 0 owns
+        the first interleave block)."""
+        from dcp_jax.loadgen.pool import owned_tokens
+
+        return len(owned_tokens(self.max_tokens, self.dcp_size, 0, self.interleave_size))
+
     def region_bytes(self) -> int | None:
-        """``region_bytes`` of each receiver (bytes): for ``mode="region"``, room for rank 0's rows
-        of a longest request (the most any rank owns), rounded up to the region's alignment; else
-        None (the connector's default: no region for host KV)."""
+        """``region_bytes`` of each receiver (bytes): for ``mode="region"``, room for
+        `rank_rows` rows, rounded up to the region's alignment; else None (the connector's
+        default: no region for host KV)."""
         if self.mode != "region":
             return None
         from dcp_jax.transfer._region import REGION_ALIGN
-        from dcp_jax.loadgen.pool import owned_tokens
 
-        rows = max(1, len(owned_tokens(self.max_tokens, self.dcp_size, 0, self.interleave_size)))
-        return -(-rows * self.geometry.row_bytes // REGION_ALIGN) * REGION_ALIGN
+        return -(-max(1, self.rank_rows()) * self.geometry.row_bytes // REGION_ALIGN) * REGION_ALIGN
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

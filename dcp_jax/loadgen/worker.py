@@ -245,7 +245,7 @@ class _Receiver(_Side):
         self.S, self.rank, self.name = TransferStatus, rank, f"receiver{rank}"
         self.inject = set(filter(None, cfg.inject.split(","))) if rank == 0 else set()
         self.given_back = self.succeeded = 0
-        self.make_pool(len(owned_tokens(cfg.max_tokens, cfg.dcp_size, 0, cfg.interleave_size)))
+        self.make_pool(cfg.rank_rows())
         self.conn_obj = self.r = KVReceiver(_spec(cfg, cfg.dcp_size, rank, cfg.interleave_size), self.pool.layers,
                                             engine=cfg.engine, direction=cfg.direction, timeout_s=cfg.timeout_s,
                                             peer_timeout_s=cfg.peer_timeout_s, host=host,
