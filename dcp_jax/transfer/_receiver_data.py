@@ -122,6 +122,11 @@ class ReceiverData:
             if link.path == "region" and msg["nrows"]:
                 return self._queue_region_pull(req, link, msg)
             return self._start_read(req, link, msg)
+        if kind == "done":  # a region write's notice its sender held back (`REGION_HOLD`)
+            if link.path != "region" or not msg["nrows"]:
+                self._counts["dropped_messages"] += 1
+                return
+            return self._region_landed(link, msg)
         if kind == "sent":
             req = self._requests.get(msg["rid"])
             if req is not None and req.inc == msg["inc"] and not req.status.terminal:

@@ -81,7 +81,7 @@ class SenderEndings:
                 v.clock = now
 
     def _poll_inflight(self) -> bool:
-        busy, keep, ended = False, [], {}
+        busy, keep, ended, finished = False, [], {}, []
         for u in self._inflight:
             err = None
             try:
@@ -95,8 +95,12 @@ class SenderEndings:
             conn = u.target.conn
             ended[conn] = min(ended.get(conn, u.seq), u.seq)
             u.req.timeline.mark("complete", conn.spec.group_rank)
+            if err is None:
+                finished.append(u)
             self._unit_finished(u, None if err is None else f"engine: {err}")
         self._inflight = keep
+        if finished or self._held_dones:
+            self._tell_held(finished, keep)
         if ended:
             self._restart_clocks(ended, keep)
         return busy

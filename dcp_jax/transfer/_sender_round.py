@@ -52,7 +52,7 @@ class SenderRound:
             if self._packing:  # a device pack finishes within a millisecond: its round posts then
                 return SPIN
             # Grants arrive on the control socket; a held hello waits for the engine's completions.
-            return PENDING if self._inflight or self._held_hellos else IDLE
+            return PENDING if self._inflight or self._held_hellos or self._held_dones else IDLE
 
     def _on_frame(self, ident: bytes, msg: dict) -> None:
         """`_on_message`, isolated: `recv` drained every waiting frame, so one whose handling

@@ -64,6 +64,7 @@ class Unit:
     allow_s: float = 0.0
     descriptors: int = 0
     batch_bytes: int = 0
+    held: bytes | None = None  # region push, `REGION_HOLD`: its ``done``, told once no region write is in flight
 
 
 class SenderUnits:

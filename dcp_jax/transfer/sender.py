@@ -230,6 +230,7 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
         self._fused_seq: int | None = None  # the flag number bumped behind that launch (None: not gated)
         self._flag: Any = None              # fused path: the flag page ranks wait on (`_sender_region._flag_name`)
         self._asks: dict[tuple, Any] = {}   # region windows packed, waiting for the rank's grant
+        self._held_dones: list = []        # (unit, ended at): REGION_HOLD notices not told yet
         # Rounds whose device pack is enqueued, oldest first: (ticket, windows, when), `_post_ready`.
         self._packing: deque = deque()
         self._counts = dict(dropped_messages=0, handshakes=0, handshakes_refused=0, requests=0,
