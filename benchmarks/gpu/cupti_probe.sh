@@ -4,25 +4,29 @@
 # pack kernels, its cuda_ipc copies and each decode rank's unpack actually ran on the GPU, and
 # where the GPU sat idle, beside the job's host timeline of the same run.
 #   OUT=... [CASES="region region_rr32768 region_rr32768_pull fused"] [REQUESTS=4] bash benchmarks/gpu/cupti_probe.sh
-# A case is PATH[_rrN][_pull]; "plain_" in front runs it without the hook (its cost, same start).
-# Writes $OUT/cupti_probe.log (summaries) and $OUT/cupti_probe.json (job JSONs and summaries).
+# A case is PATH[_rrN][_pull][_hold][_rK]; "plain_" in front runs it without the hook (its cost,
+# same start); "_hold" sets DCP_JAX_REGION_HOLD=1; "_rK" only names a repeat.
+# Writes $OUT/${TAG}.log (summaries) and $OUT/${TAG}.json (job JSONs and summaries), TAG=cupti_probe.
 set -u
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 source "$ROOT/scripts/gpu_env.sh" > "$OUT/env.log" 2>&1
 PY=${PY:-python3}
-LOG="$OUT/cupti_probe.log"
+TAG=${TAG:-cupti_probe}
+LOG="$OUT/$TAG.log"
 names=()
 for case in ${CASES:-plain_region region region_rr32768 region_rr32768_pull fused}; do
     c=${case#plain_}
     path=${c%%_*}
     extra=()
     [[ $c =~ _rr([0-9]+) ]] && extra+=(--round-rows "${BASH_REMATCH[1]}")
-    [[ $c == *_pull ]] && extra+=(--direction pull)
+    [[ $c == *_pull* ]] && extra+=(--direction pull)
+    envs=()
+    [[ $c == *_hold* ]] && envs+=(DCP_JAX_REGION_HOLD=1)
     dir="/tmp/cupti_$case"
     rm -rf "$dir"
-    hook=()
-    [ "$case" = "$c" ] && hook=(env "PYTHONPATH=$ROOT/benchmarks/gpu/cupti_hook:${PYTHONPATH:-}" "DCP_CUPTI_DIR=$dir")
+    hook=(env "${envs[@]}")
+    [ "$case" = "$c" ] && hook+=("PYTHONPATH=$ROOT/benchmarks/gpu/cupti_hook:${PYTHONPATH:-}" "DCP_CUPTI_DIR=$dir")
     t=$(date +%s)
     "${hook[@]}" timeout --signal=INT "${RUN_LIMIT_S:-200}" "$PY" -m dcp_jax.cli transfer --device gpu --no-progress \
         --timeout-s 60 --engine nixl --path "$path" --prompt-tokens 32768 --requests "${REQUESTS:-4}" \
@@ -33,7 +37,7 @@ for case in ${CASES:-plain_region region region_rr32768 region_rr32768_pull fuse
     [ "$case" = "$c" ] && "$PY" benchmarks/gpu/cupti_summary.py "$dir" --json "/tmp/sum_$case.json" >> "$LOG" 2>&1
     names+=("$case")
 done
-"$PY" - "$OUT/cupti_probe.json" "${names[@]}" <<'PY'
+"$PY" - "$OUT/$TAG.json" "${names[@]}" <<'PY'
 import json, os, sys
 out, res = sys.argv[1], {}
 for case in sys.argv[2:]:

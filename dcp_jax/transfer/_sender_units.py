@@ -204,16 +204,26 @@ class SenderUnits:
                 packed.append((u, lo, hi, self._pack_unit(u, lo, hi, batch)))
             except Exception as exc:  # noqa: BLE001 - the request fails, the sender lives on
                 self._submit_failed(u, exc)
+        # Region push: ask for room while the pack runs. A device pack is enqueued, not run, so
+        # its asks go before the enqueue and the round trip also overlaps the launch's host time
+        # (~0.7 ms for the 32k job's one-launch pack on an H100). A host pack runs in the call:
+        # asked before it, the ranks that granted poll their engine through it (the 16k region
+        # job on a 2-core host packed in 0.30-0.34 s against 0.21-0.22, 2026-12-07).
+        device_pack = array_kind(self._pack.array) == "cupy"
+        if device_pack:
+            asked = self._ask_regions(packed)
+            if len(asked) < len(packed):  # a window whose ask failed ended its request: not packed
+                live = {p[0] for p in asked}
+                batch = [b for b in batch if b[0] in live]
+            packed = asked
         failed = self._pack_batch(batch)
         for u, exc in failed:
             self._submit_failed(u, exc)
         if failed:
             gone = {u for u, _ in failed}
             packed = [p for p in packed if p[0] not in gone]
-        # Region push: ask for room while the pack runs. Asked before the enqueue instead, the
-        # ranks that granted poll their engine through a host pack: the 16k region job on a
-        # 2-core host packed in 0.30-0.34 s against 0.21-0.22 (2026-12-07; no GPU figure).
-        packed = self._ask_regions(packed)
+        if not device_pack:
+            packed = self._ask_regions(packed)
         if packed:
             self._packing.append((self._pack_ticket(packed), packed, time.perf_counter()))
         return self._post_ready() or busy
