@@ -5,7 +5,8 @@
 # where the GPU sat idle, beside the job's host timeline of the same run.
 #   OUT=... [CASES="region region_rr32768 region_rr32768_pull fused"] [REQUESTS=4] bash benchmarks/gpu/cupti_probe.sh
 # A case is PATH[_rrN][_pull][_hold][_rK]; "plain_" in front runs it without the hook (its cost,
-# same start); "_hold" sets DCP_JAX_REGION_HOLD=1; "_rK" only names a repeat.
+# same start); "_hold" sets DCP_JAX_REGION_HOLD=1; "_rK" only names a repeat; "base_" in front
+# runs it from another tree's copy of the packages (BASE=ab_base, as region_ab.sh).
 # Writes $OUT/${TAG}.log (summaries) and $OUT/${TAG}.json (job JSONs and summaries), TAG=cupti_probe.
 set -u
 cd "$(dirname "$0")/../.."
@@ -16,7 +17,10 @@ TAG=${TAG:-cupti_probe}
 LOG="$OUT/$TAG.log"
 names=()
 for case in ${CASES:-plain_region region region_rr32768 region_rr32768_pull fused}; do
-    c=${case#plain_}
+    c=${case#base_}
+    where=$ROOT
+    [ "$c" != "$case" ] && where="$ROOT/${BASE:-ab_base}"
+    c=${c#plain_}
     path=${c%%_*}
     extra=()
     [[ $c =~ _rr([0-9]+) ]] && extra+=(--round-rows "${BASH_REMATCH[1]}")
@@ -26,15 +30,15 @@ for case in ${CASES:-plain_region region region_rr32768 region_rr32768_pull fuse
     dir="/tmp/cupti_$case"
     rm -rf "$dir"
     hook=(env "${envs[@]}")
-    [ "$case" = "$c" ] && hook+=("PYTHONPATH=$ROOT/benchmarks/gpu/cupti_hook:${PYTHONPATH:-}" "DCP_CUPTI_DIR=$dir")
+    [[ $case != *plain_* ]] && hook+=("PYTHONPATH=$ROOT/benchmarks/gpu/cupti_hook:${PYTHONPATH:-}" "DCP_CUPTI_DIR=$dir")
     t=$(date +%s)
-    "${hook[@]}" timeout --signal=INT "${RUN_LIMIT_S:-200}" "$PY" -m dcp_jax.cli transfer --device gpu --no-progress \
+    (cd "$where" && "${hook[@]}" timeout --signal=INT "${RUN_LIMIT_S:-200}" "$PY" -m dcp_jax.cli transfer --device gpu --no-progress \
         --timeout-s 60 --engine nixl --path "$path" --prompt-tokens 32768 --requests "${REQUESTS:-4}" \
-        "${extra[@]}" --json "/tmp/job_$case.json" > "/tmp/job_$case.log" 2>&1
+        "${extra[@]}" --json "/tmp/job_$case.json" > "/tmp/job_$case.log" 2>&1)
     echo "== $case rc=$? $(( $(date +%s) - t )) s" | tee -a "$LOG"
     grep -m3 -E "^(region|fused):|verified" "/tmp/job_$case.log" | tee -a "$LOG"
     sleep 2
-    [ "$case" = "$c" ] && "$PY" benchmarks/gpu/cupti_summary.py "$dir" --json "/tmp/sum_$case.json" >> "$LOG" 2>&1
+    [[ $case != *plain_* ]] && "$PY" benchmarks/gpu/cupti_summary.py "$dir" --json "/tmp/sum_$case.json" >> "$LOG" 2>&1
     names+=("$case")
 done
 "$PY" - "$OUT/$TAG.json" "${names[@]}" <<'PY'

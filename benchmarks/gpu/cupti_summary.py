@@ -5,7 +5,8 @@
 Reads every ``gpu_<role>_<pid>.json`` in DIR (`benchmarks/gpu/cupti_hook`), splits the device
 activity of all processes into requests (bursts separated by at least ``--gap-ms`` of no GPU
 activity anywhere) and prints, per request, each process's kernels and copies as
-``[start_ms, end_ms]`` after the request's first device activity, then the union of busy time
+``[start_ms, end_ms]`` after the request's first device activity (``t0``, `time.monotonic()`:
+the job report's ``first_byte_at`` is on the same clock), then the union of busy time
 and the idle gaps of the GPU as a whole. Prints CUPTI_SUMMARY {json} last.
 """
 from __future__ import annotations
@@ -65,7 +66,7 @@ def main() -> None:
             rows.setdefault(role, []).append([_short(cat, name), round((s - t0) * 1e3, 3), round((e - t0) * 1e3, 3)])
         busy, gaps = _union([((s - t0) * 1e3, (e - t0) * 1e3) for s, e, *_ in b])
         span = (max(e for _, e, *_ in b) - t0) * 1e3
-        out.append(dict(burst=k, span_ms=round(span, 3), busy_ms=round(busy, 3), gaps_ms=gaps, processes=rows))
+        out.append(dict(burst=k, t0=t0, span_ms=round(span, 3), busy_ms=round(busy, 3), gaps_ms=gaps, processes=rows))
         print(f"== burst {k}: span {span:.3f} ms, GPU busy {busy:.3f} ms, idle gaps {gaps[:12]}")
         for role in sorted(rows, key=lambda r: (not r.startswith("prefill"), r)):
             evs = rows[role]

@@ -39,6 +39,7 @@ def _median_run(reports: list[dict]) -> dict:
     else:
         run = dict(last)
     run["repeats"] = [dict(request_seconds=r["request_seconds"], transfer_seconds=r["transfer_seconds"],
+                           first_byte_at=r.get("first_byte_at"),
                            total_seconds=r["total_seconds"],
                            whole_gbps=r["bytes"] / 1e9 / r["request_seconds"] if r["request_seconds"] > 0 else math.nan,
                            verified=r["verified"], launches=r.get("launches", 0), timeline_ms=r.get("timeline_ms", {}),
@@ -93,6 +94,8 @@ def _report(cfg: JobConfig, mode: str, engine: str | None, n: int, stats: dict, 
     return dict(
         mode=mode, engine=engine, paths=sorted({x["path"] for x in rank_rows if x["path"]}),
         request_seconds=request_s, copy_seconds=slowest("copy_seconds"),
+        # `time.monotonic()` of the first byte (the host's clock: GPU traces align to it)
+        first_byte_at=min(firsts) if firsts else None,
         # each side's path to the engine: "direct" (its KV registered) or "staged" (pinned host)
         staging=dict(prefill=",".join(sorted({s.get("staging", "direct") for s in good.values()})),
                      decode=",".join(sorted({x.get("staging", "direct") for x in rank_rows if "status" in x}))),

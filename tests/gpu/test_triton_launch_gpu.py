@@ -299,10 +299,11 @@ def test_warm_pack_rows_compiles_the_bucket_writing_nothing_and_the_pack_then_co
     assert int((pack[n * L * item:] != 0xEE).sum()) == 0
 
 
-def test_the_senders_packer_packs_a_round_of_one_warmed_window_directly():
-    """`Packer.pack_windows` of ONE window whose bucket `warm_up(window_rows=)` compiled goes
-    through `pack_rows`' direct launch (the pack's destinations name its stream); two windows
-    still go as one windowed launch; both byte-exact."""
+def test_the_senders_packer_packs_a_round_of_warmed_windows_directly():
+    """`Packer.pack_windows` of windows whose bucket `warm_up(window_rows=)` compiled go through
+    `pack_rows`' direct launch, one each (the pack's destinations name its stream), one window
+    or two; a window of a bigger bucket sends the round through the windowed launch; all
+    byte-exact."""
     from dcp_jax.transfer.staging import Packer
 
     L, item, R, n = 4, 1152, 700, 256
@@ -317,11 +318,19 @@ def test_the_senders_packer_packs_a_round_of_one_warmed_window_directly():
     packer.pack_windows([(one, 0)], sync=False)
     assert dests.direct is not None  # launched by triton_launch, not JAX
     two = [(rng.integers(0, R, n), n * L * item), (rng.integers(0, R, n - 5), 2 * n * L * item)]
+    dests.direct = None
     packer.pack_windows(two, sync=False)
+    assert dests.direct is not None
     synchronize([pack])
     got = cp.asnumpy(pack)
     np.testing.assert_array_equal(got[:n * L * item], _packed(layers, one, 0, n * L * item))
     for idx, off in two:
+        total = len(idx) * L * item
+        np.testing.assert_array_equal(got[off:off + total], _packed(layers, idx, off, total))
+    wide = [(rng.integers(0, R, 2 * n), 0), (rng.integers(0, R, 3), 2 * n * L * item)]  # 2n rows: past the bucket
+    packer.pack_windows(wide, sync=True)
+    got = cp.asnumpy(pack)
+    for idx, off in wide:
         total = len(idx) * L * item
         np.testing.assert_array_equal(got[off:off + total], _packed(layers, idx, off, total))
 
