@@ -115,7 +115,12 @@ def transfer(
                                                          "packing (gather, send, wait, repeat)."),
     round_rows: Optional[int] = typer.Option(None, help="The most rows one sender round packs or copies in one "
                                                         "kernel launch (KVSender.warm_up(round_rows=...)); "
-                                                        "default: the bucket of one window (a 32k chunk to 8 ranks: 4 launches)."),
+                                                        "default: the bucket of one window (a 32k chunk to 8 ranks: 4 launches); "
+                                                        "on the region path with round notices, the whole request."),
+    region_notify: str = typer.Option("auto", help="Region path: how a decode rank learns its window landed "
+                                                   "(KVSender(region_notify=...)): 'write' (the engine's notification "
+                                                   "with each write), 'round' (told once every write of the round "
+                                                   "landed) or 'auto' ('round' when every process shares one GPU)."),
     verify: bool = typer.Option(False, "--verify", help="Also send a CRC-32 per (chunk, rank, layer) with each "
                                                         "completion and check it on arrival. The full byte-for-"
                                                         "byte check of every rank's pool against the "
@@ -160,7 +165,7 @@ def transfer(
             ("--chunk-tokens", chunk_tokens is not None), ("--prefix-tokens", prefix_tokens != 0),
             ("--mode", mode != "both"), ("--max-batch-indices", max_batch_indices is not None),
             ("--pack-tokens", pack_tokens is not None), ("--round-rows", round_rows is not None),
-            ("--verify", verify),
+            ("--region-notify", region_notify != "auto"), ("--verify", verify),
             ("--corrupt-rank", corrupt_rank is not None), ("--requests", requests != 1)) if given]
         if ignored:
             _fail(f"{', '.join(ignored)}: not taken by a TP/layout run (--prefill-tp-size, --tp-size, "
@@ -187,7 +192,8 @@ def transfer(
         prefill_dcp_size=prefill_dcp_size, interleave_size=interleave_size,
         prefill_interleave_size=prefill_interleave_size, chunk_tokens=chunk_tokens,
         prefix_tokens=prefix_tokens, engine=engine, max_batch_indices=max_batch_indices,
-        pack_tokens=pack_tokens, round_rows=round_rows, verify=verify, seed=seed, timeout_s=timeout_s, corrupt_rank=corrupt_rank,
+        pack_tokens=pack_tokens, round_rows=round_rows, region_notify=region_notify, verify=verify, seed=seed,
+        timeout_s=timeout_s, corrupt_rank=corrupt_rank,
         requests=requests, device=device, staging=staging, pack_backend=pack_backend, direction=direction,
         prefill_page_size=prefill_page_size, **placed,
     )

@@ -106,3 +106,27 @@ def test_enter_gpu_in_a_fresh_process():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.strip().splitlines()[-1]) == ["2,0,1", "0"]
+
+
+@pytest.mark.parametrize("device, pre, dec, shares", [
+    ("cpu", None, None, False),
+    ("gpu", None, None, True),  # no placement: every process on visible GPU 0
+    ("gpu", (0,), (0,), True),
+    ("gpu", None, (1,), False),  # the prefill stays on GPU 0
+    ("gpu", (1,), (1,), True),
+    ("gpu", (0,), (0, 1), False),
+])
+def test_region_notify_auto_is_round_only_where_every_process_shares_one_gpu(device, pre, dec, shares):
+    cfg = JobConfig(device=device, prefill_gpus=pre, decode_gpus=dec)
+    assert cfg.shares_one_gpu is shares
+    assert cfg.sender_region_notify == ("round" if shares else "write")
+    for given in ("write", "round"):  # named: taken as given
+        assert JobConfig(device=device, prefill_gpus=pre, decode_gpus=dec, region_notify=given).sender_region_notify == given
+
+
+@pytest.mark.parametrize("bad", ["held", "", None])
+def test_region_notify_is_checked_naming_the_option(bad):
+    with pytest.raises(ValueError, match="region_notify=.*--region-notify"):
+        JobConfig(region_notify=bad)
+    r = CliRunner().invoke(app, ["transfer", "--region-notify", str(bad), "--prompt-tokens", "64", "--dcp-size", "2"])
+    assert r.exit_code != 0 and "--region-notify" in r.output

@@ -76,7 +76,7 @@ def test_small_job_both_modes_nixl_matches_plan():
     assert res["verified"] and [r["mode"] for r in res["runs"]] == ["direct", "packed"]
     assert res["warmup_seconds"] > 0  # untimed warm-up ran before the timed requests (and is not counted)
     # The environment switches in effect (an A/B's two files tell which is which): the defaults here.
-    assert res["switches"] == {"direct_launch": True, "direct_off": [], "fused_flag_gate": True, "region_hold": False}
+    assert res["switches"] == {"direct_launch": True, "direct_off": [], "fused_flag_gate": True}
     want = _expected_descriptors(cfg)
     for run in res["runs"]:
         _check_run(run, cfg)

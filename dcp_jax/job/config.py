@@ -31,6 +31,7 @@ DEVICES = ("cpu", "gpu")
 # --staging: the connector's choices (dcp_jax.transfer.staging.STAGINGS; a test checks they agree),
 # not imported from there: dcp_jax.transfer pulls in the engines and JAX (0.8 s) at config time.
 STAGINGS = ("auto", "none", "host")
+REGION_NOTIFIES = ("auto", "write", "round")  # --region-notify: KVSender(region_notify=...), or chosen by placement
 DIRECTIONS = ("push", "pull")  # --direction: the sender WRITEs, or each decode rank READs (pulls) its rows
 MAX_RANKS = 64  # dcp_size / prefill_dcp_size: one process per rank
 #: Longest request the job and the cost report take (tokens): 4,194,304, 32x the longest
@@ -118,7 +119,12 @@ class JobConfig:
             default: as many as the prefill rank sends (nothing is sliced). Smaller values force
             sliced packing.
         round_rows: the most index rows one sender round packs or copies in one launch
-            (``KVSender.warm_up(round_rows=...)``); default: the bucket of one window (its default).
+            (``KVSender.warm_up(round_rows=...)``); default: the bucket of one window (its default),
+            and on the region path with ``region_notify`` "round", every row the prefill rank
+            sends (one round: its ranks hear ``done`` once every write of it landed).
+        region_notify: ``KVSender(region_notify=...)`` on the region path: "write", "round" or
+            "auto" (default: "round" when every process shares one GPU, `shares_one_gpu`:
+            there the ranks' unpacks time-slice with the copies still moving; else "write").
         verify: also compare a CRC-32 per (chunk, rank, layer) of what the prefill sent with what
             arrived (the full byte verification runs regardless).
         seed: seeds the KV pattern and the page allocators.
@@ -172,6 +178,7 @@ class JobConfig:
     max_batch_indices: int | None = None
     pack_tokens: int | None = None
     round_rows: int | None = None
+    region_notify: str = "auto"
     verify: bool = False
     seed: int = 0
     timeout_s: float = 300.0
@@ -271,6 +278,8 @@ class JobConfig:
                 raise ValueError(f"{name}={v!r} must be in [0, dcp_size={self.dcp_size})")
         if self.device not in DEVICES:
             raise ValueError(f"device={self.device!r} (--device) must be one of {DEVICES}")
+        if self.region_notify not in REGION_NOTIFIES:
+            raise ValueError(f"region_notify={self.region_notify!r} (--region-notify) must be one of {REGION_NOTIFIES}")
         if self.direction not in DIRECTIONS:
             raise ValueError(f"direction={self.direction!r} (--direction) must be one of {DIRECTIONS}")
         if self.staging not in STAGINGS:
@@ -323,6 +332,20 @@ class JobConfig:
         if self.staging != "auto":
             return self.staging == "host"
         return not engine_registers(self.engine_kind, self.device)
+
+    @property
+    def shares_one_gpu(self) -> bool:
+        """True on ``device="gpu"`` when every prefill and decode process runs on one GPU: no
+        placement (all on visible GPU 0, `dcp_jax.job.gpus`), or both sides placed on the same one."""
+        return self.device == "gpu" and len(set(self.prefill_gpus or (0,)) | set(self.decode_gpus or (0,))) == 1
+
+    @property
+    def sender_region_notify(self) -> str:
+        """The senders' ``region_notify``: ``region_notify``, with "auto" resolved to "round"
+        when `shares_one_gpu` (the decode ranks' unpacks time-slice with the copies), else "write"."""
+        if self.region_notify != "auto":
+            return self.region_notify
+        return "round" if self.shares_one_gpu else "write"
 
     @property
     def send_tokens(self) -> int:

@@ -46,13 +46,13 @@ WARM_UP_LIMIT_S = 600.0
 def switches() -> dict:
     """The environment switches in effect for this job (its processes inherit them), so two
     results files of an A/B tell which is which: the direct launches (``DCP_JAX_DIRECT_LAUNCH``,
-    ``DCP_JAX_DIRECT_OFF``), the fused path's flag gate and the region path's held notices."""
+    ``DCP_JAX_DIRECT_OFF``) and the fused path's flag gate."""
     from dcp_jax.transfer import _sender_region
     from pallas_kernels import triton_launch
 
     return {"direct_launch": not triton_launch._STATE["off"],
             "direct_off": sorted(triton_launch._STATE["off_kinds"]),
-            "fused_flag_gate": _sender_region.FUSED_FLAG_GATE, "region_hold": _sender_region.REGION_HOLD}
+            "fused_flag_gate": _sender_region.FUSED_FLAG_GATE}
 
 
 def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | None = None) -> dict:

@@ -154,7 +154,7 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection, gpu_env: dict | No
         state["sender"] = KVSender(spec, layers, engine=cfg.engine_kind, mode=arg["mode"], pack_bytes=pack,
                                    max_batch_indices=cfg.max_batch_indices, timeout_s=cfg.timeout_s,
                                    peer_timeout_s=min(cfg.timeout_s, PEER_TIMEOUT_S), staging=cfg.staging,
-                                   pack_backend=cfg.pack_backend)
+                                   pack_backend=cfg.pack_backend, region_notify=cfg.sender_region_notify)
         conn.send(("opened", dict(address=state["sender"].address, engine=state["sender"].engine.kind,
                                   checks=state["checks"].get(n))))
 
@@ -170,7 +170,11 @@ def prefill_main(cfg_dict: dict, rank: int, conn: Connection, gpu_env: dict | No
                                    f"sender after {cfg.timeout_s:g} s (--timeout-s)")
             time.sleep(0.002)
         t0 = time.perf_counter()
-        buckets = sender.warm_up(max(1, kv.most_rows_to_one_rank(cfg, rank)), round_rows=cfg.round_rows)
+        round_rows = cfg.round_rows
+        if round_rows is None and sender.mode == "region" and sender.region_notify == "round":
+            # One round holds every window: its ranks hear ``done`` once all of its writes landed.
+            round_rows = max(1, kv.pack_bytes(cfg, rank) // geo.row_bytes)
+        buckets = sender.warm_up(max(1, kv.most_rows_to_one_rank(cfg, rank)), round_rows=round_rows)
         conn.send(("warmed", dict(buckets, seconds=time.perf_counter() - t0)))
 
     def send(arg: dict) -> None:

@@ -122,7 +122,7 @@ class ReceiverData:
             if link.path == "region" and msg["nrows"]:
                 return self._queue_region_pull(req, link, msg)
             return self._start_read(req, link, msg)
-        if kind == "done":  # a region write's notice its sender held back (`REGION_HOLD`)
+        if kind == "done":  # a region write's notice its sender told itself (region_notify="round")
             if link.path != "region" or not msg["nrows"]:
                 self._counts["dropped_messages"] += 1
                 return

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from dcp_jax.transfer import protocol as proto
+from dcp_jax.transfer.status import TransferStatus
 from pallas_kernels.config import env_flag
 
 __all__ = ["SenderRegion", "sync_arrays"]
@@ -42,12 +43,11 @@ logger = logging.getLogger(__name__)
 #: 9.21 GB on an H200 (2026-12-02; see `bridge.host_flag`).
 FUSED_FLAG_GATE = env_flag("DCP_JAX_FUSED_FLAG_GATE", True)
 
-#: Diagnostic (issue 13, one GPU shared by the prefill and its decode ranks): with
-#: DCP_JAX_REGION_HOLD on (`pallas_kernels.config.env_flag`: 1/true/yes/on) region writes are posted without the engine's notification and each
-#: rank is told ``done`` over the control plane once none of this sender's region writes is
-#: in flight or waiting (`SenderRegion._tell_held`; at most `REGION_HOLD_MAX_S` after the first
-#: held one ended), so the ranks' unpacks do not time-slice with copies still moving.
-REGION_HOLD = env_flag("DCP_JAX_REGION_HOLD", False)
+#: `KVSender`'s ``region_notify`` values: the engine's notification with each region write, or
+#: ``done`` told over the control plane once every region write of the window's pack round ended.
+REGION_NOTIFY = ("write", "round")
+#: ``region_notify="round"``: the longest a completed write's ``done`` waits for the rest of its
+#: round (a window whose grant is late, a write stuck at a stopped peer) before it is told anyway.
 REGION_HOLD_MAX_S = 0.005
 
 
@@ -151,9 +151,9 @@ class SenderRegion:
         conn, want = t.conn, self._window_bytes(u)
         descs = np.array([[self._pack.addr + u.region.offset, conn.region_addr + u.grant, want]], np.int64)
         frame = proto.encode("done", req.rid, t.inc, **self._window_head(u))
-        u.held = frame if REGION_HOLD else None
+        u.held = frame if self.region_notify == "round" else None
         try:
-            u.handle = self.engine.transfer_batch(conn.peer, descs, notif=None if REGION_HOLD else frame,
+            u.handle = self.engine.transfer_batch(conn.peer, descs, notif=None if u.held is not None else frame,
                                                   dcp_rank=conn.spec.dcp_rank, chunk=u.rc.chunk)
         except Exception as exc:  # noqa: BLE001 - refused before a byte moved: the request fails
             return self._unit_finished(u, f"{type(exc).__name__}: {exc}")
@@ -165,22 +165,26 @@ class SenderRegion:
         self._posted(u, 1, want)
 
     def _tell_held(self, ended: list, keep: list) -> None:
-        """`REGION_HOLD`: queues the ``done`` of the region writes that just ended (``ended``)
-        and tells every queued one once no region write is in flight (``keep``), asked or
-        packing, or the oldest has waited `REGION_HOLD_MAX_S`."""
+        """``region_notify="round"``: queues the ``done`` of the region writes that just ended
+        without error (``ended``) and tells each once no window of its pack round (`Unit.round`)
+        is still in flight (``keep``), waiting for its grant or for its pack, or once it has
+        waited `REGION_HOLD_MAX_S`. A window whose request failed or was aborted meanwhile is not
+        told (its rank heard that instead)."""
         held = self._held_dones
         now = time.monotonic()
         held.extend((u, now) for u in ended if u.held is not None)
         if not held:
             return
-        busy = any(v.held is not None for v in keep) or self._asks or self._packing \
-            or any(q.rc.strategy == "region" for q in self._queue)
-        if busy and now - held[0][1] < REGION_HOLD_MAX_S:
-            return
-        for u, _ in held:
-            self._tell(u.target.conn.ident, u.held)
-            u.req.timeline.mark("noted", u.target.conn.spec.group_rank)
-        held.clear()
+        busy = {v.round for v in keep if v.held is not None} | {v.round for v in self._asks.values()}
+        busy.update(u.round for _, packed, _ in self._packing for u, _, _, _ in packed)
+        later = []
+        for u, at in held:
+            if u.round in busy and now - at < REGION_HOLD_MAX_S:
+                later.append((u, at))
+            elif u.req.status in (TransferStatus.TRANSFERRING, TransferStatus.SUCCESS):
+                self._tell(u.target.conn.ident, u.held)
+                u.req.timeline.mark("noted", u.target.conn.spec.group_rank)
+        self._held_dones = later
 
     @staticmethod
     def _fused_rows_error(t: Any, rc: Any) -> str | None:

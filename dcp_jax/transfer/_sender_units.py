@@ -64,7 +64,8 @@ class Unit:
     allow_s: float = 0.0
     descriptors: int = 0
     batch_bytes: int = 0
-    held: bytes | None = None  # region push, `REGION_HOLD`: its ``done``, told once no region write is in flight
+    held: bytes | None = None  # region push, ``region_notify="round"``: its ``done``, told by `_tell_held`
+    round: int = 0  # the pack round (`_submit_units` call) that packed it
 
 
 class SenderUnits:
@@ -225,6 +226,9 @@ class SenderUnits:
         if not device_pack:
             packed = self._ask_regions(packed)
         if packed:
+            self._round_no += 1
+            for p in packed:
+                p[0].round = self._round_no
             self._packing.append((self._pack_ticket(packed), packed, time.perf_counter()))
         return self._post_ready() or busy
 

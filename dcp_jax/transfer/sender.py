@@ -39,7 +39,7 @@ from dcp_jax.transfer.arena import PackArena
 from dcp_jax.transfer._sender_handshake import SenderHandshake
 from dcp_jax.transfer._sender_peers import SenderPeers
 from dcp_jax.transfer._region import SEND_MODES
-from dcp_jax.transfer._sender_region import SenderRegion
+from dcp_jax.transfer._sender_region import REGION_HOLD_MAX_S, REGION_NOTIFY, SenderRegion  # noqa: F401 - docs name them
 from dcp_jax.transfer._sender_endings import SenderEndings
 from dcp_jax.transfer._sender_units import SenderUnits
 from dcp_jax.transfer._sender_reuse import moved_page, redundant
@@ -117,6 +117,15 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
         pack_backend: ``"auto"`` or a `pallas_kernels.registry` backend name (``"xla"``,
             ``"host"``, ``"gpu-triton"``, ``"gpu-mosaic"``, ...) that gathers the windows
             (`dcp_jax.transfer.staging.Packer`); `request_stats` names it.
+        region_notify: how a decode rank learns that a region-push window landed (set once,
+            here). ``"write"`` (default): the engine's notification travels with each write, so
+            the rank unpacks as soon as its own window is there. ``"round"``: writes go without
+            one, and each rank of a pack round hears ``done`` over the control plane once every
+            region write of that round has completed (at most `REGION_HOLD_MAX_S` after its own
+            ended). For decode ranks on the sender's own GPU: its processes time-slice, so an
+            early rank's unpack runs between the copies still moving and delays them (32k job on
+            one H100, 2026-12-07: transfer phase 1,024-1,162 GB/s against 496-557, the whole
+            request level, 273-287 against 260-276 GB/s). Pulls and other paths ignore it.
 
     Attributes:
         staged: True when this side stages (its KV is not registered).
@@ -136,16 +145,20 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
     mode = SetOnce()
     staged = SetOnce()
     max_batch_indices = SetOnce()
+    region_notify = SetOnce()
 
     def __init__(self, spec: KVCacheSpec, kv_layers: Sequence[Any], *, engine: str = "nixl",
                  host: str = "127.0.0.1", port: int = 0, mode: str = "auto",
                  pack_bytes: int | None = None, max_batch_indices: int | None = None,
                  timeout_s: float = 30.0, peer_timeout_s: float = 5.0, heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-                 engine_options: dict | None = None, staging: str = "auto", pack_backend: str = "auto"):
+                 engine_options: dict | None = None, staging: str = "auto", pack_backend: str = "auto",
+                 region_notify: str = "write"):
         if not isinstance(spec, KVCacheSpec):
             raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
         if mode not in SEND_MODES:
             raise ValueError(f"mode={mode!r} must be one of {SEND_MODES}")
+        if region_notify not in REGION_NOTIFY:
+            raise ValueError(f"region_notify={region_notify!r} must be one of {REGION_NOTIFY}")
         pack_bytes = check_int_type("pack_bytes", DEFAULT_PACK_BYTES if pack_bytes is None else pack_bytes)
         if not spec.row_bytes <= pack_bytes <= MAX_BUFFER_BYTES:
             raise ValueError(f"pack_bytes={pack_bytes!r} must be an int >= one token's "
@@ -163,7 +176,7 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
         if _is_wildcard(host):  # a wildcard binds, but no receiver can dial it
             raise ValueError(f"host={host!r} is a wildcard: the sender advertises its host to receivers "
                              "(`address`), so give this machine's address that they reach (e.g. its IP)")
-        self.spec, self.mode = spec, mode
+        self.spec, self.mode, self.region_notify = spec, mode, region_notify
         self.timeout_s = timeout_s  # checked (`CheckedSeconds`), here and on any later assignment
         self.peer_timeout_s = peer_timeout_s  # checked (`FixedSeconds`): set once, here
         self.heartbeat_s = heartbeat_s
@@ -230,7 +243,8 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
         self._fused_seq: int | None = None  # the flag number bumped behind that launch (None: not gated)
         self._flag: Any = None              # fused path: the flag page ranks wait on (`_sender_region._flag_name`)
         self._asks: dict[tuple, Any] = {}   # region windows packed, waiting for the rank's grant
-        self._held_dones: list = []        # (unit, ended at): REGION_HOLD notices not told yet
+        self._held_dones: list = []        # (unit, ended at): region_notify="round" notices not told yet
+        self._round_no = 0                 # pack rounds so far (`Unit.round`)
         # Rounds whose device pack is enqueued, oldest first: (ticket, windows, when), `_post_ready`.
         self._packing: deque = deque()
         self._counts = dict(dropped_messages=0, handshakes=0, handshakes_refused=0, requests=0,

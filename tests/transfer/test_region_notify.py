@@ -1,19 +1,27 @@
-"""The region path with its ``done`` notices held by the sender (`_sender_region.REGION_HOLD`, the
-issue-13 diagnostic for one GPU shared by both sides): writes go without the engine's
-notification, each rank hears ``done`` over the control plane once no region write of the sender
-is in flight or waiting. Real engines on the host; the bytes against the sender's rows, no
-receive-region range left held, and every ``done`` told after the last write completed."""
+"""The region path with ``KVSender(region_notify="round")`` (decode ranks on the sender's own
+GPU): writes go without the engine's notification, and each rank hears ``done`` over the control
+plane once every region write of its pack round has completed. Real engines on the host; the
+bytes against the sender's rows, no receive-region range left held, every ``done`` told after
+its round's last write completed; the option checked and set once."""
 import pytest
 
 from conftest import Cluster, TransferStatus, region_free, wait_for
-from dcp_jax.transfer import _sender_region
 
 S = TransferStatus
 
 
-def test_held_notices_land_byte_exact_after_every_write(engine, monkeypatch):
-    monkeypatch.setattr(_sender_region, "REGION_HOLD", True)
-    c = Cluster(engine, dcp_size=3, mode="region", receiver_kw=dict(region_bytes=64 << 20))
+@pytest.mark.parametrize("bad", ["Round", "", None, 1])
+def test_region_notify_must_be_write_or_round(bad):
+    from dcp_jax.transfer import KVCacheSpec, KVSender
+    import numpy as np
+
+    spec = KVCacheSpec(num_layers=1, item_lens=(16,), page_size=4)
+    with pytest.raises(ValueError, match="region_notify="):
+        KVSender(spec, [np.zeros((8, 16), np.uint8)], region_notify=bad)
+
+
+def test_held_notices_land_byte_exact_after_every_write_of_their_round(engine):
+    c = Cluster(engine, dcp_size=3, mode="region", receiver_kw=dict(region_bytes=64 << 20), region_notify="round")
     try:
         L = 37
         src, dst = c.tables(L)
@@ -28,6 +36,9 @@ def test_held_notices_land_byte_exact_after_every_write(engine, monkeypatch):
         writes = sum(v["descriptors"] for v in st["ranks"].values())  # one per window with rows
         assert len(at["noted"]) == writes > 0  # every write's notice told by the sender
         assert min(at["noted"]) >= min(at["complete"])  # none before a write had completed
+        assert c.sender.region_notify == "round"
+        with pytest.raises(AttributeError):
+            c.sender.region_notify = "write"  # set once: the writes in flight were posted by it
         assert all(wait_for(lambda r=r: region_free(r)) for r in c.receivers)
     finally:
         c.close()
