@@ -121,7 +121,8 @@ def test_region_notify_auto_is_round_only_where_every_process_shares_one_gpu(dev
     assert cfg.shares_one_gpu is shares
     assert cfg.sender_region_notify == ("round" if shares else "write")
     for given in ("write", "round"):  # named: taken as given
-        assert JobConfig(device=device, prefill_gpus=pre, decode_gpus=dec, region_notify=given).sender_region_notify == given
+        assert JobConfig(device=device, prefill_gpus=pre, decode_gpus=dec, modes=("region",),
+                         region_notify=given).sender_region_notify == given
 
 
 @pytest.mark.parametrize("bad", ["held", "", None])
@@ -130,3 +131,23 @@ def test_region_notify_is_checked_naming_the_option(bad):
         JobConfig(region_notify=bad)
     r = CliRunner().invoke(app, ["transfer", "--region-notify", str(bad), "--prompt-tokens", "64", "--dcp-size", "2"])
     assert r.exit_code != 0 and "--region-notify" in r.output
+
+
+def test_region_notify_only_where_a_region_push_can_run():
+    assert JobConfig(device="gpu", direction="pull").sender_region_notify == "write"  # a pull ignores it
+    for kw in (dict(modes=("packed",)), dict(modes=("direct", "fused"), device="gpu"), dict(direction="pull")):
+        with pytest.raises(ValueError, match="--region-notify.*region pushes only"):
+            JobConfig(region_notify="round", **kw)
+    JobConfig(region_notify="write", modes=("auto",))  # auto may take the region path
+
+
+def test_report_names_region_notify_for_region_pushes_only(tmp_path):
+    for args, want in ((["--path", "region"], "write"), (["--path", "region", "--region-notify", "round"], "round"),
+                       (["--path", "region", "--direction", "pull"], None), (["--path", "packed"], None)):
+        out = tmp_path / "r.json"
+        r = CliRunner().invoke(app, ["transfer", "--no-progress", "--model", "tiny", "--prompt-tokens", "256",
+                                     "--dcp-size", "2", "--json", str(out), *args])
+        assert r.exit_code == 0, r.output
+        run = json.loads(out.read_text())["runs"][0]
+        assert run["region_notify"] == want, args
+        assert isinstance(run["first_byte_at"], float)

@@ -280,6 +280,10 @@ class JobConfig:
             raise ValueError(f"device={self.device!r} (--device) must be one of {DEVICES}")
         if self.region_notify not in REGION_NOTIFIES:
             raise ValueError(f"region_notify={self.region_notify!r} (--region-notify) must be one of {REGION_NOTIFIES}")
+        if self.region_notify != "auto" and (self.direction == "pull" or not {"region", "auto"} & set(self.modes)):
+            # Only a pushed region window is told so: a run none of whose paths is would report a choice it ignored.
+            raise ValueError(f"region_notify={self.region_notify!r} (--region-notify) applies to region pushes only: "
+                             f"modes={self.modes!r} (--path), direction={self.direction!r} (--direction)")
         if self.direction not in DIRECTIONS:
             raise ValueError(f"direction={self.direction!r} (--direction) must be one of {DIRECTIONS}")
         if self.staging not in STAGINGS:
@@ -342,10 +346,11 @@ class JobConfig:
     @property
     def sender_region_notify(self) -> str:
         """The senders' ``region_notify``: ``region_notify``, with "auto" resolved to "round"
-        when `shares_one_gpu` (the decode ranks' unpacks time-slice with the copies), else "write"."""
+        when `shares_one_gpu` (the decode ranks' unpacks time-slice with the copies) and the
+        ranks are pushed to, else "write" (a pull ignores it)."""
         if self.region_notify != "auto":
             return self.region_notify
-        return "round" if self.shares_one_gpu else "write"
+        return "round" if self.shares_one_gpu and self.direction == "push" else "write"
 
     @property
     def send_tokens(self) -> int:

@@ -95,7 +95,8 @@ def _report(cfg: JobConfig, mode: str, engine: str | None, n: int, stats: dict, 
         mode=mode, engine=engine, paths=sorted({x["path"] for x in rank_rows if x["path"]}),
         request_seconds=request_s, copy_seconds=slowest("copy_seconds"),
         # how the decode ranks heard their region windows landed (KVSender(region_notify=...))
-        region_notify=cfg.sender_region_notify if mode == "region" else None,
+        region_notify=cfg.sender_region_notify if cfg.direction == "push" and any(
+            "region" in x["path"].split(",") for x in rank_rows) else None,
         # `time.monotonic()` of the first byte (the host's clock: GPU traces align to it)
         first_byte_at=min(firsts) if firsts else None,
         # each side's path to the engine: "direct" (its KV registered) or "staged" (pinned host)

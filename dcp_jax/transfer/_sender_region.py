@@ -164,12 +164,12 @@ class SenderRegion:
         self._count(t, 1, want, self._batch_calls(1))
         self._posted(u, 1, want)
 
-    def _tell_held(self, ended: list, keep: list) -> None:
+    def _tell_held(self, ended: list, keep: list, flush: bool = False) -> None:
         """``region_notify="round"``: queues the ``done`` of the region writes that just ended
         without error (``ended``) and tells each once no window of its pack round (`Unit.round`)
         is still in flight (``keep``), waiting for its grant or for its pack, or once it has
-        waited `REGION_HOLD_MAX_S`. A window whose request failed or was aborted meanwhile is not
-        told (its rank heard that instead)."""
+        waited `REGION_HOLD_MAX_S` (``flush``: every one now, as the sender closes). A window
+        whose request failed or was aborted meanwhile is not told (its rank heard that instead)."""
         held = self._held_dones
         now = time.monotonic()
         held.extend((u, now) for u in ended if u.held is not None)
@@ -179,7 +179,7 @@ class SenderRegion:
         busy.update(u.round for _, packed, _ in self._packing for u, _, _, _ in packed)
         later = []
         for u, at in held:
-            if u.round in busy and now - at < REGION_HOLD_MAX_S:
+            if u.round in busy and now - at < REGION_HOLD_MAX_S and not flush:
                 later.append((u, at))
             elif u.req.status in (TransferStatus.TRANSFERRING, TransferStatus.SUCCESS):
                 self._tell(u.target.conn.ident, u.held)

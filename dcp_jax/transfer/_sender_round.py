@@ -90,6 +90,10 @@ class SenderRound:
         self._drain_packing()  # no pack kernel may still write the buffer once it is given back
         # After the engine's close: drained says none of its writes can land any more.
         bye = proto.encode("bye", reason="sender closed", drained=self.engine.torn_down)
+        # region_notify="round": writes that completed but whose ``done`` still waited for the
+        # rest of their round are told now (their bytes landed; their requests may already be
+        # SUCCESS here), before the bye that fails what is still live on the ranks.
+        self._tell_held([], [], flush=True)
         self._flush_ctl()  # the worker has stopped: this thread owns the socket now
         for conn in self._conns.values():  # after the "failed" frames of the live requests
             self._ctl.send(conn.ident, bye)

@@ -22,8 +22,8 @@ class SenderStats:
         lowercase string: ``"success"``; `poll` and `wait` give the enum), per-rank ``path`` (the connection's transfer path, as in
         `peers`: "none" for a TP pair sharing no KV head),
         rows/descriptors/bytes/batches/engine calls and strategies, plan/pack/copy (fused kernel)
-        seconds, ``launches`` (the pack calls, one a round on a device and one a window for a
-        named ``pack_backend``, and fused fan-out launches that carried its windows: the
+        seconds, ``launches`` (the pack calls: one a round on a device, one a window where the
+        round's windows were launched directly or for a named ``pack_backend``, and fused fan-out launches that carried its windows: the
         rounds it took, `warm_up`'s ``round_rows``), ``transfer_seconds`` (first submit to this side's completion) and
         ``first_byte_at`` (`time.monotonic()` when the first byte was packed, or sent on the
         unpacked paths: a clock every process of the host shares, for whole-request timings),

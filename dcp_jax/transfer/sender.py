@@ -122,10 +122,15 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
             the rank unpacks as soon as its own window is there. ``"round"``: writes go without
             one, and each rank of a pack round hears ``done`` over the control plane once every
             region write of that round has completed (at most `REGION_HOLD_MAX_S` after its own
-            ended). For decode ranks on the sender's own GPU: its processes time-slice, so an
-            early rank's unpack runs between the copies still moving and delays them (32k job on
-            one H100, 2026-12-07: transfer phase 1,024-1,162 GB/s against 496-557, the whole
-            request level, 273-287 against 260-276 GB/s). Pulls and other paths ignore it.
+            ended; `close` tells the ones still waiting), so this side's SUCCESS may come up to
+            that long before a rank hears its ``done`` (the rank's own SUCCESS follows it). For
+            decode ranks on the sender's own GPU: its processes time-slice, so an early rank's
+            unpack runs between the copies still moving and delays them. It pays with ONE round
+            for the request (``warm_up(round_rows=...)`` at least the rows it sends; the main job
+            sets that): 32k job on one H100, 2026-12-07, transfer phase 1,024-1,162 GB/s against
+            496-557, the whole request level (265.7-286.5 against 260.2-276.0 GB/s); with the
+            default rounds each round's notices wait for its writes and it lost (232.0 against
+            276.0). Pulls and the other paths ignore it.
 
     Attributes:
         staged: True when this side stages (its KV is not registered).

@@ -191,15 +191,16 @@ class Packer:
         self._scratch[offset:offset + n].get(out=self.pack[offset:offset + n])
         self.stage_seconds += time.perf_counter() - t0
 
-    def pack_windows(self, windows: list, *, sync: bool = True) -> None:
+    def pack_windows(self, windows: list, *, sync: bool = True) -> int:
         """Packs every ``(idx, offset)`` window of a round, as ``self(idx, offset)`` each, in one
         call where the backend has one (``"auto"``: `pallas_kernels.pack_windows`, one kernel
         launch on a GPU); named backends pack window by window. Staged: one gather into the
-        device scratch, then each window's bytes device -> host."""
+        device scratch, then each window's bytes device -> host. Returns the pack calls it made
+        (kernel launches on a device: one, or one a window for windows launched directly)."""
         if self.backend != "auto":
             for idx, offset in windows:
                 self(idx, offset, sync=sync)
-            return
+            return len(windows)
         from pallas_kernels import pack_windows
 
         if not self.staged:
@@ -214,9 +215,9 @@ class Packer:
                     from pallas_kernels import synchronize
 
                     synchronize(self.pack)
-                return
+                return len(windows)
             pack_windows(self.source, windows, self.pack, sync=sync)
-            return
+            return 1
         self._ensure_scratch()
         pack_windows(self.source, windows, self._scratch)  # same offsets: alignment holds
         row_bytes = sum(int(r.shape[1]) for r in self.rows)
@@ -225,6 +226,7 @@ class Packer:
             end = offset + len(idx) * row_bytes
             self._scratch[offset:end].get(out=self.pack[offset:end])
         self.stage_seconds += time.perf_counter() - t0
+        return 1
 
     def warm_up(self, max_rows: int, window_rows: int | None = None) -> list[int]:
         """Compiles the one-launch pack of `pack_windows` for every index bucket up to
@@ -232,8 +234,8 @@ class Packer:
         buckets ([] where nothing compiles: host rows; a named backend compiles what its
         `PackBackend.warm` does: the xla backend's gather buckets on numpy rows).
         ``window_rows`` (device, "auto", not staged): also `pack_rows`' direct launch for the
-        bucket of one window of that many rows (`pallas_kernels.warm_pack_rows`); a round of
-        one such window is then packed that way."""
+        bucket of one window of that many rows (`pallas_kernels.warm_pack_rows`); a round whose
+        windows all fall in such buckets is then packed that way, one launch a window."""
         if self.backend != "auto":
             if self._through_jax:
                 return []  # a fresh JAX pack per call: compiled per row count

@@ -65,3 +65,43 @@ def test_a_done_frame_on_a_connection_that_is_not_region_is_dropped(engine):
         assert c.check_bytes(src, dst, 8) == 8
     finally:
         c.close()
+
+
+def test_close_tells_the_held_notices_of_writes_that_completed(engine):
+    """A request's writes complete while another request's window of the same round still
+    waits for its grant: the sender reports SUCCESS with that request's notices held; `close`
+    right then tells them before its bye, so every rank ends the request SUCCESS, byte-exact."""
+    import time
+
+    c = Cluster(engine, dcp_size=2, mode="region", timeout_s=5, peer_timeout_s=2,
+                receiver_kw=dict(region_bytes=1 << 20), region_notify="round")
+    try:
+        r1 = c.receivers[1]
+        answer = r1._on_region_ask
+
+        def late(link, msg):  # B's grant from rank 1 comes late: the round stays open
+            if msg["rid"] == "B":
+                time.sleep(0.004)
+            return answer(link, msg)
+
+        r1._on_region_ask = late
+        L = 40
+        (src_a, dst_a), (src_b, dst_b) = c.tables(L), c.tables(L)
+        c.expect("A", dst_a, L)
+        c.expect("B", dst_b, L)
+        def announced(rid):
+            try:
+                return len(c.sender.request_stats(rid)["ranks"]) == 2
+            except KeyError:  # no rank's announcement has reached the sender yet
+                return False
+
+        assert wait_for(lambda: announced("A") and announced("B"))
+        with c.sender._lock:  # both requests' windows in one round
+            c.sender.send("A", src_a, 0, L)
+            c.sender.send("B", src_b, 0, L)
+        assert c.sender.wait("A", 5) == S.SUCCESS
+        c.sender.close()
+        assert [r.wait("A", 8) for r in c.receivers] == [S.SUCCESS] * 2, [r.failure_reason("A") for r in c.receivers]
+        assert c.check_bytes(src_a, dst_a, L) == L
+    finally:
+        c.close()
