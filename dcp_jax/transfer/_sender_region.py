@@ -182,8 +182,8 @@ class SenderRegion:
             if u.round in busy and now - at < REGION_HOLD_MAX_S and not flush:
                 later.append((u, at))
             elif u.req.status in (TransferStatus.TRANSFERRING, TransferStatus.SUCCESS):
+                u.req.timeline.mark("noted", u.target.conn.spec.group_rank)  # before the send: the rank's mark follows
                 self._tell(u.target.conn.ident, u.held)
-                u.req.timeline.mark("noted", u.target.conn.spec.group_rank)
         self._held_dones = later
 
     @staticmethod
