@@ -138,11 +138,15 @@ def test_gpu_mosaic_interpret_through_the_job_on_128_byte_rows():
     assert run["pack_backend"] == "gpu-mosaic-interpret" and run["staging"]["prefill"] == "staged"
 
 
-def test_the_job_and_the_connector_name_the_same_stagings():
+def test_the_job_and_the_connector_name_the_same_stagings_and_region_notifies():
     from dcp_jax.job.config import STAGINGS
     from dcp_jax.transfer.staging import STAGINGS as CONNECTOR
 
     assert STAGINGS == CONNECTOR
+    from dcp_jax.job.config import REGION_NOTIFIES
+    from dcp_jax.transfer._sender_region import REGION_NOTIFY
+
+    assert REGION_NOTIFIES == ("auto", *REGION_NOTIFY)
 
 
 @pytest.mark.parametrize("kwargs, match", [

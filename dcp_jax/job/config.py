@@ -31,7 +31,9 @@ DEVICES = ("cpu", "gpu")
 # --staging: the connector's choices (dcp_jax.transfer.staging.STAGINGS; a test checks they agree),
 # not imported from there: dcp_jax.transfer pulls in the engines and JAX (0.8 s) at config time.
 STAGINGS = ("auto", "none", "host")
-REGION_NOTIFIES = ("auto", "write", "round")  # --region-notify: KVSender(region_notify=...), or chosen by placement
+# --region-notify: "auto" (chosen by placement) or the connector's values
+# (dcp_jax.transfer._sender_region.REGION_NOTIFY; not imported, as STAGINGS; a test checks they agree).
+REGION_NOTIFIES = ("auto", "write", "round")
 DIRECTIONS = ("push", "pull")  # --direction: the sender WRITEs, or each decode rank READs (pulls) its rows
 MAX_RANKS = 64  # dcp_size / prefill_dcp_size: one process per rank
 #: Longest request the job and the cost report take (tokens): 4,194,304, 32x the longest

@@ -379,9 +379,8 @@ class SenderUnits:
             return []
         tk, staged0 = time.perf_counter(), self._packer.stage_seconds
         failed = []
-        per_window, launches = False, 0  # the fallback below packs window by window
-        try:
-            launches = self._packer.pack_windows([(rows, off) for _, rows, off in batch], sync=False)
+        try:  # one launch for the round, or one a window (direct launches, a named backend)
+            per_window = self._packer.pack_windows([(rows, off) for _, rows, off in batch], sync=False) > 1
         except Exception:  # noqa: BLE001 - find the window that fails; the others go out
             logger.warning("one pack for %d windows failed; packing window by window", len(batch),
                            exc_info=True)
@@ -395,9 +394,7 @@ class SenderUnits:
         for req in dict.fromkeys(u.req for u, _, _ in batch):
             req.pack_seconds += took
             req.stage_seconds += staged
-            mine = sum(1 for u, _, _ in batch if u.req is req)
-            # one launch for the round, or one a window (direct launches, a named backend, the fallback)
-            req.launches += mine if per_window or launches == len(batch) > 1 else 1
+            req.launches += sum(1 for u, _, _ in batch if u.req is req) if per_window else 1
         return failed
 
     def _post_unit(self, u: Unit, lo: int, hi: int, region_addr: int | None) -> None:
