@@ -74,7 +74,9 @@ _KERNELS: dict = {}   # compile key -> (CompiledKernel, grid), oldest first
 _MAX_KERNELS = 256
 _STREAMS: dict = {}   # device id -> cupy Stream
 _SLOTS: dict = {}     # device id -> _SlotRing
-_SLOTS_PER_DEVICE = 4
+# A sender's round launches one pack a window (eight for DCP8): with four slots the fifth launch
+# waited on the host for the first kernel to end, holding the thread that reads the grants.
+_SLOTS_PER_DEVICE = 16
 _KERNEL = re.compile(r"^\s*tt\.func public @[\w$.]+\(.*\)\s*(attributes \{.*\}\s*)?\{\s*$", re.MULTILINE)
 
 

@@ -19,7 +19,7 @@ for r in $(seq "${REPS:-2}"); do
     job "$ROOT" "new_$r"
     [ -n "$BASE" ] && job "$ROOT/$BASE" "base_$r"
 done
-T=dcp_jax.transfer._sender_units:SenderUnits._pack_batch,dcp_jax.transfer._sender_region:SenderRegion._write_region,dcp_jax.transfer._receiver_region:ReceiverRegion._unpack
+T=dcp_jax.transfer._sender_pack:SenderPack._pack_batch,dcp_jax.transfer._sender_region:SenderRegion._write_region,dcp_jax.transfer._receiver_region:ReceiverRegion._unpack
 [ "${PROFILE:-1}" = 1 ] && job "$ROOT" profiled PYTHONPATH="$ROOT/benchmarks/gpu/profile_hook:$PYTHONPATH" DCP_PROFILE_DIR=/tmp/prof DCP_PROFILE_TARGET=$T
 "$PY" - "$OUT" <<'PY'
 import glob, json, os, sys
@@ -31,7 +31,7 @@ for f in sorted(glob.glob(os.path.join(sys.argv[1], "ab_*.json"))):
         print(f"{os.path.basename(f)}: whole {gb / r['request_seconds']:.1f} transfer {gb / r['transfer_seconds']:.1f} "
               f"GB/s verified={r['verified']} each={each} warm={r.get('kernel_warm_up')}\n   {tl}")
 PY
-[ "${PROFILE:-1}" = 1 ] && for t in SenderUnits._pack_batch SenderRegion._write_region ReceiverRegion._unpack; do
+[ "${PROFILE:-1}" = 1 ] && for t in SenderPack._pack_batch SenderRegion._write_region ReceiverRegion._unpack; do
     echo "### $t"
     "$PY" "$ROOT/benchmarks/gpu/pstats_top.py" /tmp/prof --target "$t" --skip 4 --top 16
 done

@@ -67,11 +67,15 @@ class ReceiverData:
                 self._reap_released()
             self._heartbeat()
             self._flush()
+            self._spin_socks = tuple(link.client.sock for link in self._links if link.registered)
             if busy:
                 return ACTIVE
             if self._gated:
                 return SPIN if self._gated_waiting() else PENDING
-            return PENDING if pending or self._reads else IDLE
+            if pending or self._reads:
+                return PENDING
+            # A ``done`` due as a control frame wakes an idle worker; on a device it is spun for.
+            return SPIN if self._ctl_spinning() else IDLE
 
     def _flush(self) -> None:
         while self._outbox:

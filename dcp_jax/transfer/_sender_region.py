@@ -107,7 +107,7 @@ class SenderRegion:
         t = u.target
         lo, _ = u.rc.windows[u.w]
         frame = proto.encode("region_ask", u.req.rid, t.inc, lo=lo, nbytes=self._window_bytes(u),
-                             **self._window_head(u))
+                             ctl_done=self.region_notify == "round", **self._window_head(u))
         self._asks[self._ask_key(u)] = u
         u.asked = True
         u.req.inflight += 1

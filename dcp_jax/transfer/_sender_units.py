@@ -205,46 +205,8 @@ class SenderUnits:
                 packed.append((u, lo, hi, self._pack_unit(u, lo, hi, batch)))
             except Exception as exc:  # noqa: BLE001 - the request fails, the sender lives on
                 self._submit_failed(u, exc)
-        # Region push: ask for room while the pack runs. A device pack is enqueued, not run, so
-        # its asks go before the enqueue and the round trip also overlaps the launch's host time
-        # (~0.7 ms for the 32k job's one-launch pack on an H100). A host pack runs in the call:
-        # asked before it, the ranks that granted poll their engine through it (the 16k region
-        # job on a 2-core host packed in 0.30-0.34 s against 0.21-0.22, 2026-12-07).
-        device_pack = array_kind(self._pack.array) == "cupy"
-        if device_pack:
-            asked = self._ask_regions(packed)
-            if len(asked) < len(packed):  # a window whose ask failed ended its request: not packed
-                live = {p[0] for p in asked}
-                batch = [b for b in batch if b[0] in live]
-            packed = asked
-        failed = self._pack_batch(batch)
-        for u, exc in failed:
-            self._submit_failed(u, exc)
-        if failed:
-            gone = {u for u, _ in failed}
-            packed = [p for p in packed if p[0] not in gone]
-        if not device_pack:
-            packed = self._ask_regions(packed)
-        if packed:
-            self._round_no += 1
-            for p in packed:
-                p[0].round = self._round_no
-            self._packing.append((self._pack_ticket(packed), packed, time.perf_counter()))
+        self._pack_round(packed, batch)
         return self._post_ready() or busy
-
-    def _pack_ticket(self, packed: list) -> Any:
-        """What a round's posts wait for: a `pallas_kernels.written` ticket for the device pack
-        just enqueued (it covers that pack only, not the engine's copies of earlier rounds, which
-        a device-wide wait also waited for), or None: no device pack (host buffers, fused or
-        direct windows), or a view pair's host-made block, which the device-wide wait covers."""
-        if not any(addr is not None for _, _, _, addr in packed):
-            return None
-        if array_kind(self._pack.array) != "cupy" or any(
-                addr is not None and u.target.conn.view is not None for u, _, _, addr in packed):
-            return None
-        from pallas_kernels import written
-
-        return written(self._pack.array)
 
     def _post_ready(self) -> bool:
         """Posts the rounds whose packs finished, oldest first (each rank's windows keep their
@@ -369,33 +331,6 @@ class SenderUnits:
         else:
             batch.append((u, u.rc.src_rows[lo:hi], u.region.offset))
         return self._pack.addr + u.region.offset
-
-    def _pack_batch(self, batch: list) -> list:
-        """Enqueues the round's windows as ONE pack (`Packer.pack_windows`: one kernel launch on
-        a GPU, where a call per window cost ~0.6 ms of host time each). Should it raise, the
-        windows are packed one by one, so only a window that fails ends its request; returns
-        those (unit, exception) pairs. The call's time counts in each request's pack time."""
-        if not batch:
-            return []
-        tk, staged0 = time.perf_counter(), self._packer.stage_seconds
-        failed = []
-        try:  # one launch for the round, or one a window (direct launches, a named backend)
-            per_window = self._packer.pack_windows([(rows, off) for _, rows, off in batch], sync=False) > 1
-        except Exception:  # noqa: BLE001 - find the window that fails; the others go out
-            logger.warning("one pack for %d windows failed; packing window by window", len(batch),
-                           exc_info=True)
-            per_window = True
-            for u, rows, off in batch:
-                try:
-                    self._packer(rows, off, sync=False)
-                except Exception as exc:  # noqa: BLE001 - its request fails, the sender lives on
-                    failed.append((u, exc))
-        took, staged = time.perf_counter() - tk, self._packer.stage_seconds - staged0
-        for req in dict.fromkeys(u.req for u, _, _ in batch):
-            req.pack_seconds += took
-            req.stage_seconds += staged
-            req.launches += sum(1 for u, _, _ in batch if u.req is req) if per_window else 1
-        return failed
 
     def _post_unit(self, u: Unit, lo: int, hi: int, region_addr: int | None) -> None:
         req, t, rc = u.req, u.target, u.rc

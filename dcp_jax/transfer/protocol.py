@@ -15,7 +15,8 @@ Kinds (sender -> receiver): ``hello_ack``, ``hello_nack``, ``abort``, ``failed``
 ``sent`` (a batch with a ``done`` notification was just submitted: the receiver polls its engine
 while such batches are due, and idles otherwise; a region write sends none: its rank counts the
 ``done`` as due from its own ``region_grant``), ``region_ask`` (region path: a packed window
-wants room in the receive region), ``fused_done`` (fused path: the sender's copy kernel into this
+wants room in the receive region; ``ctl_done``: its ``done`` comes as a control frame, not an engine
+notification, so the rank need not poll its engine for it: the sender's ``region_notify="round"``), ``fused_done`` (fused path: the sender's copy kernel into this
 rank's IPC-mapped pages has finished, or, gated, was launched and bumps the flag page to ``seq`` once it has), ``drained`` (after a request ended without success, no WRITE of the sender's into that rank's
 pages is in flight any more), ``moving`` (connection-level: which of that rank's requests have
 an engine batch or a pull the sender still sees in flight within its bound, each with a lease:
@@ -41,7 +42,7 @@ __all__ = [
 ]
 
 #: Bumped on any change of a message's meaning; peers of another version are refused at hello.
-PROTOCOL_VERSION = 10  # 10: moving (a rank's requests with a batch in flight keep their clock); 9: no ``sent`` for a region write (the rank counts its grant as a done due); 8: bye; 7: hello_ack offers the fused path's flag page, fused_done carries its sequence number; 6: (an IPC event instead); 5: hello states the receiver's cache pages; 4: hello and hello_ack state whether the side stages
+PROTOCOL_VERSION = 11  # 11: region_ask says whether its done comes as a control frame (ctl_done); 10: moving (a rank's requests with a batch in flight keep their clock); 9: no ``sent`` for a region write (the rank counts its grant as a done due); 8: bye; 7: hello_ack offers the fused path's flag page, fused_done carries its sequence number; 6: (an IPC event instead); 5: hello states the receiver's cache pages; 4: hello and hello_ack state whether the side stages
 #: Path names a sender may answer a hello with (`dcp_jax.transfer._region.choose_path`).
 PATHS = ("direct", "packed", "region", "fused")
 MAX_IPC_HANDLES = 4096     # one CUDA IPC handle per KV layer entry at most (spec.MAX_LAYERS)
@@ -104,7 +105,7 @@ KINDS: dict[str, dict[str, tuple]] = {
     "pull_ready": {**_CHUNK, "lo": (_INT, 0), "src_addr": (_INT, 0), "src_rows": (_BYTES, MAX_FIELD_BYTES)},
     "pull_done": {"chunk": (_INT, 0), "part": (_INT, 0), "ok": (_BOOL, 0), "reason": (_STR, MAX_TEXT)},
     "done": dict(_CHUNK),
-    "region_ask": {**_CHUNK, "lo": (_INT, 0), "nbytes": (_INT, 1)},
+    "region_ask": {**_CHUNK, "lo": (_INT, 0), "nbytes": (_INT, 1), "ctl_done": (_BOOL, 0)},
     "region_grant": {"chunk": (_INT, 0), "part": (_INT, 0), "offset": (_INT, 0), "nbytes": (_INT, 1)},
     "fused_done": {**_CHUNK, "gated": (_BOOL, 0), "seq": (_INT, 0)},
     "drained": {},

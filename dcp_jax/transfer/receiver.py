@@ -199,7 +199,7 @@ class KVReceiver(ReceiverLinks, ReceiverData, ReceiverRegion, ReceiverStats):
                             requests=0, succeeded=0, failed=0, aborted=0, bytes=0, reads=0, unpacks=0)
         self._init_region_state()
         self._last_ping = self._next_timeout_check = 0.0
-        self._worker = Worker(f"dcp-receiver-{spec.dcp_rank}", self._round, None, spin_fn=self._gated_ready)
+        self._worker = Worker(f"dcp-receiver-{spec.dcp_rank}", self._round, None, spin_fn=self._spin_ready)
         self._worker.start()
         close_at_exit(self)
 

@@ -42,6 +42,7 @@ from dcp_jax.transfer._region import SEND_MODES
 from dcp_jax.transfer._sender_region import REGION_HOLD_MAX_S, REGION_NOTIFY, SenderRegion  # noqa: F401 - docs name them
 from dcp_jax.transfer._sender_endings import SenderEndings
 from dcp_jax.transfer._sender_units import SenderUnits
+from dcp_jax.transfer._sender_pack import SenderPack
 from dcp_jax.transfer._sender_reuse import moved_page, redundant
 from dcp_jax.transfer._sender_warm import SenderWarmUp
 from dcp_jax.transfer._sender_round import SenderRound
@@ -62,8 +63,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_PACK_BYTES = 64 << 20
 
 
-class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEndings, SenderRegion, SenderWarmUp,
-               SenderStats):
+class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderPack, SenderEndings, SenderRegion,
+               SenderWarmUp, SenderStats):
     """Prefill-side connector over the caller's KV layers.
 
     Typical life: construct, hand `address` to the decode ranks, `warm_up` once they have
@@ -262,7 +263,7 @@ class KVSender(SenderRound, SenderPeers, SenderHandshake, SenderUnits, SenderEnd
         self._stall_s = float("inf")
         self._last_round = time.monotonic()
         self._held_hellos: dict[bytes, tuple] = {}  # ident -> (hello, first seen): `_hold_hello`
-        self._worker = Worker(f"dcp-sender-{spec.dcp_rank}", self._round, self._ctl.sock)
+        self._worker = Worker(f"dcp-sender-{spec.dcp_rank}", self._round, self._ctl.sock, spin_fn=self._spin_ready)
         self._last_ping = 0.0
         self._worker.start()
         close_at_exit(self)

@@ -204,7 +204,7 @@ class Packer:
         from pallas_kernels import pack_windows
 
         if not self.staged:
-            if self._direct_buckets and all(self._bucket(len(idx)) in self._direct_buckets for idx, _ in windows):
+            if self.launches_each([idx for idx, _ in windows]):
                 # Windows whose bucket `warm_up` compiled for `pack_rows`' direct launch: one
                 # launch each, no JAX dispatch (the windowed kernel's jitted call cost ~0.5 ms of
                 # host time a round in the 32k job; a direct launch ~0.17 ms, and the device
@@ -227,6 +227,14 @@ class Packer:
             self._scratch[offset:end].get(out=self.pack[offset:end])
         self.stage_seconds += time.perf_counter() - t0
         return 1
+
+    def launches_each(self, windows: list) -> bool:
+        """Whether `pack_windows` launches each of these windows (row index arrays) directly,
+        one kernel a window: the default device pack, not staged, every window's index bucket
+        compiled for it by `warm_up`. Then a caller may also launch them one by one (``self(idx,
+        offset, sync=False)``) and take a ticket after each."""
+        return (self.backend == "auto" and not self.staged and bool(self._direct_buckets)
+                and all(self._bucket(len(idx)) in self._direct_buckets for idx in windows))
 
     def warm_up(self, max_rows: int, window_rows: int | None = None) -> list[int]:
         """Compiles the one-launch pack of `pack_windows` for every index bucket up to

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.gpu
 S = None
 
 
-def _cluster(kind, direction, mode, n=2, item_lens=(1152, 64), page_size=16, pages=64):
+def _cluster(kind, direction, mode, n=2, item_lens=(1152, 64), page_size=16, pages=64, **sender_kw):
     import cupy as cp
     import jax.numpy as jnp
 
@@ -21,7 +21,7 @@ def _cluster(kind, direction, mode, n=2, item_lens=(1152, 64), page_size=16, pag
     src = [wrap(a) for a in host_src]
     dst = [[wrap(np.full((pages, page_size, il), 0xA5, np.uint8)) for il in item_lens] for _ in range(n)]
     sender = KVSender(KVCacheSpec(len(item_lens), item_lens, page_size), src, engine="nixl", mode=mode,
-                      pack_bytes=8 << 20)
+                      pack_bytes=8 << 20, **sender_kw)
     recvs = []
     for r in range(n):
         recvs.append(KVReceiver(KVCacheSpec(len(item_lens), item_lens, page_size, n, r), dst[r],
@@ -164,6 +164,57 @@ def test_region_and_fused_paths_byte_exact(kind, direction, mode):
                 assert (got[l][others] == 0xA5).all()
                 last = dst_tables[r][(rows - 1) // P]
                 assert (got[l][last, (rows - 1) % P + 1:] == 0xA5).all()
+            assert recvs[r].stats["region"]["in_use_bytes"] == 0
+    finally:
+        for s in recvs + [sender]:
+            s.close()
+
+
+@pytest.mark.parametrize("notify", ["round", "write"])
+def test_a_round_of_warmed_windows_packs_and_posts_window_by_window(notify):
+    """A round whose windows all fall in a bucket `warm_up` compiled for the direct launch is
+    packed one launch a window, each with its own ticket (`SenderPack._pack_each`: a window's
+    write goes once its own pack ended); four ranks in one round, byte-exact, one launch and one
+    descriptor a rank, every receive range back."""
+    from bridge.nixl import nixl_available
+    from dcp_jax.transfer import TransferStatus
+
+    if not nixl_available():
+        pytest.skip("NIXL (CUDA build) not installed")
+    n, P, L = 4, 16, 1024
+    sender, recvs, host_src, dst = _cluster("cupy", "push", "region", n=n, region_notify=notify)
+    try:
+        assert sender.warm_up(max_rows=L // n, round_rows=L)["pack"]
+        rng = np.random.default_rng()
+        src_table = rng.permutation(64)[: L // P]
+        dst_tables = [rng.permutation(64)[: L // n // P] for _ in range(n)]
+        for r, recv in enumerate(recvs):
+            recv.expect("w", dst_tables[r], L)
+        def announced():  # every rank's expect reached the sender: its windows share one round
+            try:
+                return len(sender.request_stats("w")["ranks"]) == n
+            except KeyError:
+                return False
+
+        deadline = time.monotonic() + 30
+        while not announced():
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        sender.send("w", src_table, 0, L)
+        sides = [sender] + recvs
+        while not all(s.poll("w").terminal for s in sides) and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert [s.poll("w") for s in sides] == [TransferStatus.SUCCESS] * (n + 1), \
+            [(s.poll("w"), s.failure_reason("w")) for s in sides]
+        st = sender.request_stats("w")
+        assert st["launches"] == n and [v["descriptors"] for v in st["ranks"].values()] == [1] * n, st
+        for r in range(n):
+            got = [np.asarray(a.get()) for a in dst[r]]
+            for t in range(r, L, n):
+                j = t // n
+                for l in range(2):
+                    np.testing.assert_array_equal(got[l][dst_tables[r][j // P], j % P],
+                                                  host_src[l][src_table[t // P], t % P])
             assert recvs[r].stats["region"]["in_use_bytes"] == 0
     finally:
         for s in recvs + [sender]:

@@ -328,6 +328,8 @@ def test_the_senders_packer_packs_a_round_of_warmed_windows_directly():
         total = len(idx) * L * item
         np.testing.assert_array_equal(got[off:off + total], _packed(layers, idx, off, total))
     wide = [(rng.integers(0, R, 2 * n), 0), (rng.integers(0, R, 3), 2 * n * L * item)]  # 2n rows: past the bucket
+    assert packer.launches_each([one]) and packer.launches_each([idx for idx, _ in two])
+    assert not packer.launches_each([idx for idx, _ in wide])
     packer.pack_windows(wide, sync=True)
     got = cp.asnumpy(pack)
     for idx, off in wide:

@@ -9,7 +9,7 @@ import threading
 import time
 
 from conftest import Cluster, TransferStatus, announced, arena_free, check_region_timeline, events, wait_for
-from dcp_jax.transfer._sender_units import SenderUnits
+from dcp_jax.transfer._sender_pack import SenderPack
 
 S = TransferStatus
 ROW = 48 + 16
@@ -50,7 +50,7 @@ def gated(monkeypatch, error=None):
         gates.append(Gate(error))
         return gates[-1]
 
-    monkeypatch.setattr(SenderUnits, "_pack_ticket", ticket)
+    monkeypatch.setattr(SenderPack, "_pack_ticket", ticket)
     return gates
 
 

@@ -105,3 +105,32 @@ def test_close_tells_the_held_notices_of_writes_that_completed(engine):
         assert c.check_bytes(src_a, dst_a, L) == L
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("notify", ["round", "write"])
+def test_a_rank_polls_its_engine_only_for_a_done_the_engine_brings(engine, notify):
+    """``region_ask.ctl_done`` says how the window's ``done`` comes: with "round" as a control
+    frame, so the granting rank counts no engine notification due (its worker waits on its
+    sockets, not in the engine-poll backoff); with "write" through the engine, due from the grant."""
+    c = Cluster(engine, dcp_size=2, mode="region", receiver_kw=dict(region_bytes=64 << 20), region_notify=notify)
+    try:
+        seen = []
+        for r in c.receivers:
+            grant = r._grant_waiting
+
+            def recording(r=r, grant=grant):
+                busy = grant()
+                seen.extend((g.ctl_done, g.req.due) for g in r._grants.values())
+                return busy
+
+            r._grant_waiting = recording
+        L = 24
+        src, dst = c.tables(L)
+        c.expect("n", dst, L)
+        c.sender.send("n", src, 0, L)
+        assert c.wait("n") == [S.SUCCESS] * 3, c.reasons("n")
+        assert c.check_bytes(src, dst, L) == L
+        assert seen and all(ctl == (notify == "round") for ctl, _ in seen), seen
+        assert all(due == (0 if notify == "round" else 1) for _, due in seen), seen
+    finally:
+        c.close()
