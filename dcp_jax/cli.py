@@ -121,6 +121,10 @@ def transfer(
                                                    "(KVSender(region_notify=...)): 'write' (the engine's notification "
                                                    "with each write), 'round' (told once every write of the round "
                                                    "landed) or 'auto' ('round' when every process shares one GPU)."),
+    mps: bool = typer.Option(False, "--mps", help="GPU: run every process as a client of a private CUDA MPS "
+                                                  "daemon the job starts and quits (processes on one GPU share "
+                                                  "one context instead of time-slicing it); needs "
+                                                  "nvidia-cuda-mps-control on PATH."),
     verify: bool = typer.Option(False, "--verify", help="Also send a CRC-32 per (chunk, rank, layer) with each "
                                                         "completion and check it on arrival. The full byte-for-"
                                                         "byte check of every rank's pool against the "
@@ -149,6 +153,7 @@ def transfer(
     """
     from dcp_jax.job import DEVICES, check_device, check_host_memory, run_job
     from dcp_jax.job.gpus import check_gpus, parse_gpu_list
+    from dcp_jax.job.mps import check_mps
 
     path = _one_list(path, "--path")  # repeatable only so that a second --path is refused
     if uses_hetero_job(model, prefill_tp_size=prefill_tp_size, tp_size=tp_size, prefill_layout=prefill_layout,
@@ -165,7 +170,7 @@ def transfer(
             ("--chunk-tokens", chunk_tokens is not None), ("--prefix-tokens", prefix_tokens != 0),
             ("--mode", mode != "both"), ("--max-batch-indices", max_batch_indices is not None),
             ("--pack-tokens", pack_tokens is not None), ("--round-rows", round_rows is not None),
-            ("--region-notify", region_notify != "auto"), ("--verify", verify),
+            ("--region-notify", region_notify != "auto"), ("--mps", mps), ("--verify", verify),
             ("--corrupt-rank", corrupt_rank is not None), ("--requests", requests != 1)) if given]
         if ignored:
             _fail(f"{', '.join(ignored)}: not taken by a TP/layout run (--prefill-tp-size, --tp-size, "
@@ -195,12 +200,13 @@ def transfer(
         pack_tokens=pack_tokens, round_rows=round_rows, region_notify=region_notify, verify=verify, seed=seed,
         timeout_s=timeout_s, corrupt_rank=corrupt_rank,
         requests=requests, device=device, staging=staging, pack_backend=pack_backend, direction=direction,
-        prefill_page_size=prefill_page_size, **placed,
+        prefill_page_size=prefill_page_size, mps=mps, **placed,
     )
     try:
         check_device(cfg.device)
         check_gpus(cfg)
         check_host_memory(cfg)
+        check_mps(cfg)
     except ValueError as exc:
         _fail(str(exc))
     _check_out_path(json_path, "--json")
@@ -235,6 +241,8 @@ def transfer(
         for f in run["failures"]:
             console.print(f"[red]failure:[/] {f}")
     console.print(f"[dim]{_COUNTS_NOTE}[/]")
+    if result.get("mps"):
+        console.print(f"CUDA MPS: {result['mps']['clients']} client connections to the job's daemon")
     if "comparison" in result:
         c = result["comparison"]
         ratio = c["total_seconds_ratio"]

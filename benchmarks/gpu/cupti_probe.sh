@@ -6,7 +6,8 @@
 #   OUT=... [CASES="region region_rr32768 region_rr32768_pull fused"] [REQUESTS=4] bash benchmarks/gpu/cupti_probe.sh
 # A case is PATH[_rrN][_pull][_hold][_rK]; "plain_" in front runs it without the hook (its cost,
 # same start); "_round" / "_write" pass --region-notify round / write (default: auto); "_hold"
-# sets DCP_JAX_REGION_HOLD=1 (trees before region_notify); "_rK" only names a repeat; "base_" in front
+# sets DCP_JAX_REGION_HOLD=1 (trees before region_notify); "_mps" passes --mps (the job's own CUDA
+# MPS daemon); "_rK" only names a repeat; "base_" in front
 # runs it from another tree's copy of the packages (BASE=ab_base, as region_ab.sh).
 # Writes $OUT/${TAG}.log (summaries) and $OUT/${TAG}.json (job JSONs and summaries), TAG=cupti_probe.
 set -u
@@ -28,6 +29,7 @@ for case in ${CASES:-plain_region region region_rr32768 region_rr32768_pull fuse
     [[ $c == *_pull* ]] && extra+=(--direction pull)
     [[ $c == *_round* ]] && extra+=(--region-notify round)
     [[ $c == *_write* ]] && extra+=(--region-notify write)
+    [[ $c == *_mps* ]] && extra+=(--mps)
     envs=()
     [[ $c == *_hold* ]] && envs+=(DCP_JAX_REGION_HOLD=1)
     dir="/tmp/cupti_$case"

@@ -161,6 +161,10 @@ class JobConfig:
         prefill_gpus: GPU ordinals of the prefill ranks, round-robin (``--prefill-gpus``); None:
             the inherited device 0. Needs ``device="gpu"``. See :mod:`dcp_jax.job.gpus`.
         decode_gpus: GPU ordinals of the decode processes, round-robin (``--decode-gpus``).
+        mps: run every process as a client of a private CUDA MPS daemon the job starts and
+            quits (``--mps``, `dcp_jax.job.mps`): processes sharing a GPU then share one server
+            context instead of time-slicing it. Needs ``device="gpu"`` and
+            ``nvidia-cuda-mps-control`` on PATH (the run fails with a RuntimeError naming it).
 
     Raises:
         ValueError: any value out of range; the message names the argument.
@@ -196,6 +200,7 @@ class JobConfig:
     prefill_page_size: int | None = None
     prefill_gpus: tuple[int, ...] | None = None
     decode_gpus: tuple[int, ...] | None = None
+    mps: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "modes", tuple(self.modes))
@@ -286,6 +291,10 @@ class JobConfig:
             # Only a pushed region window is told so: a run none of whose paths is would report a choice it ignored.
             raise ValueError(f"region_notify={self.region_notify!r} (--region-notify) applies to region pushes only: "
                              f"modes={self.modes!r} (--path), direction={self.direction!r} (--direction)")
+        if not isinstance(self.mps, bool):
+            raise ValueError(f"mps={self.mps!r} (--mps) must be a bool")
+        if self.mps and self.device != "gpu":
+            raise ValueError("mps=True (--mps) needs --device gpu: CUDA MPS shares a GPU between the job's processes")
         if self.direction not in DIRECTIONS:
             raise ValueError(f"direction={self.direction!r} (--direction) must be one of {DIRECTIONS}")
         if self.staging not in STAGINGS:

@@ -132,10 +132,13 @@ def child_env(gpu: int | None, count: int) -> dict[str, str]:
 
 def enter_gpu(env: dict[str, str]) -> None:
     """In a freshly forked child, before anything touches CUDA: applies :func:`child_env`'s
-    ``env`` and keeps JAX to device 0 (the child's own GPU). No-op for an empty ``env``."""
+    ``env`` (and the job's MPS variables, `dcp_jax.job.mps`) and, where it places the child, keeps
+    JAX to device 0 (the child's own GPU). No-op for an empty ``env``."""
     if not env:
         return
     os.environ.update(env)
+    if "CUDA_VISIBLE_DEVICES" not in env:  # MPS only (`dcp_jax.job.mps`): no placement to keep JAX to
+        return
     import jax
 
     jax.config.update("jax_cuda_visible_devices", "0")

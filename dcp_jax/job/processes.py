@@ -78,13 +78,15 @@ class Proc:
 
 
 def start_processes(cfg: JobConfig, *, tag: str, min_dcp_size: int | None = None,
-                    start_timeout_s: float = 180.0) -> tuple[list[Proc], list[Proc], list[dict]]:
+                    start_timeout_s: float = 180.0,
+                    extra_env: dict[str, str] | None = None) -> tuple[list[Proc], list[Proc], list[dict]]:
     """Spawns ``prefill_dcp_size`` prefill and ``dcp_size`` decode processes, waits for their hello.
 
     The prefill side starts first: filling its multi-GB KV is the longest part of start-up and
     should not compete with the decode processes' start. With ``cfg.prefill_gpus`` /
     ``cfg.decode_gpus`` each process is placed on its GPU (:mod:`dcp_jax.job.gpus`; a side left
     unplaced goes to GPU 0) and ``Proc.gpu`` / ``Proc.device_info`` say where it runs.
+    ``extra_env``: set in every child before CUDA starts (the job's MPS daemon, `dcp_jax.job.mps`).
 
     Returns:
         ``(prefills, decodes, prefill_setup)`` (``prefill_setup``: each prefill's set-up seconds).
@@ -104,7 +106,7 @@ def start_processes(cfg: JobConfig, *, tag: str, min_dcp_size: int | None = None
 
     def spawn(target, who, gpu, *args) -> Proc:
         a, b = ctx.Pipe()
-        env = gpus.child_env(gpu, count)
+        env = {**gpus.child_env(gpu, count), **(extra_env or {})}
         pr = ctx.Process(target=target, name=f"dcp-{who.replace(' ', '-')}", args=(cfg.to_dict(), *args, b),
                          kwargs=dict(gpu_env=env), daemon=True)
         pr.start()

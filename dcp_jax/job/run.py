@@ -30,6 +30,7 @@ from multiprocessing.connection import wait as conn_wait
 
 from dcp_jax.job import gpus, kv
 from dcp_jax.job.config import JobConfig, check_device
+from dcp_jax.job.mps import MpsDaemon
 from dcp_jax.job.processes import Proc, start_processes, stop_all
 from dcp_jax.job.report import (  # noqa: F401 - the last three kept importable here
     _failed_run, _median_run, _report, _finite_or_inf, _strategy, _timeline_summary)
@@ -80,7 +81,8 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
         ValueError: ``cfg.device="gpu"`` without CuPy or a CUDA device, a placed GPU that does not
             exist or fused without peer access (:func:`dcp_jax.job.gpus.check_gpus`), or buffers
             larger than the machine's memory.
-        RuntimeError: a process failed to start (with its traceback).
+        RuntimeError: a process failed to start (with its traceback), or ``cfg.mps`` and the MPS daemon did
+            not start (`dcp_jax.job.mps.MpsDaemon`).
     """
     check_device(cfg.device)
     gpus.check_gpus(cfg)
@@ -88,19 +90,24 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
     tag = uuid.uuid4().hex[:8]
     t_start = time.perf_counter()
     prefills, decodes = [], []
+    mps = MpsDaemon().start() if cfg.mps else None
     try:
-        prefills, decodes, prefill_setup = start_processes(cfg, tag=tag)
+        prefills, decodes, prefill_setup = start_processes(cfg, tag=tag, extra_env=mps.env if mps else None)
         setup_s = time.perf_counter() - t_start
         runs = [run_mode(cfg, mode, f"{tag}-{seq}-{mode}", prefills, decodes, on_progress)
                 for seq, mode in enumerate(cfg.modes)]
     finally:
         stop_all(prefills + decodes)
+        mps_clients = mps.clients() if mps else None
+        if mps is not None:
+            mps.close()
     for run in runs:  # decode process r is dcp_rank r (run_mode's order)
         for row, d in zip(run["ranks"], decodes):
             row["gpu"] = d.gpu
     out = dict(config=_config_json(cfg), switches=switches(), setup_seconds=setup_s, prefill_setup=prefill_setup,
                placement=[p.placement() for p in prefills + decodes],
-               warmup_seconds=sum(r.get("warmup_seconds", 0.0) for r in runs), runs=runs)
+               warmup_seconds=sum(r.get("warmup_seconds", 0.0) for r in runs), runs=runs,
+               mps=None if mps_clients is None else dict(clients=mps_clients))
     by = {r["mode"]: r for r in runs}
     # Ratios only between two complete, verified runs: a failed mode's times mean nothing.
     if "direct" in by and "packed" in by and by["direct"]["verified"] and by["packed"]["verified"]:

@@ -136,3 +136,21 @@ def test_deepseek_32k_dcp8_on_device_memory():
     assert by["packed"]["descriptors"] < by["direct"]["descriptors"] // 10
     assert all(r["rows"] == 4096 and r["strategy"] == "packed" for r in by["packed"]["ranks"])
     assert by["packed"]["pack_seconds"] > 0
+
+
+@needs_nixl
+def test_job_under_its_own_mps_daemon_is_byte_exact_and_every_process_connected():
+    """``--mps``: the job starts a private CUDA MPS daemon, its processes are its clients (the
+    control log counts one connection a process at least), every rank byte-exact, and the
+    daemon's directories are gone afterwards."""
+    import shutil
+
+    from dcp_jax.job.mps import CONTROL
+
+    if shutil.which(CONTROL) is None:
+        pytest.skip(f"{CONTROL} is not on PATH here")
+    cfg = JobConfig(model="deepseek-v3", prompt_tokens=2048, page_size=64, dcp_size=4, engine="nixl", device="gpu",
+                    modes=("region",), timeout_s=120, mps=True)
+    res = run_job(cfg)
+    _check_run(res, cfg)
+    assert res["mps"]["clients"] >= 1 + cfg.dcp_size, res["mps"]

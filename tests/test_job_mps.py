@@ -1,0 +1,70 @@
+"""``dcp-jax transfer --mps`` (`dcp_jax.job.mps`): what can be checked without a GPU. The option
+is refused off the GPU and without the MPS control program, naming it; a daemon that fails to
+start raises with its own output and leaves no directory behind. (A real daemon runs in the GPU
+test `tests/gpu/test_transfer_job_gpu.py`.)"""
+import glob
+import os
+import tempfile
+
+import pytest
+
+from dcp_jax.job import JobConfig
+from dcp_jax.job.mps import CONTROL, MpsDaemon, check_mps
+
+
+def test_mps_needs_the_gpu_and_a_bool():
+    with pytest.raises(ValueError, match=r"--mps\) needs --device gpu"):
+        JobConfig(mps=True)
+    with pytest.raises(ValueError, match=r"mps='yes' \(--mps\) must be a bool"):
+        JobConfig(mps="yes", device="gpu")
+    assert JobConfig().mps is False
+
+
+def _mps_dirs():
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "dcp-mps-*")))
+
+
+def test_without_the_control_program_mps_is_refused_naming_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: nothing to find
+    with pytest.raises(ValueError, match=CONTROL):
+        check_mps(JobConfig(mps=True, device="gpu"))
+    check_mps(JobConfig())  # without --mps nothing is needed
+    before = _mps_dirs()
+    with pytest.raises(RuntimeError, match=CONTROL):
+        MpsDaemon().start()
+    assert _mps_dirs() == before
+
+
+def test_a_daemon_that_does_not_start_raises_its_output_and_cleans_up(monkeypatch, tmp_path):
+    # A stand-in that fails the way a driver without MPS does: the error names its exit and words.
+    fake = tmp_path / CONTROL
+    fake.write_text("#!/bin/sh\necho 'MPS not supported on this device' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    before = _mps_dirs()
+    with pytest.raises(RuntimeError, match="exited 3: MPS not supported"):
+        MpsDaemon().start()
+    assert _mps_dirs() == before
+
+
+def test_a_daemon_that_makes_no_control_pipe_times_out_and_cleans_up(monkeypatch, tmp_path):
+    fake = tmp_path / CONTROL
+    fake.write_text("#!/bin/sh\nexit 0\n")  # "started", but no pipe ever appears
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    before = _mps_dirs()
+    d = MpsDaemon()
+    with pytest.raises(RuntimeError, match="no control pipe within 0.2 s"):
+        d.start(timeout_s=0.2)
+    assert _mps_dirs() == before and d.dir is None and d.clients() == 0
+    d.close()  # idempotent
+
+
+def test_the_cli_refuses_mps_on_the_cpu():
+    from typer.testing import CliRunner
+
+    from dcp_jax.cli import app
+
+    res = CliRunner().invoke(app, ["transfer", "--mps", "--no-progress", "--model", "tiny", "--prompt-tokens", "64"])
+    assert res.exit_code == 2, res.output
+    assert "--mps" in res.output and "--device gpu" in res.output
