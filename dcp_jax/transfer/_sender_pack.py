@@ -54,8 +54,7 @@ class SenderPack:
             self._round_no += 1
             for p in packed:
                 p[0].round = self._round_no
-        if device_pack and batch and len(batch) == len(packed) \
-                and self._packer.launches_each([rows for _, rows, _ in batch]):
+        if batch and len(batch) == len(packed) and self._packer.launches_each([rows for _, rows, _ in batch]):
             return self._pack_each(packed, batch)
         if device_pack:
             asked = self._ask_regions(packed)
