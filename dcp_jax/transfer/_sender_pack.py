@@ -1,14 +1,14 @@
 """The sender's pack of one submission round (a mixin of `dcp_jax.transfer.KVSender`, worker
-thread, lock held): region asks and the pack kernels, in the order that lets the device start
-first, and the tickets `SenderUnits._post_ready` posts by.
+thread, lock held): region asks and the pack kernels, and the tickets `SenderUnits._post_ready`
+posts by; the worker's spin check while a pack runs.
 
-A round's windows are packed into their pack regions either as ONE launch (the windowed kernel,
-`Packer.pack_windows`: one ticket for the round) or, where `Packer.launches_each` says every
-window's bucket was compiled for `pack_rows`' direct launch, one launch a window with a ticket
-after each (`_pack_each`): a window then goes out as soon as ITS pack ended, while the round's
-later windows still pack (on one H100 the 32k region job's writes began ~0.45 ms after the last
-of eight 0.2 ms packs, and the first pack kernel ~0.7 ms after the first byte, behind eight asks
-and its launch; 2026-12-07, `benchmarks/gpu/cupti_probe.sh`).
+Why the asks all go before the launches, and one ticket a round (2026-12-07, one H200, the 32k
+region job, `benchmarks/gpu/cupti_probe.sh` against the tree before): asking and launching window
+by window, each window with a ticket of its own so its write could go once its own pack ended,
+read 301.8 / 321.3 GB/s whole against 315.9 / 339.4. A direct pack launch costs ~0.2 ms of host
+time there, more than its 0.14 ms kernel: the launches are host-bound, the asks between them
+came up to 2 ms late, and so did their grants, while no write could go before the last launch
+anyway (the same thread posts).
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ logger = logging.getLogger(__name__)
 
 
 class SenderPack:
-    """`_pack_round` and what it uses: `_pack_each`, `_pack_batch`, `_pack_ticket`; the worker's
-    spin check while a pack runs (`_spin_ready`)."""
+    """`_pack_round` and what it uses: `_pack_batch`, `_pack_ticket`; the worker's spin check
+    while a pack runs (`_spin_ready`)."""
 
     def _spin_ready(self) -> bool:
         """The worker's spin check after a round that left a pack running (worker thread, no
@@ -54,8 +54,6 @@ class SenderPack:
             self._round_no += 1
             for p in packed:
                 p[0].round = self._round_no
-        if batch and len(batch) == len(packed) and self._packer.launches_each([rows for _, rows, _ in batch]):
-            return self._pack_each(packed, batch)
         if device_pack:
             asked = self._ask_regions(packed)
             if len(asked) < len(packed):  # a window whose ask failed ended its request: not packed
@@ -72,29 +70,6 @@ class SenderPack:
             packed = self._ask_regions(packed)
         if packed:
             self._packing.append((self._pack_ticket(packed), packed, time.perf_counter()))
-
-    def _pack_each(self, packed: list, batch: list) -> None:
-        """Every window of the round in turn: its ``region_ask`` (a window whose ask fails is not
-        packed), its direct pack launch, a ticket for it. The device starts on the first window
-        after one ask and one launch, and `_post_ready` posts each window once its own ticket is
-        ready. A request's pack time: the launches' host time, and the wait after its last one."""
-        from pallas_kernels import written
-
-        last = {u.req: k for k, (u, _, _) in enumerate(batch)}
-        for k, (p, (u, rows, offset)) in enumerate(zip(packed, batch)):
-            if not self._ask_regions([p]):
-                continue  # its request failed
-            tk = time.perf_counter()
-            try:
-                self._packer(rows, offset, sync=False)
-            except Exception as exc:  # noqa: BLE001 - the request fails, the sender lives on
-                self._submit_failed(u, exc)
-                continue
-            now = time.perf_counter()
-            u.req.pack_seconds += now - tk
-            u.req.launches += 1
-            # Only a request's last window counts its wait (`_post_packed` adds it from `since`).
-            self._packing.append((written(self._pack.array), [p], now if last[u.req] == k else None))
 
     def _pack_ticket(self, packed: list) -> Any:
         """What a round's posts wait for: a `pallas_kernels.written` ticket for the device pack

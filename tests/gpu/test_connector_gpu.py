@@ -171,11 +171,11 @@ def test_region_and_fused_paths_byte_exact(kind, direction, mode):
 
 
 @pytest.mark.parametrize("notify", ["round", "write"])
-def test_a_round_of_warmed_windows_packs_and_posts_window_by_window(notify):
-    """A round whose windows all fall in a bucket `warm_up` compiled for the direct launch is
-    packed one launch a window, each with its own ticket (`SenderPack._pack_each`: a window's
-    write goes once its own pack ended); four ranks in one round, byte-exact, one launch and one
-    descriptor a rank, every receive range back."""
+def test_a_round_of_warmed_windows_to_four_ranks_byte_exact(notify):
+    """A round whose windows all fall in a bucket `warm_up` compiled for the direct launch goes
+    one launch a window (`Packer.launches_each`), both ways a rank hears its window landed
+    (``region_notify``; "round": the ``region_ask`` says ``ctl_done`` and the rank waits on its
+    sockets): four ranks in one round, byte-exact, one descriptor a rank, every range back."""
     from bridge.nixl import nixl_available
     from dcp_jax.transfer import TransferStatus
 
