@@ -121,7 +121,7 @@ def transfer(
                                                    "(KVSender(region_notify=...)): 'write' (the engine's notification "
                                                    "with each write), 'round' (told once every write of the round "
                                                    "landed) or 'auto' ('round' when every process shares one GPU)."),
-    mps: bool = typer.Option(False, "--mps", help="GPU: run every process as a client of a private CUDA MPS "
+    mps: bool = typer.Option(False, "--mps", help="Needs --device gpu: run every process as a client of a private CUDA MPS "
                                                   "daemon the job starts and quits (processes on one GPU share "
                                                   "one context instead of time-slicing it); needs "
                                                   "nvidia-cuda-mps-control on PATH."),

@@ -22,6 +22,7 @@
 #                     (160 s: with direct launches each shape also compiles through Triton, ~3-7 s;
 #                     it ran past 100 s at b0b33c6 after writing every row)
 #   job_32k_nixl      dcp-jax transfer --device gpu, 32,768 tokens, NIXL: paths packed, region, fused
+#   job_32k_nixl_mps  the region path of job_32k_nixl with --mps (the job's own CUDA MPS daemon)
 #   job_32k_mooncake  the same through Mooncake nvlink_intra: paths packed, region
 #   job_128k_nixl / job_128k_mooncake   the same at --prompt-tokens 131072
 #   pack_backends     benchmarks/pack_backends.py --part backends: xla, gpu-triton, gpu-mosaic on one
@@ -111,16 +112,20 @@ JOB_REQUESTS=${JOB_REQUESTS:-1}
 # pack buckets again otherwise (131,072 tokens, H100, 2026-12-06: twelve buckets 79.7 s cold,
 # 9.2 s from the cache). JAX_CACHE= (empty) turns it off.
 JAX_CACHE=${JAX_CACHE-/tmp/dcp-jax-jax-cache}
-job() {  # name limit engine paths tokens
+job() {  # name limit engine paths tokens [more options of dcp-jax transfer]
     step "$1" $(( $2 + 20 * (JOB_REQUESTS - 1) )) env ${JAX_CACHE:+JAX_COMPILATION_CACHE_DIR=$JAX_CACHE} \
         ${JAX_CACHE:+JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0} \
         "$PY" -m dcp_jax.cli transfer --device gpu --no-progress \
-        --timeout-s 60 --engine "$3" --path "$4" --prompt-tokens "$5" --requests "$JOB_REQUESTS" --json "$OUT/$1.json"
+        --timeout-s 60 --engine "$3" --path "$4" --prompt-tokens "$5" --requests "$JOB_REQUESTS" --json "$OUT/$1.json" \
+        "${@:6}"
 }
 # Limits include each sender's kernel warm-up (every index bucket up to one window's, per path:
 # ~0.5 s a bucket at 32,768 tokens on an H100, but 59.2 s for ten buckets at 131,072 at dc6c770,
 # from the cache 9.2 s for twelve). The job waits up to 600 s for it, whatever --timeout-s says.
 job job_32k_nixl 70 nixl packed,region,fused 32768
+# The region path under the job's own CUDA MPS daemon (--mps): the eight decode ranks' unpacks share
+# one server context instead of time-slicing the GPU (+15-19 % whole on an H100, 2026-12-07).
+job job_32k_nixl_mps 40 nixl region 32768 --mps
 job job_32k_mooncake 60 mooncake packed,region 32768
 job job_128k_nixl 240 nixl packed,region,fused 131072
 job job_128k_mooncake 200 mooncake packed,region 131072

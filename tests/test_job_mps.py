@@ -68,3 +68,50 @@ def test_the_cli_refuses_mps_on_the_cpu():
     res = CliRunner().invoke(app, ["transfer", "--mps", "--no-progress", "--model", "tiny", "--prompt-tokens", "64"])
     assert res.exit_code == 2, res.output
     assert "--mps" in res.output and "--device gpu" in res.output
+
+
+def test_a_daemon_start_that_hangs_raises_runtime_error(monkeypatch, tmp_path):
+    fake = tmp_path / CONTROL
+    fake.write_text("#!/bin/sh\nsleep 5\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    before = _mps_dirs()
+    with pytest.raises(RuntimeError, match="did not start"):
+        MpsDaemon().start(timeout_s=0.3)
+    assert _mps_dirs() == before
+
+
+def test_close_kills_a_daemon_that_ignores_quit(monkeypatch, tmp_path):
+    """A stand-in daemon (the real one needs a GPU) that writes its pid where MPS does and never
+    takes ``quit``: `close` waits its bound, kills it by that pid and removes the folders."""
+    import time
+
+    fake = tmp_path / CONTROL
+    fake.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "-d" ]; then\n'
+        '  sleep 60 > /dev/null 2>&1 & echo $! > "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"\n'
+        '  touch "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0\n'
+        "fi\n"
+        "cat > /dev/null\n")  # reads "quit" and ignores it
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    before = _mps_dirs()
+    d = MpsDaemon().start()
+    pid = int(open(os.path.join(d.env["CUDA_MPS_PIPE_DIRECTORY"], f"{CONTROL}.pid")).read())
+    os.kill(pid, 0)  # running
+    d.close(timeout_s=0.5)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.waitpid(pid, os.WNOHANG)  # not our child (the script's): raises ChildProcessError
+        except ChildProcessError:
+            pass
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the stand-in daemon {pid} still runs after close")
+    assert _mps_dirs() == before and d.dir is None

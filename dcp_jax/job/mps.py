@@ -7,11 +7,14 @@ after the previous rank's with 0.09-0.19 ms of idle GPU between (the device's ow
 context and may overlap: +10-18 % on the whole request in the same measurements. Serving stacks
 that put several processes on one GPU run them so; the job offers it for the same reason.
 
-`MpsDaemon` starts a private MPS control daemon (its own pipe and log directories, so it neither
-joins nor disturbs a daemon the machine already runs), hands the job its environment for the
-children (set before their first CUDA call: `dcp_jax.job.gpus.enter_gpu`), counts the clients
-that connected (the proof the processes went through it) and quits it at the end, within
-bounded waits.
+`MpsDaemon` starts a private MPS control daemon (its own pipe and log directories, so the job's
+processes do not join a daemon the machine may already run; whether a second MPS server may share
+a GPU with another user's depends on the GPU's compute mode and is not tried here), hands the job
+its environment for the children (set before their first CUDA call:
+`dcp_jax.job.gpus.enter_gpu`), counts the clients that connected (the proof the processes went
+through it) and quits it at the end, within bounded waits: a daemon that ignores ``quit`` is
+killed by the pid it wrote. `dcp_jax.job.run_job` turns a SIGTERM into an exit while it holds one,
+so a job stopped that way still quits it.
 """
 from __future__ import annotations
 
@@ -30,6 +33,16 @@ logger = logging.getLogger(__name__)
 CONTROL = "nvidia-cuda-mps-control"
 START_TIMEOUT_S = 10.0
 QUIT_TIMEOUT_S = 20.0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process of that pid: not ours to wait for
+        return False
+    return True
 
 
 def check_mps(cfg) -> None:
@@ -69,8 +82,11 @@ class MpsDaemon:
         for d in self.env.values():
             os.makedirs(d)
         try:
-            done = subprocess.run([exe, "-d"], env={**os.environ, **self.env}, capture_output=True, text=True,
-                                  timeout=timeout_s)
+            try:
+                done = subprocess.run([exe, "-d"], env={**os.environ, **self.env}, capture_output=True, text=True,
+                                      timeout=timeout_s)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                raise RuntimeError(f"--mps: {CONTROL} -d did not start: {exc}") from None
             if done.returncode != 0:
                 raise RuntimeError(f"--mps: {CONTROL} -d exited {done.returncode}: "
                                    f"{(done.stderr or done.stdout).strip()[:500]}")
@@ -96,14 +112,33 @@ class MpsDaemon:
         except OSError:
             return 0
 
+    def _pid(self) -> int | None:
+        """The daemon's pid, from the file it writes into its pipe directory (None if none)."""
+        try:
+            with open(os.path.join(self.env["CUDA_MPS_PIPE_DIRECTORY"], f"{CONTROL}.pid")) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError, KeyError):
+            return None
+
     def close(self, timeout_s: float = QUIT_TIMEOUT_S) -> None:
-        """Quits the daemon (its server ends with it) and removes its directories; idempotent."""
+        """Quits the daemon (its server ends with it), waits up to ``timeout_s`` for it to exit
+        (then SIGKILLs it by its pid, logged), and removes its directories; idempotent."""
         if self._exe is not None:
+            pid = self._pid()
+            deadline = time.monotonic() + timeout_s
             try:
                 subprocess.run([self._exe], input="quit\n", env={**os.environ, **self.env}, capture_output=True,
                                text=True, timeout=timeout_s)
             except (OSError, subprocess.TimeoutExpired) as exc:
-                logger.warning("--mps: the MPS daemon did not quit: %s", exc)
+                logger.warning("--mps: the MPS daemon did not take quit: %s", exc)
+            while pid is not None and _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if pid is not None and _alive(pid):
+                logger.warning("--mps: the MPS daemon (pid %d) did not exit after quit; killing it", pid)
+                try:
+                    os.kill(pid, 9)
+                except OSError:
+                    pass
             self._exe = None
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)

@@ -23,6 +23,8 @@ the request, which the connector ends at once, and the next mode is not started.
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -91,6 +93,7 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
     t_start = time.perf_counter()
     prefills, decodes = [], []
     mps = MpsDaemon().start() if cfg.mps else None
+    old_term = _exit_on_sigterm() if mps is not None else None
     try:
         prefills, decodes, prefill_setup = start_processes(cfg, tag=tag, extra_env=mps.env if mps else None)
         setup_s = time.perf_counter() - t_start
@@ -101,6 +104,8 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
         mps_clients = mps.clients() if mps else None
         if mps is not None:
             mps.close()
+            if old_term is not None:
+                signal.signal(signal.SIGTERM, old_term)
     for run in runs:  # decode process r is dcp_rank r (run_mode's order)
         for row, d in zip(run["ranks"], decodes):
             row["gpu"] = d.gpu
@@ -315,3 +320,16 @@ def _close(procs: list[Proc], timeout_s: float = 20.0) -> None:
             if p.alive:
                 p.process.kill()
                 p.process.join(5)
+
+
+def _exit_on_sigterm():
+    """While the job holds an MPS daemon: a SIGTERM (``timeout``, a CI runner) exits through the
+    ``finally`` that quits it instead of killing the process past it. Returns the handler to put
+    back, or None off the main thread (where no handler can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def _term(signum, frame):
+        raise SystemExit(128 + signum)
+
+    return signal.signal(signal.SIGTERM, _term)
