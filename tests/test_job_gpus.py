@@ -139,6 +139,8 @@ def test_region_notify_only_where_a_region_push_can_run():
         with pytest.raises(ValueError, match="--region-notify.*region pushes only"):
             JobConfig(region_notify="round", **kw)
     JobConfig(region_notify="write", modes=("auto",))  # auto may take the region path
+    with pytest.raises(ValueError, match=r"left out: the default paths.*add --path region"):
+        JobConfig(region_notify="round")  # the message says the paths were the defaults
 
 
 def test_report_names_region_notify_for_region_pushes_only(tmp_path):

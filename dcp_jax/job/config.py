@@ -290,7 +290,9 @@ class JobConfig:
         if self.region_notify != "auto" and (self.direction == "pull" or not {"region", "auto"} & set(self.modes)):
             # Only a pushed region window is told so: a run none of whose paths is would report a choice it ignored.
             raise ValueError(f"region_notify={self.region_notify!r} (--region-notify) applies to region pushes only: "
-                             f"modes={self.modes!r} (--path), direction={self.direction!r} (--direction)")
+                             f"modes={self.modes!r} (--path{'' if self.modes != MODES else ', left out: the default paths'}), "
+                             f"direction={self.direction!r} (--direction); "
+                             + ("a pull ignores it" if self.direction == "pull" else "add --path region"))
         if not isinstance(self.mps, bool):
             raise ValueError(f"mps={self.mps!r} (--mps) must be a bool")
         if self.mps and self.device != "gpu":
