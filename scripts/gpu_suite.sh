@@ -34,10 +34,11 @@
 #   generate_gpu      scripts/generate_gpu.sh: dcp-jax generate on device memory (DCP 1 on one GPU)
 #   multi_gpu_rehearsal  scripts/multi_gpu.sh on this one GPU
 # A failing step (an unknown --path too) is recorded as failed and the suite goes on. The limits
-# add up to 1,345 s (the GPU tests alone took 236 s on 2026-12-04, and JAX's exit clean-up a few more: a
-# 240 s limit cut the step at exit after all 138 passed): more than one 10-minute device
-# call, so split the steps over two calls (e.g. `pytest_gpu d2d pack_bench job_32k_nixl job_128k_nixl`,
-# then the rest). Exit status 0 only if every step passed.
+# add up to 1,535 s (the GPU tests alone took 236 s on 2026-12-04, and JAX's exit clean-up a few more: a
+# 240 s limit cut the step at exit after all 138 passed): more than one 10-minute device call, so
+# split the steps over calls whose limits fit one each. A name selects every step it begins
+# (job_32k_nixl also selects job_32k_nixl_mps and job_32k_nixl_staged), e.g. `pytest_gpu d2d`,
+# then `pack_bench job_32k`, then the rest in two calls. Exit status 0 only if every step passed.
 # The summary ($OUT/gpu_suite_summary.md and .json: date, device, versions, commit, steps, figures)
 # can be copied to benchmarks/results/.
 set -uo pipefail

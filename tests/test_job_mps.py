@@ -115,3 +115,63 @@ def test_close_kills_a_daemon_that_ignores_quit(monkeypatch, tmp_path):
     else:
         pytest.fail(f"the stand-in daemon {pid} still runs after close")
     assert _mps_dirs() == before and d.dir is None
+
+
+_SIGTERM_JOB = r"""
+import sys, time
+from dcp_jax.job import run as jr
+from dcp_jax.job.config import JobConfig
+for name in ("check_device",):
+    setattr(jr, name, lambda *a, **k: None)
+jr.gpus.check_gpus = lambda cfg: None
+jr.kv.check_host_memory = lambda cfg: None
+def slow_start(cfg, **kw):  # stands in for the processes' start: the job is held here
+    print("started", flush=True)
+    time.sleep(30)
+jr.start_processes = slow_start
+jr.run_job(JobConfig(mps=True, device="gpu", model="tiny", prompt_tokens=64))
+"""
+
+
+def test_two_sigterms_still_quit_the_daemon(monkeypatch, tmp_path):
+    """A job holding its MPS daemon gets SIGTERM, then another while it cleans up: the clean-up
+    ignores the second, so the daemon (a stand-in that takes a second to quit) is gone and so
+    are its folders."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    fake = tmp_path / CONTROL
+    fake.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "-d" ]; then\n'
+        '  sleep 120 > /dev/null 2>&1 & echo $! > "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"\n'
+        '  echo $! > "$PIDFILE"; touch "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0\n'
+        "fi\n"
+        'read line; sleep 1; kill "$(cat "$PIDFILE")"\n')  # takes quit, slowly
+    fake.chmod(0o755)
+    pidfile = tmp_path / "daemon.pid"
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "PIDFILE": str(pidfile)}
+    before = _mps_dirs()
+    job = subprocess.Popen([sys.executable, "-c", _SIGTERM_JOB], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout.readline().strip() == "started"
+        pid = int(pidfile.read_text())
+        job.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # inside the clean-up's wait for the daemon
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(60) == 128 + signal.SIGTERM
+    finally:
+        if job.poll() is None:
+            job.kill()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the stand-in daemon {pid} still runs")
+    assert _mps_dirs() == before

@@ -4,7 +4,7 @@ Without MPS the nine processes of the 32k job on one GPU (one prefill, eight dec
 own a CUDA context, and the GPU time-slices between them: each decode rank's 0.2 ms unpack ran
 after the previous rank's with 0.09-0.19 ms of idle GPU between (the device's own timeline,
 `benchmarks/gpu/cupti_probe.sh`, H100, 2026-12-07). Under MPS their kernels share one server
-context and may overlap: +10-18 % on the whole request in the same measurements. Serving stacks
+context and may overlap: +10-19 % on the whole request (H100, two sessions of 2026-12-07). Serving stacks
 that put several processes on one GPU run them so; the job offers it for the same reason.
 
 `MpsDaemon` starts a private MPS control daemon (its own pipe and log directories, so the job's

@@ -92,20 +92,26 @@ def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | No
     tag = uuid.uuid4().hex[:8]
     t_start = time.perf_counter()
     prefills, decodes = [], []
-    mps = MpsDaemon().start() if cfg.mps else None
-    old_term = _exit_on_sigterm() if mps is not None else None
+    mps, mps_clients = None, None
+    old_term = _exit_on_sigterm() if cfg.mps else None  # before the start: a SIGTERM in it quits it too
     try:
+        if cfg.mps:
+            mps = MpsDaemon().start()
         prefills, decodes, prefill_setup = start_processes(cfg, tag=tag, extra_env=mps.env if mps else None)
         setup_s = time.perf_counter() - t_start
         runs = [run_mode(cfg, mode, f"{tag}-{seq}-{mode}", prefills, decodes, on_progress)
                 for seq, mode in enumerate(cfg.modes)]
     finally:
-        stop_all(prefills + decodes)
-        mps_clients = mps.clients() if mps else None
-        if mps is not None:
-            mps.close()
-            if old_term is not None:
-                signal.signal(signal.SIGTERM, old_term)
+        # Holding a daemon: a second SIGTERM or a Ctrl-C must not cut the clean-up short (it
+        # would leave the daemon running); the clean-up's waits are bounded (10 s + 20 s).
+        held = _hold_signals() if cfg.mps else None
+        try:
+            stop_all(prefills + decodes)
+            if mps is not None:
+                mps_clients = mps.clients()
+                mps.close()
+        finally:
+            _restore_signals(held, old_term)
     for run in runs:  # decode process r is dcp_rank r (run_mode's order)
         for row, d in zip(run["ranks"], decodes):
             row["gpu"] = d.gpu
@@ -322,6 +328,26 @@ def _close(procs: list[Proc], timeout_s: float = 20.0) -> None:
                 p.process.join(5)
 
 
+def _hold_signals():
+    """Ignores SIGTERM and SIGINT (main thread only); returns the SIGINT handler to put back, or
+    None off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    prev = signal.getsignal(signal.SIGINT)
+    if prev is None:  # a handler set outside Python: left as it is (it could not be put back)
+        return None
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return prev
+
+
+def _restore_signals(held_int, old_term) -> None:
+    if held_int is not None:
+        signal.signal(signal.SIGINT, held_int)
+    if old_term is not None:
+        signal.signal(signal.SIGTERM, old_term)
+
+
 def _exit_on_sigterm():
     """While the job holds an MPS daemon: a SIGTERM (``timeout``, a CI runner) exits through the
     ``finally`` that quits it instead of killing the process past it. Returns the handler to put
@@ -332,4 +358,5 @@ def _exit_on_sigterm():
     def _term(signum, frame):
         raise SystemExit(128 + signum)
 
-    return signal.signal(signal.SIGTERM, _term)
+    prev = signal.signal(signal.SIGTERM, _term)
+    return signal.SIG_DFL if prev is None else prev
