@@ -24,6 +24,39 @@ def _mps_dirs():
     return set(glob.glob(os.path.join(tempfile.gettempdir(), "dcp-mps-*")))
 
 
+def _fake(tmp_path, body):
+    """A stand-in ``nvidia-cuda-mps-control`` (the real one needs a GPU) running ``body``."""
+    fake = tmp_path / CONTROL
+    fake.write_text("#!/bin/sh\n" + body)
+    fake.chmod(0o755)
+
+
+def _daemon_fake(tmp_path, on_quit):
+    """A stand-in that daemonises as MPS does: ``-d`` leaves a ``sleep`` running, its pid in the
+    pipe folder's pid file (and in ``$PIDFILE`` when set), and makes the control pipe; otherwise it
+    reads ``quit`` from stdin and runs ``on_quit``."""
+    _fake(tmp_path,
+          'if [ "$1" = "-d" ]; then\n'
+          '  sleep 120 > /dev/null 2>&1 & echo $! > "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"\n'
+          '  [ -n "$PIDFILE" ] && echo $! > "$PIDFILE"; touch "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0\n'
+          "fi\n"
+          f"read line; {on_quit}\n")
+
+
+def _gone(pid, timeout_s):
+    """Whether process ``pid`` has ended within ``timeout_s`` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def test_without_the_control_program_mps_is_refused_naming_it(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: nothing to find
     with pytest.raises(ValueError, match=CONTROL):
@@ -37,9 +70,7 @@ def test_without_the_control_program_mps_is_refused_naming_it(monkeypatch, tmp_p
 
 def test_a_daemon_that_does_not_start_raises_its_output_and_cleans_up(monkeypatch, tmp_path):
     # A stand-in that fails the way a driver without MPS does: the error names its exit and words.
-    fake = tmp_path / CONTROL
-    fake.write_text("#!/bin/sh\necho 'MPS not supported on this device' >&2\nexit 3\n")
-    fake.chmod(0o755)
+    _fake(tmp_path, "echo 'MPS not supported on this device' >&2\nexit 3\n")
     monkeypatch.setenv("PATH", str(tmp_path))
     before = _mps_dirs()
     with pytest.raises(RuntimeError, match="exited 3: MPS not supported"):
@@ -48,9 +79,7 @@ def test_a_daemon_that_does_not_start_raises_its_output_and_cleans_up(monkeypatc
 
 
 def test_a_daemon_that_makes_no_control_pipe_times_out_and_cleans_up(monkeypatch, tmp_path):
-    fake = tmp_path / CONTROL
-    fake.write_text("#!/bin/sh\nexit 0\n")  # "started", but no pipe ever appears
-    fake.chmod(0o755)
+    _fake(tmp_path, "exit 0\n")  # "started", but no pipe ever appears
     monkeypatch.setenv("PATH", str(tmp_path))
     before = _mps_dirs()
     d = MpsDaemon()
@@ -71,9 +100,7 @@ def test_the_cli_refuses_mps_on_the_cpu():
 
 
 def test_a_daemon_start_that_hangs_raises_runtime_error(monkeypatch, tmp_path):
-    fake = tmp_path / CONTROL
-    fake.write_text("#!/bin/sh\nsleep 5\n")
-    fake.chmod(0o755)
+    _fake(tmp_path, "sleep 5\n")
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
     before = _mps_dirs()
     with pytest.raises(RuntimeError, match="did not start"):
@@ -84,36 +111,15 @@ def test_a_daemon_start_that_hangs_raises_runtime_error(monkeypatch, tmp_path):
 def test_close_kills_a_daemon_that_ignores_quit(monkeypatch, tmp_path):
     """A stand-in daemon (the real one needs a GPU) that writes its pid where MPS does and never
     takes ``quit``: `close` waits its bound, kills it by that pid and removes the folders."""
-    import time
-
-    fake = tmp_path / CONTROL
-    fake.write_text(
-        "#!/bin/sh\n"
-        'if [ "$1" = "-d" ]; then\n'
-        '  sleep 60 > /dev/null 2>&1 & echo $! > "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"\n'
-        '  touch "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0\n'
-        "fi\n"
-        "cat > /dev/null\n")  # reads "quit" and ignores it
-    fake.chmod(0o755)
+    _daemon_fake(tmp_path, "cat > /dev/null")  # ignores quit
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    monkeypatch.delenv("PIDFILE", raising=False)
     before = _mps_dirs()
     d = MpsDaemon().start()
     pid = int(open(os.path.join(d.env["CUDA_MPS_PIPE_DIRECTORY"], f"{CONTROL}.pid")).read())
     os.kill(pid, 0)  # running
     d.close(timeout_s=0.5)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        try:
-            os.waitpid(pid, os.WNOHANG)  # not our child (the script's): raises ChildProcessError
-        except ChildProcessError:
-            pass
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail(f"the stand-in daemon {pid} still runs after close")
+    assert _gone(pid, 5), f"the stand-in daemon {pid} still runs after close"
     assert _mps_dirs() == before and d.dir is None
 
 
@@ -121,8 +127,7 @@ _SIGTERM_JOB = r"""
 import sys, time
 from dcp_jax.job import run as jr
 from dcp_jax.job.config import JobConfig
-for name in ("check_device",):
-    setattr(jr, name, lambda *a, **k: None)
+jr.check_device = lambda device: None
 jr.gpus.check_gpus = lambda cfg: None
 jr.kv.check_host_memory = lambda cfg: None
 def slow_start(cfg, **kw):  # stands in for the processes' start: the job is held here
@@ -142,15 +147,7 @@ def test_two_sigterms_still_quit_the_daemon(monkeypatch, tmp_path):
     import sys
     import time
 
-    fake = tmp_path / CONTROL
-    fake.write_text(
-        "#!/bin/sh\n"
-        'if [ "$1" = "-d" ]; then\n'
-        '  sleep 120 > /dev/null 2>&1 & echo $! > "$CUDA_MPS_PIPE_DIRECTORY/nvidia-cuda-mps-control.pid"\n'
-        '  echo $! > "$PIDFILE"; touch "$CUDA_MPS_PIPE_DIRECTORY/control"; exit 0\n'
-        "fi\n"
-        'read line; sleep 1; kill "$(cat "$PIDFILE")"\n')  # takes quit, slowly
-    fake.chmod(0o755)
+    _daemon_fake(tmp_path, 'sleep 1; kill "$(cat "$PIDFILE")"')  # takes quit, slowly
     pidfile = tmp_path / "daemon.pid"
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "PIDFILE": str(pidfile)}
     before = _mps_dirs()
@@ -165,13 +162,5 @@ def test_two_sigterms_still_quit_the_daemon(monkeypatch, tmp_path):
     finally:
         if job.poll() is None:
             job.kill()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail(f"the stand-in daemon {pid} still runs")
+    assert _gone(pid, 10), f"the stand-in daemon {pid} still runs"
     assert _mps_dirs() == before

@@ -45,6 +45,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
+#: Why ``--mps`` cannot run where `CONTROL` is not on PATH (`check_mps` and `MpsDaemon.start`).
+_NOT_ON_PATH = f"needs {CONTROL} on PATH (CUDA MPS comes with the NVIDIA driver's utilities); run without --mps"
+
+
 def check_mps(cfg) -> None:
     """Checks before a run that a `JobConfig` with ``mps`` can start its daemon here.
 
@@ -52,14 +56,11 @@ def check_mps(cfg) -> None:
         ValueError: ``cfg.mps`` and no ``nvidia-cuda-mps-control`` on PATH (names ``--mps``).
     """
     if cfg.mps and shutil.which(CONTROL) is None:
-        raise ValueError(f"mps=True (--mps) needs {CONTROL} on PATH (CUDA MPS comes with the NVIDIA driver's "
-                         "utilities); run without --mps")
+        raise ValueError(f"mps=True (--mps) {_NOT_ON_PATH}")
 
 
 class MpsDaemon:
     """One private CUDA MPS control daemon: `start`, `env` for the children, `clients`, `close`.
-
-    Also a context manager (``with MpsDaemon() as mps: ...`` starts it and closes it).
 
     Raises (`start`):
         RuntimeError: ``nvidia-cuda-mps-control`` is not on PATH, or the daemon did not start
@@ -74,8 +75,7 @@ class MpsDaemon:
     def start(self, timeout_s: float = START_TIMEOUT_S) -> "MpsDaemon":
         exe = shutil.which(CONTROL)
         if exe is None:
-            raise RuntimeError(f"--mps: {CONTROL} is not on PATH (CUDA MPS comes with the NVIDIA driver's "
-                               "utilities); run without --mps")
+            raise RuntimeError(f"--mps {_NOT_ON_PATH}")
         self.dir = tempfile.mkdtemp(prefix="dcp-mps-")
         self.env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(self.dir, "pipe"),
                     "CUDA_MPS_LOG_DIRECTORY": os.path.join(self.dir, "log")}
@@ -143,9 +143,3 @@ class MpsDaemon:
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
-
-    def __enter__(self) -> "MpsDaemon":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()

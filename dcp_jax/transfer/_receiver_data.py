@@ -21,7 +21,7 @@ from dcp_jax import plan as planmod
 from dcp_jax.packing import layer_offsets
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._sender_endings import batch_allowance
-from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, SPIN, TIMEOUT_CHECK_S
+from dcp_jax.transfer._worker import ACTIVE, IDLE, PENDING, TIMEOUT_CHECK_S
 from dcp_jax.transfer.requests import RecvRequest
 from dcp_jax.transfer.schedule import SideLayout, owned_count, owned_tokens, token_rows
 from dcp_jax.transfer.status import TransferStatus
@@ -67,15 +67,14 @@ class ReceiverData:
                 self._reap_released()
             self._heartbeat()
             self._flush()
-            self._spin_socks = tuple(link.client.sock for link in self._links if link.registered)
             if busy:
                 return ACTIVE
             if self._gated:
-                return SPIN if self._gated_waiting() else PENDING
+                return self._spin() if self._gated_waiting() else PENDING
             if pending or self._reads:
                 return PENDING
             # A ``done`` due as a control frame wakes an idle worker; on a device it is spun for.
-            return SPIN if self._ctl_spinning() else IDLE
+            return self._spin() if self._ctl_spinning() else IDLE
 
     def _flush(self) -> None:
         while self._outbox:

@@ -30,6 +30,7 @@ import zmq
 from bridge.host_flag import seq_done
 from dcp_jax._validate import check_int_type
 from dcp_jax.transfer import protocol as proto
+from dcp_jax.transfer._worker import SPIN
 from dcp_jax.transfer.requests import RecvRequest
 from dcp_jax.transfer.status import TransferStatus
 
@@ -82,7 +83,7 @@ class ReceiverRegion:
         self._waiting: deque = deque()             # (kind, link, req, msg): asks / pulls waiting for room
         self._gated: list = []                     # (link, msg, since): gated fused_done waiting for the flag
         self._unpacker = None                      # RowUnpacker (receive region -> pages), made on first use
-        self._spin_socks: tuple = ()               # the links' sockets, for `_spin_ready` (set each round)
+        self._spin_socks: tuple = ()               # the links' sockets, for `_spin_ready` (set by `_spin`)
 
     def _window_rows(self, req: RecvRequest, link: Any, msg: dict) -> np.ndarray | None:
         """The rows of a window a sender announces, or None (the request is failed) when the
@@ -397,9 +398,15 @@ class ReceiverRegion:
         now = time.monotonic()
         return any(g.ctl_done and now - g.at < CTL_SPIN_S for g in self._grants.values())
 
+    def _spin(self) -> int:
+        """A round's SPIN, with the sockets `_spin_ready` checks snapshotted for it (the spin
+        runs without the lock)."""
+        self._spin_socks = tuple(link.client.sock for link in self._links if link.registered)
+        return SPIN
+
     def _spin_ready(self) -> bool:
         """The worker's spin check (worker thread, no lock): a gated part's flag reached its
-        number, or a control frame waits on a socket (`_spin_socks`, set by each round)."""
+        number, or a control frame waits on a socket (`_spin_socks`, set by `_spin`)."""
         if self._gated and self._gated_ready():
             return True
         return any(s.getsockopt(zmq.EVENTS) & zmq.POLLIN for s in self._spin_socks)
