@@ -134,3 +134,23 @@ def test_a_rank_polls_its_engine_only_for_a_done_the_engine_brings(engine, notif
         assert all(due == (0 if notify == "round" else 1) for _, due in seen), seen
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("bad, want", [(1, r"region_ask\.ctl_done must be a bool"), ("yes", r"ctl_done must be a bool"),
+                                       (None, r"ctl_done must be a bool"), ("drop", r"missing fields \['ctl_done'\]")])
+def test_a_region_ask_without_a_bool_ctl_done_is_refused_naming_it(bad, want):
+    """A peer's ``region_ask`` must say how its ``done`` comes, as a bool: anything else is refused
+    by `protocol.decode` before the rank acts on it (the frame is dropped and counted)."""
+    import msgpack
+
+    from dcp_jax.transfer import protocol as proto
+
+    m = msgpack.unpackb(proto.encode("region_ask", "r", 1, lo=0, nbytes=8, ctl_done=True, chunk=0, part=0, nparts=1,
+                                     start=0, stop=4, nrows=2))
+    assert proto.decode(msgpack.packb(m))["ctl_done"] is True
+    if bad == "drop":
+        del m["ctl_done"]
+    else:
+        m["ctl_done"] = bad
+    with pytest.raises(proto.ProtocolError, match=want):
+        proto.decode(msgpack.packb(m))
