@@ -63,8 +63,24 @@ if [ ! -f $SRC/tests/v1/kv_connector/unit/test_remote_prefill_lifecycle.py ]; th
     mkdir -p $CACHE/src
     if [ ! -f $CACHE/vllm-0.32.0.tar.gz ]; then
         echo "== fetching vLLM 0.32.0's sdist (tests, toy proxy)"
-        VLLM_VERSION_OVERRIDE=0.32.0 $V/bin/python -m pip download -q --no-deps --no-binary vllm \
-            -d $CACHE vllm==0.32.0 2>&1 | quiet
+        # The file itself, pinned by its sha256 (PyPI's JSON simple API, PEP 691). `pip download
+        # --no-binary` would build its metadata first: a build env with torch, ~2 GB of disk for
+        # a 45 MB tarball (CI once ran out of space there).
+        $V/bin/python - "$CACHE/vllm-0.32.0.tar.gz" <<'PY'
+import hashlib, json, os, sys, urllib.request
+name, sha = "vllm-0.32.0.tar.gz", "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad"
+req = urllib.request.Request("https://pypi.org/simple/vllm/",
+                             headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+files = json.load(urllib.request.urlopen(req, timeout=60))["files"]
+url = next(f["url"] for f in files if f["filename"] == name)
+data = urllib.request.urlopen(url, timeout=300).read()
+if hashlib.sha256(data).hexdigest() != sha:
+    sys.exit(f"error: {name} from {url} does not match its pinned sha256")
+tmp = sys.argv[1] + ".part"
+with open(tmp, "wb") as f:
+    f.write(data)
+os.replace(tmp, sys.argv[1])
+PY
     fi
     tar -xzf $CACHE/vllm-0.32.0.tar.gz -C $CACHE/src vllm-0.32.0/pyproject.toml vllm-0.32.0/tests/__init__.py \
         vllm-0.32.0/tests/v1/__init__.py vllm-0.32.0/tests/v1/kv_connector vllm-0.32.0/examples/disaggregated
