@@ -129,7 +129,7 @@ class ReceiverData:
             if link.path != "region" or not msg["nrows"]:
                 self._counts["dropped_messages"] += 1
                 return
-            return self._region_landed(link, msg)
+            return self._region_landed(link, msg, by_ctl=True)
         if kind == "sent":
             req = self._requests.get(msg["rid"])
             if req is not None and req.inc == msg["inc"] and not req.status.terminal:
@@ -146,6 +146,12 @@ class ReceiverData:
                 req.drained.add(id(link))
             else:
                 self._counts["dropped_messages"] += 1
+            return
+        if kind == "_refused":  # a frame `protocol.decode` refused, naming a request (`protocol.refusal`)
+            req = self._live(link, msg)
+            if req is not None:  # it fails now, saying why, instead of waiting out timeout_s
+                self._end(req, TransferStatus.FAILED, f"prefill rank {link.spec.dcp_rank} sent a {msg['what']} "
+                                                      f"frame this rank refused: {msg['reason']}", "failed")
             return
         if kind in ("abort", "failed"):
             req = self._live(link, msg)

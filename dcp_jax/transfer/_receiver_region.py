@@ -224,10 +224,22 @@ class ReceiverRegion:
         except Exception as exc:  # noqa: BLE001 - the request fails, the receiver lives on
             return f"unpack: {type(exc).__name__}: {exc}"
 
-    def _region_landed(self, link: Any, msg: dict) -> None:
-        """A ``done`` for a region window: unpack (if the request is still live), give the range back."""
-        g = self._grants.pop((id(link), msg["rid"], msg["inc"], msg["chunk"], msg["part"]), None)
+    def _region_landed(self, link: Any, msg: dict, by_ctl: bool = False) -> None:
+        """A ``done`` for a region window (``by_ctl``: it came as a control frame, not as the
+        engine's notification): unpack (if the request is still live), give the range back."""
+        key = (id(link), msg["rid"], msg["inc"], msg["chunk"], msg["part"])
+        g = self._grants.get(key)
         req = self._live(link, msg)
+        if g is not None and by_ctl and not g.ctl_done:
+            # Its ask said the engine's notification brings it: only that one follows the bytes.
+            # A control frame may come before them: unpacking then would read the range's old
+            # bytes, and freeing it would let a late write land in another window's range. The
+            # range stays held (until the engine's done, or the sender's drained).
+            if req is None:  # (`_live` counted it dropped)
+                return
+            return self._inconsistent(req, f"done for chunk {msg['chunk']} part {msg['part']} came as a control "
+                                           "frame, but its region_ask said the engine's notification brings it")
+        self._grants.pop(key, None)
         if req is not None:
             req.timeline.mark("landed", self.spec.group_rank)
         if g is None:

@@ -118,6 +118,8 @@ class SenderPeers:
         conn.last_seen = time.monotonic()
         if kind == "expect":
             return self._on_expect(conn, msg)
+        if kind == "_refused":
+            return self._on_refused(conn, msg)
         if kind == "pull_done":
             return self._on_pull_done(conn, msg)
         if kind == "region_grant":
@@ -280,6 +282,18 @@ class SenderPeers:
         else:
             del self._early[rid]
         return len(kept) < len(parked)
+
+    def _on_refused(self, conn: Conn, msg: dict) -> None:
+        """A frame of this rank's that `protocol.decode` refused, naming one of our requests
+        (`protocol.refusal`): the request fails now, and its ranks hear why, instead of both
+        sides waiting out ``timeout_s`` for what the frame was to bring."""
+        req = self._requests.get(msg["rid"])
+        t = req.targets.get(conn.spec.group_rank) if req is not None else None
+        if t is None or t.inc != msg["inc"] or t.conn is not conn or req.status.terminal:
+            self._counts["dropped_messages"] += 1
+            return
+        self._end(req, TransferStatus.FAILED, f"decode rank {conn.spec.dcp_rank} sent a {msg['what']} frame this "
+                                              f"sender refused: {msg['reason']}", notify="failed")
 
     def _tell_ended(self, conn: Conn, rid: str, inc: int, status: TransferStatus, reason: str) -> None:
         """Answers a late announcement of a request that ended without success: how it ended,

@@ -125,7 +125,9 @@ class ControlServer:
         self.last_error = ""
 
     def recv(self) -> list[tuple[bytes, dict[str, Any]]]:
-        """Every frame waiting now, validated: ``[(identity, message)]``; never blocks."""
+        """Every frame waiting now, validated: ``[(identity, message)]``; never blocks. A refused
+        frame is dropped and counted; one that names a request (`protocol.refusal`) comes back
+        as a ``_refused`` message for it, a ``hello`` of another version as ``_bad_version``."""
         out = []
         while True:
             try:
@@ -145,6 +147,8 @@ class ControlServer:
                 bad = _hello_of_another_version(frames[1])
                 if bad is not None:  # answered with a refusal naming the version, not silence
                     out.append((frames[0], {"k": "_bad_version", "v": bad}))
+                elif (refused := protocol.refusal(frames[1], exc)) is not None:  # its request fails now
+                    out.append((frames[0], refused))
 
     def send(self, identity: bytes, frame: bytes) -> bool:
         """Sends one frame to a receiver; False if it is gone (nothing raised)."""
@@ -220,7 +224,9 @@ class ControlClient:
             return False
 
     def recv(self, timeout_ms: int = 0) -> list[dict[str, Any]]:
-        """Every validated frame waiting (waits up to ``timeout_ms`` for the first)."""
+        """Every validated frame waiting (waits up to ``timeout_ms`` for the first). A refused
+        frame is dropped and counted; one that names a request comes back as a ``_refused``
+        message for it (`protocol.refusal`)."""
         out = []
         if timeout_ms and not self.sock.poll(timeout_ms):
             return out
@@ -235,6 +241,9 @@ class ControlClient:
                 self.rejected += 1
                 self.last_error = str(exc)
                 _log_rejection(self, self.address, str(exc)[:300])
+                refused = protocol.refusal(frame, exc)
+                if refused is not None:  # the request it names fails now, saying why
+                    out.append(refused)
 
     def close(self, linger_ms: int = 0) -> None:
         """Closes the socket at once; frames already queued get ``linger_ms`` more to leave."""

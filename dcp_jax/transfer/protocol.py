@@ -178,6 +178,34 @@ def decode(data: Any, *, max_bytes: int = MAX_CONTROL_BYTES) -> dict[str, Any]:
     return msg
 
 
+#: Kinds that concern no one request: a refused one of these names no request to fail.
+_NOT_OF_A_REQUEST = frozenset({"hello", "hello_ack", "hello_nack", "ping", "bye", "moving"})
+
+
+def refusal(data: Any, error: Exception) -> dict[str, Any] | None:
+    """The request a frame that `decode` refused (``error``) names, so the side that refused it
+    can fail that request at once, saying why, instead of both sides waiting out ``timeout_s``
+    for what the frame was to bring: ``{"k": "_refused", "rid", "inc", "what": kind, "reason"}``
+    (an internal message, never sent). Only when the frame unpacks (bounded, as `decode`) to a
+    map of this protocol version and of a known kind about one request, with a ``rid`` of 1 to
+    `MAX_REQUEST_ID` characters and an ``inc`` int in [0, 2^63); else None (garbage, another
+    version, a frame that names no request): the frame is only dropped and counted."""
+    try:
+        msg = unpack(data)
+    except ProtocolError:
+        return None
+    if not isinstance(msg, dict) or msg.get("v") != PROTOCOL_VERSION:
+        return None
+    kind, rid, inc = msg.get("k"), msg.get("rid"), msg.get("inc")
+    if not isinstance(kind, str) or kind not in KINDS or kind in _NOT_OF_A_REQUEST:
+        return None
+    if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID:
+        return None
+    if isinstance(inc, bool) or not isinstance(inc, int) or not 0 <= inc <= _I64:
+        return None
+    return {"k": "_refused", "rid": rid, "inc": inc, "what": kind, "reason": str(error)[:300]}
+
+
 def unpack(data: Any, *, max_bytes: int = MAX_CONTROL_BYTES) -> Any:
     """msgpack of a peer, bounded (its length, and each string, bytes, array and map in it),
     not yet checked against a kind's schema (`decode` does that).

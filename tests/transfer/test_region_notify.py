@@ -154,3 +154,67 @@ def test_a_region_ask_without_a_bool_ctl_done_is_refused_naming_it(bad, want):
         m["ctl_done"] = bad
     with pytest.raises(proto.ProtocolError, match=want):
         proto.decode(msgpack.packb(m))
+
+
+def test_a_done_frame_for_a_window_the_engine_notifies_fails_the_request_and_keeps_its_range(engine):
+    """With ``region_notify="write"`` only the engine's notification follows a window's bytes: a
+    ``done`` control frame for such a grant (a faulty sender's, here sent the moment the rank
+    granted) fails the request at that rank, naming it, and nothing is unpacked from the range;
+    the range is given back only once the sender's write can no longer land (drained). The other
+    rank completes its part byte-exact."""
+    from dcp_jax.transfer import protocol as proto
+
+    c = Cluster(engine, dcp_size=2, mode="region", receiver_kw=dict(region_bytes=64 << 20), region_notify="write")
+    try:
+        r0 = c.receivers[0]
+        grant, early = r0._grant_waiting, []
+
+        def granting_then_faking():
+            busy = grant()
+            for g in list(r0._grants.values()):
+                if not early:  # the first grant: its done "arrives" by the control plane at once
+                    early.append(dict(g.done))
+                    frame = proto.encode("done", g.req.rid, g.req.inc, **g.done)
+                    r0._on_message(g.link, proto.decode(frame))
+            return busy
+
+        r0._grant_waiting = granting_then_faking
+        L = 24
+        src, dst = c.tables(L)
+        c.expect("e", dst, L)
+        c.sender.send("e", src, 0, L)
+        assert r0.wait("e", 10) == S.FAILED
+        assert "came as a control frame" in r0.failure_reason("e"), r0.failure_reason("e")
+        assert early and r0._counts["inconsistent_messages"] >= 1
+        assert c.sender.wait("e", 10) in (S.FAILED, S.SUCCESS)
+        c.sender.release("e")
+        assert wait_for(lambda: region_free(r0))  # held until the sender's write could no longer land
+    finally:
+        c.close()
+
+
+def test_a_done_frame_for_a_request_that_ended_leaves_an_engine_notified_range_held(engine):
+    """The same control frame after the request ended at the rank: dropped and counted, and the
+    range stays held (the engine's write may still land there) until the sender says drained."""
+    import types
+
+    from dcp_jax.transfer import protocol as proto
+    from dcp_jax.transfer._receiver_region import Grant
+
+    c = Cluster(engine, dcp_size=2, mode="region", receiver_kw=dict(region_bytes=1 << 20), region_notify="write")
+    try:
+        r0 = c.receivers[0]
+        link = next(iter(r0._links))
+        with r0._lock:
+            region = r0._region.acquire(("test", "gone"), 64)
+            done = dict(chunk=0, part=0, nparts=1, start=0, stop=4, nrows=2)
+            req = types.SimpleNamespace(rid="gone", inc=1)
+            key = (id(link), "gone", 1, 0, 0)
+            r0._grants[key] = Grant(region, req, link, done, None, ctl_done=False)
+            before = r0._counts["dropped_messages"]
+            r0._on_message(link, proto.decode(proto.encode("done", "gone", 1, **done)))
+            assert key in r0._grants and r0._counts["dropped_messages"] == before + 1
+            del r0._grants[key]
+            r0._region.free(region)
+    finally:
+        c.close()

@@ -1,0 +1,148 @@
+"""A control frame `protocol.decode` refuses (a faulty or hostile peer's) that names a request
+of this side: the request fails at once on both sides, the reason naming the frame's kind and
+the field (`protocol.refusal`), instead of both sides waiting out ``timeout_s`` for what the
+frame was to bring. Garbage, another version, or a frame naming no request: only dropped and
+counted. Real engines on the host; the bad frames are the real frames with one field broken."""
+import time
+
+import msgpack
+import pytest
+
+from conftest import Cluster, TransferStatus, region_free, wait_for
+from dcp_jax.transfer import protocol as proto
+
+S = TransferStatus
+
+
+def _frame(kind="region_ask", **over):
+    m = msgpack.unpackb(proto.encode(kind, "r1", 3, lo=0, nbytes=8, ctl_done=False, chunk=0, part=0, nparts=1,
+                                     start=0, stop=4, nrows=2))
+    m.update(over)
+    return msgpack.packb(m)
+
+
+def _refusal(frame):
+    try:
+        proto.decode(frame)
+    except proto.ProtocolError as exc:
+        return proto.refusal(frame, exc)
+    raise AssertionError("decode took the frame")
+
+
+def test_refusal_names_the_request_kind_and_field():
+    got = _refusal(_frame(ctl_done=1))
+    assert got == {"k": "_refused", "rid": "r1", "inc": 3, "what": "region_ask",
+                   "reason": "region_ask.ctl_done must be a bool"}
+    assert "nbytes" in _refusal(_frame(nbytes=0))["reason"]  # below the field's bound
+    assert "missing fields ['lo']" in _refusal(msgpack.packb({k: v for k, v in msgpack.unpackb(_frame()).items()
+                                                             if k != "lo"}))["reason"]
+
+
+@pytest.mark.parametrize("over", [dict(v=proto.PROTOCOL_VERSION - 1, ctl_done=1), dict(rid="", ctl_done=1),
+                                  dict(rid="x" * 257, ctl_done=1), dict(rid=7, ctl_done=1),
+                                  dict(inc=-1), dict(inc=True, ctl_done=1), dict(inc=2 ** 63),
+                                  dict(k="nonsense"), dict(k=5)])
+def test_refusal_is_none_for_a_frame_that_names_no_request_of_this_version(over):
+    assert _refusal(_frame(**over)) is None
+
+
+@pytest.mark.parametrize("data", [b"", b"\xc1", b"\x92\x01\x02", msgpack.packb("text"), b"\xdf" + b"\xff" * 4])
+def test_refusal_is_none_for_garbage(data):
+    assert _refusal(data) is None
+
+
+def test_refusal_is_none_for_kinds_about_no_request():
+    m = msgpack.unpackb(proto.encode("bye", "", 0, reason="r", drained=True))
+    m["drained"] = 1
+    assert _refusal(msgpack.packb(m)) is None
+
+
+def _corrupt(frame: bytes, kind: str, **over) -> bytes:
+    m = msgpack.unpackb(frame)
+    if m.get("k") == kind:
+        m.update(over)
+        return msgpack.packb(m)
+    return frame
+
+
+def test_a_region_ask_the_rank_refuses_fails_the_request_on_both_sides_at_once(engine):
+    """The sender's ``region_ask`` carries ``ctl_done=1`` (not a bool): rank 0 refuses it and the
+    request FAILS there and at the sender within a second, both reasons naming the frame and the
+    field (``timeout_s`` is 20 s). The rank that got good frames hears the failure too; no range
+    of a receive region stays held."""
+    c = Cluster(engine, dcp_size=2, mode="region", receiver_kw=dict(region_bytes=4 << 20))
+    try:
+        rank0 = c.sender  # the sender's frames to rank 0's connection only
+        tell = rank0._tell
+        ident0 = None
+
+        def corrupting(ident, frame):
+            return tell(ident, _corrupt(frame, "region_ask", ctl_done=1) if ident == ident0 else frame)
+
+        L = 16
+        src, dst = c.tables(L)
+        c.expect("bad", dst, L)
+        assert wait_for(lambda: len(c.sender._conns) == 2)
+        ident0 = next(i for i, conn in c.sender._conns.items() if conn.spec.dcp_rank == 0)
+        rank0._tell = corrupting
+        t0 = time.monotonic()
+        c.sender.send("bad", src, 0, L)
+        assert c.receivers[0].wait("bad", 5) == S.FAILED
+        assert c.sender.wait("bad", 5) == S.FAILED
+        assert time.monotonic() - t0 < 3
+        for why in (c.receivers[0].failure_reason("bad"), c.sender.failure_reason("bad")):
+            assert "region_ask" in why and "ctl_done must be a bool" in why, why
+        assert c.receivers[1].wait("bad", 5) == S.FAILED
+        assert c.receivers[0].stats["rejected_messages"] >= 1  # still dropped and counted
+        for r in c.receivers:
+            r.release("bad")
+        assert all(wait_for(lambda r=r: region_free(r)) for r in c.receivers)
+    finally:
+        c.close()
+
+
+def test_a_region_grant_the_sender_refuses_fails_the_request_at_once(engine):
+    """Rank 1 answers with a ``region_grant`` whose ``nbytes`` is 0 (below the field's bound):
+    the sender refuses it and fails the request at once, naming it; rank 1 hears it too."""
+    c = Cluster(engine, dcp_size=2, mode="region", receiver_kw=dict(region_bytes=4 << 20))
+    try:
+        r1 = c.receivers[1]
+        send = r1._send
+
+        def corrupting(link, frame):
+            return send(link, _corrupt(frame, "region_grant", nbytes=0))
+
+        r1._send = corrupting
+        L = 16
+        src, dst = c.tables(L)
+        c.expect("g", dst, L)
+        t0 = time.monotonic()
+        c.sender.send("g", src, 0, L)
+        assert c.sender.wait("g", 5) == S.FAILED
+        assert time.monotonic() - t0 < 3
+        why = c.sender.failure_reason("g")
+        assert "decode rank 1" in why and "region_grant" in why and "nbytes" in why, why
+        assert r1.wait("g", 5) == S.FAILED
+        assert "region_grant" in r1.failure_reason("g"), r1.failure_reason("g")
+        assert c.sender.stats["rejected_messages"] >= 1
+    finally:
+        c.close()
+
+
+def test_a_refused_frame_for_a_request_that_is_not_live_is_only_counted(engine):
+    """A refused frame naming an id nobody knows ends nothing and is counted dropped."""
+    c = Cluster(engine, dcp_size=1, mode="packed")
+    try:
+        recv = c.receivers[0]
+        link = next(iter(recv._links))
+        before = recv._counts["dropped_messages"]
+        with recv._lock:
+            recv._on_message(link, _refusal(_frame(ctl_done=1)))
+        assert recv._counts["dropped_messages"] == before + 1
+        src, dst = c.tables(8)
+        c.expect("ok", dst, 8)
+        c.sender.send("ok", src, 0, 8)
+        assert c.wait("ok") == [S.SUCCESS] * 2, c.reasons("ok")
+        assert c.check_bytes(src, dst, 8) == 8
+    finally:
+        c.close()
