@@ -17,7 +17,6 @@ from typing import Any
 
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._sender_region import sync_arrays as _sync_arrays
-from dcp_jax.transfer.memory import array_kind
 from dcp_jax.transfer.requests import RankTarget, SendRequest
 from dcp_jax.transfer.schedule import SideLayout, batch_engine_calls, plan_rank_chunk
 from dcp_jax.transfer.spec import HandshakeError
