@@ -10,16 +10,16 @@ from typing import Any
 
 from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
-from dcp_jax.transfer._worker import check_page_table, check_seconds, check_tokens
-from dcp_jax.transfer.requests import RecvRequest, check_request_id
+from dcp_jax.transfer._worker import check_page_table, check_tokens
+from dcp_jax.transfer.requests import RequestQueries, RecvRequest, check_request_id
 from dcp_jax.transfer.status import TransferStatus
 from dcp_jax.transfer.views import pair_moves
 
 __all__ = ["ReceiverRequests"]
 
 
-class ReceiverRequests:
-    """`expect`, `poll`, `wait`, `failure_reason`, `abort`, `release`, `is_drained` (and `_get`)."""
+class ReceiverRequests(RequestQueries):
+    """`expect`, `poll`, `abort`, `release`, `is_drained` (and `_get`)."""
 
     def expect(self, request_id: str, page_table: Any, num_tokens: int, prefix_tokens: int = 0) -> None:
         """Announces a request: this rank's rows of tokens ``[prefix_tokens, num_tokens)`` go
@@ -97,23 +97,6 @@ class ReceiverRequests:
         """The request's `TransferStatus` on this rank. Raises KeyError if unknown, TypeError if
         ``request_id`` is not a str."""
         return self._get(request_id).status
-
-    def wait(self, request_id: str, timeout_s: float) -> TransferStatus:
-        """Blocks until the request ends on this rank or ``timeout_s`` seconds passed (no
-        polling: the worker wakes the caller when it ends the request); its status then.
-        ``timeout_s=0`` answers at once (as `poll`). The wait is on the request object of the
-        call: one released and expected again under the same id meanwhile is another request.
-
-        Raises:
-            KeyError: unknown request id. ValueError, TypeError: ``timeout_s`` not a number of
-                seconds in [0, 86400].
-        """
-        limit = check_seconds("timeout_s", timeout_s, zero_ok=True)  # before the id: the same error either way
-        return self._get(request_id).state.wait(limit)
-
-    def failure_reason(self, request_id: str) -> str:
-        """Why the request FAILED or was ABORTED ("" otherwise). Raises KeyError if unknown."""
-        return self._get(request_id).state.reason
 
     def abort(self, request_id: str, reason: str = "aborted by the decode side") -> bool:
         """Aborts the request here and tells its senders; reads in flight are cancelled and

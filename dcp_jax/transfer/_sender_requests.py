@@ -10,15 +10,15 @@ from typing import Any
 from dcp_jax.layout import local_len_np
 from dcp_jax.transfer import protocol as proto
 from dcp_jax.transfer._sender_reuse import moved_page, redundant
-from dcp_jax.transfer._worker import check_page_table, check_seconds, check_tokens
-from dcp_jax.transfer.requests import SendRequest, check_request_id
+from dcp_jax.transfer._worker import check_page_table, check_tokens
+from dcp_jax.transfer.requests import RequestQueries, SendRequest, check_request_id
 from dcp_jax.transfer.status import TransferStatus
 
 __all__ = ["SenderRequests"]
 
 
-class SenderRequests:
-    """`send`, `poll`, `wait`, `failure_reason`, `abort`, `release`, `is_drained` (and `_get`)."""
+class SenderRequests(RequestQueries):
+    """`send`, `poll`, `abort`, `release`, `is_drained` (and `_get`)."""
 
     def send(self, request_id: str, page_table: Any, start: int, stop: int) -> None:
         """Queues tokens ``[start, stop)`` of a request for every decode rank; returns at once.
@@ -115,23 +115,6 @@ class SenderRequests:
             TypeError: ``request_id`` is not a str.
         """
         return self._get(request_id).status
-
-    def wait(self, request_id: str, timeout_s: float) -> TransferStatus:
-        """Blocks until the request ends on this side or ``timeout_s`` seconds passed (no
-        polling: the worker wakes the caller when it ends the request); its status then.
-        ``timeout_s=0`` answers at once (as `poll`). The wait is on the request object of the
-        call: one released and expected again under the same id meanwhile is another request.
-
-        Raises:
-            KeyError: unknown request id. ValueError, TypeError: ``timeout_s`` not a number of
-                seconds in [0, 86400].
-        """
-        limit = check_seconds("timeout_s", timeout_s, zero_ok=True)  # before the id: the same error either way
-        return self._get(request_id).state.wait(limit)
-
-    def failure_reason(self, request_id: str) -> str:
-        """Why the request FAILED or was ABORTED ("" otherwise). Raises KeyError if unknown."""
-        return self._get(request_id).state.reason
 
     def abort(self, request_id: str, reason: str = "aborted by the prefill side") -> bool:
         """Aborts a request on this side and tells its decode ranks; idempotent.

@@ -12,10 +12,11 @@ from typing import Any
 
 import numpy as np
 
+from dcp_jax.transfer._worker import check_seconds
 from dcp_jax.transfer.protocol import MAX_REQUEST_ID
 from dcp_jax.transfer.status import RequestState, TransferStatus
 
-__all__ = ["Coverage", "RankCounters", "RankTarget", "SendRequest", "RecvRequest", "check_request_id"]
+__all__ = ["Coverage", "RankCounters", "RankTarget", "SendRequest", "RecvRequest", "RequestQueries", "check_request_id"]
 
 
 def check_request_id(request_id: Any, name: str = "request_id") -> str:
@@ -278,3 +279,26 @@ class RecvRequest:
     def t_done(self) -> float | None:
         """`time.perf_counter()` when the request ended (None while live)."""
         return self.state.ended_at
+
+
+class RequestQueries:
+    """`wait` and `failure_reason` of `KVSender` and `KVReceiver` (a mixin: each side's `_get`
+    finds the request or raises KeyError naming the id)."""
+
+    def wait(self, request_id: str, timeout_s: float) -> TransferStatus:
+        """Blocks until the request ends on this side (this prefill or decode rank) or
+        ``timeout_s`` seconds passed (no polling: the worker wakes the caller when it ends the
+        request); its status then.
+        ``timeout_s=0`` answers at once (as `poll`). The wait is on the request object of the
+        call: one released and expected again under the same id meanwhile is another request.
+
+        Raises:
+            KeyError: unknown request id. ValueError, TypeError: ``timeout_s`` not a number of
+                seconds in [0, 86400].
+        """
+        limit = check_seconds("timeout_s", timeout_s, zero_ok=True)  # before the id: the same error either way
+        return self._get(request_id).state.wait(limit)
+
+    def failure_reason(self, request_id: str) -> str:
+        """Why the request FAILED or was ABORTED ("" otherwise). Raises KeyError if unknown."""
+        return self._get(request_id).state.reason
