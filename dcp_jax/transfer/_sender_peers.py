@@ -106,6 +106,8 @@ class SenderPeers:
                 return
             if kind == "_bad_version":
                 return self._nack(ident, HandshakeError("version", proto.PROTOCOL_VERSION, msg["v"]))
+            if kind == "_refused":  # a malformed frame of a stranger: counted (rejected), unanswered
+                return
             self._counts["dropped_messages"] += 1
             _warn("dropped a %r for request %r from %s: it did not complete the handshake (not handshaked)",
                   kind, msg.get("rid", ""), ident.hex())

@@ -146,3 +146,24 @@ def test_a_refused_frame_for_a_request_that_is_not_live_is_only_counted(engine):
         assert c.check_bytes(src, dst, 8) == 8
     finally:
         c.close()
+
+
+def test_a_malformed_frame_naming_a_request_from_a_stranger_is_counted_unanswered(engine):
+    """A refused frame from a peer that never handshaked: counted (``rejected_messages``),
+    no answer, no request started or ended (as any malformed frame of a stranger)."""
+    import zmq
+
+    c = Cluster(engine, dcp_size=1, mode="packed")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(c.sender.address)
+        before = c.sender.stats["rejected_messages"]
+        sock.send(_frame(ctl_done=1))
+        assert wait_for(lambda: c.sender.stats["rejected_messages"] == before + 1)
+        assert not sock.poll(500)  # no hello_nack, nothing
+        with pytest.raises(KeyError):
+            c.sender.poll("r1")
+    finally:
+        sock.close(0)
+        c.close()
