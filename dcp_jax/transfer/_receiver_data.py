@@ -148,11 +148,7 @@ class ReceiverData:
                 self._counts["dropped_messages"] += 1
             return
         if kind == "_refused":  # a frame `protocol.decode` refused, naming a request (`protocol.refusal`)
-            req = self._live(link, msg)
-            if req is not None:  # it fails now, saying why, instead of waiting out timeout_s
-                self._end(req, TransferStatus.FAILED, f"prefill rank {link.spec.dcp_rank} sent a {msg['what']} "
-                                                      f"frame this rank refused: {msg['reason']}", "failed")
-            return
+            return self._on_refused(link, msg)
         if kind in ("abort", "failed"):
             req = self._live(link, msg)
             if req is not None:
@@ -171,6 +167,21 @@ class ReceiverData:
                                 tell=False, in_doubt=not msg["drained"])
         elif kind != "ping":
             self._counts["dropped_messages"] += 1
+
+    def _on_refused(self, link: Any, msg: dict) -> None:
+        """A sender's frame that `protocol.decode` refused, naming one of its requests: the
+        request fails here now (and the senders hear it), saying why, instead of waiting out
+        ``timeout_s``. A refused ``pull_ready`` that names its window is answered
+        ``pull_done(ok=False)`` whatever the request's state: no READ of it starts, and the
+        sender lets its pack region go."""
+        why = f"prefill rank {link.spec.dcp_rank} sent a malformed {msg['what']} frame (refused here): {msg['reason']}"
+        if msg["what"] == "pull_ready" and msg["window"] is not None:
+            chunk, part = msg["window"]
+            self._send(link, proto.encode("pull_done", msg["rid"], msg["inc"], chunk=chunk, part=part, ok=False,
+                                          reason=why[:proto.MAX_TEXT]))
+        req = self._live(link, msg)
+        if req is not None:
+            self._end(req, TransferStatus.FAILED, why, "failed")
 
     def _on_moving(self, link: Any, msg: dict) -> None:
         """A sender's report (``moving``, validated by `protocol.decode`) of this rank's requests

@@ -244,7 +244,9 @@ class ReceiverRegion:
             req.timeline.mark("landed", self.spec.group_rank)
         if g is None:
             if req is not None:
-                self._inconsistent(req, f"done for chunk {msg['chunk']} part {msg['part']}, which was never granted")
+                what = "which landed already (a second done)" if self._credited(req, link, msg) else \
+                    "which was never granted"
+                self._inconsistent(req, f"done for chunk {msg['chunk']} part {msg['part']}, {what}")
             return
         err = self._unpack(g) if req is not None and g.done["nrows"] == msg["nrows"] else None
         self._region.free(g.region)

@@ -37,8 +37,8 @@ class ReceiverRequests(RequestQueries):
                 ``[prefix_tokens, num_tokens)`` is transferred.
 
         Raises:
-            RuntimeError: not connected to any sender, not to every prefill DCP rank (each
-                ``dcp_rank`` of the senders' ``dcp_size``), or, for some prefill DCP rank, not to
+            RuntimeError: the receiver is closed; not connected to any sender, not to every
+                prefill DCP rank (each ``dcp_rank`` of the senders' ``dcp_size``), or, for some prefill DCP rank, not to
                 the TP ranks that move every KV head this rank holds (`views.uncovered_heads`; the
                 message names the DCP rank, the heads and the TP ranks sending them): the missing
                 tokens or heads would never come.
@@ -94,8 +94,8 @@ class ReceiverRequests(RequestQueries):
         self._worker.wake()
 
     def poll(self, request_id: str) -> TransferStatus:
-        """The request's `TransferStatus` on this rank. Raises KeyError if unknown, TypeError if
-        ``request_id`` is not a str."""
+        """The request's `TransferStatus` on this rank. Raises KeyError if unknown,
+        TypeError / ValueError for an id no request can have (`requests.check_request_id`)."""
         return self._get(request_id).status
 
     def abort(self, request_id: str, reason: str = "aborted by the decode side") -> bool:
@@ -107,7 +107,8 @@ class ReceiverRequests(RequestQueries):
             reason: text for both sides' `failure_reason` (``str()`` of it, cut to 4096 characters).
 
         Returns:
-            True if it moved to ABORTED now. Raises KeyError if unknown.
+            True if it moved to ABORTED now. Raises KeyError if unknown, TypeError / ValueError
+            for an id no request can have (`requests.check_request_id`).
         """
         with self._lock:
             return self._end(self._get(request_id), TransferStatus.ABORTED, str(reason)[:proto.MAX_TEXT], "abort")
@@ -116,7 +117,8 @@ class ReceiverRequests(RequestQueries):
         """Forgets a request (aborting it first if live); the id may then be expected again.
         Its pages stay held until no engine can write them any more (`is_drained`'s rule, checked
         by the worker): until then an `expect` writing one of them is refused (ValueError naming
-        the page and the released request). Raises KeyError if unknown."""
+        the page and the released request). Raises KeyError if unknown, TypeError / ValueError
+        for an id no request can have (`requests.check_request_id`)."""
         with self._lock:
             req = self._get(request_id)
             if not req.status.terminal:
@@ -134,7 +136,8 @@ class ReceiverRequests(RequestQueries):
         """True when nothing can write into this request's pages any more, so the decode side
         may hand them to another request: after SUCCESS; after FAILED/ABORTED once this rank's
         own reads (pull) finished and every push sender said it has no write in flight (or is
-        gone: dropped, then reconnected or silent for ``drain_grace_s``). Raises KeyError if unknown."""
+        gone: dropped, then reconnected or silent for ``drain_grace_s``). Raises KeyError if unknown,
+        TypeError / ValueError for an id no request can have (`requests.check_request_id`)."""
         with self._lock:
             req = self._get(request_id)
             if self._closed:  # no worker any more: the senders in doubt expire here

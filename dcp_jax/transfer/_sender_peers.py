@@ -289,13 +289,24 @@ class SenderPeers:
         """A frame of this rank's that `protocol.decode` refused, naming one of our requests
         (`protocol.refusal`): the request fails now, and its ranks hear why, instead of both
         sides waiting out ``timeout_s`` for what the frame was to bring."""
+        why = f"decode rank {conn.spec.dcp_rank} sent a malformed {msg['what']} frame (refused here): {msg['reason']}"
         req = self._requests.get(msg["rid"])
         t = req.targets.get(conn.spec.group_rank) if req is not None else None
+        if msg["what"] == "expect" and (t is None or t.inc != msg["inc"] or t.conn is not conn):
+            # An announcement this side could not take: the rank hears it at once (failed, then
+            # drained: nothing was sent to it), and a live request it belongs to fails too.
+            # An id not known yet is recorded FAILED (as `abort` records one): ranks announcing it
+            # later hear how it ended, a `send` of it drops the chunk, `release` frees the id.
+            self._tell_ended(conn, msg["rid"], msg["inc"], TransferStatus.FAILED, why[:proto.MAX_TEXT])
+            if req is None:
+                req = self._new_request(msg["rid"])
+            if not req.status.terminal:
+                self._end(req, TransferStatus.FAILED, why, notify="failed")
+            return
         if t is None or t.inc != msg["inc"] or t.conn is not conn or req.status.terminal:
             self._counts["dropped_messages"] += 1
             return
-        self._end(req, TransferStatus.FAILED, f"decode rank {conn.spec.dcp_rank} sent a {msg['what']} frame this "
-                                              f"sender refused: {msg['reason']}", notify="failed")
+        self._end(req, TransferStatus.FAILED, why, notify="failed")
 
     def _tell_ended(self, conn: Conn, rid: str, inc: int, status: TransferStatus, reason: str) -> None:
         """Answers a late announcement of a request that ended without success: how it ended,

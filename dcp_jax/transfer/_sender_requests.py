@@ -112,7 +112,8 @@ class SenderRequests(RequestQueries):
                 for the second ``timeout_s`` it still answers for them here, in `wait`,
                 `failure_reason`, `request_stats` and `release`, so a caller that knew the id
                 and polls it, then releases it, meets no KeyError in between).
-            TypeError: ``request_id`` is not a str.
+            TypeError, ValueError: ``request_id`` is not a str, or no request can have it (empty,
+                over 256 bytes in UTF-8, not UTF-8: `requests.check_request_id`).
         """
         return self._get(request_id).status
 
@@ -167,7 +168,7 @@ class SenderRequests(RequestQueries):
         one on pages they share is not caught).
 
         Raises:
-            KeyError: unknown request id.
+            KeyError: unknown request id. TypeError, ValueError: an id no request can have.
         """
         with self._lock:
             req = self._get(request_id)
@@ -185,7 +186,8 @@ class SenderRequests(RequestQueries):
     def is_drained(self, request_id: str) -> bool:
         """True when no engine operation of this request reads its pages any more (its source
         pages may be freed): always after SUCCESS; after FAILED/ABORTED once every window in
-        flight was reported done by the engine or the reader. Raises KeyError if unknown."""
+        flight was reported done by the engine or the reader. Raises KeyError if unknown,
+        TypeError / ValueError for an id no request can have (`requests.check_request_id`)."""
         with self._lock:
             req = self._get(request_id)
             return req.status.terminal and req.inflight == 0

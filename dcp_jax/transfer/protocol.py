@@ -185,8 +185,9 @@ _NOT_OF_A_REQUEST = frozenset({"hello", "hello_ack", "hello_nack", "ping", "bye"
 def refusal(data: Any, error: Exception) -> dict[str, Any] | None:
     """The request a frame that `decode` refused (``error``) names, so the side that refused it
     can fail that request at once, saying why, instead of both sides waiting out ``timeout_s``
-    for what the frame was to bring: ``{"k": "_refused", "rid", "inc", "what": kind, "reason"}``
-    (an internal message, never sent). Only when the frame unpacks (bounded, as `decode`) to a
+    for what the frame was to bring: ``{"k": "_refused", "rid", "inc", "what": kind, "reason",
+    "window": [chunk, part] or None}`` (an internal message, never sent; ``window`` where the
+    frame's ``chunk`` and ``part`` are ints in [0, 2^63)). Only when the frame unpacks (bounded, as `decode`) to a
     map of this protocol version and of a known kind about one request, with a ``rid`` of 1 to
     `MAX_REQUEST_ID` characters and an ``inc`` int in [0, 2^63); else None (garbage, another
     version, a frame that names no request): the frame is only dropped and counted."""
@@ -203,7 +204,10 @@ def refusal(data: Any, error: Exception) -> dict[str, Any] | None:
         return None
     if isinstance(inc, bool) or not isinstance(inc, int) or not 0 <= inc <= _I64:
         return None
-    return {"k": "_refused", "rid": rid, "inc": inc, "what": kind, "reason": str(error)[:300]}
+    window = [msg.get("chunk"), msg.get("part")]  # a pull_ready's, so its region can be let go
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _I64 for v in window):
+        window = None
+    return {"k": "_refused", "rid": rid, "inc": inc, "what": kind, "reason": str(error)[:300], "window": window}
 
 
 def unpack(data: Any, *, max_bytes: int = MAX_CONTROL_BYTES) -> Any:

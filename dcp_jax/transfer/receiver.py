@@ -294,4 +294,4 @@ class KVReceiver(ReceiverRequests, ReceiverLinks, ReceiverData, ReceiverRegion, 
 
     def __repr__(self) -> str:
         return (f"KVReceiver(dcp_rank={self.spec.dcp_rank}, engine={self.engine.kind!r}, "
-                f"requests={len(self._requests)}, connections={len(self._links)})")
+                f"requests={len(self._requests)}, connections={len(self._links)}{', closed' if self._closed else ''})")

@@ -294,11 +294,12 @@ class RequestQueries:
 
         Raises:
             KeyError: unknown request id. ValueError, TypeError: ``timeout_s`` not a number of
-                seconds in [0, 86400].
+                seconds in [0, 86400]; an id no request can have (`check_request_id`).
         """
         limit = check_seconds("timeout_s", timeout_s, zero_ok=True)  # before the id: the same error either way
         return self._get(request_id).state.wait(limit)
 
     def failure_reason(self, request_id: str) -> str:
-        """Why the request FAILED or was ABORTED ("" otherwise). Raises KeyError if unknown."""
+        """Why the request FAILED or was ABORTED ("" otherwise). Raises KeyError if unknown,
+        TypeError / ValueError for an id no request can have (`check_request_id`)."""
         return self._get(request_id).state.reason

@@ -294,7 +294,7 @@ class KVSender(SenderRequests, SenderRound, SenderPeers, SenderHandshake, Sender
 
     def __repr__(self) -> str:
         return (f"KVSender(address={self.address!r}, engine={self.engine.kind!r}, "
-                f"requests={len(self._requests)}, connections={len(self._conns)})")
+                f"requests={len(self._requests)}, connections={len(self._conns)}{', closed' if self._closed else ''})")
 
 
 def _is_wildcard(host: str) -> bool:

@@ -32,7 +32,9 @@ def _refusal(frame):
 def test_refusal_names_the_request_kind_and_field():
     got = _refusal(_frame(ctl_done=1))
     assert got == {"k": "_refused", "rid": "r1", "inc": 3, "what": "region_ask",
-                   "reason": "region_ask.ctl_done must be a bool"}
+                   "reason": "region_ask.ctl_done must be a bool", "window": [0, 0]}
+    assert _refusal(_frame(part=-1))["window"] is None  # a window it cannot name
+    assert _refusal(_frame(chunk=True))["window"] is None
     assert "nbytes" in _refusal(_frame(nbytes=0))["reason"]  # below the field's bound
     assert "missing fields ['lo']" in _refusal(msgpack.packb({k: v for k, v in msgpack.unpackb(_frame()).items()
                                                              if k != "lo"}))["reason"]
@@ -68,8 +70,8 @@ def _corrupt(frame: bytes, kind: str, **over) -> bytes:
 def test_a_region_ask_the_rank_refuses_fails_the_request_on_both_sides_at_once(engine):
     """The sender's ``region_ask`` carries ``ctl_done=1`` (not a bool): rank 0 refuses it and the
     request FAILS there and at the sender within a second, both reasons naming the frame and the
-    field (``timeout_s`` is 20 s). The rank that got good frames hears the failure too; no range
-    of a receive region stays held."""
+    field (``timeout_s`` is 20 s). The rank that got good frames ends too (FAILED, or SUCCESS if
+    its own window landed first); no range of a receive region stays held."""
     c = Cluster(engine, dcp_size=2, mode="region", receiver_kw=dict(region_bytes=4 << 20))
     try:
         rank0 = c.sender  # the sender's frames to rank 0's connection only
@@ -92,7 +94,8 @@ def test_a_region_ask_the_rank_refuses_fails_the_request_on_both_sides_at_once(e
         assert time.monotonic() - t0 < 3
         for why in (c.receivers[0].failure_reason("bad"), c.sender.failure_reason("bad")):
             assert "region_ask" in why and "ctl_done must be a bool" in why, why
-        assert c.receivers[1].wait("bad", 5) == S.FAILED
+        # Rank 1's own window may have landed before the failure reached it: then it is SUCCESS.
+        assert c.receivers[1].wait("bad", 5) in (S.FAILED, S.SUCCESS)
         assert c.receivers[0].stats["rejected_messages"] >= 1  # still dropped and counted
         for r in c.receivers:
             r.release("bad")
@@ -166,4 +169,54 @@ def test_a_malformed_frame_naming_a_request_from_a_stranger_is_counted_unanswere
             c.sender.poll("r1")
     finally:
         sock.close(0)
+        c.close()
+
+
+def test_a_refused_pull_ready_lets_the_senders_pack_region_go(engine):
+    """A pull's ``pull_ready`` with a negative ``src_addr``: the rank refuses it, answers
+    ``pull_done(ok=False)`` for its window (no READ starts), and the request fails on every side
+    at once; the sender's pack arena is whole again and the request drained."""
+    c = Cluster(engine, dcp_size=2, mode="packed", direction="pull")
+    try:
+        tell = c.sender._tell
+        c.sender._tell = lambda ident, frame: tell(ident, _corrupt(frame, "pull_ready", src_addr=-1))
+        L = 16
+        src, dst = c.tables(L)
+        c.expect("p", dst, L)
+        t0 = time.monotonic()
+        c.sender.send("p", src, 0, L)
+        assert c.sender.wait("p", 5) == S.FAILED
+        assert time.monotonic() - t0 < 3
+        assert "malformed pull_ready frame" in c.sender.failure_reason("p"), c.sender.failure_reason("p")
+        assert [r.wait("p", 5) for r in c.receivers] == [S.FAILED] * 2
+        assert wait_for(lambda: c.sender.is_drained("p"))
+        arena = lambda: c.sender.stats["arena"]  # noqa: E731
+        assert wait_for(lambda: arena()["quarantined_bytes"] == arena()["in_use_bytes"] == 0), arena()
+        assert c.check_bytes(src, dst, 0) == 0
+    finally:
+        c.close()
+
+
+def test_an_expect_the_sender_refuses_is_answered_at_once(engine):
+    """Rank 0's announcement carries ``dcp_rank=-1``: the sender refuses it and tells the rank
+    at once (failed, naming the field), instead of the rank waiting out ``timeout_s``; the
+    sender's request fails too, and rank 1 hears it."""
+    c = Cluster(engine, dcp_size=2, mode="packed")
+    try:
+        link = next(iter(c.receivers[0]._links))
+        send = link.client.send
+        link.client.send = lambda frame: send(_corrupt(frame, "expect", dcp_rank=-1))
+        L = 16
+        src, dst = c.tables(L)
+        t0 = time.monotonic()
+        c.expect("x", dst, L)
+        assert c.receivers[0].wait("x", 5) == S.FAILED
+        assert time.monotonic() - t0 < 3
+        why = c.receivers[0].failure_reason("x")
+        assert "malformed expect frame" in why and "dcp_rank" in why, why
+        assert wait_for(lambda: c.sender.stats["rejected_messages"] >= 1)
+        c.sender.send("x", src, 0, L)
+        assert c.sender.wait("x", 5) == S.FAILED
+        assert c.receivers[1].wait("x", 5) == S.FAILED
+    finally:
         c.close()

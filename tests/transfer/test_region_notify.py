@@ -218,3 +218,34 @@ def test_a_done_frame_for_a_request_that_ended_leaves_an_engine_notified_range_h
             r0._region.free(region)
     finally:
         c.close()
+
+
+def test_a_second_done_for_a_window_that_landed_is_named_so(engine):
+    """A ``done`` for a window this rank already unpacked and counted (a duplicate): the request
+    fails, the reason saying the window landed already (not that it was never granted)."""
+    from dcp_jax.transfer import protocol as proto
+
+    c = Cluster(engine, dcp_size=2, mode="region", receiver_kw=dict(region_bytes=1 << 20), region_notify="round")
+    try:
+        r0 = c.receivers[0]
+        landed, seen = r0._region_landed, []
+
+        def recording(link, msg, by_ctl=False):
+            seen.append((link, dict(msg)))
+            return landed(link, msg, by_ctl)
+
+        r0._region_landed = recording
+        L = 30
+        src, dst = c.tables(L)
+        c.expect("d", dst, L)
+        c.sender.send("d", src, 0, 10)  # the first chunk only: the request stays live
+        assert wait_for(lambda: bool(seen))
+        link, msg = seen[0]
+        assert wait_for(lambda: r0.request_stats("d")["unpacks"] >= 1)  # unpacked and counted
+        with r0._lock:
+            r0._on_message(link, proto.decode(proto.encode("done", msg["rid"], msg["inc"],
+                                                           **{k: msg[k] for k in proto.KINDS["done"]})))
+        assert r0.wait("d", 5) == S.FAILED
+        assert "landed already (a second done)" in r0.failure_reason("d"), r0.failure_reason("d")
+    finally:
+        c.close()
