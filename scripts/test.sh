@@ -12,26 +12,17 @@ rc=0
 # The two-host tests (tests/netns) run after the rest, in one process: two workers driving
 # namespace harnesses at once failed NIXL's UCX endpoints with "Destination is unreachable"
 # (seen twice on 2 cores). With arguments, one run of exactly what they name.
-whole=0; [ $# -eq 0 ] && whole=1
-vllm_setup=
-# The vLLM suite (its own Python 3.11 venv, scripts/vllm_suite.sh): vLLM's own connector lifecycle
-# tests against DcpJaxConnector and the stock one, then tests/vllm. It runs with the whole suite
-# (no arguments); DCP_JAX_VLLM=0 leaves it out, DCP_JAX_VLLM=1 adds it to a run with arguments.
-# Its venv (~2 min of pip, mostly downloads and disk) is made while the tests below run; the
-# suite starts once both are done (the setup's log is shown then).
-if [ "${DCP_JAX_VLLM:-$whole}" = 1 ]; then
-    ./scripts/vllm_suite.sh --setup-only > .vllm-setup.log 2>&1 &
-    vllm_setup=$!
-fi
 if [ $# -eq 0 ]; then
     .venv/bin/python -m pytest -n "${DCP_JAX_TEST_WORKERS:-2}" --dist loadfile --ignore=tests/netns || rc=$?
     .venv/bin/python -m pytest tests/netns || rc=$?
 else
     .venv/bin/python -m pytest -n "${DCP_JAX_TEST_WORKERS:-2}" --dist loadfile "$@" || rc=$?
 fi
-if [ -n "$vllm_setup" ]; then
-    wait "$vllm_setup" || echo "vLLM suite setup failed (see below); the suite tries again"
-    cat .vllm-setup.log
+# The vLLM suite (its own Python 3.11 venv, scripts/vllm_suite.sh): vLLM's own connector lifecycle
+# tests against DcpJaxConnector and the stock one, then tests/vllm. It runs with the whole suite
+# (no arguments); DCP_JAX_VLLM=0 leaves it out, DCP_JAX_VLLM=1 adds it to a run with arguments.
+whole=0; [ $# -eq 0 ] && whole=1
+if [ "${DCP_JAX_VLLM:-$whole}" = 1 ]; then
     ./scripts/vllm_suite.sh || rc=$?
 fi
 exit $rc
