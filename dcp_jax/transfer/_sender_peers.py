@@ -286,23 +286,24 @@ class SenderPeers:
         return len(kept) < len(parked)
 
     def _on_refused(self, conn: Conn, msg: dict) -> None:
-        """A frame of this rank's that `protocol.decode` refused, naming one of our requests
+        """A frame of this rank's that `protocol.decode` refused, naming one of its requests
         (`protocol.refusal`): the request fails now, and its ranks hear why, instead of both
-        sides waiting out ``timeout_s`` for what the frame was to bring."""
+        sides waiting out ``timeout_s`` for what the frame was to bring. Only a request this
+        connection takes part in, of that incarnation: a frame naming another's is dropped."""
         why = f"decode rank {conn.spec.dcp_rank} sent a malformed {msg['what']} frame (refused here): {msg['reason']}"
         req = self._requests.get(msg["rid"])
         t = req.targets.get(conn.spec.group_rank) if req is not None else None
         if msg["what"] == "expect" and (t is None or t.inc != msg["inc"] or t.conn is not conn):
-            # An announcement this side could not take: the rank hears it at once (failed, then
-            # drained: nothing was sent to it), and a live request it belongs to fails too.
-            # An id not known yet is recorded FAILED (as `abort` records one): ranks announcing it
-            # later hear how it ended, a `send` of it drops the chunk, `release` frees the id.
-            self._tell_ended(conn, msg["rid"], msg["inc"], TransferStatus.FAILED, why[:proto.MAX_TEXT])
-            if req is None:
-                req = self._new_request(msg["rid"])
-            if not req.status.terminal:
-                self._end(req, TransferStatus.FAILED, why, notify="failed")
-            return
+            # An announcement this side could not take: only its rank hears it, at once (failed,
+            # then drained: nothing was sent to it). A request of that id here belongs to other
+            # connections or another incarnation (as for a good announcement): left alone.
+            return self._tell_ended(conn, msg["rid"], msg["inc"], TransferStatus.FAILED, why[:proto.MAX_TEXT])
+        if msg["what"] == "pull_done" and msg["window"] is not None:
+            chunk, part = msg["window"]
+            u = self._pulls.get((msg["rid"], msg["inc"], conn.spec.dcp_rank, chunk, part))
+            if u is not None and u.target.conn is conn:  # any pull_done says the read is over
+                return self._on_pull_done(conn, dict(rid=msg["rid"], inc=msg["inc"], chunk=chunk, part=part,
+                                                     ok=False, reason=why))
         if t is None or t.inc != msg["inc"] or t.conn is not conn or req.status.terminal:
             self._counts["dropped_messages"] += 1
             return

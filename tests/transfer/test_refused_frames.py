@@ -199,8 +199,8 @@ def test_a_refused_pull_ready_lets_the_senders_pack_region_go(engine):
 
 def test_an_expect_the_sender_refuses_is_answered_at_once(engine):
     """Rank 0's announcement carries ``dcp_rank=-1``: the sender refuses it and tells the rank
-    at once (failed, naming the field), instead of the rank waiting out ``timeout_s``; the
-    sender's request fails too, and rank 1 hears it."""
+    at once (failed, naming the field), instead of the rank waiting out ``timeout_s``. Rank 1's
+    good announcement of the same id is not touched by it."""
     c = Cluster(engine, dcp_size=2, mode="packed")
     try:
         link = next(iter(c.receivers[0]._links))
@@ -215,8 +215,63 @@ def test_an_expect_the_sender_refuses_is_answered_at_once(engine):
         why = c.receivers[0].failure_reason("x")
         assert "malformed expect frame" in why and "dcp_rank" in why, why
         assert wait_for(lambda: c.sender.stats["rejected_messages"] >= 1)
-        c.sender.send("x", src, 0, L)
-        assert c.sender.wait("x", 5) == S.FAILED
-        assert c.receivers[1].wait("x", 5) == S.FAILED
+        assert c.receivers[1].poll("x") is S.WAITING  # its announcement stands
+    finally:
+        c.close()
+
+
+def test_a_malformed_expect_cannot_fail_a_request_of_another_incarnation(engine):
+    """A rank that announces request "y" again with a malformed frame of another incarnation
+    while "y" is live at the sender: only that announcement is answered (failed); the live
+    request goes on and succeeds byte-exact on every rank."""
+    from dcp_jax.transfer import protocol as proto
+
+    c = Cluster(engine, dcp_size=2, mode="packed")
+    try:
+        L = 16
+        src, dst = c.tables(L)
+        c.expect("y", dst, L)
+        def announced():
+            try:
+                return len(c.sender.request_stats("y")["ranks"]) == 2
+            except KeyError:  # no announcement has reached the sender yet
+                return False
+
+        assert wait_for(announced)
+        r0 = c.receivers[0]
+        link = next(iter(r0._links))
+        inc = r0._requests["y"].inc
+        bad = msgpack.unpackb(proto.encode("expect", "y", inc + 7, num_tokens=L, prefix_tokens=0,
+                                           page_table=proto.pack_i64([0]), dcp_rank=0))
+        bad["dcp_rank"] = -1
+        before = c.sender.stats["rejected_messages"]
+        with r0._lock:  # off the worker thread: queued for it (the socket is the worker's)
+            r0._send(link, msgpack.packb(bad))
+        assert wait_for(lambda: c.sender.stats["rejected_messages"] == before + 1)
+        c.sender.send("y", src, 0, L)
+        assert c.wait("y") == [S.SUCCESS] * 3, c.reasons("y")
+        assert c.check_bytes(src, dst, L) == L
+    finally:
+        c.close()
+
+
+def test_a_refused_pull_done_that_names_its_window_lets_the_region_go(engine):
+    """A rank's ``pull_done`` with ``ok=1`` (not a bool): the sender refuses it, but the frame
+    names its window and any pull_done says the read is over: the request fails at once and the
+    sender's pack region comes back (released, drained)."""
+    c = Cluster(engine, dcp_size=2, mode="packed", direction="pull")
+    try:
+        r0 = c.receivers[0]
+        send = r0._send
+        r0._send = lambda link, frame: send(link, _corrupt(frame, "pull_done", ok=1))
+        L = 16
+        src, dst = c.tables(L)
+        c.expect("q", dst, L)
+        c.sender.send("q", src, 0, L)
+        assert c.sender.wait("q", 5) == S.FAILED
+        assert "malformed pull_done frame" in c.sender.failure_reason("q"), c.sender.failure_reason("q")
+        c.sender.release("q")
+        arena = lambda: c.sender.stats["arena"]  # noqa: E731
+        assert wait_for(lambda: arena()["quarantined_bytes"] == arena()["in_use_bytes"] == 0), arena()
     finally:
         c.close()
