@@ -129,7 +129,8 @@ def _runs(out: str, ceilings: dict[int, float]) -> list[dict]:
             ceiling = ceilings.get(tokens)
             st = run.get("staging") or {}
             mps = (r.get("mps") or {}).get("clients")  # --mps: the job's own MPS daemon's client count
-            row = {"step": name[:-5] + (f" (MPS, {mps} clients)" if mps is not None else ""), "engine": run.get("engine", cfg.get("engine_kind")), "tokens": tokens,
+            row = {"step": name[:-5] + (f" (MPS, {mps} clients)" if mps is not None else ""),
+                   "engine": run.get("engine", cfg.get("engine_kind")), "tokens": tokens,
                    "path": ",".join(run["paths"]) if run.get("paths") else run.get("path") or run.get("mode"),
                    "staging": "staged" if "staged" in st.values() else "direct",
                    "pack_backend": run.get("pack_backend"), "descriptors_per_rank": per_rank,

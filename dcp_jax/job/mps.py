@@ -38,9 +38,7 @@ QUIT_TIMEOUT_S = 20.0
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process of that pid: not ours to wait for
+    except (ProcessLookupError, PermissionError):  # gone, or another user's process of that pid
         return False
     return True
 

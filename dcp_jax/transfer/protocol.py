@@ -187,10 +187,11 @@ def refusal(data: Any, error: Exception) -> dict[str, Any] | None:
     can fail that request at once, saying why, instead of both sides waiting out ``timeout_s``
     for what the frame was to bring: ``{"k": "_refused", "rid", "inc", "what": kind, "reason",
     "window": [chunk, part] or None}`` (an internal message, never sent; ``window`` where the
-    frame's ``chunk`` and ``part`` are ints in [0, 2^63)). Only when the frame unpacks (bounded, as `decode`) to a
-    map of this protocol version and of a known kind about one request, with a ``rid`` of 1 to
-    `MAX_REQUEST_ID` characters and an ``inc`` int in [0, 2^63); else None (garbage, another
-    version, a frame that names no request): the frame is only dropped and counted."""
+    frame's ``chunk`` and ``part`` are ints in [0, 2^63)). Only when the frame unpacks (bounded,
+    as `decode`) to a map of this protocol version and of a known kind about one request, with
+    a ``rid`` of 1 to `MAX_REQUEST_ID` characters and an ``inc`` int in [0, 2^63); else None
+    (garbage, another version, a frame that names no request): the frame is only dropped and
+    counted."""
     try:
         msg = unpack(data)
     except ProtocolError:
@@ -202,10 +203,10 @@ def refusal(data: Any, error: Exception) -> dict[str, Any] | None:
         return None
     if not isinstance(rid, str) or not 0 < len(rid) <= MAX_REQUEST_ID:
         return None
-    if isinstance(inc, bool) or not isinstance(inc, int) or not 0 <= inc <= _I64:
+    if not _int_in(inc, 0):
         return None
-    window = [msg.get("chunk"), msg.get("part")]  # a pull_ready's, so its region can be let go
-    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _I64 for v in window):
+    window = [msg.get("chunk"), msg.get("part")]  # a pull_ready's / pull_done's: its pack region can go
+    if not all(_int_in(v, 0) for v in window):
         window = None
     return {"k": "_refused", "rid": rid, "inc": inc, "what": kind, "reason": str(error)[:300], "window": window}
 
@@ -229,6 +230,11 @@ def unpack(data: Any, *, max_bytes: int = MAX_CONTROL_BYTES) -> Any:
         raise ProtocolError(f"not a msgpack message: {type(exc).__name__}: {exc}") from None
 
 
+def _int_in(v: Any, low: int) -> bool:
+    """An int (not a bool) in [low, 2^63): what an int field of a message may hold."""
+    return isinstance(v, int) and not isinstance(v, bool) and low <= v <= _I64
+
+
 def _check(msg: Any) -> None:
     if not isinstance(msg, dict):
         raise ProtocolError(f"message must be a map, got {type(msg).__name__}")
@@ -247,7 +253,7 @@ def _check(msg: Any) -> None:
         if typ is _ANY:
             continue
         if typ is _INT:
-            if isinstance(v, bool) or not isinstance(v, int) or not bound <= v <= _I64:
+            if not _int_in(v, bound):
                 raise ProtocolError(f"{kind}.{name}={v!r} must be an int in [{bound}, 2^63)")
         elif typ is _BOOL:
             if not isinstance(v, bool):

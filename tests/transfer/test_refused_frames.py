@@ -8,7 +8,7 @@ import time
 import msgpack
 import pytest
 
-from conftest import Cluster, TransferStatus, region_free, wait_for
+from conftest import Cluster, TransferStatus, announced, arena_free, region_free, wait_for
 from dcp_jax.transfer import protocol as proto
 
 S = TransferStatus
@@ -190,8 +190,7 @@ def test_a_refused_pull_ready_lets_the_senders_pack_region_go(engine):
         assert "malformed pull_ready frame" in c.sender.failure_reason("p"), c.sender.failure_reason("p")
         assert [r.wait("p", 5) for r in c.receivers] == [S.FAILED] * 2
         assert wait_for(lambda: c.sender.is_drained("p"))
-        arena = lambda: c.sender.stats["arena"]  # noqa: E731
-        assert wait_for(lambda: arena()["quarantined_bytes"] == arena()["in_use_bytes"] == 0), arena()
+        assert wait_for(lambda: arena_free(c.sender)), c.sender.stats["arena"]
         assert c.check_bytes(src, dst, 0) == 0
     finally:
         c.close()
@@ -231,13 +230,7 @@ def test_a_malformed_expect_cannot_fail_a_request_of_another_incarnation(engine)
         L = 16
         src, dst = c.tables(L)
         c.expect("y", dst, L)
-        def announced():
-            try:
-                return len(c.sender.request_stats("y")["ranks"]) == 2
-            except KeyError:  # no announcement has reached the sender yet
-                return False
-
-        assert wait_for(announced)
+        assert wait_for(lambda: len(announced(c.sender, "y")) == 2)
         r0 = c.receivers[0]
         link = next(iter(r0._links))
         inc = r0._requests["y"].inc
@@ -271,7 +264,6 @@ def test_a_refused_pull_done_that_names_its_window_lets_the_region_go(engine):
         assert c.sender.wait("q", 5) == S.FAILED
         assert "malformed pull_done frame" in c.sender.failure_reason("q"), c.sender.failure_reason("q")
         c.sender.release("q")
-        arena = lambda: c.sender.stats["arena"]  # noqa: E731
-        assert wait_for(lambda: arena()["quarantined_bytes"] == arena()["in_use_bytes"] == 0), arena()
+        assert wait_for(lambda: arena_free(c.sender)), c.sender.stats["arena"]
     finally:
         c.close()
