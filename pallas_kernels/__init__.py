@@ -28,7 +28,7 @@ from pallas_kernels.gather import (
     word_dtype,
 )
 from pallas_kernels.pack import PackSource, clear_import_cache, pack_rows, warm_pack_rows
-from pallas_kernels.pack_windows import pack_windows, warm_pack_windows
+from pallas_kernels.pack_windows import pack_windows, warm_pack_windows, warm_pack_windows_direct
 from pallas_kernels.registry import (
     PackBackend,
     available_backends,
@@ -51,6 +51,7 @@ __all__ = [
     "pack_windows",
     "warm_pack_rows",
     "warm_pack_windows",
+    "warm_pack_windows_direct",
     "SCATTER_BACKENDS",
     "copy_rows",
     "RowCopier",

@@ -2,15 +2,18 @@
 
 The same bytes as `pack_rows` once per window, in place, with the checks, index staging and
 kernel dispatch paid once: numpy buffers are gathered on the host (one thread-pool run over all
-windows), CuPy buffers by ONE launch of the windowed Pallas kernel (`pallas_kernels.windows`).
+windows), CuPy buffers by ONE launch of the windowed Pallas kernel (`pallas_kernels.windows`),
+without JAX's dispatch where it can (`triton_launch`, kind "windows").
 """
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
-from pallas_kernels import device
-from pallas_kernels.config import BACKENDS, GatherConfig, buckets_up_to, select_backend
+from pallas_kernels import device, triton_launch
+from pallas_kernels.config import BACKENDS, GatherConfig, bucket_rows, buckets_up_to, select_backend
 from pallas_kernels.host import _region_units, _run_units, check_threads, host_threads
 from pallas_kernels._buffer_args import check_bool, check_indices, check_range, check_word_offset
 from pallas_kernels.pack import (
@@ -21,11 +24,12 @@ from pallas_kernels.pack import (
     pack_rows,
 )
 from pallas_kernels.row_copy import preload_lowering
+from pallas_kernels.triton_plans import pack_windows_direct
 from pallas_kernels.mapped_ring import fill_padded, stage_indices
 from pallas_kernels.windows import _check_offsets, _gather_windows_jit, _gather_windows_slot_jit, gather_windows, \
     window_blocks
 
-__all__ = ["pack_windows", "warm_pack_windows"]
+__all__ = ["pack_windows", "warm_pack_windows", "warm_pack_windows_direct"]
 
 
 def pack_windows(layers, windows, pack, *, backend: str = "auto",
@@ -109,7 +113,8 @@ def pack_windows(layers, windows, pack, *, backend: str = "auto",
             import cupy as cp
 
             padded = _padded_indices(live, starts, m, cp)
-        _device_windows(srcs, padded, blocks, m, pack, word, backend, config, align, sync)
+        owner = weakref.ref(source) if source is not None else entry.token
+        _device_windows(srcs, padded, blocks, m, pack, word, backend, config, align, sync, (owner, views, False))
     else:
         _interpret_windows(layers, live, starts, blocks, m, pack, word, backend, config, align)
     return total
@@ -167,6 +172,7 @@ def warm_pack_windows(layers, pack, max_rows: int, *, backend: str = "auto",
     if on_device:
         views = source.device_views() if source is not None else _cached_device_views(layers, key, entry)
         srcs = kernel_sources(layers, views, word)
+        owner = weakref.ref(source) if source is not None else entry.token
     else:
         import jax.numpy as jnp
 
@@ -177,13 +183,63 @@ def warm_pack_windows(layers, pack, max_rows: int, *, backend: str = "auto",
         empty = np.zeros(4 * (m // br), np.int32)  # ok = 0 in every block: no store
         if on_device:
             _device_windows(srcs, np.zeros(m, np.int32), empty, m, pack, word, backend, config, align,
-                            False)
+                            False, (owner, views, False))
         else:  # the interpreter's result is dropped: the pack is not touched at all
             words = gather_windows(srcs, jnp.zeros(m, jnp.int32), words, jnp.asarray(empty),
                                    config=config, backend=backend, offset_align=align)  # donated
     if on_device:
         _sync_pack(pack)
     return out
+
+
+def warm_pack_windows_direct(layers, pack, max_rows: int, *, config: GatherConfig | None = None,
+                             offset: int = 0) -> list[int]:
+    """Compiles `pack_windows`' windowed kernel for its launch without JAX's dispatch
+    (`pallas_kernels.triton_launch`) for the ONE index bucket of `max_rows` rows, writing
+    nothing. `pack_windows` launches a call that way only where its bucket is compiled (a
+    Triton compile takes seconds: ~3-7 s a shape, H100), else through JAX (`warm_pack_windows`).
+    A sender compiles the bucket of its rounds: one launch then packs a round's windows (a
+    direct launch costs ~0.2 ms of host time on an H200, 2026-12-07, so eight windows launched
+    one by one cost 1.6 ms, more than their 1.1 ms of kernels).
+
+    Args:
+        layers, pack, config, offset: as `warm_pack_windows`.
+        max_rows: the index rows of the launches to come (>= 1): the sum over a call's windows
+            of each window's rows rounded up to `config.block_rows`; clamped to what the pack
+            holds, as `warm_pack_windows`.
+
+    Returns:
+        [the bucket compiled], or [] where no direct launch applies (host buffers, a backend
+        other than "triton", direct launches off or failed, a layer copied per call, a pack
+        too small for one row).
+
+    Raises:
+        ValueError, TypeError: as `warm_pack_windows`.
+    """
+    source, key, entry, layers, on_device = _resolve(layers, pack, config)
+    if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 1:
+        raise ValueError(f"max_rows={max_rows!r} must be an int >= 1")
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0 \
+            or offset % entry.word.itemsize:
+        raise ValueError(f"offset={offset!r} must be a non-negative multiple of "
+                         f"{entry.word.itemsize} bytes")
+    if not on_device or select_backend("auto") != "triton" or not triton_launch.enabled("triton", "windows"):
+        return []
+    config = GatherConfig.default() if config is None else config
+    br, word = config.block_rows, entry.word
+    fits = pack.nbytes // sum(entry.item_lens)
+    if fits == 0:
+        return []
+    m = bucket_rows(min(int(max_rows), fits * br), br)
+    views = source.device_views() if source is not None else _cached_device_views(layers, key, entry)
+    srcs = kernel_sources(layers, views, word)
+    owner = weakref.ref(source) if source is not None else entry.token
+    nbytes = pack.nbytes // word.itemsize * word.itemsize
+    dests = device.destinations([pack], word, [nbytes])
+    with dests.lock:  # ok = 0 in every block: nothing written
+        done = pack_windows_direct(owner, views, srcs, dests, np.zeros(m, np.int32), np.zeros(4 * (m // br), np.int32),
+                                   _offset_align(int(offset), word), config, True, True)
+    return [m] if done else []
 
 
 def _check_windows(windows, on_device, row_bytes, num_rows, pack_bytes):
@@ -253,15 +309,21 @@ def _interpret_windows(layers, live, starts, blocks, m, pack, word, backend, con
         pack[off:end] = res[off:end]
 
 
-def _device_windows(srcs, padded, blocks, m, pack, word, backend, config, align, sync):
+def _device_windows(srcs, padded, blocks, m, pack, word, backend, config, align, sync, direct):
     """CuPy buffers: one staged index slot (`padded`: i32[m], numpy or CuPy), one windowed
-    kernel into the pack in place."""
+    kernel into the pack in place: launched directly (`triton_plans.pack_windows_direct`) for
+    host indices where it can, else through JAX. ``direct``: (owner, views) of the source, as
+    `pack_rows` passes them, and whether a direct kernel not yet compiled is compiled now."""
     ws = word.itemsize
     nbytes = pack.nbytes // ws * ws
     dests = device.destinations([pack], word, [nbytes])
     with dests.lock:
         try:
             slot = None
+            if isinstance(padded, np.ndarray) and triton_launch.enabled(backend, "windows") and \
+                    pack_windows_direct(*direct[:2], srcs, dests, padded, blocks, align, config, sync, direct[2]):
+                return
+            triton_launch.after_direct([dests])  # the JAX launch lands after a direct one
             if isinstance(padded, np.ndarray):
                 slot, staged = stage_indices(dests, m, 1, len(blocks), fill_padded([padded], blocks), backend)
                 if staged is not None:

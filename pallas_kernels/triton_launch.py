@@ -1,6 +1,6 @@
 """Pallas kernels launched without JAX's dispatch (Triton's own launcher): the fused fan-out
-(`copy_fanout`), `pack_rows` with host indices and `RowUnpacker.unpack` (the region path's
-decode-side unpack).
+(`copy_fanout`), `pack_rows` and `pack_windows` with host indices and `RowUnpacker.unpack` (the
+region path's decode-side unpack).
 
 Why: the fused path's whole request at 32,768 tokens is one ~1.1-1.6 ms kernel (H200 / H100)
 plus the host time before it is enqueued. Through JAX, `copy_fanout` cost 850 us of host time
@@ -44,14 +44,14 @@ import numpy as np
 
 from pallas_kernels.config import env_flag
 
-__all__ = ["after_direct", "after_jax", "capture_triton_modules", "compile_module", "disable", "enabled",
+__all__ = ["after_direct", "after_jax", "capture_triton_modules", "compile_module", "compiled", "disable", "enabled",
            "enqueue", "kernel_for", "launch_into", "stream_for", "synchronize"]
 
 logger = logging.getLogger(__name__)
 
 _LOCK = threading.RLock()
 #: The kinds of direct launch (`enabled`'s `kind`).
-KINDS = ("fanout", "gather", "unpack")
+KINDS = ("fanout", "gather", "unpack", "windows")
 
 
 def _off_kinds(raw: str) -> set:
@@ -82,7 +82,8 @@ _KERNEL = re.compile(r"^\s*tt\.func public @[\w$.]+\(.*\)\s*(attributes \{.*\}\s
 
 def enabled(backend: str, kind: str = "fanout") -> bool:
     """Whether a kernel of `kind` ("fanout": `copy_fanout`; "gather": `pack_rows` with host
-    indices; "unpack": `RowUnpacker.unpack` into a layer-major cache) launches here: `backend` "triton" (the callers' resolved backend, which only a
+    indices; "windows": `pack_windows` with host indices, one launch for all windows; "unpack":
+    `RowUnpacker.unpack` into a layer-major cache) launches here: `backend` "triton" (the callers' resolved backend, which only a
     CUDA GPU gives), the ``triton`` package importable, not turned off
     (``DCP_JAX_DIRECT_LAUNCH=0``, or `disable` for this kind or all)."""
     if _STATE["off"] or backend != "triton" or kind in _STATE["off_kinds"]:
@@ -210,6 +211,11 @@ def kernel_for(key, trace, tag: str, config, device_id: int):
         with torch.cuda.device(device_id):
             kernel._init_handles()  # loads the binary on this device (a later launch only reuses it)
         return _remember(key, (kernel, (grid + (1, 1))[:3]))
+
+
+def compiled(key) -> bool:
+    """Whether `kernel_for` holds a kernel under `key` (a launch of it compiles nothing)."""
+    return key in _KERNELS
 
 
 def _remember(key, got):

@@ -7,7 +7,8 @@ then the aliased outputs again.
   destination rows, one stacked source group, D flat destinations; then the D destinations.
 - `GatherPlan`: `pack_rows`' kernel (`gather._gather_rows_jit` on the Triton backend): meta
   (rows, offset units, ok), indices, the sources (one stacked view or one per layer), the pack;
-  then the pack.
+  then the pack. And `pack_windows`' windowed kernel (`windows._gather_windows_jit`): the same,
+  its meta the block table.
 - `UnpackPlan`: `RowUnpacker`'s kernel into a layer-major cache (`scatter._unpack_flat_jit`):
   meta (rows, offset units, ok), destination rows, the receive region, the flat cache; then the
   cache.
@@ -25,7 +26,7 @@ import numpy as np
 from pallas_kernels import triton_launch
 from pallas_kernels.mapped_ring import slot_layout
 
-__all__ = ["FanoutPlan", "GatherPlan", "UnpackPlan", "clear_plans", "pack_rows_direct"]
+__all__ = ["FanoutPlan", "GatherPlan", "UnpackPlan", "clear_plans", "pack_rows_direct", "pack_windows_direct"]
 
 
 def _fresh_jit(fn, **static):
@@ -165,6 +166,53 @@ class GatherPlan:
         `m`) with ``meta = (n, offset units, ok)``. Returns the stream."""
         return _enqueue_indexed(self, idx, m, meta, offset_align, (*self.src_ptrs, self.pack_ptr, self.pack_ptr))
 
+    def _windows_kernel(self, m, table_len, offset_align):
+        from pallas_kernels.windows import _gather_windows_jit
+
+        one = len(self.src_shapes) == 1 and len(self.src_shapes[0]) == 3
+
+        def trace():
+            srcs = _sds(self.src_shapes[0], self.word) if one else [_sds(s, self.word) for s in self.src_shapes]
+            fn = _fresh_jit(_gather_windows_jit.__wrapped__, config=self.config, backend="triton",
+                            offset_align=offset_align)
+            fn.trace(srcs, _sds((m,), np.int32), _sds((self.pack_words,), self.word),
+                     _sds((table_len,), np.int32)).lower()
+
+        return triton_launch.kernel_for(self._windows_key(m, table_len, offset_align), trace, "kv_gather_windows",
+                                        self.config, self.device_id)
+
+    def has_windows(self, m: int, table_len: int, offset_align: int) -> bool:
+        """Whether the windowed kernel of this bucket is compiled (here or for another plan of
+        the same shapes): launching it costs no compile."""
+        return ("windows", m, table_len, offset_align) in self.kernels or triton_launch.compiled(
+            self._windows_key(m, table_len, offset_align))
+
+    def _windows_key(self, m, table_len, offset_align):
+        return ("gather_windows", tuple(self.src_shapes), self.word, self.pack_words, m, table_len, offset_align,
+                self.config, self.device_id)
+
+    def launch_windows(self, padded: np.ndarray, blocks: np.ndarray, offset_align: int):
+        """Enqueues `pallas_kernels.pack_windows`' windowed kernel (compiled on first use):
+        `padded` (i32[m], every window's rows from its start, `windows.window_blocks`) and its
+        block table `blocks` (i32[4 * m // block_rows]) in one index slot. Returns the stream."""
+        m, table_len = int(padded.shape[0]), int(blocks.shape[0])
+        got = self.kernels.get(("windows", m, table_len, offset_align))
+        if got is None:
+            got = self.kernels[("windows", m, table_len, offset_align)] = self._windows_kernel(
+                m, table_len, offset_align)
+        kernel, grid = got
+        stride, size = slot_layout(m, 1, table_len)
+        ptrs = (*self.src_ptrs, self.pack_ptr, self.pack_ptr)
+
+        def fill_slot(host):
+            host[:m] = padded
+            host[stride:stride + table_len] = blocks
+
+        def launch(base, stream):
+            kernel[grid](base + 4 * stride, base, *ptrs, stream=stream)
+
+        return triton_launch.enqueue(self.device_id, size, fill_slot, [launch])
+
 
 class UnpackPlan:
     """`RowUnpacker.unpack` of one receive region into one layer-major cache (one flat
@@ -229,17 +277,45 @@ def pack_rows_direct(owner, views, srcs, dests, idx, m, meta, align, config, syn
     serves) or cannot launch (then off for the process, with one warning)."""
     if isinstance(views, list) and any(v is None for v in views):
         return False  # a layer is copied per call: its address changes
-    def launch():
-        with _GATHER_LOCK:
-            plan = next((p for o, ref, cfg, p in reversed(_GATHER_PLANS)
-                         if ref() is dests and cfg == config and _same_owner(o, owner)), None)
-            if plan is None:
-                plan = GatherPlan(srcs, dests.ptrs[0], dests.handles[0].shape[0], config)
-                del _GATHER_PLANS[:-7]
-                _GATHER_PLANS.append((owner, weakref.ref(dests), config, plan))
-        return plan.launch(idx, m, meta, align)
+    return _launch("gather", dests, sync, lambda: _gather_plan(owner, srcs, dests, config).launch(idx, m, meta, align))
 
-    stream = triton_launch.launch_into("gather", [dests], launch)
+
+def pack_windows_direct(owner, views, srcs, dests, padded, blocks, align, config, sync, compile) -> bool:
+    """`pallas_kernels.pack_windows` of host indices through `triton_launch` (kind
+    ``"windows"``; the pack's lock held; `pack_windows._device_windows`): ONE launch for every
+    window of a round, where `pack_rows_direct` per window costs each its own host time (~0.2 ms
+    a launch on an H200, more than its 0.14 ms kernel, 2026-12-07). The same `GatherPlan` as
+    `pack_rows_direct` (owner, pack, config). Without `compile`, only a bucket whose kernel is
+    compiled launches (`warm_pack_windows_direct`): a Triton compile takes seconds, the JAX
+    launch's jitted kernel comes from JAX's caches. False where it does not apply or cannot
+    launch (then off for the process, with one warning), as `pack_rows_direct`."""
+    if isinstance(views, list) and any(v is None for v in views):
+        return False
+    try:
+        plan = _gather_plan(owner, srcs, dests, config)
+    except Exception as exc:  # noqa: BLE001 - as a failed launch: the JAX launch serves
+        triton_launch.disable(f"{type(exc).__name__}: {exc}", "windows")
+        return False
+    if not compile and not plan.has_windows(int(padded.shape[0]), int(blocks.shape[0]), align):
+        return False
+    return _launch("windows", dests, sync, lambda: plan.launch_windows(padded, blocks, align))
+
+
+def _gather_plan(owner, srcs, dests, config) -> GatherPlan:
+    """The kept `GatherPlan` of (owner, pack, config), made if none is."""
+    with _GATHER_LOCK:
+        plan = next((p for o, ref, cfg, p in reversed(_GATHER_PLANS)
+                     if ref() is dests and cfg == config and _same_owner(o, owner)), None)
+        if plan is None:
+            plan = GatherPlan(srcs, dests.ptrs[0], dests.handles[0].shape[0], config)
+            del _GATHER_PLANS[:-7]
+            _GATHER_PLANS.append((owner, weakref.ref(dests), config, plan))
+    return plan
+
+
+def _launch(kind, dests, sync, launch) -> bool:
+    """One direct launch of `kind` (`triton_launch.launch_into`); waits for it with `sync`."""
+    stream = triton_launch.launch_into(kind, [dests], launch)
     if stream is None:
         return False
     if sync:

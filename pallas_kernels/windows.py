@@ -30,7 +30,7 @@ from pallas_kernels.gather import _STATIC_ARGNAMES, gather_rows_reference
 from pallas_kernels.row_copy import preload_lowering
 from pallas_kernels.triton_gather import gather_call
 
-__all__ = ["gather_windows", "gather_windows_reference", "window_blocks"]
+__all__ = ["gather_windows", "gather_windows_reference", "window_blocks", "windows_bucket"]
 
 
 #: The table's columns hold each window's row count as int32 and its offset units as uint32 bits.
@@ -121,6 +121,12 @@ _LAYOUTS: dict = {}
 _MAX_LAYOUTS = 256
 
 
+def windows_bucket(counts, block_rows: int) -> int:
+    """m of `window_blocks`: the index length of a windowed launch of windows of `counts` rows
+    (each rounded up to whole row blocks; then `bucket_rows`). Checked Python ints."""
+    return bucket_rows(sum(-(-int(c) // block_rows) for c in counts) * block_rows, block_rows)
+
+
 def _window_layout(counts: list, units: list, block_rows: int) -> tuple[np.ndarray, np.ndarray, int]:
     """`window_blocks` of checked Python ints (the arrays made read-only: they are kept)."""
     nb = [-(-c // block_rows) for c in counts]
@@ -129,7 +135,7 @@ def _window_layout(counts: list, units: list, block_rows: int) -> tuple[np.ndarr
         first.append(used)
         used += b
     starts = np.array(first, np.int64) * block_rows
-    m = bucket_rows(used * block_rows, block_rows)
+    m = windows_bucket(counts, block_rows)
     table = np.zeros((m // block_rows, 4), np.int32)
     if used:
         # per window: (offset units as uint32 bits, rows, -first block, ok); the third column

@@ -154,6 +154,7 @@ class Packer:
         self.staged = staged and self.kind != "numpy"  # host rows: the pack buffer is the target
         self.stage_seconds = 0.0
         self._direct_buckets: frozenset = frozenset()  # one-window rounds packed by `pack_rows` (warmed)
+        self._windows_buckets: frozenset = frozenset()  # rounds packed by one direct windowed launch
         self._scratch = None
         self._jax_rows = None
         if backend == "auto":
@@ -204,11 +205,12 @@ class Packer:
         from pallas_kernels import pack_windows
 
         if not self.staged:
-            if self.launches_each([idx for idx, _ in windows]):
-                # Windows whose bucket `warm_up` compiled for `pack_rows`' direct launch: one
-                # launch each, no JAX dispatch (the windowed kernel's jitted call cost ~0.5 ms of
-                # host time a round in the 32k job; a direct launch ~0.17 ms, and the device
-                # starts on the first window while the next ones are enqueued).
+            # One direct launch for all where its bucket is compiled (a direct launch costs
+            # ~0.2 ms of host time on an H200, more than one window's 0.14 ms kernel, 2026-12-07).
+            if not self.windows_direct(windows) and self.launches_each([idx for idx, _ in windows]):
+                # Windows whose bucket `warm_up` compiled for `pack_rows`' direct launch, where
+                # the windowed kernel goes through JAX: one launch each (its jitted call cost
+                # ~0.5 ms of host time a round in the 32k job; a direct launch ~0.17 ms).
                 for idx, offset in windows:
                     self._gather(idx, self.pack, offset, sync=False)
                 if sync:
@@ -228,6 +230,18 @@ class Packer:
         self.stage_seconds += time.perf_counter() - t0
         return 1
 
+    def windows_direct(self, windows: list) -> bool:
+        """Whether `pallas_kernels.pack_windows` launches these ``(idx, offset)`` windows in ONE
+        kernel without JAX's dispatch: the default device pack, not staged, more than one
+        window, their index bucket compiled for it by `warm_up`, direct launches working."""
+        if len(windows) < 2 or not self._windows_buckets:
+            return False
+        from pallas_kernels import GatherConfig, select_backend, triton_launch
+        from pallas_kernels.windows import windows_bucket
+
+        m = windows_bucket([len(idx) for idx, _ in windows], GatherConfig.default().block_rows)
+        return m in self._windows_buckets and triton_launch.enabled(select_backend("auto"), "windows")
+
     def launches_each(self, windows: list) -> bool:
         """Whether `pack_windows` launches each of these windows (row index arrays) directly,
         one kernel a window: the default device pack, not staged, every window's index bucket
@@ -241,9 +255,11 @@ class Packer:
         ``max_rows`` rows, writing nothing (`pallas_kernels.warm_pack_windows`); returns the
         buckets ([] where nothing compiles: host rows; a named backend compiles what its
         `PackBackend.warm` does: the xla backend's gather buckets on numpy rows).
-        ``window_rows`` (device, "auto", not staged): also `pack_rows`' direct launch for the
-        bucket of one window of that many rows (`pallas_kernels.warm_pack_rows`); a round whose
-        windows all fall in such buckets is then packed that way, one launch a window."""
+        ``window_rows`` (device, "auto", not staged): also the launches without JAX's dispatch:
+        `pack_windows`' for the bucket of ``max_rows`` (`pallas_kernels.warm_pack_windows_direct`;
+        a round of several windows in that bucket is packed in that one launch) and `pack_rows`'
+        for the bucket of one window of ``window_rows`` (`pallas_kernels.warm_pack_rows`; any other
+        round whose windows all fall in such buckets is packed that way, one launch a window)."""
         if self.backend != "auto":
             if self._through_jax:
                 return []  # a fresh JAX pack per call: compiled per row count
@@ -256,13 +272,15 @@ class Packer:
             return []  # `prepare` first (under the owner's lock)
         buckets = warm_pack_windows(self.source, self._scratch if self.staged else self.pack, max_rows)
         if window_rows is not None and not self.staged and self.kind == "cupy":
-            from pallas_kernels import warm_pack_rows
+            from pallas_kernels import warm_pack_rows, warm_pack_windows_direct
 
             try:
                 self._direct_buckets = self._direct_buckets | frozenset(
                     warm_pack_rows(self.source, self.pack, window_rows))
+                self._windows_buckets = self._windows_buckets | frozenset(
+                    warm_pack_windows_direct(self.source, self.pack, max_rows))
             except Exception:  # noqa: BLE001 - the windowed pack serves every round
-                logger.warning("warm_up: pack_rows' direct launch not compiled", exc_info=True)
+                logger.warning("warm_up: the pack's direct launches not compiled", exc_info=True)
         return buckets
 
     @staticmethod

@@ -170,17 +170,22 @@ def test_region_and_fused_paths_byte_exact(kind, direction, mode):
             s.close()
 
 
+@pytest.mark.parametrize("windowed", [True, False], ids=["one launch", "a launch a window"])
 @pytest.mark.parametrize("notify", ["round", "write"])
-def test_a_round_of_warmed_windows_to_four_ranks_byte_exact(notify):
-    """A round whose windows all fall in a bucket `warm_up` compiled for the direct launch goes
-    one launch a window (`Packer.launches_each`), both ways a rank hears its window landed
-    (``region_notify``; "round": the ``region_ask`` says ``ctl_done`` and the rank waits on its
-    sockets): four ranks in one round, byte-exact, one descriptor a rank, every range back."""
+def test_a_round_of_warmed_windows_to_four_ranks_byte_exact(notify, windowed, monkeypatch):
+    """A round whose windows fall in the bucket `warm_up` compiled for the direct windowed launch
+    goes in ONE launch (`Packer.windows_direct`); with that kind off, one direct launch a window
+    (`Packer.launches_each`). Both ways a rank hears its window landed (``region_notify``;
+    "round": the ``region_ask`` says ``ctl_done`` and the rank waits on its sockets): four ranks
+    in one round, byte-exact, one descriptor a rank, every range back."""
     from bridge.nixl import nixl_available
     from dcp_jax.transfer import TransferStatus
+    from pallas_kernels import triton_launch
 
     if not nixl_available():
         pytest.skip("NIXL (CUDA build) not installed")
+    if not windowed:
+        monkeypatch.setitem(triton_launch._STATE, "off_kinds", triton_launch._STATE["off_kinds"] | {"windows"})
     n, P, L = 4, 16, 1024
     sender, recvs, host_src, dst = _cluster("cupy", "push", "region", n=n, region_notify=notify)
     try:
@@ -207,7 +212,8 @@ def test_a_round_of_warmed_windows_to_four_ranks_byte_exact(notify):
         assert [s.poll("w") for s in sides] == [TransferStatus.SUCCESS] * (n + 1), \
             [(s.poll("w"), s.failure_reason("w")) for s in sides]
         st = sender.request_stats("w")
-        assert st["launches"] == n and [v["descriptors"] for v in st["ranks"].values()] == [1] * n, st
+        assert st["launches"] == (1 if windowed else n), st
+        assert [v["descriptors"] for v in st["ranks"].values()] == [1] * n, st
         for r in range(n):
             got = [np.asarray(a.get()) for a in dst[r]]
             for t in range(r, L, n):

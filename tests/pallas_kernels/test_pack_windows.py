@@ -305,3 +305,57 @@ def test_buckets_up_to_hand_cases():
     for n in range(1, 300):  # the last is n's own bucket, every one a bucket of some count
         got = buckets_up_to(n, 64)
         assert got[-1] == bucket_rows(n, 64) and got == [bucket_rows(m, 64) for m in got]
+
+
+def test_warm_direct_refusals_and_host_path():
+    """`warm_pack_windows_direct` compiles nothing off a CUDA GPU (host buffers: []) and checks
+    its arguments as `warm_pack_windows` does, naming them."""
+    from pallas_kernels import warm_pack_windows_direct
+
+    layers = _layers(np.random.default_rng(), 8, (8,))
+    pack = np.zeros(256, np.uint8)
+    assert warm_pack_windows_direct(layers, pack, 100) == []
+    assert warm_pack_windows_direct(PackSource(layers), pack, 1) == []
+    for bad in (0, -1, True, 2.0, None):
+        with pytest.raises(ValueError, match="max_rows"):
+            warm_pack_windows_direct(layers, pack, bad)
+    for bad in (-4, 3, True):
+        with pytest.raises(ValueError, match="offset"):
+            warm_pack_windows_direct(layers, pack, 8, offset=bad)
+    with pytest.raises(ValueError, match="pack must be a 1-D uint8"):
+        warm_pack_windows_direct(layers, pack.view(np.uint32), 8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=9), st.sampled_from([1, 8, 64, 128]))
+def test_windows_bucket_is_window_blocks_m(counts, block_rows):
+    """The one formula of a windowed launch's index bucket (what a sender checks before it
+    launches a round directly) is the m `window_blocks` lays out."""
+    from pallas_kernels.windows import windows_bucket
+
+    assert windows_bucket(counts, block_rows) == window_blocks(counts, [0] * len(counts), block_rows)[2]
+
+
+def test_windows_bucket_hand_cases():
+    from pallas_kernels.windows import windows_bucket
+
+    assert windows_bucket([4096] * 8, 64) == 32768      # the 32k job's round: 8 windows of 4,096 rows
+    assert windows_bucket([4097] + [4096] * 7, 64) == 65536  # one row past: the next bucket
+    assert windows_bucket([1, 1], 64) == 128             # each window a whole block
+    assert windows_bucket([0], 64) == 64                 # an empty window: one (empty) block bucket
+
+
+def test_a_host_packer_packs_a_round_in_one_call_and_launches_nothing_directly():
+    """The sender's `Packer` on host rows: `warm_up` compiles nothing (no direct bucket), a
+    round of eight windows is one call (the thread-pool gather), byte-exact."""
+    from dcp_jax.transfer.staging import Packer
+
+    rng = np.random.default_rng()
+    layers = _layers(rng, 50, (24, 8))
+    pack = np.full(8 * 20 * 32 + 64, SENTINEL, np.uint8)
+    packer = Packer(layers, PackSource(layers), pack)
+    assert packer.warm_up(1024, window_rows=20) == []
+    windows = [(rng.integers(0, 50, 20 - w), w * 20 * 32) for w in range(8)]
+    assert not packer.windows_direct(windows)
+    assert packer.pack_windows(windows) == 1
+    np.testing.assert_array_equal(pack, _per_window(layers, windows, pack.size, "numpy"))
