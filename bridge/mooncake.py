@@ -52,6 +52,7 @@ from bridge.base import (
     TransferHandle,
 )
 from bridge.handles import JobCompletion
+from bridge.mooncake_wake import ListenerWaker
 from bridge.workers import Job, Worker
 
 __all__ = ["MooncakeEngine", "MOONCAKE_MAX_BATCH_ENTRIES", "MOONCAKE_PROTOCOLS", "mooncake_available",
@@ -378,7 +379,13 @@ class MooncakeEngine(JobCompletion, TransferEngine):
                 self._te.unregister_memory(self._scratch)
             except Exception:  # noqa: BLE001 - closing: best effort
                 pass
-        self._te = None  # the destructor tears the engine down (~1 s), on this thread
+        # The destructor tears the engine down on this thread, holding the GIL; its handshake
+        # listener is woken so that it does not wait out a 1 s accept timeout (`mooncake_wake`).
+        host, _, port = self._session.rpartition(":")
+        waker = ListenerWaker.start(host.strip("[]"), int(port)) if port.isdigit() else None
+        self._te = None
+        if waker is not None:
+            waker.close()
         if self._scratch:  # after the engine: nothing can copy into it any more
             import cupy
 
