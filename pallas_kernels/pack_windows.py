@@ -3,7 +3,8 @@
 The same bytes as `pack_rows` once per window, in place, with the checks, index staging and
 kernel dispatch paid once: numpy buffers are gathered on the host (one thread-pool run over all
 windows), CuPy buffers by ONE launch of the windowed Pallas kernel (`pallas_kernels.windows`),
-without JAX's dispatch where it can (`triton_launch`, kind "windows").
+without JAX's dispatch where it can (`triton_launch`, kind "windows", off unless
+``DCP_JAX_DIRECT_ON=windows``).
 """
 
 from __future__ import annotations
@@ -198,6 +199,8 @@ def warm_pack_windows_direct(layers, pack, max_rows: int, *, config: GatherConfi
     (`pallas_kernels.triton_launch`) for the ONE index bucket of `max_rows` rows, writing
     nothing. `pack_windows` launches a call that way only where its bucket is compiled (a
     Triton compile takes seconds: ~3-7 s a shape, H100), else through JAX (`warm_pack_windows`).
+    The kind is off unless ``DCP_JAX_DIRECT_ON=windows`` (`triton_launch.DEFAULT_OFF`: not yet
+    measured faster than a direct launch a window); off, this compiles nothing and returns [].
     A sender compiles the bucket of its rounds: one launch then packs a round's windows (a
     direct launch costs ~0.2 ms of host time on an H200, 2026-12-07, so eight windows launched
     one by one cost 1.6 ms, more than their 1.1 ms of kernels).

@@ -26,7 +26,8 @@ waits for that kernel first (`after_jax`), and a JAX launch after a direct one w
 launch that last read it has finished (an event per slot).
 
 Used when `enabled()`: a CUDA GPU, the ``triton`` package, and ``DCP_JAX_DIRECT_LAUNCH`` not off
-(`config.env_flag`; ``DCP_JAX_DIRECT_OFF``, a comma list of `KINDS`, turns only those off).
+(`config.env_flag`; ``DCP_JAX_DIRECT_OFF``, a comma list of `KINDS`, turns only those off;
+``DCP_JAX_DIRECT_ON`` turns on those of `DEFAULT_OFF`, which are off otherwise).
 Anything that fails here (capture, compile, first launch) turns that kind off for the process
 with one warning, and the JAX launch serves.
 """
@@ -54,20 +55,30 @@ _LOCK = threading.RLock()
 KINDS = ("fanout", "gather", "unpack", "windows")
 
 
-def _off_kinds(raw: str) -> set:
-    """DCP_JAX_DIRECT_OFF="unpack,gather": those kinds through JAX (an A/B on one machine start).
+#: Kinds off unless ``DCP_JAX_DIRECT_ON`` names them. "windows" (a sender's round in one direct
+#: launch) is not measured faster than one direct launch a window: on an H100 (2026-12-07, one
+#: noisy start, one run of 6 requests each) the 32k region job read 146.3 / 160.2 GB/s whole with
+#: it against 170.0 / 215.9 without (under MPS / not). On the H200, where a launch's host time
+#: exceeds one window's kernel, it is still to be measured (`benchmarks/gpu/windows_ab.sh`).
+DEFAULT_OFF = frozenset({"windows"})
+
+
+def _off_kinds(raw: str, var: str = "DCP_JAX_DIRECT_OFF") -> set:
+    """DCP_JAX_DIRECT_OFF="unpack,gather": those kinds through JAX (an A/B on one machine start);
+    the same parse for ``DCP_JAX_DIRECT_ON`` (`var`), which turns on kinds of `DEFAULT_OFF`.
 
     Raises:
         ValueError: a name that is not one of `KINDS` (naming the variable)."""
     kinds = {k.strip().lower() for k in raw.split(",") if k.strip()}
     bad = sorted(kinds - set(KINDS))
     if bad:
-        raise ValueError(f"DCP_JAX_DIRECT_OFF={raw!r}: {bad} not among the kinds {KINDS}")
+        raise ValueError(f"{var}={raw!r}: {bad} not among the kinds {KINDS}")
     return kinds
 
 
 _STATE = {"off": not env_flag("DCP_JAX_DIRECT_LAUNCH", True), "why": "",
-          "off_kinds": _off_kinds(os.environ.get("DCP_JAX_DIRECT_OFF", ""))}
+          "off_kinds": _off_kinds(os.environ.get("DCP_JAX_DIRECT_OFF", "")) | (
+              DEFAULT_OFF - _off_kinds(os.environ.get("DCP_JAX_DIRECT_ON", ""), "DCP_JAX_DIRECT_ON"))}
 _KERNELS: dict = {}   # compile key -> (CompiledKernel, grid), oldest first
 # A serving process meets a few geometries (index buckets x cache shapes); the bound only keeps a
 # long-lived process that sees ever new ones from holding every module (plans keep their own).

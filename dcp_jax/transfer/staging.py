@@ -205,8 +205,9 @@ class Packer:
         from pallas_kernels import pack_windows
 
         if not self.staged:
-            # One direct launch for all where its bucket is compiled (a direct launch costs
-            # ~0.2 ms of host time on an H200, more than one window's 0.14 ms kernel, 2026-12-07).
+            # One direct launch for all where that kind is on and its bucket compiled (a direct
+            # launch costs ~0.2 ms of host time on an H200, more than one window's 0.14 ms
+            # kernel; not measured faster yet: `triton_launch.DEFAULT_OFF`).
             if not self.windows_direct(windows) and self.launches_each([idx for idx, _ in windows]):
                 # Windows whose bucket `warm_up` compiled for `pack_rows`' direct launch, where
                 # the windowed kernel goes through JAX: one launch each (its jitted call cost
@@ -233,7 +234,8 @@ class Packer:
     def windows_direct(self, windows: list) -> bool:
         """Whether `pallas_kernels.pack_windows` launches these ``(idx, offset)`` windows in ONE
         kernel without JAX's dispatch: the default device pack, not staged, more than one
-        window, their index bucket compiled for it by `warm_up`, direct launches working."""
+        window, their index bucket compiled for it by `warm_up`, the kind "windows" on
+        (``DCP_JAX_DIRECT_ON=windows``; off by default, `triton_launch.DEFAULT_OFF`)."""
         if len(windows) < 2 or not self._windows_buckets:
             return False
         from pallas_kernels import GatherConfig, select_backend, triton_launch

@@ -174,8 +174,8 @@ def test_region_and_fused_paths_byte_exact(kind, direction, mode):
 @pytest.mark.parametrize("notify", ["round", "write"])
 def test_a_round_of_warmed_windows_to_four_ranks_byte_exact(notify, windowed, monkeypatch):
     """A round whose windows fall in the bucket `warm_up` compiled for the direct windowed launch
-    goes in ONE launch (`Packer.windows_direct`); with that kind off, one direct launch a window
-    (`Packer.launches_each`). Both ways a rank hears its window landed (``region_notify``;
+    goes in ONE launch where that kind is on (`Packer.windows_direct`, ``DCP_JAX_DIRECT_ON=windows``);
+    with it off (the default), one direct launch a window (`Packer.launches_each`). Both ways a rank hears its window landed (``region_notify``;
     "round": the ``region_ask`` says ``ctl_done`` and the rank waits on its sockets): four ranks
     in one round, byte-exact, one descriptor a rank, every range back."""
     from bridge.nixl import nixl_available
@@ -184,8 +184,8 @@ def test_a_round_of_warmed_windows_to_four_ranks_byte_exact(notify, windowed, mo
 
     if not nixl_available():
         pytest.skip("NIXL (CUDA build) not installed")
-    if not windowed:
-        monkeypatch.setitem(triton_launch._STATE, "off_kinds", triton_launch._STATE["off_kinds"] | {"windows"})
+    kinds = triton_launch._STATE["off_kinds"]  # "windows": off by default (DCP_JAX_DIRECT_ON turns it on)
+    monkeypatch.setitem(triton_launch._STATE, "off_kinds", kinds - {"windows"} if windowed else kinds | {"windows"})
     n, P, L = 4, 16, 1024
     sender, recvs, host_src, dst = _cluster("cupy", "push", "region", n=n, region_notify=notify)
     try:

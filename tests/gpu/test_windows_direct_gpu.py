@@ -1,5 +1,6 @@
-"""GPU: `pack_windows` launched without JAX's dispatch (`triton_launch`, kind "windows"): one
-launch for every window of a round, only where `warm_pack_windows_direct` compiled its bucket.
+"""GPU: `pack_windows` launched without JAX's dispatch (`triton_launch`, kind "windows", off unless
+``DCP_JAX_DIRECT_ON=windows``): one launch for every window of a round, only where
+`warm_pack_windows_direct` compiled its bucket.
 
 Byte-exact against CuPy fancy indexing at mixed offsets; no byte outside the windows changes;
 a call in a bucket not compiled goes through JAX (and compiles no Triton kernel); JAX and direct
@@ -40,6 +41,13 @@ def _packed(layers, idx):
 
 def _dests(pack):
     return device.destinations([pack], np.dtype(np.uint32), [pack.nbytes // 4 * 4])
+
+
+@pytest.fixture(autouse=True)
+def _windows_on(monkeypatch):
+    """The kind is off by default (`triton_launch.DEFAULT_OFF`): on for these tests, as
+    ``DCP_JAX_DIRECT_ON=windows`` turns it on."""
+    monkeypatch.setitem(triton_launch._STATE, "off_kinds", triton_launch._STATE["off_kinds"] - {"windows"})
 
 
 def _need_direct():
@@ -119,7 +127,7 @@ def test_direct_then_jax_then_direct_into_one_region_the_last_lands():
 def test_the_senders_packer_packs_a_warmed_round_in_one_launch():
     """`Packer.warm_up(max_rows, window_rows=)` compiles the round's bucket; a round of eight
     windows in it is then ONE launch (`pack_windows` returns 1), byte-exact; with the "windows"
-    kind off the same round goes out one direct launch a window (8)."""
+    kind off (the default) the same round goes out one direct launch a window (8)."""
     from dcp_jax.transfer.staging import Packer
 
     _need_direct()
@@ -138,14 +146,10 @@ def test_the_senders_packer_packs_a_warmed_round_in_one_launch():
     got = cp.asnumpy(pack)
     for idx, off in windows:
         np.testing.assert_array_equal(got[off:off + len(idx) * ROW], _packed(layers, idx))
-    saved = set(triton_launch._STATE["off_kinds"])
-    triton_launch._STATE["off_kinds"].add("windows")
-    try:
-        assert not packer.windows_direct(windows)
-        windows = [(rng.integers(0, R, n), w * n * ROW) for w in range(k)]
-        assert packer.pack_windows(windows, sync=True) == k
-    finally:
-        triton_launch._STATE["off_kinds"] = saved
+    triton_launch._STATE["off_kinds"] = triton_launch._STATE["off_kinds"] | {"windows"}  # (the fixture restores it)
+    assert not packer.windows_direct(windows)
+    windows = [(rng.integers(0, R, n), w * n * ROW) for w in range(k)]
+    assert packer.pack_windows(windows, sync=True) == k
     got = cp.asnumpy(pack)
     for idx, off in windows:
         np.testing.assert_array_equal(got[off:off + len(idx) * ROW], _packed(layers, idx))
