@@ -93,11 +93,7 @@ def window_blocks(counts, units, block_rows: int) -> tuple[np.ndarray, np.ndarra
     """
     # A round has a handful of windows: Python ints and ONE repeat of a small per-window table
     # (a kernel launch's host time on a slow host was mostly numpy calls here).
-    if isinstance(block_rows, bool) or not isinstance(block_rows, (int, np.integer)):
-        raise TypeError(f"block_rows={block_rows!r} must be an int, not {type(block_rows).__name__}")
-    block_rows = int(block_rows)
-    if block_rows < 1 or block_rows & (block_rows - 1):
-        raise ValueError(f"block_rows={block_rows} must be a power of 2 >= 1")
+    block_rows = _block_rows(block_rows)
     counts = _int_list(counts, "counts", _MAX_COUNT)
     units = _int_list(units, "units", _MAX_UNITS)
     if len(counts) != len(units):
@@ -123,8 +119,25 @@ _MAX_LAYOUTS = 256
 
 def windows_bucket(counts, block_rows: int) -> int:
     """m of `window_blocks`: the index length of a windowed launch of windows of `counts` rows
-    (each rounded up to whole row blocks; then `bucket_rows`). Checked Python ints."""
-    return bucket_rows(sum(-(-int(c) // block_rows) for c in counts) * block_rows, block_rows)
+    (each rounded up to whole row blocks; then `bucket_rows`), without the layout.
+
+    Raises:
+        TypeError, ValueError: as `window_blocks` for `counts` and `block_rows`.
+    """
+    return _bucket(_int_list(counts, "counts", _MAX_COUNT), _block_rows(block_rows))
+
+
+def _block_rows(block_rows) -> int:
+    if isinstance(block_rows, bool) or not isinstance(block_rows, (int, np.integer)):
+        raise TypeError(f"block_rows={block_rows!r} must be an int, not {type(block_rows).__name__}")
+    block_rows = int(block_rows)
+    if block_rows < 1 or block_rows & (block_rows - 1):
+        raise ValueError(f"block_rows={block_rows} must be a power of 2 >= 1")
+    return block_rows
+
+
+def _bucket(counts: list, block_rows: int) -> int:
+    return bucket_rows(sum(-(-c // block_rows) for c in counts) * block_rows, block_rows)
 
 
 def _window_layout(counts: list, units: list, block_rows: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -135,7 +148,7 @@ def _window_layout(counts: list, units: list, block_rows: int) -> tuple[np.ndarr
         first.append(used)
         used += b
     starts = np.array(first, np.int64) * block_rows
-    m = windows_bucket(counts, block_rows)
+    m = _bucket(counts, block_rows)
     table = np.zeros((m // block_rows, 4), np.int32)
     if used:
         # per window: (offset units as uint32 bits, rows, -first block, ok); the third column

@@ -343,6 +343,11 @@ def test_windows_bucket_hand_cases():
     assert windows_bucket([4097] + [4096] * 7, 64) == 65536  # one row past: the next bucket
     assert windows_bucket([1, 1], 64) == 128             # each window a whole block
     assert windows_bucket([0], 64) == 64                 # an empty window: one (empty) block bucket
+    for bad, err, name in [(([-3, 9], 8), ValueError, "counts"), (([2.5], 8), TypeError, "counts"),
+                           (("59", 8), TypeError, "counts"), (([5], 0), ValueError, "block_rows"),
+                           (([5], 3), ValueError, "block_rows"), (([5], True), TypeError, "block_rows")]:
+        with pytest.raises(err, match=name):
+            windows_bucket(*bad)
 
 
 def test_a_host_packer_packs_a_round_in_one_call_and_launches_nothing_directly():
