@@ -75,8 +75,9 @@ def test_small_job_both_modes_nixl_matches_plan():
     res = run_job(cfg)
     assert res["verified"] and [r["mode"] for r in res["runs"]] == ["direct", "packed"]
     assert res["warmup_seconds"] > 0  # untimed warm-up ran before the timed requests (and is not counted)
-    # The environment switches in effect (an A/B's two files tell which is which): the defaults here.
-    assert res["switches"] == {"direct_launch": True, "direct_off": [], "fused_flag_gate": True}
+    # The environment switches in effect (an A/B's two files tell which is which): the defaults here
+    # ("windows", a sender's round in one direct launch, is off unless DCP_JAX_DIRECT_ON names it).
+    assert res["switches"] == {"direct_launch": True, "direct_off": ["windows"], "fused_flag_gate": True}
     want = _expected_descriptors(cfg)
     for run in res["runs"]:
         _check_run(run, cfg)

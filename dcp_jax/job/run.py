@@ -48,8 +48,9 @@ WARM_UP_LIMIT_S = 600.0
 
 def switches() -> dict:
     """The environment switches in effect for this job (its processes inherit them), so two
-    results files of an A/B tell which is which: the direct launches (``DCP_JAX_DIRECT_LAUNCH``,
-    ``DCP_JAX_DIRECT_OFF``) and the fused path's flag gate."""
+    results files of an A/B tell which is which: the direct launches (``DCP_JAX_DIRECT_LAUNCH``;
+    ``direct_off``: the kinds off, ``DCP_JAX_DIRECT_OFF`` and those of `triton_launch.DEFAULT_OFF`
+    that ``DCP_JAX_DIRECT_ON`` does not turn on) and the fused path's flag gate."""
     from dcp_jax.transfer import _sender_region
     from pallas_kernels import triton_launch
 
