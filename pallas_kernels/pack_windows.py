@@ -150,13 +150,7 @@ def warm_pack_windows(layers, pack, max_rows: int, *, backend: str = "auto",
         ValueError, TypeError: as `pack_windows` for `layers`, `pack`, `config`; `max_rows`
             not an int >= 1; `offset` negative or not a multiple of the word size.
     """
-    source, key, entry, layers, on_device = _resolve(layers, pack, config)
-    if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 1:
-        raise ValueError(f"max_rows={max_rows!r} must be an int >= 1")
-    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0 \
-            or offset % entry.word.itemsize:
-        raise ValueError(f"offset={offset!r} must be a non-negative multiple of "
-                         f"{entry.word.itemsize} bytes")
+    source, key, entry, layers, on_device = _warm_args(layers, pack, config, max_rows, offset)
     if backend not in ("numpy",) + BACKENDS:
         raise ValueError(f"{backend=} must be one of {('numpy',) + BACKENDS}")
     if backend == "auto":
@@ -219,13 +213,7 @@ def warm_pack_windows_direct(layers, pack, max_rows: int, *, config: GatherConfi
     Raises:
         ValueError, TypeError: as `warm_pack_windows`.
     """
-    source, key, entry, layers, on_device = _resolve(layers, pack, config)
-    if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 1:
-        raise ValueError(f"max_rows={max_rows!r} must be an int >= 1")
-    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0 \
-            or offset % entry.word.itemsize:
-        raise ValueError(f"offset={offset!r} must be a non-negative multiple of "
-                         f"{entry.word.itemsize} bytes")
+    source, key, entry, layers, on_device = _warm_args(layers, pack, config, max_rows, offset)
     if not on_device or select_backend("auto") != "triton" or not triton_launch.enabled("triton", "windows"):
         return []
     config = GatherConfig.default() if config is None else config
@@ -243,6 +231,18 @@ def warm_pack_windows_direct(layers, pack, max_rows: int, *, config: GatherConfi
         done = pack_windows_direct(owner, views, srcs, dests, np.zeros(m, np.int32), np.zeros(4 * (m // br), np.int32),
                                    _offset_align(int(offset), word), config, True, True)
     return [m] if done else []
+
+
+def _warm_args(layers, pack, config, max_rows, offset):
+    """The warm-ups' checks: `_resolve`'s, then `max_rows` and `offset`."""
+    source, key, entry, layers, on_device = _resolve(layers, pack, config)
+    if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 1:
+        raise ValueError(f"max_rows={max_rows!r} must be an int >= 1")
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0 \
+            or offset % entry.word.itemsize:
+        raise ValueError(f"offset={offset!r} must be a non-negative multiple of "
+                         f"{entry.word.itemsize} bytes")
+    return source, key, entry, layers, on_device
 
 
 def _check_windows(windows, on_device, row_bytes, num_rows, pack_bytes):
