@@ -77,8 +77,11 @@ def test_a_closed_sender_fails_the_receivers_at_once(engine):
 
 def test_a_second_live_receiver_at_a_position_is_refused(engine):
     """A misconfigured twin of decode rank 0 must not take the healthy rank's place: it is
-    refused once the healthy one pinged on, and a request to the group still lands byte-exact."""
-    c = Cluster(engine, dcp_size=2, peer_timeout_s=LONG)
+    refused once the healthy one pinged on, and a request to the group still lands byte-exact.
+    The healthy ranks ping every 1.5 s (live while heard within 3 s): the twin's engine start-up
+    in this process can starve their pings for a second on a busy 2-core host (CI, 2026-12-07:
+    at the default 0.5 s the twin once took the place as if rank 0 were silent)."""
+    c = Cluster(engine, dcp_size=2, peer_timeout_s=LONG, receiver_kw={"heartbeat_s": 1.5})
     try:
         twin, _ = _rank0_twin(c, engine)
         with twin:
