@@ -381,8 +381,8 @@ class MooncakeEngine(JobCompletion, TransferEngine):
                 pass
         # The destructor tears the engine down on this thread, holding the GIL; its handshake
         # listener is woken so that it does not wait out a 1 s accept timeout (`mooncake_wake`).
-        host, _, port = self._session.rpartition(":")
-        waker = ListenerWaker.start(host.strip("[]"), int(port)) if port.isdigit() else None
+        port = self._session.rpartition(":")[2]  # "hostname:rpc_port" (`_start`)
+        waker = ListenerWaker.start(self._init_args[0], int(port)) if port.isdigit() else None
         self._te = None
         if waker is not None:
             waker.close()

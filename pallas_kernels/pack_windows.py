@@ -115,7 +115,7 @@ def pack_windows(layers, windows, pack, *, backend: str = "auto",
 
             padded = _padded_indices(live, starts, m, cp)
         owner = weakref.ref(source) if source is not None else entry.token
-        _device_windows(srcs, padded, blocks, m, pack, word, backend, config, align, sync, (owner, views, False))
+        _device_windows(srcs, padded, blocks, m, pack, word, backend, config, align, sync, owner, views)
     else:
         _interpret_windows(layers, live, starts, blocks, m, pack, word, backend, config, align)
     return total
@@ -159,10 +159,9 @@ def warm_pack_windows(layers, pack, max_rows: int, *, backend: str = "auto",
         return []
     config = GatherConfig.default() if config is None else config
     br, word = config.block_rows, entry.word
-    fits = pack.nbytes // sum(entry.item_lens)  # rows the pack holds: windows of >= 1 row each
-    if fits == 0:
+    max_rows = _launch_rows(pack, entry, max_rows, br)
+    if not max_rows:
         return []  # no window fits: pack_windows never launches here
-    max_rows = min(int(max_rows), fits * br)  # each window takes at most one extra row block
     align = _offset_align(int(offset), word)
     if on_device:
         views = source.device_views() if source is not None else _cached_device_views(layers, key, entry)
@@ -178,7 +177,7 @@ def warm_pack_windows(layers, pack, max_rows: int, *, backend: str = "auto",
         empty = np.zeros(4 * (m // br), np.int32)  # ok = 0 in every block: no store
         if on_device:
             _device_windows(srcs, np.zeros(m, np.int32), empty, m, pack, word, backend, config, align,
-                            False, (owner, views, False))
+                            False, owner, views)
         else:  # the interpreter's result is dropped: the pack is not touched at all
             words = gather_windows(srcs, jnp.zeros(m, jnp.int32), words, jnp.asarray(empty),
                                    config=config, backend=backend, offset_align=align)  # donated
@@ -218,10 +217,10 @@ def warm_pack_windows_direct(layers, pack, max_rows: int, *, config: GatherConfi
         return []
     config = GatherConfig.default() if config is None else config
     br, word = config.block_rows, entry.word
-    fits = pack.nbytes // sum(entry.item_lens)
-    if fits == 0:
+    rows = _launch_rows(pack, entry, max_rows, br)
+    if not rows:
         return []
-    m = bucket_rows(min(int(max_rows), fits * br), br)
+    m = bucket_rows(rows, br)
     views = source.device_views() if source is not None else _cached_device_views(layers, key, entry)
     srcs = kernel_sources(layers, views, word)
     owner = weakref.ref(source) if source is not None else entry.token
@@ -231,6 +230,13 @@ def warm_pack_windows_direct(layers, pack, max_rows: int, *, config: GatherConfi
         done = pack_windows_direct(owner, views, srcs, dests, np.zeros(m, np.int32), np.zeros(4 * (m // br), np.int32),
                                    _offset_align(int(offset), word), config, True, True)
     return [m] if done else []
+
+
+def _launch_rows(pack, entry, max_rows, block_rows) -> int:
+    """`max_rows` clamped to the index rows one launch into `pack` can have: one-row windows,
+    each taking a whole row block, as many as the pack holds rows. 0: no row fits."""
+    fits = pack.nbytes // sum(entry.item_lens)
+    return min(int(max_rows), fits * block_rows)
 
 
 def _warm_args(layers, pack, config, max_rows, offset):
@@ -312,11 +318,11 @@ def _interpret_windows(layers, live, starts, blocks, m, pack, word, backend, con
         pack[off:end] = res[off:end]
 
 
-def _device_windows(srcs, padded, blocks, m, pack, word, backend, config, align, sync, direct):
+def _device_windows(srcs, padded, blocks, m, pack, word, backend, config, align, sync, owner, views):
     """CuPy buffers: one staged index slot (`padded`: i32[m], numpy or CuPy), one windowed
     kernel into the pack in place: launched directly (`triton_plans.pack_windows_direct`) for
-    host indices where it can, else through JAX. ``direct``: (owner, views) of the source, as
-    `pack_rows` passes them, and whether a direct kernel not yet compiled is compiled now."""
+    host indices where its kernel is compiled (`warm_pack_windows_direct`), else through JAX.
+    ``owner``, ``views``: the source's, as `pack_rows` passes them."""
     ws = word.itemsize
     nbytes = pack.nbytes // ws * ws
     dests = device.destinations([pack], word, [nbytes])
@@ -324,7 +330,7 @@ def _device_windows(srcs, padded, blocks, m, pack, word, backend, config, align,
         try:
             slot = None
             if isinstance(padded, np.ndarray) and triton_launch.enabled(backend, "windows") and \
-                    pack_windows_direct(*direct[:2], srcs, dests, padded, blocks, align, config, sync, direct[2]):
+                    pack_windows_direct(owner, views, srcs, dests, padded, blocks, align, config, sync, False):
                 return
             triton_launch.after_direct([dests])  # the JAX launch lands after a direct one
             if isinstance(padded, np.ndarray):

@@ -59,6 +59,18 @@ def test_refusal_is_none_for_kinds_about_no_request():
     assert _refusal(msgpack.packb(m)) is None
 
 
+def _sent_and_failed_at_once(c, rid: str, L: int = 16):
+    """Expects and sends `rid` (L tokens) over the cluster; the sender must end it FAILED within
+    3 s (its ``timeout_s`` is 20 s). Returns the (src, dst) page tables."""
+    src, dst = c.tables(L)
+    c.expect(rid, dst, L)
+    t0 = time.monotonic()
+    c.sender.send(rid, src, 0, L)
+    assert c.sender.wait(rid, 5) == S.FAILED
+    assert time.monotonic() - t0 < 3
+    return src, dst
+
+
 def _corrupt(frame: bytes, kind: str, **over) -> bytes:
     m = msgpack.unpackb(frame)
     if m.get("k") == kind:
@@ -116,13 +128,7 @@ def test_a_region_grant_the_sender_refuses_fails_the_request_at_once(engine):
             return send(link, _corrupt(frame, "region_grant", nbytes=0))
 
         r1._send = corrupting
-        L = 16
-        src, dst = c.tables(L)
-        c.expect("g", dst, L)
-        t0 = time.monotonic()
-        c.sender.send("g", src, 0, L)
-        assert c.sender.wait("g", 5) == S.FAILED
-        assert time.monotonic() - t0 < 3
+        _sent_and_failed_at_once(c, "g")
         why = c.sender.failure_reason("g")
         assert "decode rank 1" in why and "region_grant" in why and "nbytes" in why, why
         assert r1.wait("g", 5) == S.FAILED
@@ -180,13 +186,7 @@ def test_a_refused_pull_ready_lets_the_senders_pack_region_go(engine):
     try:
         tell = c.sender._tell
         c.sender._tell = lambda ident, frame: tell(ident, _corrupt(frame, "pull_ready", src_addr=-1))
-        L = 16
-        src, dst = c.tables(L)
-        c.expect("p", dst, L)
-        t0 = time.monotonic()
-        c.sender.send("p", src, 0, L)
-        assert c.sender.wait("p", 5) == S.FAILED
-        assert time.monotonic() - t0 < 3
+        src, dst = _sent_and_failed_at_once(c, "p")
         assert "malformed pull_ready frame" in c.sender.failure_reason("p"), c.sender.failure_reason("p")
         assert [r.wait("p", 5) for r in c.receivers] == [S.FAILED] * 2
         assert wait_for(lambda: c.sender.is_drained("p"))
