@@ -277,12 +277,18 @@ def addressable_words(pack_words: int, itemsize: int, backend: str = "triton") -
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
+class EnvSwitchError(ValueError):
+    """A ``DCP_JAX_*`` environment switch holds a value it does not know (the message names the
+    variable). Raised where the switch is read, which for some is at import: the CLI's entry point
+    (`dcp_jax.cli_entry`) turns it into one error line and exit status 2."""
+
+
 def env_flag(name: str, default: bool) -> bool:
     """The on/off environment switch `name` ("1"/"true"/"yes"/"on" or "0"/"false"/"no"/"off",
     any case, blanks around ignored; unset or empty: `default`).
 
     Raises:
-        ValueError: any other value, naming the variable (a typo must not leave an A/B
+        EnvSwitchError: any other value, naming the variable (a typo must not leave an A/B
             measuring the same thing twice).
     """
     raw = os.environ.get(name, "").strip().lower()
@@ -290,12 +296,13 @@ def env_flag(name: str, default: bool) -> bool:
         return default
     if raw in _TRUE or raw in _FALSE:
         return raw in _TRUE
-    raise ValueError(f"{name}={os.environ[name]!r} must be one of {_TRUE + _FALSE} (or unset)")
+    raise EnvSwitchError(f"{name}={os.environ[name]!r} must be one of {_TRUE + _FALSE} (or unset)")
 
 
 __all__ = [
     "BACKENDS",
     "DEFAULT_BLOCK_ROWS",
+    "EnvSwitchError",
     "MAX_BLOCK_ROWS",
     "MAX_PACK_WORDS",
     "MAX_WORD_OFFSET",

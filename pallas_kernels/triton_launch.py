@@ -43,7 +43,7 @@ import warnings
 
 import numpy as np
 
-from pallas_kernels.config import env_flag
+from pallas_kernels.config import EnvSwitchError, env_flag
 
 __all__ = ["after_direct", "after_jax", "capture_triton_modules", "compile_module", "compiled", "disable", "enabled",
            "enqueue", "kernel_for", "launch_into", "stream_for", "synchronize"]
@@ -68,11 +68,11 @@ def _off_kinds(raw: str, var: str = "DCP_JAX_DIRECT_OFF") -> set:
     the same parse for ``DCP_JAX_DIRECT_ON`` (`var`), which turns on kinds of `DEFAULT_OFF`.
 
     Raises:
-        ValueError: a name that is not one of `KINDS` (naming the variable)."""
+        EnvSwitchError: a name that is not one of `KINDS` (naming the variable)."""
     kinds = {k.strip().lower() for k in raw.split(",") if k.strip()}
     bad = sorted(kinds - set(KINDS))
     if bad:
-        raise ValueError(f"{var}={raw!r}: {bad} not among the kinds {KINDS}")
+        raise EnvSwitchError(f"{var}={raw!r}: {bad} not among the kinds {KINDS}")
     return kinds
 
 

@@ -1,0 +1,37 @@
+"""The installed ``dcp-jax`` command (`dcp_jax.cli_entry.main`): an unknown ``DCP_JAX_*`` switch,
+read while the CLI is imported, is one error line and exit status 2, not a traceback."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+ENTRY = [sys.executable, "-c", "from dcp_jax.cli_entry import main; main()"]
+
+
+def _run(args, **env):
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DCP_JAX_")}
+    return subprocess.run([*ENTRY, *args], env={**clean, "JAX_PLATFORMS": "cpu", **env},
+                          capture_output=True, text=True, timeout=100)
+
+
+@pytest.mark.parametrize("var, value, says", [
+    ("DCP_JAX_DIRECT_ON", "window", "not among the kinds"),
+    ("DCP_JAX_DIRECT_OFF", "unpack,bogus", "['bogus']"),
+    ("DCP_JAX_DIRECT_LAUNCH", "maybe", "must be one of"),
+])
+def test_an_unknown_switch_is_one_error_line_and_status_2(var, value, says):
+    res = _run(["transfer", "--help"], **{var: value})
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert lines == [lines[0]] and lines[0].startswith(f"dcp-jax: error: {var}={value!r}"), res.stderr
+    assert says in lines[0] and res.stdout == ""
+
+
+def test_known_switches_reach_the_app():
+    res = _run(["--help"], DCP_JAX_DIRECT_ON=" Windows ", DCP_JAX_DIRECT_LAUNCH="off")
+    assert res.returncode == 0, res.stderr
+    assert "transfer" in res.stdout and "Traceback" not in res.stderr
