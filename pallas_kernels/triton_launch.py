@@ -27,7 +27,8 @@ launch that last read it has finished (an event per slot).
 
 Used when `enabled()`: a CUDA GPU, the ``triton`` package, and ``DCP_JAX_DIRECT_LAUNCH`` not off
 (`config.env_flag`; ``DCP_JAX_DIRECT_OFF``, a comma list of `KINDS`, turns only those off;
-``DCP_JAX_DIRECT_ON`` turns on those of `DEFAULT_OFF`, which are off otherwise).
+``DCP_JAX_DIRECT_ON`` turns on those of `DEFAULT_OFF`, which are off otherwise; a kind named by
+both is an error, `_env_off_kinds`).
 Anything that fails here (capture, compile, first launch) turns that kind off for the process
 with one warning, and the JAX launch serves.
 """
@@ -76,9 +77,21 @@ def _off_kinds(raw: str, var: str = "DCP_JAX_DIRECT_OFF") -> set:
     return kinds
 
 
-_STATE = {"off": not env_flag("DCP_JAX_DIRECT_LAUNCH", True), "why": "",
-          "off_kinds": _off_kinds(os.environ.get("DCP_JAX_DIRECT_OFF", "")) | (
-              DEFAULT_OFF - _off_kinds(os.environ.get("DCP_JAX_DIRECT_ON", ""), "DCP_JAX_DIRECT_ON"))}
+def _env_off_kinds(env) -> set:
+    """The kinds off in a process started with environment `env`: ``DCP_JAX_DIRECT_OFF``'s and
+    those of `DEFAULT_OFF` that ``DCP_JAX_DIRECT_ON`` does not name.
+
+    Raises:
+        EnvSwitchError: a name not among `KINDS`, or a kind named by both variables (an A/B
+            run must not silently measure one side twice)."""
+    off = _off_kinds(env.get("DCP_JAX_DIRECT_OFF", ""))
+    on = _off_kinds(env.get("DCP_JAX_DIRECT_ON", ""), "DCP_JAX_DIRECT_ON")
+    if on & off:
+        raise EnvSwitchError(f"DCP_JAX_DIRECT_ON and DCP_JAX_DIRECT_OFF both name {sorted(on & off)}")
+    return off | (DEFAULT_OFF - on)
+
+
+_STATE = {"off": not env_flag("DCP_JAX_DIRECT_LAUNCH", True), "why": "", "off_kinds": _env_off_kinds(os.environ)}
 _KERNELS: dict = {}   # compile key -> (CompiledKernel, grid), oldest first
 # A serving process meets a few geometries (index buckets x cache shapes); the bound only keeps a
 # long-lived process that sees ever new ones from holding every module (plans keep their own).

@@ -35,3 +35,9 @@ def test_known_switches_reach_the_app():
     res = _run(["--help"], DCP_JAX_DIRECT_ON=" Windows ", DCP_JAX_DIRECT_LAUNCH="off")
     assert res.returncode == 0, res.stderr
     assert "transfer" in res.stdout and "Traceback" not in res.stderr
+
+
+def test_a_kind_both_on_and_off_is_refused():
+    res = _run(["--help"], DCP_JAX_DIRECT_ON="windows", DCP_JAX_DIRECT_OFF="windows")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip() == "dcp-jax: error: DCP_JAX_DIRECT_ON and DCP_JAX_DIRECT_OFF both name ['windows']"

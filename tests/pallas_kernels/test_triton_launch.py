@@ -252,7 +252,7 @@ def test_a_gather_launch_whose_metadata_says_no_rows_writes_nothing():
 
 def test_the_environment_switches_refuse_what_they_do_not_know(monkeypatch):
     """A typo in an A/B switch must not leave both runs measuring the same thing."""
-    from pallas_kernels.config import env_flag
+    from pallas_kernels.config import EnvSwitchError, env_flag
 
     for raw, want in [("1", True), (" TRUE ", True), ("on", True), ("0", False), ("No", False), ("", None)]:
         monkeypatch.setenv("DCP_X_FLAG", raw)
@@ -270,6 +270,10 @@ def test_the_environment_switches_refuse_what_they_do_not_know(monkeypatch):
             triton_launch._off_kinds(raw)
     with pytest.raises(ValueError, match="DCP_JAX_DIRECT_ON="):
         triton_launch._off_kinds("window", "DCP_JAX_DIRECT_ON")
+    env = {"DCP_JAX_DIRECT_ON": "windows", "DCP_JAX_DIRECT_OFF": "unpack, Windows"}
+    with pytest.raises(EnvSwitchError, match=r"both name \['windows'\]"):
+        triton_launch._env_off_kinds(env)
+    assert triton_launch._env_off_kinds({"DCP_JAX_DIRECT_ON": "unpack"}) == {"windows"}  # on already
 
 
 @pytest.mark.parametrize("env, off", [({}, {"windows"}), ({"DCP_JAX_DIRECT_ON": "windows"}, set()),
