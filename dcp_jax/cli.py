@@ -5,6 +5,12 @@
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # python -m dcp_jax.cli: the installed command's entry point, whose guard
+    # turns a bad DCP_JAX_* switch (read while the imports below run) into one error line, exit 2.
+    from dcp_jax.cli_entry import main as _entry
+
+    _entry()  # runs the app (a second import of this module) and always exits
+
 import json
 import math
 from pathlib import Path
@@ -324,7 +330,3 @@ _COUNTS_NOTE = f"batches = {_BATCHES_NOTE}; engine calls = {_ENGINE_CALLS_NOTE}"
 app.command(name="plan")(plan)
 app.command(name="load")(load)
 app.command(name="generate")(generate)
-
-
-if __name__ == "__main__":  # python -m dcp_jax.cli
-    app()
