@@ -56,7 +56,8 @@ def check_out_path(path: Optional[Path], option: str) -> None:
         raise ValueError(f"{option} needs a file name (an empty argument or '.' names the current folder)")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
-        raise ValueError(f"{option} {str(path)!r}: folder {str(parent)!r} does not exist")
+        what = "is a file, not a folder" if parent.exists() else "does not exist"
+        raise ValueError(f"{option} {str(path)!r}: folder {str(parent)!r} {what}")
     if path.is_dir():
         raise ValueError(f"{option} {str(path)!r} is a folder, not a file")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):

@@ -251,6 +251,12 @@ def test_unwritable_outputs_are_clear_usage_errors(tmp_path):
     # worker folder more), which may put "is a" and "folder" on two lines.
     flat = " ".join(res.output.replace("│", " ").split())
     assert res.exit_code == 2 and "is a folder" in flat, res.output
+    a_file = tmp_path / "x.file"
+    a_file.write_text("kept")
+    res = runner.invoke(app, ["plan", *small, "--json", str(a_file / "out.json")], terminal_width=300)
+    flat = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and "is a file, not a folder" in flat, res.output
+    assert a_file.read_text() == "kept"
 
 
 def test_outputs_the_os_refuses_and_generate_folders_are_refused_before_the_run(tmp_path):
