@@ -280,8 +280,13 @@ def test_the_environment_switches_refuse_what_they_do_not_know(monkeypatch):
                                       ({"DCP_JAX_DIRECT_ON": "windows", "DCP_JAX_DIRECT_OFF": "unpack"}, {"unpack"}),
                                       ({"DCP_JAX_DIRECT_OFF": "gather"}, {"gather", "windows"})])
 def test_the_windowed_pack_launch_is_off_unless_turned_on(env, off):
-    """`DEFAULT_OFF` kinds (the sender's round in one launch: not measured faster) are off in a
-    fresh process unless ``DCP_JAX_DIRECT_ON`` names them; ``DCP_JAX_DIRECT_OFF`` adds to them."""
+    """`DEFAULT_OFF` kinds (the sender's round in one launch: not measured faster) are off
+    unless ``DCP_JAX_DIRECT_ON`` names them; ``DCP_JAX_DIRECT_OFF`` adds to them."""
+    assert triton_launch._env_off_kinds(env) == off
+
+
+def test_a_fresh_process_takes_its_off_kinds_from_its_environment():
+    """`_STATE` is `_env_off_kinds` of the process's own environment, read at import."""
     import json
     import os
     import subprocess
@@ -289,9 +294,11 @@ def test_the_windowed_pack_launch_is_off_unless_turned_on(env, off):
 
     base = {k: v for k, v in os.environ.items() if not k.startswith("DCP_JAX_DIRECT")}
     code = "import json; from pallas_kernels import triton_launch as t; print(json.dumps(sorted(t._STATE['off_kinds'])))"
-    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert set(json.loads(out.stdout.strip().splitlines()[-1])) == off
+    for env, off in [({}, {"windows"}), ({"DCP_JAX_DIRECT_ON": "windows", "DCP_JAX_DIRECT_OFF": "unpack"}, {"unpack"})]:
+        out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert set(json.loads(out.stdout.strip().splitlines()[-1])) == off
 
 
 def test_the_plans_stage_indices_and_pass_pointers_in_the_kernels_order(monkeypatch):
