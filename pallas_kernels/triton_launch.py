@@ -101,6 +101,8 @@ _SLOTS: dict = {}     # device id -> _SlotRing
 # A sender's round launches one pack a window (eight for DCP8): with four slots the fifth launch
 # waited on the host for the first kernel to end, holding the thread that reads the grants.
 _SLOTS_PER_DEVICE = 16
+# Words a slot holds when the ring is made (64 KiB: a 16k-row index bucket and its metadata).
+_SLOT_WORDS = 1 << 14
 _KERNEL = re.compile(r"^\s*tt\.func public @[\w$.]+\(.*\)\s*(attributes \{.*\}\s*)?\{\s*$", re.MULTILINE)
 
 
@@ -253,7 +255,13 @@ def _remember(key, got):
 
 class _SlotRing:
     """Index slots of one device: pinned host words, a device copy, the event of the launch that
-    last read it (a slot is rewritten only once that launch ended)."""
+    last read it (a slot is rewritten only once that launch ended).
+
+    Every slot is allocated at the first claim, from ONE pinned block and ONE device block of
+    `_SLOTS_PER_DEVICE` x max(size, `_SLOT_WORDS`) words: a slot first made at its first claim
+    cost that launch a page-locked allocation (``cudaHostAlloc``, a driver call that maps the
+    pages for every context), and a decode rank, one unpack a request, met a fresh slot in each
+    of its first 16 requests. A claim larger than a slot gets its own allocation (as before)."""
 
     def __init__(self):
         self.slots: list = [None] * _SLOTS_PER_DEVICE
@@ -265,18 +273,32 @@ class _SlotRing:
         # own ring lock in `fanout`) on one device never share a slot.
         self.lock = threading.Lock()
 
+    def _allocate_all(self, size: int) -> None:
+        import cupy as cp
+
+        words = max(int(size), _SLOT_WORDS)
+        k = len(self.slots)
+        mem = cp.cuda.alloc_pinned_memory(k * words * 4)
+        host = np.frombuffer(mem, np.int32, k * words)
+        dev = cp.empty(k * words, cp.int32)
+        for i in range(k):
+            part = slice(i * words, (i + 1) * words)
+            self.slots[i] = (host[part], dev[part], cp.cuda.Event(), mem)
+
     def claim(self, size: int):
         import cupy as cp
 
+        if self.slots[0] is None:
+            self._allocate_all(size)
         k = self.next
         self.next = (k + 1) % len(self.slots)
         slot = self.slots[k]
-        if slot is not None and not self.clean:
-            slot[2].synchronize()  # the launch that last read it has run
+        if not self.clean:
+            slot[2].synchronize()  # the launch that last read it has run (an unrecorded event: at once)
         self.clean = False
-        if slot is None or slot[0].size < size:
+        if slot[0].size < size:
             mem = cp.cuda.alloc_pinned_memory(size * 4)
-            slot = (np.frombuffer(mem, np.int32, size), cp.empty(size, cp.int32), cp.cuda.Event(), mem)
+            slot = (np.frombuffer(mem, np.int32, size), cp.empty(size, cp.int32), slot[2], mem)
             self.slots[k] = slot
         return slot
 

@@ -4,7 +4,7 @@
 # first: its decode ranks warm the unpack, which also fills Triton's cache for the base's), then
 # once more with cProfile (benchmarks/gpu/profile_hook) around the round pack, the region post and
 # the unpack. Prints each run's median whole / transfer GB/s; $OUT/ab_*.json, $OUT/ab.log.
-#   BASE=ab_base REPS=2 REQUESTS=6 bash benchmarks/gpu/region_ab.sh   (PROFILE=0: no profiled run)
+#   BASE=ab_base REPS=2 REQUESTS=6 [EXTRA=--mps] bash benchmarks/gpu/region_ab.sh   (PROFILE=0: no profiled run)
 ROOT=$PWD
 source "$ROOT/scripts/gpu_env.sh" > "$OUT/env.log" 2>&1
 PY=${PY:-python3}
@@ -12,7 +12,7 @@ job() {  # arm dir, json name, extra env...
     local dir=$1 name=$2; shift 2
     (cd "$dir" && env "$@" timeout --signal=INT 150 "$PY" -m dcp_jax.cli transfer --device gpu --no-progress \
         --timeout-s 60 --engine nixl --path region --prompt-tokens 32768 --requests "${REQUESTS:-6}" \
-        --json "$OUT/ab_$name.json" >> "$OUT/ab.log" 2>&1)
+        ${EXTRA:-} --json "$OUT/ab_$name.json" >> "$OUT/ab.log" 2>        --json "$OUT/ab_$name.json" >> "$OUT/ab.log" 2>&1)1)
     echo "$name rc=$?"
 }
 for r in $(seq "${REPS:-2}"); do

@@ -18,4 +18,5 @@ T="$T,$R._region_landed,$R._unpack,$R._on_region_ask,dcp_jax.transfer._receiver_
 P=pallas_kernels.unpacker:RowUnpacker
 T="$T,$P._unpack,$P._launch_direct,$P._destinations,pallas_kernels.triton_plans:UnpackPlan.launch"
 T="$T,pallas_kernels.triton_launch:launch_into,pallas_kernels.unpacker:check_indices"
+T="$T,pallas_kernels.triton_launch:enqueue,pallas_kernels.triton_launch:_SlotRing.claim"
 T="$T" bash benchmarks/gpu/time_job.sh time_region region "${ENGINE:-nixl}" "${N:-4}" 8
