@@ -12,7 +12,7 @@ job() {  # arm dir, json name, extra env...
     local dir=$1 name=$2; shift 2
     (cd "$dir" && env "$@" timeout --signal=INT 150 "$PY" -m dcp_jax.cli transfer --device gpu --no-progress \
         --timeout-s 60 --engine nixl --path region --prompt-tokens 32768 --requests "${REQUESTS:-6}" \
-        ${EXTRA:-} --json "$OUT/ab_$name.json" >> "$OUT/ab.log" 2>        --json "$OUT/ab_$name.json" >> "$OUT/ab.log" 2>&1)1)
+        ${EXTRA:-} --json "$OUT/ab_$name.json" >> "$OUT/ab.log" 2>&1)
     echo "$name rc=$?"
 }
 for r in $(seq "${REPS:-2}"); do
