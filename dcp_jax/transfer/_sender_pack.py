@@ -19,15 +19,23 @@ from typing import Any
 import zmq
 
 from dcp_jax.transfer.memory import array_kind
+from pallas_kernels.config import env_flag
 
 __all__ = ["SenderPack"]
 
 logger = logging.getLogger(__name__)
 
+#: A ticket a window (``DCP_JAX_PACK_TICKET_EACH=1``; off by default, an A/B for the GPU): the
+#: round's asks still go first, then each window's direct launch with a ticket after it, so a
+#: window's write may go once ITS kernel ended rather than the round's last one. Where the device
+#: is the slower side (an H100: eight 0.2 ms kernels behind 0.17 ms launches) the round's first
+#: posts waited ~1 ms for kernels of other windows (2026-12-07, job timeline).
+TICKET_EACH = env_flag("DCP_JAX_PACK_TICKET_EACH", False)
+
 
 class SenderPack:
-    """`_pack_round` and what it uses: `_pack_batch`, `_pack_ticket`; the worker's spin check
-    while a pack runs (`_spin_ready`)."""
+    """`_pack_round` and what it uses: `_pack_batch`, `_pack_each`, `_pack_ticket`; the worker's
+    spin check while a pack runs (`_spin_ready`)."""
 
     def _spin_ready(self) -> bool:
         """The worker's spin check after a round that left a pack running (worker thread, no
@@ -60,6 +68,9 @@ class SenderPack:
                 live = {p[0] for p in asked}
                 batch = [b for b in batch if b[0] in live]
             packed = asked
+        if TICKET_EACH and batch and len(batch) == len(packed) \
+                and self._packer.launches_each([rows for _, rows, _ in batch]):
+            return self._pack_each(packed if device_pack else self._ask_regions(packed), batch)
         failed = self._pack_batch(batch)
         for u, exc in failed:
             self._submit_failed(u, exc)
@@ -70,6 +81,32 @@ class SenderPack:
             packed = self._ask_regions(packed)
         if packed:
             self._packing.append((self._pack_ticket(packed), packed, time.perf_counter()))
+
+    def _pack_each(self, packed: list, batch: list) -> None:
+        """`TICKET_EACH`: the asked windows' direct launches in turn, a `pallas_kernels.written`
+        ticket after each (it covers the launches so far: one stream), queued one window an
+        entry so `_post_ready` posts each once its own kernel ended. A window whose launch fails
+        ends its request. A request's pack time: its launches, then the wait after its last."""
+        from pallas_kernels import written
+
+        at = {id(p[0]): p for p in packed}
+        last = {u.req: k for k, (u, _, _) in enumerate(batch)}
+        for k, (u, rows, offset) in enumerate(batch):
+            p = at.get(id(u))
+            if p is None:
+                continue
+            tk = time.perf_counter()
+            try:
+                self._packer(rows, offset, sync=False)
+                ticket = written(self._pack.array)
+            except Exception as exc:  # noqa: BLE001 - its request fails, the sender lives on
+                self._submit_failed(u, exc)
+                continue
+            now = time.perf_counter()
+            u.req.pack_seconds += now - tk
+            u.req.launches += 1
+            # Only a request's last window counts its wait (`_post_packed` adds it from `since`).
+            self._packing.append((ticket, [p], now if last[u.req] == k else None))
 
     def _pack_ticket(self, packed: list) -> Any:
         """What a round's posts wait for: a `pallas_kernels.written` ticket for the device pack
