@@ -5,6 +5,7 @@
 # once more with cProfile (benchmarks/gpu/profile_hook) around the round pack, the region post and
 # the unpack. Prints each run's median whole / transfer GB/s; $OUT/ab_*.json, $OUT/ab.log.
 #   BASE=ab_base REPS=2 REQUESTS=6 [EXTRA=--mps] bash benchmarks/gpu/region_ab.sh   (PROFILE=0: no profiled run)
+# ALT_ENV="NAME=value ...": a third arm each rep, this tree with that environment (ab_alt_*.json).
 ROOT=$PWD
 source "$ROOT/scripts/gpu_env.sh" > "$OUT/env.log" 2>&1
 PY=${PY:-python3}
@@ -17,7 +18,8 @@ job() {  # arm dir, json name, extra env...
 }
 for r in $(seq "${REPS:-2}"); do
     job "$ROOT" "new_$r"
-    [ -n "$BASE" ] && job "$ROOT/$BASE" "base_$r"
+    [ -n "${BASE:-}" ] && job "$ROOT/$BASE" "base_$r"
+    [ -n "${ALT_ENV:-}" ] && job "$ROOT" "alt_$r" $ALT_ENV
 done
 T=dcp_jax.transfer._sender_pack:SenderPack._pack_batch,dcp_jax.transfer._sender_region:SenderRegion._write_region,dcp_jax.transfer._receiver_region:ReceiverRegion._unpack
 [ "${PROFILE:-1}" = 1 ] && job "$ROOT" profiled PYTHONPATH="$ROOT/benchmarks/gpu/profile_hook:$PYTHONPATH" DCP_PROFILE_DIR=/tmp/prof DCP_PROFILE_TARGET=$T
