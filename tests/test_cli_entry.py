@@ -35,6 +35,7 @@ def test_the_installed_command_is_the_guarded_entry_point():
     ("DCP_JAX_DIRECT_OFF", "unpack,bogus", "['bogus']"),
     ("DCP_JAX_DIRECT_LAUNCH", "maybe", "must be one of"),
     ("DCP_JAX_FUSED_FLAG_GATE", "2", "must be one of"),
+    ("DCP_JAX_PACK_TICKET_EACH", "yes please", "must be one of"),
 ])
 @pytest.mark.parametrize("entry", [ENTRY, MODULE], ids=["entry", "python-m"])
 def test_an_unknown_switch_is_one_error_line_and_status_2(var, value, says, entry):

@@ -77,7 +77,8 @@ def test_small_job_both_modes_nixl_matches_plan():
     assert res["warmup_seconds"] > 0  # untimed warm-up ran before the timed requests (and is not counted)
     # The environment switches in effect (an A/B's two files tell which is which): the defaults here
     # ("windows", a sender's round in one direct launch, is off unless DCP_JAX_DIRECT_ON names it).
-    assert res["switches"] == {"direct_launch": True, "direct_off": ["windows"], "fused_flag_gate": True}
+    assert res["switches"] == {"direct_launch": True, "direct_off": ["windows"], "fused_flag_gate": True,
+                               "pack_ticket_each": False}
     want = _expected_descriptors(cfg)
     for run in res["runs"]:
         _check_run(run, cfg)

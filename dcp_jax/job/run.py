@@ -50,13 +50,15 @@ def switches() -> dict:
     """The environment switches in effect for this job (its processes inherit them), so two
     results files of an A/B tell which is which: the direct launches (``DCP_JAX_DIRECT_LAUNCH``;
     ``direct_off``: the kinds off, ``DCP_JAX_DIRECT_OFF`` and those of `triton_launch.DEFAULT_OFF`
-    that ``DCP_JAX_DIRECT_ON`` does not turn on) and the fused path's flag gate."""
-    from dcp_jax.transfer import _sender_region
+    that ``DCP_JAX_DIRECT_ON`` does not turn on), the fused path's flag gate and the sender's
+    ticket a window (``DCP_JAX_PACK_TICKET_EACH``)."""
+    from dcp_jax.transfer import _sender_pack, _sender_region
     from pallas_kernels import triton_launch
 
     return {"direct_launch": not triton_launch._STATE["off"],
             "direct_off": sorted(triton_launch._STATE["off_kinds"]),
-            "fused_flag_gate": _sender_region.FUSED_FLAG_GATE}
+            "fused_flag_gate": _sender_region.FUSED_FLAG_GATE,
+            "pack_ticket_each": _sender_pack.TICKET_EACH}
 
 
 def run_job(cfg: JobConfig, *, on_progress: Callable[[str, int, int], None] | None = None) -> dict:

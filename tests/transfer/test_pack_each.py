@@ -3,6 +3,9 @@
 `_post_ready` posts each window once its ticket (and every older one) is ready. Here on the host
 (`Packer.launches_each` forced on; host packs end inside the call), `pallas_kernels.written`
 hands out gates that stand in for kernels still running; real engines move the bytes."""
+import os
+import subprocess
+import sys
 import threading
 
 import pallas_kernels
@@ -134,3 +137,15 @@ def test_a_window_whose_pack_fails_ends_its_request_and_the_next_one_goes(engine
         for g in gates:
             g.open()
         c.close()
+
+
+@pytest.mark.parametrize("value, on", [("1", True), ("0", False), (None, False)])
+def test_the_switch_is_read_from_the_environment_and_named_in_the_job_switches(value, on):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DCP_JAX_")}
+    if value is not None:
+        env["DCP_JAX_PACK_TICKET_EACH"] = value
+    code = ("from dcp_jax.job.run import switches; from dcp_jax.transfer import _sender_pack; "
+            "print(_sender_pack.TICKET_EACH, switches()['pack_ticket_each'])")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == [str(on), str(on)]
