@@ -27,9 +27,12 @@ logger = logging.getLogger(__name__)
 
 #: A ticket a window (``DCP_JAX_PACK_TICKET_EACH=1``; off by default, an A/B for the GPU): the
 #: round's asks still go first, then each window's direct launch with a ticket after it, so a
-#: window's write may go once ITS kernel ended rather than the round's last one. Where the device
-#: is the slower side (an H100: eight 0.2 ms kernels behind 0.17 ms launches) the round's first
-#: posts waited ~1 ms for kernels of other windows (2026-12-07, job timeline).
+#: window's write may go once ITS kernel ended rather than the round's last one. On an H100
+#: (2026-12-08, 32k region job, `--mps`, `benchmarks/gpu/region_arms.sh`) the first write went
+#: ~0.5 ms earlier but the last one ended no earlier (the device is HBM-bound: packs and copies
+#: share it): 349.1 / 329.9 GB/s whole against 357.4 / 311.7 without; with ``region_notify=
+#: "write"`` 345.2 / 259.9 (the ranks' unpacks ran beside the packs and stretched them). Unmeasured
+#: on an H200, where the launches, not the kernels, are the slower side.
 TICKET_EACH = env_flag("DCP_JAX_PACK_TICKET_EACH", False)
 
 
