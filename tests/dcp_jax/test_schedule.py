@@ -13,6 +13,7 @@ from dcp_jax.transfer.schedule import (
     TransferSchedule,
     chunk_rows,
     owned_count,
+    owned_rows,
     owned_tokens,
     plan_rank_chunk,
     token_rows,
@@ -318,6 +319,45 @@ def test_token_rows_validated_matches_the_checked_lookup(n, i, p, m, data):
     assert fast.tolist() == token_rows(toks, dst, table).tolist()
     j = local_index_np(toks, n, i)
     assert fast.tolist() == (table[j // p] * p + j % p).tolist()
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(1, 8), i=st.sampled_from([1, 2, 3, 16]), p=st.sampled_from([1, 4, 5, 16]),
+       m=st.integers(1, 3), data=st.data())
+def test_owned_rows_are_the_rows_of_the_owned_tokens(n, i, p, m, data):
+    """A receiver's grant lists its rows with `owned_rows`: the page-by-page form for a one-rank
+    source must give what the token list through the checked lookup and the formula give."""
+    rank = data.draw(st.integers(0, n - 1))
+    dst = SideLayout(n, rank, i, p)
+    src = data.draw(st.sampled_from([None, SideLayout(1, 0, 7, 1), SideLayout(m, data.draw(st.integers(0, m - 1)),
+                                                                               data.draw(st.integers(1, 5)), 1)]))
+    start = data.draw(st.integers(0, 200))
+    stop = data.draw(st.integers(start, start + 300))
+    pages = -(-int(local_len_np(stop, n, rank, i)) // p)
+    table = np.random.default_rng(data.draw(st.integers(0, 2**31))).permutation(pages + 5)[:pages]
+    table = table.astype(data.draw(st.sampled_from([np.int64, np.int32])))
+    toks = owned_tokens(start, stop, dst=dst, src=src)
+    got = owned_rows(start, stop, dst=dst, page_table=table, src=src)
+    assert got.dtype == np.int64
+    assert got.tolist() == token_rows(toks, dst, table).tolist()
+    j = [sum((u // i) % n == rank for u in range(t)) for t in toks.tolist()]  # brute-force local index
+    assert got.tolist() == [int(table[x // p]) * p + x % p for x in j]
+
+
+def test_owned_rows_hand_case_and_errors():
+    side = SideLayout(2, 1, 1, 4)  # rank 1 of 2 owns the odd tokens; local index = t // 2
+    # Tokens 3..9 -> local 1..4 -> pages [5, 1]: rows 21, 22, 23, then page 1's row 4.
+    assert owned_rows(3, 10, dst=side, page_table=[5, 1]).tolist() == [21, 22, 23, 4]
+    assert owned_rows(4, 4, dst=side, page_table=[]).tolist() == []
+    assert owned_rows(0, 1, dst=side, page_table=[]).tolist() == []  # token 0 is rank 0's
+    with pytest.raises(ValueError, match=r"page_table is too short: 2 pages of 4 tokens are required"):
+        owned_rows(0, 10, dst=side, page_table=[3])
+    with pytest.raises(ValueError, match="stop"):
+        owned_rows(5, 4, dst=side, page_table=[0])
+    with pytest.raises(ValueError, match="start"):
+        owned_rows(-1, 4, dst=side, page_table=[0])
+    with pytest.raises(ValueError, match="page_table is too short"):  # a multi-rank source: the token path
+        owned_rows(0, 10, dst=side, page_table=[3], src=SideLayout(2, 1, 1, 4))
 
 
 def test_side_layout_checks_and_of_spec():
