@@ -23,16 +23,7 @@ for r in $(seq "${REPS:-2}"); do
 done
 T=dcp_jax.transfer._sender_pack:SenderPack._pack_batch,dcp_jax.transfer._sender_region:SenderRegion._write_region,dcp_jax.transfer._receiver_region:ReceiverRegion._unpack
 [ "${PROFILE:-1}" = 1 ] && job "$ROOT" profiled PYTHONPATH="$ROOT/benchmarks/gpu/profile_hook:$PYTHONPATH" DCP_PROFILE_DIR=/tmp/prof DCP_PROFILE_TARGET=$T
-"$PY" - "$OUT" <<'PY'
-import glob, json, os, sys
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "ab_*.json"))):
-    for r in json.load(open(f))["runs"]:
-        gb = r["bytes"] / 1e9
-        each = sorted(round(gb / q["request_seconds"], 1) for q in r["repeats"])
-        tl = {k: v[:2] for k, v in (r.get("timeline_ms") or {}).items()}
-        print(f"{os.path.basename(f)}: whole {gb / r['request_seconds']:.1f} transfer {gb / r['transfer_seconds']:.1f} "
-              f"GB/s verified={r['verified']} each={each} warm={r.get('kernel_warm_up')}\n   {tl}")
-PY
+"$PY" "$ROOT/benchmarks/gpu/job_medians.py" "$OUT"/ab_*.json
 [ "${PROFILE:-1}" = 1 ] && for t in SenderPack._pack_batch SenderRegion._write_region ReceiverRegion._unpack; do
     echo "### $t"
     "$PY" "$ROOT/benchmarks/gpu/pstats_top.py" /tmp/prof --target "$t" --skip 4 --top 16

@@ -18,13 +18,4 @@ for r in $(seq "${REPS:-1}"); do
         echo "$name rep $r rc=$?"
     done
 done
-"$PY" - "$OUT" <<'PY'
-import glob, json, os, sys
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "arm_*.json"))):
-    for r in json.load(open(f))["runs"]:
-        gb = r["bytes"] / 1e9
-        each = sorted(round(gb / q["request_seconds"], 1) for q in r["repeats"])
-        tl = {k: v[:2] for k, v in (r.get("timeline_ms") or {}).items()}
-        print(f"{os.path.basename(f)}: whole {gb / r['request_seconds']:.1f} transfer {gb / r['transfer_seconds']:.1f} "
-              f"GB/s verified={r['verified']} each={each}\n   {tl}")
-PY
+"$PY" "$ROOT/benchmarks/gpu/job_medians.py" "$OUT"/arm_*.json
