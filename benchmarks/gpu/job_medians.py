@@ -10,7 +10,7 @@ import sys
 for f in sorted(sys.argv[1:]):
     for r in json.load(open(f))["runs"]:
         gb = r["bytes"] / 1e9
-        each = sorted(round(gb / q["request_seconds"], 1) for q in r["repeats"])
+        each = sorted(round(gb / q["request_seconds"], 1) for q in r.get("repeats", []))  # --requests 1: none
         tl = {k: v[:2] for k, v in (r.get("timeline_ms") or {}).items()}
         print(f"{os.path.basename(f)}: whole {gb / r['request_seconds']:.1f} transfer {gb / r['transfer_seconds']:.1f} "
               f"GB/s verified={r['verified']} each={each}\n   {tl}")

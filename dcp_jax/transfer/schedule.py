@@ -25,6 +25,7 @@ import numpy as np
 from dcp_jax._validate import check_int, pages_required_text
 from dcp_jax.layout import check_layout_args, count_int, local_index_np, local_len_np, owner_np
 from dcp_jax.plan import rows_from_page_table
+from dcp_jax.send_range import _int_array
 
 __all__ = ["PLAN_MODES", "SideLayout", "owned_count", "owned_tokens", "owned_rows", "token_rows", "chunk_rows", "RankChunk", "plan_rank_chunk", "batch_engine_calls",
            "ScheduleCounts", "TransferSchedule"]
@@ -77,6 +78,13 @@ def _range(start, stop) -> tuple[int, int]:
     return start, stop
 
 
+def _check_sides(dst, src, dst_name: str = "dst") -> None:
+    """TypeError naming the argument unless ``dst`` is a SideLayout and ``src`` one or None."""
+    for name, side in ((dst_name, dst), ("src", src)):
+        if not (isinstance(side, SideLayout) or (side is None and name == "src")):
+            raise TypeError(f"{name} must be a SideLayout, got {type(side).__name__}")
+
+
 def _tokens_of_rank(side: SideLayout, start: int, stop: int) -> np.ndarray:
     """Tokens of ``[start, stop)`` owned by ``side``, from its local index range (O(owned)).
 
@@ -101,9 +109,7 @@ def owned_count(start: int, stop: int, *, dst: SideLayout, src: SideLayout | Non
             ``stop < start``).
     """
     start, stop = _range(start, stop)
-    for name, side in (("dst", dst), ("src", src)):
-        if not (isinstance(side, SideLayout) or (side is None and name == "src")):
-            raise TypeError(f"{name} must be a SideLayout, got {type(side).__name__}")
+    _check_sides(dst, src)
     if src is None or src.dcp_size == 1:
         return count_int(start, stop - start, dst.dcp_size, dst.dcp_rank, dst.interleave_size)
     return int(len(owned_tokens(start, stop, dst=dst, src=src)))
@@ -126,9 +132,11 @@ def owned_tokens(start: int, stop: int, *, dst: SideLayout, src: SideLayout | No
         i64[n] token positions.
 
     Raises:
-        TypeError, ValueError: bad ``start``/``stop`` (named).
+        TypeError, ValueError: bad ``start``/``stop`` (named); TypeError: ``dst`` (or a given
+            ``src``) not a SideLayout.
     """
     start, stop = _range(start, stop)
+    _check_sides(dst, src)
     if src is None or src.dcp_size == 1:
         return _tokens_of_rank(dst, start, stop)
     # Each side owns about (stop - start) / size tokens of the range: enumerate the smaller share.
@@ -156,10 +164,10 @@ def _token_rows(tokens, side: SideLayout, page_table, name: str, check_table: bo
     p = side.page_size
     top = int(local[-1]) if validated else int(local.max())
     hi = top // p + 1
-    table = np.asarray(page_table)
+    table = _int_array(name, page_table)  # 1-D integers (TypeError / ValueError naming it)
     if check_table:
         rows_from_page_table(_EMPTY, table, p, name=name)  # validates the whole table once
-    if table.ndim != 1 or table.size < hi:
+    if table.size < hi:
         raise ValueError(f"{name} is too short: {pages_required_text(hi, p)} for local row "
                          f"{top} of dcp_rank={side.dcp_rank}, got {table.size}")
     if validated:  # the duplicate check sorts the table: on every chunk it cost more than the lookup
@@ -187,10 +195,12 @@ def token_rows(tokens, side: SideLayout, page_table, *, check_table: bool = True
         i64[n] buffer rows (``page_table[j // P] * P + j % P``).
 
     Raises:
-        TypeError: non-integer tokens.
+        TypeError: non-integer tokens or ``page_table``; ``side`` not a SideLayout.
         ValueError: a token the rank does not own; negative or repeated page ids; a
-            ``page_table`` too short (the message says how many pages are required).
+            ``page_table`` that is not 1-D or too short (the message says how many pages are
+            required).
     """
+    _check_sides(side, None, "side")
     return _token_rows(tokens, side, page_table, "page_table", bool(check_table),
                        validated=bool(validated) and not check_table)
 
@@ -215,10 +225,13 @@ def owned_rows(start: int, stop: int, *, dst: SideLayout, page_table, src: SideL
         i64[n] buffer rows (``page_table[j // P] * P + j % P`` for each local index j).
 
     Raises:
-        TypeError, ValueError: as `owned_tokens` for ``start``/``stop``; ValueError: a
-            ``page_table`` too short (the message says how many pages are required).
+        TypeError: ``dst`` (or a given ``src``) not a SideLayout; a ``page_table`` that is not
+            integers (floats, bools, strings, None). ValueError: as `owned_tokens` for
+            ``start``/``stop``; a ``page_table`` that is not 1-D, holds values past int64, or
+            is too short (the message says how many pages are required).
     """
     start, stop = _range(start, stop)
+    _check_sides(dst, src)
     if src is not None and src.dcp_size > 1:
         return _token_rows(owned_tokens(start, stop, dst=dst, src=src), dst, page_table, "page_table", False,
                            validated=True)
@@ -228,11 +241,11 @@ def owned_rows(start: int, stop: int, *, dst: SideLayout, page_table, src: SideL
         return _EMPTY.copy()
     p = dst.page_size
     p0, hi = j0 // p, (j1 - 1) // p + 1
-    table = np.asarray(page_table)
-    if table.ndim != 1 or table.size < hi:
+    table = _int_array("page_table", page_table)  # 1-D integers (TypeError / ValueError otherwise)
+    if table.size < hi:
         raise ValueError(f"page_table is too short: {pages_required_text(hi, p)} for local row "
                          f"{j1 - 1} of dcp_rank={dst.dcp_rank}, got {table.size}")
-    pages = table[p0:hi].astype(np.int64, copy=False)
+    pages = table[p0:hi]
     rows = (pages[:, None] * p + np.arange(p, dtype=np.int64)).reshape(-1)
     return rows[j0 - p0 * p:j1 - p0 * p]
 

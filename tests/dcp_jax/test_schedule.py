@@ -360,6 +360,38 @@ def test_owned_rows_hand_case_and_errors():
         owned_rows(0, 10, dst=side, page_table=[3], src=SideLayout(2, 1, 1, 4))
 
 
+
+@pytest.mark.parametrize("src", [None, SideLayout(2, 1, 1, 4)], ids=["one-rank source", "two-rank source"])
+@pytest.mark.parametrize("table, exc, says", [
+    (np.array([0.0, 1.7]), TypeError, "page_table must be integers, got dtype float64"),
+    (np.array([True, False]), TypeError, "page_table must be integers, got dtype bool"),
+    (np.array(["a", "b"]), TypeError, "page_table must be integers"),
+    (None, TypeError, "page_table must be integers, got dtype object"),
+    (np.arange(4).reshape(2, 2), ValueError, r"page_table must be 1-D, got shape \(2, 2\)"),
+    (np.int64(3), ValueError, r"page_table must be 1-D, got shape \(\)"),
+    (np.array([2**63 + 5, 1], np.uint64), ValueError, "page_table must hold values <= 2\\*\\*63 - 1"),
+])
+def test_owned_rows_and_the_validated_lookup_refuse_a_bad_table_alike(src, table, exc, says):
+    """Validated means the ids were checked once, not the table's type: both forms refuse it."""
+    side = SideLayout(2, 1, 1, 4)
+    with pytest.raises(exc, match=says):
+        owned_rows(0, 10, dst=side, page_table=table, src=src)
+    with pytest.raises(exc, match=says):
+        token_rows(owned_tokens(0, 10, dst=side, src=src), side, table, check_table=False, validated=True)
+
+
+def test_a_layout_that_is_not_a_side_layout_is_named():
+    side = SideLayout(2, 1, 1, 4)
+    with pytest.raises(TypeError, match="dst must be a SideLayout, got tuple"):
+        owned_rows(0, 4, dst=(2, 1, 1, 4), page_table=[0])
+    with pytest.raises(TypeError, match="dst must be a SideLayout, got tuple"):
+        owned_tokens(0, 4, dst=(2, 1, 1, 4))
+    with pytest.raises(TypeError, match="src must be a SideLayout, got int"):
+        owned_tokens(0, 4, dst=side, src=3)
+    with pytest.raises(TypeError, match="side must be a SideLayout, got tuple"):
+        token_rows([1], (2, 1, 1, 4), [0])
+
+
 def test_side_layout_checks_and_of_spec():
     spec = KVCacheSpec(num_layers=2, item_lens=(4, 8), page_size=16, dcp_size=4, dcp_rank=3, interleave_size=2)
     assert SideLayout.of(spec) == SideLayout(4, 3, 2, 16)
