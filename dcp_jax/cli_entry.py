@@ -3,8 +3,9 @@
 Some ``DCP_JAX_*`` switches are read when their module is imported (``DCP_JAX_DIRECT_LAUNCH``,
 ``DCP_JAX_DIRECT_OFF``/``_ON``, ``DCP_JAX_FUSED_FLAG_GATE``, ``DCP_JAX_PACK_TICKET_EACH``), so a
 typo in one fails the CLI's own import (and a library import of the module: a switch's bad value
-is refused where it is read, never guessed), before typer can report it. This module imports the CLI inside a guard that prints such an
-error as one line, exit status 2 (typer's status for a bad parameter), instead of a traceback.
+is refused where it is read, never guessed), before typer can report it. This module imports the
+CLI inside a guard that prints such an error as one line, exit status 2 (typer's status for a bad
+parameter), instead of a traceback.
 """
 
 from __future__ import annotations

@@ -92,10 +92,10 @@ class SenderPack:
         ends its request. A request's pack time: its launches, then the wait after its last."""
         from pallas_kernels import written
 
-        at = {id(p[0]): p for p in packed}
+        at = {p[0]: p for p in packed}  # units hash by identity
         last = {u.req: k for k, (u, _, _) in enumerate(batch)}
         for k, (u, rows, offset) in enumerate(batch):
-            p = at.get(id(u))
+            p = at.get(u)
             if p is None:
                 continue
             tk = time.perf_counter()

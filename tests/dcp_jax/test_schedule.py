@@ -360,7 +360,6 @@ def test_owned_rows_hand_case_and_errors():
         owned_rows(0, 10, dst=side, page_table=[3], src=SideLayout(2, 1, 1, 4))
 
 
-
 @pytest.mark.parametrize("src", [None, SideLayout(2, 1, 1, 4)], ids=["one-rank source", "two-rank source"])
 @pytest.mark.parametrize("table, exc, says", [
     (np.array([0.0, 1.7]), TypeError, "page_table must be integers, got dtype float64"),

@@ -6,6 +6,7 @@ sentinel byte so a stray write shows. Oracles here do not call the library's for
 """
 import os
 import sys
+import threading
 import time
 
 # The engines' loopback and log settings come from tests/conftest.py, loaded before this file.
@@ -161,6 +162,32 @@ def check_region_timeline(timeline):
     return out
 
 
+class Gate:
+    """A pack ticket (`pallas_kernels.written`'s `ready` / `wait`) standing in for a device
+    pack: a pack still running until `open()`; `wait()` blocks until then (at most 10 s, or its
+    ``timeout_s``: False then). ``error``: a failed kernel, raised by `ready` and `wait`."""
+
+    def __init__(self, error=None):
+        self.opened, self.waits, self.error = threading.Event(), 0, error
+
+    def open(self):
+        self.opened.set()
+
+    def ready(self):
+        if self.error is not None:
+            raise self.error
+        return self.opened.is_set()
+
+    def wait(self, timeout_s=None):
+        self.waits += 1
+        if self.error is not None:
+            raise self.error
+        if timeout_s is not None:
+            return self.opened.wait(timeout_s)
+        assert self.opened.wait(10.0)
+        return True
+
+
 def wait_for(pred, timeout_s=10.0):
     """Polls ``pred`` every 5 ms for up to ``timeout_s``; returns its last value."""
     deadline = time.monotonic() + timeout_s
@@ -210,5 +237,5 @@ def engine(request):
     return request.param
 
 
-__all__ = ["Cluster", "ENGINES", "SENTINEL", "TransferStatus", "announced", "arena_free", "check_region_timeline",
+__all__ = ["Cluster", "ENGINES", "Gate", "SENTINEL", "TransferStatus", "announced", "arena_free", "check_region_timeline",
            "events", "region_free", "wait_for"]

@@ -6,32 +6,15 @@ hands out gates that stand in for kernels still running; real engines move the b
 import os
 import subprocess
 import sys
-import threading
 
 import pallas_kernels
 import pytest
 
-from conftest import Cluster, TransferStatus, announced, arena_free, events, region_free, wait_for
+from conftest import Cluster, Gate, TransferStatus, announced, arena_free, events, region_free, wait_for
 from dcp_jax.transfer import _sender_pack
 from dcp_jax.transfer.staging import Packer
 
 S = TransferStatus
-
-
-class Gate:
-    """A window's kernel still running until `open()`."""
-
-    def __init__(self):
-        self.opened = threading.Event()
-
-    def open(self):
-        self.opened.set()
-
-    def ready(self):
-        return self.opened.is_set()
-
-    def wait(self, timeout_s=None):
-        return self.opened.wait(10.0 if timeout_s is None else timeout_s)
 
 
 @pytest.fixture

@@ -8,36 +8,11 @@ import contextlib
 import threading
 import time
 
-from conftest import Cluster, TransferStatus, announced, arena_free, check_region_timeline, events, wait_for
+from conftest import Cluster, Gate, TransferStatus, announced, arena_free, check_region_timeline, events, wait_for
 from dcp_jax.transfer._sender_pack import SenderPack
 
 S = TransferStatus
 ROW = 48 + 16
-
-
-class Gate:
-    """A pack still running until `open()`; `wait()` blocks until then (at most 10 s, or its
-    ``timeout_s``: False then). ``error``: a failed kernel, raised by `ready` and `wait`."""
-
-    def __init__(self, error=None):
-        self.opened, self.waits, self.error = threading.Event(), 0, error
-
-    def open(self):
-        self.opened.set()
-
-    def ready(self):
-        if self.error is not None:
-            raise self.error
-        return self.opened.is_set()
-
-    def wait(self, timeout_s=None):
-        self.waits += 1
-        if self.error is not None:
-            raise self.error
-        if timeout_s is not None:
-            return self.opened.wait(timeout_s)
-        assert self.opened.wait(10.0)
-        return True
 
 
 def gated(monkeypatch, error=None):
